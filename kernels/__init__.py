@@ -4,11 +4,28 @@ Public API (shapes, dtypes and units in each function's docstring):
 ``paged_attention``, ``merge_attention_states``, ``write_kv``, ``copy_blocks``,
 ``gather_blocks``, ``scatter_blocks``.
 
-NOTE: initial version dispatching to the references only; the Triton dispatch and argument
-validation land with the kernels.
+Every function validates its arguments first (:mod:`kernels.validation`): a malformed
+argument raises :class:`KernelArgumentError`, a ``ValueError`` naming the argument, and
+nothing is written. Then it dispatches on ``backend``:
+
+* ``None`` / ``"auto"``: Triton for CUDA tensors, the torch reference for CPU tensors (so the
+  service runs on machines without a GPU).
+* ``"triton"``: the Triton kernels. On CPU tensors this needs Triton's interpreter
+  (``TRITON_INTERPRET=1`` set before triton is first imported), which the tests use.
+* ``"torch"``: the reference (:mod:`kernels.reference`) on any device.
+
+The Triton modules are imported on first use, so importing this package stays cheap on
+CPU-only machines.
+
+``check_values`` (default True) also checks the index tensors' contents (block ids inside
+the pool, lengths inside the block table, ...). On CUDA that costs one device-to-host read per
+call; callers that build the indices themselves may pass False.
 """
 
 from __future__ import annotations
+
+import os
+from typing import Literal
 
 import torch
 
@@ -20,15 +37,49 @@ from kernels.reference import (
     scatter_blocks_ref,
     write_kv_ref,
 )
+from kernels.validation import (
+    KernelArgumentError,
+    check_block_copy_args,
+    check_gather_args,
+    check_merge_args,
+    check_paged_attention_args,
+    check_scatter_args,
+    check_write_kv_args,
+)
 
 __all__ = [
+    "Backend",
+    "KernelArgumentError",
     "copy_blocks",
     "gather_blocks",
     "merge_attention_states",
     "paged_attention",
     "scatter_blocks",
+    "triton_interpreter_enabled",
     "write_kv",
 ]
+
+Backend = Literal["auto", "triton", "torch"]
+
+
+def triton_interpreter_enabled() -> bool:
+    """True when Triton kernels run on CPU tensors through the interpreter (TRITON_INTERPRET)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _use_triton(backend: Backend | None, device: torch.device) -> bool:
+    if backend is None or backend == "auto":
+        return device.type == "cuda"
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        if device.type != "cuda" and not triton_interpreter_enabled():
+            raise KernelArgumentError(
+                f"backend='triton' on {device} tensors needs Triton's interpreter: set "
+                "TRITON_INTERPRET=1 before triton is imported"
+            )
+        return True
+    raise KernelArgumentError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
 
 
 def paged_attention(
@@ -45,20 +96,233 @@ def paged_attention(
     softcap: float | None = None,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
-):
-    """See :func:`kernels.reference.paged_attention_ref`. Returns out, or (out, lse)."""
-    o, lse = paged_attention_ref(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale=scale, causal=causal, sliding_window=sliding_window, softcap=softcap,
+    backend: Backend | None = None,
+    check_values: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of new query tokens over a paged KV cache (decode, prefill, chunked prefill).
+
+    Args:
+        query: ``[T, Hq, D]`` fp16 / bf16 / fp32, last dim contiguous. Rows
+            ``query_start_loc[s]:query_start_loc[s+1]`` are the last ``n_s`` tokens of sequence s:
+            query i of n sits at position ``seq_len - n + i``.
+        key_cache, value_cache: ``[num_blocks, Hkv, block_size, D]``, the query's dtype; any
+            stride on dim 0, the last three dims contiguous. ``Hq`` must be a multiple of
+            ``Hkv``; query head h reads KV head ``h // (Hq // Hkv)``.
+        block_tables: int32 (or int64) ``[S, max_blocks]``: logical block j of sequence s is
+            physical block ``block_tables[s, j]``. Entries past ``ceil(seq_len / block_size)``
+            are never read.
+        seq_lens: int32 ``[S]``: KV tokens of each sequence, the new ones included
+            (``<= max_blocks * block_size``).
+        query_start_loc: int32 ``[S + 1]``, non-decreasing from 0 to T; ``n_s <= seq_lens[s]``.
+        scale: multiplier of ``q . k`` (default ``D ** -0.5``).
+        causal: query at position p sees keys ``0..p`` (else every key of its sequence).
+        sliding_window: if set (>= 1), a query at p sees only keys k with ``p - k < window``.
+        softcap: if set (> 0), scores become ``softcap * tanh(score / softcap)``.
+        return_lse: also return the float32 natural-log softmax denominator ``[T, Hq]``.
+        out: optional ``[T, Hq, D]`` output tensor (query dtype, last dim contiguous).
+        backend: ``None``/"auto", "triton" or "torch" (see the module docstring).
+        check_values: also validate the index tensors' contents.
+
+    Returns:
+        out ``[T, Hq, D]`` in the query's dtype, or ``(out, lse)`` with ``return_lse``. A row
+        that sees no key gets 0 and LSE -inf.
+
+    Raises:
+        KernelArgumentError: a malformed argument (named in the message); nothing is written.
+    """
+    problem = check_paged_attention_args(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale=scale,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        out=out,
+        check_values=check_values,
     )
-    if out is not None:
-        out.copy_(o)
-        o = out
+    if _use_triton(backend, query.device):
+        from kernels.attention import paged_attention_triton
+
+        o, lse = paged_attention_triton(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            problem,
+            scale=scale,
+            causal=causal,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            return_lse=return_lse,
+            out=out,
+        )
+    else:
+        o, lse = paged_attention_ref(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale=scale,
+            causal=causal,
+            sliding_window=sliding_window,
+            softcap=softcap,
+        )
+        if out is not None:
+            out.copy_(o)
+            o = out
     return (o, lse) if return_lse else o
 
 
-merge_attention_states = merge_attention_states_ref
-write_kv = write_kv_ref
-copy_blocks = copy_blocks_ref
-gather_blocks = gather_blocks_ref
-scatter_blocks = scatter_blocks_ref
+def merge_attention_states(
+    outputs: torch.Tensor, lses: torch.Tensor, *, backend: Backend | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of partial attention results over disjoint key sets.
+
+    Args:
+        outputs: ``[P, T, H, D]`` fp16 / bf16 / fp32, each part normalised by its own softmax
+            denominator.
+        lses: float32 ``[P, T, H]``, natural-log denominators; -inf marks a part that saw no
+            key for that row (its output is ignored).
+        backend: see the module docstring.
+
+    Returns:
+        ``(out [T, H, D] in outputs' dtype, lse float32 [T, H])``; rows where every part is
+        -inf get 0 and -inf.
+    """
+    check_merge_args(outputs, lses)
+    if _use_triton(backend, outputs.device):
+        from kernels.merge_states import merge_attention_states_triton
+
+        return merge_attention_states_triton(outputs, lses)
+    return merge_attention_states_ref(outputs, lses)
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    backend: Backend | None = None,
+    check_values: bool = True,
+) -> None:
+    """Write new tokens' K/V into their cache slots, in place (vLLM's reshape_and_cache).
+
+    Args:
+        key, value: ``[n, Hkv, D]`` in the caches' dtype.
+        key_cache, value_cache: ``[num_blocks, Hkv, block_size, D]`` (inner dims contiguous).
+        slot_mapping: int64 (or int32) ``[n]``: token i goes to flat slot
+            ``block * block_size + offset``; negative slots are skipped; slots must be distinct.
+        backend, check_values: see the module docstring.
+    """
+    check_write_kv_args(key, value, key_cache, value_cache, slot_mapping, check_values=check_values)
+    if _use_triton(backend, key_cache.device):
+        from kernels.kv_write import write_kv_triton
+
+        write_kv_triton(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
+
+
+def copy_blocks(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    *,
+    backend: Backend | None = None,
+    check_values: bool = True,
+) -> None:
+    """Copy whole blocks ``src[i] -> dst[i]`` in both caches (copy-on-write), in place.
+
+    Args:
+        key_cache, value_cache: tensors whose dim 0 indexes blocks (one layer's cache, or a
+            whole pool tensor / its K and V halves).
+        src, dst: int ``[n]`` block ids in ``[0, num_blocks)``; ``dst`` ids distinct. Sources
+            are read before any destination is written, so ids may appear on both sides.
+        backend, check_values: see the module docstring.
+    """
+    overlap = check_block_copy_args(key_cache, value_cache, src, dst, check_values=check_values)
+    if not _use_triton(backend, key_cache.device):
+        copy_blocks_ref(key_cache, value_cache, src, dst)
+        return
+    from kernels.block_copy import copy_block_rows
+
+    for cache in (key_cache, value_cache) if value_cache is not key_cache else (key_cache,):
+        if overlap:
+            # Stage through a buffer so every source is read before any destination changes.
+            staged = torch.empty(
+                (src.shape[0], *cache.shape[1:]), dtype=cache.dtype, device=cache.device
+            )
+            ids = torch.arange(src.shape[0], device=cache.device)
+            copy_block_rows(cache, src, staged, ids)
+            copy_block_rows(staged, ids, cache, dst)
+        else:
+            copy_block_rows(cache, src, cache, dst)
+
+
+def gather_blocks(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    *,
+    backend: Backend | None = None,
+    check_values: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy the listed blocks out (export).
+
+    Returns:
+        ``(k, v)``, new contiguous tensors ``[len(block_ids), *key_cache.shape[1:]]`` on the
+        caches' device, in their dtype.
+    """
+    check_gather_args(key_cache, value_cache, block_ids, check_values=check_values)
+    if not _use_triton(backend, key_cache.device):
+        return gather_blocks_ref(key_cache, value_cache, block_ids)
+    from kernels.block_copy import copy_block_rows
+
+    n = block_ids.shape[0]
+    ids = torch.arange(n, device=key_cache.device)
+    result = []
+    for cache in (key_cache, value_cache):
+        buf = torch.empty((n, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+        copy_block_rows(cache, block_ids, buf, ids)
+        result.append(buf)
+    return result[0], result[1]
+
+
+def scatter_blocks(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    key_blocks: torch.Tensor,
+    value_blocks: torch.Tensor,
+    *,
+    backend: Backend | None = None,
+    check_values: bool = True,
+) -> None:
+    """Write whole blocks back (import; the inverse of :func:`gather_blocks`), in place.
+
+    Args:
+        block_ids: int ``[n]`` distinct block ids in ``[0, num_blocks)``.
+        key_blocks, value_blocks: ``[n, *key_cache.shape[1:]]`` in the caches' dtype, on
+            their device.
+    """
+    check_scatter_args(
+        key_cache, value_cache, block_ids, key_blocks, value_blocks, check_values=check_values
+    )
+    if not _use_triton(backend, key_cache.device):
+        scatter_blocks_ref(key_cache, value_cache, block_ids, key_blocks, value_blocks)
+        return
+    from kernels.block_copy import copy_block_rows
+
+    ids = torch.arange(block_ids.shape[0], device=key_cache.device)
+    copy_block_rows(key_blocks, ids, key_cache, block_ids)
+    copy_block_rows(value_blocks, ids, value_cache, block_ids)

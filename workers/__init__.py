@@ -1,0 +1,13 @@
+"""Data plane: one KV block pool per device and the Ray actor that owns it.
+
+Importing this package stays light (no torch, no Ray) because the pure control plane
+imports ``workers.layout``. Import the submodules you need:
+
+* :mod:`workers.layout` - :class:`~workers.layout.KVLayout` (pure).
+* :mod:`workers.errors` - the exceptions every worker call may raise (pure).
+* :mod:`workers.description` - what a worker reports about itself (pure).
+* :mod:`workers.config` - :class:`~workers.config.PoolConfig` (pure).
+* :mod:`workers.pool` - :class:`~workers.pool.KVPool` (torch).
+* :mod:`workers.actor` - :class:`~workers.actor.PoolWorker` (torch, Ray).
+* :mod:`workers.launcher` - start, attach and stop named worker actors (Ray).
+"""

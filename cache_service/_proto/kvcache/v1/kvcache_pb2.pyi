@@ -1,0 +1,359 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT16: DType
+DTYPE_BFLOAT16: DType
+DTYPE_FLOAT32: DType
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("dtype", "shape")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KVLayout(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "kv_dtype", "fingerprint", "bytes_per_block")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    kv_dtype: DType
+    fingerprint: str
+    bytes_per_block: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[_Union[DType, str]] = ..., fingerprint: _Optional[str] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "device", "num_blocks", "epoch", "up")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    device: str
+    num_blocks: int
+    epoch: str
+    up: bool
+    def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[str] = ..., up: _Optional[bool] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("layout", "workers", "total_blocks", "capacity_tokens", "max_message_bytes", "server_version")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    layout: KVLayout
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    total_blocks: int
+    capacity_tokens: int
+    max_message_bytes: int
+    server_version: str
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., total_blocks: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...
+
+class CreateSequenceRequest(_message.Message):
+    __slots__ = ("prompt_token_ids",)
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CreateSequenceResponse(_message.Message):
+    __slots__ = ("seq_id", "num_cached_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    num_cached_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class ForkSequenceRequest(_message.Message):
+    __slots__ = ("seq_id",)
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
+
+class ForkSequenceResponse(_message.Message):
+    __slots__ = ("seq_id", "num_cached_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    num_cached_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class FreeSequenceRequest(_message.Message):
+    __slots__ = ("seq_id",)
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
+
+class FreeSequenceResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("num_cached_tokens",)
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_cached_tokens: int
+    def __init__(self, num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnpinRequest(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class UnpinResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PublishPublicRequest(_message.Message):
+    __slots__ = ("seq_id",)
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
+
+class PublishPublicResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AppendRequest(_message.Message):
+    __slots__ = ("seq_id", "layer", "token_ids", "key", "value", "key_data", "value_data")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    KEY_DATA_FIELD_NUMBER: _ClassVar[int]
+    VALUE_DATA_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    layer: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    key: TensorSpec
+    value: TensorSpec
+    key_data: bytes
+    value_data: bytes
+    def __init__(self, seq_id: _Optional[str] = ..., layer: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., key: _Optional[_Union[TensorSpec, _Mapping]] = ..., value: _Optional[_Union[TensorSpec, _Mapping]] = ..., key_data: _Optional[bytes] = ..., value_data: _Optional[bytes] = ...) -> None: ...
+
+class AppendResponse(_message.Message):
+    __slots__ = ("start_position", "num_tokens")
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    start_position: int
+    num_tokens: int
+    def __init__(self, start_position: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class AttendItem(_message.Message):
+    __slots__ = ("seq_id", "query")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    query: Tensor
+    def __init__(self, seq_id: _Optional[str] = ..., query: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class AttendRequest(_message.Message):
+    __slots__ = ("layer", "items", "return_lse")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LSE_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    items: _containers.RepeatedCompositeFieldContainer[AttendItem]
+    return_lse: bool
+    def __init__(self, layer: _Optional[int] = ..., items: _Optional[_Iterable[_Union[AttendItem, _Mapping]]] = ..., return_lse: _Optional[bool] = ...) -> None: ...
+
+class AttendResult(_message.Message):
+    __slots__ = ("output", "lse")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    LSE_FIELD_NUMBER: _ClassVar[int]
+    output: Tensor
+    lse: Tensor
+    def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., lse: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class AttendResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[AttendResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[AttendResult, _Mapping]]] = ...) -> None: ...
+
+class AppendAttendItem(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "key", "value", "query")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    key: Tensor
+    value: Tensor
+    query: Tensor
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., key: _Optional[_Union[Tensor, _Mapping]] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ..., query: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class AppendAttendRequest(_message.Message):
+    __slots__ = ("layer", "items", "return_lse")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LSE_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    items: _containers.RepeatedCompositeFieldContainer[AppendAttendItem]
+    return_lse: bool
+    def __init__(self, layer: _Optional[int] = ..., items: _Optional[_Iterable[_Union[AppendAttendItem, _Mapping]]] = ..., return_lse: _Optional[bool] = ...) -> None: ...
+
+class AppendAttendResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[AttendResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[AttendResult, _Mapping]]] = ...) -> None: ...
+
+class ExportBlocksRequest(_message.Message):
+    __slots__ = ("seq_id", "chunk_bytes")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    chunk_bytes: int
+    def __init__(self, seq_id: _Optional[str] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class ExportHeader(_message.Message):
+    __slots__ = ("layout", "token_ids", "num_tokens", "block_shape", "total_bytes")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    layout: KVLayout
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    block_shape: _containers.RepeatedScalarFieldContainer[int]
+    total_bytes: int
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_shape: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class ExportBlocksResponse(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ExportHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[ExportHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ImportBlocksRequest(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ExportHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[ExportHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ImportBlocksResponse(_message.Message):
+    __slots__ = ("seq_id", "num_cached_tokens", "num_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    num_cached_tokens: int
+    num_tokens: int
+    def __init__(self, seq_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("worker_id", "total_blocks", "used_blocks", "cached_free_blocks", "free_blocks", "allocated_slots", "filled_slots", "up")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FILLED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    total_blocks: int
+    used_blocks: int
+    cached_free_blocks: int
+    free_blocks: int
+    allocated_slots: int
+    filled_slots: int
+    up: bool
+    def __init__(self, worker_id: _Optional[str] = ..., total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., allocated_slots: _Optional[int] = ..., filled_slots: _Optional[int] = ..., up: _Optional[bool] = ...) -> None: ...
+
+class TenantPrefixStats(_message.Message):
+    __slots__ = ("tenant", "query_tokens", "hit_tokens")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    query_tokens: int
+    hit_tokens: int
+    def __init__(self, tenant: _Optional[str] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("workers", "utilization", "fragmentation", "prefix", "evictions", "cow_copies", "pinned_blocks", "active_sequences")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTATION_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    COW_COPIES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
+    utilization: float
+    fragmentation: float
+    prefix: _containers.RepeatedCompositeFieldContainer[TenantPrefixStats]
+    evictions: int
+    cow_copies: int
+    pinned_blocks: int
+    active_sequences: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., utilization: _Optional[float] = ..., fragmentation: _Optional[float] = ..., prefix: _Optional[_Iterable[_Union[TenantPrefixStats, _Mapping]]] = ..., evictions: _Optional[int] = ..., cow_copies: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., active_sequences: _Optional[int] = ...) -> None: ...

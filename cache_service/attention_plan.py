@@ -1,0 +1,415 @@
+"""Attention for sequences whose blocks span several workers.
+
+A sequence's block table is a list of segments, each a contiguous run of logical blocks on
+one worker (``SequenceView``/``Segment`` of ``cache_service.block_manager``). Each worker
+attends over its own keys only and returns output + log-sum-exp; the partials merge exactly
+(``kernels.merge_attention_states``), as a split-KV kernel merges its partitions.
+
+Causality decides what each query sees of a segment holding keys ``[a, b)``. A query at
+absolute position ``p``
+
+* ``p < a`` sees nothing of it (no entry; its LSE counts as -inf);
+* ``a <= p < b`` sees keys ``a..p``: a run of such queries is one kernel entry whose blocks
+  start at ``a`` (a block boundary), with ``seq_len = p_last - a + 1`` and those queries as
+  its last rows - positions relative to ``a`` keep the causal mask right;
+* ``p >= b`` sees the whole segment: a one-query entry with ``seq_len = b - a`` (its only
+  query sits at the last position, so a causal launch shows it every key).
+
+Without ``causal`` every query sees the whole segment: its queries go in chunks of at most
+``b - a`` rows (the kernel needs rows <= seq_len per entry). A sequence on one worker stays
+one entry and needs no merge. Every worker gets one batch, i.e. one kernel launch per layer.
+
+Planning (:func:`plan_attention`) is pure; :meth:`WorkerBatch.kernel_args` and
+:func:`merge_partials` build and combine tensors; :func:`run_attention` drives the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+import kernels
+from cache_service.worker_interface import AttentionResult, WorkerClient
+
+__all__ = [
+    "AttentionPlan",
+    "AttentionPlanError",
+    "KernelEntry",
+    "SegmentLike",
+    "SequenceViewLike",
+    "WorkerBatch",
+    "WorkerWrite",
+    "merge_partials",
+    "plan_attention",
+    "run_attention",
+]
+
+
+class AttentionPlanError(ValueError):
+    """A sequence view, query count or worker mapping is inconsistent; nothing was sent."""
+
+
+class SegmentLike(Protocol):
+    """A contiguous run of a block table on one worker."""
+
+    @property
+    def worker_id(self) -> str: ...
+
+    @property
+    def start_token(self) -> int: ...
+
+    @property
+    def block_indices(self) -> Sequence[int]: ...
+
+
+class SequenceViewLike(Protocol):
+    """One sequence's written length and its segments, in logical order."""
+
+    @property
+    def seq_len(self) -> int: ...
+
+    @property
+    def segments(self) -> Sequence[SegmentLike]: ...
+
+
+@dataclass(frozen=True)
+class KernelEntry:
+    """One sequence row of a worker's kernel batch.
+
+    Attributes:
+        sequence: index of the sequence in the planned call.
+        block_indices: the worker's physical blocks, logical order (the entry's block table).
+        seq_len: keys the entry sees, counted from its first block.
+        first_row: row of its first query in the call's query tensor.
+        num_rows: its queries: rows ``first_row .. first_row + num_rows - 1`` (the entry's
+            last ``num_rows`` positions).
+        part: merge slot (the segment's index within its sequence).
+    """
+
+    sequence: int
+    block_indices: tuple[int, ...]
+    seq_len: int
+    first_row: int
+    num_rows: int
+    part: int
+
+
+@dataclass(frozen=True)
+class WorkerBatch:
+    """Everything one worker computes for a call: one kernel launch."""
+
+    worker_id: str
+    entries: tuple[KernelEntry, ...]
+
+    @property
+    def num_rows(self) -> int:
+        """Query rows the worker computes (rows may repeat across entries)."""
+        return sum(e.num_rows for e in self.entries)
+
+    def rows(self) -> list[int]:
+        """The call's query row of each of the worker's query rows, in order."""
+        return [e.first_row + i for e in self.entries for i in range(e.num_rows)]
+
+    def kernel_args(
+        self, query: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The worker's ``(query [R, Hq, D], block_tables int32 [S, max_blocks], seq_lens int32
+        [S], query_start_loc int32 [S + 1])`` for the call's ``query [T, Hq, D]``."""
+        rows = self.rows()
+        if rows == list(range(query.shape[0])):
+            q = query
+        else:
+            q = query.index_select(0, torch.tensor(rows, dtype=torch.long, device=query.device))
+        width = max(len(e.block_indices) for e in self.entries)
+        tables = torch.zeros((len(self.entries), width), dtype=torch.int32)
+        for i, e in enumerate(self.entries):
+            tables[i, : len(e.block_indices)] = torch.tensor(e.block_indices, dtype=torch.int32)
+        seq_lens = torch.tensor([e.seq_len for e in self.entries], dtype=torch.int32)
+        starts = [0]
+        for e in self.entries:
+            starts.append(starts[-1] + e.num_rows)
+        return q, tables, seq_lens, torch.tensor(starts, dtype=torch.int32)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Per-worker kernel batches of one attention call over one layer.
+
+    Attributes:
+        num_rows: query rows of the call (T); sequence s owns the ``num_queries[s]`` rows
+            after those of sequences ``0..s-1``.
+        num_parts: most partials any row gets (1: no merge, no LSE needed).
+        causal: the causal flag every worker launch uses.
+        batches: one per worker, in order of first use.
+    """
+
+    num_rows: int
+    num_parts: int
+    causal: bool
+    batches: tuple[WorkerBatch, ...]
+
+    @property
+    def needs_merge(self) -> bool:
+        return self.num_parts > 1
+
+
+def _fail(message: str) -> None:
+    raise AttentionPlanError(message)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _effective_segments(
+    s: int, view: SequenceViewLike, block_size: int
+) -> list[tuple[str, int, int, tuple[int, ...]]]:
+    """``(worker_id, a, b, blocks)`` for each segment holding keys ``[a, b)`` of the
+    sequence, ``b <= seq_len``, blocks trimmed to those keys; validates the view."""
+    seq_len = view.seq_len
+    if not _is_int(seq_len) or seq_len < 0:
+        _fail(f"views[{s}].seq_len must be an int >= 0, got {seq_len!r}")
+    out = []
+    expected_start = 0
+    for j, seg in enumerate(view.segments):
+        where = f"views[{s}].segments[{j}]"
+        blocks = tuple(seg.block_indices)
+        if seg.start_token != expected_start:
+            _fail(
+                f"{where}.start_token is {seg.start_token}, expected {expected_start} (segments "
+                "must be contiguous runs in logical order)"
+            )
+        if not blocks:
+            _fail(f"{where} holds no block")
+        if not all(_is_int(b) and b >= 0 for b in blocks):
+            _fail(f"{where}.block_indices must be ints >= 0, got {list(blocks)}")
+        a = expected_start
+        expected_start += len(blocks) * block_size
+        if a >= seq_len:
+            continue  # reserved ahead of this layer's written length: no key there yet
+        b = min(expected_start, seq_len)
+        out.append((seg.worker_id, a, b, blocks[: -(-(b - a) // block_size)]))
+    if expected_start < seq_len:
+        _fail(f"views[{s}] covers {expected_start} tokens with its blocks but seq_len is {seq_len}")
+    return out
+
+
+def plan_attention(
+    views: Sequence[SequenceViewLike],
+    num_queries: Sequence[int],
+    block_size: int,
+    *,
+    causal: bool = True,
+    sliding_window: int | None = None,
+) -> AttentionPlan:
+    """Split a batch of sequences' attention into one kernel batch per worker.
+
+    Args:
+        views: each sequence's seq_len (KV tokens, the new ones included) and segments.
+        num_queries: query rows of each sequence; its rows are its last positions
+            ``seq_len - n .. seq_len - 1``; ``0 <= n <= seq_len``.
+        block_size: tokens per block.
+        causal: causal attention (else every query sees every key of its sequence).
+        sliding_window: the window the kernels will apply; only allowed for sequences on
+            one worker (a window does not survive the re-basing of whole-segment entries).
+
+    Raises:
+        AttentionPlanError: an inconsistent view or query count (named in the message).
+    """
+    if not _is_int(block_size) or block_size < 1:
+        _fail(f"block_size must be a positive int, got {block_size!r}")
+    if len(num_queries) != len(views):
+        _fail(f"num_queries has {len(num_queries)} entries for {len(views)} views")
+    per_worker: dict[str, list[KernelEntry]] = {}
+    num_parts = 1
+    row = 0
+    for s, (view, n) in enumerate(zip(views, num_queries, strict=True)):
+        segments = _effective_segments(s, view, block_size)
+        if not _is_int(n) or not 0 <= n <= view.seq_len:
+            _fail(f"num_queries[{s}] must be an int in [0, seq_len={view.seq_len}], got {n!r}")
+        if n == 0:
+            continue
+        if sliding_window is not None and len(segments) > 1:
+            _fail(
+                f"sequence {s} spans {len(segments)} worker segments; sliding_window is only "
+                "supported for sequences on one worker"
+            )
+        num_parts = max(num_parts, len(segments))
+        first_pos = view.seq_len - n  # absolute position of the sequence's first query
+        for part, (worker, a, b, blocks) in enumerate(segments):
+            entries = per_worker.setdefault(worker, [])
+            if not causal:
+                width = b - a
+                for i0 in range(0, n, width):
+                    m = min(width, n - i0)
+                    entries.append(KernelEntry(s, blocks, b - a, row + i0, m, part))
+                continue
+            # Queries i with a <= first_pos + i < b see keys a..p: one entry.
+            i_lo = max(0, a - first_pos)
+            i_hi = min(n, b - first_pos)
+            if i_lo < i_hi:
+                p_last = first_pos + i_hi - 1
+                length = p_last - a + 1
+                entries.append(
+                    KernelEntry(
+                        s, blocks[: -(-length // block_size)], length, row + i_lo, i_hi - i_lo, part
+                    )
+                )
+            # Queries at or past b see the whole segment: one single-query entry each.
+            for i in range(max(0, b - first_pos), n):
+                entries.append(KernelEntry(s, blocks, b - a, row + i, 1, part))
+        row += n
+    batches = tuple(WorkerBatch(w, tuple(e)) for w, e in per_worker.items() if e)
+    return AttentionPlan(num_rows=row, num_parts=num_parts, causal=causal, batches=batches)
+
+
+def merge_partials(plan: AttentionPlan, results: Mapping[str, AttentionResult]) -> AttentionResult:
+    """Combine the workers' outputs into the call's ``(out [T, Hq, D], lse [T, Hq] | None)``.
+
+    Args:
+        plan: the plan the workers ran.
+        results: each batch's worker's result, rows in the batch's order; LSEs are needed
+            when ``plan.needs_merge``.
+
+    Returns:
+        The merged output in the workers' dtype; lse when every worker returned one (always
+        after a merge).
+
+    Raises:
+        AttentionPlanError: a worker's result is missing or has the wrong number of rows.
+    """
+    if not plan.batches:
+        _fail("the plan has no query rows; nothing to merge")
+    for batch in plan.batches:
+        res = results.get(batch.worker_id)
+        if res is None:
+            _fail(f"no result from worker {batch.worker_id!r}")
+        if res.out.shape[0] != batch.num_rows:
+            _fail(
+                f"worker {batch.worker_id!r} returned {res.out.shape[0]} rows, the plan has "
+                f"{batch.num_rows}"
+            )
+        if plan.needs_merge and res.lse is None:
+            _fail(f"worker {batch.worker_id!r} returned no LSE but the plan needs a merge")
+    first = results[plan.batches[0].worker_id].out
+    _, num_heads, head_dim = first.shape
+    if not plan.needs_merge:
+        if len(plan.batches) == 1 and plan.batches[0].rows() == list(range(plan.num_rows)):
+            return results[plan.batches[0].worker_id]  # the common case: one worker, in order
+        out = first.new_empty((plan.num_rows, num_heads, head_dim))
+        with_lse = all(results[b.worker_id].lse is not None for b in plan.batches)
+        lse = torch.empty((plan.num_rows, num_heads), dtype=torch.float32) if with_lse else None
+        for batch in plan.batches:
+            res = results[batch.worker_id]
+            rows = torch.tensor(batch.rows(), dtype=torch.long, device=out.device)
+            out[rows] = res.out
+            if lse is not None:
+                lse[rows] = res.lse
+        return AttentionResult(out, lse)
+    outs = first.new_zeros((plan.num_parts, plan.num_rows, num_heads, head_dim))
+    lses = torch.full(
+        (plan.num_parts, plan.num_rows, num_heads), float("-inf"), dtype=torch.float32
+    )
+    for batch in plan.batches:
+        res = results[batch.worker_id]
+        rows = torch.tensor(batch.rows(), dtype=torch.long)
+        parts = torch.tensor(
+            [e.part for e in batch.entries for _ in range(e.num_rows)], dtype=torch.long
+        )
+        outs[parts, rows] = res.out.to(outs.device)
+        lses[parts, rows] = res.lse.to(lses.device)  # type: ignore[union-attr]
+    out, lse = kernels.merge_attention_states(outs, lses)
+    return AttentionResult(out, lse)
+
+
+@dataclass(frozen=True)
+class WorkerWrite:
+    """New tokens for one worker, written before its attention in the same call.
+
+    Attributes:
+        slot_mapping: int ``[n]`` flat slots on that worker (negative: skip).
+        key, value: ``[n, Hkv, D]`` in the pool dtype.
+    """
+
+    slot_mapping: torch.Tensor | Sequence[int]
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+async def run_attention(
+    plan: AttentionPlan,
+    query: torch.Tensor,
+    layer: int,
+    clients: Mapping[str, WorkerClient],
+    epochs: Mapping[str, str],
+    *,
+    writes: Mapping[str, WorkerWrite] | None = None,
+    return_lse: bool = False,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+) -> AttentionResult:
+    """Run one layer's step on every worker concurrently, then merge.
+
+    A worker with writes and queries gets one ``write_and_attend`` call, one with only
+    writes a ``write``, one with only queries an ``attend``.
+
+    Args:
+        plan: from :func:`plan_attention`.
+        query: ``[plan.num_rows, Hq, D]`` in the pool dtype (host).
+        layer: layer index.
+        clients, epochs: every worker of the plan and of ``writes``, with the epoch expected.
+        writes: new tokens per worker, written before that worker attends.
+        return_lse: also return the merged LSE (asks every worker for it).
+        scale, softcap, sliding_window: as in ``kernels.paged_attention``.
+
+    Raises:
+        AttentionPlanError: a worker has no client or epoch, or ``query`` has the wrong
+            number of rows; nothing was sent.
+        WorkerError: a worker failed (StaleEpochError, InvalidWorkerRequest, ...). Workers
+            that did not fail may have written their tokens.
+    """
+    writes = writes or {}
+    if query.shape[0] != plan.num_rows:
+        _fail(f"query has {query.shape[0]} rows, the plan has {plan.num_rows}")
+    workers = [b.worker_id for b in plan.batches]
+    workers += [w for w in writes if w not in workers]
+    for w in workers:
+        if w not in clients or w not in epochs:
+            _fail(f"worker {w!r} of the plan has no client or no epoch")
+    want_lse = return_lse or plan.needs_merge
+    options = {"causal": plan.causal, "scale": scale, "softcap": softcap}
+    if sliding_window is not None:
+        options["sliding_window"] = sliding_window
+
+    async def one(batch: WorkerBatch) -> AttentionResult:
+        w = batch.worker_id
+        q, tables, lens, starts = batch.kernel_args(query)
+        if w in writes:
+            wr = writes[w]
+            return await clients[w].write_and_attend(
+                epochs[w], layer, wr.slot_mapping, wr.key, wr.value,
+                q, tables, lens, starts, return_lse=want_lse, **options,
+            )  # fmt: skip
+        return await clients[w].attend(
+            epochs[w], layer, q, tables, lens, starts, return_lse=want_lse, **options
+        )
+
+    attending = {b.worker_id for b in plan.batches}
+    write_only = [
+        clients[w].write(epochs[w], layer, wr.slot_mapping, wr.key, wr.value)
+        for w, wr in writes.items()
+        if w not in attending
+    ]
+    outcome = await asyncio.gather(*(one(b) for b in plan.batches), *write_only)
+    results = {b.worker_id: r for b, r in zip(plan.batches, outcome, strict=False)}
+    if not plan.batches:
+        return AttentionResult(
+            query.new_empty((0, *query.shape[1:])),
+            torch.empty((0, query.shape[1]), dtype=torch.float32) if return_lse else None,
+        )
+    return merge_partials(plan, results)

@@ -1,0 +1,187 @@
+"""One worker's block pool as bookkeeping: reference counts, a free list, a cached-free LRU.
+
+A block is in exactly one of three states:
+- used: reference count > 0 (block tables and pins hold it);
+- cached-free: count 0 but still published in the prefix index, so a later prompt can adopt
+  it; evictable, least recently released first;
+- free: count 0 and holds nothing anyone can find.
+
+Every operation is O(1): the free list is a stack, the cached-free set an insertion-ordered
+dict used as an LRU queue.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from cache_service.errors import InvalidRequest, PoolExhausted
+
+__all__ = ["BlockPool"]
+
+
+class BlockPool:
+    """Reference counts and free / cached-free tracking for `num_blocks` blocks of one worker.
+
+    The pool knows nothing about the prefix index: the caller says, when a count drops to
+    zero, whether the block stays findable (cached-free) or becomes free, and removes a
+    block's index entries when `take` reports that it evicted one.
+    """
+
+    __slots__ = ("_cached", "_free", "_refcount", "_used", "num_blocks", "worker_id")
+
+    def __init__(self, worker_id: str, num_blocks: int) -> None:
+        """Create a pool of `num_blocks` free blocks (ids 0 .. num_blocks-1)."""
+        if type(num_blocks) is not int or num_blocks < 1:
+            raise InvalidRequest(f"num_blocks must be a positive int, got {num_blocks!r}")
+        self.worker_id = worker_id
+        self.num_blocks = num_blocks
+        self._refcount = [0] * num_blocks
+        # Reversed so that pops hand out 0, 1, 2, ...: deterministic and easy to read in tests.
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self._used = 0
+
+    # ---- counts -------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        """Blocks holding nothing."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced blocks still findable in the prefix index (evictable)."""
+        return len(self._cached)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks with a reference count above zero."""
+        return self._used
+
+    @property
+    def available(self) -> int:
+        """Blocks an allocation can get: free plus evictable cached-free."""
+        return len(self._free) + len(self._cached)
+
+    def refcount(self, index: int) -> int:
+        """Reference count of block `index`."""
+        return self._refcount[index]
+
+    def is_cached(self, index: int) -> bool:
+        """Whether block `index` is cached-free."""
+        return index in self._cached
+
+    # ---- transitions --------------------------------------------------------------------
+
+    def take(self) -> tuple[int, bool]:
+        """Allocate one block with reference count 1.
+
+        Returns:
+            (index, evicted): evicted is True when the block came off the cached-free LRU,
+            in which case the caller must drop its prefix-index entries.
+
+        Raises:
+            PoolExhausted: nothing free or cached-free (callers check `available` first, so
+                an all-or-nothing operation never gets here half way).
+        """
+        if self._free:
+            index = self._free.pop()
+            evicted = False
+        elif self._cached:
+            index, _ = self._cached.popitem(last=False)
+            evicted = True
+        else:
+            raise PoolExhausted(f"worker {self.worker_id!r}: all {self.num_blocks} blocks in use")
+        self._refcount[index] = 1
+        self._used += 1
+        return index, evicted
+
+    def incref(self, index: int) -> None:
+        """Add a reference; a cached-free block becomes used again (a prefix hit)."""
+        count = self._refcount[index]
+        if count == 0:
+            if index not in self._cached:
+                raise InvalidRequest(
+                    f"worker {self.worker_id!r}: block {index} is free; only used or "
+                    "cached-free blocks can gain a reference"
+                )
+            del self._cached[index]
+            self._used += 1
+        self._refcount[index] = count + 1
+
+    def decref(self, index: int, keep_cached: bool) -> None:
+        """Drop a reference. At zero the block becomes cached-free (most recently used end of
+        the LRU) if `keep_cached`, else free."""
+        count = self._refcount[index] - 1
+        if count < 0:
+            raise InvalidRequest(f"worker {self.worker_id!r}: block {index} has no reference")
+        self._refcount[index] = count
+        if count == 0:
+            self._used -= 1
+            if keep_cached:
+                self._cached[index] = None
+            else:
+                self._free.append(index)
+
+    def evict_oldest(self) -> int | None:
+        """Move the least recently released cached-free block to the free list.
+
+        Returns:
+            its index, or None when nothing is cached-free.
+        """
+        if not self._cached:
+            return None
+        index, _ = self._cached.popitem(last=False)
+        self._free.append(index)
+        return index
+
+    def uncache(self, index: int) -> None:
+        """A cached-free block lost its index entries: make it free."""
+        del self._cached[index]
+        self._free.append(index)
+
+    # ---- views for integrity checks and snapshots --------------------------------------
+
+    def free_order(self) -> list[int]:
+        """The free list, next to be handed out last."""
+        return list(self._free)
+
+    def cached_order(self) -> list[int]:
+        """Cached-free blocks, least recently released (next evicted) first."""
+        return list(self._cached)
+
+    def refcounts(self) -> list[int]:
+        """A copy of every block's reference count."""
+        return list(self._refcount)
+
+    @classmethod
+    def restore(
+        cls,
+        worker_id: str,
+        num_blocks: int,
+        refcounts: list[int],
+        free_order: list[int],
+        cached_order: list[int],
+    ) -> BlockPool:
+        """Rebuild a pool from a snapshot (see `free_order`, `cached_order`, `refcounts`).
+
+        Raises:
+            InvalidRequest: the three parts do not describe every block exactly once.
+        """
+        pool = cls(worker_id, num_blocks)
+        if len(refcounts) != num_blocks or any(type(c) is not int or c < 0 for c in refcounts):
+            raise InvalidRequest(
+                f"worker {worker_id!r}: need {num_blocks} non-negative reference counts"
+            )
+        used = [i for i, c in enumerate(refcounts) if c > 0]
+        seen = sorted([*used, *free_order, *cached_order])
+        if seen != list(range(num_blocks)):
+            raise InvalidRequest(
+                f"worker {worker_id!r}: used ({len(used)}), free ({len(free_order)}) and "
+                f"cached-free ({len(cached_order)}) blocks do not partition 0..{num_blocks - 1}"
+            )
+        pool._refcount = list(refcounts)
+        pool._free = list(free_order)
+        pool._cached = OrderedDict.fromkeys(cached_order)
+        pool._used = len(used)
+        return pool

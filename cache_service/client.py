@@ -1,0 +1,717 @@
+"""Python client of the kvcache.v1 service: torch tensors in and out, deadlines, safe retries.
+
+Example::
+
+    with KVCacheClient("127.0.0.1:50051") as client:
+        layout = client.info().layout
+        with client.create_sequence(prompt_ids) as seq:      # freed on exit
+            new = prompt_ids[seq.num_cached_tokens:]
+            for layer in range(layout.num_layers):
+                (out,) = client.append_attend(
+                    layer, [AppendAttendItem(seq.seq_id, new, k[layer], v[layer], q[layer])]
+                )
+
+Every call has a deadline (`timeout_s` of the client, or per call). Only calls that read
+and change nothing are retried, and only on UNAVAILABLE (the server or a worker was not
+reachable): info, lookup, attend, export, stats. Errors surface as `KVCacheError`
+subclasses carrying the gRPC status code and the server's message.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+
+from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
+from cache_service._proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+from cache_service.tensor_codec import (
+    dtype_from_proto,
+    dtype_to_proto,
+    tensor_from_bytes,
+    tensor_from_proto,
+    tensor_to_bytes,
+    tensor_to_proto,
+)
+from cache_service.tls import ClientTLSConfig, channel_credentials, channel_options
+
+__all__ = [
+    "AppendAttendItem",
+    "AttendItem",
+    "DataLossError",
+    "DeadlineExceededError",
+    "ExportedBlocks",
+    "FailedPreconditionError",
+    "InternalError",
+    "InvalidArgumentError",
+    "KVCacheClient",
+    "KVCacheError",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "ResourceExhaustedError",
+    "SequenceHandle",
+    "ServiceInfo",
+    "ServiceStats",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "WorkerInfo",
+    "WorkerStats",
+]
+
+MiB = 1 << 20
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+class KVCacheError(Exception):
+    """A call failed. `code` is the gRPC status code, `message` the server's explanation."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+class InvalidArgumentError(KVCacheError):
+    """Bad shapes, dtypes, token counts or layer numbers."""
+
+
+class NotFoundError(KVCacheError):
+    """Unknown sequence id."""
+
+
+class ResourceExhaustedError(KVCacheError):
+    """No room in the pools after eviction, or a tenant quota; free sequences or wait."""
+
+
+class FailedPreconditionError(KVCacheError):
+    """The sequence is not in the state the call needs (e.g. a layer not yet written)."""
+
+
+class DataLossError(KVCacheError):
+    """The sequence's blocks were lost with a worker: free it and recompute."""
+
+
+class UnavailableError(KVCacheError):
+    """The server or its workers cannot serve now; retry later."""
+
+
+class UnauthenticatedError(KVCacheError):
+    """Missing or unknown bearer token."""
+
+
+class PermissionDeniedError(KVCacheError):
+    """The tenant lacks a permission the call needs."""
+
+
+class DeadlineExceededError(KVCacheError):
+    """The call did not finish within its deadline."""
+
+
+class InternalError(KVCacheError):
+    """A server bug or another unexpected status."""
+
+
+_ERRORS: dict[grpc.StatusCode, type[KVCacheError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.OUT_OF_RANGE: InvalidArgumentError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.DATA_LOSS: DataLossError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+}
+
+
+def _error_from_rpc(exc: grpc.RpcError) -> KVCacheError:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return _ERRORS.get(code, InternalError)(code, details or code.name)
+
+
+# ------------------------------------------------------------------------------ values
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One worker pool: id, device ("cuda:0", "cpu"), blocks, epoch, whether it serves."""
+
+    worker_id: str
+    device: str
+    num_blocks: int
+    epoch: str
+    up: bool
+
+
+@dataclass(frozen=True)
+class ServiceInfo:
+    """What `info()` returns.
+
+    Attributes:
+        layout: the cache layout, a `workers.layout.KVLayout`.
+        workers: the worker pools.
+        total_blocks: blocks over all serving workers.
+        capacity_tokens: total_blocks * block_size.
+        max_message_bytes: the largest message the server accepts, bytes.
+        server_version: the server package's version.
+        fingerprint: the layout's fingerprint (exports carry it).
+    """
+
+    layout: Any
+    workers: tuple[WorkerInfo, ...]
+    total_blocks: int
+    capacity_tokens: int
+    max_message_bytes: int
+    server_version: str
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """Block accounting of one worker (see GetStatsResponse in kvcache.proto)."""
+
+    worker_id: str
+    total_blocks: int
+    used_blocks: int
+    cached_free_blocks: int
+    free_blocks: int
+    allocated_slots: int
+    filled_slots: int
+    up: bool
+
+
+@dataclass(frozen=True)
+class ServiceStats:
+    """What `stats()` returns: utilization and fragmentation are ratios in 0..1;
+    prefix maps tenant -> (prompt tokens looked up, tokens found cached)."""
+
+    workers: tuple[WorkerStats, ...]
+    utilization: float
+    fragmentation: float
+    prefix: dict[str, tuple[int, int]]
+    evictions: int
+    cow_copies: int
+    pinned_blocks: int
+    active_sequences: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Cached / looked-up prompt tokens over all tenants (0 when nothing was looked up)."""
+        queried = sum(q for q, _ in self.prefix.values())
+        return sum(h for _, h in self.prefix.values()) / queried if queried else 0.0
+
+
+@dataclass(frozen=True)
+class AttendItem:
+    """One sequence of an attend batch: query ``[n, num_q_heads, head_dim]``."""
+
+    seq_id: str
+    query: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AppendAttendItem:
+    """One sequence of an append-and-attend batch.
+
+    Attributes:
+        seq_id: the sequence.
+        token_ids: ids of the n new tokens.
+        key, value: ``[n, num_kv_heads, head_dim]``, float16 / bfloat16 / float32.
+        query: ``[m, num_q_heads, head_dim]``: the last m positions after the write.
+    """
+
+    seq_id: str
+    token_ids: Sequence[int]
+    key: torch.Tensor
+    value: torch.Tensor
+    query: torch.Tensor
+
+
+@dataclass
+class ExportedBlocks:
+    """A sequence's blocks, as exported (`export_blocks`) and importable (`import_blocks`).
+
+    Attributes:
+        header: the export header (layout, token ids, block shape).
+        data: the raw block bytes: ``[num_blocks, num_layers, 2, num_kv_heads, block_size,
+            head_dim]`` in the layout's dtype, little-endian.
+    """
+
+    header: pb.ExportHeader
+    data: bytes = field(repr=False)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Token ids of the exported positions."""
+        return list(self.header.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Exported positions."""
+        return int(self.header.num_tokens)
+
+    def blocks(self) -> torch.Tensor:
+        """The blocks as a tensor ``[num_blocks, num_layers, 2, Hkv, block_size, head_dim]``."""
+        dtype = dtype_from_proto(self.header.layout.kv_dtype, "header.layout.kv_dtype")
+        return tensor_from_bytes(self.data, dtype, list(self.header.block_shape), "export")
+
+    def to_bytes(self) -> bytes:
+        """One self-describing byte string (4-byte header length, header, data)."""
+        head = self.header.SerializeToString()
+        return struct.pack("<I", len(head)) + head + self.data
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> ExportedBlocks:
+        """The inverse of `to_bytes`; raises ValueError on a truncated or foreign blob."""
+        if len(blob) < 4:
+            raise ValueError("exported blob is shorter than its 4-byte header length")
+        (n,) = struct.unpack_from("<I", blob)
+        if 4 + n > len(blob):
+            raise ValueError(f"exported blob announces a {n}-byte header but has {len(blob) - 4}")
+        header = pb.ExportHeader.FromString(blob[4 : 4 + n])
+        data = blob[4 + n :]
+        if len(data) != header.total_bytes:
+            raise ValueError(f"exported blob holds {len(data)} data bytes, header says {header.total_bytes}")
+        return cls(header, data)
+
+
+class SequenceHandle:
+    """A sequence in the service. As a context manager it frees the sequence on exit.
+
+    Attributes:
+        seq_id: the service's id of the sequence.
+        num_cached_tokens: leading tokens already cached when the handle was made (a prefix
+            hit at creation, the shared tokens of a fork, the tokens of an import).
+    """
+
+    def __init__(self, client: KVCacheClient, seq_id: str, num_cached_tokens: int) -> None:
+        self._client = client
+        self.seq_id = seq_id
+        self.num_cached_tokens = num_cached_tokens
+        self._freed = False
+
+    def __repr__(self) -> str:
+        return f"SequenceHandle(seq_id={self.seq_id!r}, num_cached_tokens={self.num_cached_tokens})"
+
+    def fork(self) -> SequenceHandle:
+        """A new sequence sharing this one's blocks."""
+        return self._client.fork(self.seq_id)
+
+    def free(self) -> None:
+        """Free the sequence (idempotent on this handle)."""
+        if not self._freed:
+            self._client.free(self.seq_id)
+            self._freed = True
+
+    def __enter__(self) -> SequenceHandle:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if self._freed:
+            return
+        try:
+            self.free()
+        except (NotFoundError, DataLossError):
+            # Already gone (freed elsewhere, or lost with a worker): nothing left to release.
+            self._freed = True
+        except KVCacheError:
+            if exc is None:
+                raise
+
+
+# ------------------------------------------------------------------------------ client
+
+
+class KVCacheClient:
+    """A blocking client of one kvcache.v1 server.
+
+    Args:
+        target: "host:port".
+        token: bearer token when the server requires authentication.
+        timeout_s: default deadline of every call, seconds (a call's own timeout_s wins).
+        tls: TLS settings; None connects in plaintext.
+        max_message_bytes: largest message sent or received, bytes (match the server's).
+        stream_chunk_bytes: data bytes per message of Append / import streams.
+        max_attempts: attempts of a retryable call (reads failing with UNAVAILABLE).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = 30.0,
+        tls: ClientTLSConfig | None = None,
+        max_message_bytes: int = 256 * MiB,
+        stream_chunk_bytes: int = 2 * MiB,
+        max_attempts: int = 4,
+    ) -> None:
+        if not (isinstance(timeout_s, int | float) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts!r}")
+        if stream_chunk_bytes < 1 or stream_chunk_bytes > max_message_bytes // 2:
+            raise ValueError("stream_chunk_bytes must be in 1..max_message_bytes // 2")
+        self.target = target
+        self.timeout_s = float(timeout_s)
+        self._chunk = int(stream_chunk_bytes)
+        self._attempts = int(max_attempts)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
+        if tls is None:
+            self._channel = grpc.insecure_channel(target, options=options)
+        else:
+            options += channel_options(tls)
+            self._channel = grpc.secure_channel(target, channel_credentials(tls), options=options)
+        self._stub = pb_grpc.KVCacheStub(self._channel)
+        self._layout: Any = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()
+
+    def __enter__(self) -> KVCacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait_ready(self, timeout_s: float = 10.0) -> None:
+        """Block until the channel is connected; raises UnavailableError after timeout_s."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise UnavailableError(
+                grpc.StatusCode.UNAVAILABLE, f"no server answered at {self.target} in {timeout_s} s"
+            ) from None
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def _call(
+        self,
+        method: Callable[..., Any],
+        request: Any,
+        *,
+        timeout_s: float | None,
+        retry: bool,
+    ) -> Any:
+        """Run one RPC with a deadline; retry UNAVAILABLE with backoff when `retry`."""
+        budget = self.timeout_s if timeout_s is None else float(timeout_s)
+        deadline = time.monotonic() + budget
+        attempt = 0
+        while True:
+            attempt += 1
+            remaining = deadline - time.monotonic()
+            try:
+                return method(request, timeout=max(remaining, 0.001), metadata=self._metadata)
+            except grpc.RpcError as exc:
+                error = _error_from_rpc(exc)
+                if not (retry and isinstance(error, UnavailableError) and attempt < self._attempts):
+                    raise error from None
+                # Exponential backoff with jitter, never past the deadline.
+                pause = min(0.05 * 2 ** (attempt - 1), 1.0) * (0.5 + random.random() / 2)
+                if time.monotonic() + pause >= deadline:
+                    raise error from None
+                time.sleep(pause)
+
+    # -- service ---------------------------------------------------------------------------
+
+    def info(self, *, timeout_s: float | None = None) -> ServiceInfo:
+        """The layout, workers and capacity of the service."""
+        from workers.layout import KVLayout
+
+        r = self._call(self._stub.GetInfo, pb.GetInfoRequest(), timeout_s=timeout_s, retry=True)
+        lay = r.layout
+        layout = KVLayout(
+            num_layers=lay.num_layers,
+            num_kv_heads=lay.num_kv_heads,
+            head_dim=lay.head_dim,
+            block_size=lay.block_size,
+            dtype=_DTYPE_NAMES[dtype_from_proto(lay.kv_dtype, "layout.kv_dtype")],
+        )
+        self._layout = layout
+        workers = tuple(
+            WorkerInfo(w.worker_id, w.device, w.num_blocks, w.epoch, w.up) for w in r.workers
+        )
+        return ServiceInfo(
+            layout=layout,
+            workers=workers,
+            total_blocks=r.total_blocks,
+            capacity_tokens=r.capacity_tokens,
+            max_message_bytes=r.max_message_bytes,
+            server_version=r.server_version,
+            fingerprint=lay.fingerprint,
+        )
+
+    def stats(self, *, timeout_s: float | None = None) -> ServiceStats:
+        """Pool utilization, fragmentation, prefix hits and counters."""
+        r = self._call(self._stub.GetStats, pb.GetStatsRequest(), timeout_s=timeout_s, retry=True)
+        return ServiceStats(
+            workers=tuple(
+                WorkerStats(
+                    w.worker_id,
+                    w.total_blocks,
+                    w.used_blocks,
+                    w.cached_free_blocks,
+                    w.free_blocks,
+                    w.allocated_slots,
+                    w.filled_slots,
+                    w.up,
+                )
+                for w in r.workers
+            ),
+            utilization=r.utilization,
+            fragmentation=r.fragmentation,
+            prefix={p.tenant: (p.query_tokens, p.hit_tokens) for p in r.prefix},
+            evictions=r.evictions,
+            cow_copies=r.cow_copies,
+            pinned_blocks=r.pinned_blocks,
+            active_sequences=r.active_sequences,
+        )
+
+    # -- sequences -------------------------------------------------------------------------
+
+    def create_sequence(
+        self, prompt_token_ids: Sequence[int] | None = None, *, timeout_s: float | None = None
+    ) -> SequenceHandle:
+        """Start a sequence; with a prompt, `num_cached_tokens` of it are already cached."""
+        req = pb.CreateSequenceRequest(prompt_token_ids=_ids(prompt_token_ids or ()))
+        r = self._call(self._stub.CreateSequence, req, timeout_s=timeout_s, retry=False)
+        return SequenceHandle(self, r.seq_id, r.num_cached_tokens)
+
+    def fork(self, seq_id: str, *, timeout_s: float | None = None) -> SequenceHandle:
+        """A new sequence sharing every block of `seq_id`."""
+        r = self._call(
+            self._stub.ForkSequence, pb.ForkSequenceRequest(seq_id=seq_id), timeout_s=timeout_s, retry=False
+        )
+        return SequenceHandle(self, r.seq_id, r.num_cached_tokens)
+
+    def free(self, seq_id: str, *, timeout_s: float | None = None) -> None:
+        """Release a sequence."""
+        self._call(
+            self._stub.FreeSequence, pb.FreeSequenceRequest(seq_id=seq_id), timeout_s=timeout_s, retry=False
+        )
+
+    def lookup(self, token_ids: Sequence[int], *, timeout_s: float | None = None) -> int:
+        """Leading tokens of `token_ids` that are cached (no side effects)."""
+        r = self._call(
+            self._stub.Lookup, pb.LookupRequest(token_ids=_ids(token_ids)), timeout_s=timeout_s, retry=True
+        )
+        return int(r.num_cached_tokens)
+
+    def pin(self, token_ids: Sequence[int], *, timeout_s: float | None = None) -> None:
+        """Keep the cached blocks of this prefix from eviction until `unpin`."""
+        self._call(self._stub.Pin, pb.PinRequest(token_ids=_ids(token_ids)), timeout_s=timeout_s, retry=False)
+
+    def unpin(self, token_ids: Sequence[int], *, timeout_s: float | None = None) -> None:
+        """Release a `pin` of this prefix."""
+        self._call(self._stub.Unpin, pb.UnpinRequest(token_ids=_ids(token_ids)), timeout_s=timeout_s, retry=False)
+
+    def publish_public(self, seq_id: str, *, timeout_s: float | None = None) -> None:
+        """Make the sequence's full blocks findable by every tenant (needs the permission)."""
+        self._call(
+            self._stub.PublishPublic, pb.PublishPublicRequest(seq_id=seq_id), timeout_s=timeout_s, retry=False
+        )
+
+    # -- data ------------------------------------------------------------------------------
+
+    def append(
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer: int | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Write new tokens' K/V; returns the first position written.
+
+        Args:
+            seq_id: the sequence.
+            token_ids: ids of the n new tokens.
+            key, value: layer None: ``[num_layers, n, num_kv_heads, head_dim]`` (every layer
+                at once, e.g. a prefill computed elsewhere); else ``[n, num_kv_heads,
+                head_dim]``. float16 / bfloat16 / float32.
+            layer: the layer, or None for all.
+        """
+        requests = self._append_stream(seq_id, token_ids, key, value, layer)
+        r = self._call(self._stub.Append, requests, timeout_s=timeout_s, retry=False)
+        return int(r.start_position)
+
+    def _append_stream(
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer: int | None,
+    ) -> Iterator[pb.AppendRequest]:
+        head = pb.AppendRequest(
+            seq_id=seq_id,
+            token_ids=_ids(token_ids),
+            key=pb.TensorSpec(dtype=dtype_to_proto(key.dtype), shape=list(key.shape)),
+            value=pb.TensorSpec(dtype=dtype_to_proto(value.dtype), shape=list(value.shape)),
+        )
+        if layer is not None:
+            head.layer = layer
+        key_bytes, value_bytes = tensor_to_bytes(key), tensor_to_bytes(value)
+        messages: list[pb.AppendRequest] = []
+        msg, room = head, self._chunk
+        for name, data in (("key_data", key_bytes), ("value_data", value_bytes)):
+            view = memoryview(data)
+            while len(view):
+                if room == 0:
+                    messages.append(msg)
+                    msg, room = pb.AppendRequest(), self._chunk
+                take = view[:room]
+                setattr(msg, name, bytes(take))
+                view, room = view[len(take) :], room - len(take)
+        messages.append(msg)
+        return iter(messages)
+
+    def attend(
+        self,
+        layer: int,
+        items: Sequence[AttendItem],
+        return_lse: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
+        """Attention for a batch of sequences on one layer.
+
+        Returns, per item in order, the output ``[n, num_q_heads, head_dim]`` (the query's
+        dtype), or with return_lse an ``(output, lse)`` pair, lse float32 ``[n, num_q_heads]``.
+        """
+        req = pb.AttendRequest(
+            layer=layer,
+            items=[pb.AttendItem(seq_id=i.seq_id, query=tensor_to_proto(i.query)) for i in items],
+            return_lse=return_lse,
+        )
+        r = self._call(self._stub.Attend, req, timeout_s=timeout_s, retry=True)
+        return _results(r.results, return_lse)
+
+    def append_attend(
+        self,
+        layer: int,
+        items: Sequence[AppendAttendItem],
+        return_lse: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
+        """Write this layer's new K/V and attend, for a batch of sequences, in one RPC.
+
+        Returns what `attend` returns, one entry per item.
+        """
+        req = pb.AppendAttendRequest(
+            layer=layer,
+            items=[
+                pb.AppendAttendItem(
+                    seq_id=i.seq_id,
+                    token_ids=_ids(i.token_ids),
+                    key=tensor_to_proto(i.key),
+                    value=tensor_to_proto(i.value),
+                    query=tensor_to_proto(i.query),
+                )
+                for i in items
+            ],
+            return_lse=return_lse,
+        )
+        r = self._call(self._stub.AppendAttend, req, timeout_s=timeout_s, retry=False)
+        return _results(r.results, return_lse)
+
+    # -- export / import -------------------------------------------------------------------
+
+    def iter_export(
+        self, seq_id: str, *, chunk_bytes: int = 0, timeout_s: float | None = None
+    ) -> Iterator[pb.ExportBlocksResponse]:
+        """The raw export stream: the header message first, then data chunks."""
+        budget = self.timeout_s if timeout_s is None else float(timeout_s)
+        req = pb.ExportBlocksRequest(seq_id=seq_id, chunk_bytes=chunk_bytes)
+        try:
+            yield from self._stub.ExportBlocks(req, timeout=budget, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise _error_from_rpc(exc) from None
+
+    def export_blocks(
+        self, seq_id: str, *, chunk_bytes: int = 0, timeout_s: float | None = None
+    ) -> ExportedBlocks:
+        """Every written block of a sequence (retried on UNAVAILABLE: it reads only)."""
+        for attempt in range(1, self._attempts + 1):
+            try:
+                header: pb.ExportHeader | None = None
+                parts: list[bytes] = []
+                for msg in self.iter_export(seq_id, chunk_bytes=chunk_bytes, timeout_s=timeout_s):
+                    if msg.HasField("header"):
+                        header = msg.header
+                    parts.append(msg.data)
+                break
+            except UnavailableError:
+                if attempt == self._attempts:
+                    raise
+                time.sleep(0.05 * 2 ** (attempt - 1))
+        if header is None:
+            raise InternalError(grpc.StatusCode.INTERNAL, "export stream carried no header")
+        data = b"".join(parts)
+        if len(data) != header.total_bytes:
+            raise InternalError(
+                grpc.StatusCode.INTERNAL,
+                f"export stream carried {len(data)} bytes, header says {header.total_bytes}",
+            )
+        return ExportedBlocks(header, data)
+
+    def import_blocks(
+        self, exported: ExportedBlocks | bytes, *, timeout_s: float | None = None
+    ) -> SequenceHandle:
+        """Create a sequence holding exported blocks (from this or another service with the
+        same layout). Cached leading blocks are shared instead of written."""
+        if isinstance(exported, bytes | bytearray):
+            exported = ExportedBlocks.from_bytes(bytes(exported))
+        r = self._call(
+            self._stub.ImportBlocks, self._import_stream(exported), timeout_s=timeout_s, retry=False
+        )
+        return SequenceHandle(self, r.seq_id, r.num_tokens)
+
+    def _import_stream(self, exported: ExportedBlocks) -> Iterator[pb.ImportBlocksRequest]:
+        view = memoryview(exported.data)
+        first = pb.ImportBlocksRequest(header=exported.header, data=bytes(view[: self._chunk]))
+        messages = [first]
+        for start in range(self._chunk, len(view), self._chunk):
+            messages.append(pb.ImportBlocksRequest(data=bytes(view[start : start + self._chunk])))
+        return iter(messages)
+
+
+def _ids(token_ids: Iterable[int]) -> list[int]:
+    """Token ids as a list of ints (accepts lists, tuples, 1-D tensors)."""
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.ndim != 1:
+            raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+        return token_ids.tolist()
+    return [int(t) for t in token_ids]
+
+
+def _results(results: Iterable[pb.AttendResult], return_lse: bool) -> list[Any]:
+    out: list[Any] = []
+    for i, r in enumerate(results):
+        o = tensor_from_proto(r.output, f"results[{i}].output")
+        if return_lse:
+            out.append((o, tensor_from_proto(r.lse, f"results[{i}].lse")))
+        else:
+            out.append(o)
+    return out

@@ -1,0 +1,346 @@
+"""Service configuration: dataclasses, loaded from a YAML file and overridden by CLI flags.
+
+A file mirrors the dataclasses, one section per group; every field is optional::
+
+    layout:      {num_layers: 4, num_kv_heads: 2, head_dim: 64, block_size: 16, dtype: float32}
+    workers:     {num_workers: 2, blocks_per_worker: 512, device: cpu, ray_address: null}
+    server:      {host: 127.0.0.1, port: 50051, max_message_bytes: 268435456}
+    coordinator: {batch_window_ms: 0.5, max_batch_items: 256}
+    metrics:     {enabled: true, host: 127.0.0.1, port: 9400}
+    auth_file: null          # token file (cache_service.auth); null: no authentication
+    tls: null                # {cert_file, key_file, client_ca_file}; null: plaintext
+    store_path: null         # write-ahead store of the control plane (not wired yet)
+    log_level: INFO
+    log_format: text         # or json (one JSON object per line)
+
+Unknown keys and ill-typed values raise ConfigError naming the key. Pure: imports neither
+torch, Ray nor gRPC.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "CoordinatorConfig",
+    "LayoutConfig",
+    "MetricsConfig",
+    "ServerConfig",
+    "ServiceConfig",
+    "TLSFilesConfig",
+    "WorkersConfig",
+    "load_config",
+]
+
+_DTYPES = ("float16", "bfloat16", "float32")
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+MiB = 1 << 20
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range; the message names it."""
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _port(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ConfigError(f"{name} must be a TCP port in 0..65535 (0: any free port), got {value!r}")
+
+
+def _non_negative(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LayoutConfig:
+    """The KV layout every worker pool uses (see workers.layout.KVLayout).
+
+    Attributes:
+        num_layers: attention layers.
+        num_kv_heads: key/value heads per layer.
+        head_dim: channels per head.
+        block_size: token slots per block.
+        dtype: "float16" | "bfloat16" | "float32" (bfloat16 on GPUs; CPU workers compute in
+            the torch reference, where float32 is the fast and exact choice).
+    """
+
+    num_layers: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    block_size: int = 16
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            _positive_int(f"layout.{name}", getattr(self, name))
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"layout.dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
+
+    def kv_layout(self) -> Any:
+        """This layout as a `workers.layout.KVLayout`."""
+        from workers.layout import KVLayout
+
+        return KVLayout(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=self.block_size,
+            dtype=self.dtype,
+        )
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    """How the worker pools are started.
+
+    Attributes:
+        num_workers: pools to start (one per GPU on a GPU cluster).
+        blocks_per_worker: blocks in each pool.
+        device: "cpu" or "cuda": CPU workers run the torch reference kernels, CUDA workers
+            the Triton kernels (one GPU each).
+        ray_address: None starts a local Ray (embedded); "auto" or "ray://host:port" joins
+            a running cluster.
+        in_process: run the pools inside the coordinator's process (no Ray): the fastest
+            start, for tests and single-process use.
+        namespace: Ray namespace of the named worker actors.
+        name_prefix: worker actor names are "<prefix><i>"; restart-safe ids.
+        ray_num_cpus: CPUs given to an embedded Ray (None: Ray's default).
+    """
+
+    num_workers: int = 2
+    blocks_per_worker: int = 512
+    device: str = "cpu"
+    ray_address: str | None = None
+    in_process: bool = False
+    namespace: str = "kvcache"
+    name_prefix: str = "kvcache-worker-"
+    ray_num_cpus: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("workers.num_workers", self.num_workers)
+        _positive_int("workers.blocks_per_worker", self.blocks_per_worker)
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"workers.device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.ray_num_cpus is not None:
+            _positive_int("workers.ray_num_cpus", self.ray_num_cpus)
+        if not self.name_prefix:
+            raise ConfigError("workers.name_prefix must not be empty")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The gRPC endpoint.
+
+    Attributes:
+        host: listen address ("0.0.0.0" to serve other machines).
+        port: TCP port; 0 binds any free port (the server reports the bound one).
+        max_message_bytes: largest request or response message, bytes. Attend /
+            append-and-attend payloads must fit; Append, export and import stream.
+        stream_chunk_bytes: data bytes per message of export streams (and what the client
+            uses for Append / import).
+        shutdown_grace_s: seconds in-flight calls get to finish at shutdown.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_message_bytes: int = 256 * MiB
+    stream_chunk_bytes: int = 2 * MiB
+    shutdown_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ConfigError("server.host must not be empty")
+        _port("server.port", self.port)
+        _positive_int("server.max_message_bytes", self.max_message_bytes)
+        _positive_int("server.stream_chunk_bytes", self.stream_chunk_bytes)
+        if self.stream_chunk_bytes > self.max_message_bytes // 2:
+            raise ConfigError(
+                "server.stream_chunk_bytes must be at most half of server.max_message_bytes "
+                f"({self.max_message_bytes // 2}), got {self.stream_chunk_bytes}"
+            )
+        _non_negative("server.shutdown_grace_s", self.shutdown_grace_s)
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """How the coordinator drives the workers.
+
+    Attributes:
+        batch_window_ms: how long the first request for a (worker, layer) waits for others
+            to join its worker call, milliseconds. 0 still merges requests that arrive in
+            the same event-loop turn.
+        max_batch_items: a worker call is sent at once when it holds this many sequences.
+        worker_timeout_s: a worker call taking longer counts as a lost worker.
+        tenant_quota_blocks: blocks any one tenant may hold (None: no quota).
+    """
+
+    batch_window_ms: float = 0.5
+    max_batch_items: int = 256
+    worker_timeout_s: float = 60.0
+    tenant_quota_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        _non_negative("coordinator.batch_window_ms", self.batch_window_ms)
+        _positive_int("coordinator.max_batch_items", self.max_batch_items)
+        if not (isinstance(self.worker_timeout_s, int | float) and self.worker_timeout_s > 0):
+            raise ConfigError(
+                f"coordinator.worker_timeout_s must be > 0 seconds, got {self.worker_timeout_s!r}"
+            )
+        if self.tenant_quota_blocks is not None:
+            _positive_int("coordinator.tenant_quota_blocks", self.tenant_quota_blocks)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """The Prometheus /metrics endpoint (port 0: any free port)."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = 9400
+
+    def __post_init__(self) -> None:
+        _port("metrics.port", self.port)
+
+
+@dataclass(frozen=True)
+class TLSFilesConfig:
+    """PEM files of the server's TLS (client_ca_file set: mutual TLS)."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Everything `kvcache serve` needs. See the module docstring for the file format."""
+
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    auth_file: str | None = None
+    tls: TLSFilesConfig | None = None
+    store_path: str | None = None
+    log_level: str = "INFO"
+    log_format: str = "text"
+
+    def __post_init__(self) -> None:
+        if self.log_level not in _LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {list(_LOG_LEVELS)}, got {self.log_level!r}")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"log_format must be 'text' or 'json', got {self.log_format!r}")
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> ServiceConfig:
+        """A copy with dotted keys replaced, e.g. {"server.port": 0, "auth_file": "t.yaml"}.
+
+        None values are skipped, so unset CLI flags can be passed through unchanged.
+        """
+        doc = to_dict(self)
+        for key, value in overrides.items():
+            if value is None:
+                continue
+            parts = key.split(".")
+            node = doc
+            for part in parts[:-1]:
+                if not isinstance(node.get(part), dict):
+                    if part in node and node[part] is None:
+                        node[part] = {}
+                    else:
+                        raise ConfigError(f"unknown configuration key {key!r}")
+                node = node[part]
+            node[parts[-1]] = value
+        return from_dict(doc)
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The configuration as plain nested dicts (what a YAML file holds)."""
+    return dataclasses.asdict(config)
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where or 'the configuration'} must be a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(raw) - known
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {sorted(map(str, unknown))} in {where or 'the configuration'}; "
+            f"allowed: {sorted(known)}"
+        )
+    kwargs = {}
+    for name, value in raw.items():
+        key = f"{where}.{name}" if where else name
+        kwargs[name] = _convert(hints[name], value, key)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a required field is missing
+        raise ConfigError(f"{where or 'the configuration'}: {exc}") from None
+
+
+def _convert(hint: Any, value: Any, key: str) -> Any:
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(inner, value, key)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {hint!r}")  # pragma: no cover - a code bug
+
+
+def from_dict(doc: Mapping[str, Any]) -> ServiceConfig:
+    """Build and validate a ServiceConfig from nested dicts; raises ConfigError."""
+    return _build(ServiceConfig, doc, "")
+
+
+def load_config(path: str | Path | None = None) -> ServiceConfig:
+    """Read a YAML configuration file (None: the defaults)."""
+    if path is None:
+        return ServiceConfig()
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read configuration: {exc.strerror}") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    try:
+        return from_dict(doc or {})
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None

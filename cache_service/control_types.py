@@ -1,0 +1,105 @@
+"""Value types the block manager hands to the layers above it (see docs/contracts.md).
+
+Plain immutable values: they can be logged, compared and turned into JSON as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+__all__ = [
+    "BlockCopy",
+    "CreatedSequence",
+    "PhysicalBlock",
+    "Segment",
+    "SeqRef",
+    "SequenceView",
+    "WritePlan",
+]
+
+
+class PhysicalBlock(NamedTuple):
+    """One block of one worker's pool: `index` in [0, num_blocks) of worker `worker_id`.
+
+    A NamedTuple rather than a dataclass: it is a dict key on every hot path, and tuple
+    hashing runs in C.
+    """
+
+    worker_id: str
+    index: int
+
+
+class SeqRef(NamedTuple):
+    """A sequence named by its tenant and id (what `lose_worker` returns)."""
+
+    tenant: str
+    seq_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class CreatedSequence:
+    """Result of `create_sequence` / `fork`.
+
+    Attributes:
+        seq_id: the new sequence's opaque id (scoped to its tenant).
+        num_cached_tokens: tokens whose KV is already in the cache, every layer written;
+            the client computes the prompt from this position on.
+    """
+
+    seq_id: str
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy block `src` to block `dst` on one worker (all layers, K and V)."""
+
+    worker_id: str
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class WritePlan:
+    """Where the worker writes the K/V of the tokens passed to `prepare_write`.
+
+    Attributes:
+        start: position of the first token (the layer's written length before the write).
+        slots: per token, (worker_id, flat slot = block_index * block_size + offset).
+        copies: copy-on-write copies the workers must run before writing.
+    """
+
+    start: int
+    slots: list[tuple[str, int]]
+    copies: list[BlockCopy]
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A run of consecutive logical blocks of a sequence that live on one worker.
+
+    Attributes:
+        worker_id: the worker holding these blocks.
+        start_token: logical position of the segment's first token.
+        block_indices: the blocks' indices in that worker's pool, in logical order.
+    """
+
+    worker_id: str
+    start_token: int
+    block_indices: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceView:
+    """What attention over one layer of a sequence reads.
+
+    Attributes:
+        seq_len: tokens written for the layer (the kernel's seq_len).
+        segments: contiguous runs of the block table covering [0, seq_len), in order. More
+            than one when the sequence spans workers: each worker attends over its segments
+            and the partial outputs are merged with their log-sum-exps.
+    """
+
+    seq_len: int
+    segments: tuple[Segment, ...]

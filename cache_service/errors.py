@@ -1,0 +1,64 @@
+"""Errors of the control plane (block manager). Every one leaves the state unchanged.
+
+The gRPC servicer maps them to status codes; the mapping lives there, not here, so these
+modules stay free of grpc imports.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CacheError",
+    "InvalidRequest",
+    "LayerNotWritten",
+    "PermissionDenied",
+    "PoolExhausted",
+    "QuotaExceeded",
+    "SequenceLost",
+    "SequenceNotFound",
+]
+
+
+class CacheError(Exception):
+    """Base of every control-plane error. A call that raises one changed nothing."""
+
+
+class SequenceNotFound(CacheError):
+    """No such sequence for this tenant.
+
+    Raised both for ids that were never issued (or were freed) and for ids that belong to
+    another tenant, with the same message, so a tenant cannot probe other tenants' ids.
+    """
+
+
+class PermissionDenied(SequenceNotFound):
+    """The caller may not act on this object.
+
+    A subclass of SequenceNotFound so that code catching "not found" also catches it and a
+    service maps both to the same status (NOT_FOUND), leaking nothing about ids. The block
+    manager itself raises SequenceNotFound for a sequence of another tenant; this class is
+    for layers above it (e.g. an auth check) that want a distinct type with the same
+    outward behaviour.
+    """
+
+
+class InvalidRequest(CacheError):
+    """The arguments are malformed or inconsistent with the sequence's state."""
+
+
+class LayerNotWritten(CacheError):
+    """Attention was asked for a layer with nothing written yet (its length is 0)."""
+
+
+class QuotaExceeded(CacheError):
+    """The tenant would exceed its block or sequence quota."""
+
+
+class PoolExhausted(CacheError):
+    """Not enough blocks even after evicting every cached-free block that could go."""
+
+
+class SequenceLost(CacheError):
+    """A worker holding some of the sequence's blocks was lost; the client must recompute.
+
+    Every call on the sequence raises this until the client frees it.
+    """

@@ -1,0 +1,711 @@
+"""Hugging Face transformers causal LMs whose KV cache and attention live in the service.
+
+How a forward pass reaches the service:
+
+1. :class:`ServiceModel` routes every attention layer of the model to
+   :func:`service_attention_forward` (registered in transformers' ``AttentionInterface``
+   as ``"kvcache_service"``) and installs a forward pre-hook on the model.
+2. A :class:`GenerationSession` owns one service sequence per batch row. Its
+   :class:`ServiceKVCache` is what ``generate()`` gets as ``past_key_values``: a
+   ``transformers.Cache`` that stores nothing and reports how many columns the model has
+   already processed, so ``generate()`` feeds only the columns still missing (after a
+   prefix hit the prefill starts at the first uncached prompt token).
+3. Per forward, the pre-hook reads the step's token ids and attention mask, checks them
+   against the session, plans which columns of each row are new to the service (padding
+   and cached columns are skipped) and hands the plan to the attention layers through a
+   forward keyword.
+4. Each attention layer, after the model applied its rotary embedding, sends the new
+   keys/values and queries of every row in one ``append_attend`` RPC and returns the
+   service's output in the layout transformers expects ``[batch, q_len, q_heads,
+   head_dim]``. Columns that were not sent (padding, cached prefix) get zeros: nothing
+   downstream reads them, because later layers' keys for those columns are never sent and
+   only the last column's logits pick the next token.
+
+Only the model's own computation (embeddings, projections, rotary, MLP, sampling) stays
+local; the cache and the attention are the service's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from cache_service.client import AppendAttendItem
+from cache_service.integrations.batch_plan import BatchPlan, StepPlan
+
+if TYPE_CHECKING:
+    from cache_service.client import SequenceHandle
+
+__all__ = [
+    "SERVICE_ATTENTION",
+    "GenerationSession",
+    "ModelLayout",
+    "ServiceKVCache",
+    "ServiceModel",
+    "SessionConfig",
+    "SessionStats",
+    "model_layout",
+    "service_attention_forward",
+]
+
+SERVICE_ATTENTION = "kvcache_service"
+"""The ``attn_implementation`` name under which the service attention is registered."""
+
+# Forward keyword carrying the active step from the model's pre-hook down to each attention
+# layer (transformers forwards unknown keywords to the attention function).
+_STEP_KWARG = "kvcache_step"
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class ServiceClient(Protocol):
+    """What the adapter needs of ``cache_service.client.KVCacheClient``."""
+
+    def info(self) -> Any: ...
+
+    def create_sequence(self, prompt_token_ids: Sequence[int] | None = None) -> SequenceHandle: ...
+
+    def free(self, seq_id: str) -> None: ...
+
+    def append_attend(self, layer: int, items: list[AppendAttendItem]) -> list[torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """The attention shape of a model, as the service's layout must match it.
+
+    Attributes:
+        num_layers: attention layers (service layers ``0 .. num_layers - 1``).
+        num_q_heads: query heads per layer.
+        num_kv_heads: key/value heads per layer (``num_q_heads`` is a multiple: GQA/MQA).
+        head_dim: channels per head.
+    """
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def model_layout(model: PreTrainedModel) -> ModelLayout:
+    """Read the attention shape of a decoder-only transformers model from its config."""
+    cfg = model.config.get_text_config(decoder=True)
+    num_q = int(cfg.num_attention_heads)
+    num_kv = int(getattr(cfg, "num_key_value_heads", None) or num_q)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_q
+    return ModelLayout(
+        num_layers=int(cfg.num_hidden_layers),
+        num_q_heads=num_q,
+        num_kv_heads=num_kv,
+        head_dim=int(head_dim),
+    )
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """How a :class:`GenerationSession` uses the service.
+
+    Attributes:
+        reuse_prefix: create each sequence with its prompt so the service adopts the longest
+            cached prefix (the prefill then computes only the rest). False starts every
+            sequence empty.
+        free_on_close: free the sequences when the session closes. Their full blocks stay
+            in the service's prefix cache either way.
+    """
+
+    reuse_prefix: bool = True
+    free_on_close: bool = True
+
+
+@dataclass
+class SessionStats:
+    """What a session sent to the service (counts are per layer: every layer sends the same).
+
+    Attributes:
+        cached_tokens: per row, prompt tokens the service already held at creation.
+        prompt_tokens: per row, prompt length without padding.
+        step_columns: per forward, columns the model computed.
+        step_tokens: per forward, tokens sent to the service for each row.
+        rpc_calls: ``append_attend`` calls (one per layer per forward).
+        rpc_seconds: wall time spent inside ``append_attend``, seconds.
+    """
+
+    cached_tokens: list[int]
+    prompt_tokens: list[int]
+    step_columns: list[int] = field(default_factory=list)
+    step_tokens: list[list[int]] = field(default_factory=list)
+    rpc_calls: int = 0
+    rpc_seconds: float = 0.0
+
+    @property
+    def prefill_tokens(self) -> list[int]:
+        """Per row, tokens the first forward (the prefill) sent."""
+        return list(self.step_tokens[0]) if self.step_tokens else []
+
+
+class _ServiceCacheLayer(CacheLayerMixin):
+    """One layer of :class:`ServiceKVCache`: keeps no tensors, reports the session's length."""
+
+    is_sliding = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, session: GenerationSession) -> None:
+        super().__init__()
+        self._session = session
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to allocate: the keys and values live in the service."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the new keys/values unchanged: the attention layer sends them on."""
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) in columns, as if the processed columns were stored here."""
+        return self._session.plan.consumed + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Columns of the padded batch the model has processed (or may skip)."""
+        return self._session.plan.consumed
+
+    def get_max_length(self) -> int:
+        """No fixed maximum: the service grows sequences block by block."""
+        return -1
+
+    def reset(self) -> None:
+        raise NotImplementedError("a service session cannot be reset; open a new session")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("beam search is not supported through the service (greedy/sampling only)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("the service cache cannot be cropped (no assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(
+            "num_return_sequences > 1 / beams are not supported: open one row per sample"
+        )
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("the batch of a service session is fixed when it opens")
+
+
+class ServiceKVCache(Cache):
+    """The ``past_key_values`` to pass to ``generate()``: its KV lives in the service."""
+
+    def __init__(self, session: GenerationSession, num_layers: int) -> None:
+        super().__init__(layers=[_ServiceCacheLayer(session) for _ in range(num_layers)])
+        self.session = session
+
+
+class _ActiveStep:
+    """One forward pass in flight: the plan, its token ids, and which layers have attended."""
+
+    def __init__(self, session: GenerationSession, plan: StepPlan, token_ids: list[list[int]]):
+        self.session = session
+        self.plan = plan
+        self.token_ids = token_ids  # per row: the ids of the tokens it sends this step
+        self.layers_done: set[int] = set()
+
+
+class GenerationSession:
+    """One request: a left-padded batch whose rows are service sequences.
+
+    Open it with :meth:`ServiceModel.session`; pass :attr:`cache` to ``generate()`` as
+    ``past_key_values`` (or call :meth:`generate`). Closing frees the sequences.
+    """
+
+    def __init__(
+        self,
+        owner: ServiceModel,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        config: SessionConfig,
+    ) -> None:
+        if input_ids.ndim != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+            raise ValueError(f"input_ids must be [batch, columns], got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+        mask = _normalise_mask(attention_mask, input_ids.shape)
+        pads = _left_padding(mask)
+        self._owner = owner
+        self._config = config
+        self.input_ids = input_ids.detach().cpu()
+        self.attention_mask = mask
+        prompts = [self.input_ids[b, pads[b] :].tolist() for b in range(len(pads))]
+        self._handles: list[SequenceHandle] = []
+        self._closed = False
+        self._broken: str | None = None
+        self._active: _ActiveStep | None = None
+        try:
+            for prompt in prompts:
+                handle = owner.client.create_sequence(prompt if config.reuse_prefix else None)
+                self._handles.append(handle)
+            cached = [int(h.num_cached_tokens) for h in self._handles]
+            self.plan = BatchPlan(pads, cached, int(input_ids.shape[1]))
+        except BaseException:
+            self._free_all(suppress=True)
+            raise
+        self.stats = SessionStats(cached_tokens=cached, prompt_tokens=[len(p) for p in prompts])
+        self.cache = ServiceKVCache(self, owner.layout.num_layers)
+
+    @property
+    def seq_ids(self) -> list[str]:
+        """Service sequence id of each row."""
+        return [h.seq_id for h in self._handles]
+
+    def generate(self, **generate_kwargs: Any) -> Any:
+        """Run ``model.generate`` on the session's prompt with the service as KV cache.
+
+        Keyword arguments go to ``generate`` (``max_new_tokens``, ``do_sample``, ...);
+        ``input_ids``, ``attention_mask`` and ``past_key_values`` are the session's.
+        """
+        for key in ("input_ids", "attention_mask", "past_key_values", "use_cache"):
+            if key in generate_kwargs:
+                raise ValueError(f"{key!r} is set by the session; do not pass it")
+        device = self._owner.model.device
+        return self._owner.model.generate(
+            input_ids=self.input_ids.to(device),
+            attention_mask=self.attention_mask.to(device),
+            past_key_values=self.cache,
+            use_cache=True,
+            **generate_kwargs,
+        )
+
+    def close(self) -> None:
+        """Free the sequences (if the config says so). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._owner._sessions.discard(self)
+        if self._config.free_on_close:
+            self._free_all(suppress=False)
+
+    def __enter__(self) -> GenerationSession:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as close_error:  # the original error matters more
+            exc.add_note(f"closing the service session also failed: {close_error!r}")
+
+    # --- called by the model hooks and the attention function --------------------------
+
+    def begin_step(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> tuple[_ActiveStep, torch.Tensor]:
+        """Check a forward's inputs against the session and plan what each row sends.
+
+        Args:
+            input_ids: int ``[batch, q]``, columns ``[consumed, consumed + q)`` of the batch.
+            attention_mask: 0/1 ``[batch, consumed + q]`` or None.
+            position_ids: int ``[batch or 1, q]`` or None.
+
+        Returns:
+            (the step, the position ids ``[batch, q]`` the model must use).
+        """
+        self._check_usable()
+        plan = self.plan
+        if input_ids.ndim != 2 or input_ids.shape[0] != plan.batch_size:
+            raise ValueError(
+                f"input_ids must be [{plan.batch_size}, q] for this session, got {tuple(input_ids.shape)}"
+            )
+        q = int(input_ids.shape[1])
+        start = plan.consumed
+        ids = input_ids.detach().cpu()
+        if start < plan.prompt_columns:
+            stop = min(start + q, plan.prompt_columns)
+            if not torch.equal(ids[:, : stop - start], self.input_ids[:, start:stop]):
+                raise ValueError(
+                    f"input_ids columns {start}..{stop} differ from the session's prompt; "
+                    "open a new session for another prompt"
+                )
+        if attention_mask is not None:
+            self._check_mask(attention_mask, start, q)
+        step = plan.plan(q)
+        expected_positions = torch.zeros(plan.batch_size, q, dtype=torch.long)
+        token_ids = []
+        for row in step.rows:
+            offset = row.first_column - start
+            expected_positions[row.row] = torch.arange(q) - offset + row.start_position
+            token_ids.append(ids[row.row, offset:].tolist())
+        if position_ids is not None:
+            given = position_ids.detach().cpu().expand(plan.batch_size, q)
+            for row in step.rows:
+                offset = row.first_column - start
+                if row.count and not torch.equal(
+                    given[row.row, offset:], expected_positions[row.row, offset:]
+                ):
+                    raise ValueError(
+                        f"row {row.row}: position_ids {given[row.row, offset:].tolist()} do not "
+                        f"match the service positions starting at {row.start_position}"
+                    )
+        self._active = _ActiveStep(self, step, token_ids)
+        return self._active, expected_positions.clamp_min(0)
+
+    def end_step(self, step: _ActiveStep, failed: bool) -> None:
+        """Commit a finished forward; a forward that failed or skipped layers breaks the session."""
+        self._active = None
+        missing = set(range(self._owner.layout.num_layers)) - step.layers_done
+        if failed or missing:
+            # Some layers may have written and others not: the sequences are inconsistent.
+            self._broken = (
+                f"forward step {step.plan.index} failed"
+                if failed
+                else f"layers {sorted(missing)} did not attend through the service"
+            )
+            if not failed:
+                raise RuntimeError(
+                    f"{self._broken}: the model is not routed to {SERVICE_ATTENTION!r}"
+                )
+            return
+        self.plan.commit(step.plan)
+        self.stats.step_columns.append(step.plan.num_columns)
+        self.stats.step_tokens.append([r.count for r in step.plan.rows])
+
+    def attend(
+        self,
+        step: _ActiveStep,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float | None,
+    ) -> torch.Tensor:
+        """Append one layer's new K/V and attend its queries, for every row, in one RPC.
+
+        Args:
+            layer: the model's layer index (= the service's).
+            query: ``[batch, q_heads, q, head_dim]`` after rotary embedding.
+            key, value: ``[batch, kv_heads, q, head_dim]`` after rotary embedding (keys).
+            scaling: the model's softmax scale (None = ``head_dim ** -0.5``).
+
+        Returns:
+            ``[batch, q, q_heads, head_dim]`` in the query's dtype; zeros where nothing
+            was sent (padding, cached prefix).
+        """
+        if step is not self._active:
+            raise RuntimeError("attention called outside the session's current forward step")
+        if layer in step.layers_done:
+            raise RuntimeError(f"layer {layer} attended twice in one forward step")
+        layout = self._owner.layout
+        batch, num_q_heads, q, head_dim = query.shape
+        if (num_q_heads, head_dim, key.shape[1]) != (
+            layout.num_q_heads,
+            layout.head_dim,
+            layout.num_kv_heads,
+        ):
+            raise ValueError(
+                f"layer {layer}: query {tuple(query.shape)} / key {tuple(key.shape)} do not "
+                f"match the model layout {layout}"
+            )
+        rows = [r for r in step.plan.rows if r.count]
+        width = max((r.count for r in rows), default=0)
+        # One device-to-host copy per tensor per layer (the client sends CPU bytes), not one
+        # per row; K/V go in the service's KV dtype, queries in the model's (the output
+        # comes back in the query's dtype).
+        kv_dtype = self._owner.kv_dtype
+        q_host = query[:, :, q - width :, :].transpose(1, 2).to("cpu")
+        k_host = key[:, :, q - width :, :].transpose(1, 2).to("cpu", kv_dtype)
+        v_host = value[:, :, q - width :, :].transpose(1, 2).to("cpu", kv_dtype)
+        # The service applies head_dim ** -0.5; another model scale is folded into the query.
+        factor = 1.0 if scaling is None else scaling * math.sqrt(head_dim)
+        if not math.isclose(factor, 1.0, rel_tol=1e-6):
+            q_host = q_host * factor
+        items = []
+        for r in rows:
+            sl = slice(width - r.count, width)
+            items.append(
+                AppendAttendItem(
+                    seq_id=self._handles[r.row].seq_id,
+                    token_ids=step.token_ids[r.row],
+                    key=k_host[r.row, sl],
+                    value=v_host[r.row, sl],
+                    query=q_host[r.row, sl],
+                )
+            )
+        t0 = time.perf_counter()
+        try:
+            outputs = self._owner.client.append_attend(layer, items)
+        except BaseException:
+            self._broken = f"append_attend failed on layer {layer} of step {step.plan.index}"
+            raise
+        self.stats.rpc_seconds += time.perf_counter() - t0
+        self.stats.rpc_calls += 1
+        if len(outputs) != len(items):
+            raise RuntimeError(f"service returned {len(outputs)} outputs for {len(items)} items")
+        out = torch.zeros(batch, q, num_q_heads, head_dim, dtype=query.dtype)
+        for r, o in zip(rows, outputs, strict=True):
+            if tuple(o.shape) != (r.count, num_q_heads, head_dim):
+                raise RuntimeError(
+                    f"service output for row {r.row} has shape {tuple(o.shape)}, "
+                    f"expected {(r.count, num_q_heads, head_dim)}"
+                )
+            out[r.row, q - r.count :] = o
+        step.layers_done.add(layer)
+        return out.to(query.device)
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("the service session is closed")
+        if self._broken is not None:
+            raise RuntimeError(
+                f"the service session is unusable ({self._broken}); its sequences may be "
+                "partly written: close it and open a new one"
+            )
+        if self._active is not None:
+            raise RuntimeError("a forward step of this session is already running")
+
+    def _check_mask(self, attention_mask: torch.Tensor, start: int, q: int) -> None:
+        if attention_mask.ndim != 2:
+            raise ValueError(
+                f"only 2D 0/1 attention masks are supported, got shape {tuple(attention_mask.shape)}"
+            )
+        if attention_mask.shape != (self.plan.batch_size, start + q):
+            raise ValueError(
+                f"attention_mask must be [{self.plan.batch_size}, {start + q}] at this step, "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        got = attention_mask[:, start:].detach().cpu().to(torch.long)
+        want = torch.tensor(self.plan.expected_mask(start, start + q), dtype=torch.long)
+        if not torch.equal(got, want):
+            raise ValueError(
+                "attention_mask must keep the session's left padding and mark every new "
+                f"column as a token (columns {start}..{start + q})"
+            )
+
+    def _free_all(self, suppress: bool) -> None:
+        errors = []
+        for handle in self._handles:
+            try:
+                self._owner.client.free(handle.seq_id)
+            except Exception as e:
+                errors.append(e)
+        self._handles = [] if suppress else self._handles
+        if errors and not suppress:
+            raise RuntimeError(f"freeing {len(errors)} sequence(s) failed: {errors[0]!r}") from errors[0]
+
+
+def _normalise_mask(attention_mask: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
+    if attention_mask is None:
+        return torch.ones(tuple(shape), dtype=torch.long)
+    if tuple(attention_mask.shape) != tuple(shape):
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} differs from input_ids {tuple(shape)}"
+        )
+    mask = attention_mask.detach().cpu().to(torch.long)
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+    return mask
+
+
+def _left_padding(mask: torch.Tensor) -> list[int]:
+    """Padding columns per row; raises unless every row is ``0 .. 0 1 .. 1`` with a token."""
+    pads = []
+    for b in range(mask.shape[0]):
+        row = mask[b]
+        n_tokens = int(row.sum())
+        if n_tokens == 0:
+            raise ValueError(f"row {b} has no tokens (all padding)")
+        pad = row.shape[0] - n_tokens
+        if int(row[pad:].sum()) != n_tokens:
+            raise ValueError(
+                f"row {b} is not left-padded: the service needs padding_side='left' "
+                "(all padding before the first token)"
+            )
+        pads.append(pad)
+    return pads
+
+
+def service_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: append + attend through the service.
+
+    Args:
+        module: the attention module (its ``layer_idx`` is the service layer).
+        query: ``[batch, q_heads, q, head_dim]``; key/value ``[batch, kv_heads, q,
+            head_dim]`` (only this step's tokens: :class:`ServiceKVCache` keeps nothing).
+        attention_mask: ignored (the session knows the padding; attention is causal).
+
+    Returns:
+        (``[batch, q, q_heads, head_dim]``, None): no attention weights.
+    """
+    step = kwargs.get(_STEP_KWARG)
+    if not isinstance(step, _ActiveStep):
+        raise RuntimeError(
+            f"attention {SERVICE_ATTENTION!r} needs a service session: run the model through "
+            "ServiceModel with past_key_values=session.cache"
+        )
+    if dropout:
+        raise ValueError("attention dropout is not supported through the service (inference only)")
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("attention logit softcapping is not supported by the service")
+    if kwargs.get("is_causal") is False:
+        raise NotImplementedError("the service attention is causal only")
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        # A window at least as long as every sequence is plain causal attention.
+        longest = max(r.start_position + r.count for r in step.plan.rows)
+        if longest > window:
+            raise NotImplementedError(
+                f"sliding-window attention ({window}) over {longest} tokens is not supported "
+                "by the service"
+            )
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise RuntimeError(f"attention module {type(module).__name__} has no integer layer_idx")
+    out = step.session.attend(step, layer, query, key, value, scaling)
+    return out, None
+
+
+AttentionInterface.register(SERVICE_ATTENTION, service_attention_forward)
+
+
+class ServiceModel:
+    """A transformers causal LM whose attention layers use the service as KV cache.
+
+    Args:
+        model: a decoder-only ``PreTrainedModel`` with ``layer_idx`` on its attention
+            modules (Llama, Mistral, Qwen2 and most Llama-family models).
+        client: a connected ``KVCacheClient`` whose layout matches the model
+            (layers, KV heads, head_dim).
+
+    Raises:
+        ValueError: the service layout does not fit the model.
+    """
+
+    def __init__(self, model: PreTrainedModel, client: ServiceClient) -> None:
+        self.model = model
+        self.client = client
+        self.layout = model_layout(model)
+        self.kv_dtype = _check_service_layout(client.info(), self.layout)
+        self._sessions: set[GenerationSession] = set()
+        self._previous_attn = model.config._attn_implementation
+        model.set_attn_implementation(SERVICE_ATTENTION)
+        self._pre_hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        self._post_hook = model.register_forward_hook(
+            self._after_forward, with_kwargs=True, always_call=True
+        )
+
+    def session(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        config: SessionConfig | None = None,
+    ) -> GenerationSession:
+        """Open a session: one service sequence per row of a left-padded batch.
+
+        Args:
+            input_ids: int ``[batch, columns]``, rows left-padded.
+            attention_mask: 0/1 ``[batch, columns]`` (0 = padding); None = no padding.
+            config: see :class:`SessionConfig`.
+        """
+        s = GenerationSession(self, input_ids, attention_mask, config or SessionConfig())
+        self._sessions.add(s)
+        return s
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        config: SessionConfig | None = None,
+        **generate_kwargs: Any,
+    ) -> tuple[Any, SessionStats]:
+        """Open a session, ``generate()`` through it, close it.
+
+        Returns:
+            (what ``model.generate`` returned, the session's :class:`SessionStats`).
+        """
+        with self.session(input_ids, attention_mask, config) as s:
+            out = s.generate(**generate_kwargs)
+        return out, s.stats
+
+    def detach(self) -> None:
+        """Close open sessions, remove the hooks and restore the model's attention."""
+        for s in list(self._sessions):
+            s.close()
+        self._pre_hook.remove()
+        self._post_hook.remove()
+        self.model.set_attn_implementation(self._previous_attn)
+
+    def _before_forward(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        cache = kwargs.get("past_key_values")
+        if not isinstance(cache, ServiceKVCache) or cache.session._owner is not self:
+            raise ValueError(
+                "this model's attention runs in the service: pass past_key_values=session.cache "
+                "of a session opened with ServiceModel.session() (or use its generate())"
+            )
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None:
+            raise ValueError("input_ids are required: the service indexes the cache by token id")
+        step, positions = cache.session.begin_step(
+            input_ids, kwargs.get("attention_mask"), kwargs.get("position_ids")
+        )
+        kwargs = dict(kwargs)
+        kwargs[_STEP_KWARG] = step
+        kwargs["position_ids"] = positions.to(input_ids.device)
+        # The session checked the mask; the attention ignores it, so skip building one.
+        kwargs["attention_mask"] = None
+        return args, kwargs
+
+    def _after_forward(
+        self,
+        module: torch.nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+    ) -> None:
+        step = kwargs.get(_STEP_KWARG)
+        if isinstance(step, _ActiveStep):  # absent when the pre-hook itself raised
+            # torch passes output=None when the forward raised.
+            step.session.end_step(step, failed=output is None)
+
+
+def _check_service_layout(info: Any, layout: ModelLayout) -> torch.dtype:
+    """Compare the service's layout (``client.info()``) with the model's; return its KV dtype."""
+    svc = getattr(info, "layout", info)
+    mismatches = [
+        f"{name}: service {getattr(svc, name, None)} != model {want}"
+        for name, want in (
+            ("num_layers", layout.num_layers),
+            ("num_kv_heads", layout.num_kv_heads),
+            ("head_dim", layout.head_dim),
+        )
+        if getattr(svc, name, None) != want
+    ]
+    if mismatches:
+        raise ValueError("the service layout does not fit the model: " + "; ".join(mismatches))
+    dtype = getattr(svc, "dtype", None)
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown service KV dtype {dtype!r}")
+    return _DTYPES[dtype]

@@ -1,0 +1,357 @@
+"""Prometheus metrics of the KV-cache service (one object the coordinator owns).
+
+Naming follows Prometheus conventions: one prefix (default "kvcache"), base units
+(seconds, bytes), `_total` on counters, ratios in 0..1, no colons. docs/metrics.md lists
+every metric with its labels and meaning.
+
+Two kinds of figures:
+- events along the request path (RPCs, worker calls, tokens, lost sequences, worker
+  restarts) are counted as they happen through the methods below;
+- the pool and prefix-cache state is read at scrape time from the control plane's own
+  accounting (`bind_stats`), so the exported values are the allocator's exact numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc.aio
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+)
+from prometheus_client import start_http_server as _start_http_server
+
+from cache_service.metrics_rpc import RpcMetricsInterceptor
+from cache_service.metrics_stats import CacheStatsCollector, StatsBinding
+
+__all__ = ["MetricsHTTPServer", "ServiceMetrics"]
+
+_PREFIX_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+# RPC latency, seconds: from a cached lookup (sub-millisecond) to a long prefill on CPU.
+RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# One worker call (kernel launches of a coalesced layer batch plus the actor round trip).
+WORKER_CALL_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    10,
+)
+# Requests coalesced into one worker call: powers of two up to a large decode batch.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def _check_worker_id(worker_id: str) -> None:
+    if not isinstance(worker_id, str) or not worker_id:
+        raise ValueError(f"worker_id must be a non-empty string, got {worker_id!r}")
+
+
+def _check_count(name: str, n: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {n!r}")
+
+
+@dataclass
+class MetricsHTTPServer:
+    """The /metrics HTTP endpoint running in a background thread; `stop()` ends it.
+
+    Attributes:
+        host: the address it listens on.
+        port: the bound TCP port (the real one when 0 was asked for).
+    """
+
+    host: str
+    port: int
+    _server: Any
+    _thread: threading.Thread
+
+    @property
+    def url(self) -> str:
+        """The scrape URL, e.g. "http://127.0.0.1:9400/metrics"."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop serving and close the socket; idempotent."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=timeout_s)
+
+    def __enter__(self) -> MetricsHTTPServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ServiceMetrics:
+    """Every metric the service exports, in one registry.
+
+    Args:
+        registry: where the metrics are registered; None creates a private registry that
+            also carries the process, platform and GC collectors (several services can then
+            live in one process, e.g. in tests).
+        prefix: metric name prefix, `[a-zA-Z_][a-zA-Z0-9_]*` (no colons).
+        bytes_per_block: KV bytes of one block, all layers, K and V
+            (`KVLayout.bytes_per_block`); can also be given to `bind_stats`.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        prefix: str = "kvcache",
+        bytes_per_block: int | None = None,
+    ) -> None:
+        if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
+            raise ValueError(
+                f"prefix must match [a-zA-Z_][a-zA-Z0-9_]* (Prometheus name, no colons), "
+                f"got {prefix!r}"
+            )
+        if bytes_per_block is not None:
+            _check_positive_int("bytes_per_block", bytes_per_block)
+        if registry is None:
+            registry = CollectorRegistry(auto_describe=True)
+            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+                registry.register(collector)
+        self.registry = registry
+        self.prefix = prefix
+        self._bytes_per_block = bytes_per_block
+        self._lock = threading.Lock()
+        self._epochs: dict[str, str] = {}
+        self._stats_collector: CacheStatsCollector | None = None
+        p = prefix
+        reg = registry
+
+        self.rpc_requests = Counter(
+            f"{p}_rpc_requests",
+            "gRPC requests handled, by service, method and final status code.",
+            ["service", "method", "code"],
+            registry=reg,
+        )
+        self.rpc_duration = Histogram(
+            f"{p}_rpc_duration_seconds",
+            "gRPC handling time in seconds, by service, method and final status code.",
+            ["service", "method", "code"],
+            buckets=RPC_BUCKETS,
+            registry=reg,
+        )
+        self.worker_call_duration = Histogram(
+            f"{p}_worker_call_duration_seconds",
+            "Time of one coordinator -> worker call (one coalesced layer batch: KV writes and "
+            "attention kernels plus the actor round trip), seconds.",
+            ["worker"],
+            buckets=WORKER_CALL_BUCKETS,
+            registry=reg,
+        )
+        self.worker_batch_size = Histogram(
+            f"{p}_worker_batch_size",
+            "Requests coalesced into one worker call (layer batch size after coalescing).",
+            ["worker"],
+            buckets=BATCH_BUCKETS,
+            registry=reg,
+        )
+        self.tokens_appended = Counter(
+            f"{p}_tokens_appended", "Tokens whose K/V were written (per layer batch).", registry=reg
+        )
+        self.attention_tokens = Counter(
+            f"{p}_attention_tokens", "Query tokens whose attention was served.", registry=reg
+        )
+        self.lost_sequences = Counter(
+            f"{p}_lost_sequences",
+            "Sequences failed with DATA_LOSS because a worker holding their blocks was lost.",
+            registry=reg,
+        )
+        self.correctness_mismatches = Counter(
+            f"{p}_correctness_mismatches",
+            "Online correctness checks whose attention output differed from the reference, "
+            "by worker.",
+            ["worker"],
+            registry=reg,
+        )
+        self.worker_up = Gauge(
+            f"{p}_worker_up",
+            "1 while the worker is reachable and serving, else 0.",
+            ["worker"],
+            registry=reg,
+        )
+        self.worker_restarts = Counter(
+            f"{p}_worker_restarts",
+            "Worker restarts seen by the coordinator (epoch changes; each empties the pool).",
+            ["worker"],
+            registry=reg,
+        )
+
+    # -- gRPC ------------------------------------------------------------------------------
+
+    def rpc_interceptor(self) -> grpc.aio.ServerInterceptor:
+        """An interceptor for `grpc.aio.server(interceptors=[...])` recording every RPC's
+        latency (seconds) and count by service, method and final status code."""
+        return RpcMetricsInterceptor(self.rpc_requests, self.rpc_duration)
+
+    # -- data plane ------------------------------------------------------------------------
+
+    def observe_worker_call(self, worker_id: str, layer_batch_size: int, seconds: float) -> None:
+        """Record one coordinator -> worker call.
+
+        Args:
+            worker_id: the worker's id (as in the block manager).
+            layer_batch_size: requests coalesced into the call (>= 1).
+            seconds: wall time of the call, seconds (finite, >= 0).
+        """
+        _check_worker_id(worker_id)
+        _check_positive_int("layer_batch_size", layer_batch_size)
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, int | float)
+            or not math.isfinite(seconds)
+            or seconds < 0
+        ):
+            raise ValueError(f"seconds must be a finite number >= 0, got {seconds!r}")
+        self.worker_call_duration.labels(worker_id).observe(seconds)
+        self.worker_batch_size.labels(worker_id).observe(layer_batch_size)
+
+    def add_tokens_appended(self, n: int) -> None:
+        """Count `n` tokens written into the cache (n >= 0)."""
+        _check_count("n", n)
+        self.tokens_appended.inc(n)
+
+    def add_attention_tokens(self, n: int) -> None:
+        """Count `n` query tokens whose attention output was returned (n >= 0)."""
+        _check_count("n", n)
+        self.attention_tokens.inc(n)
+
+    def add_lost_sequences(self, n: int) -> None:
+        """Count `n` sequences failed with DATA_LOSS (n >= 0)."""
+        _check_count("n", n)
+        self.lost_sequences.inc(n)
+
+    def add_correctness_mismatch(self, worker_id: str, layer: int) -> None:
+        """Count one online correctness-check mismatch on `worker_id`.
+
+        The layer is validated but not a label: a mismatch is rare and investigated from the
+        coordinator's log, while a per-layer label would multiply the series by num_layers.
+        """
+        _check_worker_id(worker_id)
+        _check_count("layer", layer)
+        self.correctness_mismatches.labels(worker_id).inc()
+
+    def set_worker_state(self, worker_id: str, up: bool, epoch: str) -> None:
+        """Report a worker's liveness and epoch; a changed epoch counts as one restart.
+
+        The first epoch seen for a worker is its start, not a restart. Series of a worker
+        start at 0 when it is first reported, so rates over them exist before any incident.
+        """
+        _check_worker_id(worker_id)
+        if not isinstance(up, bool):
+            raise ValueError(f"up must be a bool, got {up!r}")
+        if not isinstance(epoch, str) or not epoch:
+            raise ValueError(f"epoch must be a non-empty string, got {epoch!r}")
+        with self._lock:
+            previous = self._epochs.get(worker_id)
+            self._epochs[worker_id] = epoch
+            restarts = self.worker_restarts.labels(worker_id)
+            self.correctness_mismatches.labels(worker_id)
+            if previous is not None and previous != epoch:
+                restarts.inc()
+            self.worker_up.labels(worker_id).set(1 if up else 0)
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Drop every per-worker series of a worker taken out of the cluster for good."""
+        _check_worker_id(worker_id)
+        with self._lock:
+            self._epochs.pop(worker_id, None)
+            for metric in (
+                self.worker_up,
+                self.worker_restarts,
+                self.correctness_mismatches,
+                self.worker_call_duration,
+                self.worker_batch_size,
+            ):
+                try:
+                    metric.remove(worker_id)
+                except KeyError:
+                    pass
+
+    # -- control-plane state ---------------------------------------------------------------
+
+    def bind_stats(
+        self,
+        fn: Callable[[], Any],
+        bytes_per_block: int | None = None,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        timeout_s: float = 5.0,
+    ) -> None:
+        """Export the control plane's accounting, read from `fn()` at every scrape.
+
+        Args:
+            fn: returns a `CacheStats` (e.g. `block_manager.stats`).
+            bytes_per_block: KV bytes of one block (`KVLayout.bytes_per_block`); defaults to
+                the constructor's. Without either, the two byte gauges are not exported.
+            loop: the asyncio loop that owns the block manager; `fn` then runs on it so a
+                scrape never sees a half-applied change. None: `fn` runs on the scrape
+                thread and must be thread-safe.
+            timeout_s: seconds a scrape waits for the loop to run `fn`.
+
+        Binding again replaces the previous source.
+        """
+        if not callable(fn):
+            raise ValueError(f"fn must be callable, got {fn!r}")
+        if bytes_per_block is not None:
+            _check_positive_int("bytes_per_block", bytes_per_block)
+        else:
+            bytes_per_block = self._bytes_per_block
+        if not (isinstance(timeout_s, int | float) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        binding = StatsBinding(fn, bytes_per_block, loop, float(timeout_s))
+        collector = CacheStatsCollector(binding, self.prefix)
+        with self._lock:
+            if self._stats_collector is not None:
+                self.registry.unregister(self._stats_collector)
+            self.registry.register(collector)
+            self._stats_collector = collector
+
+    # -- exposition ------------------------------------------------------------------------
+
+    def start_http_server(self, host: str = "127.0.0.1", port: int = 9400) -> MetricsHTTPServer:
+        """Serve /metrics over HTTP in a background thread.
+
+        Args:
+            host: listen address ("0.0.0.0" in a container, loopback by default).
+            port: TCP port; 0 picks a free one (read it from the result's `.port`).
+
+        Returns:
+            The running server; call `.stop()` to end it.
+        """
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port must be an int in 0..65535, got {port!r}")
+        server, thread = _start_http_server(port, addr=host, registry=self.registry)
+        return MetricsHTTPServer(host, server.server_address[1], server, thread)
+
+
+def _check_positive_int(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -1,0 +1,68 @@
+"""A sequence's bookkeeping: its tokens, block table and written length per layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cache_service.control_types import PhysicalBlock, Segment
+
+__all__ = ["Sequence", "segments_of"]
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One sequence of one tenant.
+
+    Attributes:
+        seq_id: opaque id, unique across tenants.
+        tenant: owner; every call on the sequence must name it.
+        tokens: token ids of every reserved position (slots exist for them).
+        table: logical block i -> physical block; len(table) == ceil(len(tokens) / block_size).
+        written: per layer, positions [0, written[l]) hold K/V for layer l; each is at most
+            len(tokens).
+        keys: prefix-index keys of blocks 0 .. len(keys)-1, which are full and written on
+            every layer (the chain the next block's key extends).
+        home: worker that new blocks come from first (None: choose at the next growth).
+    """
+
+    seq_id: str
+    tenant: str
+    tokens: list[int]
+    table: list[PhysicalBlock]
+    written: list[int]
+    keys: list[bytes]
+    home: str | None
+
+    def copy_as(self, seq_id: str) -> Sequence:
+        """A fork: same tokens, table, lengths and keys under a new id (lists copied)."""
+        return Sequence(
+            seq_id=seq_id,
+            tenant=self.tenant,
+            tokens=list(self.tokens),
+            table=list(self.table),
+            written=list(self.written),
+            keys=list(self.keys),
+            home=self.home,
+        )
+
+
+def segments_of(table: list[PhysicalBlock], num_blocks: int, block_size: int) -> tuple[Segment, ...]:
+    """Split the first `num_blocks` entries of a block table into per-worker runs.
+
+    Returns:
+        Segments in logical order; start_token of segment k is its first logical block
+        times block_size.
+    """
+    segments: list[Segment] = []
+    run_start = 0
+    for i in range(1, num_blocks + 1):
+        if i == num_blocks or table[i].worker_id != table[run_start].worker_id:
+            segments.append(
+                Segment(
+                    worker_id=table[run_start].worker_id,
+                    start_token=run_start * block_size,
+                    block_indices=tuple(b.index for b in table[run_start:i]),
+                )
+            )
+            run_start = i
+    return tuple(segments)

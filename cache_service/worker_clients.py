@@ -1,0 +1,384 @@
+"""The two implementations of :class:`~cache_service.worker_interface.WorkerClient`.
+
+* :class:`RayWorkerClient` - a ``workers.actor.PoolWorker`` Ray actor handle; calls are
+  ``await handle.method.remote(...)`` and Ray errors become ``workers.errors`` exceptions.
+* :class:`LocalWorkerClient` - a ``PoolWorker`` in this process (the embedded default and
+  the coordinator's tests), run on one private thread so calls are serialised like an
+  actor's and the event loop is not blocked.
+
+:func:`transfer_blocks` copies blocks between two workers; between Ray workers the data goes
+through the object store, never through the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+
+from cache_service.worker_interface import AttentionResult, WorkerClient
+from workers.actor import PoolWorker
+from workers.config import PoolConfig
+from workers.description import WorkerDescription, WorkerHealth
+from workers.errors import WorkerError, WorkerUnavailable
+
+__all__ = ["LocalWorkerClient", "RayWorkerClient", "transfer_blocks"]
+
+_T = TypeVar("_T")
+IndexLike = torch.Tensor | Sequence[int]
+
+
+def _attention_result(value: Any, return_lse: bool) -> AttentionResult:
+    if return_lse:
+        out, lse = value
+        return AttentionResult(out, lse)
+    return AttentionResult(value, None)
+
+
+class RayWorkerClient:
+    """A PoolWorker actor behind the async worker interface.
+
+    Args:
+        worker_id: the worker's id (its actor name).
+        handle: the actor handle (``workers.launcher.launch_workers`` / ``attach_workers``).
+        call_timeout_s: a call taking longer raises WorkerUnavailable (None: wait forever).
+    """
+
+    def __init__(self, worker_id: str, handle: Any, *, call_timeout_s: float | None = None):
+        self._worker_id = worker_id
+        self._handle = handle
+        self._timeout = call_timeout_s
+
+    @classmethod
+    async def connect(cls, handle: Any, *, call_timeout_s: float | None = None) -> RayWorkerClient:
+        """A client for ``handle``, learning the worker id from the worker itself."""
+        client = cls("?", handle, call_timeout_s=call_timeout_s)
+        client._worker_id = (await client.describe()).worker_id
+        return client
+
+    @property
+    def worker_id(self) -> str:
+        return self._worker_id
+
+    @property
+    def handle(self) -> Any:
+        """The actor handle."""
+        return self._handle
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Submit ``method`` without waiting: the ObjectRef of its result. Passing that ref
+        to another actor call hands the result over inside Ray."""
+        return getattr(self._handle, method).remote(*args, **kwargs)
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return await self.resolve(self.submit(method, *args, **kwargs))
+
+    async def resolve(self, ref: Any) -> Any:
+        """Await an ObjectRef of this worker, translating Ray's errors.
+
+        Raises:
+            WorkerError: the worker's own exception (StaleEpochError, InvalidWorkerRequest, ...)
+                re-raised as is, or any other error it raised wrapped in WorkerError.
+            WorkerUnavailable: the actor died, is restarting, or the call timed out.
+        """
+        import ray.exceptions as rex  # Ray only where Ray actors are used
+
+        try:
+            if self._timeout is None:
+                return await ref
+            return await asyncio.wait_for(ref, self._timeout)
+        except rex.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, WorkerError):
+                raise cause from None
+            raise WorkerError(f"worker {self._worker_id!r} failed: {cause or exc!r}") from exc
+        except rex.RayActorError as exc:
+            raise WorkerUnavailable(self._worker_id, f"{type(exc).__name__}: {exc}") from None
+        except (TimeoutError, rex.GetTimeoutError):
+            raise WorkerUnavailable(
+                self._worker_id, f"no answer within {self._timeout} s"
+            ) from None
+
+    async def describe(self) -> WorkerDescription:
+        return await self._call("describe")
+
+    async def health(self) -> WorkerHealth:
+        return await self._call("health")
+
+    async def write(
+        self,
+        epoch: str,
+        layer: int | None,
+        slot_mapping: IndexLike,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
+        await self._call("write", epoch, layer, slot_mapping, key, value)
+
+    async def attend(
+        self,
+        epoch: str,
+        layer: int,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
+    ) -> AttentionResult:
+        value = await self._call(
+            "attend",
+            epoch,
+            layer,
+            query,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            causal,
+            return_lse,
+            scale=scale,
+            softcap=softcap,
+            sliding_window=sliding_window,
+        )
+        return _attention_result(value, return_lse)
+
+    async def write_and_attend(
+        self,
+        epoch: str,
+        layer: int,
+        slot_mapping: IndexLike,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
+    ) -> AttentionResult:
+        result = await self._call(
+            "write_and_attend",
+            epoch,
+            layer,
+            slot_mapping,
+            key,
+            value,
+            query,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            causal,
+            return_lse,
+            scale=scale,
+            softcap=softcap,
+            sliding_window=sliding_window,
+        )
+        return _attention_result(result, return_lse)
+
+    async def copy_blocks(self, epoch: str, src: IndexLike, dst: IndexLike) -> None:
+        await self._call("copy_blocks", epoch, src, dst)
+
+    async def export_blocks(self, epoch: str, block_ids: IndexLike) -> torch.Tensor:
+        return await self._call("export_blocks", epoch, block_ids)
+
+    async def import_blocks(self, epoch: str, block_ids: IndexLike, data: Any) -> None:
+        """``data``: exported blocks, or the ObjectRef of another worker's export."""
+        await self._call("import_blocks", epoch, block_ids, data)
+
+    async def release_blocks(self, epoch: str, block_ids: IndexLike) -> None:
+        await self._call("release_blocks", epoch, block_ids)
+
+
+class LocalWorkerClient:
+    """A PoolWorker in this process behind the async worker interface.
+
+    Args:
+        worker_id: the worker's id.
+        config: its pool.
+        device: pool device (None: CUDA if available, else CPU).
+
+    Besides the protocol it can :meth:`restart` (new epoch, empty pool: what a Ray restart
+    does) and :meth:`kill` (every later call raises WorkerUnavailable), so failure handling
+    is testable without Ray.
+    """
+
+    def __init__(self, worker_id: str, config: PoolConfig, device: str | None = "cpu") -> None:
+        self._worker_id = worker_id
+        self._config = config
+        self._device = device
+        self._worker: PoolWorker | None = PoolWorker(worker_id, config, device)
+        # One thread: calls run one at a time, in order, as on an actor.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvpool-{worker_id}")
+
+    @property
+    def worker_id(self) -> str:
+        return self._worker_id
+
+    @property
+    def worker(self) -> PoolWorker:
+        """The in-process worker (tests inspect its pool).
+
+        Raises:
+            WorkerUnavailable: after :meth:`kill`.
+        """
+        if self._worker is None:
+            raise WorkerUnavailable(self._worker_id, "killed")
+        return self._worker
+
+    def restart(self) -> None:
+        """Replace the worker by a fresh one: new epoch, empty pool."""
+        self._worker = PoolWorker(self._worker_id, self._config, self._device)
+
+    def kill(self) -> None:
+        """Drop the worker; later calls raise WorkerUnavailable until :meth:`restart`."""
+        self._worker = None
+
+    def close(self) -> None:
+        """Stop the private thread (after the calls in flight)."""
+        self._executor.shutdown(wait=True)
+
+    async def _call(self, op: Callable[[PoolWorker], _T]) -> _T:
+        worker = self.worker
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(op, worker))
+
+    async def describe(self) -> WorkerDescription:
+        return await self._call(lambda w: w.describe())
+
+    async def health(self) -> WorkerHealth:
+        return await self._call(lambda w: w.health())
+
+    async def write(
+        self,
+        epoch: str,
+        layer: int | None,
+        slot_mapping: IndexLike,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
+        await self._call(lambda w: w.write(epoch, layer, slot_mapping, key, value))
+
+    async def attend(
+        self,
+        epoch: str,
+        layer: int,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
+    ) -> AttentionResult:
+        value = await self._call(
+            lambda w: w.attend(
+                epoch,
+                layer,
+                query,
+                block_tables,
+                seq_lens,
+                query_start_loc,
+                causal,
+                return_lse,
+                scale=scale,
+                softcap=softcap,
+                sliding_window=sliding_window,
+            )
+        )
+        return _attention_result(value, return_lse)
+
+    async def write_and_attend(
+        self,
+        epoch: str,
+        layer: int,
+        slot_mapping: IndexLike,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
+    ) -> AttentionResult:
+        result = await self._call(
+            lambda w: w.write_and_attend(
+                epoch,
+                layer,
+                slot_mapping,
+                key,
+                value,
+                query,
+                block_tables,
+                seq_lens,
+                query_start_loc,
+                causal,
+                return_lse,
+                scale=scale,
+                softcap=softcap,
+                sliding_window=sliding_window,
+            )
+        )
+        return _attention_result(result, return_lse)
+
+    async def copy_blocks(self, epoch: str, src: IndexLike, dst: IndexLike) -> None:
+        await self._call(lambda w: w.copy_blocks(epoch, src, dst))
+
+    async def export_blocks(self, epoch: str, block_ids: IndexLike) -> torch.Tensor:
+        return await self._call(lambda w: w.export_blocks(epoch, block_ids))
+
+    async def import_blocks(self, epoch: str, block_ids: IndexLike, data: torch.Tensor) -> None:
+        await self._call(lambda w: w.import_blocks(epoch, block_ids, data))
+
+    async def release_blocks(self, epoch: str, block_ids: IndexLike) -> None:
+        await self._call(lambda w: w.release_blocks(epoch, block_ids))
+
+
+async def transfer_blocks(
+    src: WorkerClient,
+    src_epoch: str,
+    src_ids: IndexLike,
+    dst: WorkerClient,
+    dst_epoch: str,
+    dst_ids: IndexLike,
+) -> None:
+    """Copy blocks ``src_ids`` of ``src`` into blocks ``dst_ids`` of ``dst`` (all layers).
+
+    For rebalancing and for copying a hot prefix next to its users. Between two Ray workers
+    the export's ObjectRef is handed to the import, so the data moves through Ray's object
+    store without visiting the caller. The source is left as it is (release it afterwards
+    for a move).
+
+    Raises:
+        WorkerError: from either side (StaleEpochError names the worker whose epoch moved).
+    """
+    if isinstance(src, RayWorkerClient) and isinstance(dst, RayWorkerClient):
+        exported = src.submit("export_blocks", src_epoch, src_ids)
+        try:
+            await dst.import_blocks(dst_epoch, dst_ids, exported)
+        except WorkerUnavailable:
+            # A dead source also fails the import; name the worker that is really gone.
+            await src.describe()
+            raise
+        return
+    data = await src.export_blocks(src_epoch, src_ids)
+    await dst.import_blocks(dst_epoch, dst_ids, data)

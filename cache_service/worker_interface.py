@@ -1,0 +1,134 @@
+"""The coordinator's view of a worker: the async ``WorkerClient`` protocol.
+
+The coordinator talks to workers only through this protocol, so its logic runs in tests
+with in-process workers (``worker_clients.LocalWorkerClient``) and in production with Ray
+actors (``worker_clients.RayWorkerClient``). Tensors cross as torch tensors on the host.
+
+Every data method takes the worker epoch the caller expects first (from :meth:`describe`);
+a worker that restarted since has a new epoch and an empty pool, and refuses the call.
+
+Errors (all :class:`workers.errors.WorkerError`):
+
+* ``StaleEpochError`` - the epoch differs: the worker restarted, its blocks are gone.
+* ``InvalidWorkerRequest`` (also a ``ValueError``) - an argument does not fit the pool
+  (named in the message); nothing was written.
+* ``WorkerUnavailable`` - the worker died, is restarting or timed out.
+* ``WorkerError`` - anything else the worker raised (e.g. a device error).
+
+Pure: no torch, Ray or gRPC import at run time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from workers.description import WorkerDescription, WorkerHealth
+
+__all__ = ["AttentionResult", "WorkerClient"]
+
+
+class AttentionResult(NamedTuple):
+    """One worker's attention output.
+
+    Attributes:
+        out: ``[T, Hq, D]`` in the pool's dtype, on the host.
+        lse: float32 ``[T, Hq]`` natural-log softmax denominators when asked for (-inf for
+            a row that saw no key), else None.
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor | None
+
+
+@runtime_checkable
+class WorkerClient(Protocol):
+    """Async access to one worker's pool. Argument meanings follow ``workers.pool.KVPool``."""
+
+    @property
+    def worker_id(self) -> str:
+        """The worker's stable id (its actor name)."""
+        ...
+
+    async def describe(self) -> WorkerDescription:
+        """Identity, current epoch, capacity and layout."""
+        ...
+
+    async def health(self) -> WorkerHealth:
+        """A liveness probe (raises WorkerUnavailable when the worker cannot answer)."""
+        ...
+
+    async def write(
+        self,
+        epoch: str,
+        layer: int | None,
+        slot_mapping: torch.Tensor | Sequence[int],
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
+        """Write K/V ``[n, Hkv, D]`` (``[L, n, Hkv, D]`` for layer None) to flat slots."""
+        ...
+
+    async def attend(
+        self,
+        epoch: str,
+        layer: int,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: torch.Tensor | Sequence[int],
+        query_start_loc: torch.Tensor | Sequence[int],
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
+    ) -> AttentionResult:
+        """Paged attention of a batch of sequences over one layer (one kernel launch)."""
+        ...
+
+    async def write_and_attend(
+        self,
+        epoch: str,
+        layer: int,
+        slot_mapping: torch.Tensor | Sequence[int],
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: torch.Tensor | Sequence[int],
+        query_start_loc: torch.Tensor | Sequence[int],
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
+    ) -> AttentionResult:
+        """:meth:`write` then :meth:`attend` in one call, both validated before the write."""
+        ...
+
+    async def copy_blocks(
+        self, epoch: str, src: torch.Tensor | Sequence[int], dst: torch.Tensor | Sequence[int]
+    ) -> None:
+        """Copy whole blocks (all layers) ``src[i] -> dst[i]`` (copy-on-write)."""
+        ...
+
+    async def export_blocks(
+        self, epoch: str, block_ids: torch.Tensor | Sequence[int]
+    ) -> torch.Tensor:
+        """Copies of the blocks, ``[n, L, 2, Hkv, block_size, D]`` on the host."""
+        ...
+
+    async def import_blocks(
+        self, epoch: str, block_ids: torch.Tensor | Sequence[int], data: torch.Tensor
+    ) -> None:
+        """Overwrite the (distinct) blocks with exported data of the same layout."""
+        ...
+
+    async def release_blocks(self, epoch: str, block_ids: torch.Tensor | Sequence[int]) -> None:
+        """The blocks are free again (poisoned with NaN in debug mode)."""
+        ...

@@ -1,0 +1,541 @@
+"""Paged attention in Triton: the kernel, its launcher and its launch heuristics.
+
+One program handles one (query tile, KV head, KV partition). A query tile packs
+``block_q`` query tokens of one sequence times the ``group`` query heads that share the KV
+head into the ``block_m`` rows of one ``tl.dot`` operand, so every K/V tile is read once per
+group, not once per query head. The program walks the sequence's block table ``tile_n``
+tokens at a time (several pages per tile), folding each tile into an online softmax kept in
+float32 (base-2 exponentials, the scale folded into ``log2(e)``).
+
+Decode and prefill share the kernel: ``block_q == 1`` for one query token per sequence,
+larger for prefill / chunked prefill / speculative verification. When the query tiles times
+KV heads cannot fill the GPU (long contexts, small batches), the KV range is split into
+partitions that write float32 partial results and their log-sum-exp, merged afterwards by
+:mod:`kernels.merge_states` (the same math as ``merge_attention_states``).
+
+Offsets that can pass 2**31 elements (block index times the pool's block stride, query and
+output rows) are computed in int64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.merge_states import merge_partitions
+from kernels.validation import AttentionProblem, KernelArgumentError
+
+__all__ = [
+    "AttentionConfig",
+    "choose_config",
+    "num_sms",
+    "paged_attention_triton",
+]
+
+_LOG2E = 1.4426950408889634
+_MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Launch parameters of the paged-attention kernel.
+
+    Attributes:
+        block_m: rows of the query tile (``block_q`` tokens x ``group`` heads, padded), a power
+            of two >= 16 (``tl.dot`` needs 16).
+        block_q: query tokens of one sequence per program (1 for decode).
+        tile_n: KV tokens per loop iteration, a power of two >= 16.
+        num_partitions: split-KV partitions per (query tile, KV head); 1 = no split.
+        num_warps, num_stages: Triton launch options (warps per program, pipeline depth).
+    """
+
+    block_m: int
+    block_q: int
+    tile_n: int
+    num_partitions: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "tile_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise KernelArgumentError(f"AttentionConfig.{name} must be a power of two >= 16")
+        if self.block_q < 1 or self.num_partitions < 1:
+            raise KernelArgumentError("AttentionConfig.block_q and num_partitions must be >= 1")
+
+
+@dataclass(frozen=True)
+class SplitPolicy:
+    """When to split the KV range: aim for ``target_programs_per_sm`` programs per SM, with
+    partitions no shorter than ``min_partition_tokens`` KV tokens."""
+
+    target_programs_per_sm: float = 4.0
+    min_partition_tokens: int = 256
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def num_q_programs(num_q_tokens: int, num_seqs: int, block_q: int) -> int:
+    """Grid size along the query axis: an upper bound on the query tiles of any batch.
+
+    Sequence s owns tile slots starting at ``query_start_loc[s] // block_q + s`` (exactly
+    ``query_start_loc[s]`` when ``block_q == 1``); the kernel finds its sequence by binary
+    search over those starts, so no per-call host work or device prefix sum is needed.
+    """
+    if block_q == 1:
+        return num_q_tokens
+    return num_q_tokens // block_q + num_seqs
+
+
+def choose_config(
+    problem: AttentionProblem,
+    dtype: torch.dtype,
+    sm_count: int,
+    policy: SplitPolicy = SplitPolicy(),
+) -> AttentionConfig:
+    """Pick tile sizes, warps, stages and the split count for one call (pure, no device read).
+
+    Args:
+        problem: sizes from validation.
+        dtype: query / cache dtype.
+        sm_count: streaming multiprocessors of the device (parallelism to fill).
+        policy: the split heuristic's knobs.
+    """
+    group = problem.group
+    d_pad = max(16, _next_pow2(problem.head_dim))
+    decode = problem.num_q_tokens <= problem.num_seqs
+    # Row and tile caps keep each program's registers and shared memory within budget (checked
+    # against the sm_90 compiler's resource report): float32 dots run as exact FMA loops that
+    # spill above 16 x 16 tiles; head_dim 256 halves the 16-bit tiles.
+    if dtype == torch.float32:
+        max_rows, tile_n, num_warps, num_stages = 16, 16, 4, 2
+    elif decode:
+        max_rows, tile_n, num_warps, num_stages = 16, (32 if d_pad >= 256 else 64), 4, 3
+    elif d_pad >= 256:
+        max_rows, tile_n, num_warps, num_stages = 64, 32, 8, 2
+    else:
+        max_rows, tile_n, num_warps, num_stages = 128, 64, 8, 2
+    if decode:
+        block_q = 1
+        block_m = max(16, _next_pow2(group))
+    else:
+        avg_q = _cdiv(problem.num_q_tokens, max(problem.num_seqs, 1))
+        block_m = min(max(16, _next_pow2(group * avg_q)), max(max_rows, _next_pow2(group)))
+        block_q = max(1, block_m // group)
+        if block_m < 128 and dtype != torch.float32 and d_pad < 256:
+            num_warps = 4
+
+    q_tiles = _cdiv(problem.num_q_tokens, block_q) if block_q > 1 else problem.num_q_tokens
+    base = max(1, q_tiles * problem.num_kv_heads)
+    target = int(policy.target_programs_per_sm * sm_count)
+    parts = 1
+    if base < target and problem.max_kv_len > policy.min_partition_tokens:
+        parts = min(_cdiv(target, base), _cdiv(problem.max_kv_len, policy.min_partition_tokens))
+    return AttentionConfig(
+        block_m=block_m,
+        block_q=block_q,
+        tile_n=tile_n,
+        num_partitions=max(1, parts),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+@lru_cache(maxsize=16)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; a small fixed figure for CPU (interpreter) tensors."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(index)
+
+
+@triton.jit
+def _find_sequence(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest s with tile start(s) <= pid; start(s) as in :func:`num_q_programs`."""
+    lo = 0
+    hi = num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        start = tl.load(qsl_ptr + mid)
+        if BLOCK_Q > 1:
+            start = start // BLOCK_Q + mid
+        if start <= pid:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp keeps to ops the interpreter and every backend share; 2|x| caps the
+    # exponent's argument so large inputs saturate instead of overflowing.
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _attend_tiles(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_head,
+    v_head,
+    table_row,
+    stride_kb,
+    stride_vb,
+    t_from,
+    t_to,
+    kv_hi,
+    q_pos,
+    qk_scale,
+    softcap,
+    window,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold KV tiles ``[t_from, t_to)`` into the online softmax ``(acc, m_i, l_i)``.
+
+    Scores are in base-2 units (``qk_scale`` carries log2(e) unless soft-capping). With
+    ``MASKED`` False every key of every tile must be visible to every row.
+    """
+    offs_n = tl.arange(0, TILE_N)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    for tile in range(t_from, t_to):
+        kv_idx = tile * TILE_N + offs_n
+        kv_valid = kv_idx < kv_hi
+        if MASKED:
+            block = tl.load(table_row + kv_idx // BLOCK_SIZE, mask=kv_valid, other=0)
+        else:
+            block = tl.load(table_row + kv_idx // BLOCK_SIZE)
+        block = block.to(tl.int64)
+        k_rows = k_head + block * stride_kb + (kv_idx % BLOCK_SIZE) * HEAD_DIM
+        v_rows = v_head + block * stride_vb + (kv_idx % BLOCK_SIZE) * HEAD_DIM
+        if HEAD_DIM == HEAD_DIM_PAD:
+            if MASKED:
+                k = tl.load(k_rows[:, None] + dims[None, :], mask=kv_valid[:, None], other=0.0)
+            else:
+                k = tl.load(k_rows[:, None] + dims[None, :])
+        else:
+            kv_mask = kv_valid[:, None] & (dims < HEAD_DIM)[None, :]
+            k = tl.load(k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if USE_SOFTCAP:
+            s = softcap * _tanh(s * (qk_scale / softcap)) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        if MASKED:
+            visible = kv_valid[None, :]
+            if CAUSAL:
+                visible = visible & (kv_idx[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                visible = visible & ((q_pos[:, None] - kv_idx[None, :]) < window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen no key keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_shift = m_new
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HEAD_DIM == HEAD_DIM_PAD:
+            if MASKED:
+                v = tl.load(v_rows[:, None] + dims[None, :], mask=kv_valid[:, None], other=0.0)
+            else:
+                v = tl.load(v_rows[:, None] + dims[None, :])
+        else:
+            v = tl.load(v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    out_ptr,
+    lse_ptr,
+    num_seqs,
+    tiles_per_part,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_vb,
+    stride_bts,
+    stride_ot,
+    stride_oh,
+    stride_op,
+    stride_lt,
+    stride_lh,
+    stride_lp,
+    qk_scale,
+    softcap,
+    window,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    SPLIT: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+
+    seq = _find_sequence(qsl_ptr, pid_q, num_seqs, BLOCK_Q)
+    q_begin = tl.load(qsl_ptr + seq)
+    n_q = tl.load(qsl_ptr + seq + 1) - q_begin
+    if BLOCK_Q > 1:
+        first_slot = q_begin // BLOCK_Q + seq
+    else:
+        first_slot = q_begin
+    q_lo = (pid_q - first_slot) * BLOCK_Q
+    if q_lo >= n_q:
+        return  # a spare slot of the grid's upper bound
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_lo + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (q_idx < n_q)
+    q_pos = seq_len - n_q + q_idx
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+
+    q_row = (q_begin + q_idx).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+
+    # The KV range any row of this tile can see; partitions split it in whole tiles.
+    last_q = tl.minimum(q_lo + BLOCK_Q, n_q) - 1
+    kv_hi = seq_len
+    if CAUSAL:
+        kv_hi = seq_len - n_q + last_q + 1
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(seq_len - n_q + q_lo - window + 1, 0)
+    tile_lo = kv_lo // TILE_N
+    tile_hi = tl.cdiv(kv_hi, TILE_N)
+    t_begin = tile_lo + part * tiles_per_part
+    t_end = tl.minimum(tile_hi, t_begin + tiles_per_part)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+
+    # Tiles every row sees whole need no mask: no bounds checks on the loads, no score
+    # masking. Only the tiles at the causal diagonal / sequence end (and, with a window, all
+    # of them) take the masked loop.
+    if USE_WINDOW:
+        t_full = t_begin
+    elif CAUSAL:
+        t_full = (seq_len - n_q + q_lo + 1) // TILE_N
+    else:
+        t_full = seq_len // TILE_N
+    t_split = tl.minimum(tl.maximum(t_full, t_begin), t_end)
+
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
+    k_head = k_ptr + kv_head * (BLOCK_SIZE * HEAD_DIM)
+    v_head = v_ptr + kv_head * (BLOCK_SIZE * HEAD_DIM)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_head, v_head, table_row, stride_kb, stride_vb,
+        t_begin, t_split, kv_hi, q_pos, qk_scale, softcap, window,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, CAUSAL, USE_WINDOW, USE_SOFTCAP,
+        DOT_PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_head, v_head, table_row, stride_kb, stride_vb,
+        t_split, t_end, kv_hi, q_pos, qk_scale, softcap, window,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, CAUSAL, USE_WINDOW, USE_SOFTCAP,
+        DOT_PRECISION,
+    )  # fmt: skip
+
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    # Natural-log LSE from the base-2 running max and sum; -inf marks a row that saw no key.
+    lse = tl.where(
+        seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf")
+    )
+    store_mask = row_valid[:, None] & dim_valid[None, :]
+    out_rows = out_ptr + q_row * stride_ot + head * stride_oh
+    lse_rows = lse_ptr + q_row * stride_lt + head * stride_lh
+    if SPLIT:
+        tl.store(out_rows[:, None] + part * stride_op + dims[None, :], o, mask=store_mask)
+        tl.store(lse_rows + part * stride_lp, lse, mask=row_valid)
+    else:
+        tl.store(out_rows[:, None] + dims[None, :], o.to(out_ptr.dtype.element_ty), mask=store_mask)
+        if WRITE_LSE:
+            tl.store(lse_rows, lse, mask=row_valid)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs must not go through tf32 (about 1e-3 relative error): the contract is
+    # float32 accuracy. 16-bit inputs multiply exactly and accumulate in float32 anyway.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    problem: AttentionProblem,
+    *,
+    scale: float | None = None,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    config: AttentionConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the paged-attention kernel on validated arguments.
+
+    Shapes and semantics are those of :func:`kernels.paged_attention` (arguments must have
+    passed :func:`kernels.validation.check_paged_attention_args`, which gave ``problem``).
+
+    Args:
+        config: launch parameters; default from :func:`choose_config` on this device.
+
+    Returns:
+        ``(out, lse)``: out ``[T, Hq, D]`` in the query's dtype; lse float32 ``[T, Hq]``
+        (natural log) when ``return_lse``, else None.
+    """
+    if problem.head_dim > _MAX_HEAD_DIM:
+        raise KernelArgumentError(
+            f"head_dim {problem.head_dim} is larger than the Triton kernel's {_MAX_HEAD_DIM}"
+        )
+    T, Hq, D = problem.num_q_tokens, problem.num_q_heads, problem.head_dim
+    device = query.device
+    if out is None:
+        out = torch.empty(T, Hq, D, dtype=query.dtype, device=device)
+    lse = torch.empty(T, Hq, dtype=torch.float32, device=device) if return_lse else None
+    if T == 0:
+        return out, lse
+    if config is None:
+        config = choose_config(problem, query.dtype, num_sms(device))
+    if config.block_m < config.block_q * problem.group:
+        raise KernelArgumentError(
+            f"AttentionConfig.block_m={config.block_m} cannot hold block_q={config.block_q} "
+            f"tokens x {problem.group} heads"
+        )
+    d_pad = max(16, _next_pow2(D))
+    max_tiles = _cdiv(problem.max_kv_len, config.tile_n)
+    tiles_per_part = max(1, _cdiv(max_tiles, config.num_partitions))
+    parts = max(1, _cdiv(max_tiles, tiles_per_part)) if config.num_partitions > 1 else 1
+    if parts == 1:
+        tiles_per_part = max(max_tiles, 1)
+
+    scale = D**-0.5 if scale is None else float(scale)
+    use_softcap = softcap is not None
+    qk_scale = scale if use_softcap else scale * _LOG2E
+    seq_lens = seq_lens.contiguous()
+    query_start_loc = query_start_loc.contiguous()
+
+    split = parts > 1
+    if split:
+        part_out = torch.empty(T, Hq, parts, D, dtype=torch.float32, device=device)
+        part_lse = torch.empty(T, Hq, parts, dtype=torch.float32, device=device)
+        o_t, l_t = part_out, part_lse
+        o_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2))
+        l_strides = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2))
+    else:
+        o_t = out
+        l_t = lse if lse is not None else out  # unused when not WRITE_LSE
+        o_strides = (out.stride(0), out.stride(1), 0)
+        l_strides = (lse.stride(0), lse.stride(1), 0) if lse is not None else (0, 0, 0)
+
+    grid = (
+        num_q_programs(T, problem.num_seqs, config.block_q),
+        problem.num_kv_heads,
+        parts,
+    )
+    _paged_attention_kernel[grid](
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        o_t,
+        l_t,
+        problem.num_seqs,
+        tiles_per_part,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        value_cache.stride(0),
+        block_tables.stride(0),
+        *o_strides,
+        *l_strides,
+        qk_scale,
+        float(softcap) if use_softcap else 1.0,
+        int(sliding_window) if sliding_window is not None else 0,
+        HEAD_DIM=D,
+        HEAD_DIM_PAD=d_pad,
+        BLOCK_SIZE=problem.block_size,
+        GROUP=problem.group,
+        BLOCK_M=config.block_m,
+        BLOCK_Q=config.block_q,
+        TILE_N=config.tile_n,
+        CAUSAL=bool(causal),
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=use_softcap,
+        SPLIT=split,
+        WRITE_LSE=return_lse,
+        DOT_PRECISION=_dot_precision(query.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if split:
+        merge_partitions(part_out, part_lse, out, lse)
+    return out, lse
+
+
+def with_partitions(config: AttentionConfig, num_partitions: int) -> AttentionConfig:
+    """``config`` with another split count (tests and benchmarks force either path)."""
+    return replace(config, num_partitions=num_partitions)

@@ -1,0 +1,500 @@
+"""Paged attention against float64 dense attention, on random paged batches.
+
+CPU runs force the Triton path through the interpreter (fp16 / fp32, small shapes) and also
+check the torch reference path; tests marked ``gpu`` run the full matrix (bf16, every head
+dim and block size, large shapes, pools over 2**31 elements) on CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kernels
+from kernels.attention import (
+    AttentionConfig,
+    SplitPolicy,
+    choose_config,
+    paged_attention_triton,
+    with_partitions,
+)
+from kernels.testing import dense_attention, permute_blocks, rel_l2
+from kernels.testing import make_paged_batch as _make_paged_batch
+from kernels.validation import AttentionProblem, check_paged_attention_args
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+FP32_MAX_REL = 1e-5
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim > 0:DeprecationWarning"
+)
+
+
+def make_paged_batch(*args, **kwargs):
+    """Batches on the GPU where there is one (real Triton), else on the CPU (interpreter)."""
+    kwargs.setdefault("device", DEVICE)
+    return _make_paged_batch(*args, **kwargs)
+
+
+HALF_REL_L2 = 1e-2
+
+
+def max_rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Max abs error over max abs expected value (fp32 acceptance metric)."""
+    a, e = actual.double(), expected.double()
+    return float((a - e).abs().max() / e.abs().max())
+
+
+def run(batch, backend: str = "triton", **kw):
+    return kernels.paged_attention(*batch.args(), backend=backend, return_lse=True, **kw)
+
+
+def check_against_dense(batch, dtype: torch.dtype, backend: str = "triton", **kw) -> float:
+    out, lse = run(batch, backend, **kw)
+    ref, ref_lse = dense_attention(batch, **kw)
+    assert out.dtype == dtype and out.shape == batch.query.shape
+    assert torch.isfinite(out).all()
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    if dtype == torch.float32:
+        err = max_rel(out, ref)
+        assert err <= FP32_MAX_REL, f"fp32 max relative error {err:.2e}"
+        assert (lse[seen].double() - ref_lse[seen]).abs().max() <= 1e-4
+    else:
+        err = rel_l2(out, ref)
+        assert err <= HALF_REL_L2, f"{dtype} relative L2 error {err:.2e}"
+        assert (lse[seen].double() - ref_lse[seen]).abs().max() <= 2e-2
+    return err
+
+
+# Ragged lengths around block boundaries (bs - 1, bs, bs + 1), a long one, one-token ones.
+def ragged_lens(bs: int) -> list[int]:
+    return [1, bs - 1, bs, bs + 1, 5 * bs + 3]
+
+
+# (name, seq_lens(bs), q_lens(seq_lens)): decode, prefill, chunked prefill, mixed batches.
+SCENARIOS = {
+    "decode": (ragged_lens, lambda lens: [1] * len(lens)),
+    "prefill": (lambda bs: [bs + 1, 2 * bs - 1, 7], lambda lens: list(lens)),
+    "chunked": (
+        ragged_lens,
+        lambda lens: [min(n, q) for n, q in zip(lens, [1, 5, 16, 3, 40], strict=True)],
+    ),
+    "mixed_with_empty": (lambda bs: [9, 3 * bs, 2, bs + 2], lambda lens: [1, 0, 2, 7]),
+}
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (8, 2), (4, 1)])
+def test_triton_matches_dense_fp32(scenario: str, hq: int, hkv: int) -> None:
+    seq_fn, q_fn = SCENARIOS[scenario]
+    lens = seq_fn(16)
+    batch = make_paged_batch(
+        lens, q_fn(lens), num_q_heads=hq, num_kv_heads=hkv, head_dim=32, block_size=16, seed=hq
+    )
+    check_against_dense(batch, torch.float32)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_block_sizes_and_padded_head_dims(block_size: int, head_dim: int) -> None:
+    lens = ragged_lens(block_size)
+    batch = make_paged_batch(
+        lens,
+        [1, 2, 1, 4, 9],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        block_size=block_size,
+        seed=block_size + head_dim,
+    )
+    check_against_dense(batch, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"causal": False},
+        {"sliding_window": 7},
+        {"sliding_window": 1},
+        {"sliding_window": 20, "causal": False},
+        {"softcap": 2.5},
+        {"scale": 0.3, "softcap": 30.0, "sliding_window": 16},
+    ],
+    ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()),
+)
+def test_masks_and_softcap(options: dict) -> None:
+    lens = [1, 15, 33, 50]
+    batch = make_paged_batch(
+        lens, [1, 6, 33, 17], num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=8, seed=3
+    )
+    check_against_dense(batch, torch.float32, **options)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_fp16_relative_l2(backend: str) -> None:
+    lens = ragged_lens(16)
+    batch = make_paged_batch(
+        lens,
+        [1, 4, 16, 2, 30],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float16,
+        seed=11,
+    )
+    err = check_against_dense(batch, torch.float16, backend=backend)
+    assert err > 0  # fp16 rounding shows; an exact zero would mean the check compared nothing
+
+
+def test_reference_path_matches_dense_fp32() -> None:
+    lens = ragged_lens(8)
+    batch = make_paged_batch(
+        lens, [1, 7, 2, 9, 4], num_q_heads=6, num_kv_heads=3, head_dim=16, block_size=8, seed=5
+    )
+    check_against_dense(batch, torch.float32, backend="torch", sliding_window=9)
+
+
+def test_default_backend_on_cpu_is_the_reference() -> None:
+    batch = make_paged_batch(
+        [20, 9], [3, 1], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=8
+    )
+    if CUDA:
+        pytest.skip("CPU dispatch")
+    auto = kernels.paged_attention(*batch.args())
+    ref = kernels.paged_attention(*batch.args(), backend="torch")
+    assert torch.equal(auto, ref)
+
+
+def test_placement_invariance_is_bitwise() -> None:
+    lens = [40, 3, 17, 64]
+    batch = make_paged_batch(
+        lens, [1, 3, 5, 20], num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=8, seed=21
+    )
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        perm = torch.randperm(batch.key_cache.shape[0], generator=gen)
+        moved = permute_blocks(batch, perm)
+        assert not torch.equal(moved.block_tables, batch.block_tables)
+        a, la = run(batch)
+        b, lb = run(moved)
+        assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+def seed_lesson_model(q, block_table, k_pool, v_pool, seq_len, block):
+    """The lesson's pure-Python model: walk the block table, fold each key into an online
+    softmax (running max m, denominator den, accumulator acc)."""
+    d = len(q)
+    m, den, acc, pos = -math.inf, 0.0, [0.0] * d, 0
+    for phys in block_table:
+        for t in range(block):
+            if pos >= seq_len:
+                break
+            k, v = k_pool[phys][t], v_pool[phys][t]
+            s = sum(qi * ki for qi, ki in zip(q, k, strict=True)) / math.sqrt(d)
+            m_new = max(m, s)
+            corr = math.exp(m - m_new) if m != -math.inf else 0.0
+            p = math.exp(s - m_new)
+            den = den * corr + p
+            acc = [a * corr + p * vj for a, vj in zip(acc, v, strict=True)]
+            m, pos = m_new, pos + 1
+    return [a / den for a in acc]
+
+
+def test_seed_lesson_block_table_3_1() -> None:
+    block, d, seq_len = 4, 16, 7
+    gen = torch.Generator().manual_seed(42)
+    k_pool = torch.randn(5, block, d, generator=gen).to(DEVICE)
+    v_pool = torch.randn(5, block, d, generator=gen).to(DEVICE)
+    q = torch.randn(d, generator=gen).to(DEVICE)
+    expected = seed_lesson_model(
+        q.tolist(), [3, 1], k_pool.tolist(), v_pool.tolist(), seq_len, block
+    )
+    out = kernels.paged_attention(
+        q.view(1, 1, d),
+        k_pool.unsqueeze(1),  # [num_blocks, Hkv=1, block, D]
+        v_pool.unsqueeze(1),
+        torch.tensor([[3, 1]], dtype=torch.int32, device=DEVICE),
+        torch.tensor([seq_len], dtype=torch.int32, device=DEVICE),
+        torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+        backend="triton",
+    )
+    expected_t = torch.tensor(expected, dtype=torch.float64, device=DEVICE)
+    assert max_rel(out.view(d), expected_t) <= FP32_MAX_REL
+    # ... and it is dense attention over the logical order [block 3, block 1].
+    k = torch.cat([k_pool[3], k_pool[1]])[:seq_len].double()
+    v = torch.cat([v_pool[3], v_pool[1]])[:seq_len].double()
+    dense = torch.softmax(k @ q.double() / math.sqrt(d), dim=0) @ v
+    assert max_rel(expected_t, dense) <= 1e-12
+
+
+def problem_of(batch) -> AttentionProblem:
+    return check_paged_attention_args(
+        *batch.args(), scale=None, sliding_window=None, softcap=None, out=None
+    )
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_split_matches_unsplit_and_writes_every_element(causal: bool) -> None:
+    lens = [130, 7, 64, 201]
+    batch = make_paged_batch(
+        lens, [1, 2, 1, 12], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16, seed=8
+    )
+    problem = problem_of(batch)
+    base = choose_config(problem, torch.float32, sm_count=4)
+    results = []
+    for parts in (1, 2, 3, 16):
+        out = torch.full_like(batch.query, float("nan"))
+        o, lse = paged_attention_triton(
+            *batch.args(),
+            problem,
+            causal=causal,
+            return_lse=True,
+            out=out,
+            config=with_partitions(base, parts),
+        )
+        assert o is out and not torch.isnan(out).any()
+        results.append((o, lse))
+    ref, _ = dense_attention(batch, causal=causal)
+    for o, lse in results:
+        assert max_rel(o, ref) <= FP32_MAX_REL
+        torch.testing.assert_close(o, results[0][0], rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(lse, results[0][1], rtol=2e-6, atol=2e-6)
+
+
+def test_merge_of_partials_from_separate_calls_equals_whole() -> None:
+    """Attention over keys [0, a) and [a, L) computed as two non-causal calls, merged."""
+    seq_len, cut, d = 70, 29, 32
+    whole = make_paged_batch(
+        [seq_len], [1], num_q_heads=4, num_kv_heads=2, head_dim=d, block_size=8, seed=13
+    )
+    k, v = whole.keys[0], whole.values[0]
+    parts = []
+    for lo, hi in ((0, cut), (cut, seq_len)):
+        piece = make_paged_batch(
+            [hi - lo], [1], num_q_heads=4, num_kv_heads=2, head_dim=d, block_size=8, seed=lo
+        )
+        for j, blk in enumerate(piece.block_tables[0].tolist()):
+            if blk < 0:
+                break
+            n = min(8, hi - lo - j * 8)
+            piece.key_cache[blk, :, :n] = k[lo + j * 8 : lo + j * 8 + n].transpose(0, 1)
+            piece.value_cache[blk, :, :n] = v[lo + j * 8 : lo + j * 8 + n].transpose(0, 1)
+        args = (whole.query, *piece.args()[1:])
+        parts.append(
+            kernels.paged_attention(*args, causal=False, return_lse=True, backend="triton")
+        )
+    outs = torch.stack([p[0] for p in parts])
+    lses = torch.stack([p[1] for p in parts])
+    merged, merged_lse = kernels.merge_attention_states(outs, lses, backend="triton")
+    full, _ = run(whole, causal=False)
+    ref, ref_lse = dense_attention(whole, causal=False)
+    assert max_rel(merged, ref) <= FP32_MAX_REL
+    torch.testing.assert_close(merged, full, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(merged_lse.double(), ref_lse, rtol=0, atol=1e-5)
+
+
+def test_out_argument_is_filled_and_returned() -> None:
+    batch = make_paged_batch(
+        [33, 5], [4, 5], num_q_heads=4, num_kv_heads=4, head_dim=32, block_size=8
+    )
+    out = torch.full_like(batch.query, float("nan"))
+    got = kernels.paged_attention(*batch.args(), out=out, backend="triton")
+    assert got is out and not torch.isnan(out).any()
+    ref = kernels.paged_attention(*batch.args(), backend="torch")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_empty_batch_and_empty_query() -> None:
+    batch = make_paged_batch([5], [0], num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=8)
+    out, lse = run(batch)
+    assert out.shape == (0, 2, 16) and lse.shape == (0, 2)
+
+
+def test_non_contiguous_query_rows() -> None:
+    batch = make_paged_batch(
+        [20, 9], [3, 2], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8
+    )
+    wide = torch.randn(5, 4, 64, device=DEVICE)
+    wide[..., :32] = batch.query
+    strided = wide[..., :32]
+    assert not strided.is_contiguous()
+    a = kernels.paged_attention(strided, *batch.args()[1:], backend="triton")
+    b = kernels.paged_attention(batch.query, *batch.args()[1:], backend="triton")
+    assert torch.equal(a, b)
+
+
+class TestHeuristics:
+    @staticmethod
+    def problem(num_seqs: int, q_tokens: int, max_kv: int, hq: int = 32, hkv: int = 8):
+        return AttentionProblem(
+            num_q_tokens=q_tokens,
+            num_q_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=128,
+            num_blocks=10**6,
+            block_size=16,
+            num_seqs=num_seqs,
+            max_blocks=max_kv // 16,
+        )
+
+    def test_long_context_small_batch_splits(self) -> None:
+        cfg = choose_config(self.problem(1, 1, 32768), torch.bfloat16, sm_count=132)
+        assert cfg.block_q == 1 and cfg.num_partitions >= 16
+
+    def test_large_batch_does_not_split(self) -> None:
+        cfg = choose_config(self.problem(256, 256, 2048), torch.bfloat16, sm_count=132)
+        assert cfg.num_partitions == 1
+
+    def test_short_context_does_not_split(self) -> None:
+        cfg = choose_config(self.problem(1, 1, 256), torch.bfloat16, sm_count=132)
+        assert cfg.num_partitions == 1
+
+    def test_split_respects_minimum_partition(self) -> None:
+        policy = SplitPolicy(target_programs_per_sm=100, min_partition_tokens=512)
+        cfg = choose_config(self.problem(1, 1, 4096), torch.bfloat16, 132, policy)
+        assert cfg.num_partitions == 4096 // 512
+
+    @pytest.mark.parametrize("hq", [8, 32, 48, 128])
+    def test_prefill_tile_holds_whole_groups(self, hq: int) -> None:
+        cfg = choose_config(self.problem(8, 8 * 512, 4096, hq=hq, hkv=1), torch.float16, 132)
+        assert cfg.block_q >= 1 and cfg.block_m >= cfg.block_q * hq
+        assert cfg.block_m & (cfg.block_m - 1) == 0 and cfg.block_m >= 16
+
+    def test_bad_config_is_rejected(self) -> None:
+        with pytest.raises(ValueError, match="block_m"):
+            AttentionConfig(block_m=24, block_q=1, tile_n=32)
+        with pytest.raises(ValueError, match="tile_n"):
+            AttentionConfig(block_m=16, block_q=1, tile_n=8)
+
+
+# ----------------------------------------------------------------------------- GPU matrix
+
+GPU_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_gpu_head_dims(dtype: torch.dtype, head_dim: int) -> None:
+    bs = {64: 8, 80: 16, 96: 32, 128: 16, 256: 16}[head_dim]
+    lens = [*ragged_lens(bs), 700, 1500]
+    q_lens = [1, 1, 3, 1, 40, 1, 300]
+    batch = make_paged_batch(
+        lens, q_lens, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=bs,
+        dtype=dtype, device="cuda", seed=head_dim,
+    )  # fmt: skip
+    check_against_dense(batch, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize(("hq", "hkv"), [(32, 8), (16, 16), (16, 1)])
+def test_gpu_block_sizes_and_groups(dtype: torch.dtype, block_size: int, hq: int, hkv: int) -> None:
+    lens = [*ragged_lens(block_size), 2048]
+    batch = make_paged_batch(
+        lens, [1, 2, 1, 1, 30, 1], num_q_heads=hq, num_kv_heads=hkv, head_dim=128,
+        block_size=block_size, dtype=dtype, device="cuda", seed=block_size * hq,
+    )  # fmt: skip
+    check_against_dense(batch, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"causal": False},
+        {"sliding_window": 100},
+        {"softcap": 30.0},
+        {"sliding_window": 33, "softcap": 5.0},
+    ],
+    ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()),
+)
+def test_gpu_masks_and_softcap(dtype: torch.dtype, options: dict) -> None:
+    lens = [1, 300, 1000, 77]
+    batch = make_paged_batch(
+        lens, [1, 1, 250, 77], num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+        dtype=dtype, device="cuda", seed=17,
+    )  # fmt: skip
+    check_against_dense(batch, dtype, **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_gpu_large_split_decode_and_prefill(dtype: torch.dtype) -> None:
+    # Long contexts with few sequences take the split path on 132 SMs; the prefill rows
+    # cover several query tiles each.
+    lens = [32768, 9000, 4097, 2048]
+    batch = make_paged_batch(
+        lens, [1, 1, 1, 2048], num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+        dtype=dtype, device="cuda", seed=23,
+    )  # fmt: skip
+    problem = problem_of(batch)
+    assert choose_config(problem, dtype, torch.cuda.get_device_properties(0).multi_processor_count)
+    check_against_dense(batch, dtype)
+    decode = make_paged_batch(
+        [32768], [1], num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+        dtype=dtype, device="cuda", seed=24,
+    )  # fmt: skip
+    cfg = choose_config(problem_of(decode), dtype, 132)
+    assert cfg.num_partitions > 1
+    check_against_dense(decode, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_split_vs_unsplit_and_placement() -> None:
+    batch = make_paged_batch(
+        [5000, 3, 1200], [1, 3, 1], num_q_heads=32, num_kv_heads=8, head_dim=128,
+        block_size=16, dtype=torch.float32, device="cuda", seed=31,
+    )  # fmt: skip
+    problem = problem_of(batch)
+    base = choose_config(problem, torch.float32, 132)
+    outs = []
+    for parts in (1, 7, 40):
+        out = torch.full_like(batch.query, float("nan"))
+        o, lse = paged_attention_triton(
+            *batch.args(), problem, return_lse=True, out=out, config=with_partitions(base, parts)
+        )
+        assert not torch.isnan(o).any()
+        outs.append((o, lse))
+    for o, lse in outs[1:]:
+        torch.testing.assert_close(o, outs[0][0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lse, outs[0][1], rtol=1e-6, atol=1e-5)
+    perm = torch.randperm(batch.key_cache.shape[0])
+    a, la = run(batch)
+    b, lb = run(permute_blocks(batch, perm))
+    assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+@pytest.mark.gpu
+def test_gpu_pool_beyond_2_pow_31_elements() -> None:
+    # 2**31 + some elements of bf16 (4.3 GB): the blocks the batch uses sit at the pool's end,
+    # so block index x block stride overflows int32 unless offsets are int64.
+    hkv, bs, d = 8, 16, 128
+    per_block = hkv * bs * d
+    num_blocks = (2**31) // per_block + 64
+    key_cache = torch.randn(num_blocks, hkv, bs, d, device="cuda", dtype=torch.bfloat16)
+    value_cache = torch.randn(num_blocks, hkv, bs, d, device="cuda", dtype=torch.bfloat16)
+    assert key_cache.numel() > 2**31
+    small = make_paged_batch(
+        [300, 40], [1, 40], num_q_heads=32, num_kv_heads=hkv, head_dim=d, block_size=bs,
+        dtype=torch.bfloat16, device="cuda", seed=41, spare_blocks=0,
+    )  # fmt: skip
+    # Place the small batch's blocks at the end of the big pool.
+    used = small.block_tables >= 0
+    offset = num_blocks - small.key_cache.shape[0]
+    tables = small.block_tables.clone()
+    tables[used] += offset
+    key_cache[offset:] = small.key_cache
+    value_cache[offset:] = small.value_cache
+    out = kernels.paged_attention(
+        small.query, key_cache, value_cache, tables, small.seq_lens, small.query_start_loc
+    )
+    ref, _ = dense_attention(small)
+    assert rel_l2(out, ref) <= HALF_REL_L2

@@ -1,0 +1,372 @@
+"""KVPool and PoolWorker in-process: layout, sizing, write/attend against a dense oracle,
+block copies, export/import, debug poisoning, epoch fencing, and refusal of bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from workers_support import dense_attention, place_sequence, rel_err, write_tokens
+
+from cache_service.worker_clients import LocalWorkerClient, transfer_blocks
+from workers.actor import PoolWorker
+from workers.config import PoolConfig
+from workers.errors import (
+    InvalidWorkerRequest,
+    PoolAllocationError,
+    StaleEpochError,
+    WorkerUnavailable,
+)
+from workers.layout import KVLayout
+from workers.pool import KVPool
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32")
+
+
+def filled_pool(num_blocks: int = 16, seed: int = 0, **kwargs) -> KVPool:
+    pool = KVPool(LAYOUT, num_blocks, "cpu", **kwargs)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=torch.Generator().manual_seed(seed)))
+    return pool
+
+
+# -- layout and package weight ---------------------------------------------------------
+
+
+def test_layout_sizes_and_fingerprint():
+    layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)
+    assert layout.block_shape == (32, 2, 8, 16, 128)
+    assert layout.bytes_per_block == 32 * 2 * 8 * 16 * 128 * 2
+    assert layout.bytes_per_token * 16 == layout.bytes_per_block
+    assert layout.fingerprint() == KVLayout(32, 8, 128, 16, "bfloat16").fingerprint()
+    others = [
+        KVLayout(31, 8, 128, 16),
+        KVLayout(32, 4, 128, 16),
+        KVLayout(32, 8, 64, 16),
+        KVLayout(32, 8, 128, 32),
+        KVLayout(32, 8, 128, 16, "float16"),
+    ]
+    assert len({o.fingerprint() for o in others} | {layout.fingerprint()}) == 6
+    assert layout.torch_dtype() is torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"num_layers": 0}, "num_layers"),
+        ({"num_kv_heads": -1}, "num_kv_heads"),
+        ({"head_dim": 2.0}, "head_dim"),
+        ({"block_size": True}, "block_size"),
+        ({"dtype": "int8"}, "dtype"),
+    ],
+)
+def test_layout_refuses_bad_fields(kwargs, field):
+    args = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, **kwargs}
+    with pytest.raises(ValueError, match=f"KVLayout.{field}"):
+        KVLayout(**args)
+
+
+def test_pure_modules_import_neither_torch_nor_ray():
+    code = (
+        "import sys; import workers, workers.layout, workers.errors, workers.description, "
+        "workers.config, cache_service.worker_interface; "
+        "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# -- sizing ------------------------------------------------------------------------------
+
+
+def test_pool_config_needs_exactly_one_size():
+    with pytest.raises(PoolAllocationError, match="exactly one"):
+        PoolConfig(LAYOUT)
+    with pytest.raises(PoolAllocationError, match="exactly one"):
+        PoolConfig(LAYOUT, num_blocks=4, memory_fraction=0.5)
+    with pytest.raises(PoolAllocationError, match="memory_fraction"):
+        PoolConfig(LAYOUT, memory_fraction=1.5)
+    with pytest.raises(PoolAllocationError, match="num_blocks"):
+        PoolConfig(LAYOUT, num_blocks=0)
+    with pytest.raises(ValueError, match="backend"):
+        PoolConfig(LAYOUT, num_blocks=1, backend="cuda")
+
+
+def test_memory_fraction_sizes_the_pool_from_free_memory():
+    from workers.sizing import free_device_bytes
+
+    free = free_device_bytes(torch.device("cpu"))
+    fraction = (64 * LAYOUT.bytes_per_block) / free  # about 64 blocks
+    pool = KVPool.from_config(PoolConfig(LAYOUT, memory_fraction=fraction), "cpu")
+    assert 32 <= pool.num_blocks <= 96
+    assert pool.nbytes == pool.num_blocks * LAYOUT.bytes_per_block
+
+
+def test_pool_that_does_not_fit_is_refused_with_figures():
+    huge = KVLayout(num_layers=1024, num_kv_heads=64, head_dim=256, block_size=256)
+    with pytest.raises(PoolAllocationError, match="does not fit.*at most \\d+ blocks fit"):
+        KVPool(huge, 10_000, "cpu")
+    with pytest.raises(PoolAllocationError, match="less than one block"):
+        KVPool.from_config(PoolConfig(huge, memory_fraction=1e-9), "cpu")
+
+
+def test_layer_views_are_strided_slices_of_one_tensor():
+    pool = KVPool(LAYOUT, 5, "cpu")
+    k, v = pool.key_cache(1), pool.value_cache(1)
+    assert k.shape == (5, 2, 4, 16)
+    assert k.stride() == (3 * 2 * 2 * 4 * 16, 4 * 16, 16, 1)
+    assert k.data_ptr() == pool.data[0, 1, 0].data_ptr()
+    assert v.data_ptr() == pool.data[0, 1, 1].data_ptr()
+
+
+# -- write / attend ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_batched_decode_and_prefill_match_dense(backend):
+    """Three sequences (decode, chunked prefill, full prefill) in one launch, GQA 4:2,
+    shuffled physical blocks; the Triton path runs through the interpreter here."""
+    rng = random.Random(1)
+    gen = torch.Generator().manual_seed(1)
+    pool = KVPool(LAYOUT, 24, "cpu", backend=backend)
+    pools = {"w": pool}
+    taken: dict[str, set[int]] = {}
+    specs = [(13, 1), (9, 5), (6, 6)]  # (seq_len, new queries)
+    tables, lens, qsl, queries, refs = [], [], [0], [], []
+    for seq_len, n in specs:
+        k = torch.randn(seq_len, 2, 16, generator=gen)
+        v = torch.randn(seq_len, 2, 16, generator=gen)
+        q = torch.randn(n, 4, 16, generator=gen)
+        blocks = -(-seq_len // 4)
+        view = place_sequence(pools, [("w", blocks)], k, v, rng, layer=2, taken=taken)
+        tables.append(list(view.segments[0].block_indices) + [0] * (4 - blocks))
+        lens.append(seq_len)
+        qsl.append(qsl[-1] + n)
+        queries.append(q)
+        refs.append(dense_attention(q, k, v))
+    out, lse = pool.attend(2, torch.cat(queries), tables, lens, qsl, return_lse=True)
+    assert rel_err(out, torch.cat([r[0] for r in refs])) < 1e-5
+    assert torch.allclose(lse.double(), torch.cat([r[1] for r in refs]), atol=1e-4)
+    # Other layers were not touched by the writes.
+    assert pool.key_cache(0).abs().sum() == 0 and pool.value_cache(1).abs().sum() == 0
+
+
+def test_write_all_layers_at_once():
+    pool = KVPool(LAYOUT, 4, "cpu")
+    gen = torch.Generator().manual_seed(2)
+    k = torch.randn(3, 5, 2, 16, generator=gen)
+    v = torch.randn(3, 5, 2, 16, generator=gen)
+    write_tokens(pool, [2, 0], 0, k, v, layer=None)
+    for layer in range(3):
+        got = pool.key_cache(layer)[[2, 2, 2, 2, 0], :, [0, 1, 2, 3, 0]]
+        assert torch.equal(got, k[layer])
+        assert torch.equal(pool.value_cache(layer)[0, :, 0], v[layer, 4])
+
+
+def test_write_and_attend_equals_write_then_attend():
+    gen = torch.Generator().manual_seed(3)
+    a, b = filled_pool(seed=4), filled_pool(seed=4)
+    k, v = torch.randn(2, 2, 16, generator=gen), torch.randn(2, 2, 16, generator=gen)
+    q = torch.randn(2, 2, 16, generator=gen)
+    args = ([[3, 7, 1]], [10], [0, 2])
+    got = a.write_and_attend(0, [7 * 4 + 0, 7 * 4 + 1], k, v, q, *args)
+    b.write(0, [28, 29], k, v)
+    assert torch.equal(got, b.attend(0, q, *args))
+    assert torch.equal(a.data, b.data)
+
+
+def test_negative_slots_are_skipped():
+    pool = KVPool(LAYOUT, 2, "cpu")
+    k = torch.ones(3, 2, 16)
+    pool.write(0, [-1, 5, -1], k, k)
+    assert pool.key_cache(0).sum() == 2 * 16  # one token, two heads
+
+
+# -- block operations ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_copy_blocks_copies_every_layer_and_reads_sources_first(backend):
+    pool = filled_pool(8, backend=backend)
+    before = pool.data.clone()
+    pool.copy_blocks([1, 2], [2, 5])  # block 2 is both a source and a destination
+    assert torch.equal(pool.data[2], before[1]) and torch.equal(pool.data[5], before[2])
+    untouched = [0, 1, 3, 4, 6, 7]
+    assert torch.equal(pool.data[untouched], before[untouched])
+
+
+def test_export_import_round_trip_is_bit_exact_between_pools():
+    src = filled_pool(8, seed=5)
+    dst = KVPool(LAYOUT, 6, "cpu")
+    data = src.export_blocks([6, 0, 3])
+    assert data.shape == (3, *LAYOUT.block_shape) and data.device.type == "cpu"
+    dst.import_blocks([1, 5, 2], data)
+    assert torch.equal(dst.data[[1, 5, 2]], src.data[[6, 0, 3]])
+    assert torch.equal(dst.export_blocks([1, 5, 2]), data)
+    assert dst.data[[0, 3, 4]].abs().sum() == 0
+
+
+def test_debug_pool_starts_poisoned_and_poisons_released_blocks():
+    pool = KVPool(LAYOUT, 4, "cpu", debug=True)
+    assert torch.isnan(pool.data).all()
+    k = torch.randn(8, 2, 16)
+    write_tokens(pool, [1, 3], 0, k, k)
+    q = torch.randn(1, 2, 16)
+    assert not torch.isnan(pool.attend(0, q, [[1, 3]], [8], [0, 1])).any()
+    pool.release_blocks([3])
+    assert torch.isnan(pool.data[3]).all() and not torch.isnan(pool.data[1, 0]).any()
+    # A stale read of the released block shows up instead of passing silently.
+    assert torch.isnan(pool.attend(0, q, [[1, 3]], [8], [0, 1])).all()
+
+
+def test_release_outside_debug_changes_nothing():
+    pool = filled_pool(4)
+    before = pool.data.clone()
+    pool.release_blocks([0, 2])
+    assert torch.equal(pool.data, before)
+
+
+# -- bad input: a clear error naming the argument, nothing changed ---------------------------
+
+Q = torch.zeros(2, 4, 16)
+KV1 = torch.zeros(1, 2, 16)
+BAD_CALLS = [
+    ("write", (3, [0], KV1, KV1), "layer"),
+    ("write", (0, [0, 1], KV1, KV1), "key"),
+    ("write", (0, [0], KV1.double(), KV1.double()), "key dtype"),
+    ("write", (0, [0], KV1, torch.zeros(1, 2, 8)), "value"),
+    ("write", (0, [64], KV1, KV1), "slot_mapping holds slot 64"),
+    ("write", (0, [1, 1], torch.zeros(2, 2, 16), torch.zeros(2, 2, 16)), "more than once"),
+    ("write", (0, [0.5], KV1, KV1), "slot_mapping"),
+    ("write", (None, [0], KV1, KV1), "key must be [3, 1, 2, 16]"),
+    ("attend", (0, Q, [[0, 1]], [5], [0, 2]), None),  # the valid baseline
+    ("attend", (0, Q[:, :3], [[0]], [4], [0, 2]), "query has 3 heads"),
+    ("attend", (0, Q.half(), [[0]], [4], [0, 2]), "query dtype"),
+    ("attend", (0, torch.zeros(2, 4, 8), [[0]], [4], [0, 2]), "query must be"),
+    ("attend", (0, Q, [[0, 16]], [5], [0, 2]), "block_tables[0, 1] = 16"),
+    ("attend", (0, Q, [[0]], [5], [0, 2]), "seq_lens[0] exceeds"),
+    ("attend", (0, Q, [[0]], [1], [0, 2]), "more query rows"),
+    ("attend", (0, Q, [[0]], [4], [0, 1]), "query_start_loc[-1]"),
+    ("attend", (0, Q, [[0]], [4, 4], [0, 2]), "seq_lens must be"),
+    ("attend", (0, Q, [0], [4], [0, 2]), "block_tables must be 2-D"),
+    ("attend", (-1, Q, [[0]], [4], [0, 2]), "layer"),
+    ("copy_blocks", ([0], [16]), "dst[0] = 16"),
+    ("copy_blocks", ([0, 1], [2, 2]), "dst names one block more than once"),
+    ("copy_blocks", ([0], [1, 2]), "src has 1 entries"),
+    ("export_blocks", ([-1],), "block_ids[0] = -1"),
+    ("import_blocks", ([0], torch.zeros(1, 3, 2, 2, 4, 8)), "data must be"),
+    ("import_blocks", ([0], torch.zeros(1, *LAYOUT.block_shape).half()), "data dtype"),
+    ("import_blocks", ([0, 0], torch.zeros(2, *LAYOUT.block_shape)), "more than once"),
+    ("release_blocks", ([99],), "block_ids[0] = 99"),
+]
+
+
+@pytest.mark.parametrize(("method", "args", "message"), BAD_CALLS)
+def test_bad_input_is_refused_and_changes_nothing(method, args, message):
+    pool = filled_pool(16)
+    before = pool.data.clone()
+    if message is None:
+        getattr(pool, method)(*args)
+        return
+    with pytest.raises(InvalidWorkerRequest) as info:
+        getattr(pool, method)(*args)
+    assert message in str(info.value)
+    assert torch.equal(pool.data, before)
+
+
+def test_write_and_attend_checks_the_attention_half_before_writing():
+    pool = filled_pool(16)
+    before = pool.data.clone()
+    k = torch.ones(1, 2, 16)
+    with pytest.raises(InvalidWorkerRequest, match="block_tables"):
+        pool.write_and_attend(0, [3], k, k, Q, [[0, 99]], [5], [0, 2])
+    assert torch.equal(pool.data, before)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("scale", math.inf), ("softcap", -1.0), ("sliding_window", 0), ("causal", 1)],
+)
+def test_bad_attention_options_are_refused(option, value):
+    pool = filled_pool(4)
+    with pytest.raises(InvalidWorkerRequest, match=option):
+        pool.attend(0, Q, [[0]], [4], [0, 2], **{option: value})
+
+
+# -- PoolWorker: epochs ---------------------------------------------------------------------
+
+
+def test_worker_refuses_a_stale_epoch_and_changes_nothing():
+    worker = PoolWorker("w0", PoolConfig(LAYOUT, num_blocks=8))
+    desc = worker.describe()
+    assert desc.worker_id == "w0" and desc.num_blocks == 8 and desc.device == "cpu"
+    assert desc.layout == LAYOUT and desc.epoch == worker.epoch() and len(desc.epoch) == 16
+    k = torch.ones(1, 2, 16)
+    with pytest.raises(StaleEpochError) as info:
+        worker.write("not-the-epoch", 0, [0], k, k)
+    assert info.value.worker_id == "w0" and info.value.actual == desc.epoch
+    assert torch.equal(
+        worker.export_blocks(desc.epoch, list(range(8))), torch.zeros(8, *LAYOUT.block_shape)
+    )
+    health = worker.health()
+    assert health.ok and health.calls == 2 and health.failed_calls == 1
+
+
+def test_each_start_draws_a_new_epoch():
+    config = PoolConfig(LAYOUT, num_blocks=1)
+    assert len({PoolWorker("w", config).epoch() for _ in range(5)}) == 5
+
+
+def test_worker_returns_host_tensors_with_lse():
+    worker = PoolWorker("w", PoolConfig(LAYOUT, num_blocks=4))
+    out, lse = worker.attend(worker.epoch(), 0, Q, [[0, 1]], [5], [0, 2], True, True)
+    assert out.device.type == "cpu" and lse.dtype == torch.float32 and lse.shape == (2, 4)
+
+
+# -- LocalWorkerClient --------------------------------------------------------------------
+
+
+def test_local_client_restart_and_kill():
+    async def scenario():
+        client = LocalWorkerClient("w", PoolConfig(LAYOUT, num_blocks=4))
+        try:
+            epoch = (await client.describe()).epoch
+            k = torch.ones(1, 2, 16)
+            await client.write(epoch, 0, [1], k, k)
+            result = await client.attend(epoch, 0, Q[:1], [[0]], [2], [0, 1])
+            assert result.lse is None and result.out.shape == (1, 4, 16)
+            client.restart()
+            new_epoch = (await client.describe()).epoch
+            assert new_epoch != epoch
+            with pytest.raises(StaleEpochError):
+                await client.attend(epoch, 0, Q[:1], [[0]], [2], [0, 1])
+            assert (await client.export_blocks(new_epoch, [0])).abs().sum() == 0  # empty pool
+            client.kill()
+            with pytest.raises(WorkerUnavailable, match="killed"):
+                await client.health()
+        finally:
+            client.close()
+
+    asyncio.run(scenario())
+
+
+def test_transfer_between_local_workers_is_bit_exact():
+    async def scenario():
+        config = PoolConfig(LAYOUT, num_blocks=6)
+        a, b = LocalWorkerClient("a", config), LocalWorkerClient("b", config)
+        try:
+            ea, eb = (await a.describe()).epoch, (await b.describe()).epoch
+            a.worker._pool.data.normal_()
+            await transfer_blocks(a, ea, [4, 1], b, eb, [0, 5])
+            assert torch.equal(await b.export_blocks(eb, [0, 5]), await a.export_blocks(ea, [4, 1]))
+            with pytest.raises(StaleEpochError, match="'a'"):
+                await transfer_blocks(a, eb, [4], b, eb, [1])
+        finally:
+            a.close()
+            b.close()
+
+    asyncio.run(scenario())

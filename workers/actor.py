@@ -1,0 +1,235 @@
+"""``PoolWorker``: the Ray actor that owns one device's KV pool.
+
+Every data method takes the epoch the caller expects first. The epoch is a random id drawn
+when the actor starts, so after a crash and a Ray restart (which reruns the constructor with
+an empty pool) every call made with the old epoch is refused with
+:class:`~workers.errors.StaleEpochError`: a restarted worker never serves blocks it lost.
+
+Tensors arrive on the host (Ray serialises them), move to the pool's device here, and
+results go back as host tensors. The class is plain Python so it also runs in-process
+(``cache_service.worker_clients.LocalWorkerClient``); :data:`PoolWorkerActor` is its Ray
+actor class. Ray runs an actor's calls one at a time, which serialises pool updates.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import ray
+import torch
+
+from workers.config import PoolConfig
+from workers.description import WorkerDescription, WorkerHealth
+from workers.errors import StaleEpochError
+from workers.pool import AttendResult, IndexLike, KVPool
+
+__all__ = ["PoolWorker", "PoolWorkerActor", "new_epoch"]
+
+_T = TypeVar("_T")
+
+
+def new_epoch() -> str:
+    """A fresh random epoch id (16 hex digits)."""
+    return secrets.token_hex(8)
+
+
+def _to_host(result: AttendResult) -> AttendResult:
+    if isinstance(result, tuple):
+        return tuple(t.cpu() for t in result)  # type: ignore[return-value]
+    return result.cpu()
+
+
+class PoolWorker:
+    """One KV pool behind an epoch fence.
+
+    Args:
+        worker_id: stable id (the actor's name).
+        config: pool size and options.
+        device: pool device; None = the GPU Ray assigned (``cuda``) if any, else CPU.
+        torch_threads: intra-op CPU threads for torch in this process (None: leave as is);
+            CPU workers sharing a machine should use 1 each.
+
+    Raises:
+        PoolAllocationError: the pool does not fit.
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        config: PoolConfig,
+        device: str | None = None,
+        torch_threads: int | None = None,
+    ) -> None:
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
+        self._worker_id = worker_id
+        self._config = config
+        self._pool = KVPool.from_config(config, device)
+        self._epoch = new_epoch()
+        self._started = time.monotonic()
+        self._calls = 0
+        self._failed = 0
+
+    # -- identity (no epoch) ------------------------------------------------------------
+
+    def epoch(self) -> str:
+        """This start's epoch."""
+        return self._epoch
+
+    def describe(self) -> WorkerDescription:
+        """Identity, epoch and capacity."""
+        return WorkerDescription(
+            worker_id=self._worker_id,
+            epoch=self._epoch,
+            num_blocks=self._pool.num_blocks,
+            device=str(self._pool.device),
+            layout=self._pool.layout,
+            pool_bytes=self._pool.nbytes,
+            debug=self._pool.debug,
+        )
+
+    def health(self) -> WorkerHealth:
+        """Probe the device with a small computation; never raises."""
+        ok, detail, free = True, "", None
+        try:
+            probe = torch.ones(8, device=self._pool.device).sum()
+            if float(probe) != 8.0:  # the read also synchronises with queued device work
+                ok, detail = False, f"device probe returned {float(probe)} instead of 8"
+            if self._pool.device.type == "cuda":
+                free = self._pool.free_bytes()
+        except Exception as exc:  # a health probe reports, it does not raise
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+        return WorkerHealth(
+            worker_id=self._worker_id,
+            epoch=self._epoch,
+            ok=ok,
+            detail=detail,
+            uptime_s=time.monotonic() - self._started,
+            calls=self._calls,
+            failed_calls=self._failed,
+            device_free_bytes=free,
+        )
+
+    # -- data (epoch first) -------------------------------------------------------------
+
+    def write(
+        self,
+        epoch: str,
+        layer: int | None,
+        slot_mapping: IndexLike,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
+        """:meth:`KVPool.write` behind the epoch fence."""
+        self._run(epoch, lambda: self._pool.write(layer, slot_mapping, key, value))
+
+    def attend(
+        self,
+        epoch: str,
+        layer: int,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        causal: bool = True,
+        return_lse: bool = False,
+        *,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> AttendResult:
+        """:meth:`KVPool.attend` behind the epoch fence; results on the host."""
+        return self._run(
+            epoch,
+            lambda: _to_host(
+                self._pool.attend(
+                    layer,
+                    query,
+                    block_tables,
+                    seq_lens,
+                    query_start_loc,
+                    causal=causal,
+                    return_lse=return_lse,
+                    scale=scale,
+                    sliding_window=sliding_window,
+                    softcap=softcap,
+                )
+            ),
+        )
+
+    def write_and_attend(
+        self,
+        epoch: str,
+        layer: int,
+        slot_mapping: IndexLike,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        causal: bool = True,
+        return_lse: bool = False,
+        *,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> AttendResult:
+        """:meth:`KVPool.write_and_attend` (one write launch, one attention launch) behind
+        the epoch fence; results on the host."""
+        return self._run(
+            epoch,
+            lambda: _to_host(
+                self._pool.write_and_attend(
+                    layer,
+                    slot_mapping,
+                    key,
+                    value,
+                    query,
+                    block_tables,
+                    seq_lens,
+                    query_start_loc,
+                    causal=causal,
+                    return_lse=return_lse,
+                    scale=scale,
+                    sliding_window=sliding_window,
+                    softcap=softcap,
+                )
+            ),
+        )
+
+    def copy_blocks(self, epoch: str, src: IndexLike, dst: IndexLike) -> None:
+        """:meth:`KVPool.copy_blocks` behind the epoch fence."""
+        self._run(epoch, lambda: self._pool.copy_blocks(src, dst))
+
+    def export_blocks(self, epoch: str, block_ids: IndexLike) -> torch.Tensor:
+        """:meth:`KVPool.export_blocks` behind the epoch fence (host tensor)."""
+        return self._run(epoch, lambda: self._pool.export_blocks(block_ids))
+
+    def import_blocks(self, epoch: str, block_ids: IndexLike, data: torch.Tensor) -> None:
+        """:meth:`KVPool.import_blocks` behind the epoch fence."""
+        self._run(epoch, lambda: self._pool.import_blocks(block_ids, data))
+
+    def release_blocks(self, epoch: str, block_ids: IndexLike) -> None:
+        """:meth:`KVPool.release_blocks` (NaN poison in debug mode) behind the epoch fence."""
+        self._run(epoch, lambda: self._pool.release_blocks(block_ids))
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _run(self, epoch: str, op: Callable[[], _T]) -> _T:
+        self._calls += 1
+        try:
+            if epoch != self._epoch:
+                raise StaleEpochError(self._worker_id, expected=epoch, actual=self._epoch)
+            return op()
+        except Exception:
+            self._failed += 1
+            raise
+
+
+# The Ray actor class. Resources (num_gpus, name, lifetime, ...) are set per launch with
+# .options() in workers.launcher.
+PoolWorkerActor = ray.remote(PoolWorker)

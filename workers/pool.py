@@ -1,0 +1,368 @@
+"""One device's KV block pool: the tensor, its per-layer views, and the operations on it.
+
+The pool is a single tensor ``[num_blocks, L, 2, Hkv, block_size, D]``: a physical block is
+one contiguous run (all layers, K and V), so copying, exporting or importing a block is one
+copy. Per layer, ``key_cache(layer)`` / ``value_cache(layer)`` are
+``[num_blocks, Hkv, block_size, D]`` views with a dim-0 stride of ``L * 2 * Hkv * bs * D``,
+which the kernels accept.
+
+Every method validates its arguments (:mod:`workers.checks`) before touching the pool, then
+moves them to the pool's device. Results stay on the pool's device (the actor moves them to
+the host).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+
+import kernels
+from workers.checks import (
+    AttendOptions,
+    check_attend,
+    check_block_data,
+    check_block_ids,
+    check_layer,
+    check_write,
+)
+from workers.config import PoolConfig
+from workers.errors import InvalidWorkerRequest, PoolAllocationError
+from workers.layout import KVLayout
+from workers.sizing import free_device_bytes, resolve_num_blocks
+
+__all__ = ["KVPool", "resolve_device"]
+
+IndexLike = torch.Tensor | Sequence[int]
+AttendResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+_T = TypeVar("_T")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``device`` as a torch device; None picks the current CUDA device if any, else CPU.
+
+    A bare "cuda" becomes "cuda:<current>", so the pool reports the GPU it really uses.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise PoolAllocationError(f"device {device!r} asked for, but CUDA is not available")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise PoolAllocationError(f"pools live on 'cuda' or 'cpu' devices, got {device!r}")
+    return dev
+
+
+class KVPool:
+    """The K/V blocks of one device for one layout.
+
+    Args:
+        layout: the KV layout.
+        num_blocks: blocks in the pool.
+        device: where the pool lives (see :func:`resolve_device`).
+        debug: fill the fresh pool and released blocks with NaN (stale reads show up).
+        backend: kernels backend ("auto", "triton", "torch").
+
+    Raises:
+        PoolAllocationError: the size is malformed or does not fit on the device.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        device: str | torch.device | None = "cpu",
+        *,
+        debug: bool = False,
+        backend: str = "auto",
+    ) -> None:
+        # PoolConfig validates the size and the backend; keep one set of rules.
+        config = PoolConfig(layout, num_blocks=num_blocks, debug=debug, backend=backend)
+        self._layout = layout
+        self._device = resolve_device(device)
+        self._num_blocks = resolve_num_blocks(config, self._device)
+        self._debug = debug
+        self._backend = backend
+        shape = (self._num_blocks, *layout.block_shape)
+        fill = math.nan if debug else 0.0
+        try:
+            # Zeros rather than empty(): recycled device memory may hold NaNs that a masked
+            # but multiplied-by-zero lane would spread.
+            self._data = torch.full(shape, fill, dtype=layout.torch_dtype(), device=self._device)
+        except torch.OutOfMemoryError as exc:
+            raise PoolAllocationError(
+                f"allocating {self._num_blocks} blocks ({self._num_blocks * layout.bytes_per_block}"
+                f" bytes) on {self._device} failed: {exc}"
+            ) from None
+
+    @classmethod
+    def from_config(cls, config: PoolConfig, device: str | torch.device | None = None) -> KVPool:
+        """A pool sized by ``config`` (a block count, or a fraction of free device memory)."""
+        dev = resolve_device(device)
+        return cls(
+            config.layout,
+            resolve_num_blocks(config, dev),
+            dev,
+            debug=config.debug,
+            backend=config.backend,
+        )
+
+    # -- shape -------------------------------------------------------------------------
+
+    @property
+    def layout(self) -> KVLayout:
+        return self._layout
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots: ``num_blocks * block_size``."""
+        return self._num_blocks * self._layout.block_size
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def debug(self) -> bool:
+        return self._debug
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pool tensor."""
+        return self._data.numel() * self._data.element_size()
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The pool tensor ``[num_blocks, L, 2, Hkv, block_size, D]`` (shared, not a copy)."""
+        return self._data
+
+    def key_cache(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s K view ``[num_blocks, Hkv, block_size, D]``."""
+        check_layer(layer, self._layout.num_layers)
+        return self._data[:, layer, 0]
+
+    def value_cache(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s V view ``[num_blocks, Hkv, block_size, D]``."""
+        check_layer(layer, self._layout.num_layers)
+        return self._data[:, layer, 1]
+
+    def free_bytes(self) -> int:
+        """Free memory on the pool's device, bytes."""
+        return free_device_bytes(self._device)
+
+    # -- data ops ----------------------------------------------------------------------
+
+    def write(
+        self,
+        layer: int | None,
+        slot_mapping: IndexLike,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
+        """Write new tokens' K/V into their slots.
+
+        Args:
+            layer: layer index, or None to write every layer.
+            slot_mapping: int ``[n]`` flat slots (``block * block_size + offset``); negative
+                entries are skipped; the others distinct.
+            key, value: ``[n, Hkv, D]`` (``[L, n, Hkv, D]`` with ``layer=None``), pool dtype.
+
+        Raises:
+            InvalidWorkerRequest: a malformed argument; nothing was written.
+        """
+        slots = check_write(self._layout, self._num_blocks, layer, slot_mapping, key, value)
+        self._write_checked(layer, slots, key, value)
+
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> AttendResult:
+        """Paged attention of a batch of sequences over one layer (one kernel launch).
+
+        Args:
+            layer: layer index.
+            query: ``[T, Hq, D]`` in the pool dtype; rows ``query_start_loc[s]:[s+1]`` are the
+                last tokens of sequence s (query i of n at position ``seq_len - n + i``).
+            block_tables: int ``[S, max_blocks]`` physical block ids of this pool.
+            seq_lens: int ``[S]`` KV tokens per sequence.
+            query_start_loc: int ``[S + 1]``.
+            causal, return_lse, scale, sliding_window, softcap: as in
+                ``kernels.paged_attention``.
+
+        Returns:
+            out ``[T, Hq, D]`` (pool dtype, pool device); with ``return_lse`` also lse float32
+            ``[T, Hq]`` (natural log; -inf for a row that saw no key).
+
+        Raises:
+            InvalidWorkerRequest: a malformed argument.
+        """
+        options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
+        indices = check_attend(
+            self._layout,
+            self._num_blocks,
+            layer,
+            query,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+        )
+        return self._attend_checked(layer, query, *indices, options)
+
+    def write_and_attend(
+        self,
+        layer: int,
+        slot_mapping: IndexLike,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> AttendResult:
+        """:meth:`write` then :meth:`attend` on one layer: a model layer's step, two launches.
+
+        Both halves are validated before the write, so a bad attention argument leaves the
+        pool unchanged.
+        """
+        options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
+        check_layer(layer, self._layout.num_layers)
+        slots = check_write(self._layout, self._num_blocks, layer, slot_mapping, key, value)
+        indices = check_attend(
+            self._layout,
+            self._num_blocks,
+            layer,
+            query,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+        )
+        self._write_checked(layer, slots, key, value)
+        return self._attend_checked(layer, query, *indices, options)
+
+    def copy_blocks(self, src: IndexLike, dst: IndexLike) -> None:
+        """Copy whole blocks (all layers, K and V) ``src[i] -> dst[i]`` (copy-on-write).
+
+        ``dst`` ids are distinct; sources are read before any destination is written.
+        """
+        src_ids = check_block_ids("src", src, self._num_blocks, distinct=False)
+        dst_ids = check_block_ids("dst", dst, self._num_blocks, distinct=True)
+        if src_ids.shape != dst_ids.shape:
+            raise InvalidWorkerRequest(
+                f"src has {src_ids.shape[0]} entries but dst has {dst_ids.shape[0]}"
+            )
+        if not src_ids.numel():
+            return
+        # The K and V halves, not the pool twice: copying one tensor twice would re-read
+        # sources that the first pass already overwrote when src and dst overlap.
+        self._kernel(
+            kernels.copy_blocks,
+            self._data[:, :, 0],
+            self._data[:, :, 1],
+            self._to_device(src_ids, torch.int64),
+            self._to_device(dst_ids, torch.int64),
+        )
+
+    def export_blocks(self, block_ids: IndexLike) -> torch.Tensor:
+        """Copies of the listed blocks ``[n, L, 2, Hkv, block_size, D]`` on the host."""
+        ids = check_block_ids("block_ids", block_ids, self._num_blocks, distinct=False)
+        out = self._data.index_select(0, self._to_device(ids, torch.int64))
+        return out.cpu()
+
+    def import_blocks(self, block_ids: IndexLike, data: torch.Tensor) -> None:
+        """Overwrite the listed (distinct) blocks with ``data`` ``[n, L, 2, Hkv, bs, D]``
+        (what :meth:`export_blocks` returns, from any pool of the same layout)."""
+        ids = check_block_ids("block_ids", block_ids, self._num_blocks, distinct=True)
+        check_block_data(data, ids.shape[0], self._layout)
+        if not ids.numel():
+            return
+        self._data.index_copy_(0, self._to_device(ids, torch.int64), data.to(self._device))
+
+    def release_blocks(self, block_ids: IndexLike) -> None:
+        """The listed blocks are no longer used: in debug mode poison them with NaN (a later
+        read without a write shows up as NaN output); otherwise only validate the ids."""
+        ids = check_block_ids("block_ids", block_ids, self._num_blocks, distinct=False)
+        if self._debug and ids.numel():
+            self._data.index_fill_(0, self._to_device(ids, torch.int64), math.nan)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _to_device(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return t.to(device=self._device, dtype=dtype)
+
+    def _kernel(self, fn: Callable[..., _T], *args: object, **kwargs: object) -> _T:
+        # Arguments were validated on the host; a kernel-side complaint means a mismatch
+        # between the two validators, still reported as a bad request rather than a crash.
+        try:
+            return fn(*args, backend=self._backend, check_values=False, **kwargs)
+        except kernels.KernelArgumentError as exc:
+            raise InvalidWorkerRequest(str(exc)) from exc
+
+    def _write_checked(
+        self, layer: int | None, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        if slots.shape[0] == 0:
+            return
+        slots_dev = self._to_device(slots, torch.int64)
+        key = key.to(self._device).contiguous()
+        value = value.to(self._device).contiguous()
+        layers = range(self._layout.num_layers) if layer is None else (layer,)
+        for i, lyr in enumerate(layers):
+            k, v = (key[i], value[i]) if layer is None else (key, value)
+            self._kernel(
+                kernels.write_kv,
+                k,
+                v,
+                self._data[:, lyr, 0],
+                self._data[:, lyr, 1],
+                slots_dev,
+            )
+
+    def _attend_checked(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        options: AttendOptions,
+    ) -> AttendResult:
+        q = query.to(self._device).contiguous()
+        return self._kernel(
+            kernels.paged_attention,
+            q,
+            self._data[:, layer, 0],
+            self._data[:, layer, 1],
+            self._to_device(block_tables, torch.int32),
+            self._to_device(seq_lens, torch.int32),
+            self._to_device(query_start_loc, torch.int32),
+            scale=options.scale,
+            causal=options.causal,
+            sliding_window=options.sliding_window,
+            softcap=options.softcap,
+            return_lse=options.return_lse,
+        )
