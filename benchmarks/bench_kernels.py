@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.testing
 
+import kernels
 from kernels.attention import AttentionConfig, choose_config, num_sms, paged_attention_triton
 from kernels.kv_write import WriteKVConfig, write_kv_triton
 from kernels.testing import PagedBatch, dense_attention, make_paged_batch, rel_l2
@@ -55,8 +56,11 @@ class BenchSettings:
     block_size: int = 16
     dtype: torch.dtype = torch.bfloat16
     flex_page: int = 128
-    warmup_ms: float = 25.0
+    # A long warm-up per timing: an idle H200 drops its SM clock (345 MHz seen at start) and
+    # short, latency-bound kernels timed before it ramps up read slow (notes-kernels.md).
+    warmup_ms: float = 300.0
     rep_ms: float = 200.0
+    rounds: int = 3  # ours and SDPA timed alternately, this many times each
 
 
 @dataclass(frozen=True)
@@ -78,16 +82,10 @@ DECODE_CASES = (
     DecodeCase(256, 128, None),
 )
 
-# Launch configurations the sweep tries (tile_n, num_warps, num_stages) x split counts.
-SWEEP_TILES = ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4), (64, 8, 4), (128, 4, 2))
-SWEEP_PREFILL = (
-    (128, 64, 8, 2),
-    (128, 64, 8, 3),
-    (128, 128, 8, 2),
-    (64, 64, 4, 3),
-    (128, 32, 4, 3),
-    (64, 128, 4, 2),
-)
+# Launch configurations the sweep tries: (tile_n, num_warps, num_stages) x split counts x
+# fused / separate merge (run 1 of notes-kernels.md tried a wider grid).
+SWEEP_TILES = ((128, 4, 3),)
+SWEEP_PREFILL = ((128, 128, 8, 3),)
 
 
 def log(msg: str) -> None:
@@ -106,8 +104,6 @@ def copy_ceiling(s: BenchSettings) -> dict:
     src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), s)
-    del src, dst
-    torch.cuda.empty_cache()
     return {"bytes": 2 * n_bytes, "ms": ms, "gbps": 2 * n_bytes / ms / 1e6}
 
 
@@ -116,9 +112,10 @@ def attention_bytes(batch: PagedBatch) -> int:
     kv = sum(k.numel() + v.numel() for k, v in zip(batch.keys, batch.values, strict=True))
     elem = batch.query.element_size()
     q = batch.query.numel()
-    tables = sum(
-        math.ceil(k.shape[0] / batch.key_cache.shape[2]) for k in batch.keys
-    ) * batch.block_tables.element_size()
+    tables = (
+        sum(math.ceil(k.shape[0] / batch.key_cache.shape[2]) for k in batch.keys)
+        * batch.block_tables.element_size()
+    )
     lens = batch.seq_lens.numel() * 4 + batch.query_start_loc.numel() * 4
     return (kv + 2 * q) * elem + tables + lens
 
@@ -215,16 +212,18 @@ def bench_decode(case: DecodeCase, s: BenchSettings, sweep: bool, flex: bool) ->
         "case": case.name,
         "bytes": n_bytes,
         "config": asdict(config),
-        "ours_ms": time_ms(fn, s),
         "ours_rel_l2": err,
         "target_vs_sdpa": case.target_vs_sdpa,
     }
-    log(f"ours {row['ours_ms'] * 1e3:.1f} us  config {config}  rel L2 {err:.2e}")
     k, v = dense_kv(batch)
     sdpa = sdpa_decode(batch, k, v)
     row["sdpa_rel_l2"] = rel_l2(sdpa(), ref)
-    row["sdpa_ms"] = time_ms(sdpa, s)
-    log(f"sdpa {row['sdpa_ms'] * 1e3:.1f} us")
+    row.update(paired_times(fn, sdpa, s))
+    log(
+        f"ours {row['ours_ms'] * 1e3:.1f} us  sdpa {row['sdpa_ms'] * 1e3:.1f} us  per-round "
+        f"SDPA/ours {[round(r, 3) for r in row['ratio_rounds']]}  config {config}  rel L2 {err:.2e}"
+    )
+    row["ours_graph_ms"], row["sdpa_graph_ms"] = graph_ms(fn, s), graph_ms(sdpa, s)
     row["flex_ms"], row["flex_error"] = None, None
     if flex:
         try:
@@ -236,40 +235,75 @@ def bench_decode(case: DecodeCase, s: BenchSettings, sweep: bool, flex: bool) ->
         except Exception as exc:
             row["flex_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             log(f"flex failed: {row['flex_error']}")
-    del k, v
+    k = v = None  # free the dense copies before the sweep
     # The validated public call (check_values=True costs one device read), for the record.
-    import kernels
-
     row["public_api_ms"] = time_ms(lambda: kernels.paged_attention(*batch.args()), s)
     if sweep:
         row["sweep"] = sweep_decode(batch, config, ref, s)
-    del batch, ref
-    torch.cuda.empty_cache()
     return row
+
+
+def paired_times(ours_fn: Callable[[], object], base_fn: Callable[[], object], s) -> dict:
+    """Time ours and a baseline alternately (order flipped each round); medians + ratios."""
+    ours_t, base_t = [], []
+    for r in range(s.rounds):
+        if r % 2 == 0:
+            ours_t.append(time_ms(ours_fn, s))
+            base_t.append(time_ms(base_fn, s))
+        else:
+            base_t.append(time_ms(base_fn, s))
+            ours_t.append(time_ms(ours_fn, s))
+    return {
+        "ours_ms": sorted(ours_t)[len(ours_t) // 2],
+        "sdpa_ms": sorted(base_t)[len(base_t) // 2],
+        "ours_rounds_ms": ours_t,
+        "sdpa_rounds_ms": base_t,
+        "ratio_rounds": [b / o for o, b in zip(ours_t, base_t, strict=True)],
+    }
 
 
 def split_candidates(base: AttentionConfig) -> list[int]:
     p = base.num_partitions
-    return sorted({1, p, max(1, p // 2), 2 * p} if p > 1 else {1, 2, 4})
+    return sorted({max(1, p // 2), p, 2 * p} if p > 1 else {1, 2})
 
 
 def sweep_decode(batch: PagedBatch, base: AttentionConfig, ref: torch.Tensor, s) -> list[dict]:
     results = []
+    if base.num_partitions == 1:
+        return results  # run 2 of notes-kernels.md swept the unsplit cases
     for tile_n, warps, stages in SWEEP_TILES:
         for parts in split_candidates(base):
-            cfg = replace(
-                base, tile_n=tile_n, num_warps=warps, num_stages=stages, num_partitions=parts
-            )
-            try:
-                fn = ours(batch, cfg)
-                err = rel_l2(fn(), ref)
-                ms = time_ms(fn, s)
-            except Exception as exc:
-                results.append({"config": asdict(cfg), "error": f"{type(exc).__name__}: {exc}"})
-                continue
-            results.append({"config": asdict(cfg), "ms": ms, "rel_l2": err})
-            log(f"  sweep tile {tile_n} w{warps} s{stages} P{parts}: {ms * 1e3:.1f} us")
+            for fused in (True, False) if parts > 1 else (True,):
+                cfg = replace(
+                    base,
+                    tile_n=tile_n,
+                    num_warps=warps,
+                    num_stages=stages,
+                    num_partitions=parts,
+                    fused_merge=fused,
+                )
+                try:
+                    fn = ours(batch, cfg)
+                    err = rel_l2(fn(), ref)
+                    ms = time_ms(fn, s)
+                except Exception as exc:
+                    results.append({"config": asdict(cfg), "error": f"{type(exc).__name__}: {exc}"})
+                    continue
+                results.append({"config": asdict(cfg), "ms": ms, "rel_l2": err})
+                log(
+                    f"  sweep tile {tile_n} w{warps} s{stages} P{parts} fused={fused}: "
+                    f"{ms * 1e3:.1f} us  rel L2 {err:.1e}"
+                )
     return results
+
+
+def graph_ms(fn: Callable[[], object], s: BenchSettings) -> float | None:
+    """Median ms of CUDA-graph replays (no launch overhead, no L2 flush): a diagnostic."""
+    try:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=s.rep_ms, return_mode="median"))
+    except Exception as exc:
+        log(f"graph timing failed: {type(exc).__name__}: {str(exc)[:200]}")
+        return None
 
 
 def bench_prefill(s: BenchSettings, sweep: bool) -> dict:
@@ -302,7 +336,6 @@ def bench_prefill(s: BenchSettings, sweep: bool) -> dict:
         "ours_rel_l2": rel_l2(fn(), ref),
         "ours_ms": time_ms(fn, s),
     }
-    log(f"ours {row['ours_ms']:.3f} ms = {flops / row['ours_ms'] / 1e9:.0f} TFLOP/s  {config}")
     k, v = dense_kv(batch)
     q = batch.query.view(n_seq, new, s.num_q_heads, s.head_dim).transpose(1, 2).contiguous()
     row["sdpa_ms"], row["sdpa_variant"], row["sdpa_error"] = None, None, None
@@ -313,13 +346,15 @@ def bench_prefill(s: BenchSettings, sweep: bool) -> dict:
             row["sdpa_rel_l2"] = rel_l2(out, ref)
             if row["sdpa_rel_l2"] > 2e-2:
                 raise RuntimeError(f"wrong result (rel L2 {row['sdpa_rel_l2']:.2e})")
-            row["sdpa_ms"], row["sdpa_variant"] = time_ms(sd, s), variant
+            row.update(paired_times(fn, sd, s))
+            row["sdpa_variant"] = variant
             log(f"sdpa ({variant}) {row['sdpa_ms']:.3f} ms")
             break
         except Exception as exc:
             row["sdpa_error"] = f"{variant}: {type(exc).__name__}: {str(exc)[:200]}"
             log(f"sdpa variant failed: {row['sdpa_error']}")
-    del k, v, q
+    log(f"ours {row['ours_ms']:.3f} ms = {flops / row['ours_ms'] / 1e9:.0f} TFLOP/s  {config}")
+    k = v = q = None
     if sweep:
         results = []
         for block_m, tile_n, warps, stages in SWEEP_PREFILL:
@@ -339,8 +374,6 @@ def bench_prefill(s: BenchSettings, sweep: bool) -> dict:
             except Exception as exc:
                 results.append({"config": asdict(cfg), "error": f"{type(exc).__name__}: {exc}"})
         row["sweep"] = results
-    del batch, ref
-    torch.cuda.empty_cache()
     return row
 
 
@@ -392,15 +425,13 @@ def bench_write_kv(s: BenchSettings, sweep: bool) -> dict:
     log(f"ours {row['ours_ms'] * 1e3:.1f} us, correct={ok}")
     if sweep:
         results = []
-        for tokens in (1, 2, 4, 8):
-            for warps in (2, 4, 8):
+        for tokens in (1, 4):
+            for warps in (2, 4):
                 cfg = WriteKVConfig(tokens_per_program=tokens, num_warps=warps)
                 ms = time_ms(lambda cfg=cfg: write_kv_triton(key, value, kc, vc, slots, cfg), s)
                 results.append({"config": asdict(cfg), "ms": ms})
                 log(f"  sweep {cfg}: {ms * 1e3:.1f} us")
         row["sweep"] = results
-    del pool, key, value
-    torch.cuda.empty_cache()
     return row
 
 
@@ -432,6 +463,18 @@ def device_info() -> dict:
     }
 
 
+def _spread(row: dict) -> str:
+    ratios = row.get("ratio_rounds")
+    return f"({min(ratios):.2f}-{max(ratios):.2f})" if ratios else ""
+
+
+def _graph_cell(row: dict) -> str:
+    ours_g, sdpa_g = row.get("ours_graph_ms"), row.get("sdpa_graph_ms")
+    if ours_g is None or sdpa_g is None:
+        return "n/a"
+    return f"{ours_g * 1e3:.1f} / {sdpa_g * 1e3:.1f}"
+
+
 def _fmt_ratio(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}x"
 
@@ -451,12 +494,16 @@ def render(results: dict, command: str) -> str:
         f"- date: {dev['date_utc']}",
         f"- copy ceiling: {ceiling:.0f} GB/s (device-to-device copy of 4 GiB, read + write)",
         "",
-        "Times are medians of `triton.testing.do_bench` (L2 flushed before each run). GB/s = "
+        "Times are medians of `triton.testing.do_bench` (L2 flushed before each run, 300 ms "
+        "warm-up); ours and SDPA are timed alternately in 3 rounds and the median round is "
+        "shown, with the spread of the per-round ratios. GB/s = "
         "bytes the kernel must move (K/V once, queries, outputs, tables) / time; the same byte "
         "count is used for SDPA and Flex, so 'vs' columns are time ratios (baseline time / our "
-        "time; > 1 means we are faster).",
+        "time; > 1 means we are faster). The graph-replay column (CUDA graphs, no L2 flush, "
+        "no launch overhead) is a diagnostic only.",
         "",
-        "| case | time (us) | GB/s | % of ceiling | vs SDPA | vs Flex | target | bf16 rel L2 |",
+        "| case | time (us) | GB/s | % of ceiling | vs SDPA (rounds min-max) | vs Flex | target "
+        "| bf16 rel L2 |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
     for row in results["decode"]:
@@ -471,7 +518,8 @@ def render(results: dict, command: str) -> str:
             verdict += f"; >= Flex: {'met' if vs_flex >= 1.0 else 'MISSED'}"
         lines.append(
             f"| {row['case']} | {row['ours_ms'] * 1e3:.1f} | {gbps:.0f} | "
-            f"{100 * gbps / ceiling:.0f}% | {vs_sdpa:.2f}x | {_fmt_ratio(vs_flex)} | {verdict} | "
+            f"{100 * gbps / ceiling:.0f}% | {vs_sdpa:.2f}x {_spread(row)} | {_fmt_ratio(vs_flex)} | "
+            f"{verdict} | "
             f"{row['ours_rel_l2']:.1e} |"
         )
     pre = results.get("prefill")
@@ -480,7 +528,7 @@ def render(results: dict, command: str) -> str:
         vs = pre["sdpa_ms"] / pre["ours_ms"] if pre.get("sdpa_ms") else None
         lines.append(
             f"| {pre['case']} | {pre['ours_ms'] * 1e3:.0f} | {tflops:.0f} TFLOP/s | - | "
-            f"{_fmt_ratio(vs)} | n/a | report | {pre['ours_rel_l2']:.1e} |"
+            f"{_fmt_ratio(vs)} {_spread(pre)} | n/a | report | {pre['ours_rel_l2']:.1e} |"
         )
     wk = results.get("write_kv")
     if wk:
@@ -493,8 +541,9 @@ def render(results: dict, command: str) -> str:
         "",
         "Baselines on the same data:",
         "",
-        "| case | SDPA (us) | SDPA GB/s | Flex paged (us) | Flex GB/s | public API incl. checks (us) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| case | SDPA (us) | SDPA GB/s | Flex paged (us) | Flex GB/s | public API incl. checks (us) "
+        "| graph replay: ours / SDPA (us) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in results["decode"]:
         flex = row.get("flex_ms")
@@ -505,7 +554,7 @@ def render(results: dict, command: str) -> str:
         )
         lines.append(
             f"| {row['case']} | {row['sdpa_ms'] * 1e3:.1f} | {row['bytes'] / row['sdpa_ms'] / 1e6:.0f}"
-            f" | {flex_cells} | {row['public_api_ms'] * 1e3:.1f} |"
+            f" | {flex_cells} | {row['public_api_ms'] * 1e3:.1f} | {_graph_cell(row)} |"
         )
     if pre:
         sd = pre.get("sdpa_ms")
@@ -514,7 +563,7 @@ def render(results: dict, command: str) -> str:
             if sd
             else f"failed: {pre.get('sdpa_error')}"
         )
-        lines.append(f"| {pre['case']} | {sd_txt} | - | n/a | - | - |")
+        lines.append(f"| {pre['case']} | {sd_txt} | - | n/a | - | - | - |")
     return "\n".join(lines) + "\n"
 
 
@@ -534,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"device": device_info(), "settings": {**asdict(s), "dtype": str(s.dtype)}}
     log(json.dumps(results["device"]))
     results["copy"] = copy_ceiling(s)
+    torch.cuda.empty_cache()
     log(f"copy ceiling {results['copy']['gbps']:.0f} GB/s")
     results["decode"] = []
     json_path = args.out / "bench.json"
@@ -543,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
                 results["decode"].append(bench_decode(case, s, args.sweep, not args.no_flex))
             except Exception:
                 traceback.print_exc()
+            torch.cuda.empty_cache()
             json_path.write_text(json.dumps(results, indent=1, default=str))
     if "prefill" in parts:
         try:

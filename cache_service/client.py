@@ -179,7 +179,7 @@ class ServiceInfo:
 
 @dataclass(frozen=True)
 class WorkerStats:
-    """Block accounting of one worker (see GetStatsResponse in kvcache.proto)."""
+    """Block accounting of one live worker (see WorkerStats in kvcache.proto)."""
 
     worker_id: str
     total_blocks: int
@@ -188,7 +188,6 @@ class WorkerStats:
     free_blocks: int
     allocated_slots: int
     filled_slots: int
-    up: bool
 
 
 @dataclass(frozen=True)
@@ -204,6 +203,7 @@ class ServiceStats:
     cow_copies: int
     pinned_blocks: int
     active_sequences: int
+    lost_sequences: int
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -282,7 +282,9 @@ class ExportedBlocks:
         header = pb.ExportHeader.FromString(blob[4 : 4 + n])
         data = blob[4 + n :]
         if len(data) != header.total_bytes:
-            raise ValueError(f"exported blob holds {len(data)} data bytes, header says {header.total_bytes}")
+            raise ValueError(
+                f"exported blob holds {len(data)} data bytes, header says {header.total_bytes}"
+            )
         return cls(header, data)
 
 
@@ -472,7 +474,6 @@ class KVCacheClient:
                     w.free_blocks,
                     w.allocated_slots,
                     w.filled_slots,
-                    w.up,
                 )
                 for w in r.workers
             ),
@@ -483,6 +484,7 @@ class KVCacheClient:
             cow_copies=r.cow_copies,
             pinned_blocks=r.pinned_blocks,
             active_sequences=r.active_sequences,
+            lost_sequences=r.lost_sequences,
         )
 
     # -- sequences -------------------------------------------------------------------------
@@ -498,35 +500,57 @@ class KVCacheClient:
     def fork(self, seq_id: str, *, timeout_s: float | None = None) -> SequenceHandle:
         """A new sequence sharing every block of `seq_id`."""
         r = self._call(
-            self._stub.ForkSequence, pb.ForkSequenceRequest(seq_id=seq_id), timeout_s=timeout_s, retry=False
+            self._stub.ForkSequence,
+            pb.ForkSequenceRequest(seq_id=seq_id),
+            timeout_s=timeout_s,
+            retry=False,
         )
         return SequenceHandle(self, r.seq_id, r.num_cached_tokens)
 
     def free(self, seq_id: str, *, timeout_s: float | None = None) -> None:
         """Release a sequence."""
         self._call(
-            self._stub.FreeSequence, pb.FreeSequenceRequest(seq_id=seq_id), timeout_s=timeout_s, retry=False
+            self._stub.FreeSequence,
+            pb.FreeSequenceRequest(seq_id=seq_id),
+            timeout_s=timeout_s,
+            retry=False,
         )
 
     def lookup(self, token_ids: Sequence[int], *, timeout_s: float | None = None) -> int:
         """Leading tokens of `token_ids` that are cached (no side effects)."""
         r = self._call(
-            self._stub.Lookup, pb.LookupRequest(token_ids=_ids(token_ids)), timeout_s=timeout_s, retry=True
+            self._stub.Lookup,
+            pb.LookupRequest(token_ids=_ids(token_ids)),
+            timeout_s=timeout_s,
+            retry=True,
         )
         return int(r.num_cached_tokens)
 
     def pin(self, token_ids: Sequence[int], *, timeout_s: float | None = None) -> None:
         """Keep the cached blocks of this prefix from eviction until `unpin`."""
-        self._call(self._stub.Pin, pb.PinRequest(token_ids=_ids(token_ids)), timeout_s=timeout_s, retry=False)
+        self._call(
+            self._stub.Pin,
+            pb.PinRequest(token_ids=_ids(token_ids)),
+            timeout_s=timeout_s,
+            retry=False,
+        )
 
     def unpin(self, token_ids: Sequence[int], *, timeout_s: float | None = None) -> None:
         """Release a `pin` of this prefix."""
-        self._call(self._stub.Unpin, pb.UnpinRequest(token_ids=_ids(token_ids)), timeout_s=timeout_s, retry=False)
+        self._call(
+            self._stub.Unpin,
+            pb.UnpinRequest(token_ids=_ids(token_ids)),
+            timeout_s=timeout_s,
+            retry=False,
+        )
 
     def publish_public(self, seq_id: str, *, timeout_s: float | None = None) -> None:
         """Make the sequence's full blocks findable by every tenant (needs the permission)."""
         self._call(
-            self._stub.PublishPublic, pb.PublishPublicRequest(seq_id=seq_id), timeout_s=timeout_s, retry=False
+            self._stub.PublishPublic,
+            pb.PublishPublicRequest(seq_id=seq_id),
+            timeout_s=timeout_s,
+            retry=False,
         )
 
     # -- data ------------------------------------------------------------------------------

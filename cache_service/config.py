@@ -9,7 +9,7 @@ A file mirrors the dataclasses, one section per group; every field is optional::
     metrics:     {enabled: true, host: 127.0.0.1, port: 9400}
     auth_file: null          # token file (cache_service.auth); null: no authentication
     tls: null                # {cert_file, key_file, client_ca_file}; null: plaintext
-    store_path: null         # write-ahead store of the control plane (not wired yet)
+    store_path: null         # write-ahead metadata store (SQLite); null: none (cache_service.store)
     log_level: INFO
     log_format: text         # or json (one JSON object per line)
 
@@ -57,7 +57,9 @@ def _positive_int(name: str, value: object) -> None:
 
 def _port(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
-        raise ConfigError(f"{name} must be a TCP port in 0..65535 (0: any free port), got {value!r}")
+        raise ConfigError(
+            f"{name} must be a TCP port in 0..65535 (0: any free port), got {value!r}"
+        )
 
 
 def _non_negative(name: str, value: object) -> None:
@@ -185,12 +187,15 @@ class CoordinatorConfig:
             the same event-loop turn.
         max_batch_items: a worker call is sent at once when it holds this many sequences.
         worker_timeout_s: a worker call taking longer counts as a lost worker.
+        health_check_interval_s: how often idle workers are probed for a restart (a new
+            epoch) or death, seconds; 0 disables the probe (failed calls still notice).
         tenant_quota_blocks: blocks any one tenant may hold (None: no quota).
     """
 
     batch_window_ms: float = 0.5
     max_batch_items: int = 256
     worker_timeout_s: float = 60.0
+    health_check_interval_s: float = 5.0
     tenant_quota_blocks: int | None = None
 
     def __post_init__(self) -> None:
@@ -200,6 +205,7 @@ class CoordinatorConfig:
             raise ConfigError(
                 f"coordinator.worker_timeout_s must be > 0 seconds, got {self.worker_timeout_s!r}"
             )
+        _non_negative("coordinator.health_check_interval_s", self.health_check_interval_s)
         if self.tenant_quota_blocks is not None:
             _positive_int("coordinator.tenant_quota_blocks", self.tenant_quota_blocks)
 
@@ -242,7 +248,9 @@ class ServiceConfig:
 
     def __post_init__(self) -> None:
         if self.log_level not in _LOG_LEVELS:
-            raise ConfigError(f"log_level must be one of {list(_LOG_LEVELS)}, got {self.log_level!r}")
+            raise ConfigError(
+                f"log_level must be one of {list(_LOG_LEVELS)}, got {self.log_level!r}"
+            )
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"log_format must be 'text' or 'json', got {self.log_format!r}")
 
@@ -275,7 +283,9 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 def _build(cls: type, raw: Any, where: str) -> Any:
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where or 'the configuration'} must be a mapping, got {type(raw).__name__}")
+        raise ConfigError(
+            f"{where or 'the configuration'} must be a mapping, got {type(raw).__name__}"
+        )
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(raw) - known

@@ -14,6 +14,7 @@ __all__ = [
     "PhysicalBlock",
     "Segment",
     "SeqRef",
+    "SequenceInfo",
     "SequenceView",
     "WritePlan",
 ]
@@ -103,3 +104,22 @@ class SequenceView:
 
     seq_len: int
     segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceInfo:
+    """A read-only description of one sequence.
+
+    Attributes:
+        seq_id: its id.
+        token_ids: every reserved position's token id.
+        written: per layer, tokens whose K/V has been committed.
+        num_blocks: length of its block table.
+        workers: worker ids its blocks live on, in logical order of first use.
+    """
+
+    seq_id: str
+    token_ids: tuple[int, ...]
+    written: tuple[int, ...]
+    num_blocks: int
+    workers: tuple[str, ...]

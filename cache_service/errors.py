@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "CacheError",
+    "IntegrityError",
     "InvalidRequest",
     "LayerNotWritten",
     "PermissionDenied",
@@ -61,4 +62,11 @@ class SequenceLost(CacheError):
     """A worker holding some of the sequence's blocks was lost; the client must recompute.
 
     Every call on the sequence raises this until the client frees it.
+    """
+
+
+class IntegrityError(CacheError):
+    """`check_integrity` found the bookkeeping inconsistent (a bug, never a caller error).
+
+    The message names each invariant that failed with the counts that disagree.
     """

@@ -19,7 +19,7 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc.aio
 from prometheus_client import (
@@ -35,6 +35,9 @@ from prometheus_client import start_http_server as _start_http_server
 
 from cache_service.metrics_rpc import RpcMetricsInterceptor
 from cache_service.metrics_stats import CacheStatsCollector, StatsBinding
+
+if TYPE_CHECKING:
+    from cache_service.accounting import CacheStats
 
 __all__ = ["MetricsHTTPServer", "ServiceMetrics"]
 
@@ -299,7 +302,7 @@ class ServiceMetrics:
 
     def bind_stats(
         self,
-        fn: Callable[[], Any],
+        fn: Callable[[], CacheStats],
         bytes_per_block: int | None = None,
         *,
         loop: asyncio.AbstractEventLoop | None = None,

@@ -13,10 +13,13 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from cache_service.accounting import CacheStats
 
 __all__ = ["CacheStatsCollector", "StatsBinding", "stats_families"]
 
@@ -26,12 +29,7 @@ log = logging.getLogger(__name__)
 BLOCK_STATES = ("used", "cached_free", "free")
 
 
-def _ratio(numerator: float, denominator: float) -> float:
-    """numerator / denominator, 0 for an empty denominator (an empty pool is 0% used)."""
-    return numerator / denominator if denominator else 0.0
-
-
-def stats_families(stats: Any, prefix: str, bytes_per_block: int | None) -> list[Metric]:
+def stats_families(stats: CacheStats, prefix: str, bytes_per_block: int | None) -> list[Metric]:
     """Build every metric family for one CacheStats snapshot.
 
     Args:
@@ -97,10 +95,9 @@ def stats_families(stats: Any, prefix: str, bytes_per_block: int | None) -> list
         capacity.add_metric([worker_id], w.total)
         for state in BLOCK_STATES:
             blocks.add_metric([worker_id, state], getattr(w, state))
-        utilization.add_metric([worker_id], _ratio(w.used, w.total))
-        fragmentation.add_metric(
-            [worker_id], _ratio(w.allocated_slots - w.filled_slots, w.allocated_slots)
-        )
+        # The control plane's own ratios (WorkerStats properties), not a recomputation.
+        utilization.add_metric([worker_id], w.utilization)
+        fragmentation.add_metric([worker_id], w.fragmentation)
         allocated.add_metric([worker_id], w.allocated_slots)
         filled.add_metric([worker_id], w.filled_slots)
         if held_bytes is not None and capacity_bytes is not None:
@@ -165,6 +162,13 @@ def stats_families(stats: Any, prefix: str, bytes_per_block: int | None) -> list
             value=stats.active_sequences,
         )
     )
+    families.append(
+        GaugeMetricFamily(
+            f"{p}_lost_sequences_pending",
+            "Sequences failed by a lost worker whose client has not freed them yet.",
+            value=stats.lost_sequences,
+        )
+    )
     return families
 
 
@@ -181,12 +185,12 @@ class StatsBinding:
         timeout_s: how long a scrape waits for the loop to run `fn`, in seconds.
     """
 
-    fn: Callable[[], Any]
+    fn: Callable[[], CacheStats]
     bytes_per_block: int | None = None
     loop: asyncio.AbstractEventLoop | None = None
     timeout_s: float = 5.0
 
-    def read(self) -> Any:
+    def read(self) -> CacheStats:
         """Take one snapshot, on the loop when one is bound."""
         if self.loop is None:
             return self.fn()

@@ -1,6 +1,6 @@
 """The prefix-hash index: finds cached full blocks of a prompt, chained block by block.
 
-A block's key is sha256(parent key || salt || its token ids as int64), where the salt folds
+A block's key is sha256(parent key || salt || its token ids as uint64 LE), where the salt folds
 in the owner (one tenant, or the shared public salt) and the KV layout fingerprint, so
 tenants never match each other's blocks and caches of different layouts never match at all.
 The first block's parent is 32 zero bytes. Every part has a fixed width, so the encoding is
@@ -28,14 +28,16 @@ __all__ = [
     "PrefixIndex",
     "Salt",
     "block_key",
+    "decode_tokens",
     "encode_tokens",
     "make_salt",
+    "pack_tokens",
+    "token_bytes",
 ]
 
 ROOT_KEY = bytes(32)
-# int64 token ids, as the public API (int64 in protobuf) carries them.
+# Token ids are hashed as 8-byte little-endian unsigned ints.
 TOKEN_BYTES = 8
-_MAX_TOKEN = 2**63 - 1
 _sha256 = hashlib.sha256
 
 
@@ -54,7 +56,7 @@ class IndexEntry(NamedTuple):
         block: the physical block holding the KV.
         parent: key of the previous block of the prefix (ROOT_KEY for the first).
         owner: tenant whose salt the key was hashed with; None for public.
-        tokens: the block's token ids, int64 little-endian bytes (block_size * 8 bytes).
+        tokens: the block's token ids, uint64 little-endian bytes (block_size * 8 bytes).
     """
 
     block: PhysicalBlock
@@ -65,28 +67,57 @@ class IndexEntry(NamedTuple):
 
 def make_salt(owner: str | None, layout_fingerprint: str) -> Salt:
     """The salt of a tenant (owner = its name) or of the public namespace (owner None)."""
+    # Length-prefixed fields: no (owner, fingerprint) pair can spell another's material.
+    fingerprint = layout_fingerprint.encode()
     if owner is None:
-        material = b"public\x00" + layout_fingerprint.encode()
+        material = b"public" + len(fingerprint).to_bytes(4, "little") + fingerprint
     else:
-        material = b"tenant\x00" + owner.encode() + b"\x00" + layout_fingerprint.encode()
-    return Salt(owner, _sha256(material).digest())
+        name = owner.encode()
+        material = (
+            b"tenant"
+            + len(name).to_bytes(4, "little")
+            + name
+            + len(fingerprint).to_bytes(4, "little")
+            + fingerprint
+        )
+    return Salt(owner, hashlib.sha256(material).digest())
 
 
-def encode_tokens(token_ids: Sequence[int]) -> bytes:
-    """Token ids as int64 little-endian bytes (8 bytes per token).
+def pack_tokens(token_ids: Iterable[int]) -> array:
+    """Validate token ids and pack them as unsigned 64-bit ints (C speed, no per-id loop).
 
     Raises:
-        InvalidRequest: a token id that is not an int in [0, 2**63).
+        InvalidRequest: not a sequence of ints, or an id outside [0, 2**64).
     """
+    if isinstance(token_ids, (str, bytes, bytearray)):
+        raise InvalidRequest("token ids must be a sequence of ints, not a string")
     try:
-        packed = array("q", token_ids)
-    except (TypeError, OverflowError) as exc:
-        raise InvalidRequest(f"token ids must be ints in [0, 2**63): {exc}") from None
-    if packed and min(packed) < 0:
-        raise InvalidRequest(f"token ids must be non-negative, got {min(packed)}")
+        # "Q" rejects negative ids and non-ints by itself, which is the whole validation.
+        return array("Q", token_ids)
+    except (TypeError, OverflowError, ValueError) as exc:
+        raise InvalidRequest(f"token ids must be ints in [0, 2**64): {exc}") from None
+
+
+def token_bytes(packed: array) -> bytes:
+    """Packed token ids as little-endian bytes (8 per token): what keys are hashed over."""
     if sys.byteorder == "big":  # pragma: no cover - every supported machine is little-endian
+        packed = array("Q", packed)
         packed.byteswap()
     return packed.tobytes()
+
+
+def encode_tokens(token_ids: Iterable[int]) -> bytes:
+    """`token_bytes(pack_tokens(token_ids))`."""
+    return token_bytes(pack_tokens(token_ids))
+
+
+def decode_tokens(data: bytes) -> list[int]:
+    """Inverse of `encode_tokens`."""
+    packed = array("Q")
+    packed.frombytes(data)
+    if sys.byteorder == "big":  # pragma: no cover
+        packed.byteswap()
+    return packed.tolist()
 
 
 def block_key(parent: bytes, salt: bytes, token_bytes: bytes) -> bytes:

@@ -46,7 +46,9 @@ class Sequence:
         )
 
 
-def segments_of(table: list[PhysicalBlock], num_blocks: int, block_size: int) -> tuple[Segment, ...]:
+def segments_of(
+    table: list[PhysicalBlock], num_blocks: int, block_size: int
+) -> tuple[Segment, ...]:
     """Split the first `num_blocks` entries of a block table into per-worker runs.
 
     Returns:

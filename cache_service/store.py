@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -163,6 +164,15 @@ class MetadataStore:
         path = Path(config.path)
         if path.exists() and not path.is_file():
             raise StoreError(f"store path {config.path!r} exists and is not a file")
+        if not path.exists():
+            # The log holds tenants' token ids (their prompts): owner-only from the start.
+            # SQLite gives the -wal and -shm files the database file's permissions.
+            try:
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise StoreError(f"cannot create store {config.path!r}: {exc.strerror}") from None
         try:
             self._db = sqlite3.connect(
                 config.path,
@@ -175,6 +185,9 @@ class MetadataStore:
         # Re-entrant: writes inside transaction() run on the thread that holds it.
         self._lock = threading.RLock()
         self._in_tx = False
+        # A deferred (group-commit) transaction is open: appends with defer=True join it
+        # and flush() commits it.
+        self._deferred = 0
         self._generation: int | None = None
         try:
             self._db.execute("PRAGMA locking_mode=EXCLUSIVE")
@@ -208,7 +221,10 @@ class MetadataStore:
     # ------------------------------------------------------------------ plumbing
 
     def close(self) -> None:
-        """Close the file and release the writer lock."""
+        """Close the file and release the writer lock.
+
+        Deferred appends not yet flushed are dropped (they were never acknowledged).
+        """
         with self._lock:
             self._db.close()
 
@@ -232,7 +248,8 @@ class MetadataStore:
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
-        """Group several writes into one commit (one fsync). Nested use joins the outer one.
+        """Group several writes into one commit (one fsync). Nested use joins the outer one,
+        and so does use while deferred appends are pending (they commit at flush()).
 
         On an exception inside the block nothing of it is kept.
         """
@@ -246,9 +263,12 @@ class MetadataStore:
                 yield
             except BaseException:
                 self._in_tx = False
+                self._deferred = 0
                 self._db.execute("ROLLBACK")
                 raise
             self._in_tx = False
+            # Deferred appends made inside the block are committed with it.
+            self._deferred = 0
             try:
                 self._db.execute("COMMIT")
             except sqlite3.Error as exc:
@@ -300,11 +320,13 @@ class MetadataStore:
 
     # ------------------------------------------------------------------ log
 
-    def append(self, op: str, args: Any, result: Any) -> int:
+    def append(self, op: str, args: Any, result: Any, *, defer: bool = False) -> int:
         """Log one mutation and its result; returns its lsn.
 
-        Durable when this returns, unless called inside transaction(), where it becomes
-        durable when the transaction commits. args/result must be JSON values (no NaN).
+        Durable when this returns, unless called inside transaction() (durable when it
+        commits) or with defer=True (durable at the next flush(): group commit, one fsync
+        for every deferred append since the last flush). args/result must be JSON values
+        (no NaN).
         """
         if not op:
             raise ValueError("op must be a non-empty string")
@@ -312,11 +334,49 @@ class MetadataStore:
             args_text, result_text = _dumps(args), _dumps(result)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{op}: arguments/result are not JSON values: {exc}") from None
-        cursor = self._write(
-            "INSERT INTO log(generation, op, args, result) VALUES(?, ?, ?, ?)",
-            (self.generation, op, args_text, result_text),
-        )
-        return int(cursor.lastrowid or 0)
+        sql = "INSERT INTO log(generation, op, args, result) VALUES(?, ?, ?, ?)"
+        params = (self.generation, op, args_text, result_text)
+        if not defer:
+            return int(self._write(sql, params).lastrowid or 0)
+        with self._lock:
+            try:
+                if not self._in_tx:
+                    self._db.execute("BEGIN IMMEDIATE")
+                    self._in_tx = True
+                    self._deferred = 0
+                cursor = self._db.execute(sql, params)
+            except sqlite3.Error as exc:
+                self._abort_deferred()
+                raise StoreError(f"write to {self.config.path!r} failed: {exc}") from None
+            self._deferred += 1
+            return int(cursor.lastrowid or 0)
+
+    @property
+    def pending(self) -> int:
+        """Deferred appends not yet flushed."""
+        return self._deferred
+
+    def flush(self) -> int:
+        """Commit every deferred append (one fsync); returns how many became durable."""
+        with self._lock:
+            if not self._deferred:
+                return 0
+            count = self._deferred
+            try:
+                self._db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                self._abort_deferred()
+                raise StoreError(f"commit to {self.config.path!r} failed: {exc}") from None
+            self._in_tx = False
+            self._deferred = 0
+            return count
+
+    def _abort_deferred(self) -> None:
+        # Drops every unflushed append: none was acknowledged.
+        with contextlib.suppress(sqlite3.Error):
+            self._db.execute("ROLLBACK")
+        self._in_tx = False
+        self._deferred = 0
 
     def last_lsn(self) -> int:
         """The highest lsn ever written (0 when nothing was), including checkpointed rows."""

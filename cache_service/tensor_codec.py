@@ -20,8 +20,8 @@ __all__ = [
     "DTYPE_NAMES",
     "TensorCodecError",
     "check_shape",
-    "dtype_from_proto",
     "dtype_from_name",
+    "dtype_from_proto",
     "dtype_to_proto",
     "tensor_from_bytes",
     "tensor_from_proto",
@@ -68,7 +68,9 @@ def dtype_from_proto(value: int, field: str = "dtype") -> torch.dtype:
         return _FROM_PROTO[value]
     except KeyError:
         names = ", ".join(pb.DType.Name(v) for v in _FROM_PROTO)
-        raise TensorCodecError(f"{field}: unsupported dtype {value}; expected one of {names}") from None
+        raise TensorCodecError(
+            f"{field}: unsupported dtype {value}; expected one of {names}"
+        ) from None
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -96,8 +98,12 @@ def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
     return bits.tobytes()
 
 
-def tensor_from_bytes(data: bytes | bytearray | memoryview, dtype: torch.dtype, shape: Sequence[int],
-                      field: str = "tensor") -> torch.Tensor:
+def tensor_from_bytes(
+    data: bytes | bytearray | memoryview,
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    field: str = "tensor",
+) -> torch.Tensor:
     """A new CPU tensor of `dtype` and `shape` from raw little-endian bytes.
 
     Raises TensorCodecError when a size is negative or the byte count is not exactly
@@ -154,7 +160,9 @@ def tensor_from_proto(
     dtype = dtype_from_proto(msg.dtype, f"{field}.dtype")
     if dtypes is not None and dtype not in dtypes:
         allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise TensorCodecError(f"{field}: dtype {str(dtype).removeprefix('torch.')} not allowed here; expected {allowed}")
+        raise TensorCodecError(
+            f"{field}: dtype {str(dtype).removeprefix('torch.')} not allowed here; expected {allowed}"
+        )
     dims = list(msg.shape)
     check_shape(dims, field, ndim=ndim, shape=shape)
     return tensor_from_bytes(msg.data, dtype, dims, field)

@@ -11,7 +11,8 @@ Decode and prefill share the kernel: ``block_q == 1`` for one query token per se
 larger for prefill / chunked prefill / speculative verification. When the query tiles times
 KV heads cannot fill the GPU (long contexts, small batches), the KV range is split into
 partitions that write float32 partial results and their log-sum-exp, merged afterwards by
-:mod:`kernels.merge_states` (the same math as ``merge_attention_states``).
+:mod:`kernels.merge_states` (the same math as ``merge_attention_states``), or optionally by
+the last partition program of each tile (``AttentionConfig.fused_merge``).
 
 Offsets that can pass 2**31 elements (block index times the pool's block stride, query and
 output rows) are computed in int64.
@@ -31,9 +32,12 @@ from kernels.validation import AttentionProblem, KernelArgumentError
 
 __all__ = [
     "AttentionConfig",
+    "SplitPolicy",
     "choose_config",
+    "num_q_programs",
     "num_sms",
     "paged_attention_triton",
+    "with_partitions",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -51,6 +55,9 @@ class AttentionConfig:
         tile_n: KV tokens per loop iteration, a power of two >= 16.
         num_partitions: split-KV partitions per (query tile, KV head); 1 = no split.
         num_warps, num_stages: Triton launch options (warps per program, pipeline depth).
+        fused_merge: with a split, the last partition program of each tile merges the
+            partials (one launch, but a serial merge at the tail); by default a separate
+            merge kernel runs after, which measured as fast or faster on the H200.
     """
 
     block_m: int
@@ -59,6 +66,7 @@ class AttentionConfig:
     num_partitions: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    fused_merge: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "tile_n"):
@@ -71,10 +79,12 @@ class AttentionConfig:
 
 @dataclass(frozen=True)
 class SplitPolicy:
-    """When to split the KV range: aim for ``target_programs_per_sm`` programs per SM, with
-    partitions no shorter than ``min_partition_tokens`` KV tokens."""
+    """When to split the KV range: when the (query tile, KV head) programs number fewer than
+    ``target_programs_per_sm`` per SM, split each into partitions of at least
+    ``min_partition_tokens`` KV tokens until they do. Two per SM is what a decode program
+    with 128-token tiles can keep resident (registers), and what measured fastest."""
 
-    target_programs_per_sm: float = 4.0
+    target_programs_per_sm: float = 2.0
     min_partition_tokens: int = 256
 
 
@@ -118,14 +128,17 @@ def choose_config(
     # Row and tile caps keep each program's registers and shared memory within budget (checked
     # against the sm_90 compiler's resource report): float32 dots run as exact FMA loops that
     # spill above 16 x 16 tiles; head_dim 256 halves the 16-bit tiles.
+    # Tile sizes from the H200 sweep (benchmarks/notes-kernels.md): 128-token KV tiles read
+    # 32 KB of K and of V per step, enough bytes in flight per program to run decode near the
+    # copy ceiling.
     if dtype == torch.float32:
         max_rows, tile_n, num_warps, num_stages = 16, 16, 4, 2
     elif decode:
-        max_rows, tile_n, num_warps, num_stages = 16, (32 if d_pad >= 256 else 64), 4, 3
+        max_rows, tile_n, num_warps, num_stages = 16, (32 if d_pad >= 256 else 128), 4, 2
     elif d_pad >= 256:
         max_rows, tile_n, num_warps, num_stages = 64, 32, 8, 2
     else:
-        max_rows, tile_n, num_warps, num_stages = 128, 64, 8, 2
+        max_rows, tile_n, num_warps, num_stages = 128, 128, 8, 2
     if decode:
         block_q = 1
         block_m = max(16, _next_pow2(group))
@@ -134,7 +147,7 @@ def choose_config(
         block_m = min(max(16, _next_pow2(group * avg_q)), max(max_rows, _next_pow2(group)))
         block_q = max(1, block_m // group)
         if block_m < 128 and dtype != torch.float32 and d_pad < 256:
-            num_warps = 4
+            num_warps, tile_n = 4, 64
 
     q_tiles = _cdiv(problem.num_q_tokens, block_q) if block_q > 1 else problem.num_q_tokens
     base = max(1, q_tiles * problem.num_kv_heads)
@@ -142,6 +155,9 @@ def choose_config(
     parts = 1
     if base < target and problem.max_kv_len > policy.min_partition_tokens:
         parts = min(_cdiv(target, base), _cdiv(problem.max_kv_len, policy.min_partition_tokens))
+    if parts > 1 and dtype != torch.float32:
+        # Split programs are few and short: a deeper pipeline hides their start-up latency.
+        num_stages = 3
     return AttentionConfig(
         block_m=block_m,
         block_q=block_q,
@@ -166,20 +182,38 @@ def num_sms(device: torch.device) -> int:
 
 
 @triton.jit
-def _find_sequence(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
-    """Largest s with tile start(s) <= pid; start(s) as in :func:`num_q_programs`."""
-    lo = 0
-    hi = num_seqs
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        start = tl.load(qsl_ptr + mid)
-        if BLOCK_Q > 1:
-            start = start // BLOCK_Q + mid
-        if start <= pid:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+def _slot_start(qsl_ptr, s, BLOCK_Q: tl.constexpr):
+    """First grid slot of sequence s (see :func:`num_q_programs`)."""
+    start = tl.load(qsl_ptr + s)
+    if BLOCK_Q > 1:
+        start = start // BLOCK_Q + s
+    return start
+
+
+@triton.jit
+def _find_sequence(qsl_ptr, pid, num_seqs, grid_q, BLOCK_Q: tl.constexpr):
+    """Largest s with ``start(s) <= pid``.
+
+    First tries the sequence an even split would give (exact for decode batches and equal
+    prefill lengths: one round trip); otherwise binary-searches (log2(num_seqs) dependent
+    loads). ``start(num_seqs) == grid_q > pid``, so ``s + 1`` may always be read.
+    """
+    guess = tl.minimum((pid.to(tl.int64) * num_seqs // grid_q).to(tl.int32), num_seqs - 1)
+    hit = (_slot_start(qsl_ptr, guess, BLOCK_Q) <= pid) & (
+        pid < _slot_start(qsl_ptr, guess + 1, BLOCK_Q)
+    )
+    seq = guess
+    if not hit:
+        lo = 0
+        hi = num_seqs
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if _slot_start(qsl_ptr, mid, BLOCK_Q) <= pid:
+                lo = mid
+            else:
+                hi = mid
+        seq = lo
+    return seq
 
 
 @triton.jit
@@ -287,8 +321,13 @@ def _paged_attention_kernel(
     qsl_ptr,
     out_ptr,
     lse_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    counter_ptr,
     num_seqs,
+    grid_q,
     tiles_per_part,
+    num_parts,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -296,10 +335,14 @@ def _paged_attention_kernel(
     stride_bts,
     stride_ot,
     stride_oh,
-    stride_op,
     stride_lt,
     stride_lh,
-    stride_lp,
+    stride_pt,
+    stride_ph,
+    stride_pp,
+    stride_plt,
+    stride_plh,
+    stride_plp,
     qk_scale,
     softcap,
     window,
@@ -314,6 +357,7 @@ def _paged_attention_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -321,7 +365,7 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
 
-    seq = _find_sequence(qsl_ptr, pid_q, num_seqs, BLOCK_Q)
+    seq = _find_sequence(qsl_ptr, pid_q, num_seqs, grid_q, BLOCK_Q)
     q_begin = tl.load(qsl_ptr + seq)
     n_q = tl.load(qsl_ptr + seq + 1) - q_begin
     if BLOCK_Q > 1:
@@ -402,12 +446,85 @@ def _paged_attention_kernel(
     out_rows = out_ptr + q_row * stride_ot + head * stride_oh
     lse_rows = lse_ptr + q_row * stride_lt + head * stride_lh
     if SPLIT:
-        tl.store(out_rows[:, None] + part * stride_op + dims[None, :], o, mask=store_mask)
-        tl.store(lse_rows + part * stride_lp, lse, mask=row_valid)
+        part_rows = part_out_ptr + q_row * stride_pt + head * stride_ph
+        part_lse_rows = part_lse_ptr + q_row * stride_plt + head * stride_plh
+        tl.store(part_rows[:, None] + part * stride_pp + dims[None, :], o, mask=store_mask)
+        tl.store(part_lse_rows + part * stride_plp, lse, mask=row_valid)
+        if FUSED_MERGE:
+            # The last partition program of this (query tile, KV head) to finish merges all
+            # partials, saving a second launch. Every thread's partial stores precede the
+            # barrier; the counter's acq_rel atomic publishes them (release) to the program
+            # that reads the final count (acquire), which then resets the counter for the
+            # next call.
+            tl.debug_barrier()
+            counter = counter_ptr + pid_q * tl.num_programs(1) + kv_head
+            finished = tl.atomic_add(counter, 1, sem="acq_rel")
+            if finished == num_parts - 1:
+                tl.store(counter, 0)
+                o, lse = _merge_partials(
+                    part_rows, part_lse_rows, num_parts, stride_pp, stride_plp, row_valid,
+                    dims, dim_valid, BLOCK_M, HEAD_DIM_PAD,
+                )  # fmt: skip
+                tl.store(
+                    out_rows[:, None] + dims[None, :],
+                    o.to(out_ptr.dtype.element_ty),
+                    mask=store_mask,
+                )
+                if WRITE_LSE:
+                    tl.store(lse_rows, lse, mask=row_valid)
     else:
         tl.store(out_rows[:, None] + dims[None, :], o.to(out_ptr.dtype.element_ty), mask=store_mask)
         if WRITE_LSE:
             tl.store(lse_rows, lse, mask=row_valid)
+
+
+@triton.jit
+def _merge_partials(
+    part_rows,
+    part_lse_rows,
+    num_parts,
+    stride_pp,
+    stride_plp,
+    row_valid,
+    dims,
+    dim_valid,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    """Log-sum-exp merge of ``num_parts`` float32 partials of the tile's rows.
+
+    Returns ``(out [BLOCK_M, HEAD_DIM_PAD] float32, lse [BLOCK_M] natural log)``. The loads
+    bypass L1 (``.cg``): the partials were written by other programs.
+    """
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    mask = row_valid[:, None] & dim_valid[None, :]
+    for p in range(0, num_parts):
+        lse_p = tl.load(
+            part_lse_rows + p * stride_plp,
+            mask=row_valid,
+            other=float("-inf"),
+            cache_modifier=".cg",
+        )
+        o_p = tl.load(
+            part_rows[:, None] + p * stride_pp + dims[None, :],
+            mask=mask,
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        m_new = tl.maximum(m, lse_p)
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_shift)
+        w = tl.exp(lse_p - m_shift)
+        den = den * alpha + w
+        # An empty partial (lse -inf, weight 0) holds zeros; select so nothing else leaks.
+        acc = acc * alpha[:, None] + tl.where(w[:, None] > 0.0, w[:, None] * o_p, 0.0)
+        m = m_new
+    seen = den > 0.0
+    out = acc / tl.where(seen, den, 1.0)[:, None]
+    lse = tl.where(seen, m + tl.log(tl.where(seen, den, 1.0)), float("-inf"))
+    return out, lse
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -475,43 +592,47 @@ def paged_attention_triton(
     qk_scale = scale if use_softcap else scale * _LOG2E
     seq_lens = seq_lens.contiguous()
     query_start_loc = query_start_loc.contiguous()
+    if block_tables.stride(1) != 1:  # the kernel walks a row with unit stride
+        block_tables = block_tables.contiguous()
 
     split = parts > 1
+    grid_q = num_q_programs(T, problem.num_seqs, config.block_q)
+    fused = split and config.fused_merge
     if split:
         part_out = torch.empty(T, Hq, parts, D, dtype=torch.float32, device=device)
         part_lse = torch.empty(T, Hq, parts, dtype=torch.float32, device=device)
-        o_t, l_t = part_out, part_lse
-        o_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2))
-        l_strides = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2))
     else:
-        o_t = out
-        l_t = lse if lse is not None else out  # unused when not WRITE_LSE
-        o_strides = (out.stride(0), out.stride(1), 0)
-        l_strides = (lse.stride(0), lse.stride(1), 0) if lse is not None else (0, 0, 0)
+        part_out = part_lse = out  # never dereferenced
+    counters = _merge_counters(device, grid_q * problem.num_kv_heads) if fused else out
+    lse_arg = lse if lse is not None else out  # never dereferenced without WRITE_LSE
+    lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
 
-    grid = (
-        num_q_programs(T, problem.num_seqs, config.block_q),
-        problem.num_kv_heads,
-        parts,
-    )
-    _paged_attention_kernel[grid](
+    _paged_attention_kernel[(grid_q, problem.num_kv_heads, parts)](
         query,
         key_cache,
         value_cache,
         block_tables,
         seq_lens,
         query_start_loc,
-        o_t,
-        l_t,
+        out,
+        lse_arg,
+        part_out,
+        part_lse,
+        counters,
         problem.num_seqs,
+        grid_q,
         tiles_per_part,
+        parts,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
         value_cache.stride(0),
         block_tables.stride(0),
-        *o_strides,
-        *l_strides,
+        out.stride(0),
+        out.stride(1),
+        *lse_strides,
+        *(part_out.stride()[:3] if split else (0, 0, 0)),
+        *(part_lse.stride()[:3] if split else (0, 0, 0)),
         qk_scale,
         float(softcap) if use_softcap else 1.0,
         int(sliding_window) if sliding_window is not None else 0,
@@ -526,14 +647,33 @@ def paged_attention_triton(
         USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=use_softcap,
         SPLIT=split,
+        FUSED_MERGE=fused,
         WRITE_LSE=return_lse,
         DOT_PRECISION=_dot_precision(query.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if split:
+    if split and not fused:
         merge_partitions(part_out, part_lse, out, lse)
     return out, lse
+
+
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for the fused merge, kept per (device, stream).
+
+    The kernel leaves every counter it used at zero again, so one buffer serves every call
+    on a stream; separate streams get separate buffers because their launches may overlap.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
 
 
 def with_partitions(config: AttentionConfig, num_partitions: int) -> AttentionConfig:

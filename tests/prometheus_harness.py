@@ -312,31 +312,20 @@ def promtool_check_exprs(exprs: list[str], workdir: Path, timeout_s: float = 60.
 
 
 def exported_metric_names() -> set[str]:
-    """Every sample name a fully exercised ServiceMetrics exports (with _total, _bucket...)."""
-    from types import SimpleNamespace
-
+    """Every sample name (with _total, _bucket, ...) a ServiceMetrics exports once each of
+    its methods ran and a real BlockManager with a sequence on it is bound."""
+    from cache_service.block_manager import BlockManager, BlockManagerConfig
     from cache_service.metrics import ServiceMetrics
 
-    metrics = ServiceMetrics(bytes_per_block=1024)
+    bm = BlockManager(BlockManagerConfig(4, 1, "layout"))
+    bm.add_worker("w0", 4)
+    seq = bm.create_sequence("t", [1, 2, 3]).seq_id
+    bm.prepare_write("t", seq, None, [1, 2, 3])
+    metrics = ServiceMetrics()
+    metrics.bind_stats(bm.stats, bytes_per_block=1024)
     metrics.set_worker_state("w0", True, "e0")
     metrics.observe_worker_call("w0", 1, 0.001)
     metrics.add_correctness_mismatch("w0", 0)
-    worker = SimpleNamespace(
-        total=4, used=1, cached_free=1, free=2, allocated_slots=16, filled_slots=3
-    )
-    metrics.bind_stats(
-        lambda: SimpleNamespace(
-            workers={"w0": worker},
-            utilization=0.25,
-            fragmentation=13 / 16,
-            prefix_query_tokens={"t": 1},
-            prefix_hit_tokens={"t": 0},
-            evictions=0,
-            cow_copies=0,
-            pinned_blocks=0,
-            active_sequences=1,
-        )
-    )
     metrics.rpc_requests.labels("s", "m", "OK").inc()
     metrics.rpc_duration.labels("s", "m", "OK").observe(0.001)
     return {s.name for f in metrics.registry.collect() for s in f.samples}

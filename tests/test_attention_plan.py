@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import random
+import re
 
 import pytest
 import torch
@@ -279,6 +279,50 @@ def test_run_attention_writes_then_attends_across_local_workers():
         got = asyncio.run(step())
         ref_out, _ = dense_attention(q, k, v)
         assert rel_err(got.out, ref_out) < 1e-5
+    finally:
+        for c in clients.values():
+            c.close()
+
+
+def test_with_the_block_manager_a_prefill_chunk_spilling_to_a_second_worker():
+    """The real control plane places a sequence on worker a until it is full, then on b;
+    a 7-token chunk written across the boundary attends exactly like dense attention."""
+    from cache_service.block_manager import BlockManager, BlockManagerConfig
+
+    gen = torch.Generator().manual_seed(7)
+    manager = BlockManager(BlockManagerConfig(BS, LAYOUT.num_layers, LAYOUT.fingerprint()))
+    config = PoolConfig(LAYOUT, num_blocks=3)
+    clients = {w: LocalWorkerClient(w, config) for w in "ab"}
+    for w in clients:
+        manager.add_worker(w, 3)
+    seq = manager.create_sequence("tenant").seq_id
+    k, v = torch.randn(17, 2, 16, generator=gen), torch.randn(17, 2, 16, generator=gen)
+    q = torch.randn(17, 4, 16, generator=gen)
+
+    async def step(lo: int, hi: int):
+        epochs = {w: (await c.describe()).epoch for w, c in clients.items()}
+        plan = manager.prepare_write("tenant", seq, 0, list(range(lo, hi)))
+        assert plan.start == lo and not plan.copies
+        writes = {}
+        for w in clients:
+            rows = [i for i, (worker, _) in enumerate(plan.slots) if worker == w]
+            if rows:
+                slots = [plan.slots[i][1] for i in rows]
+                idx = torch.tensor(rows) + lo
+                writes[w] = WorkerWrite(slots, k[idx], v[idx])
+        manager.commit_write("tenant", seq, 0, hi - lo)
+        view = manager.attention_view("tenant", seq, 0)
+        attention = plan_attention([view], [hi - lo], BS)
+        out = await run_attention(attention, q[lo:hi], 0, clients, epochs, writes=writes)
+        return view, out
+
+    try:
+        _, first = asyncio.run(step(0, 10))
+        view, second = asyncio.run(step(10, 17))
+        assert [s.worker_id for s in view.segments] == ["a", "b"]
+        ref, _ = dense_attention(q, k, v)
+        assert rel_err(first.out, ref[:10]) < 1e-5
+        assert rel_err(second.out, ref[10:]) < 1e-5
     finally:
         for c in clients.values():
             c.close()

@@ -124,6 +124,10 @@ def test_raycluster_has_what_kuberay_requires() -> None:
     assert DNS1035.match(name) and len(name) <= 53
     spec = cluster["spec"]
     assert spec["rayVersion"] == ray_pin(), "rayVersion must match the image's Ray"
+    if "authOptions" in spec:
+        # KubeRay's webhook: token authentication needs Ray 2.52 or later.
+        version = tuple(int(x) for x in spec["rayVersion"].split(".")[:2])
+        assert version >= (2, 52) and spec["authOptions"]["mode"] in ("token", "disabled")
     head = spec["headGroupSpec"]
     groups = [("head", head)] + [(g["groupName"], g) for g in spec["workerGroupSpecs"]]
     for group_name, group in groups:
@@ -193,10 +197,16 @@ def test_coordinator_wiring() -> None:
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == ports["grpc"]
 
-    # It joins the RayCluster through the head Service KubeRay creates.
+    # It joins the RayCluster through the head Service KubeRay creates, with the token of
+    # the Secret KubeRay generates for it (named after the cluster unless set).
     cluster = objects[("RayCluster", "kvcache")]
-    env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env["RAY_HEAD_ADDRESS"] == f"{cluster['metadata']['name']}-head-svc:6379"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["RAY_HEAD_ADDRESS"]["value"] == f"{cluster['metadata']['name']}-head-svc:6379"
+    auth = cluster["spec"]["authOptions"]
+    assert auth["mode"] == "token" and env["RAY_AUTH_MODE"]["value"] == "token"
+    secret = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert secret["name"] == auth.get("secretName", cluster["metadata"]["name"])
+    assert secret["key"] == "auth_token"
 
     # One pool per GPU of the GPU worker group.
     gpus = sum(
@@ -242,7 +252,13 @@ def test_ray_cluster_launcher_config_validates(name: str) -> None:
     config = prepare_config(yaml.safe_load(yaml.safe_dump(raw)))
     validate_config(config)
     for source in raw["file_mounts"].values():
-        assert (ROOT / source).exists(), f"file_mounts source {source} missing"
+        if not source.startswith("~"):  # ~: the operator's machine (the Ray token)
+            assert (ROOT / source).exists(), f"file_mounts source {source} missing"
+    # Every node and the coordinator run with the cluster's Ray token.
+    assert raw["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    for command in raw["head_start_ray_commands"] + raw["worker_start_ray_commands"]:
+        if "ray start" in command or "start-coordinator" in command:
+            assert "RAY_AUTH_MODE=token" in command, command
     commands = " ".join(raw["head_start_ray_commands"])
     script = re.search(r"~/kvcache-deploy/(\S+)", commands).group(1)
     assert (DEPLOY / "ray" / script).is_file()

@@ -8,6 +8,7 @@ dim and block size, large shapes, pools over 2**31 elements) on CUDA.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,10 +28,6 @@ from kernels.validation import AttentionProblem, check_paged_attention_args
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 FP32_MAX_REL = 1e-5
-
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Conversion of an array with ndim > 0:DeprecationWarning"
-)
 
 
 def make_paged_batch(*args, **kwargs):
@@ -245,9 +242,11 @@ def test_split_matches_unsplit_and_writes_every_element(causal: bool) -> None:
         lens, [1, 2, 1, 12], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16, seed=8
     )
     problem = problem_of(batch)
-    base = choose_config(problem, torch.float32, sm_count=4)
+    base = replace(choose_config(problem, torch.float32, sm_count=4), tile_n=32)
     results = []
-    for parts in (1, 2, 3, 16):
+    # Fused: the last partition program merges; unfused: a separate merge kernel. Each split
+    # config runs twice, so the fused path's arrival counters must have been reset.
+    for parts, fused in ((1, True), (3, False), (6, True), (6, True)):
         out = torch.full_like(batch.query, float("nan"))
         o, lse = paged_attention_triton(
             *batch.args(),
@@ -255,7 +254,7 @@ def test_split_matches_unsplit_and_writes_every_element(causal: bool) -> None:
             causal=causal,
             return_lse=True,
             out=out,
-            config=with_partitions(base, parts),
+            config=replace(with_partitions(base, parts), fused_merge=fused),
         )
         assert o is out and not torch.isnan(out).any()
         results.append((o, lse))
@@ -325,6 +324,19 @@ def test_non_contiguous_query_rows() -> None:
     assert not strided.is_contiguous()
     a = kernels.paged_attention(strided, *batch.args()[1:], backend="triton")
     b = kernels.paged_attention(batch.query, *batch.args()[1:], backend="triton")
+    assert torch.equal(a, b)
+
+
+def test_column_strided_block_tables() -> None:
+    batch = make_paged_batch(
+        [40, 9, 17], [2, 1, 3], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8, seed=2
+    )
+    strided = batch.block_tables.t().contiguous().t()  # same values, column stride != 1
+    assert strided.stride(1) != 1
+    args = list(batch.args())
+    a = kernels.paged_attention(*args, backend="triton")
+    args[3] = strided
+    b = kernels.paged_attention(*args, backend="triton")
     assert torch.equal(a, b)
 
 
@@ -435,8 +447,6 @@ def test_gpu_large_split_decode_and_prefill(dtype: torch.dtype) -> None:
         lens, [1, 1, 1, 2048], num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
         dtype=dtype, device="cuda", seed=23,
     )  # fmt: skip
-    problem = problem_of(batch)
-    assert choose_config(problem, dtype, torch.cuda.get_device_properties(0).multi_processor_count)
     check_against_dense(batch, dtype)
     decode = make_paged_batch(
         [32768], [1], num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
@@ -456,13 +466,15 @@ def test_gpu_split_vs_unsplit_and_placement() -> None:
     problem = problem_of(batch)
     base = choose_config(problem, torch.float32, 132)
     outs = []
-    for parts in (1, 7, 40):
-        out = torch.full_like(batch.query, float("nan"))
-        o, lse = paged_attention_triton(
-            *batch.args(), problem, return_lse=True, out=out, config=with_partitions(base, parts)
-        )
-        assert not torch.isnan(o).any()
-        outs.append((o, lse))
+    for parts, fused in ((1, True), (7, True), (40, True), (40, False), (40, True), (7, False)):
+        for _ in range(3):  # repeated launches reuse the fused merge's counters
+            out = torch.full_like(batch.query, float("nan"))
+            cfg = replace(with_partitions(base, parts), fused_merge=fused)
+            o, lse = paged_attention_triton(
+                *batch.args(), problem, return_lse=True, out=out, config=cfg
+            )
+            assert not torch.isnan(o).any()
+            outs.append((o, lse))
     for o, lse in outs[1:]:
         torch.testing.assert_close(o, outs[0][0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(lse, outs[0][1], rtol=1e-6, atol=1e-5)

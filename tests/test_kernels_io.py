@@ -12,10 +12,6 @@ import kernels
 from kernels.block_copy import BlockShape, block_shape
 from kernels.reference import merge_attention_states_ref, write_kv_ref
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Conversion of an array with ndim > 0:DeprecationWarning"
-)
-
 # Real Triton where there is a GPU, the interpreter on CPU tensors otherwise.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

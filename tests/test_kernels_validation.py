@@ -14,10 +14,6 @@ import kernels
 from kernels import KernelArgumentError
 from kernels.testing import make_paged_batch
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Conversion of an array with ndim > 0:DeprecationWarning"
-)
-
 BACKENDS = ["torch", "triton"]
 
 

@@ -297,20 +297,20 @@ def test_http_server_serves_and_stops() -> None:
 
 def test_stats_read_on_the_owning_loop_and_failures_counted() -> None:
     """bind_stats(loop=...) runs fn on the loop thread, never on the scrape thread."""
-    from types import SimpleNamespace
+    from cache_service.accounting import CacheStats, WorkerStats
 
     metrics = ServiceMetrics(bytes_per_block=2048)
     calls: list[int] = []
     state = {"fail": False}
 
-    def snapshot() -> SimpleNamespace:
+    def snapshot() -> CacheStats:
         calls.append(threading.get_ident())
         if state["fail"]:
             raise RuntimeError("accounting unavailable")
-        worker = SimpleNamespace(
+        worker = WorkerStats(
             total=8, used=3, cached_free=1, free=4, allocated_slots=48, filled_slots=40
         )
-        return SimpleNamespace(
+        return CacheStats(
             workers={"w0": worker},
             utilization=3 / 8,
             fragmentation=8 / 48,
@@ -320,6 +320,7 @@ def test_stats_read_on_the_owning_loop_and_failures_counted() -> None:
             cow_copies=0,
             pinned_blocks=0,
             active_sequences=2,
+            lost_sequences=0,
         )
 
     async def scenario() -> tuple[dict[str, float], dict[str, float]]:

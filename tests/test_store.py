@@ -39,6 +39,15 @@ def test_generation_increments_on_every_open(tmp_path: Path) -> None:
         _ = store.generation
 
 
+def test_a_new_store_is_readable_by_its_owner_only(tmp_path: Path) -> None:
+    path = tmp_path / "m.db"
+    store = _open(path)
+    store.append("create_sequence", {"prompt_token_ids": [1, 2, 3]}, {"seq_id": "x"})
+    for f in (path, Path(f"{path}-wal")):
+        assert f.stat().st_mode & 0o077 == 0, oct(f.stat().st_mode)
+    store.close()
+
+
 def test_wal_mode_and_synchronous_setting(tmp_path: Path) -> None:
     for sync, code in (("FULL", 2), ("NORMAL", 1)):
         store = _open(tmp_path / f"{sync}.db", synchronous=sync)

@@ -108,7 +108,7 @@ def test_memory_fraction_sizes_the_pool_from_free_memory():
 
 def test_pool_that_does_not_fit_is_refused_with_figures():
     huge = KVLayout(num_layers=1024, num_kv_heads=64, head_dim=256, block_size=256)
-    with pytest.raises(PoolAllocationError, match="does not fit.*at most \\d+ blocks fit"):
+    with pytest.raises(PoolAllocationError, match=r"does not fit.*at most \d+ blocks fit"):
         KVPool(huge, 10_000, "cpu")
     with pytest.raises(PoolAllocationError, match="less than one block"):
         KVPool.from_config(PoolConfig(huge, memory_fraction=1e-9), "cpu")

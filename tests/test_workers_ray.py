@@ -25,6 +25,7 @@ from workers.errors import (  # noqa: E402
     InvalidWorkerRequest,
     StaleEpochError,
     WorkerLaunchError,
+    WorkersAlreadyExist,
     WorkerUnavailable,
 )
 from workers.launcher import (  # noqa: E402
@@ -44,14 +45,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def cluster():
     started = not ray.is_initialized()
     if started:
-        # Workers import the project from the checkout when it is not installed.
-        env = {"env_vars": {"PYTHONPATH": ROOT}}
+        # address="local": a fresh cluster, never one another process left on this machine.
         ray.init(
+            address="local",
             num_cpus=2,
             namespace=NAMESPACE,
             include_dashboard=False,
             log_to_driver=False,
-            runtime_env=env,
         )
     yield ray.get_runtime_context().gcs_address
     if started:
@@ -186,6 +186,13 @@ def test_bad_input_through_ray_is_refused_and_changes_nothing(clients):
     loop.run_until_complete(scenario())
 
 
+def test_a_call_past_its_timeout_reports_the_worker_unavailable(clients):
+    loop, (c0, _, _) = clients
+    impatient = RayWorkerClient(c0.worker_id, c0.handle, call_timeout_s=1e-6)
+    with pytest.raises(WorkerUnavailable, match="no answer within"):
+        loop.run_until_complete(impatient.health())
+
+
 def test_killed_workers_are_detected(cluster):
     """A restarted worker has a new epoch and an empty pool, and refuses the old epoch; a
     worker that stays dead reports WorkerUnavailable."""
@@ -200,16 +207,16 @@ def test_killed_workers_are_detected(cluster):
         ray.kill(restarting.handle, no_restart=False)
         ray.kill(dying.handle, no_restart=True)
 
+        # ray.kill returns before the actor is gone: poll until the restarted one answers.
         deadline = time.monotonic() + 60
-        while True:
+        new = old
+        while new == old:
+            assert time.monotonic() < deadline, "the killed worker did not restart in 60 s"
             try:
                 new = (await restarting.describe()).epoch
-                break
             except WorkerUnavailable:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.2)
-        assert new != old
+                pass
+            await asyncio.sleep(0.1)
         with pytest.raises(StaleEpochError):
             await restarting.attend(old, 0, torch.zeros(1, 2, 16), [[1]], [2], [0, 1])
         assert (await restarting.export_blocks(new, [1])).abs().sum() == 0  # empty pool
@@ -226,8 +233,9 @@ def test_launcher_names_attaches_and_refuses_duplicates(cluster):
     prefix = "named-"
     handles = launch_workers(_config(prefix, num_workers=2))
     try:
-        with pytest.raises(WorkerLaunchError, match="already exist"):
+        with pytest.raises(WorkersAlreadyExist, match="already exist") as info:
             launch_workers(_config(prefix, num_workers=1))
+        assert info.value.names == ["named-0", "named-1"]
         attached = attach_workers(NAMESPACE, prefix)
         names = [ray.get(h.describe.remote()).worker_id for h in attached]
         assert names == ["named-0", "named-1"]
@@ -253,7 +261,8 @@ pool = PoolConfig(KVLayout(2, 2, 16, 4, "float32"), num_blocks=8)
                                    name_prefix={prefix!r}))
 print("EPOCH", ray.get(h.epoch.remote()))
 """
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     run = subprocess.run(
         [sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=120
     )
@@ -278,3 +287,20 @@ def test_a_pool_that_does_not_fit_fails_the_launch_cleanly(cluster):
 def test_one_per_gpu_needs_gpus(cluster):
     with pytest.raises(WorkerLaunchError, match="one worker per GPU"):
         launch_workers(_config("nogpu-"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_workers": 0}, "num_workers"),
+        ({"name_prefix": ""}, "name_prefix"),
+        ({"gpus_per_worker": 1.5}, "gpus_per_worker"),
+        ({"gpus_per_worker": -1}, "gpus_per_worker"),
+        ({"max_restarts": -2}, "max_restarts"),
+        ({"cpus_per_worker": -1}, "cpus_per_worker"),
+        ({"ready_timeout_s": 0}, "ready_timeout_s"),
+    ],
+)
+def test_launch_config_refuses_bad_fields(kwargs, message):
+    with pytest.raises(WorkerLaunchError, match=message):
+        LaunchConfig(PoolConfig(LAYOUT, num_blocks=1), **kwargs)

@@ -1,34 +1,25 @@
-"""Shared helpers of the workers tests: a dense attention oracle, fakes of the control
-plane's SequenceView/Segment (pure data, as in docs/contracts.md), and placement of a
-sequence's K/V into pools."""
+"""Shared helpers of the workers tests: a dense attention oracle and placement of a
+sequence's K/V into pools (described by the control plane's SequenceView/Segment)."""
 
 from __future__ import annotations
 
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from cache_service.block_manager import Segment, SequenceView
 from workers.pool import KVPool
 
-
-@dataclass(frozen=True)
-class Segment:
-    """Stand-in for cache_service.block_manager.Segment (same fields)."""
-
-    worker_id: str
-    start_token: int
-    block_indices: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class SequenceView:
-    """Stand-in for cache_service.block_manager.SequenceView (same fields)."""
-
-    seq_len: int
-    segments: tuple[Segment, ...]
+__all__ = [
+    "Segment",
+    "SequenceView",
+    "dense_attention",
+    "place_sequence",
+    "rel_err",
+    "write_tokens",
+]
 
 
 def dense_attention(

@@ -9,6 +9,7 @@ __all__ = [
     "WorkerError",
     "WorkerLaunchError",
     "WorkerUnavailable",
+    "WorkersAlreadyExist",
 ]
 
 
@@ -67,3 +68,23 @@ class WorkerUnavailable(WorkerError):
 
 class WorkerLaunchError(WorkerError):
     """Workers could not be started, found or stopped; the message says why."""
+
+
+class WorkersAlreadyExist(WorkerLaunchError):
+    """Workers with the names a launch would use are already running (attach to them, or
+    shut them down first).
+
+    Attributes:
+        names: the running workers' names.
+    """
+
+    def __init__(self, namespace: str, names: list[str]) -> None:
+        self.namespace = namespace
+        self.names = list(names)
+        super().__init__(
+            f"workers {self.names} already exist in namespace {namespace!r}: use "
+            "attach_workers() to reuse them or shutdown_workers() to replace them"
+        )
+
+    def __reduce__(self) -> tuple[type, tuple[str, list[str]]]:
+        return (type(self), (self.namespace, self.names))

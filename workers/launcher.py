@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from workers.actor import PoolWorkerActor
 from workers.config import PoolConfig
-from workers.errors import WorkerLaunchError
+from workers.errors import WorkerLaunchError, WorkersAlreadyExist
 
 __all__ = [
     "LaunchConfig",
@@ -195,17 +195,15 @@ def launch_workers(config: LaunchConfig) -> list[ray.actor.ActorHandle]:
         (:func:`worker_name`).
 
     Raises:
-        WorkerLaunchError: workers with these names already exist (attach to them or shut
-            them down first), the cluster lacks the resources, or a pool could not be
-            created (the message carries the worker's error). Nothing is left running.
+        WorkersAlreadyExist: workers with these names are running (attach to them or shut
+            them down first); a WorkerLaunchError.
+        WorkerLaunchError: the cluster lacks the resources, or a pool could not be created
+            (the message carries the worker's error). Nothing is left running.
     """
     connect_ray(config.ray_address, config.namespace, local_num_cpus=config.local_num_cpus)
     existing = _existing_names(config.namespace, config.name_prefix)
     if existing:
-        raise WorkerLaunchError(
-            f"workers {existing} already exist in namespace {config.namespace!r}: use "
-            "attach_workers() to reuse them or shutdown_workers() to replace them"
-        )
+        raise WorkersAlreadyExist(config.namespace, existing)
     use_gpu, count = _plan_gpu_workers(config)
     if count < 1:
         raise WorkerLaunchError("the cluster has no whole GPU for a worker")

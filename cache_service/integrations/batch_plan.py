@@ -135,7 +135,9 @@ class BatchPlan:
                 )
             first = min(next_column, end)
             rows.append(
-                RowSlice(row=b, first_column=first, count=end - first, start_position=self._written[b])
+                RowSlice(
+                    row=b, first_column=first, count=end - first, start_position=self._written[b]
+                )
             )
         return StepPlan(
             index=self._steps, start_column=start, num_columns=num_columns, rows=tuple(rows)

@@ -37,7 +37,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from cache_service.client import AppendAttendItem
+from cache_service.client import AppendAttendItem, DataLossError, NotFoundError
 from cache_service.integrations.batch_plan import BatchPlan, StepPlan
 
 if TYPE_CHECKING:
@@ -187,7 +187,9 @@ class _ServiceCacheLayer(CacheLayerMixin):
         raise NotImplementedError("a service session cannot be reset; open a new session")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("beam search is not supported through the service (greedy/sampling only)")
+        raise NotImplementedError(
+            "beam search is not supported through the service (greedy/sampling only)"
+        )
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("the service cache cannot be cropped (no assisted decoding)")
@@ -234,7 +236,9 @@ class GenerationSession:
         config: SessionConfig,
     ) -> None:
         if input_ids.ndim != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
-            raise ValueError(f"input_ids must be [batch, columns], got shape {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"input_ids must be [batch, columns], got shape {tuple(input_ids.shape)}"
+            )
         if input_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
         mask = _normalise_mask(attention_mask, input_ids.shape)
@@ -253,6 +257,7 @@ class GenerationSession:
                 handle = owner.client.create_sequence(prompt if config.reuse_prefix else None)
                 self._handles.append(handle)
             cached = [int(h.num_cached_tokens) for h in self._handles]
+            self._seq_ids = [h.seq_id for h in self._handles]
             self.plan = BatchPlan(pads, cached, int(input_ids.shape[1]))
         except BaseException:
             self._free_all(suppress=True)
@@ -262,8 +267,8 @@ class GenerationSession:
 
     @property
     def seq_ids(self) -> list[str]:
-        """Service sequence id of each row."""
-        return [h.seq_id for h in self._handles]
+        """Service sequence id of each row (kept after the session closes)."""
+        return list(self._seq_ids)
 
     def generate(self, **generate_kwargs: Any) -> Any:
         """Run ``model.generate`` on the session's prompt with the service as KV cache.
@@ -274,6 +279,13 @@ class GenerationSession:
         for key in ("input_ids", "attention_mask", "past_key_values", "use_cache"):
             if key in generate_kwargs:
                 raise ValueError(f"{key!r} is set by the session; do not pass it")
+        defaults = generate_kwargs.get("generation_config") or self._owner.model.generation_config
+        for key in ("num_beams", "num_return_sequences"):
+            if (generate_kwargs.get(key) or getattr(defaults, key, 1) or 1) > 1:
+                # Both multiply the batch rows, and each row here is one service sequence.
+                raise NotImplementedError(
+                    f"{key} > 1 is not supported through the service: open one row per sample"
+                )
         device = self._owner.model.device
         return self._owner.model.generate(
             input_ids=self.input_ids.to(device),
@@ -435,7 +447,7 @@ class GenerationSession:
             sl = slice(width - r.count, width)
             items.append(
                 AppendAttendItem(
-                    seq_id=self._handles[r.row].seq_id,
+                    seq_id=self._seq_ids[r.row],
                     token_ids=step.token_ids[r.row],
                     key=k_host[r.row, sl],
                     value=v_host[r.row, sl],
@@ -495,15 +507,20 @@ class GenerationSession:
             )
 
     def _free_all(self, suppress: bool) -> None:
+        """Free every sequence (trying all of them); raise the first failure unless suppress."""
         errors = []
         for handle in self._handles:
             try:
                 self._owner.client.free(handle.seq_id)
+            except (NotFoundError, DataLossError):
+                pass  # already gone (freed elsewhere, or lost with a worker)
             except Exception as e:
                 errors.append(e)
-        self._handles = [] if suppress else self._handles
+        self._handles = []
         if errors and not suppress:
-            raise RuntimeError(f"freeing {len(errors)} sequence(s) failed: {errors[0]!r}") from errors[0]
+            raise RuntimeError(
+                f"freeing {len(errors)} sequence(s) failed: {errors[0]!r}"
+            ) from errors[0]
 
 
 def _normalise_mask(attention_mask: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
@@ -603,6 +620,12 @@ class ServiceModel:
     """
 
     def __init__(self, model: PreTrainedModel, client: ServiceClient) -> None:
+        if model.config._attn_implementation == SERVICE_ATTENTION:
+            raise ValueError("this model is already routed to the service (one ServiceModel each)")
+        if model.dtype not in _DTYPES.values():
+            raise ValueError(
+                f"model dtype {model.dtype} cannot travel; use float16/bfloat16/float32"
+            )
         self.model = model
         self.client = client
         self.layout = model_layout(model)

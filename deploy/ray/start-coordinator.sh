@@ -3,6 +3,8 @@
 # its log in ~/kvcache-coordinator.log. Run by head_start_ray_commands, and by hand after an
 # upgrade:  ray exec deploy/ray/cluster-aws.yaml 'bash ~/kvcache-deploy/start-coordinator.sh'
 set -euo pipefail
+# The cluster runs with Ray token authentication (the token is ~/.ray/auth_token).
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 here="$(cd "$(dirname "$0")" && pwd)"
 config="${KVCACHE_CONFIG:-$here/kvcache.yaml}"
 pidfile="$HOME/kvcache-coordinator.pid"

@@ -305,7 +305,7 @@ class ImportBlocksResponse(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "total_blocks", "used_blocks", "cached_free_blocks", "free_blocks", "allocated_slots", "filled_slots", "up")
+    __slots__ = ("worker_id", "total_blocks", "used_blocks", "cached_free_blocks", "free_blocks", "allocated_slots", "filled_slots")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -313,7 +313,6 @@ class WorkerStats(_message.Message):
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ALLOCATED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     FILLED_SLOTS_FIELD_NUMBER: _ClassVar[int]
-    UP_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     total_blocks: int
     used_blocks: int
@@ -321,8 +320,7 @@ class WorkerStats(_message.Message):
     free_blocks: int
     allocated_slots: int
     filled_slots: int
-    up: bool
-    def __init__(self, worker_id: _Optional[str] = ..., total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., allocated_slots: _Optional[int] = ..., filled_slots: _Optional[int] = ..., up: _Optional[bool] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., allocated_slots: _Optional[int] = ..., filled_slots: _Optional[int] = ...) -> None: ...
 
 class TenantPrefixStats(_message.Message):
     __slots__ = ("tenant", "query_tokens", "hit_tokens")
@@ -339,7 +337,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("workers", "utilization", "fragmentation", "prefix", "evictions", "cow_copies", "pinned_blocks", "active_sequences")
+    __slots__ = ("workers", "utilization", "fragmentation", "prefix", "evictions", "cow_copies", "pinned_blocks", "active_sequences", "lost_sequences")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTATION_FIELD_NUMBER: _ClassVar[int]
@@ -348,6 +346,7 @@ class GetStatsResponse(_message.Message):
     COW_COPIES_FIELD_NUMBER: _ClassVar[int]
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    LOST_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
     utilization: float
     fragmentation: float
@@ -356,4 +355,5 @@ class GetStatsResponse(_message.Message):
     cow_copies: int
     pinned_blocks: int
     active_sequences: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., utilization: _Optional[float] = ..., fragmentation: _Optional[float] = ..., prefix: _Optional[_Iterable[_Union[TenantPrefixStats, _Mapping]]] = ..., evictions: _Optional[int] = ..., cow_copies: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., active_sequences: _Optional[int] = ...) -> None: ...
+    lost_sequences: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., utilization: _Optional[float] = ..., fragmentation: _Optional[float] = ..., prefix: _Optional[_Iterable[_Union[TenantPrefixStats, _Mapping]]] = ..., evictions: _Optional[int] = ..., cow_copies: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., active_sequences: _Optional[int] = ..., lost_sequences: _Optional[int] = ...) -> None: ...

@@ -149,14 +149,15 @@ class KVCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Pin(self, request, context):
-        """Keep the cached blocks of a prefix from being evicted / release that hold.
+        """Keep the cached full blocks of a prefix from being evicted (pins nest).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Unpin(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Undo one Pin of the same prefix.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -1,0 +1,304 @@
+"""Benchmark the whole service: decode steps through gRPC, the coordinator and the workers,
+against the same kernel calls made in-process.
+
+What one measurement is: a decode step of `batch` sequences, layer by layer, each layer one
+append-and-attend RPC carrying one new token's K/V and one query row per sequence (what a
+model's attention layer does). The client times every call (serialisation, loopback
+network, coordinator, worker, kernels, reply); the in-process baseline times the same
+`PoolWorker.write_and_attend` calls (same shapes, same growing lengths, results copied to
+the host as the worker does for the service) without any RPC.
+
+Modes:
+
+CPU (default): a small layout, pools in the server process and then Ray CPU workers;
+per-call p50/p99 and the RPC overhead over the in-process calls; and 1 client versus 4
+concurrent clients (coalescing). Results go to --out as markdown.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_service.py \\
+        --out benchmarks/results/service-cpu.md
+
+H200 (--h200): the Llama-3-8B layout (32 layers, 32 query / 8 KV heads, head_dim 128, bf16,
+block 16) on one GPU worker behind Ray: decode batch 32 at context 2048, 32 layers per step,
+steps/s and tokens/s through the service versus in-process, per-call p50/p99; then 8
+concurrent clients of batch 8 versus one client of batch 8. Targets (issue 5): per-layer
+append-and-attend p50 <= 1.5 ms at batch 32; 8 clients >= 3x the throughput of one.
+
+    source .device/env.sh && python3 benchmarks/bench_service.py --h200 \\
+        --out $OUT/service-h200.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import functools
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cache_service.bench import BenchConfig, BenchResult, percentile, run_decode_bench
+from cache_service.config import ServiceConfig
+from cache_service.server import start_service
+from workers.actor import PoolWorker
+from workers.config import PoolConfig
+from workers.layout import KVLayout
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One benchmarked configuration."""
+
+    name: str
+    layout: KVLayout
+    num_q_heads: int
+    batch: int
+    context: int
+    steps: int
+    device: str  # "cpu" | "cuda"
+    blocks: int
+    concurrent_clients: int
+    concurrent_batch: int
+    concurrent_steps: int
+
+
+CPU = Setup(
+    name="cpu",
+    layout=KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32"),
+    num_q_heads=8,
+    batch=8,
+    context=128,
+    steps=30,
+    device="cpu",
+    blocks=512,
+    concurrent_clients=4,
+    concurrent_batch=2,
+    concurrent_steps=15,
+)
+
+H200 = Setup(
+    name="h200",
+    layout=KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16"),
+    num_q_heads=32,
+    batch=32,
+    context=2048,
+    steps=10,
+    device="cuda",
+    blocks=9000,
+    concurrent_clients=8,
+    concurrent_batch=8,
+    concurrent_steps=10,
+)
+
+
+def service_config(setup: Setup, *, ray: bool, window_ms: float) -> ServiceConfig:
+    lay = setup.layout
+    return ServiceConfig().with_overrides(
+        {
+            "server.port": 0,
+            "metrics.enabled": False,
+            "layout.num_layers": lay.num_layers,
+            "layout.num_kv_heads": lay.num_kv_heads,
+            "layout.head_dim": lay.head_dim,
+            "layout.block_size": lay.block_size,
+            "layout.dtype": lay.dtype,
+            "workers.num_workers": 1,
+            "workers.blocks_per_worker": setup.blocks,
+            "workers.device": setup.device,
+            "workers.in_process": not ray,
+            "workers.ray_num_cpus": 2 if setup.device == "cpu" else None,
+            "coordinator.batch_window_ms": window_ms,
+            "coordinator.health_check_interval_s": 0,
+            "log_level": "WARNING",
+        }
+    )
+
+
+def through_service(setup: Setup, *, ray: bool, window_ms: float) -> dict[str, BenchResult]:
+    """Start a service, run the single-client and the concurrency benchmarks, stop it."""
+    dtype = setup.layout.dtype
+
+    async def main() -> dict[str, BenchResult]:
+        running = await start_service(service_config(setup, ray=ray, window_ms=window_ms))
+        loop = asyncio.get_running_loop()
+        try:
+            out = {}
+            for key, cfg in (
+                ("single", BenchConfig(batch=setup.batch, context=setup.context,
+                                       steps=setup.steps, num_q_heads=setup.num_q_heads,
+                                       dtype=dtype)),
+                ("one_small", BenchConfig(batch=setup.concurrent_batch, context=setup.context,
+                                          steps=setup.concurrent_steps,
+                                          num_q_heads=setup.num_q_heads, dtype=dtype)),
+                ("concurrent", BenchConfig(batch=setup.concurrent_batch, context=setup.context,
+                                           steps=setup.concurrent_steps,
+                                           clients=setup.concurrent_clients,
+                                           num_q_heads=setup.num_q_heads, dtype=dtype)),
+            ):  # fmt: skip
+                # Clients in their own processes: a client sharing the server's GIL would
+                # slow both and inflate the figures.
+                run = functools.partial(run_decode_bench, processes=True)
+                out[key] = await loop.run_in_executor(None, run, running.address, cfg)
+            return out
+        finally:
+            await running.stop()
+
+    return asyncio.run(main())
+
+
+def in_process(setup: Setup) -> tuple[list[float], float]:
+    """The same write_and_attend calls on a PoolWorker in this process.
+
+    Returns (per-call seconds, wall seconds of the timed steps).
+    """
+    lay = setup.layout
+    bs, hkv, d = lay.block_size, lay.num_kv_heads, lay.head_dim
+    per_seq = -(-(setup.context + setup.steps + 4) // bs)
+    worker = PoolWorker(
+        "bench", PoolConfig(lay, num_blocks=setup.batch * per_seq + 1), setup.device
+    )
+    epoch = worker.epoch()
+    dtype = lay.torch_dtype()
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(lay.num_layers, setup.context, hkv, d, generator=gen).to(dtype)
+    tables = torch.arange(setup.batch * per_seq, dtype=torch.int32).reshape(setup.batch, per_seq)
+    for s in range(setup.batch):
+        slots = [int(tables[s, t // bs]) * bs + t % bs for t in range(setup.context)]
+        worker.write(epoch, None, slots, kv, kv)
+    k = torch.randn(setup.batch, hkv, d, generator=gen).to(dtype)
+    q = torch.randn(setup.batch, setup.num_q_heads, d, generator=gen).to(dtype)
+    qsl = torch.arange(setup.batch + 1, dtype=torch.int32)
+    times: list[float] = []
+    length = setup.context
+    warmup = 3
+    t_start = 0.0
+    for step in range(warmup + setup.steps):
+        if step == warmup:
+            t_start = time.perf_counter()
+        slots = [int(tables[s, length // bs]) * bs + length % bs for s in range(setup.batch)]
+        seq_lens = torch.full((setup.batch,), length + 1, dtype=torch.int32)
+        for layer in range(lay.num_layers):
+            t0 = time.perf_counter()
+            # The worker returns host tensors, as it does for the service.
+            worker.write_and_attend(epoch, layer, slots, k, k, q, tables, seq_lens, qsl)
+            if step >= warmup:
+                times.append(time.perf_counter() - t0)
+        length += 1
+    return times, time.perf_counter() - t_start
+
+
+def fmt_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple[list[float], float],
+           args: argparse.Namespace) -> str:  # fmt: skip
+    lay = setup.layout
+    base_times, base_wall = base
+    b50, b99 = percentile(base_times, 50), percentile(base_times, 99)
+    base_steps = setup.steps / base_wall
+    lines = [
+        f"# Service benchmark ({setup.name})",
+        "",
+        f"- date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- machine: {platform.node()} / {platform.machine()} / {os.cpu_count()} CPUs"
+        + (f" / {torch.cuda.get_device_name(0)}" if setup.device == "cuda" else ""),
+        f"- python {platform.python_version()}, torch {torch.__version__}",
+        f"- command: `{' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}`",
+        f"- layout: {lay.num_layers} layers, {setup.num_q_heads} query / {lay.num_kv_heads} KV "
+        f"heads, head_dim {lay.head_dim}, block {lay.block_size}, {lay.dtype}",
+        f"- decode: batch {setup.batch}, context {setup.context}, {setup.steps} timed steps "
+        f"of {lay.num_layers} append-and-attend calls (3 warm-up steps); batching window "
+        f"{args.batch_window_ms} ms",
+        "- each client runs in its own process (loopback gRPC); one worker; the server's "
+        "process holds the coordinator (and, for the first row, the pools)",
+        "",
+        "## One client: per-layer append-and-attend",
+        "",
+        "| path | p50 ms | p99 ms | steps/s | tokens/s | p50 overhead over in-process ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        f"| in-process `PoolWorker.write_and_attend` (no RPC) | {fmt_ms(b50)} | {fmt_ms(b99)} | "
+        f"{base_steps:.2f} | {base_steps * setup.batch:.1f} | - |",
+    ]
+    for label, res in results.items():
+        r = res["single"]
+        lines.append(
+            f"| service, {label} | {r.p50_ms:.3f} | {r.p99_ms:.3f} | {r.steps_per_s:.2f} | "
+            f"{r.tokens_per_s:.1f} | {r.p50_ms - b50 * 1e3:.3f} |"
+        )
+    lines += [
+        "",
+        f"## Concurrency: {setup.concurrent_clients} clients of batch {setup.concurrent_batch} "
+        f"versus one client of batch {setup.concurrent_batch}",
+        "",
+        "| path | one client tokens/s | concurrent tokens/s | ratio | concurrent p50 ms | p99 ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for label, res in results.items():
+        one, many = res["one_small"], res["concurrent"]
+        ratio = many.tokens_per_s / one.tokens_per_s if one.tokens_per_s else 0.0
+        lines.append(
+            f"| service, {label} | {one.tokens_per_s:.1f} | {many.tokens_per_s:.1f} | "
+            f"{ratio:.2f}x | {many.p50_ms:.3f} | {many.p99_ms:.3f} |"
+        )
+    if setup.name == "h200":
+        r = next(iter(results.values()))["single"]
+        ratio = results[next(iter(results))]["concurrent"].tokens_per_s / max(
+            results[next(iter(results))]["one_small"].tokens_per_s, 1e-9
+        )
+        lines += [
+            "",
+            "## Targets (issue 5)",
+            "",
+            f"- per-layer append-and-attend p50 at batch 32 <= 1.5 ms: {r.p50_ms:.3f} ms "
+            f"({'met' if r.p50_ms <= 1.5 else 'NOT met'})",
+            f"- 8 concurrent clients of batch 8 >= 3x one client: {ratio:.2f}x "
+            f"({'met' if ratio >= 3 else 'NOT met'})",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--h200", action="store_true", help="the Llama-3-8B setup on one GPU")
+    parser.add_argument("--out", type=Path, help="write the markdown report here")
+    parser.add_argument("--batch-window-ms", type=float, default=0.5)
+    parser.add_argument("--steps", type=int, help="timed steps (default: the setup's)")
+    parser.add_argument("--no-ray", action="store_true", help="CPU mode: skip the Ray run")
+    args = parser.parse_args(argv)
+    setup = H200 if args.h200 else CPU
+    if args.steps:
+        from dataclasses import replace
+
+        setup = replace(setup, steps=args.steps, concurrent_steps=args.steps)
+    if setup.device == "cuda" and not torch.cuda.is_available():
+        print("--h200 needs a CUDA device", file=sys.stderr)
+        return 2
+    if setup.device == "cpu":
+        torch.set_num_threads(1)
+    results: dict[str, dict[str, BenchResult]] = {}
+    if setup.device == "cpu":
+        results["pools in the server process"] = through_service(
+            setup, ray=False, window_ms=args.batch_window_ms
+        )
+    if not args.no_ray or setup.device == "cuda":
+        results[f"Ray {setup.device} worker"] = through_service(
+            setup, ray=True, window_ms=args.batch_window_ms
+        )
+    # After the service stopped, so the baseline has the device to itself.
+    base = in_process(setup)
+    text = report(setup, results, base, args)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

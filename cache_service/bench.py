@@ -1,0 +1,236 @@
+"""Load generator for `kvcache bench` and benchmarks/bench_service.py: decode steps through
+the service, layer by layer, timing every append-and-attend call.
+
+One "client" is a thread with its own channel and `batch` sequences. Each sequence is first
+filled with `context` tokens on every layer (one streamed Append per sequence), then every
+step sends, for each layer, one append-and-attend carrying one new token and one query row
+per sequence: what a model's decode step does. Per-call latency is wall time around the RPC
+as the client sees it (serialisation, network, coordinator, worker, kernels, reply).
+
+K/V and queries are random: the figures measure the service, not a model.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cache_service.client import AppendAttendItem, KVCacheClient
+
+__all__ = ["BenchConfig", "BenchResult", "percentile", "run_decode_bench"]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to run.
+
+    Attributes:
+        batch: sequences per client (rows of one append-and-attend).
+        context: tokens already cached in every sequence before the timed steps.
+        steps: timed decode steps (each: one call per layer).
+        warmup_steps: untimed steps first.
+        clients: concurrent clients (threads, one channel each).
+        num_q_heads: query heads (a multiple of the layout's KV heads).
+        dtype: dtype of the K/V/query tensors sent ("float16" | "bfloat16" | "float32").
+        timeout_s: deadline of each call.
+    """
+
+    batch: int = 8
+    context: int = 128
+    steps: int = 20
+    warmup_steps: int = 3
+    clients: int = 1
+    num_q_heads: int = 4
+    dtype: str = "float32"
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "context", "steps", "clients", "num_q_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
+        if self.dtype not in ("float16", "bfloat16", "float32"):
+            raise ValueError(f"dtype must be float16, bfloat16 or float32, got {self.dtype!r}")
+
+
+@dataclass
+class BenchResult:
+    """Measured figures.
+
+    Attributes:
+        call_seconds: every timed append-and-attend call's latency, seconds.
+        wall_seconds: wall time of the timed steps, all clients together.
+        steps: timed steps per client; layers: calls per step.
+        tokens: decode tokens produced over all clients (steps * batch * clients).
+    """
+
+    config: BenchConfig
+    layers: int
+    call_seconds: list[float] = field(default_factory=list)
+    wall_seconds: float = 0.0
+    tokens: int = 0
+
+    @property
+    def p50_ms(self) -> float:
+        return percentile(self.call_seconds, 50) * 1e3
+
+    @property
+    def p99_ms(self) -> float:
+        return percentile(self.call_seconds, 99) * 1e3
+
+    @property
+    def mean_ms(self) -> float:
+        return statistics.fmean(self.call_seconds) * 1e3 if self.call_seconds else 0.0
+
+    @property
+    def steps_per_s(self) -> float:
+        """Full decode steps (all layers) per second of each client (they run in parallel)."""
+        return self.config.steps / self.wall_seconds if self.wall_seconds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_seconds if self.wall_seconds else 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation; 0 for no values."""
+    if not values:
+        return 0.0
+    data = sorted(values)
+    pos = (len(data) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def _client_run(
+    target: str,
+    token: str | None,
+    cfg: BenchConfig,
+    seed: int,
+    start: Any,
+    times: list[float],
+    errors: list[BaseException],
+) -> None:
+    dtype = getattr(torch, cfg.dtype)
+    try:
+        with KVCacheClient(target, token=token, timeout_s=cfg.timeout_s) as client:
+            layout = client.info().layout
+            gen = torch.Generator().manual_seed(seed)
+            hkv, d, num_layers = layout.num_kv_heads, layout.head_dim, layout.num_layers
+            seqs = [client.create_sequence() for _ in range(cfg.batch)]
+            try:
+                # One random context for every sequence (drawing 2048 x 32 layers of K/V per
+                # sequence would dominate the setup); distinct token ids keep the sequences'
+                # blocks distinct, so attention reads a separate context per sequence.
+                kv = torch.randn(num_layers, cfg.context, hkv, d, generator=gen).to(dtype)
+                for i, s in enumerate(seqs):
+                    ids = [(seed * 7919 + i * 104729 + t) % 2**31 for t in range(cfg.context)]
+                    client.append(s.seq_id, ids, kv, kv, layer=None)
+                # Random tensors are made once: generating them is not what is measured.
+                k = torch.randn(cfg.batch, 1, hkv, d, generator=gen).to(dtype)
+                q = torch.randn(cfg.batch, 1, cfg.num_q_heads, d, generator=gen).to(dtype)
+
+                def step(timed: bool) -> None:
+                    for layer in range(num_layers):
+                        items = [
+                            AppendAttendItem(s.seq_id, [7], k[i], k[i], q[i])
+                            for i, s in enumerate(seqs)
+                        ]
+                        t0 = time.perf_counter()
+                        client.append_attend(layer, items)
+                        if timed:
+                            times.append(time.perf_counter() - t0)
+
+                for _ in range(cfg.warmup_steps):
+                    step(False)
+                start.wait()
+                for _ in range(cfg.steps):
+                    step(True)
+                start.wait()
+            finally:
+                for s in seqs:
+                    s.free()
+    except BaseException as exc:
+        errors.append(exc)
+        start.abort()
+
+
+def _process_main(
+    target: str, token: str | None, cfg: BenchConfig, seed: int, barrier: Any, queue: Any
+) -> None:
+    """A client in its own process: run, then send back (latencies, error text or None)."""
+    times: list[float] = []
+    errors: list[BaseException] = []
+    _client_run(target, token, cfg, seed, barrier, times, errors)
+    queue.put((seed, times, repr(errors[0]) if errors else None))
+
+
+def run_decode_bench(
+    target: str, cfg: BenchConfig, *, token: str | None = None, processes: bool = False
+) -> BenchResult:
+    """Run `cfg` against the server at `target`; raises the first client error.
+
+    processes: one process per client instead of one thread (clients then do not share a
+    GIL with each other or with a server running in this process).
+    """
+    with KVCacheClient(target, token=token) as probe:
+        layers = probe.info().layout.num_layers
+    # Two rendezvous around the timed steps: clients start together, and the wall clock
+    # stops when the last one finishes.
+    per_client: list[list[float]] = [[] for _ in range(cfg.clients)]
+    errors: list[BaseException] = []
+    if processes:
+        ctx = multiprocessing.get_context("spawn")
+        barrier: Any = ctx.Barrier(cfg.clients + 1)
+        queue = ctx.Queue()
+        workers: list[Any] = [
+            ctx.Process(
+                target=_process_main,
+                args=(target, token, cfg, 1000 + i, barrier, queue),
+                daemon=True,
+            )
+            for i in range(cfg.clients)
+        ]
+    else:
+        barrier = threading.Barrier(cfg.clients + 1)
+        workers = [
+            threading.Thread(
+                target=_client_run,
+                args=(target, token, cfg, 1000 + i, barrier, per_client[i], errors),
+                daemon=True,
+            )
+            for i in range(cfg.clients)
+        ]
+    for w in workers:
+        w.start()
+    try:
+        barrier.wait()
+        t0 = time.perf_counter()
+        barrier.wait()
+        wall = time.perf_counter() - t0
+    except threading.BrokenBarrierError:
+        wall = 0.0
+    if processes:
+        for _ in workers:
+            seed, times, error = queue.get(timeout=cfg.timeout_s * (cfg.steps + 10))
+            per_client[seed - 1000] = times
+            if error is not None:
+                errors.append(RuntimeError(f"client {seed - 1000}: {error}"))
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
+    result = BenchResult(cfg, layers)
+    result.call_seconds = [x for times in per_client for x in times]
+    result.wall_seconds = wall
+    result.tokens = cfg.steps * cfg.batch * cfg.clients
+    return result

@@ -1,0 +1,810 @@
+"""The control plane's facade: sequences, block tables, prefix sharing, eviction, placement.
+
+Pure bookkeeping (no torch, Ray or gRPC): the coordinator calls it, then tells workers what
+to copy and where to write. Every public method validates everything before it mutates
+anything, so a call that raises leaves the state exactly as it was.
+
+Not thread-safe: the coordinator calls it from one event loop.
+
+Determinism: given the same calls (and the seq ids a write-ahead log recorded, passed back
+through `seq_id=` / `new_seq_id=`), the same blocks and slots come out, so recovery can
+replay a log on top of a `to_records()` snapshot.
+"""
+
+from __future__ import annotations
+
+import secrets
+from array import array
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from cache_service.accounting import CacheCounters, CacheStats, WorkerStats, collect_stats
+from cache_service.block_pool import BlockPool
+from cache_service.control_types import (
+    BlockCopy,
+    CreatedSequence,
+    PhysicalBlock,
+    Segment,
+    SeqRef,
+    SequenceInfo,
+    SequenceView,
+    WritePlan,
+)
+from cache_service.errors import (
+    CacheError,
+    InvalidRequest,
+    LayerNotWritten,
+    PermissionDenied,
+    PoolExhausted,
+    QuotaExceeded,
+    SequenceLost,
+    SequenceNotFound,
+)
+from cache_service.placement import choose_home, plan_growth
+from cache_service.prefix_index import (
+    ROOT_KEY,
+    TOKEN_BYTES,
+    IndexEntry,
+    PrefixIndex,
+    Salt,
+    block_key,
+    encode_tokens,
+    make_salt,
+    pack_tokens,
+    token_bytes,
+)
+from cache_service.sequence import Sequence, segments_of
+
+__all__ = [
+    "BlockCopy",
+    "BlockManager",
+    "BlockManagerConfig",
+    "CacheError",
+    "CacheStats",
+    "CreatedSequence",
+    "InvalidRequest",
+    "LayerNotWritten",
+    "PermissionDenied",
+    "PhysicalBlock",
+    "PoolExhausted",
+    "QuotaExceeded",
+    "Segment",
+    "SeqRef",
+    "SequenceInfo",
+    "SequenceLost",
+    "SequenceNotFound",
+    "SequenceView",
+    "WorkerStats",
+    "WritePlan",
+]
+
+# Ids and tenant names are echoed in messages and stored in snapshots: keep them bounded.
+_MAX_NAME = 256
+
+
+@dataclass(frozen=True, slots=True)
+class BlockManagerConfig:
+    """Static settings of a block manager.
+
+    Attributes:
+        block_size: token slots per block (> 0).
+        num_layers: model layers each block holds K/V for (> 0).
+        layout_fingerprint: `KVLayout.fingerprint()`; salts every prefix key.
+        tenant_quota_blocks: most distinct blocks one tenant's sequences may reference
+            (a block shared by several of its sequences counts once); None: no limit.
+        tenant_quota_sequences: most live sequences per tenant; None: no limit.
+    """
+
+    block_size: int
+    num_layers: int
+    layout_fingerprint: str
+    tenant_quota_blocks: int | None = None
+    tenant_quota_sequences: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_layers"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"BlockManagerConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.layout_fingerprint, str) or not self.layout_fingerprint:
+            raise ValueError("BlockManagerConfig.layout_fingerprint must be a non-empty str")
+        for name in ("tenant_quota_blocks", "tenant_quota_sequences"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(
+                    f"BlockManagerConfig.{name} must be None or a positive int, got {value!r}"
+                )
+
+
+class LostSequence(NamedTuple):
+    """Tombstone of a sequence failed by a lost worker (kept until its client frees it)."""
+
+    tenant: str
+    worker_id: str
+
+
+@dataclass(slots=True)
+class Pin:
+    """One pinned prefix of one tenant: the blocks it holds a reference on, and how many
+    times it was pinned (each pin adds one reference per block)."""
+
+    blocks: list[PhysicalBlock]
+    count: int
+
+
+class BlockManager:
+    """Block tables, reference counts, the prefix index and per-worker pools.
+
+    See docs/contracts.md for the contract and cache_service/errors.py for the errors.
+    """
+
+    def __init__(self, config: BlockManagerConfig) -> None:
+        """An empty manager: no workers, no sequences."""
+        if not isinstance(config, BlockManagerConfig):
+            raise TypeError(f"config must be a BlockManagerConfig, got {type(config).__name__}")
+        self.config = config
+        self._bs = config.block_size
+        self._num_layers = config.num_layers
+        self._pools: dict[str, BlockPool] = {}
+        self._index = PrefixIndex(config.block_size)
+        self._seqs: dict[str, Sequence] = {}
+        self._lost: dict[str, LostSequence] = {}
+        # Per tenant: block -> how many of the tenant's table entries reference it. Its
+        # length is what the block quota limits.
+        self._tenant_blocks: dict[str, dict[PhysicalBlock, int]] = {}
+        self._tenant_seqs: dict[str, int] = {}
+        self._pins: dict[tuple[str, bytes], Pin] = {}
+        self._pinned: dict[PhysicalBlock, int] = {}
+        self._counters = CacheCounters()
+        self._public = make_salt(None, config.layout_fingerprint)
+        self._salts: dict[str, tuple[Salt, Salt]] = {}
+
+    # ---- workers ------------------------------------------------------------------------
+
+    def add_worker(self, worker_id: str, num_blocks: int) -> None:
+        """Register a worker's pool of `num_blocks` empty blocks.
+
+        Raises:
+            InvalidRequest: bad id or size, or the id is already registered.
+        """
+        _check_name("worker_id", worker_id)
+        if worker_id in self._pools:
+            raise InvalidRequest(f"worker {worker_id!r} is already registered")
+        self._pools[worker_id] = BlockPool(worker_id, num_blocks)
+
+    def workers(self) -> dict[str, int]:
+        """Registered worker ids and their pool sizes in blocks, in the order added."""
+        return {w: p.num_blocks for w, p in self._pools.items()}
+
+    def lose_worker(self, worker_id: str) -> list[SeqRef]:
+        """Forget a worker whose pool is gone.
+
+        Every block on it leaves the tables, the pins and the index. Each sequence that used
+        one of its blocks releases its other blocks and becomes a tombstone: later calls on
+        it raise SequenceLost until the client frees it. Sequences merely homed there are
+        re-placed at their next growth. The id may be added again (as an empty pool).
+
+        Returns:
+            The affected sequences, in creation order.
+
+        Raises:
+            InvalidRequest: unknown worker.
+        """
+        if not isinstance(worker_id, str) or worker_id not in self._pools:
+            raise InvalidRequest(f"unknown worker {worker_id!r}")
+        affected = [
+            seq
+            for seq in self._seqs.values()
+            if any(block.worker_id == worker_id for block in seq.table)
+        ]
+        for seq in affected:
+            tenant_blocks = self._tenant_blocks[seq.tenant]
+            for block in reversed(seq.table):
+                if block.worker_id != worker_id:
+                    self._release(block)
+                _unref(tenant_blocks, block)
+            self._forget(seq)
+            self._lost[seq.seq_id] = LostSequence(seq.tenant, worker_id)
+        for key, pin in list(self._pins.items()):
+            kept = [b for b in pin.blocks if b.worker_id != worker_id]
+            if len(kept) != len(pin.blocks):
+                if kept:
+                    pin.blocks = kept
+                else:
+                    del self._pins[key]
+        for block in [b for b in self._pinned if b.worker_id == worker_id]:
+            del self._pinned[block]
+        for block in self._index.blocks_on(worker_id):
+            self._index.remove_block(block)
+        for seq in self._seqs.values():
+            if seq.home == worker_id:
+                seq.home = None
+        del self._pools[worker_id]
+        return [SeqRef(seq.tenant, seq.seq_id) for seq in affected]
+
+    # ---- sequences ----------------------------------------------------------------------
+
+    def create_sequence(
+        self,
+        tenant: str,
+        prompt_token_ids: SequenceABC[int] | None = None,
+        *,
+        seq_id: str | None = None,
+    ) -> CreatedSequence:
+        """Start a sequence, adopting the longest cached prefix of its prompt.
+
+        At most (len(prompt) - 1) // block_size full blocks are adopted, so the client always
+        computes at least the last prompt token (it needs its logits). Adopted tokens are
+        reserved and written on every layer; the rest of the prompt is reserved by the
+        client's `prepare_write` calls.
+
+        Args:
+            tenant: owner.
+            prompt_token_ids: the prompt (int64 token ids), or None for an empty sequence.
+            seq_id: only for replaying a log: the id to use instead of a fresh random one.
+
+        Returns:
+            CreatedSequence(seq_id, num_cached_tokens).
+
+        Raises:
+            InvalidRequest, QuotaExceeded, PoolExhausted (no worker registered).
+        """
+        _check_name("tenant", tenant)
+        if prompt_token_ids is None:
+            prompt = array("Q")
+            data = b""
+        else:
+            prompt = pack_tokens(prompt_token_ids)
+            data = token_bytes(prompt)
+        self._check_sequence_quota(tenant)
+        new_id = self._new_id(seq_id)
+        if not self._pools:
+            raise PoolExhausted("no worker is registered")
+        matched = (
+            self._index.match(self._salts_for(tenant), data, (len(prompt) - 1) // self._bs)
+            if prompt
+            else []
+        )
+        blocks = [block for _, block in matched]
+        held = self._tenant_blocks.get(tenant, {})
+        self._check_block_quota(tenant, sum(1 for b in blocks if b not in held))
+
+        available = {w: p.available for w, p in self._pools.items()}
+        for block in blocks:
+            if self._pools[block.worker_id].is_cached(block.index):
+                available[block.worker_id] -= 1
+        cached = len(blocks) * self._bs
+        needed = max(1, -(-(len(prompt) - cached) // self._bs))
+        home = choose_home(blocks[-1].worker_id if blocks else None, needed, available)
+
+        tenant_blocks = self._tenant_blocks.setdefault(tenant, {})
+        for block in blocks:
+            self._pools[block.worker_id].incref(block.index)
+            _ref(tenant_blocks, block)
+        self._seqs[new_id] = Sequence(
+            seq_id=new_id,
+            tenant=tenant,
+            tokens=prompt[:cached].tolist(),
+            table=blocks,
+            written=[cached] * self._num_layers,
+            keys=[key for key, _ in matched],
+            home=home,
+        )
+        self._tenant_seqs[tenant] = self._tenant_seqs.get(tenant, 0) + 1
+        if prompt_token_ids is not None:
+            self._counters.count_query(tenant, len(prompt), cached)
+        return CreatedSequence(new_id, cached)
+
+    def fork(self, tenant: str, seq_id: str, *, new_seq_id: str | None = None) -> str:
+        """A new sequence sharing every block (and token, and written length) of `seq_id`.
+
+        Args:
+            new_seq_id: only for replaying a log: the id the fork got then.
+
+        Returns:
+            The fork's id.
+
+        Raises:
+            SequenceNotFound, SequenceLost, QuotaExceeded, InvalidRequest.
+        """
+        seq = self._resolve(tenant, seq_id)
+        self._check_sequence_quota(tenant)
+        new_id = self._new_id(new_seq_id)
+        child = seq.copy_as(new_id)
+        tenant_blocks = self._tenant_blocks[tenant]
+        for block in child.table:
+            self._pools[block.worker_id].incref(block.index)
+            _ref(tenant_blocks, block)
+        self._seqs[new_id] = child
+        self._tenant_seqs[tenant] += 1
+        return new_id
+
+    def free(self, tenant: str, seq_id: str) -> None:
+        """Release a sequence (or clear the tombstone of a lost one).
+
+        Its blocks are released last block first, so when they stay cached-free the tail of
+        a prefix is evicted before its head (a head without its tail is still useful).
+
+        Raises:
+            SequenceNotFound.
+        """
+        seq = self._seqs.get(seq_id) if isinstance(seq_id, str) else None
+        if seq is not None and seq.tenant == tenant:
+            tenant_blocks = self._tenant_blocks[tenant]
+            for block in reversed(seq.table):
+                self._release(block)
+                _unref(tenant_blocks, block)
+            self._forget(seq)
+            return
+        lost = self._lost.get(seq_id) if isinstance(seq_id, str) else None
+        if lost is not None and lost.tenant == tenant:
+            del self._lost[seq_id]
+            return
+        raise _not_found(seq_id)
+
+    def sequence_info(self, tenant: str, seq_id: str) -> SequenceInfo:
+        """Tokens, written lengths and placement of a sequence.
+
+        Raises:
+            SequenceNotFound, SequenceLost.
+        """
+        seq = self._resolve(tenant, seq_id)
+        workers: dict[str, None] = {}
+        for block in seq.table:
+            workers.setdefault(block.worker_id)
+        return SequenceInfo(
+            seq_id=seq.seq_id,
+            token_ids=tuple(seq.tokens),
+            written=tuple(seq.written),
+            num_blocks=len(seq.table),
+            workers=tuple(workers),
+        )
+
+    # ---- writes -------------------------------------------------------------------------
+
+    def prepare_write(
+        self, tenant: str, seq_id: str, layer: int | None, token_ids: SequenceABC[int]
+    ) -> WritePlan:
+        """Slots for writing the K/V of `token_ids` at [written(layer), written(layer) + n).
+
+        Positions already reserved (by an earlier write of another layer) must carry the same
+        token ids; positions beyond are reserved now, one block at a time from the
+        sequence's home worker, spilling to the worker with the most room. If the last block
+        is partly filled and shared (a fork), it is first copied (copy-on-write). Nothing is
+        committed: `commit_write` advances the written length once the worker wrote.
+
+        Args:
+            layer: the layer to write, or None for all layers (their lengths must be equal).
+            token_ids: n >= 1 int64 token ids.
+
+        Returns:
+            WritePlan(start, slots [(worker_id, slot)] * n, copies to run first).
+
+        Raises:
+            SequenceNotFound, SequenceLost, InvalidRequest (bad layer or tokens, tokens that
+            differ from reserved ones), QuotaExceeded, PoolExhausted (all or nothing: not
+            enough blocks even after evicting every cached-free one).
+        """
+        seq = self._resolve(tenant, seq_id)
+        start = self._start_of(seq, layer)
+        tokens = pack_tokens(token_ids).tolist()
+        n = len(tokens)
+        if n == 0:
+            raise InvalidRequest("token_ids is empty")
+        bs = self._bs
+        reserved = len(seq.tokens)
+        end = start + n
+        overlap = min(end, reserved) - start
+        if overlap > 0 and seq.tokens[start : start + overlap] != tokens[:overlap]:
+            for i in range(overlap):
+                if seq.tokens[start + i] != tokens[i]:
+                    raise InvalidRequest(
+                        f"position {start + i} is reserved for token {seq.tokens[start + i]}, "
+                        f"got {tokens[i]} (layer {layer})"
+                    )
+        copies: list[BlockCopy] = []
+        table = seq.table
+        if end > reserved:
+            new_blocks = -(-end // bs) - len(table)
+            cow_src: PhysicalBlock | None = None
+            if reserved % bs:
+                last = table[-1]
+                if self._pools[last.worker_id].refcount(last.index) > 1:
+                    cow_src = last
+            if new_blocks or cow_src is not None:
+                copies = self._grow(seq, new_blocks, cow_src)
+            seq.tokens.extend(tokens[overlap:])
+        if n == 1:
+            block = table[start // bs]
+            slots = [(block.worker_id, block.index * bs + start % bs)]
+        else:
+            slots = []
+            for pos in range(start, end):
+                block = table[pos // bs]
+                slots.append((block.worker_id, block.index * bs + pos % bs))
+        return WritePlan(start, slots, copies)
+
+    def commit_write(self, tenant: str, seq_id: str, layer: int | None, num_tokens: int) -> None:
+        """Advance written(layer) by `num_tokens` after the worker wrote them.
+
+        Blocks that become full and written on every layer are published in the prefix
+        index under the tenant's salt.
+
+        Args:
+            layer: the layer, or None for all layers (their lengths must be equal).
+            num_tokens: >= 0; written(layer) + num_tokens may not pass the reserved length.
+
+        Raises:
+            SequenceNotFound, SequenceLost, InvalidRequest.
+        """
+        seq = self._resolve(tenant, seq_id)
+        if type(num_tokens) is not int or num_tokens < 0:
+            raise InvalidRequest(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        start = self._start_of(seq, layer)
+        new = start + num_tokens
+        reserved = len(seq.tokens)
+        if new > reserved:
+            raise InvalidRequest(
+                f"layer {layer}: {start} written + {num_tokens} passes the {reserved} "
+                "reserved tokens (prepare_write reserves them)"
+            )
+        if layer is None:
+            seq.written = [new] * self._num_layers
+            low = new
+        else:
+            seq.written[layer] = new
+            low = min(seq.written)
+        if low // self._bs > len(seq.keys):
+            self._publish(seq, low // self._bs)
+
+    # ---- attention ----------------------------------------------------------------------
+
+    def attention_view(self, tenant: str, seq_id: str, layer: int) -> SequenceView:
+        """What attending over `layer` of the sequence reads: seq_len = written(layer) and
+        the block table's runs per worker covering it.
+
+        Raises:
+            SequenceNotFound, SequenceLost, InvalidRequest (bad layer), LayerNotWritten.
+        """
+        seq = self._resolve(tenant, seq_id)
+        if layer is None:
+            raise InvalidRequest("attention_view needs one layer, got None")
+        self._check_layer(layer)
+        seq_len = seq.written[layer]
+        if seq_len == 0:
+            raise LayerNotWritten(f"layer {layer} of sequence {seq_id!r} has nothing written")
+        return SequenceView(seq_len, segments_of(seq.table, -(-seq_len // self._bs), self._bs))
+
+    # ---- prefix cache -------------------------------------------------------------------
+
+    def lookup(self, tenant: str, token_ids: SequenceABC[int]) -> int:
+        """Tokens of this prompt that `create_sequence` would adopt right now (same cap).
+
+        No side effects: nothing is counted, nothing moves in the LRU.
+        """
+        _check_name("tenant", tenant)
+        prompt = pack_tokens(token_ids)
+        data = token_bytes(prompt)
+        if not prompt:
+            return 0
+        matched = self._index.match(self._salts_for(tenant), data, (len(prompt) - 1) // self._bs)
+        return len(matched) * self._bs
+
+    def pin(self, tenant: str, token_ids: SequenceABC[int]) -> int:
+        """Keep the cached full blocks of this prefix from eviction until `unpin`.
+
+        Pins the longest chain of cached blocks of token_ids' full blocks (no cap: the
+        whole prefix may be pinned). Pins of the same prefix by the same tenant nest.
+        Pinned blocks count as used; they do not count against the tenant's block quota.
+
+        Returns:
+            Tokens pinned (0 if none of it is cached; nothing is recorded then).
+        """
+        _check_name("tenant", tenant)
+        prompt = pack_tokens(token_ids)
+        data = token_bytes(prompt)
+        full = len(prompt) // self._bs
+        key = (tenant, data[: full * self._bs * TOKEN_BYTES])
+        pin = self._pins.get(key)
+        if pin is None:
+            matched = self._index.match(self._salts_for(tenant), data, full)
+            if not matched:
+                return 0
+            pin = self._pins[key] = Pin([block for _, block in matched], 0)
+        for block in pin.blocks:
+            self._pools[block.worker_id].incref(block.index)
+            self._pinned[block] = self._pinned.get(block, 0) + 1
+        pin.count += 1
+        return len(pin.blocks) * self._bs
+
+    def unpin(self, tenant: str, token_ids: SequenceABC[int]) -> None:
+        """Undo one `pin` of the same prefix by the same tenant.
+
+        Raises:
+            InvalidRequest: this tenant holds no pin of this prefix.
+        """
+        _check_name("tenant", tenant)
+        prompt = pack_tokens(token_ids)
+        data = token_bytes(prompt)
+        key = (tenant, data[: (len(prompt) // self._bs) * self._bs * TOKEN_BYTES])
+        pin = self._pins.get(key)
+        if pin is None:
+            raise InvalidRequest(
+                f"tenant {tenant!r} holds no pin of this {len(prompt)}-token prefix"
+            )
+        # Tail first, as in `free`: the head of a prefix outlives its tail in the LRU.
+        for block in reversed(pin.blocks):
+            self._release(block)
+            _unref(self._pinned, block)
+        pin.count -= 1
+        if pin.count == 0:
+            del self._pins[key]
+
+    def publish_public(self, tenant: str, seq_id: str) -> int:
+        """Make the sequence's published blocks (full, every layer written) findable by
+        every tenant, keyed under the shared public salt.
+
+        Returns:
+            Blocks newly published as public.
+
+        Raises:
+            SequenceNotFound, SequenceLost.
+        """
+        seq = self._resolve(tenant, seq_id)
+        stride = self._bs * TOKEN_BYTES
+        data = encode_tokens(seq.tokens[: len(seq.keys) * self._bs])
+        parent = ROOT_KEY
+        added = 0
+        for i in range(len(seq.keys)):
+            chunk = data[i * stride : (i + 1) * stride]
+            key = block_key(parent, self._public.salt, chunk)
+            added += self._index.publish(key, IndexEntry(seq.table[i], parent, None, chunk))
+            parent = key
+        return added
+
+    def evict(self, max_blocks: int | None = None, worker_id: str | None = None) -> int:
+        """Reclaim cached-free blocks now, least recently released first.
+
+        Args:
+            max_blocks: at most this many (None: all of them).
+            worker_id: only on this worker (None: every worker, in the order added).
+
+        Returns:
+            Blocks evicted.
+        """
+        if max_blocks is not None and (type(max_blocks) is not int or max_blocks < 0):
+            raise InvalidRequest(f"max_blocks must be None or an int >= 0, got {max_blocks!r}")
+        if worker_id is not None and worker_id not in self._pools:
+            raise InvalidRequest(f"unknown worker {worker_id!r}")
+        pools = [self._pools[worker_id]] if worker_id is not None else self._pools.values()
+        left = max_blocks
+        evicted = 0
+        for pool in pools:
+            while left is None or left > 0:
+                index = pool.evict_oldest()
+                if index is None:
+                    break
+                self._index.remove_block(PhysicalBlock(pool.worker_id, index))
+                evicted += 1
+                if left is not None:
+                    left -= 1
+        self._counters.evictions += evicted
+        return evicted
+
+    # ---- accounting ---------------------------------------------------------------------
+
+    def stats(self) -> CacheStats:
+        """An exact snapshot of pools, fragmentation, prefix hits and event counters."""
+        return collect_stats(
+            self._pools, self._seqs, self._pinned, self._counters, self._bs, len(self._lost)
+        )
+
+    def check_integrity(self) -> None:
+        """Verify every invariant; raise IntegrityError naming each that fails.
+
+        Checked: each block is free xor cached-free xor used; reference counts equal table
+        plus pin references; cached-free blocks are exactly the unreferenced published
+        ones; index entries point at live blocks whose users hold exactly the entry's tokens
+        and chain to a consistent parent; every slot holds one token (users of a block agree
+        on its tokens); table lengths match reserved tokens; tenant counts and stats agree
+        with a recount.
+        """
+        from cache_service.control_integrity import check_integrity
+
+        check_integrity(self)
+
+    # ---- snapshots ----------------------------------------------------------------------
+
+    def to_records(self) -> dict[str, Any]:
+        """The whole state as plain JSON-able data (see control_records.py)."""
+        from cache_service.control_records import to_records
+
+        return to_records(self)
+
+    @classmethod
+    def from_records(cls, records: dict[str, Any]) -> BlockManager:
+        """Rebuild a manager from `to_records()` output; the result passes check_integrity.
+
+        Raises:
+            InvalidRequest: malformed or inconsistent records.
+        """
+        from cache_service.control_records import from_records
+
+        return from_records(cls, records)
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _resolve(self, tenant: str, seq_id: str) -> Sequence:
+        seq = self._seqs.get(seq_id) if isinstance(seq_id, str) else None
+        if seq is not None and seq.tenant == tenant:
+            return seq
+        lost = self._lost.get(seq_id) if isinstance(seq_id, str) else None
+        if lost is not None and lost.tenant == tenant:
+            raise SequenceLost(
+                f"sequence {seq_id!r} lost its KV blocks with worker {lost.worker_id!r}; "
+                "free it and recompute"
+            )
+        raise _not_found(seq_id)
+
+    def _check_layer(self, layer: object) -> None:
+        if type(layer) is not int or not 0 <= layer < self._num_layers:
+            raise InvalidRequest(
+                f"layer must be an int in [0, {self._num_layers}) or None, got {layer!r}"
+            )
+
+    def _start_of(self, seq: Sequence, layer: int | None) -> int:
+        written = seq.written
+        if layer is None:
+            first = written[0]
+            if written.count(first) != len(written):
+                raise InvalidRequest(
+                    "layer=None needs every layer's written length equal, got "
+                    f"min {min(written)} max {max(written)}"
+                )
+            return first
+        self._check_layer(layer)
+        return written[layer]
+
+    def _salts_for(self, tenant: str) -> tuple[Salt, Salt]:
+        salts = self._salts.get(tenant)
+        if salts is None:
+            salts = (make_salt(tenant, self.config.layout_fingerprint), self._public)
+            self._salts[tenant] = salts
+        return salts
+
+    def _new_id(self, requested: str | None) -> str:
+        if requested is None:
+            while True:
+                new_id = secrets.token_urlsafe(16)
+                if new_id not in self._seqs and new_id not in self._lost:
+                    return new_id
+        _check_name("seq_id", requested)
+        if requested in self._seqs or requested in self._lost:
+            raise InvalidRequest(f"sequence id {requested!r} is already in use")
+        return requested
+
+    def _check_sequence_quota(self, tenant: str) -> None:
+        quota = self.config.tenant_quota_sequences
+        if quota is not None and self._tenant_seqs.get(tenant, 0) >= quota:
+            raise QuotaExceeded(f"tenant {tenant!r} already has its quota of {quota} sequences")
+
+    def _check_block_quota(self, tenant: str, new_blocks: int) -> None:
+        quota = self.config.tenant_quota_blocks
+        if quota is not None and new_blocks > 0:
+            held = len(self._tenant_blocks.get(tenant, ()))
+            if held + new_blocks > quota:
+                raise QuotaExceeded(
+                    f"tenant {tenant!r} holds {held} blocks; {new_blocks} more would pass its "
+                    f"quota of {quota}"
+                )
+
+    def _take(self, worker_id: str) -> PhysicalBlock:
+        index, evicted = self._pools[worker_id].take()
+        block = PhysicalBlock(worker_id, index)
+        if evicted:
+            self._index.remove_block(block)
+            self._counters.evictions += 1
+        return block
+
+    def _release(self, block: PhysicalBlock) -> None:
+        self._pools[block.worker_id].decref(block.index, self._index.is_published(block))
+
+    def _forget(self, seq: Sequence) -> None:
+        del self._seqs[seq.seq_id]
+        left = self._tenant_seqs[seq.tenant] - 1
+        if left:
+            self._tenant_seqs[seq.tenant] = left
+        else:
+            # Its last sequence is gone, so it references no block any more.
+            del self._tenant_seqs[seq.tenant]
+            del self._tenant_blocks[seq.tenant]
+
+    def _grow(
+        self, seq: Sequence, new_blocks: int, cow_src: PhysicalBlock | None
+    ) -> list[BlockCopy]:
+        """Reserve `new_blocks` more blocks, and a copy of `cow_src` (the sequence's shared,
+        partly filled last block) if given; all or nothing. Returns the copies to run."""
+        tenant_blocks = self._tenant_blocks[seq.tenant]
+        delta = new_blocks
+        if cow_src is not None:
+            # The copy is a new block for the tenant; the source stops counting only if no
+            # other of its sequences still uses it.
+            delta += 0 if tenant_blocks[cow_src] == 1 else 1
+        self._check_block_quota(seq.tenant, delta)
+
+        home = seq.home
+        home_pool = self._pools.get(home) if home is not None else None
+        if cow_src is None and home_pool is not None and home_pool.available >= new_blocks:
+            plan = [(home, new_blocks)] if new_blocks else []
+        else:
+            available = {w: p.available for w, p in self._pools.items()}
+            if cow_src is not None:
+                # A copy runs inside one worker, so the copy lives where its source does.
+                if available[cow_src.worker_id] < 1:
+                    raise PoolExhausted(
+                        f"copy-on-write of a shared block needs a free block on worker "
+                        f"{cow_src.worker_id!r}, which has none"
+                    )
+                available[cow_src.worker_id] -= 1
+            growth = plan_growth(home, new_blocks, available) if new_blocks else []
+            if growth is None:
+                raise PoolExhausted(
+                    f"need {new_blocks} more blocks; {sum(available.values())} free or "
+                    f"evictable across {len(available)} workers"
+                )
+            plan = growth
+
+        copies: list[BlockCopy] = []
+        if cow_src is not None:
+            dst = self._take(cow_src.worker_id)
+            copies.append(BlockCopy(cow_src.worker_id, cow_src.index, dst.index))
+            seq.table[-1] = dst
+            self._release(cow_src)
+            _unref(tenant_blocks, cow_src)
+            tenant_blocks[dst] = 1
+            self._counters.cow_copies += 1
+        table = seq.table
+        for worker_id, count in plan:
+            for _ in range(count):
+                block = self._take(worker_id)
+                table.append(block)
+                tenant_blocks[block] = 1
+            seq.home = worker_id
+        return copies
+
+    def _publish(self, seq: Sequence, upto: int) -> None:
+        """Publish blocks len(seq.keys) .. upto-1 of `seq` under its tenant's salt."""
+        salt = self._salts_for(seq.tenant)[0].salt
+        keys = seq.keys
+        bs = self._bs
+        parent = keys[-1] if keys else ROOT_KEY
+        for i in range(len(keys), upto):
+            chunk = encode_tokens(seq.tokens[i * bs : (i + 1) * bs])
+            key = block_key(parent, salt, chunk)
+            self._index.publish(key, IndexEntry(seq.table[i], parent, seq.tenant, chunk))
+            keys.append(key)
+            parent = key
+
+
+def _check_name(what: str, value: object) -> None:
+    if not isinstance(value, str) or not value or len(value) > _MAX_NAME:
+        raise InvalidRequest(f"{what} must be a non-empty str of at most {_MAX_NAME} characters")
+
+
+def _not_found(seq_id: object) -> SequenceNotFound:
+    # One message for unknown ids and ids of other tenants: nothing to probe.
+    shown = seq_id if isinstance(seq_id, str) and len(seq_id) <= _MAX_NAME else "<invalid>"
+    return SequenceNotFound(f"no sequence {shown!r} for this tenant")
+
+
+def _ref(counts: dict[PhysicalBlock, int], block: PhysicalBlock) -> None:
+    counts[block] = counts.get(block, 0) + 1
+
+
+def _unref(counts: dict[PhysicalBlock, int], block: PhysicalBlock) -> None:
+    left = counts[block] - 1
+    if left:
+        counts[block] = left
+    else:
+        del counts[block]

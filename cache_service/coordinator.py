@@ -1,0 +1,1065 @@
+"""The coordinator: owns the control plane (BlockManager) and drives the workers.
+
+Request path of one append-and-attend (one layer, a batch of sequences):
+
+1. validate every item against the layout (shapes, dtypes, token counts, duplicates) and
+   resolve every sequence (unknown / lost / token ids that differ from reserved ones), all
+   before any state changes;
+2. lock the call's sequences (a sequence serves one call at a time; free waits too);
+3. `prepare_write` each item (slots, copy-on-write copies), run the copies;
+4. hand each worker's part to that (layer, worker) batcher: parts of concurrent calls that
+   arrive within `batch_window_ms` go to the worker as one `write_and_attend`, i.e. one
+   KV-write launch and one attention launch for all of them;
+5. when every part of the call has its output, `commit_write` each item and answer.
+
+A sequence spread over several workers (a prefix cached on another GPU, a sequence larger
+than a pool) is computed by every worker holding keys and merged by log-sum-exp
+(`attention_plan.run_attention`); such parts are not coalesced.
+
+A worker that fails a call with a stale epoch (it restarted: empty pool) or cannot be
+reached is removed from the control plane (`lose_worker`): the sequences with blocks on it
+fail with DATA_LOSS from then on, the others keep being served. A background task adds it
+back, empty, as soon as it answers again.
+
+Concurrency: everything that touches the BlockManager runs on one asyncio event loop, so
+each control-plane step is atomic; worker calls are awaited without holding the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cache_service.attention_plan import (
+    WorkerWrite,
+    plan_attention,
+    run_attention,
+)
+from cache_service.block_manager import BlockManager, BlockManagerConfig
+from cache_service.config import CoordinatorConfig
+from cache_service.control_types import (
+    CreatedSequence,
+    Segment,
+    SequenceView,
+    WritePlan,
+)
+from cache_service.errors import InvalidRequest, LayerNotWritten, SequenceLost
+from cache_service.status_mapping import ServiceUnavailable, WorkerLost
+from cache_service.store import MetadataStore
+from cache_service.worker_interface import AttentionResult, WorkerClient
+from workers.errors import StaleEpochError, WorkerError, WorkerUnavailable
+from workers.layout import KVLayout
+
+__all__ = [
+    "AppendAttendItem",
+    "AttendItem",
+    "Coordinator",
+    "ExportedSequence",
+    "ImportedSequence",
+    "WorkerState",
+]
+
+log = logging.getLogger("kvcache.coordinator")
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ------------------------------------------------------------------------------ values
+
+
+@dataclass(frozen=True)
+class AttendItem:
+    """One sequence of an attend call: query ``[m, Hq, D]`` (its last m positions)."""
+
+    seq_id: str
+    query: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AppendAttendItem:
+    """One sequence of an append-and-attend call.
+
+    token_ids: n >= 1 new token ids; key, value ``[n, Hkv, D]``; query ``[m, Hq, D]``.
+    """
+
+    seq_id: str
+    token_ids: Sequence[int]
+    key: torch.Tensor
+    value: torch.Tensor
+    query: torch.Tensor
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """A worker as the coordinator sees it (`up`: registered in the control plane)."""
+
+    worker_id: str
+    device: str
+    num_blocks: int
+    epoch: str
+    up: bool
+
+
+@dataclass(frozen=True)
+class ExportedSequence:
+    """A sequence's first `num_tokens` positions (written on every layer) as whole blocks.
+
+    blocks: ``[ceil(num_tokens / block_size), L, 2, Hkv, block_size, D]`` in the layout's
+    dtype, logical order; slots past num_tokens in the last block are unspecified.
+    """
+
+    token_ids: list[int]
+    num_tokens: int
+    blocks: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ImportedSequence:
+    """Result of an import: the new sequence, its cached (shared) and total tokens."""
+
+    seq_id: str
+    num_cached_tokens: int
+    num_tokens: int
+
+
+# ------------------------------------------------------------------------------ batching
+
+
+@dataclass
+class _Part:
+    """One call's work for one group of workers on one layer.
+
+    views / num_queries / seq_ids: per sequence of the call in this part, in order.
+    query: the rows of all those sequences, concatenated, pool dtype.
+    writes: worker -> (slots, key, value) of new tokens (pool dtype).
+    """
+
+    views: list[SequenceView]
+    num_queries: list[int]
+    seq_ids: list[str]
+    query: torch.Tensor
+    writes: dict[str, tuple[list[int], torch.Tensor, torch.Tensor]]
+    return_lse: bool
+    future: asyncio.Future[AttentionResult] = field(init=False)
+
+
+class _Batcher:
+    """Coalesces parts for one (layer, worker, num_q_heads) into one worker call.
+
+    A batch leaves when its window (opened by its first part) has passed and the previous
+    batch of this key has come back, or at once when it holds `max_items` sequences. At low
+    load a call waits at most the window; under load, calls that arrive while a batch is on
+    the worker gather into the next one instead of queueing behind it one by one.
+    """
+
+    def __init__(
+        self,
+        key: tuple[int, str, int],
+        window_s: float,
+        max_items: int,
+        run: Callable[[tuple[int, str, int], list[_Part]], Awaitable[None]],
+    ) -> None:
+        self._key = key
+        self._window_s = window_s
+        self._max_items = max_items
+        self._run = run
+        self._pending: list[_Part] = []
+        self._items = 0
+        self._timer: asyncio.TimerHandle | asyncio.Handle | None = None
+        self._due = False  # the pending batch's window has passed
+        self._in_flight = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def submit(self, part: _Part) -> None:
+        loop = asyncio.get_running_loop()
+        self._pending.append(part)
+        self._items += len(part.seq_ids)
+        if self._items >= self._max_items:
+            self._flush()
+        elif self._timer is None and not self._due:
+            if self._window_s > 0:
+                self._timer = loop.call_later(self._window_s, self._window_passed)
+            else:
+                # Still merges what arrives in the same event-loop turn.
+                self._timer = loop.call_soon(self._window_passed)
+
+    def _window_passed(self) -> None:
+        self._timer = None
+        self._due = True
+        if self._in_flight == 0:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._due = False
+        parts, self._pending, self._items = self._pending, [], 0
+        if parts:
+            self._in_flight += 1
+            task = asyncio.get_running_loop().create_task(self._run(self._key, parts))
+            self._tasks.add(task)
+            task.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._in_flight -= 1
+        if self._due and self._in_flight == 0:
+            self._flush()
+
+
+# ------------------------------------------------------------------------------ coordinator
+
+
+class Coordinator:
+    """Owns the BlockManager and the WorkerClients; every public method is a coroutine
+    run on the coordinator's event loop.
+
+    Args:
+        layout: the KV layout every worker must have.
+        workers: the worker clients (ids must be distinct).
+        config: batching window and limits.
+        metrics: a `cache_service.metrics.ServiceMetrics` to feed (optional).
+
+    Tenants are plain names; the server passes the authenticated one ("default" without
+    authentication). Errors: the control plane's (`cache_service.errors`),
+    `status_mapping.ServiceUnavailable` / `WorkerLost`, and `InvalidRequest` for arguments
+    that do not fit the layout; all leave the state unchanged unless documented.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        workers: Sequence[WorkerClient],
+        config: CoordinatorConfig | None = None,
+        metrics: Any = None,
+        store: MetadataStore | None = None,
+    ) -> None:
+        ids = [w.worker_id for w in workers]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"worker ids must be distinct, got {ids}")
+        self.layout = layout
+        self.config = config or CoordinatorConfig()
+        self.metrics = metrics
+        self._clients: dict[str, WorkerClient] = {w.worker_id: w for w in workers}
+        self._states: dict[str, WorkerState] = {}
+        self._epochs: dict[str, str] = {}
+        self.block_manager = BlockManager(
+            BlockManagerConfig(
+                block_size=layout.block_size,
+                num_layers=layout.num_layers,
+                layout_fingerprint=layout.fingerprint(),
+                tenant_quota_blocks=self.config.tenant_quota_blocks,
+            )
+        )
+        self._pool_dtype = layout.torch_dtype()
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._batchers: dict[tuple[int, str, int], _Batcher] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self._closed = False
+        # The write-ahead metadata store: start() recovers from it and from then on every
+        # control-plane mutation is logged before it returns (cache_service.recovery).
+        self._store = store
+        self.generation: int | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Describe every worker, check its layout and register its pool.
+
+        Raises:
+            ValueError: a worker's layout differs from the coordinator's.
+            WorkerError: a worker cannot be reached.
+        """
+        descriptions = await asyncio.gather(*(c.describe() for c in self._clients.values()))
+        for desc in descriptions:
+            if desc.layout != self.layout:
+                raise ValueError(
+                    f"worker {desc.worker_id!r} has layout {desc.layout}, the service "
+                    f"expects {self.layout}"
+                )
+        kept: set[str] = set()
+        if self._store is not None:
+            kept = self._recover(self._store, descriptions)
+        for client, desc in zip(self._clients.values(), descriptions, strict=True):
+            self._register(client.worker_id, desc, known=client.worker_id in kept)
+
+    def _recover(self, store: MetadataStore, descriptions: Sequence[Any]) -> set[str]:
+        """Rebuild the control plane from the store; returns the workers whose blocks
+        survived (same epoch and size). Sequences on the others fail with DATA_LOSS."""
+        from cache_service.recovery import (
+            DurableBlockManager,
+            drop_unfinished_copies,
+            reconcile_workers,
+            recover,
+        )
+
+        self.generation = store.begin_generation()
+        result = recover(store, self.block_manager.config)
+        durable = DurableBlockManager.from_recovery(result, store)
+        live = {d.worker_id: (d.epoch, d.num_blocks) for d in descriptions}
+        kept, lost = reconcile_workers(durable, live)
+        dropped = drop_unfinished_copies(durable)
+        self.block_manager = durable  # type: ignore[assignment]
+        if self.metrics is not None and lost:
+            self.metrics.add_lost_sequences(len(lost))
+        log.info(
+            "control plane recovered",
+            extra={
+                "generation": self.generation,
+                "checkpoint_lsn": result.checkpoint_lsn,
+                "replayed": result.replayed,
+                "workers_kept": sorted(kept),
+                "lost_sequences": len(lost),
+                "dropped_unfinished_copies": len(dropped),
+            },
+        )
+        return kept
+
+    async def close(self) -> None:
+        """Stop background tasks (call after the server drained its calls)."""
+        self._closed = True
+        for task in list(self._background):
+            task.cancel()
+        for task in list(self._background):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._store is not None:
+            self._store.close()
+
+    def _register(self, worker_id: str, desc: Any, known: bool = False) -> None:
+        if known:  # recovered from the store with its blocks: already registered
+            pass
+        elif self._store is not None:  # the durable manager logs the epoch with it
+            self.block_manager.add_worker(worker_id, desc.num_blocks, epoch=desc.epoch)  # type: ignore[call-arg]
+        else:
+            self.block_manager.add_worker(worker_id, desc.num_blocks)
+        self._epochs[worker_id] = desc.epoch
+        self._states[worker_id] = WorkerState(
+            worker_id, desc.device, desc.num_blocks, desc.epoch, True
+        )
+        if self.metrics is not None:
+            self.metrics.set_worker_state(worker_id, True, desc.epoch)
+        log.info(
+            "worker registered",
+            extra={"worker": worker_id, "epoch": desc.epoch, "blocks": desc.num_blocks},
+        )
+
+    # -- read-only -------------------------------------------------------------------------
+
+    def workers(self) -> list[WorkerState]:
+        """Every known worker, in registration order."""
+        return list(self._states.values())
+
+    def stats(self) -> Any:
+        """The control plane's `CacheStats` snapshot."""
+        return self.block_manager.stats()
+
+    async def lookup(self, tenant: str, token_ids: Sequence[int]) -> int:
+        """Cached leading tokens of a prompt (no side effects)."""
+        return self.block_manager.lookup(tenant, token_ids)
+
+    # -- sequences -------------------------------------------------------------------------
+
+    async def create_sequence(
+        self, tenant: str, prompt_token_ids: Sequence[int] | None = None
+    ) -> CreatedSequence:
+        """Start a sequence, adopting the longest cached prefix of its prompt."""
+        self._require_workers()
+        return self.block_manager.create_sequence(tenant, prompt_token_ids)
+
+    async def fork(self, tenant: str, seq_id: str) -> CreatedSequence:
+        """A sequence sharing every block of `seq_id`; num_cached_tokens = tokens written
+        on every layer of the source."""
+        async with self._locked([seq_id]):
+            new_id = self.block_manager.fork(tenant, seq_id)
+            info = self.block_manager.sequence_info(tenant, new_id)
+            return CreatedSequence(new_id, min(info.written))
+
+    async def free(self, tenant: str, seq_id: str) -> None:
+        """Release a sequence (waits for a call in flight on it)."""
+        async with self._locked([seq_id]):
+            self.block_manager.free(tenant, seq_id)
+        lock = self._locks.get(seq_id)
+        if lock is not None and not lock.locked():
+            del self._locks[seq_id]
+
+    async def pin(self, tenant: str, token_ids: Sequence[int]) -> int:
+        """Pin the cached blocks of a prefix; returns the tokens pinned."""
+        return self.block_manager.pin(tenant, token_ids)
+
+    async def unpin(self, tenant: str, token_ids: Sequence[int]) -> None:
+        """Undo one pin of this prefix."""
+        self.block_manager.unpin(tenant, token_ids)
+
+    async def publish_public(self, tenant: str, seq_id: str) -> int:
+        """Make the sequence's full written blocks findable by every tenant."""
+        async with self._locked([seq_id]):
+            return self.block_manager.publish_public(tenant, seq_id)
+
+    # -- data ------------------------------------------------------------------------------
+
+    async def append(
+        self,
+        tenant: str,
+        seq_id: str,
+        layer: int | None,
+        token_ids: Sequence[int],
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> int:
+        """Write new tokens' K/V (one layer, or all when layer is None); returns the first
+        position written.
+
+        key/value: ``[n, Hkv, D]``, or ``[L, n, Hkv, D]`` for layer None.
+        """
+        n = len(token_ids)
+        if layer is None:
+            want = (self.layout.num_layers, n, self.layout.num_kv_heads, self.layout.head_dim)
+        else:
+            self._check_layer(layer)
+            want = (n, self.layout.num_kv_heads, self.layout.head_dim)
+        if n == 0:
+            raise InvalidRequest("token_ids is empty: an append writes at least one token")
+        _check_tensor("key", key, want)
+        _check_tensor("value", value, want)
+        async with self._locked([seq_id]):
+            self.block_manager.sequence_info(tenant, seq_id)  # NOT_FOUND / DATA_LOSS first
+            self._require_workers()
+            plan = self.block_manager.prepare_write(tenant, seq_id, layer, token_ids)
+            await self._run_copies(plan, [seq_id])
+            key = key.to(self._pool_dtype)
+            value = value.to(self._pool_dtype)
+            groups = _group_slots(plan.slots)
+            calls = []
+            for worker_id, (rows, slots) in groups.items():
+                idx = torch.tensor(rows, dtype=torch.long)
+                k = key.index_select(-3, idx)
+                v = value.index_select(-3, idx)
+                calls.append(self._write_on(worker_id, layer, slots, k, v, [seq_id]))
+            await asyncio.gather(*calls)
+            self.block_manager.commit_write(tenant, seq_id, layer, n)
+        if self.metrics is not None:
+            self.metrics.add_tokens_appended(n * (self.layout.num_layers if layer is None else 1))
+        return plan.start
+
+    async def attend(
+        self, tenant: str, layer: int, items: Sequence[AttendItem], return_lse: bool = False
+    ) -> list[AttentionResult]:
+        """Attention over `layer` for a batch of sequences; per item (out ``[m, Hq, D]`` in
+        the query's dtype, lse float32 ``[m, Hq]`` or None)."""
+        self._check_layer(layer)
+        hq = self._check_queries([it.query for it in items])
+        _check_finite([(f"items[{i}].query", it.query) for i, it in enumerate(items)])
+        if not items:
+            return []
+        seq_ids = [it.seq_id for it in items]
+        async with self._locked(seq_ids):
+            views = []
+            for i, it in enumerate(items):
+                view = self.block_manager.attention_view(tenant, it.seq_id, layer)
+                m = it.query.shape[0]
+                if m > view.seq_len:
+                    raise LayerNotWritten(
+                        f"items[{i}]: {m} query rows but layer {layer} of sequence "
+                        f"{it.seq_id!r} has only {view.seq_len} written tokens"
+                    )
+                views.append(view)
+            parts = self._split(views, [it.query for it in items], seq_ids, {}, return_lse, hq)
+            outputs = await self._execute(layer, parts, hq)
+        results = _reassemble(items, parts, outputs, [it.query.dtype for it in items])
+        if self.metrics is not None:
+            self.metrics.add_attention_tokens(sum(it.query.shape[0] for it in items))
+        return results
+
+    async def append_attend(
+        self,
+        tenant: str,
+        layer: int,
+        items: Sequence[AppendAttendItem],
+        return_lse: bool = False,
+    ) -> list[AttentionResult]:
+        """Write each item's new K/V on `layer`, then attend with its queries; one round of
+        worker calls for the whole batch (coalesced with concurrent calls)."""
+        self._check_layer(layer)
+        hq = self._check_queries([it.query for it in items])
+        if not items:
+            return []
+        seq_ids = [it.seq_id for it in items]
+        if len(set(seq_ids)) != len(seq_ids):
+            dup = next(s for s in seq_ids if seq_ids.count(s) > 1)
+            raise InvalidRequest(f"sequence {dup!r} appears twice in one append_attend")
+        shape = (self.layout.num_kv_heads, self.layout.head_dim)
+        for i, it in enumerate(items):
+            n = len(it.token_ids)
+            if n == 0:
+                raise InvalidRequest(f"items[{i}].token_ids is empty")
+            _check_tensor(f"items[{i}].key", it.key, (n, *shape), finite=False)
+            _check_tensor(f"items[{i}].value", it.value, (n, *shape), finite=False)
+        _check_finite(
+            [
+                (f"items[{i}].{name}", getattr(it, name))
+                for i, it in enumerate(items)
+                for name in ("key", "value", "query")
+            ]
+        )
+        async with self._locked(seq_ids):
+            # Resolve everything before the first reservation, so the usual mistakes
+            # (unknown / lost sequence, wrong token ids, too many query rows) change nothing.
+            for i, it in enumerate(items):
+                info = self.block_manager.sequence_info(tenant, it.seq_id)
+                start = info.written[layer]
+                _check_reserved(i, info.token_ids, start, it.token_ids, layer)
+                if it.query.shape[0] > start + len(it.token_ids):
+                    raise InvalidRequest(
+                        f"items[{i}]: {it.query.shape[0]} query rows but the sequence will "
+                        f"hold {start + len(it.token_ids)} tokens on layer {layer}"
+                    )
+            self._require_workers()
+            plans: list[WritePlan] = []
+            try:
+                for it in items:
+                    plans.append(
+                        self.block_manager.prepare_write(tenant, it.seq_id, layer, it.token_ids)
+                    )
+            finally:
+                # Copy-on-write copies already planned must run even if a later item failed:
+                # the tables already point at the copies.
+                await self._run_copies_of(plans, seq_ids)
+            views = [
+                self._view_after_write(tenant, it.seq_id, layer, plan)
+                for it, plan in zip(items, plans, strict=True)
+            ]
+            writes = _writes_by_item(items, plans, self._pool_dtype)
+            parts = self._split(views, [it.query for it in items], seq_ids, writes, return_lse, hq)
+            outputs = await self._execute(layer, parts, hq)
+            for it in items:
+                self.block_manager.commit_write(tenant, it.seq_id, layer, len(it.token_ids))
+        results = _reassemble(items, parts, outputs, [it.query.dtype for it in items])
+        if self.metrics is not None:
+            self.metrics.add_tokens_appended(sum(len(it.token_ids) for it in items))
+            self.metrics.add_attention_tokens(sum(it.query.shape[0] for it in items))
+        return results
+
+    # -- export / import -------------------------------------------------------------------
+
+    async def export(self, tenant: str, seq_id: str) -> ExportedSequence:
+        """The positions written on every layer, as whole blocks."""
+        async with self._locked([seq_id]):
+            info = self.block_manager.sequence_info(tenant, seq_id)
+            n = min(info.written)
+            bs = self.layout.block_size
+            if n == 0:
+                empty = torch.empty((0, *self._block_shape()), dtype=self._pool_dtype)
+                return ExportedSequence([], 0, empty)
+            layer = info.written.index(n)
+            view = self.block_manager.attention_view(tenant, seq_id, layer)
+            pieces = await asyncio.gather(
+                *(
+                    self._guarded(
+                        seg.worker_id,
+                        [seq_id],
+                        lambda c, e, seg=seg: c.export_blocks(e, list(seg.block_indices)),
+                    )
+                    for seg in view.segments
+                )
+            )
+            blocks = torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0]
+            expect = -(-n // bs)
+            if blocks.shape[0] != expect:  # pragma: no cover - a control-plane bug
+                raise RuntimeError(f"export gathered {blocks.shape[0]} blocks, expected {expect}")
+            return ExportedSequence(list(info.token_ids[:n]), n, blocks)
+
+    async def import_(
+        self, tenant: str, token_ids: Sequence[int], blocks: torch.Tensor
+    ) -> ImportedSequence:
+        """A new sequence holding `token_ids` on every layer, K/V taken from `blocks`
+        ``[ceil(n / block_size), L, 2, Hkv, block_size, D]``. Cached leading blocks are shared
+        instead of written. On failure the new sequence is freed again."""
+        n = len(token_ids)
+        bs = self.layout.block_size
+        _check_tensor("blocks", blocks, (-(-n // bs), *self._block_shape()))
+        self._require_workers()
+        created = self.block_manager.create_sequence(tenant, token_ids)
+        try:
+            cached = created.num_cached_tokens
+            if n > cached:
+                tail = list(token_ids[cached:])
+                async with self._locked([created.seq_id]):
+                    key, value = _blocks_to_tokens(blocks, n)
+                    key = key[:, cached:n].to(self._pool_dtype)
+                    value = value[:, cached:n].to(self._pool_dtype)
+                    plan = self.block_manager.prepare_write(tenant, created.seq_id, None, tail)
+                    await self._run_copies(plan, [created.seq_id])
+                    calls = []
+                    for worker_id, (rows, slots) in _group_slots(plan.slots).items():
+                        idx = torch.tensor(rows, dtype=torch.long)
+                        calls.append(
+                            self._write_on(
+                                worker_id,
+                                None,
+                                slots,
+                                key.index_select(1, idx),
+                                value.index_select(1, idx),
+                                [created.seq_id],
+                            )
+                        )
+                    await asyncio.gather(*calls)
+                    self.block_manager.commit_write(tenant, created.seq_id, None, len(tail))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.block_manager.free(tenant, created.seq_id)
+            raise
+        if self.metrics is not None and n > cached:
+            self.metrics.add_tokens_appended((n - cached) * self.layout.num_layers)
+        return ImportedSequence(created.seq_id, cached, n)
+
+    # -- internals: validation -------------------------------------------------------------
+
+    def _block_shape(self) -> tuple[int, ...]:
+        lay = self.layout
+        return (lay.num_layers, 2, lay.num_kv_heads, lay.block_size, lay.head_dim)
+
+    def _check_layer(self, layer: object) -> None:
+        if type(layer) is not int or not 0 <= layer < self.layout.num_layers:
+            raise InvalidRequest(f"layer must be in [0, {self.layout.num_layers}), got {layer!r}")
+
+    def _check_queries(self, queries: Sequence[torch.Tensor]) -> int:
+        """Validate query tensors ``[m >= 1, Hq, D]`` with one Hq, a multiple of Hkv."""
+        hkv, d = self.layout.num_kv_heads, self.layout.head_dim
+        hq = None
+        for i, q in enumerate(queries):
+            _check_tensor(f"items[{i}].query", q, (None, None, d), finite=False)
+            if q.shape[0] < 1:
+                raise InvalidRequest(f"items[{i}].query has no rows")
+            h = q.shape[1]
+            if h < 1 or h % hkv:
+                raise InvalidRequest(
+                    f"items[{i}].query has {h} heads, which is not a positive multiple of the "
+                    f"{hkv} KV heads"
+                )
+            if hq is not None and h != hq:
+                raise InvalidRequest(
+                    f"items[{i}].query has {h} heads, items[0] has {hq}: one call, one head count"
+                )
+            hq = h
+        return hq or 0
+
+    def _require_workers(self) -> None:
+        if not self.block_manager.workers():
+            known = len(self._states)
+            raise ServiceUnavailable(
+                f"no worker is serving ({known} known, none up): retry when they are back"
+            )
+
+    # -- internals: locking ----------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, seq_ids: Sequence[str]):  # type: ignore[no-untyped-def]
+        async with contextlib.AsyncExitStack() as stack:
+            # Sorted, so two calls locking overlapping sets cannot deadlock.
+            for seq_id in sorted(set(seq_ids)):
+                lock = self._locks.get(seq_id)
+                if lock is None:
+                    lock = self._locks[seq_id] = asyncio.Lock()
+                await stack.enter_async_context(lock)
+            yield
+
+    # -- internals: planning ---------------------------------------------------------------
+
+    def _view_after_write(
+        self, tenant: str, seq_id: str, layer: int, plan: WritePlan
+    ) -> SequenceView:
+        """The view of `layer` as it will be once the planned tokens are written."""
+        bs = self.layout.block_size
+        blocks: list[tuple[str, int]] = []
+        if plan.start > 0:
+            for seg in self.block_manager.attention_view(tenant, seq_id, layer).segments:
+                blocks.extend((seg.worker_id, b) for b in seg.block_indices)
+        for i, (worker_id, slot) in enumerate(plan.slots):
+            pos = plan.start + i
+            if pos // bs == len(blocks):
+                blocks.append((worker_id, slot // bs))
+        segments: list[Segment] = []
+        run = 0
+        for i in range(1, len(blocks) + 1):
+            if i == len(blocks) or blocks[i][0] != blocks[run][0]:
+                segments.append(
+                    Segment(blocks[run][0], run * bs, tuple(b for _, b in blocks[run:i]))
+                )
+                run = i
+        return SequenceView(plan.start + len(plan.slots), tuple(segments))
+
+    def _split(
+        self,
+        views: list[SequenceView],
+        queries: Sequence[torch.Tensor],
+        seq_ids: list[str],
+        writes: dict[int, dict[str, tuple[list[int], torch.Tensor, torch.Tensor]]],
+        return_lse: bool,
+        hq: int,
+    ) -> list[tuple[list[int], _Part]]:
+        """Group a call's items into parts: one per single worker (coalescible), one for
+        the items spread over several workers. Returns (item indices, part) pairs."""
+        groups: dict[str | None, list[int]] = {}
+        for i, view in enumerate(views):
+            used = {seg.worker_id for seg in view.segments if seg.start_token < view.seq_len}
+            key = next(iter(used)) if len(used) == 1 else None
+            groups.setdefault(key, []).append(i)
+        out = []
+        for _, idx in groups.items():
+            part_writes: dict[str, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
+            for i in idx:
+                for worker_id, (slots, k, v) in writes.get(i, {}).items():
+                    if worker_id in part_writes:
+                        s0, k0, v0 = part_writes[worker_id]
+                        part_writes[worker_id] = (
+                            s0 + slots,
+                            torch.cat([k0, k]),
+                            torch.cat([v0, v]),
+                        )
+                    else:
+                        part_writes[worker_id] = (list(slots), k, v)
+            query = torch.cat([queries[i].to(self._pool_dtype) for i in idx])
+            part = _Part(
+                views=[views[i] for i in idx],
+                num_queries=[queries[i].shape[0] for i in idx],
+                seq_ids=[seq_ids[i] for i in idx],
+                query=query,
+                writes=part_writes,
+                return_lse=return_lse,
+            )
+            out.append((idx, part))
+        return out
+
+    # -- internals: execution --------------------------------------------------------------
+
+    async def _execute(
+        self, layer: int, parts: list[tuple[list[int], _Part]], hq: int
+    ) -> list[AttentionResult]:
+        """Run every part (coalescing single-worker ones); results in part order."""
+        loop = asyncio.get_running_loop()
+        waits = []
+        for _, part in parts:
+            part.future = loop.create_future()
+            workers = {seg.worker_id for v in part.views for seg in v.segments}
+            workers |= set(part.writes)
+            if len(workers) == 1:
+                (worker_id,) = workers
+                self._batcher(layer, worker_id, hq).submit(part)
+            else:
+                task = loop.create_task(self._run_parts((layer, "", hq), [part]))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+            waits.append(part.future)
+        # Every part must finish (or fail) before the call returns: a write still in flight
+        # must not race the next call on the same sequence.
+        outcome = await asyncio.gather(*waits, return_exceptions=True)
+        for result in outcome:
+            if isinstance(result, BaseException):
+                raise result
+        return list(outcome)  # type: ignore[arg-type]
+
+    def _batcher(self, layer: int, worker_id: str, hq: int) -> _Batcher:
+        key = (layer, worker_id, hq)
+        batcher = self._batchers.get(key)
+        if batcher is None:
+            batcher = self._batchers[key] = _Batcher(
+                key,
+                self.config.batch_window_ms / 1000.0,
+                self.config.max_batch_items,
+                self._run_parts,
+            )
+        return batcher
+
+    async def _run_parts(self, key: tuple[int, str, int], parts: list[_Part]) -> None:
+        """One worker round for several parts: one plan, one call per worker, results split
+        back to each part's future."""
+        layer = key[0]
+        views = [v for p in parts for v in p.views]
+        nq = [n for p in parts for n in p.num_queries]
+        seq_ids = [s for p in parts for s in p.seq_ids]
+        epochs: dict[str, str] = {}
+        try:
+            plan = plan_attention(views, nq, self.layout.block_size)
+            query = torch.cat([p.query for p in parts]) if len(parts) > 1 else parts[0].query
+            merged: dict[str, list[tuple[list[int], torch.Tensor, torch.Tensor]]] = {}
+            for p in parts:
+                for worker_id, w in p.writes.items():
+                    merged.setdefault(worker_id, []).append(w)
+            writes = {
+                w: WorkerWrite(
+                    [s for slots, _, _ in ws for s in slots],
+                    torch.cat([k for _, k, _ in ws]) if len(ws) > 1 else ws[0][1],
+                    torch.cat([v for _, _, v in ws]) if len(ws) > 1 else ws[0][2],
+                )
+                for w, ws in merged.items()
+            }
+            workers = {b.worker_id for b in plan.batches} | set(writes)
+            missing = [w for w in workers if w not in self._epochs]
+            if missing:
+                raise SequenceLost(
+                    f"worker(s) {missing} holding blocks of this call were lost; free the "
+                    "sequences and recompute"
+                )
+            epochs = {w: self._epochs[w] for w in workers}
+            t0 = time.perf_counter()
+            result = await run_attention(
+                plan,
+                query,
+                layer,
+                self._clients,
+                epochs,
+                writes=writes,
+                return_lse=any(p.return_lse for p in parts),
+            )
+            elapsed = time.perf_counter() - t0
+            if self.metrics is not None:
+                for w in workers:
+                    self.metrics.observe_worker_call(w, len(seq_ids), elapsed)
+        except (StaleEpochError, WorkerUnavailable) as exc:
+            error = await self._worker_failed(exc, epochs, seq_ids)
+            for p in parts:
+                if not p.future.done():
+                    p.future.set_exception(error)
+            return
+        except Exception as exc:  # plan / validation errors: every part fails the same way
+            for p in parts:
+                if not p.future.done():
+                    p.future.set_exception(exc)
+            return
+        row = 0
+        for p in parts:
+            rows = sum(p.num_queries)
+            out = result.out[row : row + rows]
+            lse = None if result.lse is None else result.lse[row : row + rows]
+            row += rows
+            if not p.future.done():
+                p.future.set_result(AttentionResult(out, lse))
+
+    async def _run_copies(self, plan: WritePlan, seq_ids: list[str]) -> None:
+        await self._run_copies_of([plan], seq_ids)
+
+    async def _run_copies_of(self, plans: list[WritePlan], seq_ids: list[str]) -> None:
+        by_worker: dict[str, tuple[list[int], list[int]]] = {}
+        for plan in plans:
+            for c in plan.copies:
+                src, dst = by_worker.setdefault(c.worker_id, ([], []))
+                src.append(c.src)
+                dst.append(c.dst)
+        await asyncio.gather(
+            *(
+                self._guarded(w, seq_ids, lambda cl, e, s=s, d=d: cl.copy_blocks(e, s, d))
+                for w, (s, d) in by_worker.items()
+            )
+        )
+
+    async def _write_on(
+        self,
+        worker_id: str,
+        layer: int | None,
+        slots: list[int],
+        key: torch.Tensor,
+        value: torch.Tensor,
+        seq_ids: list[str],
+    ) -> None:
+        t0 = time.perf_counter()
+        await self._guarded(worker_id, seq_ids, lambda c, e: c.write(e, layer, slots, key, value))
+        if self.metrics is not None:
+            self.metrics.observe_worker_call(worker_id, 1, time.perf_counter() - t0)
+
+    async def _guarded(
+        self,
+        worker_id: str,
+        seq_ids: list[str],
+        call: Callable[[WorkerClient, str], Awaitable[Any]],
+    ) -> Any:
+        """Run one worker call with the current epoch; a lost worker becomes WorkerLost."""
+        epoch = self._epochs.get(worker_id)
+        if epoch is None:
+            raise SequenceLost(
+                f"worker {worker_id!r} holding blocks of this call was lost; free the "
+                "sequences and recompute"
+            )
+        try:
+            return await call(self._clients[worker_id], epoch)
+        except (StaleEpochError, WorkerUnavailable) as exc:
+            raise await self._worker_failed(exc, {worker_id: epoch}, seq_ids) from None
+
+    # -- internals: failures ---------------------------------------------------------------
+
+    async def _worker_failed(
+        self,
+        exc: StaleEpochError | WorkerUnavailable,
+        epochs: dict[str, str],
+        seq_ids: list[str],
+    ) -> Exception:
+        """Drop the failed worker from the control plane (once per epoch) and start
+        watching for its return. Returns the error to raise to the callers."""
+        worker_id = exc.worker_id
+        epoch = epochs.get(worker_id)
+        if epoch is not None and self._epochs.get(worker_id) == epoch:
+            lost = self.block_manager.lose_worker(worker_id)
+            del self._epochs[worker_id]
+            state = self._states[worker_id]
+            self._states[worker_id] = WorkerState(
+                worker_id, state.device, state.num_blocks, state.epoch, False
+            )
+            log.warning(
+                "worker lost",
+                extra={
+                    "worker": worker_id,
+                    "epoch": epoch,
+                    "reason": str(exc),
+                    "lost_sequences": len(lost),
+                },
+            )
+            if self.metrics is not None:
+                self.metrics.add_lost_sequences(len(lost))
+                self.metrics.set_worker_state(worker_id, False, epoch)
+            if not self._closed:
+                task = asyncio.get_running_loop().create_task(self._revive(worker_id))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+        reason = (
+            "it restarted with an empty pool" if isinstance(exc, StaleEpochError) else exc.reason
+        )
+        return WorkerLost(worker_id, list(dict.fromkeys(seq_ids)), reason)
+
+    async def _revive(self, worker_id: str) -> None:
+        """Re-register a lost worker, empty, once it answers again (backoff up to 5 s)."""
+        delay = 0.05
+        while not self._closed:
+            try:
+                desc = await self._clients[worker_id].describe()
+            except WorkerError:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            if worker_id not in self.block_manager.workers():
+                self._register(worker_id, desc)
+            return
+
+    async def check_workers(self) -> None:
+        """Probe every registered worker's epoch once; a changed epoch (a restart nobody
+        noticed yet) or no answer removes it like a failed call would."""
+        for worker_id, epoch in list(self._epochs.items()):
+            try:
+                desc = await self._clients[worker_id].describe()
+            except WorkerUnavailable as exc:
+                await self._worker_failed(exc, {worker_id: epoch}, [])
+                continue
+            if desc.epoch != epoch:
+                await self._worker_failed(
+                    StaleEpochError(worker_id, epoch, desc.epoch), {worker_id: epoch}, []
+                )
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _check_tensor(
+    name: str, t: torch.Tensor, shape: tuple[int | None, ...], *, finite: bool = True
+) -> None:
+    """A float tensor of the given shape (None: any size), finite unless told otherwise."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidRequest(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise InvalidRequest(f"{name} has dtype {t.dtype}; use float16, bfloat16 or float32")
+    if t.ndim != len(shape) or any(
+        w is not None and g != w for g, w in zip(t.shape, shape, strict=False)
+    ):
+        want = ", ".join("*" if w is None else str(w) for w in shape)
+        raise InvalidRequest(f"{name} has shape {list(t.shape)}, expected [{want}]")
+    if finite:
+        _check_finite([(name, t)])
+
+
+def _check_finite(named: list[tuple[str, torch.Tensor]]) -> None:
+    """No NaN / inf anywhere: a NaN key in a shared prefix block would poison every
+    sequence that adopts it. One pass over all tensors; the culprit is named on failure."""
+    if not named:
+        return
+    flat = torch.cat([t.reshape(-1).float() for _, t in named])
+    if bool(torch.isfinite(flat).all()):
+        return
+    for name, t in named:
+        if not bool(torch.isfinite(t).all()):
+            raise InvalidRequest(f"{name} contains NaN or infinite values")
+
+
+def _check_reserved(
+    i: int, reserved: Sequence[int], start: int, token_ids: Sequence[int], layer: int
+) -> None:
+    """Token ids of positions another layer already reserved must match (checked before
+    any reservation; the block manager checks again)."""
+    overlap = min(len(reserved) - start, len(token_ids))
+    for j in range(max(overlap, 0)):
+        if reserved[start + j] != token_ids[j]:
+            raise InvalidRequest(
+                f"items[{i}]: position {start + j} holds token {reserved[start + j]}, got "
+                f"{token_ids[j]} on layer {layer} (every layer must send the same token ids)"
+            )
+
+
+def _group_slots(slots: list[tuple[str, int]]) -> dict[str, tuple[list[int], list[int]]]:
+    """worker -> (token rows, flat slots) of a write plan."""
+    out: dict[str, tuple[list[int], list[int]]] = {}
+    for row, (worker_id, slot) in enumerate(slots):
+        rows, flat = out.setdefault(worker_id, ([], []))
+        rows.append(row)
+        flat.append(slot)
+    return out
+
+
+def _writes_by_item(
+    items: Sequence[AppendAttendItem], plans: list[WritePlan], dtype: torch.dtype
+) -> dict[int, dict[str, tuple[list[int], torch.Tensor, torch.Tensor]]]:
+    out: dict[int, dict[str, tuple[list[int], torch.Tensor, torch.Tensor]]] = {}
+    for i, (it, plan) in enumerate(zip(items, plans, strict=True)):
+        key = it.key.to(dtype)
+        value = it.value.to(dtype)
+        groups = _group_slots(plan.slots)
+        if len(groups) == 1:
+            ((worker_id, (_, slots)),) = groups.items()
+            out[i] = {worker_id: (slots, key, value)}
+            continue
+        per: dict[str, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
+        for worker_id, (rows, slots) in groups.items():
+            idx = torch.tensor(rows, dtype=torch.long)
+            per[worker_id] = (slots, key.index_select(0, idx), value.index_select(0, idx))
+        out[i] = per
+    return out
+
+
+def _reassemble(
+    items: Sequence[Any],
+    parts: list[tuple[list[int], _Part]],
+    outputs: list[AttentionResult],
+    dtypes: list[torch.dtype],
+) -> list[AttentionResult]:
+    """Per item, in call order, the rows of its part's output (converted to its dtype)."""
+    results: list[AttentionResult | None] = [None] * len(items)
+    for (idx, part), res in zip(parts, outputs, strict=True):
+        row = 0
+        for i, m in zip(idx, part.num_queries, strict=True):
+            out = res.out[row : row + m].to(dtypes[i])
+            lse = None if res.lse is None else res.lse[row : row + m]
+            results[i] = AttentionResult(out, lse)
+            row += m
+    return results  # type: ignore[return-value]
+
+
+def _blocks_to_tokens(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[nb, L, 2, Hkv, bs, D]`` -> key, value ``[L, n, Hkv, D]`` (first n positions)."""
+    nb, num_layers, _, hkv, bs, d = blocks.shape
+    # [nb, L, 2, Hkv, bs, D] -> [2, L, nb, bs, Hkv, D] -> [2, L, nb*bs, Hkv, D]
+    t = blocks.permute(2, 1, 0, 4, 3, 5).reshape(2, num_layers, nb * bs, hkv, d)
+    return t[0, :, :n], t[1, :, :n]

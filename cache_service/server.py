@@ -1,0 +1,801 @@
+"""The gRPC front of the service: a grpc.aio servicer for kvcache.v1 and its process setup.
+
+The servicer only translates (protobuf <-> torch), validates what the wire carries and maps
+errors to statuses (`status_mapping`); the coordinator does the work. `start_service`
+assembles a running service: workers (in-process, a local Ray or a Ray cluster), the
+coordinator, the gRPC server with health checking, reflection, authentication and metrics,
+and the Prometheus endpoint. `RunningService.stop()` drains: health turns NOT_SERVING, new
+calls are refused, calls in flight get `shutdown_grace_s` to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import importlib.metadata
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import grpc.aio
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
+from cache_service._proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+from cache_service.auth import (
+    AuthInterceptor,
+    Permission,
+    current_principal,
+    load_token_table,
+)
+from cache_service.config import ServiceConfig
+from cache_service.coordinator import AppendAttendItem, AttendItem, Coordinator
+from cache_service.errors import InvalidRequest
+from cache_service.status_mapping import status_for
+from cache_service.store import MetadataStore, StoreConfig
+from cache_service.tensor_codec import (
+    TensorCodecError,
+    check_shape,
+    dtype_from_name,
+    dtype_from_proto,
+    dtype_to_proto,
+    tensor_from_bytes,
+    tensor_from_proto,
+    tensor_to_bytes,
+    tensor_to_proto,
+)
+from cache_service.tls import ServerTLSConfig, server_credentials
+from workers.layout import KVLayout
+
+__all__ = [
+    "DEFAULT_TENANT",
+    "SERVICE_NAME",
+    "KVCacheServicer",
+    "RunningService",
+    "configure_logging",
+    "start_service",
+]
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCache"].full_name
+# The tenant of every call when the server runs without a token file.
+DEFAULT_TENANT = "default"
+# Methods that need a permission beyond ordinary use (checked by the auth interceptor).
+METHOD_PERMISSIONS = {f"/{SERVICE_NAME}/PublishPublic": Permission.PUBLISH_PUBLIC}
+
+log = logging.getLogger("kvcache.server")
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("paged-kvcache-service")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0+source"
+
+
+# ------------------------------------------------------------------------------ servicer
+
+
+def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a unary servicer method; map any exception to a status, log the outcome."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def wrapper(
+        self: KVCacheServicer, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        t0 = time.perf_counter()
+        tenant = _tenant()
+        try:
+            reply = await method(self, request, context, tenant)
+        except Exception as exc:
+            await _abort(context, name, tenant, exc, t0)
+        log.debug("rpc ok", extra=_fields(name, tenant, "OK", t0))
+        return reply
+
+    return wrapper
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext, name: str, tenant: str, exc: Exception, t0: float
+) -> None:
+    if isinstance(exc, asyncio.CancelledError):  # pragma: no cover - never an Exception
+        raise exc
+    status = status_for(exc)
+    fields = _fields(name, tenant, status.code.name, t0)
+    if status.internal:
+        log.error("rpc failed: %s", status.message, exc_info=exc, extra=fields)
+    else:
+        log.info("rpc refused: %s", status.message, extra=fields)
+    await context.abort(status.code, status.message)
+
+
+def _fields(method: str, tenant: str, code: str, t0: float) -> dict[str, Any]:
+    return {
+        "method": method,
+        "tenant": tenant,
+        "code": code,
+        "ms": round((time.perf_counter() - t0) * 1000, 3),
+    }
+
+
+def _may_see_tenant(other: str, tenant: str) -> bool:
+    """Per-tenant figures are private: a tenant sees its own; an admin, or every caller of a
+    server without authentication, sees all."""
+    principal = current_principal()
+    return principal is None or principal.policy.admin or other == tenant
+
+
+def _tenant() -> str:
+    principal = current_principal()
+    return principal.tenant if principal is not None else DEFAULT_TENANT
+
+
+def _layout_proto(layout: KVLayout) -> pb.KVLayout:
+    return pb.KVLayout(
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+        kv_dtype=dtype_to_proto(dtype_from_name(layout.dtype)),
+        fingerprint=layout.fingerprint(),
+        bytes_per_block=layout.bytes_per_block,
+    )
+
+
+def _results(results: list[Any], return_lse: bool) -> list[pb.AttendResult]:
+    out = []
+    for r in results:
+        msg = pb.AttendResult(output=tensor_to_proto(r.out))
+        if return_lse:
+            msg.lse.CopyFrom(tensor_to_proto(r.lse))
+        out.append(msg)
+    return out
+
+
+class KVCacheServicer(pb_grpc.KVCacheServicer):
+    """kvcache.v1.KVCache over a Coordinator.
+
+    Args:
+        coordinator: a started coordinator.
+        max_message_bytes: the server's message limit (reported by GetInfo, caps chunks).
+        stream_chunk_bytes: default data bytes per export message.
+    """
+
+    def __init__(
+        self, coordinator: Coordinator, max_message_bytes: int, stream_chunk_bytes: int
+    ) -> None:
+        self._coord = coordinator
+        self._max_message = max_message_bytes
+        self._chunk = stream_chunk_bytes
+        self._version = _version()
+
+    # -- info ------------------------------------------------------------------------------
+
+    @_rpc
+    async def GetInfo(
+        self, request: pb.GetInfoRequest, context: Any, tenant: str
+    ) -> pb.GetInfoResponse:
+        layout = self._coord.layout
+        workers = self._coord.workers()
+        total = sum(w.num_blocks for w in workers if w.up)
+        return pb.GetInfoResponse(
+            layout=_layout_proto(layout),
+            workers=[
+                pb.WorkerInfo(
+                    worker_id=w.worker_id,
+                    device=w.device,
+                    num_blocks=w.num_blocks,
+                    epoch=w.epoch,
+                    up=w.up,
+                )
+                for w in workers
+            ],
+            total_blocks=total,
+            capacity_tokens=total * layout.block_size,
+            max_message_bytes=self._max_message,
+            server_version=self._version,
+        )
+
+    @_rpc
+    async def GetStats(
+        self, request: pb.GetStatsRequest, context: Any, tenant: str
+    ) -> pb.GetStatsResponse:
+        s = self._coord.stats()
+        return pb.GetStatsResponse(
+            workers=[
+                pb.WorkerStats(
+                    worker_id=w,
+                    total_blocks=ws.total,
+                    used_blocks=ws.used,
+                    cached_free_blocks=ws.cached_free,
+                    free_blocks=ws.free,
+                    allocated_slots=ws.allocated_slots,
+                    filled_slots=ws.filled_slots,
+                )
+                for w, ws in s.workers.items()
+            ],
+            utilization=s.utilization,
+            fragmentation=s.fragmentation,
+            prefix=[
+                pb.TenantPrefixStats(
+                    tenant=t, query_tokens=q, hit_tokens=s.prefix_hit_tokens.get(t, 0)
+                )
+                for t, q in sorted(s.prefix_query_tokens.items())
+                if _may_see_tenant(t, tenant)
+            ],
+            evictions=s.evictions,
+            cow_copies=s.cow_copies,
+            pinned_blocks=s.pinned_blocks,
+            active_sequences=s.active_sequences,
+            lost_sequences=s.lost_sequences,
+        )
+
+    # -- sequences -------------------------------------------------------------------------
+
+    @_rpc
+    async def CreateSequence(
+        self, request: pb.CreateSequenceRequest, context: Any, tenant: str
+    ) -> pb.CreateSequenceResponse:
+        prompt = list(request.prompt_token_ids) or None
+        created = await self._coord.create_sequence(tenant, prompt)
+        return pb.CreateSequenceResponse(
+            seq_id=created.seq_id, num_cached_tokens=created.num_cached_tokens
+        )
+
+    @_rpc
+    async def ForkSequence(
+        self, request: pb.ForkSequenceRequest, context: Any, tenant: str
+    ) -> pb.ForkSequenceResponse:
+        created = await self._coord.fork(tenant, _seq_id(request.seq_id))
+        return pb.ForkSequenceResponse(
+            seq_id=created.seq_id, num_cached_tokens=created.num_cached_tokens
+        )
+
+    @_rpc
+    async def FreeSequence(
+        self, request: pb.FreeSequenceRequest, context: Any, tenant: str
+    ) -> pb.FreeSequenceResponse:
+        await self._coord.free(tenant, _seq_id(request.seq_id))
+        return pb.FreeSequenceResponse()
+
+    @_rpc
+    async def Lookup(
+        self, request: pb.LookupRequest, context: Any, tenant: str
+    ) -> pb.LookupResponse:
+        n = await self._coord.lookup(tenant, list(request.token_ids))
+        return pb.LookupResponse(num_cached_tokens=n)
+
+    @_rpc
+    async def Pin(self, request: pb.PinRequest, context: Any, tenant: str) -> pb.PinResponse:
+        await self._coord.pin(tenant, _nonempty_ids(request.token_ids))
+        return pb.PinResponse()
+
+    @_rpc
+    async def Unpin(self, request: pb.UnpinRequest, context: Any, tenant: str) -> pb.UnpinResponse:
+        await self._coord.unpin(tenant, _nonempty_ids(request.token_ids))
+        return pb.UnpinResponse()
+
+    @_rpc
+    async def PublishPublic(
+        self, request: pb.PublishPublicRequest, context: Any, tenant: str
+    ) -> pb.PublishPublicResponse:
+        await self._coord.publish_public(tenant, _seq_id(request.seq_id))
+        return pb.PublishPublicResponse()
+
+    # -- data ------------------------------------------------------------------------------
+
+    async def Append(
+        self, request_iterator: AsyncIterator[pb.AppendRequest], context: grpc.aio.ServicerContext
+    ) -> pb.AppendResponse:
+        t0 = time.perf_counter()
+        tenant = _tenant()
+        try:
+            head, key, value = await _read_append(request_iterator)
+            layer = head.layer if head.HasField("layer") else None
+            start = await self._coord.append(
+                tenant, _seq_id(head.seq_id), layer, list(head.token_ids), key, value
+            )
+        except Exception as exc:
+            await _abort(context, "Append", tenant, exc, t0)
+        log.debug("rpc ok", extra=_fields("Append", tenant, "OK", t0))
+        return pb.AppendResponse(start_position=start, num_tokens=len(head.token_ids))
+
+    @_rpc
+    async def Attend(
+        self, request: pb.AttendRequest, context: Any, tenant: str
+    ) -> pb.AttendResponse:
+        items = [
+            AttendItem(_seq_id(it.seq_id, f"items[{i}].seq_id"), _query(it.query, i))
+            for i, it in enumerate(request.items)
+        ]
+        results = await self._coord.attend(tenant, request.layer, items, request.return_lse)
+        return pb.AttendResponse(results=_results(results, request.return_lse))
+
+    @_rpc
+    async def AppendAttend(
+        self, request: pb.AppendAttendRequest, context: Any, tenant: str
+    ) -> pb.AppendAttendResponse:
+        items = []
+        for i, it in enumerate(request.items):
+            items.append(
+                AppendAttendItem(
+                    seq_id=_seq_id(it.seq_id, f"items[{i}].seq_id"),
+                    token_ids=list(it.token_ids),
+                    key=tensor_from_proto(it.key, f"items[{i}].key", ndim=3),
+                    value=tensor_from_proto(it.value, f"items[{i}].value", ndim=3),
+                    query=_query(it.query, i),
+                )
+            )
+        results = await self._coord.append_attend(tenant, request.layer, items, request.return_lse)
+        return pb.AppendAttendResponse(results=_results(results, request.return_lse))
+
+    # -- export / import -------------------------------------------------------------------
+
+    async def ExportBlocks(
+        self, request: pb.ExportBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ExportBlocksResponse]:
+        t0 = time.perf_counter()
+        tenant = _tenant()
+        try:
+            chunk = int(request.chunk_bytes) or self._chunk
+            # Leave room for the message framing under the limit.
+            chunk = max(1, min(chunk, self._max_message - 4096))
+            exported = await self._coord.export(tenant, _seq_id(request.seq_id))
+            data = tensor_to_bytes(exported.blocks)
+            header = pb.ExportHeader(
+                layout=_layout_proto(self._coord.layout),
+                token_ids=exported.token_ids,
+                num_tokens=exported.num_tokens,
+                block_shape=list(exported.blocks.shape),
+                total_bytes=len(data),
+            )
+        except Exception as exc:
+            await _abort(context, "ExportBlocks", tenant, exc, t0)
+        yield pb.ExportBlocksResponse(header=header)
+        view = memoryview(data)
+        for start in range(0, len(view), chunk):
+            yield pb.ExportBlocksResponse(data=bytes(view[start : start + chunk]))
+        log.debug("rpc ok", extra=_fields("ExportBlocks", tenant, "OK", t0))
+
+    async def ImportBlocks(
+        self,
+        request_iterator: AsyncIterator[pb.ImportBlocksRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> pb.ImportBlocksResponse:
+        t0 = time.perf_counter()
+        tenant = _tenant()
+        try:
+            header, blocks = await _read_import(request_iterator, self._coord.layout)
+            imported = await self._coord.import_(tenant, list(header.token_ids), blocks)
+        except Exception as exc:
+            await _abort(context, "ImportBlocks", tenant, exc, t0)
+        log.debug("rpc ok", extra=_fields("ImportBlocks", tenant, "OK", t0))
+        return pb.ImportBlocksResponse(
+            seq_id=imported.seq_id,
+            num_cached_tokens=imported.num_cached_tokens,
+            num_tokens=imported.num_tokens,
+        )
+
+
+# ------------------------------------------------------------------------------ decoding
+
+
+def _seq_id(seq_id: str, field: str = "seq_id") -> str:
+    if not seq_id:
+        raise InvalidRequest(f"{field} is empty")
+    return seq_id
+
+
+def _nonempty_ids(token_ids: Any) -> list[int]:
+    ids = list(token_ids)
+    if not ids:
+        raise InvalidRequest("token_ids is empty")
+    return ids
+
+
+def _query(msg: pb.Tensor, i: int) -> torch.Tensor:
+    return tensor_from_proto(msg, f"items[{i}].query", ndim=3)
+
+
+def _spec_size(spec: pb.TensorSpec, field: str) -> tuple[torch.dtype, list[int], int]:
+    dtype = dtype_from_proto(spec.dtype, f"{field}.dtype")
+    dims = list(spec.shape)
+    check_shape(dims, field)
+    return dtype, dims, math.prod(dims) * torch.empty((), dtype=dtype).element_size()
+
+
+async def _read_append(
+    stream: AsyncIterator[pb.AppendRequest],
+) -> tuple[pb.AppendRequest, torch.Tensor, torch.Tensor]:
+    """Assemble an Append stream: (first message, key, value)."""
+    head: pb.AppendRequest | None = None
+    key_buf, value_buf = bytearray(), bytearray()
+    k_size = v_size = 0
+    async for msg in stream:
+        if head is None:
+            head = msg
+            if not msg.HasField("key") or not msg.HasField("value"):
+                raise InvalidRequest("the first Append message must carry the key and value specs")
+            k_dtype, k_dims, k_size = _spec_size(msg.key, "key")
+            v_dtype, v_dims, v_size = _spec_size(msg.value, "value")
+        elif (
+            msg.seq_id
+            or msg.token_ids
+            or msg.HasField("key")
+            or msg.HasField("value")
+            or msg.HasField("layer")
+        ):
+            raise InvalidRequest("only the first Append message may carry header fields")
+        key_buf += msg.key_data
+        value_buf += msg.value_data
+        if len(key_buf) > k_size or len(value_buf) > v_size:
+            raise TensorCodecError(
+                f"the stream carries more bytes than the key / value shapes need "
+                f"({k_size} / {v_size} bytes)"
+            )
+    if head is None:
+        raise InvalidRequest("empty Append stream: send at least the header message")
+    key = tensor_from_bytes(key_buf, k_dtype, k_dims, "key")
+    value = tensor_from_bytes(value_buf, v_dtype, v_dims, "value")
+    return head, key, value
+
+
+async def _read_import(
+    stream: AsyncIterator[pb.ImportBlocksRequest], layout: KVLayout
+) -> tuple[pb.ExportHeader, torch.Tensor]:
+    """Assemble an ImportBlocks stream and check its header against the layout."""
+    header: pb.ExportHeader | None = None
+    buf = bytearray()
+    total = 0
+    async for msg in stream:
+        if header is None:
+            if not msg.HasField("header"):
+                raise InvalidRequest("the first ImportBlocks message must carry the header")
+            header = msg.header
+            total = _check_import_header(header, layout)
+        elif msg.HasField("header"):
+            raise InvalidRequest("only the first ImportBlocks message may carry the header")
+        buf += msg.data
+        if len(buf) > total:
+            raise TensorCodecError(f"the stream carries more than the header's {total} bytes")
+    if header is None:
+        raise InvalidRequest("empty ImportBlocks stream: send at least the header message")
+    dtype = dtype_from_name(layout.dtype)
+    return header, tensor_from_bytes(buf, dtype, list(header.block_shape), "data")
+
+
+def _check_import_header(header: pb.ExportHeader, layout: KVLayout) -> int:
+    ours = layout.fingerprint()
+    if header.layout.fingerprint != ours:
+        raise InvalidRequest(
+            f"the export has layout fingerprint {header.layout.fingerprint!r}, this service "
+            f"{ours!r} ({layout}); blocks only move between services of one layout"
+        )
+    n = header.num_tokens
+    if len(header.token_ids) != n:
+        raise InvalidRequest(f"header has {len(header.token_ids)} token ids but num_tokens={n}")
+    want = [
+        -(-n // layout.block_size),
+        layout.num_layers,
+        2,
+        layout.num_kv_heads,
+        layout.block_size,
+        layout.head_dim,
+    ]
+    if list(header.block_shape) != want:
+        raise InvalidRequest(f"header.block_shape is {list(header.block_shape)}, expected {want}")
+    total = math.prod(want) * layout.element_size
+    if header.total_bytes != total:
+        raise InvalidRequest(f"header.total_bytes is {header.total_bytes}, expected {total}")
+    return total
+
+
+# ------------------------------------------------------------------------------ logging
+
+_STD_ATTRS = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+
+
+def _extra_fields(record: logging.LogRecord) -> dict[str, Any]:
+    # Private attributes come from other libraries' record factories (Ray adds one).
+    return {
+        k: v for k, v in record.__dict__.items() if k not in _STD_ATTRS and not k.startswith("_")
+    }
+
+
+class _JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg and the record's extra fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        doc.update(_extra_fields(record))
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+class _TextFormatter(logging.Formatter):
+    """`time level logger message key=value ...` (the extra fields at the end)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        extra = " ".join(f"{k}={v}" for k, v in _extra_fields(record).items())
+        return f"{line} {extra}" if extra else line
+
+
+def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
+    """Route the service's loggers ("kvcache.*") to stderr in `fmt` ("text" | "json")."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(_JsonFormatter() if fmt == "json" else _TextFormatter())
+    root = logging.getLogger("kvcache")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+
+
+# ------------------------------------------------------------------------------ assembly
+
+
+@dataclass
+class RunningService:
+    """A started service. `address` is "host:port" with the bound port."""
+
+    config: ServiceConfig
+    coordinator: Coordinator
+    server: grpc.aio.Server
+    port: int
+    metrics: Any
+    metrics_http: Any = None
+    _health: Any = None
+    _cleanups: list[Callable[[], Any]] = field(default_factory=list)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _stopped: bool = False
+
+    @property
+    def address(self) -> str:
+        host = self.config.server.host
+        if host in ("0.0.0.0", "::", "[::]"):
+            host = "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain and stop: NOT_SERVING, refuse new calls, wait up to grace_s for calls in
+        flight, then stop background work, the metrics endpoint and the workers we started."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.config.server.shutdown_grace_s if grace_s is None else grace_s
+        log.info("shutting down", extra={"grace_s": grace})
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.coordinator.close()
+        if self.metrics_http is not None:
+            self.metrics_http.stop()
+        for cleanup in self._cleanups:
+            try:
+                result = cleanup()
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception:  # keep stopping the rest
+                log.exception("cleanup failed")
+        log.info("stopped")
+
+    async def wait(self) -> None:
+        """Until the server terminates."""
+        await self.server.wait_for_termination()
+
+
+def _pool_config(config: ServiceConfig, layout: KVLayout) -> Any:
+    from workers.config import PoolConfig
+
+    return PoolConfig(layout=layout, num_blocks=config.workers.blocks_per_worker)
+
+
+async def _start_workers(
+    config: ServiceConfig, layout: KVLayout
+) -> tuple[list[Any], list[Callable[[], Any]]]:
+    """Worker clients per config, and the cleanups that stop what was started."""
+    wc = config.workers
+    if wc.in_process:
+        from cache_service.worker_clients import LocalWorkerClient
+
+        device = "cuda" if wc.device == "cuda" else "cpu"
+        clients = [
+            LocalWorkerClient(f"{wc.name_prefix}{i}", _pool_config(config, layout), device)
+            for i in range(wc.num_workers)
+        ]
+        return clients, [c.close for c in clients]
+
+    import ray
+
+    from cache_service.worker_clients import RayWorkerClient
+    from workers import launcher
+
+    launch = launcher.LaunchConfig(
+        pool=_pool_config(config, layout),
+        num_workers=wc.num_workers,
+        ray_address=wc.ray_address,
+        namespace=wc.namespace,
+        name_prefix=wc.name_prefix,
+        use_gpu=wc.device == "cuda",
+        local_num_cpus=wc.ray_num_cpus,
+    )
+    embedded = wc.ray_address is None
+    started_ray = not ray.is_initialized()
+    # Blocks the event loop while Ray starts: nothing is served yet, and ray.init wants the
+    # main thread (it installs signal handlers there).
+    handles = _launch_or_attach(launch, embedded)
+    clients = [
+        RayWorkerClient(
+            launcher.worker_name(wc.name_prefix, i),
+            h,
+            call_timeout_s=config.coordinator.worker_timeout_s,
+        )
+        for i, h in enumerate(handles)
+    ]
+    cleanups: list[Callable[[], Any]] = []
+    if embedded:
+        cleanups.append(lambda: launcher.shutdown_workers(wc.namespace, wc.name_prefix))
+        if started_ray:
+            cleanups.append(ray.shutdown)
+    return clients, cleanups
+
+
+def _launch_or_attach(launch: Any, embedded: bool) -> list[Any]:
+    from workers import launcher
+    from workers.errors import WorkersAlreadyExist
+
+    try:
+        return launcher.launch_workers(launch)
+    except WorkersAlreadyExist:
+        if embedded:
+            raise
+        # A cluster's detached workers outlive a coordinator: a restarted one attaches.
+        log.info("attaching to running workers", extra={"prefix": launch.name_prefix})
+        return launcher.attach_workers(launch.namespace, launch.name_prefix)
+
+
+async def _probe_workers(coordinator: Coordinator, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await coordinator.check_workers()
+        except Exception:
+            log.exception("worker probe failed")
+
+
+async def start_service(
+    config: ServiceConfig,
+    *,
+    workers: list[Any] | None = None,
+    metrics: Any = None,
+) -> RunningService:
+    """Start workers (unless given), the coordinator, the gRPC server and metrics.
+
+    Args:
+        config: the service configuration (port 0 binds a free port: see `.port`).
+        workers: WorkerClients to use instead of starting workers (their owner stops them).
+        metrics: a ServiceMetrics to use (default: a new one on a private registry).
+
+    Raises:
+        ConfigError / AuthConfigError / TLSConfigError: bad settings; WorkerLaunchError:
+        workers could not start; RuntimeError: the port could not be bound.
+    """
+    from cache_service.metrics import ServiceMetrics
+
+    layout = config.layout.kv_layout()
+    table = load_token_table(config.auth_file) if config.auth_file else None
+    tls = None
+    if config.tls is not None:
+        tls = server_credentials(
+            ServerTLSConfig(config.tls.cert_file, config.tls.key_file, config.tls.client_ca_file)
+        )
+    cleanups: list[Callable[[], Any]] = []
+    if workers is None:
+        workers, cleanups = await _start_workers(config, layout)
+    if metrics is None:
+        metrics = ServiceMetrics(bytes_per_block=layout.bytes_per_block)
+    try:
+        # The write-ahead metadata store; a second coordinator on the same file fails here.
+        store = MetadataStore(StoreConfig(config.store_path)) if config.store_path else None
+        if store is not None:
+            cleanups.insert(0, store.close)
+        coordinator = Coordinator(layout, workers, config.coordinator, metrics, store=store)
+        await coordinator.start()
+        metrics.bind_stats(coordinator.stats, loop=asyncio.get_running_loop())
+
+        interceptors: list[grpc.aio.ServerInterceptor] = [metrics.rpc_interceptor()]
+        if table is not None:
+            interceptors.append(AuthInterceptor(table, METHOD_PERMISSIONS))
+        limit = config.server.max_message_bytes
+        server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_send_message_length", limit),
+                ("grpc.max_receive_message_length", limit),
+                # Refuse a port another process already serves instead of sharing it.
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        servicer = KVCacheServicer(coordinator, limit, config.server.stream_chunk_bytes)
+        pb_grpc.add_KVCacheServicer_to_server(servicer, server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        address = f"{config.server.host}:{config.server.port}"
+        port = (
+            server.add_secure_port(address, tls)
+            if tls is not None
+            else server.add_insecure_port(address)
+        )
+        if port == 0:
+            raise RuntimeError(f"could not bind {address} (in use, or not a local address)")
+        await server.start()
+        serving = health_pb2.HealthCheckResponse.SERVING
+        await health_servicer.set("", serving)
+        await health_servicer.set(SERVICE_NAME, serving)
+        metrics_http = None
+        if config.metrics.enabled:
+            try:
+                metrics_http = metrics.start_http_server(config.metrics.host, config.metrics.port)
+            except BaseException:
+                await server.stop(0)
+                raise
+    except BaseException:
+        for cleanup in cleanups:
+            with contextlib.suppress(Exception):
+                result = cleanup()
+                if asyncio.iscoroutine(result):
+                    await result
+        raise
+    running = RunningService(
+        config=config,
+        coordinator=coordinator,
+        server=server,
+        port=port,
+        metrics=metrics,
+        metrics_http=metrics_http,
+        _health=health_servicer,
+        _cleanups=cleanups,
+    )
+    if config.coordinator.health_check_interval_s > 0:
+        running._tasks.append(
+            asyncio.get_running_loop().create_task(
+                _probe_workers(coordinator, config.coordinator.health_check_interval_s)
+            )
+        )
+    log.info(
+        "serving",
+        extra={
+            "address": running.address,
+            "workers": len(workers),
+            "layout": layout.fingerprint(),
+            "tls": tls is not None,
+            "auth": table is not None,
+            "metrics": running.metrics_http.url if running.metrics_http else None,
+        },
+    )
+    return running

@@ -1,0 +1,139 @@
+"""Helpers of the service tests: a real server on a loopback port, run on an event loop in
+a background thread, and a client-side mirror of sequences for dense-attention checks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+import torch
+from workers_support import dense_attention
+
+from cache_service.config import ServiceConfig
+from cache_service.server import RunningService, start_service
+from cache_service.worker_clients import LocalWorkerClient
+from workers.config import PoolConfig
+from workers.layout import KVLayout
+
+__all__ = [
+    "LAYOUT",
+    "Mirror",
+    "ServiceHarness",
+    "dense_attention",
+    "local_workers",
+    "service_config",
+]
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32")
+HQ = 4  # query heads: GQA group of 2
+
+
+def service_config(layout: KVLayout = LAYOUT, **overrides: Any) -> ServiceConfig:
+    """A config for tests: free port, no metrics endpoint, in-process pools, `layout`."""
+    base = {
+        "server.port": 0,
+        "metrics.enabled": False,
+        "workers.in_process": True,
+        "layout.num_layers": layout.num_layers,
+        "layout.num_kv_heads": layout.num_kv_heads,
+        "layout.head_dim": layout.head_dim,
+        "layout.block_size": layout.block_size,
+        "layout.dtype": layout.dtype,
+        "coordinator.health_check_interval_s": 0,
+        "server.shutdown_grace_s": 5.0,
+    }
+    base.update(overrides)
+    return ServiceConfig().with_overrides(base)
+
+
+def local_workers(n: int, num_blocks: int, layout: KVLayout = LAYOUT) -> list[LocalWorkerClient]:
+    """`n` in-process workers w0, w1, ... of `num_blocks` blocks each."""
+    return [LocalWorkerClient(f"w{i}", PoolConfig(layout, num_blocks=num_blocks)) for i in range(n)]
+
+
+class ServiceHarness:
+    """A started service on its own event-loop thread; tests talk to it with the blocking
+    client and reach the coordinator through `run` (which executes on the loop)."""
+
+    def __init__(self, config: ServiceConfig, workers: list[Any] | None = None, **kw: Any) -> None:
+        self.workers = workers
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.service: RunningService = self.run(start_service(config, workers=workers, **kw))
+
+    @property
+    def address(self) -> str:
+        return self.service.address
+
+    @property
+    def coordinator(self) -> Any:
+        return self.service.coordinator
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:
+        """Run a coroutine on the service's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """Call a plain function on the loop thread (the block manager is not thread-safe)."""
+
+        async def wrapper() -> Any:
+            return fn(*args)
+
+        return self.run(wrapper())
+
+    def check_integrity(self) -> None:
+        self.call(self.coordinator.block_manager.check_integrity)
+
+    def stats(self) -> Any:
+        return self.call(self.coordinator.block_manager.stats)
+
+    def workers_of(self, seq_id: str, tenant: str = "default") -> tuple[str, ...]:
+        info = self.call(self.coordinator.block_manager.sequence_info, tenant, seq_id)
+        return info.workers
+
+    def stop(self) -> None:
+        try:
+            self.run(self.service.stop(2.0))
+            for w in self.workers or []:
+                w.close()
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            self.loop.close()
+
+    def __enter__(self) -> ServiceHarness:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class Mirror:
+    """The client-side truth of one sequence: token ids and K/V per layer."""
+
+    def __init__(self, seq_id: str, num_layers: int) -> None:
+        self.seq_id = seq_id
+        self.tokens: list[int] = []
+        self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+
+    def add(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer].append(k)
+        self.v[layer].append(v)
+
+    def length(self, layer: int) -> int:
+        return sum(t.shape[0] for t in self.k[layer])
+
+    def fork(self, seq_id: str) -> Mirror:
+        m = Mirror(seq_id, len(self.k))
+        m.tokens = list(self.tokens)
+        m.k = [list(x) for x in self.k]
+        m.v = [list(x) for x in self.v]
+        return m
+
+    def reference(self, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense float64 attention of q (the last rows) over everything on `layer`."""
+        return dense_attention(q, torch.cat(self.k[layer]), torch.cat(self.v[layer]))

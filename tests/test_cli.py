@@ -1,0 +1,104 @@
+"""The `kvcache` command: demo, serve (as a process, stopped by SIGTERM), info, stats, bench,
+and configuration errors."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from service_support import ServiceHarness, local_workers, service_config
+
+from cache_service.cli import build_parser, main, service_config_from_args
+from cache_service.client import KVCacheClient
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("server: {port: 7000}\nworkers: {num_workers: 4}\n")
+    args = build_parser().parse_args(
+        ["serve", "--config", str(path), "--port", "0", "--in-process", "--no-metrics",
+         "--batch-window-ms", "2", "--dtype", "float16", "--max-message-mb", "64"]
+    )  # fmt: skip
+    config = service_config_from_args(args)
+    assert config.server.port == 0 and config.workers.num_workers == 4
+    assert config.workers.in_process and not config.metrics.enabled
+    assert config.coordinator.batch_window_ms == 2.0 and config.layout.dtype == "float16"
+    assert config.server.max_message_bytes == 64 << 20
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--config", "/nonexistent.yaml"],
+        ["serve", "--port", "70000"],
+        ["serve", "--tls-cert", "only-cert.pem"],
+        ["demo", "--in-process", "--clients", "1"],
+    ],
+)
+def test_bad_settings_exit_2_with_a_message(argv, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvcache {argv[0]}: ")
+
+
+def test_demo_in_process_checks_everything_and_exits_0(capsys) -> None:
+    assert main(["demo", "--in-process", "--clients", "3", "--decode-steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "OK: every output equals dense attention" in out
+    assert "prefix hits" in out and "fragmentation" in out and "utilization" in out
+    assert out.count("match") >= 3
+
+
+def test_info_and_stats_against_a_server(capsys) -> None:
+    with ServiceHarness(service_config(), local_workers(2, 16)) as svc:
+        assert main(["info", "--target", svc.address]) == 0
+        out = capsys.readouterr().out
+        assert "w0" in out and "w1" in out and "capacity 32 blocks" in out
+        assert main(["stats", "--target", svc.address]) == 0
+        assert "pool utilization" in capsys.readouterr().out
+    assert main(["info", "--target", "127.0.0.1:1", "--timeout", "1"]) == 1
+
+
+def test_bench_runs_against_an_embedded_service(capsys) -> None:
+    argv = ["bench", "--in-process", "--batch", "2", "--context", "8", "--steps", "2",
+            "--num-layers", "2", "--head-dim", "16"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"per-call p50\s+│\s+[\d.]+ ms", out), out
+
+
+def test_serve_runs_until_sigterm_and_drains() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cache_service.cli", "serve", "--in-process", "--port", "0",
+         "--no-metrics", "--num-layers", "2", "--head-dim", "16", "--blocks-per-worker", "8",
+         "--log-format", "json"],
+        stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        address = None
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            found = re.search(r"kvcache serving on (\S+)", line)
+            if found:
+                address = found.group(1)
+                break
+        assert address, "".join(lines)
+        with KVCacheClient(address, timeout_s=10) as client:
+            assert client.info().layout.num_layers == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        rest = proc.stderr.read()
+        assert '"msg": "stopped"' in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,416 @@
+"""Random interleavings of every control-plane operation against a simple model.
+
+The model is the client's view (each sequence's tokens and written lengths) plus a
+simulated data plane: a dict from (worker, slot, layer) to the K/V "value" written there.
+A token's value is the whole prefix up to and including it (real K/V depends on every
+earlier token), so reading a sequence back through `attention_view` proves that its table
+maps exactly its tokens, that shared and copied blocks hold the right data, and that no
+block in use was ever handed to someone else. After every step: check_integrity, the
+counts in stats, and that read-back for every sequence and layer.
+
+Lookups never cross tenants: a tenant may only be served a prefix that one of its own
+sequences, or a sequence made public, wrote in full on every layer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from cache_service.block_manager import (
+    BlockManager,
+    BlockManagerConfig,
+    CacheError,
+    InvalidRequest,
+    LayerNotWritten,
+    PoolExhausted,
+    QuotaExceeded,
+    SeqRef,
+    SequenceLost,
+    SequenceNotFound,
+)
+
+BS = 2
+LAYERS = 2
+TENANTS = ("a", "b", "c")
+WORKER_NAMES = ("w0", "w1", "w2", "w3")
+# A tiny vocabulary makes different sequences spell the same blocks often.
+tokens_st = st.lists(st.integers(0, 2), max_size=9)
+tenant_st = st.sampled_from(TENANTS)
+layer_st = st.one_of(st.none(), st.integers(0, LAYERS - 1))
+
+Memory = dict[tuple[str, int, int], tuple[int, ...]]
+
+
+@dataclass
+class ModelSeq:
+    tenant: str
+    tokens: list[int]
+    written: list[int]
+
+
+class ControlPlaneMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = BlockManager(
+            BlockManagerConfig(
+                block_size=BS,
+                num_layers=LAYERS,
+                layout_fingerprint="fp",
+                tenant_quota_blocks=10,
+                tenant_quota_sequences=5,
+            )
+        )
+        self.workers: dict[str, int] = {}
+        self.memory: Memory = {}
+        self.seqs: dict[str, ModelSeq] = {}
+        self.lost: dict[str, str] = {}
+        # owner (tenant, or None for public) -> token prefixes it may be served
+        self.visible: dict[str | None, set[tuple[int, ...]]] = {}
+        self.pins: dict[tuple[str, tuple[int, ...]], int] = {}
+        self.pins_maybe_dropped: set[tuple[str, tuple[int, ...]]] = set()
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def expect_unchanged(self, call, errors: tuple[type[CacheError], ...]) -> CacheError | None:
+        """Run call; if it raises one of `errors`, the state must be as before."""
+        before = self.m.to_records()
+        try:
+            call()
+        except errors as exc:
+            assert self.m.to_records() == before, f"{type(exc).__name__} changed the state"
+            return exc
+        return None
+
+    def note_written(self, seq: ModelSeq) -> None:
+        full = min(seq.written) // BS
+        prefixes = self.visible.setdefault(seq.tenant, set())
+        for k in range(1, full + 1):
+            prefixes.add(tuple(seq.tokens[: k * BS]))
+
+    def check_served(self, tenant: str, prompt: list[int], served: int, cap: bool) -> None:
+        limit = (len(prompt) - 1) // BS * BS if cap else len(prompt) // BS * BS
+        assert served % BS == 0 and 0 <= served <= max(limit, 0)
+        if served:
+            prefix = tuple(prompt[:served])
+            allowed = self.visible.get(tenant, set()) | self.visible.get(None, set())
+            assert prefix in allowed, f"tenant {tenant} served a prefix it never could see"
+
+    def pick(self, data: st.DataObject, pool: dict[str, object]) -> str:
+        # Insertion order, not sorted: ids are random, so sorting them would make the drawn
+        # choice differ between a failing run and its replay.
+        return data.draw(st.sampled_from(list(pool)))
+
+    # ---- workers ------------------------------------------------------------------------
+
+    @initialize(sizes=st.lists(st.integers(3, 12), min_size=1, max_size=2))
+    def start_workers(self, sizes: list[int]) -> None:
+        for name, size in zip(WORKER_NAMES, sizes, strict=False):
+            self.m.add_worker(name, size)
+            self.workers[name] = size
+
+    @precondition(lambda self: len(self.workers) < 3)
+    @rule(data=st.data(), size=st.integers(1, 12))
+    def add_worker(self, data: st.DataObject, size: int) -> None:
+        name = data.draw(st.sampled_from([w for w in WORKER_NAMES if w not in self.workers]))
+        self.m.add_worker(name, size)
+        self.workers[name] = size
+
+    @precondition(lambda self: self.workers)
+    @rule(data=st.data())
+    def lose_worker(self, data: st.DataObject) -> None:
+        name = self.pick(data, self.workers)
+        expected = {
+            SeqRef(s.tenant, seq_id)
+            for seq_id, s in self.seqs.items()
+            if name in self.m.sequence_info(s.tenant, seq_id).workers
+        }
+        affected = self.m.lose_worker(name)
+        assert set(affected) == expected and len(affected) == len(expected)
+        if affected:
+            event("lose_worker failed sequences")
+        for ref in affected:
+            del self.seqs[ref.seq_id]
+            self.lost[ref.seq_id] = ref.tenant
+        del self.workers[name]
+        self.memory = {k: v for k, v in self.memory.items() if k[0] != name}
+        self.pins_maybe_dropped |= set(self.pins)
+
+    # ---- sequences ----------------------------------------------------------------------
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), tenant=tenant_st, suffix=tokens_st, compute=st.booleans())
+    def create_from_existing(
+        self, data: st.DataObject, tenant: str, suffix: list[int], compute: bool
+    ) -> None:
+        """A prompt that starts like a live sequence: the way prefix hits happen."""
+        seq = self.seqs[self.pick(data, self.seqs)]
+        if data.draw(st.booleans()):
+            tenant = seq.tenant
+        prompt = seq.tokens[: data.draw(st.integers(0, len(seq.tokens)))] + suffix
+        self.create(tenant, prompt, compute)
+
+    @rule(tenant=tenant_st, prompt=st.one_of(st.none(), tokens_st), compute=st.booleans())
+    def create(self, tenant: str, prompt: list[int] | None, compute: bool) -> None:
+        """Create; with `compute`, also write the uncached rest of the prompt on every layer,
+        as a client does."""
+        expected = self.m.lookup(tenant, prompt) if prompt else 0
+        created: list = []
+        error = self.expect_unchanged(
+            lambda: created.append(self.m.create_sequence(tenant, prompt)),
+            (PoolExhausted, QuotaExceeded),
+        )
+        if error is not None:
+            event(f"create refused: {type(error).__name__}")
+            return
+        (result,) = created
+        assert result.num_cached_tokens == expected
+        if expected:
+            event("create adopted a cached prefix")
+        if prompt:
+            self.check_served(tenant, prompt, expected, cap=True)
+        cached = list(prompt or [])[: result.num_cached_tokens]
+        self.seqs[result.seq_id] = ModelSeq(tenant, cached, [len(cached)] * LAYERS)
+        rest = list(prompt or [])[len(cached) :]
+        if compute and rest:
+            self.do_write(result.seq_id, None, rest, False, len(rest))
+
+    @precondition(lambda self: self.seqs)
+    @rule(
+        data=st.data(),
+        layer=layer_st,
+        new_tokens=st.lists(st.integers(0, 2), min_size=1, max_size=6),
+        corrupt=st.booleans(),
+    )
+    def write(
+        self, data: st.DataObject, layer: int | None, new_tokens: list[int], corrupt: bool
+    ) -> None:
+        seq_id = self.pick(data, self.seqs)
+        committed = data.draw(st.integers(0, len(new_tokens)))
+        self.do_write(seq_id, layer, new_tokens, corrupt, committed)
+
+    def do_write(
+        self, seq_id: str, layer: int | None, new_tokens: list[int], corrupt: bool, committed: int
+    ) -> None:
+        """prepare_write, the simulated worker's copies and writes, commit_write."""
+        seq = self.seqs[seq_id]
+        layers = list(range(LAYERS)) if layer is None else [layer]
+        starts = {seq.written[i] for i in layers}
+        if len(starts) > 1:
+            error = self.expect_unchanged(
+                lambda: self.m.prepare_write(seq.tenant, seq_id, None, [0]), (InvalidRequest,)
+            )
+            assert error is not None
+            return
+        (start,) = starts
+        # Positions already reserved must repeat their tokens; a corrupted one is refused.
+        tokens = [
+            seq.tokens[p] if p < len(seq.tokens) else new_tokens[p - start]
+            for p in range(start, start + len(new_tokens))
+        ]
+        reserved_overlap = min(len(seq.tokens), start + len(tokens)) - start
+        if corrupt and reserved_overlap > 0:
+            bad = list(tokens)
+            bad[0] = (bad[0] + 1) % 3
+            error = self.expect_unchanged(
+                lambda: self.m.prepare_write(seq.tenant, seq_id, layer, bad), (InvalidRequest,)
+            )
+            assert error is not None
+            return
+        plans: list = []
+        error = self.expect_unchanged(
+            lambda: plans.append(self.m.prepare_write(seq.tenant, seq_id, layer, tokens)),
+            (PoolExhausted, QuotaExceeded),
+        )
+        if error is not None:
+            event(f"write refused: {type(error).__name__}")
+            return
+        (plan,) = plans
+        if plan.copies:
+            event("copy-on-write")
+        if len({w for w, _ in plan.slots}) > 1:
+            event("write spans workers")
+        assert plan.start == start and len(plan.slots) == len(tokens)
+        assert len(set(plan.slots)) == len(plan.slots)
+        # The worker runs the copies (every layer), then writes the new K/V.
+        for copy in plan.copies:
+            for offset in range(BS):
+                for layer_index in range(LAYERS):
+                    src = (copy.worker_id, copy.src * BS + offset, layer_index)
+                    dst = (copy.worker_id, copy.dst * BS + offset, layer_index)
+                    if src in self.memory:
+                        self.memory[dst] = self.memory[src]
+                    else:
+                        self.memory.pop(dst, None)
+        seq.tokens.extend(tokens[reserved_overlap:])
+        for i, (worker_id, slot) in enumerate(plan.slots):
+            for layer_index in layers:
+                self.memory[(worker_id, slot, layer_index)] = tuple(seq.tokens[: start + i + 1])
+        self.m.commit_write(seq.tenant, seq_id, layer, committed)
+        for layer_index in layers:
+            seq.written[layer_index] += committed
+        self.note_written(seq)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        seq_id = self.pick(data, self.seqs)
+        seq = self.seqs[seq_id]
+        forked: list[str] = []
+        error = self.expect_unchanged(
+            lambda: forked.append(self.m.fork(seq.tenant, seq_id)), (QuotaExceeded,)
+        )
+        if error is not None:
+            return
+        self.seqs[forked[0]] = ModelSeq(seq.tenant, list(seq.tokens), list(seq.written))
+        # Forks usually diverge at once (beam search, sampling n > 1).
+        if data.draw(st.booleans()) and seq.written.count(seq.written[0]) == LAYERS:
+            new_tokens = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=3))
+            target = forked[0] if data.draw(st.booleans()) else seq_id
+            self.do_write(target, None, new_tokens, False, len(new_tokens))
+
+    @precondition(lambda self: self.seqs or self.lost)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        pool = {**{k: v.tenant for k, v in self.seqs.items()}, **self.lost}
+        seq_id = self.pick(data, pool)
+        self.m.free(pool[seq_id], seq_id)
+        self.seqs.pop(seq_id, None)
+        self.lost.pop(seq_id, None)
+
+    @precondition(lambda self: self.seqs or self.lost)
+    @rule(data=st.data(), layer=st.integers(0, LAYERS - 1))
+    def wrong_tenant_or_lost(self, data: st.DataObject, layer: int) -> None:
+        pool = {**{k: v.tenant for k, v in self.seqs.items()}, **self.lost}
+        seq_id = self.pick(data, pool)
+        owner = pool[seq_id]
+        other = data.draw(st.sampled_from([t for t in TENANTS if t != owner]))
+        error = self.expect_unchanged(
+            lambda: self.m.attention_view(other, seq_id, layer), (SequenceNotFound,)
+        )
+        assert error is not None and str(error) == f"no sequence {seq_id!r} for this tenant"
+        if seq_id in self.lost:
+            error = self.expect_unchanged(
+                lambda: self.m.prepare_write(owner, seq_id, None, [1]), (SequenceLost,)
+            )
+            assert error is not None
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def publish_public(self, data: st.DataObject) -> None:
+        seq_id = self.pick(data, self.seqs)
+        seq = self.seqs[seq_id]
+        self.m.publish_public(seq.tenant, seq_id)
+        full = min(seq.written) // BS
+        public = self.visible.setdefault(None, set())
+        for k in range(1, full + 1):
+            public.add(tuple(seq.tokens[: k * BS]))
+
+    # ---- prefix cache ---------------------------------------------------------------------
+
+    @rule(tenant=tenant_st, prompt=tokens_st)
+    def lookup(self, tenant: str, prompt: list[int]) -> None:
+        before = self.m.to_records()
+        served = self.m.lookup(tenant, prompt)
+        assert self.m.to_records() == before
+        self.check_served(tenant, prompt, served, cap=True)
+
+    @rule(tenant=tenant_st, prompt=tokens_st)
+    def pin(self, tenant: str, prompt: list[int]) -> None:
+        pinned = self.m.pin(tenant, prompt)
+        self.check_served(tenant, prompt, pinned, cap=False)
+        key = (tenant, tuple(prompt[: len(prompt) // BS * BS]))
+        if pinned:
+            self.pins[key] = self.pins.get(key, 0) + 1
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.pins)))
+        tenant, prefix = key
+        error = self.expect_unchanged(lambda: self.m.unpin(tenant, list(prefix)), (InvalidRequest,))
+        # Only a lost worker can take a pin away behind the model's back.
+        assert error is None or key in self.pins_maybe_dropped
+        self.pins[key] -= 1
+        if error is not None or self.pins[key] == 0:
+            del self.pins[key]
+            self.pins_maybe_dropped.discard(key)
+
+    @rule(max_blocks=st.one_of(st.none(), st.integers(0, 4)))
+    def evict(self, max_blocks: int | None) -> None:
+        before = self.m.stats()
+        evicted = self.m.evict(max_blocks=max_blocks)
+        if evicted:
+            event("explicit eviction")
+        after = self.m.stats()
+        assert after.evictions - before.evictions == evicted
+        cached_before = sum(w.cached_free for w in before.workers.values())
+        expected = cached_before if max_blocks is None else min(cached_before, max_blocks)
+        assert evicted == expected
+
+    @rule()
+    def snapshot_and_restore(self) -> None:
+        """Continue on a manager rebuilt from a JSON round trip of the records."""
+        records = self.m.to_records()
+        restored = BlockManager.from_records(json.loads(json.dumps(records)))
+        assert restored.to_records() == records
+        self.m = restored
+
+    # ---- invariants ---------------------------------------------------------------------
+
+    @invariant()
+    def integrity(self) -> None:
+        self.m.check_integrity()
+        stats = self.m.stats()
+        assert stats.active_sequences == len(self.seqs)
+        assert stats.lost_sequences == len(self.lost)
+        assert set(stats.workers) == set(self.workers)
+        for worker_id, ws in stats.workers.items():
+            assert ws.total == self.workers[worker_id]
+
+    @invariant()
+    def every_sequence_reads_back_its_own_tokens(self) -> None:
+        for seq_id, seq in self.seqs.items():
+            info = self.m.sequence_info(seq.tenant, seq_id)
+            assert list(info.token_ids) == seq.tokens
+            assert list(info.written) == seq.written
+            for layer in range(LAYERS):
+                if seq.written[layer] == 0:
+                    try:
+                        self.m.attention_view(seq.tenant, seq_id, layer)
+                    except LayerNotWritten:
+                        continue
+                    raise AssertionError("attention over an unwritten layer was allowed")
+                view = self.m.attention_view(seq.tenant, seq_id, layer)
+                assert view.seq_len == seq.written[layer]
+                position = 0
+                for segment in view.segments:
+                    assert segment.start_token == position
+                    for block in segment.block_indices:
+                        for offset in range(BS):
+                            if position < view.seq_len:
+                                slot = (segment.worker_id, block * BS + offset, layer)
+                                assert self.memory.get(slot) == tuple(seq.tokens[: position + 1]), (
+                                    f"{seq_id} position {position} layer {layer} reads {slot}"
+                                )
+                            position += 1
+                assert position >= view.seq_len > position - BS
+
+
+ControlPlaneMachine.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestControlPlane = ControlPlaneMachine.TestCase

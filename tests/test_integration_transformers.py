@@ -1,0 +1,329 @@
+"""Hugging Face transformers models generating through the real service, token for token.
+
+Each model family gets its own service (a real coordinator and gRPC server on a loopback
+port, in-process KV pools) whose layout fits it. The reference is the same weights running
+transformers' own attention and DynamicCache.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from cache_service.client import AppendAttendItem, KVCacheClient, NotFoundError  # noqa: E402
+from cache_service.config import (  # noqa: E402
+    LayoutConfig,
+    MetricsConfig,
+    ServerConfig,
+    ServiceConfig,
+    WorkersConfig,
+)
+from cache_service.integrations.embedded import EmbeddedService  # noqa: E402
+from cache_service.integrations.transformers import (  # noqa: E402
+    SERVICE_ATTENTION,
+    ServiceModel,
+    SessionConfig,
+)
+
+VOCAB = 96
+PAD = VOCAB - 1  # never drawn as a prompt token, so any PAD on the wire is padding
+NEW_TOKENS = 32
+LOGIT_ATOL = 1e-4  # float32 model and float32 KV on both sides
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def model(self, seed: int = 0) -> Any:
+        torch.manual_seed(seed)
+        common = dict(
+            vocab_size=VOCAB,
+            hidden_size=self.num_q_heads * self.head_dim,
+            intermediate_size=96,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_q_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            pad_token_id=PAD,
+            bos_token_id=None,
+            eos_token_id=None,
+            # Larger than the default 0.02 so the random model's logits are not near-ties.
+            initializer_range=0.2,
+            tie_word_embeddings=False,
+        )
+        if self.name == "llama":
+            cfg = transformers.LlamaConfig(**common)
+            model = transformers.LlamaForCausalLM(cfg)
+        else:
+            cfg = transformers.Qwen2Config(**common, use_sliding_window=False)
+            model = transformers.Qwen2ForCausalLM(cfg)
+        return model.eval()
+
+
+LLAMA = Family("llama", num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)  # GQA 2
+QWEN2 = Family("qwen2", num_layers=3, num_q_heads=6, num_kv_heads=1, head_dim=8)  # MQA
+
+
+class RecordingClient:
+    """The real client, recording what each append_attend carried (seq, layer, token ids)."""
+
+    def __init__(self, client: KVCacheClient) -> None:
+        self._client = client
+        self.appends: list[tuple[int, str, list[int]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def append_attend(self, layer: int, items: Sequence[AppendAttendItem]) -> list[Any]:
+        self.appends.extend((layer, i.seq_id, list(i.token_ids)) for i in items)
+        return self._client.append_attend(layer, items)
+
+    def sent(self, seq_id: str, layer: int) -> list[int]:
+        """Token ids sent for one sequence on one layer, in order."""
+        return [t for (lay, s, ids) in self.appends if s == seq_id and lay == layer for t in ids]
+
+
+def _service(family: Family) -> EmbeddedService:
+    config = ServiceConfig(
+        layout=LayoutConfig(
+            num_layers=family.num_layers,
+            num_kv_heads=family.num_kv_heads,
+            head_dim=family.head_dim,
+            block_size=16,
+            dtype="float32",
+        ),
+        workers=WorkersConfig(num_workers=1, blocks_per_worker=256, in_process=True),
+        server=ServerConfig(host="127.0.0.1", port=0),
+        metrics=MetricsConfig(enabled=False),
+        log_level="WARNING",
+    )
+    return EmbeddedService(config)
+
+
+@pytest.fixture(scope="module", params=[LLAMA, QWEN2], ids=lambda f: f.name)
+def family_service(request: pytest.FixtureRequest) -> Iterator[tuple[Family, EmbeddedService]]:
+    with _service(request.param) as svc:
+        yield request.param, svc
+
+
+@pytest.fixture(scope="module")
+def llama_service() -> Iterator[EmbeddedService]:
+    with _service(LLAMA) as svc:
+        yield svc
+
+
+@pytest.fixture
+def client(request: pytest.FixtureRequest) -> Iterator[RecordingClient]:
+    svc = request.getfixturevalue(request.param)
+    if isinstance(svc, tuple):
+        svc = svc[1]
+    with KVCacheClient(svc.address, timeout_s=30) as c:
+        yield RecordingClient(c)
+
+
+def _batch(lengths: Sequence[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded random prompts: input_ids and attention_mask ``[len(lengths), max]``."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, width - n :] = torch.randint(0, PAD, (n,), generator=g)
+        mask[b, width - n :] = 1
+    return ids, mask
+
+
+def _generate_kwargs() -> dict[str, Any]:
+    return dict(
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+
+
+def _reference(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> Any:
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, **_generate_kwargs())
+
+
+def _assert_same_generation(ours: Any, ref: Any) -> None:
+    assert torch.equal(ours.sequences, ref.sequences), (ours.sequences, ref.sequences)
+    assert len(ours.logits) == len(ref.logits) == NEW_TOKENS
+    worst = max((a - b).abs().max().item() for a, b in zip(ours.logits, ref.logits, strict=True))
+    assert worst < LOGIT_ATOL, f"logits differ by up to {worst}"
+
+
+@pytest.mark.parametrize("client", ["family_service"], indirect=True)
+def test_batched_greedy_generation_equals_transformers(
+    family_service: tuple[Family, EmbeddedService], client: RecordingClient
+) -> None:
+    family, _ = family_service
+    model = family.model(seed=1)
+    reference = copy.deepcopy(model)
+    lengths = [5, 19, 37, 12]
+    ids, mask = _batch(lengths, seed=2)
+    ref = _reference(reference, ids, mask)
+
+    served = ServiceModel(model, client)
+    assert model.config._attn_implementation == SERVICE_ATTENTION
+    with served.session(ids, mask, SessionConfig(reuse_prefix=False)) as session, torch.no_grad():
+        ours = session.generate(**_generate_kwargs())
+        exported = [client.export_blocks(s).token_ids for s in session.seq_ids]
+        seq_ids = session.seq_ids
+    _assert_same_generation(ours, ref)
+
+    width = ids.shape[1]
+    for b, n in enumerate(lengths):
+        # The service holds exactly the row's real tokens: prompt without padding, then every
+        # generated token but the last (generate never feeds that one back).
+        real = ids[b, width - n :].tolist() + ours.sequences[b, width:-1].tolist()
+        assert exported[b] == real
+        for layer in range(family.num_layers):
+            assert client.sent(seq_ids[b], layer) == real
+    assert session.stats.prefill_tokens == lengths
+    assert session.stats.step_columns == [width] + [1] * (NEW_TOKENS - 1)
+    # One RPC per layer per forward, whatever the batch size.
+    assert session.stats.rpc_calls == family.num_layers * NEW_TOKENS
+    assert client.stats().active_sequences == 0
+
+
+@pytest.mark.parametrize("client", ["llama_service"], indirect=True)
+def test_second_request_prefill_sends_only_the_uncached_suffix(client: RecordingClient) -> None:
+    model = LLAMA.model(seed=3)
+    reference = copy.deepcopy(model)
+    served = ServiceModel(model, client)
+    first, _ = _batch([40], seed=4)
+    with torch.no_grad():
+        served.generate(first, max_new_tokens=4, do_sample=False)
+
+    # Shares 37 prompt tokens with the first request: two full 16-token blocks are cached.
+    g = torch.Generator().manual_seed(5)
+    second = torch.cat([first[:, :37], torch.randint(0, PAD, (1, 9), generator=g)], dim=1)
+    assert client.lookup(second[0].tolist()) == 32
+    ref = _reference(reference, second, torch.ones_like(second))
+    client.appends.clear()
+    with served.session(second) as session, torch.no_grad():
+        ours = session.generate(**_generate_kwargs())
+        seq_id = session.seq_ids[0]
+    _assert_same_generation(ours, ref)
+    assert session.stats.cached_tokens == [32]
+    assert session.stats.prefill_tokens == [46 - 32]
+    assert session.stats.step_columns[0] == 46 - 32  # the model computed only the suffix
+    for layer in range(LLAMA.num_layers):
+        first_append = next(ids for (lay, s, ids) in client.appends if s == seq_id and lay == layer)
+        assert first_append == second[0, 32:].tolist()
+
+
+@pytest.mark.parametrize("client", ["family_service"], indirect=True)
+def test_batched_prefix_hits_of_different_lengths_with_padding(
+    family_service: tuple[Family, EmbeddedService], client: RecordingClient
+) -> None:
+    family, _ = family_service
+    model = family.model(seed=6)
+    reference = copy.deepcopy(model)
+    served = ServiceModel(model, client)
+    warm, _ = _batch([50], seed=7)
+    with torch.no_grad():
+        served.generate(warm, max_new_tokens=1, do_sample=False)
+
+    # Row 0 shares 20 tokens (1 block cached), row 1 shares 40 (2 blocks), row 2 nothing.
+    g = torch.Generator().manual_seed(8)
+    prompts = [
+        warm[0, :20].tolist() + torch.randint(0, PAD, (7,), generator=g).tolist(),
+        warm[0, :40].tolist() + torch.randint(0, PAD, (3,), generator=g).tolist(),
+        torch.randint(0, PAD, (11,), generator=g).tolist(),
+    ]
+    width = max(len(p) for p in prompts)
+    ids = torch.full((3, width), PAD, dtype=torch.long)
+    mask = torch.zeros((3, width), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p) :] = torch.tensor(p)
+        mask[b, width - len(p) :] = 1
+    ref = _reference(reference, ids, mask)
+    ours, stats = served.generate(ids, mask, **_generate_kwargs())
+    _assert_same_generation(ours, ref)
+    assert stats.cached_tokens == [16, 32, 0]
+    assert stats.prefill_tokens == [len(p) - c for p, c in zip(prompts, [16, 32, 0], strict=True)]
+
+
+@pytest.mark.parametrize("client", ["llama_service"], indirect=True)
+def test_bad_inputs_raise_and_change_nothing(client: RecordingClient) -> None:
+    # A service whose layout does not fit the model: refused before the model is touched.
+    qwen = QWEN2.model()
+    with pytest.raises(ValueError, match="num_layers: service 2 != model 3"):
+        ServiceModel(qwen, client)
+    assert qwen.config._attn_implementation != SERVICE_ATTENTION
+
+    model = LLAMA.model(seed=9)
+    reference = copy.deepcopy(model)
+    served = ServiceModel(model, client)
+    with pytest.raises(ValueError, match="already routed"):
+        ServiceModel(model, client)
+    ids, mask = _batch([6, 9], seed=10)
+    before = client.stats().active_sequences
+
+    right_padded = mask.flip(1)
+    with pytest.raises(ValueError, match="not left-padded"):
+        served.session(ids.flip(1), right_padded)
+    with pytest.raises(ValueError, match="no tokens"):
+        served.session(ids, torch.zeros_like(mask))
+    with pytest.raises(ValueError, match="only 0"):
+        served.session(ids, mask * 2)
+    assert client.stats().active_sequences == before
+
+    # The routed model refuses to run without a session's cache.
+    with pytest.raises(ValueError, match=r"past_key_values=session\.cache"), torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+
+    with served.session(ids, mask) as session, torch.no_grad():
+        assert client.stats().active_sequences == before + 2
+        with pytest.raises(ValueError, match="set by the session"):
+            session.generate(use_cache=False)
+        other = ids.clone()
+        other[1, -1] = (other[1, -1] + 1) % PAD
+        with pytest.raises(ValueError, match="differ from the session's prompt"):
+            model(input_ids=other, attention_mask=mask, past_key_values=session.cache)
+        with pytest.raises(NotImplementedError, match="num_beams > 1"):
+            session.generate(max_new_tokens=2, num_beams=2, do_sample=False)
+        # None of that wrote anything: the session still generates exactly.
+        assert session.stats.step_tokens == []
+        ours = session.generate(**_generate_kwargs())
+    _assert_same_generation(ours, _reference(reference, ids, mask))
+    assert client.stats().active_sequences == before
+
+    served.detach()
+    assert model.config._attn_implementation == reference.config._attn_implementation
+    with torch.no_grad():
+        again = model.generate(input_ids=ids, attention_mask=mask, **_generate_kwargs())
+    _assert_same_generation(again, _reference(reference, ids, mask))
+
+
+@pytest.mark.parametrize("client", ["llama_service"], indirect=True)
+def test_a_service_error_mid_step_surfaces_and_retires_the_session(client: RecordingClient) -> None:
+    served = ServiceModel(LLAMA.model(seed=11), client)
+    ids, mask = _batch([7, 4], seed=12)
+    with served.session(ids, mask) as session, torch.no_grad():
+        client.free(session.seq_ids[1])  # gone behind the session's back
+        with pytest.raises(NotFoundError):
+            session.generate(max_new_tokens=2, do_sample=False)
+        # Layer 0 may have written some rows: the session refuses to go on.
+        with pytest.raises(RuntimeError, match="unusable"):
+            session.generate(max_new_tokens=2, do_sample=False)
+    assert client.stats().active_sequences == 0

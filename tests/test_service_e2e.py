@@ -1,0 +1,209 @@
+"""End to end over a real port with real Ray CPU workers: many sequences of ragged lengths,
+GQA, prefill then decode layer by layer, batches, forks, frees, prefix hits across clients;
+every output equals dense attention, and after all frees no block is referenced."""
+
+from __future__ import annotations
+
+import random
+import threading
+import uuid
+
+import pytest
+import ray
+import torch
+from service_support import HQ, LAYOUT, Mirror, ServiceHarness, service_config
+
+from cache_service.client import AppendAttendItem, AttendItem, KVCacheClient
+
+D, HKV, NL = LAYOUT.head_dim, LAYOUT.num_kv_heads, LAYOUT.num_layers
+
+
+@pytest.fixture(scope="module")
+def svc():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="e2e")
+    prefix = f"e2e-{uuid.uuid4().hex[:6]}-"
+    config = service_config(
+        **{
+            "workers.in_process": False,
+            "workers.num_workers": 2,
+            "workers.blocks_per_worker": 96,
+            "workers.name_prefix": prefix,
+            "workers.namespace": "e2e",
+            "coordinator.batch_window_ms": 2.0,
+        }
+    )
+    harness = ServiceHarness(config)
+    try:
+        yield harness
+    finally:
+        harness.stop()
+        ray.shutdown()
+
+
+def check(out: torch.Tensor, m: Mirror, layer: int, q: torch.Tensor, lse=None) -> None:
+    ref, ref_lse = m.reference(layer, q)
+    assert torch.allclose(out.double(), ref, atol=2e-5), (out.double() - ref).abs().max()
+    if lse is not None:
+        assert torch.allclose(lse.double(), ref_lse, atol=1e-4)
+
+
+def run_client(address: str, seed: int, prompt: list[int], results: dict, errors: list) -> None:
+    """One client: create with a shared-prefix prompt, prefill what is not cached (ragged
+    chunks, layer by layer), decode a few tokens in batches of its sequences, fork one,
+    free everything. The prefix's K/V are a function of the prompt, as with a real model."""
+    try:
+        rng = random.Random(seed)
+        gen = torch.Generator().manual_seed(seed)
+        with KVCacheClient(address, timeout_s=60) as client:
+            mirrors = []
+            for s in range(3):
+                ids = prompt + [rng.randrange(1000) for _ in range(rng.randrange(1, 9))]
+                h = client.create_sequence(ids)
+                m = Mirror(h.seq_id, NL)
+                cached = h.num_cached_tokens
+                results.setdefault("cached", []).append(cached)
+                for layer in range(NL):
+                    if cached:
+                        k, v = prefix_kv(layer, cached)
+                        m.add(layer, k, v)
+                m.tokens = ids[:cached]
+                rest = ids[cached:]
+                # Chunked prefill of ragged chunk sizes.
+                while rest:
+                    n = min(len(rest), rng.randrange(1, 7))
+                    chunk, rest = rest[:n], rest[n:]
+                    start = len(m.tokens)
+                    for layer in range(NL):
+                        k, v = token_kv(layer, chunk, start, s + 10 * seed)
+                        q = torch.randn(n, HQ, D, generator=gen)
+                        (out,) = client.append_attend(
+                            layer, [AppendAttendItem(m.seq_id, chunk, k, v, q)]
+                        )
+                        m.add(layer, k, v)
+                        check(out, m, layer, q)
+                    m.tokens += chunk
+                mirrors.append(m)
+            # Batched decode: one call per layer for all of this client's sequences.
+            for t in range(4):
+                for layer in range(NL):
+                    items, qs = [], []
+                    for m in mirrors:
+                        k = torch.randn(1, HKV, D, generator=gen)
+                        v = torch.randn(1, HKV, D, generator=gen)
+                        q = torch.randn(1, HQ, D, generator=gen)
+                        items.append(AppendAttendItem(m.seq_id, [500 + t], k, v, q))
+                        qs.append(q)
+                        m.add(layer, k, v)
+                    outs = client.append_attend(layer, items, return_lse=True)
+                    for m, q, (o, lse) in zip(mirrors, qs, outs, strict=True):
+                        check(o, m, layer, q, lse)
+                for m in mirrors:
+                    m.tokens.append(500 + t)
+            # Fork the first sequence, diverge both (copy-on-write of the partial block).
+            f = client.fork(mirrors[0].seq_id)
+            fm = mirrors[0].fork(f.seq_id)
+            assert f.num_cached_tokens == len(fm.tokens)
+            for m, tok in ((mirrors[0], 900), (fm, 901)):
+                for layer in range(NL):
+                    k = torch.randn(1, HKV, D, generator=gen)
+                    q = torch.randn(2, HQ, D, generator=gen)
+                    (out,) = client.append_attend(
+                        layer, [AppendAttendItem(m.seq_id, [tok], k, k, q)]
+                    )
+                    m.add(layer, k, k)
+                    check(out, m, layer, q)
+            # Multi-row attend (e.g. speculative verification) on every sequence at once.
+            for layer in range(NL):
+                qs = [torch.randn(3, HQ, D, generator=gen) for _ in [*mirrors, fm]]
+                outs = client.attend(
+                    layer,
+                    [AttendItem(m.seq_id, q) for m, q in zip([*mirrors, fm], qs, strict=True)],
+                )
+                for m, q, o in zip([*mirrors, fm], qs, outs, strict=True):
+                    check(o, m, layer, q)
+            for m in [*mirrors, fm]:
+                client.free(m.seq_id)
+    except BaseException as exc:  # surfaced by the test thread
+        errors.append(exc)
+
+
+PREFIX_SEED = 1234
+
+
+def prefix_kv(layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of the first n shared-prompt positions (a function of the prompt only)."""
+    g = torch.Generator().manual_seed(PREFIX_SEED + layer)
+    k = torch.randn(64, HKV, D, generator=g)
+    v = torch.randn(64, HKV, D, generator=g)
+    return k[:n], v[:n]
+
+
+def token_kv(
+    layer: int, ids: list[int], start: int, salt: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of prompt positions: the shared prefix's are fixed, the rest random."""
+    k, v = prefix_kv(layer, 64)
+    n = len(ids)
+    g = torch.Generator().manual_seed(salt * 1000 + start * 10 + layer)
+    rk, rv = torch.randn(n, HKV, D, generator=g), torch.randn(n, HKV, D, generator=g)
+    rows = [i for i in range(n) if start + i < SHARED]
+    for i in rows:
+        rk[i], rv[i] = k[start + i], v[start + i]
+    return rk, rv
+
+
+SHARED = 18  # shared prompt tokens: 4 full blocks of 4, then 2 more
+
+
+def test_clients_sharing_a_prefix_over_ray_workers(svc) -> None:
+    prompt = list(range(1, SHARED + 1))
+    results: dict = {}
+    errors: list = []
+    # A first client computes the shared prefix; then three run concurrently.
+    run_client(svc.address, 1, prompt, results, errors)
+    assert not errors, errors
+    threads = [
+        threading.Thread(target=run_client, args=(svc.address, seed, prompt, results, errors))
+        for seed in (2, 3, 4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    # The first sequence computes everything; every later one finds the 4 full shared blocks.
+    assert results["cached"][0] == 0
+    assert all(c == 16 for c in results["cached"][1:]), results["cached"]
+    stats = svc.stats()
+    svc.check_integrity()
+    assert stats.active_sequences == 0
+    assert all(w.used == 0 for w in stats.workers.values()), stats.workers
+    assert stats.prefix_hit_tokens["default"] == 16 * (len(results["cached"]) - 1)
+    assert stats.cow_copies >= 4
+
+
+def test_export_import_and_all_layer_append_through_ray(svc) -> None:
+    gen = torch.Generator().manual_seed(7)
+    with KVCacheClient(svc.address) as client:
+        src = client.create_sequence()
+        kv = torch.randn(NL, 23, HKV, D, generator=gen)
+        ids = list(range(3000, 3023))
+        assert client.append(src.seq_id, ids, kv, -kv) == 0
+        exported = client.export_blocks(src.seq_id, chunk_bytes=1000)
+        assert exported.num_tokens == 23 and exported.token_ids == ids
+        blocks = exported.blocks()
+        assert blocks.shape == (6, NL, 2, HKV, LAYOUT.block_size, D)
+        # The exported bytes hold exactly what was appended.
+        flat_k = blocks[:, :, 0].permute(1, 0, 3, 2, 4).reshape(NL, -1, HKV, D)[:, :23]
+        assert torch.equal(flat_k, kv)
+        copy = client.import_blocks(exported.to_bytes())
+        assert copy.num_cached_tokens == 23
+        q = torch.randn(5, HQ, D, generator=gen)
+        for layer in range(NL):
+            a, b = client.attend(layer, [AttendItem(src.seq_id, q), AttendItem(copy.seq_id, q)])
+            assert torch.equal(a, b)
+        # The import shared the source's published full blocks instead of writing them.
+        assert svc.stats().prefix_hit_tokens["default"] >= 20
+        client.free(src.seq_id)
+        client.free(copy.seq_id)
+    svc.check_integrity()

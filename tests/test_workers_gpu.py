@@ -1,0 +1,180 @@
+"""The workers on a CUDA device: Triton kernels behind the pool's strided per-layer views,
+block copies, sizing from free GPU memory, and PoolWorker actors on GPUs (one per GPU, and
+two sharing one GPU for a sequence spanning workers). Marked ``gpu``: skipped without CUDA.
+
+Run on the GPU machine (see ../shared/device/README.md) with Ray carried:
+    source .device/env.sh && python3 -m pytest tests/test_workers_gpu.py -q
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+
+import pytest
+import torch
+from workers_support import dense_attention, place_sequence, rel_err
+
+from cache_service.attention_plan import plan_attention, run_attention
+from cache_service.worker_clients import RayWorkerClient
+from workers.config import PoolConfig
+from workers.errors import PoolAllocationError
+from workers.layout import KVLayout
+from workers.pool import KVPool
+
+pytestmark = pytest.mark.gpu
+
+# Llama-3-8B attention heads (32 query over 8 KV, head_dim 128); two layers keep it small.
+TOLERANCE = {"bfloat16": 1e-2, "float16": 2e-3}
+
+
+def llama_layout(dtype: str) -> KVLayout:
+    return KVLayout(num_layers=2, num_kv_heads=8, head_dim=128, block_size=16, dtype=dtype)
+
+
+def batch_case(pool: KVPool, layer: int, seed: int):
+    """Decode, chunked-prefill and full-prefill sequences written into ``pool``; returns the
+    attention arguments (host) and the float64 dense reference outputs."""
+    layout = pool.layout
+    dtype = layout.torch_dtype()
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    specs = [(1000, 1), (333, 64), (77, 77), (4096, 1)]  # (seq_len, new queries)
+    width = max(-(-s // layout.block_size) for s, _ in specs)
+    taken: dict[str, set[int]] = {}
+    tables, lens, starts, queries, refs = [], [], [0], [], []
+    for seq_len, n in specs:
+        k = torch.randn(seq_len, 8, 128, generator=gen).to(dtype)
+        v = torch.randn(seq_len, 8, 128, generator=gen).to(dtype)
+        q = torch.randn(n, 32, 128, generator=gen).to(dtype)
+        blocks = -(-seq_len // layout.block_size)
+        view = place_sequence({"w": pool}, [("w", blocks)], k, v, rng, layer=layer, taken=taken)
+        tables.append(list(view.segments[0].block_indices) + [0] * (width - blocks))
+        lens.append(seq_len)
+        starts.append(starts[-1] + n)
+        queries.append(q)
+        refs.append(dense_attention(q, k, v)[0])
+    args = (torch.cat(queries), torch.tensor(tables), torch.tensor(lens), torch.tensor(starts))
+    return args, torch.cat(refs)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cuda_pool_attention_matches_dense(dtype):
+    pool = KVPool(llama_layout(dtype), 800, "cuda")
+    args, ref = batch_case(pool, layer=1, seed=0)
+    out, lse = pool.attend(1, *args, return_lse=True)
+    assert out.is_cuda and lse.dtype == torch.float32
+    assert not torch.isnan(out).any()
+    assert rel_err(out.cpu(), ref) < TOLERANCE[dtype]
+    # The other layer stayed zero: the strided layer views do not overlap.
+    assert pool.key_cache(0).abs().sum().item() == 0
+
+
+def test_cuda_block_copy_export_import_are_bit_exact():
+    layout = llama_layout("bfloat16")
+    pool = KVPool(layout, 64, "cuda")
+    pool.data.copy_(torch.randn(pool.data.shape, device="cuda").to(torch.bfloat16))
+    before = pool.data.clone()
+    pool.copy_blocks([3, 4, 5], [4, 9, 10])  # 4 is both source and destination
+    assert torch.equal(pool.data[[4, 9, 10]], before[[3, 4, 5]])
+    data = pool.export_blocks([9, 1])
+    assert data.device.type == "cpu"
+    other = KVPool(layout, 8, "cuda")
+    other.import_blocks([7, 0], data)
+    assert torch.equal(other.data[[7, 0]].cpu(), data)
+
+
+def test_pool_sized_from_free_gpu_memory_and_refused_when_too_big():
+    layout = llama_layout("bfloat16")
+    free, total = torch.cuda.mem_get_info()
+    pool = KVPool.from_config(PoolConfig(layout, memory_fraction=0.01), "cuda")
+    expected = int(free * 0.01) // layout.bytes_per_block
+    assert abs(pool.num_blocks - expected) <= max(2, expected // 20)
+    too_many = 2 * total // layout.bytes_per_block
+    with pytest.raises(PoolAllocationError, match="does not fit"):
+        KVPool(layout, too_many, "cuda")
+
+
+@pytest.fixture(scope="module")
+def gpu_ray():
+    ray = pytest.importorskip("ray")
+    namespace = f"kvcache-gpu-test-{uuid.uuid4().hex[:8]}"
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=4, namespace=namespace, include_dashboard=False)
+    yield ray, namespace
+    if started:
+        ray.shutdown()
+
+
+def test_one_worker_per_gpu_matches_the_in_process_pool(gpu_ray):
+    ray, namespace = gpu_ray
+    from workers.launcher import LaunchConfig, launch_workers, shutdown_workers
+
+    layout = llama_layout("bfloat16")
+    prefix = "per-gpu-"
+    handles = launch_workers(
+        LaunchConfig(PoolConfig(layout, num_blocks=800), namespace=namespace, name_prefix=prefix)
+    )
+    try:
+        assert len(handles) == torch.cuda.device_count()
+        descriptions = ray.get([h.describe.remote() for h in handles])
+        assert all(d.device.startswith("cuda") for d in descriptions)
+        local = KVPool(layout, 800, "cuda")
+        args, ref = batch_case(local, layer=0, seed=1)
+        epoch = descriptions[0].epoch
+        ids = list(range(800))
+        ray.get(handles[0].import_blocks.remote(epoch, ids, local.export_blocks(ids)))
+        out = ray.get(handles[0].attend.remote(epoch, 0, *args))
+        assert out.device.type == "cpu"
+        assert torch.equal(out, local.attend(0, *args).cpu())
+        assert rel_err(out, ref) < TOLERANCE["bfloat16"]
+    finally:
+        shutdown_workers(namespace, prefix)
+
+
+def test_sequence_spanning_two_gpu_workers_matches_dense(gpu_ray):
+    _, namespace = gpu_ray
+    from workers.launcher import LaunchConfig, launch_workers, shutdown_workers
+
+    layout = llama_layout("bfloat16")
+    prefix = "half-gpu-"
+    handles = launch_workers(
+        LaunchConfig(
+            PoolConfig(layout, num_blocks=256),
+            num_workers=2,
+            gpus_per_worker=0.5,
+            namespace=namespace,
+            name_prefix=prefix,
+        )
+    )
+
+    async def scenario():
+        clients = {c.worker_id: c for c in [await RayWorkerClient.connect(h) for h in handles]}
+        epochs = {w: (await c.describe()).epoch for w, c in clients.items()}
+        gen = torch.Generator().manual_seed(2)
+        seq_len, n = 1500, 40  # a 40-token chunk crossing the boundary at token 1472
+        k = torch.randn(seq_len, 8, 128, generator=gen).to(torch.bfloat16)
+        v = torch.randn(seq_len, 8, 128, generator=gen).to(torch.bfloat16)
+        q = torch.randn(n, 32, 128, generator=gen).to(torch.bfloat16)
+        segments, start = [], 0
+        for worker, count, first in ((f"{prefix}0", 92, 10), (f"{prefix}1", 2, 100)):
+            blocks = tuple(range(first, first + count))
+            hi = min(start + count * 16, seq_len)
+            slots = [blocks[i // 16] * 16 + i % 16 for i in range(hi - start)]
+            await clients[worker].write(epochs[worker], 1, slots, k[start:hi], v[start:hi])
+            segments.append((worker, start, blocks))
+            start += count * 16
+        from cache_service.block_manager import Segment, SequenceView
+
+        view = SequenceView(seq_len, tuple(Segment(*s) for s in segments))
+        plan = plan_attention([view], [n], 16)
+        assert plan.needs_merge
+        got = await run_attention(plan, q, 1, clients, epochs)
+        assert rel_err(got.out, dense_attention(q, k, v)[0]) < TOLERANCE["bfloat16"]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        shutdown_workers(namespace, prefix)
