@@ -164,6 +164,13 @@ def _client_run(
         start.abort()
 
 
+def _watch(processes: list[Any], barrier: Any, finished: threading.Event) -> None:
+    while not finished.wait(0.2):
+        if any(p.exitcode not in (None, 0) for p in processes):
+            barrier.abort()
+            return
+
+
 def _process_main(
     target: str, token: str | None, cfg: BenchConfig, seed: int, barrier: Any, queue: Any
 ) -> None:
@@ -212,6 +219,11 @@ def run_decode_bench(
         ]
     for w in workers:
         w.start()
+    finished = threading.Event()
+    if processes:
+        # A client process that dies without reaching the barrier (a crash at import) would
+        # leave everyone waiting: break the barrier instead.
+        threading.Thread(target=_watch, args=(workers, barrier, finished), daemon=True).start()
     try:
         barrier.wait()
         t0 = time.perf_counter()
@@ -219,9 +231,14 @@ def run_decode_bench(
         wall = time.perf_counter() - t0
     except threading.BrokenBarrierError:
         wall = 0.0
+    finished.set()
     if processes:
         for _ in workers:
-            seed, times, error = queue.get(timeout=cfg.timeout_s * (cfg.steps + 10))
+            try:
+                seed, times, error = queue.get(timeout=30)
+            except Exception:  # queue.Empty: a process died without reporting
+                errors.append(RuntimeError("a client process died; see its stderr"))
+                break
             per_client[seed - 1000] = times
             if error is not None:
                 errors.append(RuntimeError(f"client {seed - 1000}: {error}"))

@@ -102,3 +102,37 @@ def test_serve_runs_until_sigterm_and_drains() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+class Skewed:
+    """A worker proxy whose attention outputs are slightly off (what a kernel bug does)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    @property
+    def worker_id(self) -> str:
+        return self.inner.worker_id
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __getattr__(self, name):
+        target = getattr(self.inner, name)
+        if name != "write_and_attend":
+            return target
+
+        async def skewed(*args, **kwargs):
+            result = await target(*args, **kwargs)
+            return type(result)(result.out + 1e-3, result.lse)
+
+        return skewed
+
+
+def test_the_demo_check_catches_wrong_outputs() -> None:
+    from cache_service.demo import DemoConfig, run_clients
+
+    workers = [Skewed(w) for w in local_workers(1, 64)]
+    with ServiceHarness(service_config(), workers) as svc:
+        report = run_clients(svc.address, DemoConfig(clients=2, decode_steps=1))
+    assert report.mismatches > 0 and not report.ok

@@ -1,11 +1,14 @@
 """A real two-node Ray cluster on this machine, the coordinator serving sequences on both.
 
 `ray start --head` and `ray start --address` run as separate process groups on loopback
-addresses (127.0.0.2 and 127.0.0.3), with token authentication. One PoolWorker is placed on each node through a node-local custom resource,
-named and detached as the launcher names them; the coordinator (`python -m cache_service.cli
-serve`, its own process) attaches to them. Then the second node is killed: its sequences
-fail with DATA_LOSS while the head's keep attending correctly; the node is started again:
-Ray restarts its worker there, the coordinator re-registers it, and capacity returns.
+addresses (127.0.0.2 and 127.0.0.3), with token authentication. One PoolWorker is placed
+on each node through a node-local custom resource (on GPUs the launcher's placement group
+spreads them; a CPU machine has no GPU resource to spread by), named and detached as the
+launcher names them, with max_restarts=-1 so that Ray restarts a worker when its node
+returns; the coordinator (`python -m cache_service.cli serve`, its own process) attaches
+to them. Then the second node is killed: its sequences fail with DATA_LOSS while the
+head's keep attending correctly; the node is started again: Ray restarts its worker there,
+the coordinator re-registers it, and capacity returns.
 
 Everything is bounded; the Ray nodes and the coordinator are always stopped.
 """
