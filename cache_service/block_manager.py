@@ -23,12 +23,15 @@ from cache_service.accounting import CacheCounters, CacheStats, WorkerStats, col
 from cache_service.block_pool import BlockPool
 from cache_service.control_types import (
     BlockCopy,
+    CancelledWrite,
     CreatedSequence,
     PhysicalBlock,
     Segment,
     SeqRef,
     SequenceInfo,
     SequenceView,
+    TenantQuota,
+    WriteCursor,
     WritePlan,
 )
 from cache_service.errors import (
@@ -62,6 +65,7 @@ __all__ = [
     "BlockManagerConfig",
     "CacheError",
     "CacheStats",
+    "CancelledWrite",
     "CreatedSequence",
     "InvalidRequest",
     "LayerNotWritten",
@@ -75,7 +79,9 @@ __all__ = [
     "SequenceLost",
     "SequenceNotFound",
     "SequenceView",
+    "TenantQuota",
     "WorkerStats",
+    "WriteCursor",
     "WritePlan",
 ]
 
@@ -93,7 +99,9 @@ class BlockManagerConfig:
         layout_fingerprint: `KVLayout.fingerprint()`; salts every prefix key.
         tenant_quota_blocks: most distinct blocks one tenant's sequences may reference
             (a block shared by several of its sequences counts once); None: no limit.
-        tenant_quota_sequences: most live sequences per tenant; None: no limit.
+            The default for tenants without a quota of their own (`set_tenant_quota`).
+        tenant_quota_sequences: most live sequences per tenant; None: no limit. Same
+            default rule.
     """
 
     block_size: int
@@ -122,6 +130,37 @@ class LostSequence(NamedTuple):
 
     tenant: str
     worker_id: str
+
+
+@dataclass(slots=True)
+class _Undo:
+    """How to put one sequence back as it was before one prepare_write of a batch."""
+
+    seq: Sequence
+    tokens: int
+    table: int
+    last: PhysicalBlock | None
+    home: str | None
+    # Blocks taken, in order, and whether each came off the cached-free LRU.
+    taken: list[tuple[PhysicalBlock, bool]]
+    cow_src: PhysicalBlock | None = None
+
+
+class _Journal:
+    """What the prepare_write calls of one `prepare_writes` batch changed, so that a failing
+    item can put every earlier one back exactly (free-list and LRU order included).
+
+    Index entries of cached-free blocks a batch evicts are removed only once the whole
+    batch succeeded: nothing in prepare_write reads the index, and a failed batch then has
+    nothing to re-publish (re-publishing would change the index's order).
+    """
+
+    def __init__(self, counters: CacheCounters, released: dict[str, list[int]]) -> None:
+        self.evictions = counters.evictions
+        self.cow_copies = counters.cow_copies
+        self.released = {w: len(ids) for w, ids in released.items()}
+        self.steps: list[_Undo] = []
+        self.evicted: list[PhysicalBlock] = []
 
 
 @dataclass(slots=True)
@@ -159,6 +198,12 @@ class BlockManager:
         self._counters = CacheCounters()
         self._public = make_salt(None, config.layout_fingerprint)
         self._salts: dict[str, tuple[Salt, Salt]] = {}
+        self._quotas: dict[str, TenantQuota] = {}
+        # Blocks that went free (or were evicted for reuse) since the last
+        # `take_released`, per worker: the workers poison them in debug mode. Not part of
+        # the durable state: a release that never reached a worker costs only that check.
+        self._released: dict[str, list[int]] = {}
+        self._journal: _Journal | None = None
 
     # ---- workers ------------------------------------------------------------------------
 
@@ -221,6 +266,8 @@ class BlockManager:
             if seq.home == worker_id:
                 seq.home = None
         del self._pools[worker_id]
+        # Its pool is gone: nothing there to poison any more.
+        self._released.pop(worker_id, None)
         return [SeqRef(seq.tenant, seq.seq_id) for seq in affected]
 
     # ---- sequences ----------------------------------------------------------------------
@@ -361,6 +408,27 @@ class BlockManager:
             workers=tuple(workers),
         )
 
+    def write_cursor(self, tenant: str, seq_id: str, layer: int | None) -> WriteCursor:
+        """Where the next write of `layer` (None: all layers, whose lengths must be equal)
+        starts and the token ids already reserved from there on; O(those positions), so a
+        caller can check a write before `prepare_write` without copying the sequence.
+
+        Raises:
+            SequenceNotFound, SequenceLost, InvalidRequest (bad layer, unequal lengths).
+        """
+        seq = self._resolve(tenant, seq_id)
+        start = self._start_of(seq, layer)
+        return WriteCursor(start, tuple(seq.tokens[start:]))
+
+    def unfinished_writes(self) -> list[SeqRef]:
+        """Sequences holding reserved positions that no layer has written (a write that was
+        prepared and neither committed nor cancelled), in creation order."""
+        return [
+            SeqRef(seq.tenant, seq.seq_id)
+            for seq in self._seqs.values()
+            if len(seq.tokens) > max(seq.written)
+        ]
+
     # ---- writes -------------------------------------------------------------------------
 
     def prepare_write(
@@ -412,6 +480,10 @@ class BlockManager:
                 last = table[-1]
                 if self._pools[last.worker_id].refcount(last.index) > 1:
                     cow_src = last
+            if self._journal is not None:
+                self._journal.steps.append(
+                    _Undo(seq, reserved, len(table), table[-1] if table else None, seq.home, [])
+                )
             if new_blocks or cow_src is not None:
                 copies = self._grow(seq, new_blocks, cow_src)
             seq.tokens.extend(tokens[overlap:])
@@ -424,6 +496,100 @@ class BlockManager:
                 block = table[pos // bs]
                 slots.append((block.worker_id, block.index * bs + pos % bs))
         return WritePlan(start, slots, copies)
+
+    def prepare_writes(
+        self,
+        tenant: str,
+        layer: int | None,
+        writes: SequenceABC[tuple[str, SequenceABC[int]]],
+    ) -> list[WritePlan]:
+        """`prepare_write` for several sequences of one tenant, all or nothing.
+
+        Items are prepared in order (so an earlier one gets blocks first); when one fails,
+        every earlier one is put back exactly as it was (blocks, free-list and LRU order,
+        evicted prefix-index entries, counters) and the error is raised: a failed batch
+        changes nothing, like every other failed call.
+
+        Args:
+            layer: the layer of every write, or None for all layers.
+            writes: (seq_id, token_ids) per sequence; each sequence at most once.
+
+        Returns:
+            One WritePlan per item, in order.
+
+        Raises:
+            What prepare_write raises; InvalidRequest for an empty batch or a sequence
+            named twice. PoolExhausted / QuotaExceeded name the failing item.
+        """
+        items = list(writes)
+        if not items:
+            raise InvalidRequest("writes is empty")
+        seen: set[object] = set()
+        for item in items:
+            if not isinstance(item, tuple | list) or len(item) != 2:
+                raise InvalidRequest("each write must be a (seq_id, token_ids) pair")
+            if not isinstance(item[0], str):
+                raise InvalidRequest("each write's seq_id must be a str")
+            if item[0] in seen:
+                raise InvalidRequest(f"sequence {item[0]!r} appears twice in one batch")
+            seen.add(item[0])
+        journal = self._journal = _Journal(self._counters, self._released)
+        plans: list[WritePlan] = []
+        try:
+            for i, (seq_id, token_ids) in enumerate(items):
+                try:
+                    plans.append(self.prepare_write(tenant, seq_id, layer, token_ids))
+                except (PoolExhausted, QuotaExceeded) as exc:
+                    raise type(exc)(
+                        f"{exc} (write {i + 1} of {len(items)}, sequence {seq_id!r}; the "
+                        "batch reserved nothing)"
+                    ) from None
+        except BaseException:
+            self._journal = None
+            self._roll_back(journal)
+            raise
+        self._journal = None
+        for block in journal.evicted:
+            self._index.remove_block(block)
+            self._note_released(block)
+        return plans
+
+    def cancel_write(self, tenant: str, seq_id: str) -> CancelledWrite:
+        """Release the positions reserved past the sequence's longest written layer: what
+        a prepared write that will never be committed (its call failed) holds.
+
+        The released positions' blocks (those past the ones holding written positions)
+        leave the table, last first; blocks no one else references become free. Blocks
+        holding written positions, a copy-on-write copy among them, stay; so do reserved
+        positions in the partly written last block when a fork shares that block.
+
+        Returns:
+            CancelledWrite(start, num_tokens, blocks) (num_tokens 0: nothing was reserved).
+
+        Raises:
+            SequenceNotFound, SequenceLost.
+        """
+        seq = self._resolve(tenant, seq_id)
+        bs = self._bs
+        start = max(seq.written)
+        keep = -(-start // bs)
+        if start % bs:
+            last = seq.table[keep - 1]
+            if self._pools[last.worker_id].refcount(last.index) > 1:
+                # Shared with a fork taken while this reservation was held: its other
+                # users hold these positions too and a block has one fill, so they stay
+                # (a write there must repeat their tokens, as before the cancel).
+                start = min(len(seq.tokens), keep * bs)
+        num_tokens = len(seq.tokens) - start
+        dropped = tuple(seq.table[keep:])
+        if dropped:
+            tenant_blocks = self._tenant_blocks[tenant]
+            for block in reversed(dropped):
+                self._release(block)
+                _unref(tenant_blocks, block)
+            del seq.table[keep:]
+        del seq.tokens[start:]
+        return CancelledWrite(start, num_tokens, dropped)
 
     def commit_write(self, tenant: str, seq_id: str, layer: int | None, num_tokens: int) -> None:
         """Advance written(layer) by `num_tokens` after the worker wrote them.
@@ -563,6 +729,42 @@ class BlockManager:
             parent = key
         return added
 
+    def set_tenant_quota(
+        self, tenant: str, max_blocks: int | None = None, max_sequences: int | None = None
+    ) -> None:
+        """Give `tenant` its own limits (None: the config-wide default for that limit).
+
+        Both None removes the tenant's own quota. A limit below the current usage refuses
+        new blocks or sequences until usage drops under it; nothing held is taken away.
+
+        Raises:
+            InvalidRequest: bad tenant name, or a limit that is not None or a positive int.
+        """
+        _check_name("tenant", tenant)
+        for name, value in (("max_blocks", max_blocks), ("max_sequences", max_sequences)):
+            if value is not None and (type(value) is not int or value < 1):
+                raise InvalidRequest(f"{name} must be None or a positive int, got {value!r}")
+        if max_blocks is None and max_sequences is None:
+            self._quotas.pop(tenant, None)
+        else:
+            self._quotas[tenant] = TenantQuota(max_blocks, max_sequences)
+
+    def tenant_quotas(self) -> dict[str, TenantQuota]:
+        """Tenants with their own quota (see `set_tenant_quota`), in the order set."""
+        return dict(self._quotas)
+
+    def take_released(self) -> dict[str, list[int]]:
+        """Blocks that went free since the last call, per worker, and forget them.
+
+        Free means unreferenced and not findable: a block that stays cached-free (still in
+        the prefix index) is never listed, because a later prompt may adopt its KV. A
+        cached-free block evicted to be reused at once is listed, so a worker can poison it
+        (debug pools) before the new owner writes it. Blocks of a lost worker are dropped.
+        Not logged and not part of snapshots.
+        """
+        released, self._released = self._released, {}
+        return released
+
     def evict(self, max_blocks: int | None = None, worker_id: str | None = None) -> int:
         """Reclaim cached-free blocks now, least recently released first.
 
@@ -585,7 +787,9 @@ class BlockManager:
                 index = pool.evict_oldest()
                 if index is None:
                     break
-                self._index.remove_block(PhysicalBlock(pool.worker_id, index))
+                block = PhysicalBlock(pool.worker_id, index)
+                self._index.remove_block(block)
+                self._note_released(block)
                 evicted += 1
                 if left is not None:
                     left -= 1
@@ -685,12 +889,21 @@ class BlockManager:
         return requested
 
     def _check_sequence_quota(self, tenant: str) -> None:
-        quota = self.config.tenant_quota_sequences
+        own = self._quotas.get(tenant)
+        quota = own.max_sequences if own is not None else None
+        if quota is None:
+            quota = self.config.tenant_quota_sequences
         if quota is not None and self._tenant_seqs.get(tenant, 0) >= quota:
-            raise QuotaExceeded(f"tenant {tenant!r} already has its quota of {quota} sequences")
+            live = self._tenant_seqs.get(tenant, 0)
+            raise QuotaExceeded(
+                f"tenant {tenant!r} has {live} live sequences, its quota is {quota} sequences"
+            )
 
     def _check_block_quota(self, tenant: str, new_blocks: int) -> None:
-        quota = self.config.tenant_quota_blocks
+        own = self._quotas.get(tenant)
+        quota = own.max_blocks if own is not None else None
+        if quota is None:
+            quota = self.config.tenant_quota_blocks
         if quota is not None and new_blocks > 0:
             held = len(self._tenant_blocks.get(tenant, ()))
             if held + new_blocks > quota:
@@ -702,13 +915,52 @@ class BlockManager:
     def _take(self, worker_id: str) -> PhysicalBlock:
         index, evicted = self._pools[worker_id].take()
         block = PhysicalBlock(worker_id, index)
+        journal = self._journal
+        if journal is not None:
+            journal.steps[-1].taken.append((block, evicted))
         if evicted:
-            self._index.remove_block(block)
             self._counters.evictions += 1
+            if journal is not None:
+                journal.evicted.append(block)  # dropped from the index if the batch succeeds
+            else:
+                self._index.remove_block(block)
+                self._note_released(block)
         return block
 
     def _release(self, block: PhysicalBlock) -> None:
-        self._pools[block.worker_id].decref(block.index, self._index.is_published(block))
+        pool = self._pools[block.worker_id]
+        keep = self._index.is_published(block)
+        pool.decref(block.index, keep)
+        if not keep and pool.refcount(block.index) == 0:
+            self._note_released(block)
+
+    def _note_released(self, block: PhysicalBlock) -> None:
+        self._released.setdefault(block.worker_id, []).append(block.index)
+
+    def _roll_back(self, journal: _Journal) -> None:
+        """Undo every step of a failed batch, last first (see _Journal)."""
+        for step in reversed(journal.steps):
+            seq = step.seq
+            tenant_blocks = self._tenant_blocks[seq.tenant]
+            for block, evicted in reversed(step.taken):
+                self._pools[block.worker_id].untake(block.index, evicted)
+                _unref(tenant_blocks, block)
+            if step.cow_src is not None:
+                self._pools[step.cow_src.worker_id].incref(step.cow_src.index)
+                _ref(tenant_blocks, step.cow_src)
+            del seq.tokens[step.tokens :]
+            del seq.table[step.table :]
+            if step.last is not None:
+                seq.table[-1] = step.last
+            seq.home = step.home
+        self._counters.evictions = journal.evictions
+        self._counters.cow_copies = journal.cow_copies
+        for worker_id in list(self._released):
+            kept = journal.released.get(worker_id, 0)
+            if kept:
+                del self._released[worker_id][kept:]
+            else:
+                del self._released[worker_id]
 
     def _forget(self, seq: Sequence) -> None:
         del self._seqs[seq.seq_id]
@@ -762,6 +1014,8 @@ class BlockManager:
             seq.table[-1] = dst
             self._release(cow_src)
             _unref(tenant_blocks, cow_src)
+            if self._journal is not None:
+                self._journal.steps[-1].cow_src = cow_src
             tenant_blocks[dst] = 1
             self._counters.cow_copies += 1
         table = seq.table

@@ -96,6 +96,29 @@ class BlockPool:
         self._used += 1
         return index, evicted
 
+    def untake(self, index: int, evicted: bool) -> None:
+        """Undo a `take` of block `index` whose batch failed: the block goes back exactly
+        where it came from (end of the free list, or oldest end of the cached-free LRU).
+
+        Undoing several takes in reverse order restores both orders exactly, so the next
+        allocation returns what it would have returned without the failed batch.
+
+        Raises:
+            InvalidRequest: the block does not hold exactly the one reference `take` gave.
+        """
+        if self._refcount[index] != 1:
+            raise InvalidRequest(
+                f"worker {self.worker_id!r}: block {index} has {self._refcount[index]} "
+                "references; only a block just taken (1 reference) can be put back"
+            )
+        self._refcount[index] = 0
+        self._used -= 1
+        if evicted:
+            self._cached[index] = None
+            self._cached.move_to_end(index, last=False)
+        else:
+            self._free.append(index)
+
     def incref(self, index: int) -> None:
         """Add a reference; a cached-free block becomes used again (a prefix hit)."""
         count = self._refcount[index]

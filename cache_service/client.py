@@ -373,6 +373,9 @@ class KVCacheClient:
         options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            # A connection of its own (gRPC shares one between channels of a process by
+            # default): the server's per-client in-flight limit counts per connection.
+            ("grpc.use_local_subchannel_pool", 1),
         ]
         if tls is None:
             self._channel = grpc.insecure_channel(target, options=options)

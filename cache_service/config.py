@@ -121,6 +121,8 @@ class WorkersConfig:
         namespace: Ray namespace of the named worker actors.
         name_prefix: worker actor names are "<prefix><i>"; restart-safe ids.
         ray_num_cpus: CPUs given to an embedded Ray (None: Ray's default).
+        max_restarts: how often Ray restarts a worker that died (-1: always). A restarted
+            worker comes back empty, with a new epoch; the coordinator registers it again.
     """
 
     num_workers: int = 2
@@ -131,6 +133,7 @@ class WorkersConfig:
     namespace: str = "kvcache"
     name_prefix: str = "kvcache-worker-"
     ray_num_cpus: int | None = None
+    max_restarts: int = -1
 
     def __post_init__(self) -> None:
         _positive_int("workers.num_workers", self.num_workers)
@@ -141,6 +144,12 @@ class WorkersConfig:
             _positive_int("workers.ray_num_cpus", self.ray_num_cpus)
         if not self.name_prefix:
             raise ConfigError("workers.name_prefix must not be empty")
+        if isinstance(self.max_restarts, bool) or not (
+            isinstance(self.max_restarts, int) and self.max_restarts >= -1
+        ):
+            raise ConfigError(
+                f"workers.max_restarts must be an integer >= -1, got {self.max_restarts!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -155,6 +164,8 @@ class ServerConfig:
         stream_chunk_bytes: data bytes per message of export streams (and what the client
             uses for Append / import).
         shutdown_grace_s: seconds in-flight calls get to finish at shutdown.
+        max_in_flight_per_client: calls one client connection may have in flight; more are
+            refused with RESOURCE_EXHAUSTED (cache_service.inflight). 0: no limit.
     """
 
     host: str = "127.0.0.1"
@@ -162,6 +173,7 @@ class ServerConfig:
     max_message_bytes: int = 256 * MiB
     stream_chunk_bytes: int = 2 * MiB
     shutdown_grace_s: float = 10.0
+    max_in_flight_per_client: int = 128
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -175,6 +187,13 @@ class ServerConfig:
                 f"({self.max_message_bytes // 2}), got {self.stream_chunk_bytes}"
             )
         _non_negative("server.shutdown_grace_s", self.shutdown_grace_s)
+        if isinstance(self.max_in_flight_per_client, bool) or not (
+            isinstance(self.max_in_flight_per_client, int) and self.max_in_flight_per_client >= 0
+        ):
+            raise ConfigError(
+                "server.max_in_flight_per_client must be an integer >= 0 (0: no limit), got "
+                f"{self.max_in_flight_per_client!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -190,6 +209,9 @@ class CoordinatorConfig:
         health_check_interval_s: how often idle workers are probed for a restart (a new
             epoch) or death, seconds; 0 disables the probe (failed calls still notice).
         tenant_quota_blocks: blocks any one tenant may hold (None: no quota).
+        correctness_check_fraction: share of worker rounds (attend / append-and-attend)
+            recomputed by the torch reference and compared, in [0, 1]; 0 disables the
+            online correctness check (cache_service.correctness_check).
     """
 
     batch_window_ms: float = 0.5
@@ -197,6 +219,7 @@ class CoordinatorConfig:
     worker_timeout_s: float = 60.0
     health_check_interval_s: float = 5.0
     tenant_quota_blocks: int | None = None
+    correctness_check_fraction: float = 0.01
 
     def __post_init__(self) -> None:
         _non_negative("coordinator.batch_window_ms", self.batch_window_ms)
@@ -208,6 +231,12 @@ class CoordinatorConfig:
         _non_negative("coordinator.health_check_interval_s", self.health_check_interval_s)
         if self.tenant_quota_blocks is not None:
             _positive_int("coordinator.tenant_quota_blocks", self.tenant_quota_blocks)
+        _non_negative("coordinator.correctness_check_fraction", self.correctness_check_fraction)
+        if self.correctness_check_fraction > 1:
+            raise ConfigError(
+                "coordinator.correctness_check_fraction must be in [0, 1], got "
+                f"{self.correctness_check_fraction!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,11 @@ Shape of `to_records()` (version 1); ids, tenants and worker ids are strings, ke
                 "tokens": [int]}],
      "pins": [{"tenant", "tokens": [int], "blocks": [[worker_id, index]], "count"}],
      "counters": {"evictions", "cow_copies", "prefix_query_tokens": {tenant: int},
-                  "prefix_hit_tokens": {tenant: int}}}
+                  "prefix_hit_tokens": {tenant: int}},
+     "tenant_quotas": [{"tenant", "max_blocks", "max_sequences"}]}   # absent: none
+
+The blocks waiting for `take_released` are not stored: they only feed the workers' debug
+poisoning, and a block replayed as released long ago may have been reused since.
 
 Reference counts are not stored: they are the table and pin references, recounted on
 restore. Free-list and LRU orders are stored because they decide which block the next
@@ -104,6 +108,10 @@ def to_records(manager: BlockManager) -> dict[str, Any]:
             "prefix_query_tokens": dict(m._counters.prefix_query_tokens),
             "prefix_hit_tokens": dict(m._counters.prefix_hit_tokens),
         },
+        "tenant_quotas": [
+            {"tenant": tenant, "max_blocks": q.max_blocks, "max_sequences": q.max_sequences}
+            for tenant, q in m._quotas.items()
+        ],
     }
 
 
@@ -183,6 +191,9 @@ def from_records(cls: type[BlockManager], records: dict[str, Any]) -> BlockManag
             prefix_query_tokens=dict(c["prefix_query_tokens"]),
             prefix_hit_tokens=dict(c["prefix_hit_tokens"]),
         )
+        # Snapshots written before per-tenant quotas existed have none.
+        for q in records.get("tenant_quotas", []):
+            m.set_tenant_quota(q["tenant"], q["max_blocks"], q["max_sequences"])
         m.check_integrity()
     except IntegrityError as exc:
         raise InvalidRequest(f"records describe an inconsistent state: {exc}") from None

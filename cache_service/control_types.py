@@ -10,12 +10,15 @@ from typing import NamedTuple
 
 __all__ = [
     "BlockCopy",
+    "CancelledWrite",
     "CreatedSequence",
     "PhysicalBlock",
     "Segment",
     "SeqRef",
     "SequenceInfo",
     "SequenceView",
+    "TenantQuota",
+    "WriteCursor",
     "WritePlan",
 ]
 
@@ -74,6 +77,51 @@ class WritePlan:
     start: int
     slots: list[tuple[str, int]]
     copies: list[BlockCopy]
+
+
+@dataclass(frozen=True, slots=True)
+class CancelledWrite:
+    """What `cancel_write` released: reserved positions that no layer had written.
+
+    Attributes:
+        start: first released position (the longest written length over the layers).
+        num_tokens: released positions [start, start + num_tokens).
+        blocks: the block-table entries dropped with them, in logical order (each lost one
+            reference; those no other sequence used became free).
+    """
+
+    start: int
+    num_tokens: int
+    blocks: tuple[PhysicalBlock, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteCursor:
+    """Where the next write of one layer of a sequence starts (cheap to get: O(reserved
+    positions past it), not O(sequence length)).
+
+    Attributes:
+        start: the layer's written length: the next write's first position.
+        reserved: token ids of the positions from `start` on that are already reserved (by
+            another layer's write); a write over them must repeat these ids.
+    """
+
+    start: int
+    reserved: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TenantQuota:
+    """One tenant's own limits; None falls back to the manager-wide default of
+    `BlockManagerConfig` (itself None: no limit).
+
+    Attributes:
+        max_blocks: distinct blocks the tenant's sequences may reference at once.
+        max_sequences: live sequences at once.
+    """
+
+    max_blocks: int | None = None
+    max_sequences: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

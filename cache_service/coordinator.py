@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,16 +43,26 @@ from cache_service.attention_plan import (
     run_attention,
 )
 from cache_service.block_manager import BlockManager, BlockManagerConfig
+from cache_service.cancel_safety import run_to_completion
 from cache_service.config import CoordinatorConfig
 from cache_service.control_types import (
     CreatedSequence,
     Segment,
     SequenceView,
+    TenantQuota,
+    WriteCursor,
     WritePlan,
 )
-from cache_service.errors import InvalidRequest, LayerNotWritten, SequenceLost
+from cache_service.correctness_check import CorrectnessChecker
+from cache_service.errors import (
+    CacheError,
+    InvalidRequest,
+    LayerNotWritten,
+    PoolExhausted,
+    SequenceLost,
+)
 from cache_service.status_mapping import ServiceUnavailable, WorkerLost
-from cache_service.store import MetadataStore
+from cache_service.store import MetadataStore, StoreError
 from cache_service.worker_interface import AttentionResult, WorkerClient
 from workers.errors import StaleEpochError, WorkerError, WorkerUnavailable
 from workers.layout import KVLayout
@@ -263,11 +273,20 @@ class Coordinator:
         self._locks: dict[str, asyncio.Lock] = {}
         self._batchers: dict[tuple[int, str, int], _Batcher] = {}
         self._background: set[asyncio.Task[None]] = set()
+        # Per worker, the latest release_blocks call (see _flush_released); workers whose
+        # pools poison released blocks (debug pools): only they are told.
+        self._releases: dict[str, asyncio.Task[None]] = {}
+        self._debug_workers: set[str] = set()
         self._closed = False
         # The write-ahead metadata store: start() recovers from it and from then on every
         # control-plane mutation is logged before it returns (cache_service.recovery).
         self._store = store
         self.generation: int | None = None
+        fraction = self.config.correctness_check_fraction
+        # The online correctness check (cache_service.correctness_check); None when off.
+        self.correctness = (
+            CorrectnessChecker(fraction, self._pool_dtype, metrics) if fraction > 0 else None
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -290,12 +309,14 @@ class Coordinator:
             kept = self._recover(self._store, descriptions)
         for client, desc in zip(self._clients.values(), descriptions, strict=True):
             self._register(client.worker_id, desc, known=client.worker_id in kept)
+        self._flush_released()  # blocks recovery freed (cancelled in-flight reservations)
 
     def _recover(self, store: MetadataStore, descriptions: Sequence[Any]) -> set[str]:
         """Rebuild the control plane from the store; returns the workers whose blocks
         survived (same epoch and size). Sequences on the others fail with DATA_LOSS."""
         from cache_service.recovery import (
             DurableBlockManager,
+            cancel_unfinished_writes,
             drop_unfinished_copies,
             reconcile_workers,
             recover,
@@ -307,6 +328,7 @@ class Coordinator:
         live = {d.worker_id: (d.epoch, d.num_blocks) for d in descriptions}
         kept, lost = reconcile_workers(durable, live)
         dropped = drop_unfinished_copies(durable)
+        cancelled = cancel_unfinished_writes(durable)
         self.block_manager = durable  # type: ignore[assignment]
         if self.metrics is not None and lost:
             self.metrics.add_lost_sequences(len(lost))
@@ -319,6 +341,7 @@ class Coordinator:
                 "workers_kept": sorted(kept),
                 "lost_sequences": len(lost),
                 "dropped_unfinished_copies": len(dropped),
+                "cancelled_unfinished_writes": len(cancelled),
             },
         )
         return kept
@@ -342,6 +365,10 @@ class Coordinator:
         else:
             self.block_manager.add_worker(worker_id, desc.num_blocks)
         self._epochs[worker_id] = desc.epoch
+        if getattr(desc, "debug", False):
+            self._debug_workers.add(worker_id)
+        else:
+            self._debug_workers.discard(worker_id)
         self._states[worker_id] = WorkerState(
             worker_id, desc.device, desc.num_blocks, desc.epoch, True
         )
@@ -387,6 +414,7 @@ class Coordinator:
         """Release a sequence (waits for a call in flight on it)."""
         async with self._locked([seq_id]):
             self.block_manager.free(tenant, seq_id)
+            self._flush_released()
         lock = self._locks.get(seq_id)
         if lock is not None and not lock.locked():
             del self._locks[seq_id]
@@ -398,11 +426,24 @@ class Coordinator:
     async def unpin(self, tenant: str, token_ids: Sequence[int]) -> None:
         """Undo one pin of this prefix."""
         self.block_manager.unpin(tenant, token_ids)
+        self._flush_released()
 
     async def publish_public(self, tenant: str, seq_id: str) -> int:
         """Make the sequence's full written blocks findable by every tenant."""
         async with self._locked([seq_id]):
             return self.block_manager.publish_public(tenant, seq_id)
+
+    def set_tenant_quotas(self, quotas: Mapping[str, TenantQuota]) -> None:
+        """Make `quotas` the per-tenant limits (e.g. from the token file); tenants not in it
+        fall back to the coordinator-wide default. Only changes reach the control plane
+        (and its log), so a restart with the same file records nothing."""
+        current = self.block_manager.tenant_quotas()
+        for tenant in current:
+            if tenant not in quotas:
+                self.block_manager.set_tenant_quota(tenant)
+        for tenant, quota in quotas.items():
+            if current.get(tenant, TenantQuota()) != quota:
+                self.block_manager.set_tenant_quota(tenant, quota.max_blocks, quota.max_sequences)
 
     # -- data ------------------------------------------------------------------------------
 
@@ -431,21 +472,33 @@ class Coordinator:
         _check_tensor("key", key, want)
         _check_tensor("value", value, want)
         async with self._locked([seq_id]):
-            self.block_manager.sequence_info(tenant, seq_id)  # NOT_FOUND / DATA_LOSS first
-            self._require_workers()
-            plan = self.block_manager.prepare_write(tenant, seq_id, layer, token_ids)
-            await self._run_copies(plan, [seq_id])
+            try:
+                # Refuses an unknown / lost sequence before changing anything.
+                plan = self.block_manager.prepare_write(tenant, seq_id, layer, token_ids)
+            except PoolExhausted:
+                self._require_workers()  # no worker at all: UNAVAILABLE, as before
+                raise
+            self._flush_released()  # blocks evicted for this write: poisoned first
             key = key.to(self._pool_dtype)
             value = value.to(self._pool_dtype)
-            groups = _group_slots(plan.slots)
-            calls = []
-            for worker_id, (rows, slots) in groups.items():
-                idx = torch.tensor(rows, dtype=torch.long)
-                k = key.index_select(-3, idx)
-                v = value.index_select(-3, idx)
-                calls.append(self._write_on(worker_id, layer, slots, k, v, [seq_id]))
-            await asyncio.gather(*calls)
-            self.block_manager.commit_write(tenant, seq_id, layer, n)
+
+            async def copy_then_write() -> None:
+                await self._run_copies(plan, [seq_id])
+                calls = []
+                for worker_id, (rows, slots) in _group_slots(plan.slots).items():
+                    idx = torch.tensor(rows, dtype=torch.long)
+                    k = key.index_select(-3, idx)
+                    v = value.index_select(-3, idx)
+                    calls.append(self._write_on(worker_id, layer, slots, k, v, [seq_id]))
+                await asyncio.gather(*calls)
+
+            try:
+                # A deadline passing now must not release the lock under calls in flight.
+                await run_to_completion(copy_then_write())
+                self.block_manager.commit_write(tenant, seq_id, layer, n)
+            except BaseException:
+                self._cancel_writes(tenant, [seq_id])
+                raise
         if self.metrics is not None:
             self.metrics.add_tokens_appended(n * (self.layout.num_layers if layer is None else 1))
         return plan.start
@@ -511,37 +564,46 @@ class Coordinator:
             ]
         )
         async with self._locked(seq_ids):
-            # Resolve everything before the first reservation, so the usual mistakes
-            # (unknown / lost sequence, wrong token ids, too many query rows) change nothing.
+            # Check every item before reserving anything, with per-item messages (unknown
+            # / lost sequence, wrong token ids, too many query rows); write_cursor costs
+            # O(positions reserved ahead), not O(sequence length).
             for i, it in enumerate(items):
-                info = self.block_manager.sequence_info(tenant, it.seq_id)
-                start = info.written[layer]
-                _check_reserved(i, info.token_ids, start, it.token_ids, layer)
-                if it.query.shape[0] > start + len(it.token_ids):
+                cursor = self.block_manager.write_cursor(tenant, it.seq_id, layer)
+                _check_reserved(i, cursor, it.token_ids, layer)
+                if it.query.shape[0] > cursor.start + len(it.token_ids):
                     raise InvalidRequest(
                         f"items[{i}]: {it.query.shape[0]} query rows but the sequence will "
-                        f"hold {start + len(it.token_ids)} tokens on layer {layer}"
+                        f"hold {cursor.start + len(it.token_ids)} tokens on layer {layer}"
                     )
             self._require_workers()
-            plans: list[WritePlan] = []
+            # All or nothing: an item that does not fit (pool, quota) puts the earlier ones
+            # back exactly as they were.
+            plans = self.block_manager.prepare_writes(
+                tenant, layer, [(it.seq_id, it.token_ids) for it in items]
+            )
+            self._flush_released()  # blocks evicted for these writes: poisoned first
+            committed = 0
             try:
-                for it in items:
-                    plans.append(
-                        self.block_manager.prepare_write(tenant, it.seq_id, layer, it.token_ids)
-                    )
-            finally:
-                # Copy-on-write copies already planned must run even if a later item failed:
+                # Copy-on-write copies run to the end even if the call's deadline passes:
                 # the tables already point at the copies.
-                await self._run_copies_of(plans, seq_ids)
-            views = [
-                self._view_after_write(tenant, it.seq_id, layer, plan)
-                for it, plan in zip(items, plans, strict=True)
-            ]
-            writes = _writes_by_item(items, plans, self._pool_dtype)
-            parts = self._split(views, [it.query for it in items], seq_ids, writes, return_lse, hq)
-            outputs = await self._execute(layer, parts, hq)
-            for it in items:
-                self.block_manager.commit_write(tenant, it.seq_id, layer, len(it.token_ids))
+                await run_to_completion(self._run_copies_of(plans, seq_ids))
+                views = [
+                    self._view_after_write(tenant, it.seq_id, layer, plan)
+                    for it, plan in zip(items, plans, strict=True)
+                ]
+                writes = _writes_by_item(items, plans, self._pool_dtype)
+                parts = self._split(
+                    views, [it.query for it in items], seq_ids, writes, return_lse, hq
+                )
+                outputs = await self._execute(layer, parts, hq)
+                for it in items:
+                    self.block_manager.commit_write(tenant, it.seq_id, layer, len(it.token_ids))
+                    committed += 1
+            except BaseException:
+                # A failed call keeps none of what it reserved (its writes, if they landed,
+                # sit in slots nobody reads and go back to the pool).
+                self._cancel_writes(tenant, seq_ids[committed:])
+                raise
         results = _reassemble(items, parts, outputs, [it.query.dtype for it in items])
         if self.metrics is not None:
             self.metrics.add_tokens_appended(sum(len(it.token_ids) for it in items))
@@ -597,25 +659,30 @@ class Coordinator:
                     key = key[:, cached:n].to(self._pool_dtype)
                     value = value[:, cached:n].to(self._pool_dtype)
                     plan = self.block_manager.prepare_write(tenant, created.seq_id, None, tail)
-                    await self._run_copies(plan, [created.seq_id])
-                    calls = []
-                    for worker_id, (rows, slots) in _group_slots(plan.slots).items():
-                        idx = torch.tensor(rows, dtype=torch.long)
-                        calls.append(
-                            self._write_on(
-                                worker_id,
-                                None,
-                                slots,
-                                key.index_select(1, idx),
-                                value.index_select(1, idx),
-                                [created.seq_id],
+
+                    async def copy_then_write() -> None:
+                        await self._run_copies(plan, [created.seq_id])
+                        calls = []
+                        for worker_id, (rows, slots) in _group_slots(plan.slots).items():
+                            idx = torch.tensor(rows, dtype=torch.long)
+                            calls.append(
+                                self._write_on(
+                                    worker_id,
+                                    None,
+                                    slots,
+                                    key.index_select(1, idx),
+                                    value.index_select(1, idx),
+                                    [created.seq_id],
+                                )
                             )
-                        )
-                    await asyncio.gather(*calls)
+                        await asyncio.gather(*calls)
+
+                    await run_to_completion(copy_then_write())
                     self.block_manager.commit_write(tenant, created.seq_id, None, len(tail))
         except BaseException:
             with contextlib.suppress(Exception):
                 self.block_manager.free(tenant, created.seq_id)
+                self._flush_released()
             raise
         if self.metrics is not None and n > cached:
             self.metrics.add_tokens_appended((n - cached) * self.layout.num_layers)
@@ -759,9 +826,10 @@ class Coordinator:
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
             waits.append(part.future)
-        # Every part must finish (or fail) before the call returns: a write still in flight
-        # must not race the next call on the same sequence.
-        outcome = await asyncio.gather(*waits, return_exceptions=True)
+        # Every part must finish (or fail) before the call returns, even when its deadline
+        # passed meanwhile: a write still in flight must not race the next call on the
+        # same sequence (cache_service.cancel_safety).
+        outcome = await run_to_completion(asyncio.gather(*waits, return_exceptions=True))
         for result in outcome:
             if isinstance(result, BaseException):
                 raise result
@@ -809,6 +877,7 @@ class Coordinator:
                     f"worker(s) {missing} holding blocks of this call were lost; free the "
                     "sequences and recompute"
                 )
+            await self._released_before_use(workers)
             epochs = {w: self._epochs[w] for w in workers}
             t0 = time.perf_counter()
             result = await run_attention(
@@ -828,13 +897,20 @@ class Coordinator:
             error = await self._worker_failed(exc, epochs, seq_ids)
             for p in parts:
                 if not p.future.done():
-                    p.future.set_exception(error)
+                    # Each caller hears of its own sequences only (parts of one round may
+                    # belong to other tenants' calls).
+                    own = list(dict.fromkeys(p.seq_ids))
+                    p.future.set_exception(WorkerLost(error.worker_id, own, error.reason))
             return
         except Exception as exc:  # plan / validation errors: every part fails the same way
             for p in parts:
                 if not p.future.done():
                     p.future.set_exception(exc)
             return
+        if self.correctness is not None and self.correctness.sample():
+            await self.correctness.check(
+                plan, query, layer, self._clients, epochs, result, seq_ids, nq
+            )
         row = 0
         for p in parts:
             rows = sum(p.num_queries)
@@ -882,6 +958,7 @@ class Coordinator:
         call: Callable[[WorkerClient, str], Awaitable[Any]],
     ) -> Any:
         """Run one worker call with the current epoch; a lost worker becomes WorkerLost."""
+        await self._released_before_use([worker_id])
         epoch = self._epochs.get(worker_id)
         if epoch is None:
             raise SequenceLost(
@@ -893,6 +970,80 @@ class Coordinator:
         except (StaleEpochError, WorkerUnavailable) as exc:
             raise await self._worker_failed(exc, {worker_id: epoch}, seq_ids) from None
 
+    # -- internals: released blocks ---------------------------------------------------------
+
+    def _flush_released(self) -> None:
+        """Tell the workers which blocks went free (debug pools poison them with NaN).
+
+        Call right after every control-plane step that may free blocks, before any await.
+        Fire and forget, yet ordered before any reuse: the release_blocks call starts now,
+        and every later worker call that can write, copy into or read a block of that
+        worker first waits for the releases started before it (_released_before_use).
+        Reuse needs a prepare_write that runs after this step, so its copy or write is
+        sent after the release has been carried out, and the poison can never land on the
+        new owner's data. (Waiting for completion rather than relying on submission
+        order keeps this true for any WorkerClient, in-process threads included.)
+        """
+        released = self.block_manager.take_released()
+        if not released:
+            return
+        loop = asyncio.get_running_loop()
+        for worker_id, blocks in released.items():
+            epoch = self._epochs.get(worker_id)
+            if epoch is None or worker_id not in self._debug_workers:
+                continue  # lost (its pool is gone), or a pool that would only check ids
+            task = loop.create_task(
+                self._release_on(worker_id, epoch, blocks, self._releases.get(worker_id))
+            )
+            self._releases[worker_id] = task
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _release_on(
+        self,
+        worker_id: str,
+        epoch: str,
+        blocks: list[int],
+        previous: asyncio.Task[None] | None,
+    ) -> None:
+        if previous is not None and not previous.done():
+            await asyncio.wait({previous})  # one after another: the latest implies all
+        try:
+            await self._clients[worker_id].release_blocks(epoch, blocks)
+        except WorkerError as exc:
+            # A dead or restarted worker has no blocks to poison; the next data call on
+            # it notices the loss and handles it.
+            log.warning(
+                "release_blocks failed",
+                extra={"worker": worker_id, "blocks": len(blocks), "reason": str(exc)},
+            )
+
+    async def _released_before_use(self, worker_ids: Iterable[str]) -> None:
+        """Wait for the release_blocks calls already started on these workers."""
+        pending = {
+            task
+            for w in worker_ids
+            if (task := self._releases.get(w)) is not None and not task.done()
+        }
+        if pending:
+            await asyncio.wait(pending)
+
+    def _cancel_writes(self, tenant: str, seq_ids: Sequence[str]) -> None:
+        """Release what a failed call reserved on these sequences and not committed.
+
+        Last item first: the blocks go back to the free lists in the reverse order of their
+        allocation, so (barring copy-on-write copies and evictions, which cannot be undone
+        once they ran) the next allocations are the ones the failed call never happened to.
+        """
+        for seq_id in reversed(seq_ids):
+            try:
+                self.block_manager.cancel_write(tenant, seq_id)
+            except (CacheError, StoreError):
+                # Lost with its worker (nothing left to release), or the store failed
+                # (the coordinator must restart; recovery cancels it then).
+                continue
+        self._flush_released()
+
     # -- internals: failures ---------------------------------------------------------------
 
     async def _worker_failed(
@@ -900,7 +1051,7 @@ class Coordinator:
         exc: StaleEpochError | WorkerUnavailable,
         epochs: dict[str, str],
         seq_ids: list[str],
-    ) -> Exception:
+    ) -> WorkerLost:
         """Drop the failed worker from the control plane (once per epoch) and start
         watching for its return. Returns the error to raise to the callers."""
         worker_id = exc.worker_id
@@ -908,6 +1059,7 @@ class Coordinator:
         if epoch is not None and self._epochs.get(worker_id) == epoch:
             lost = self.block_manager.lose_worker(worker_id)
             del self._epochs[worker_id]
+            self._flush_released()  # the failed sequences' blocks on the other workers
             state = self._states[worker_id]
             self._states[worker_id] = WorkerState(
                 worker_id, state.device, state.num_blocks, state.epoch, False
@@ -995,16 +1147,14 @@ def _check_finite(named: list[tuple[str, torch.Tensor]]) -> None:
             raise InvalidRequest(f"{name} contains NaN or infinite values")
 
 
-def _check_reserved(
-    i: int, reserved: Sequence[int], start: int, token_ids: Sequence[int], layer: int
-) -> None:
+def _check_reserved(i: int, cursor: WriteCursor, token_ids: Sequence[int], layer: int) -> None:
     """Token ids of positions another layer already reserved must match (checked before
-    any reservation; the block manager checks again)."""
-    overlap = min(len(reserved) - start, len(token_ids))
-    for j in range(max(overlap, 0)):
-        if reserved[start + j] != token_ids[j]:
+    any reservation, to name the item; the block manager checks again)."""
+    reserved = cursor.reserved
+    for j in range(min(len(reserved), len(token_ids))):
+        if reserved[j] != token_ids[j]:
             raise InvalidRequest(
-                f"items[{i}]: position {start + j} holds token {reserved[start + j]}, got "
+                f"items[{i}]: position {cursor.start + j} holds token {reserved[j]}, got "
                 f"{token_ids[j]} on layer {layer} (every layer must send the same token ids)"
             )
 

@@ -17,7 +17,9 @@ Writes in flight at the crash: a `prepare_write` is logged before the workers co
 write, and its `commit_write` after. A sequence whose last prepare_write planned
 copy-on-write copies but was never committed may have a destination block that the copy
 never reached; recovery reports those (`RecoveryResult.unfinished_copies`) so the
-coordinator can fail them instead of serving a half-copied block.
+coordinator can fail them instead of serving a half-copied block. Positions a crashed call
+reserved and never committed are released (`cancel_unfinished_writes`): no call is in
+flight after a restart, and a client that never got its answer may send other tokens there.
 
 Pure: no torch, Ray or gRPC imports.
 """
@@ -34,7 +36,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cache_service.block_manager import BlockManager, BlockManagerConfig
-from cache_service.control_types import BlockCopy, CreatedSequence, SeqRef, WritePlan
+from cache_service.control_types import (
+    BlockCopy,
+    CancelledWrite,
+    CreatedSequence,
+    SeqRef,
+    WritePlan,
+)
 from cache_service.errors import CacheError
 from cache_service.store import MetadataStore, StoreError
 
@@ -43,6 +51,7 @@ __all__ = [
     "DurableBlockManager",
     "RecoveryError",
     "RecoveryResult",
+    "cancel_unfinished_writes",
     "drop_unfinished_copies",
     "encode_result",
     "reconcile_workers",
@@ -59,17 +68,26 @@ LOGGED_OPS = (
     "fork",
     "free",
     "prepare_write",
+    "prepare_writes",
+    "cancel_write",
     "commit_write",
     "pin",
     "unpin",
     "publish_public",
     "evict",
+    "set_tenant_quota",
 )
+# take_released empties a transient list that is no part of the durable state (see
+# BlockManager.take_released), so it passes through like a read.
 _READ_ONLY = frozenset(
     {
         "attention_view",
         "lookup",
         "sequence_info",
+        "write_cursor",
+        "unfinished_writes",
+        "tenant_quotas",
+        "take_released",
         "stats",
         "check_integrity",
         "to_records",
@@ -313,6 +331,47 @@ class DurableBlockManager:
             },
         )
 
+    def prepare_writes(
+        self,
+        tenant: str,
+        layer: int | None,
+        writes: SequenceABC[tuple[str, SequenceABC[int]]],
+    ) -> list[WritePlan]:
+        """BlockManager.prepare_writes (one record for the whole batch: all or nothing)."""
+        items = _materialize(writes)
+        if isinstance(items, list):
+            items = [
+                (w[0], _materialize(w[1])) if isinstance(w, tuple | list) and len(w) == 2 else w
+                for w in items
+            ]
+        return self._run(
+            "prepare_writes",
+            lambda: self._manager.prepare_writes(tenant, layer, items),
+            lambda: {
+                "tenant": tenant,
+                "layer": layer,
+                "writes": [[seq_id, _token_list(tokens)] for seq_id, tokens in items],
+            },
+        )
+
+    def cancel_write(self, tenant: str, seq_id: str) -> CancelledWrite:
+        """BlockManager.cancel_write."""
+        return self._run(
+            "cancel_write",
+            lambda: self._manager.cancel_write(tenant, seq_id),
+            lambda: {"tenant": tenant, "seq_id": seq_id},
+        )
+
+    def set_tenant_quota(
+        self, tenant: str, max_blocks: int | None = None, max_sequences: int | None = None
+    ) -> None:
+        """BlockManager.set_tenant_quota (recovered with the rest of the state)."""
+        self._run(
+            "set_tenant_quota",
+            lambda: self._manager.set_tenant_quota(tenant, max_blocks, max_sequences),
+            lambda: {"tenant": tenant, "max_blocks": max_blocks, "max_sequences": max_sequences},
+        )
+
     def commit_write(self, tenant: str, seq_id: str, layer: int | None, num_tokens: int) -> None:
         """BlockManager.commit_write."""
         self._run(
@@ -399,6 +458,13 @@ def _apply(manager: BlockManager, op: str, args: dict[str, Any], recorded: Any) 
         return m.free(args["tenant"], args["seq_id"])
     if op == "prepare_write":
         return m.prepare_write(args["tenant"], args["seq_id"], args["layer"], args["token_ids"])
+    if op == "prepare_writes":
+        writes = [(seq_id, tokens) for seq_id, tokens in args["writes"]]
+        return m.prepare_writes(args["tenant"], args["layer"], writes)
+    if op == "cancel_write":
+        return m.cancel_write(args["tenant"], args["seq_id"])
+    if op == "set_tenant_quota":
+        return m.set_tenant_quota(args["tenant"], args["max_blocks"], args["max_sequences"])
     if op == "commit_write":
         return m.commit_write(args["tenant"], args["seq_id"], args["layer"], args["num_tokens"])
     if op == "pin":
@@ -479,6 +545,9 @@ def recover(store: MetadataStore, config: BlockManagerConfig) -> RecoveryResult:
 
     with _stage(start, "check_integrity"):
         replay_manager.check_integrity()
+    # Blocks the replay saw go free were released (or not) by the coordinator that ran
+    # then; many were reused since, and poisoning them now would destroy live KV.
+    replay_manager.take_released()
     manager = _with_config(replay_manager, config)
     return RecoveryResult(manager, store.generation, epochs, start, replayed, unfinished)
 
@@ -499,6 +568,11 @@ def _track(
             unfinished.pop(SeqRef(*ref), None)
     elif op == "prepare_write" and result.copies:
         unfinished[SeqRef(args["tenant"], args["seq_id"])] = list(result.copies)
+    elif op == "prepare_writes":
+        # A cancel_write leaves the entry: the copy may not have run before the call failed.
+        for (seq_id, _), plan in zip(args["writes"], result, strict=True):
+            if plan.copies:
+                unfinished[SeqRef(args["tenant"], seq_id)] = list(plan.copies)
     elif op in ("commit_write", "free"):
         unfinished.pop(SeqRef(args["tenant"], args["seq_id"]), None)
 
@@ -573,3 +647,18 @@ def drop_unfinished_copies(durable: DurableBlockManager) -> list[SeqRef]:
     for ref in dropped:
         durable.free(ref.tenant, ref.seq_id)
     return dropped
+
+
+def cancel_unfinished_writes(durable: DurableBlockManager) -> list[SeqRef]:
+    """Release what calls in flight at the crash reserved and never committed.
+
+    Their clients got no answer; holding the positions would refuse a retry with other
+    token ids and keep blocks nobody will write. Run after `drop_unfinished_copies`.
+
+    Returns:
+        The sequences whose reservations were released.
+    """
+    refs = durable.unfinished_writes()
+    for ref in refs:
+        durable.cancel_write(ref.tenant, ref.seq_id)
+    return refs

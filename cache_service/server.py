@@ -37,8 +37,10 @@ from cache_service.auth import (
     load_token_table,
 )
 from cache_service.config import ServiceConfig
+from cache_service.control_types import TenantQuota
 from cache_service.coordinator import AppendAttendItem, AttendItem, Coordinator
 from cache_service.errors import InvalidRequest
+from cache_service.inflight import InFlightLimiter, InFlightLimitInterceptor
 from cache_service.status_mapping import status_for
 from cache_service.store import MetadataStore, StoreConfig
 from cache_service.tensor_codec import (
@@ -53,6 +55,7 @@ from cache_service.tensor_codec import (
     tensor_to_proto,
 )
 from cache_service.tls import ServerTLSConfig, server_credentials
+from cache_service.wire_decode import RequestDecodeInterceptor
 from workers.layout import KVLayout
 
 __all__ = [
@@ -609,7 +612,12 @@ class RunningService:
 def _pool_config(config: ServiceConfig, layout: KVLayout) -> Any:
     from workers.config import PoolConfig
 
-    return PoolConfig(layout=layout, num_blocks=config.workers.blocks_per_worker)
+    return PoolConfig(
+        layout=layout,
+        num_blocks=config.workers.blocks_per_worker,
+        # Slot fingerprints exist for the online correctness check only.
+        fingerprints=config.coordinator.correctness_check_fraction > 0,
+    )
 
 
 async def _start_workers(
@@ -640,6 +648,7 @@ async def _start_workers(
         name_prefix=wc.name_prefix,
         use_gpu=wc.device == "cuda",
         local_num_cpus=wc.ray_num_cpus,
+        max_restarts=wc.max_restarts,
     )
     embedded = wc.ray_address is None
     started_ray = not ray.is_initialized()
@@ -723,11 +732,21 @@ async def start_service(
             cleanups.insert(0, store.close)
         coordinator = Coordinator(layout, workers, config.coordinator, metrics, store=store)
         await coordinator.start()
+        if table is not None:  # the token file's per-tenant quotas, enforced by the control plane
+            policies = {t: table.policy(t) for t in table.tenants()}
+            coordinator.set_tenant_quotas(
+                {t: TenantQuota(p.max_blocks, p.max_sequences) for t, p in policies.items()}
+            )
         metrics.bind_stats(coordinator.stats, loop=asyncio.get_running_loop())
 
         interceptors: list[grpc.aio.ServerInterceptor] = [metrics.rpc_interceptor()]
         if table is not None:
             interceptors.append(AuthInterceptor(table, METHOD_PERMISSIONS))
+        if config.server.max_in_flight_per_client > 0:  # after auth: counts know the tenant
+            limiter = InFlightLimiter(config.server.max_in_flight_per_client)
+            interceptors.append(InFlightLimitInterceptor(limiter, f"/{SERVICE_NAME}/"))
+        # Innermost: requests that do not parse become INVALID_ARGUMENT, not UNKNOWN.
+        interceptors.append(RequestDecodeInterceptor(f"/{SERVICE_NAME}/"))
         limit = config.server.max_message_bytes
         server = grpc.aio.server(
             interceptors=interceptors,

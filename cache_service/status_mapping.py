@@ -16,6 +16,7 @@ import grpc
 
 from cache_service import errors as ce
 from cache_service.attention_plan import AttentionPlanError
+from cache_service.store import StoreError
 from cache_service.tensor_codec import TensorCodecError
 from workers import errors as we
 
@@ -47,6 +48,7 @@ class WorkerLost(ServiceError):
     def __init__(self, worker_id: str, seq_ids: list[str], reason: str) -> None:
         self.worker_id = worker_id
         self.seq_ids = seq_ids
+        self.reason = reason
         lost = f" sequences {seq_ids}" if seq_ids else " sequences of this call"
         super().__init__(
             f"worker {worker_id!r} was lost ({reason}); the KV of{lost} is gone: free "
@@ -78,6 +80,13 @@ _TABLE: tuple[tuple[type[BaseException], grpc.StatusCode, str], ...] = (
     (ServiceUnavailable, grpc.StatusCode.UNAVAILABLE, ""),
     (we.StaleEpochError, grpc.StatusCode.DATA_LOSS, ""),
     (we.WorkerUnavailable, grpc.StatusCode.UNAVAILABLE, " (retry later)"),
+    # The write-ahead log cannot take the mutation: nothing more can be acknowledged
+    # durably, but no state is wrong; another coordinator (after a restart) can serve.
+    (
+        StoreError,
+        grpc.StatusCode.UNAVAILABLE,
+        " (the coordinator's metadata store is unavailable; retry after it restarts)",
+    ),
 )
 
 

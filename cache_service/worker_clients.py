@@ -25,6 +25,7 @@ from workers.actor import PoolWorker
 from workers.config import PoolConfig
 from workers.description import WorkerDescription, WorkerHealth
 from workers.errors import WorkerError, WorkerUnavailable
+from workers.fingerprints import BadSlot
 
 __all__ = ["LocalWorkerClient", "RayWorkerClient", "transfer_blocks"]
 
@@ -187,6 +188,39 @@ class RayWorkerClient:
         )
         return _attention_result(result, return_lse)
 
+    async def reference_attend(
+        self,
+        epoch: str,
+        layer: int,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
+    ) -> tuple[AttentionResult, list[BadSlot]]:
+        """The torch reference of :meth:`attend` over the same blocks, and the slots whose
+        data no longer matches its write-time fingerprint (online correctness check)."""
+        out, lse, bad = await self._call(
+            "reference_attend",
+            epoch,
+            layer,
+            query,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            causal,
+            return_lse,
+            scale=scale,
+            softcap=softcap,
+            sliding_window=sliding_window,
+        )
+        return AttentionResult(out, lse), bad
+
     async def copy_blocks(self, epoch: str, src: IndexLike, dst: IndexLike) -> None:
         await self._call("copy_blocks", epoch, src, dst)
 
@@ -339,6 +373,39 @@ class LocalWorkerClient:
             )
         )
         return _attention_result(result, return_lse)
+
+    async def reference_attend(
+        self,
+        epoch: str,
+        layer: int,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
+    ) -> tuple[AttentionResult, list[BadSlot]]:
+        """As :meth:`RayWorkerClient.reference_attend`."""
+        out, lse, bad = await self._call(
+            lambda w: w.reference_attend(
+                epoch,
+                layer,
+                query,
+                block_tables,
+                seq_lens,
+                query_start_loc,
+                causal,
+                return_lse,
+                scale=scale,
+                softcap=softcap,
+                sliding_window=sliding_window,
+            )
+        )
+        return AttentionResult(out, lse), bad
 
     async def copy_blocks(self, epoch: str, src: IndexLike, dst: IndexLike) -> None:
         await self._call(lambda w: w.copy_blocks(epoch, src, dst))

@@ -10,12 +10,20 @@ counts in stats, and that read-back for every sequence and layer.
 
 Lookups never cross tenants: a tenant may only be served a prefix that one of its own
 sequences, or a sequence made public, wrote in full on every layer.
+
+Batches (`prepare_writes`) are all or nothing, `cancel_write` gives back exactly the
+unwritten reservations, and per-tenant quotas come and go. Every block the manager reports
+released (`take_released`, drained after each call) is erased from the simulated memory,
+as a debug pool poisons it, before anything else runs: if a block still in use, or still
+findable through the prefix index, were reported, a later read-back would catch it.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -52,6 +60,29 @@ layer_st = st.one_of(st.none(), st.integers(0, LAYERS - 1))
 Memory = dict[tuple[str, int, int], tuple[int, ...]]
 
 
+class ReleaseTracking:
+    """The manager, with `take_released` drained after every call into `on_released`."""
+
+    def __init__(
+        self, manager: BlockManager, on_released: Callable[[BlockManager, dict], None]
+    ) -> None:
+        self.manager = manager
+        self._on_released = on_released
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.manager, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self._on_released(self.manager, self.manager.take_released())
+
+        return call
+
+
 @dataclass
 class ModelSeq:
     tenant: str
@@ -62,14 +93,17 @@ class ModelSeq:
 class ControlPlaneMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.m = BlockManager(
-            BlockManagerConfig(
-                block_size=BS,
-                num_layers=LAYERS,
-                layout_fingerprint="fp",
-                tenant_quota_blocks=10,
-                tenant_quota_sequences=5,
-            )
+        self.m = ReleaseTracking(
+            BlockManager(
+                BlockManagerConfig(
+                    block_size=BS,
+                    num_layers=LAYERS,
+                    layout_fingerprint="fp",
+                    tenant_quota_blocks=10,
+                    tenant_quota_sequences=5,
+                )
+            ),
+            self.poison,
         )
         self.workers: dict[str, int] = {}
         self.memory: Memory = {}
@@ -81,6 +115,21 @@ class ControlPlaneMachine(RuleBasedStateMachine):
         self.pins_maybe_dropped: set[tuple[str, tuple[int, ...]]] = set()
 
     # ---- helpers ------------------------------------------------------------------------
+
+    def poison(self, manager: BlockManager, released: dict[str, list[int]]) -> None:
+        """What a debug pool does with released blocks; none may be findable."""
+        if not released:
+            return
+        event("blocks released")
+        records = manager.to_records()
+        findable = {(e["worker_id"], e["index"]) for e in records["index"]}
+        findable |= {(w["worker_id"], i) for w in records["workers"] for i in w["cached"]}
+        for worker_id, blocks in released.items():
+            for block in blocks:
+                assert (worker_id, block) not in findable, f"{worker_id}:{block} is findable"
+                for slot in range(block * BS, (block + 1) * BS):
+                    for layer in range(LAYERS):
+                        self.memory.pop((worker_id, slot, layer), None)
 
     def expect_unchanged(self, call, errors: tuple[type[CacheError], ...]) -> CacheError | None:
         """Run call; if it raises one of `errors`, the state must be as before."""
@@ -214,10 +263,7 @@ class ControlPlaneMachine(RuleBasedStateMachine):
             return
         (start,) = starts
         # Positions already reserved must repeat their tokens; a corrupted one is refused.
-        tokens = [
-            seq.tokens[p] if p < len(seq.tokens) else new_tokens[p - start]
-            for p in range(start, start + len(new_tokens))
-        ]
+        tokens = self.expected_tokens(seq, start, new_tokens)
         reserved_overlap = min(len(seq.tokens), start + len(tokens)) - start
         if corrupt and reserved_overlap > 0:
             bad = list(tokens)
@@ -236,13 +282,20 @@ class ControlPlaneMachine(RuleBasedStateMachine):
             event(f"write refused: {type(error).__name__}")
             return
         (plan,) = plans
+        self.run_copies(plan)
+        self.write_and_commit(seq_id, layer, tokens, start, plan, committed)
+
+    def expected_tokens(self, seq: ModelSeq, start: int, new_tokens: list[int]) -> list[int]:
+        """The token ids a write at `start` must send: reserved ones repeat themselves."""
+        return [
+            seq.tokens[p] if p < len(seq.tokens) else new_tokens[p - start]
+            for p in range(start, start + len(new_tokens))
+        ]
+
+    def run_copies(self, plan) -> None:  # type: ignore[no-untyped-def]
+        """The worker runs a plan's copy-on-write copies (every layer)."""
         if plan.copies:
             event("copy-on-write")
-        if len({w for w, _ in plan.slots}) > 1:
-            event("write spans workers")
-        assert plan.start == start and len(plan.slots) == len(tokens)
-        assert len(set(plan.slots)) == len(plan.slots)
-        # The worker runs the copies (every layer), then writes the new K/V.
         for copy in plan.copies:
             for offset in range(BS):
                 for layer_index in range(LAYERS):
@@ -252,7 +305,19 @@ class ControlPlaneMachine(RuleBasedStateMachine):
                         self.memory[dst] = self.memory[src]
                     else:
                         self.memory.pop(dst, None)
-        seq.tokens.extend(tokens[reserved_overlap:])
+
+    def write_and_commit(  # type: ignore[no-untyped-def]
+        self, seq_id: str, layer: int | None, tokens: list[int], start: int, plan, committed: int
+    ) -> None:
+        """The worker writes the new K/V into the plan's slots; commit `committed` of them."""
+        seq = self.seqs[seq_id]
+        layers = list(range(LAYERS)) if layer is None else [layer]
+        if len({w for w, _ in plan.slots}) > 1:
+            event("write spans workers")
+        assert plan.start == start and len(plan.slots) == len(tokens)
+        assert len(set(plan.slots)) == len(plan.slots)
+        reserved_overlap = min(len(seq.tokens), start + len(tokens)) - start
+        seq.tokens.extend(tokens[max(reserved_overlap, 0) :])
         for i, (worker_id, slot) in enumerate(plan.slots):
             for layer_index in layers:
                 self.memory[(worker_id, slot, layer_index)] = tuple(seq.tokens[: start + i + 1])
@@ -278,6 +343,77 @@ class ControlPlaneMachine(RuleBasedStateMachine):
             new_tokens = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=3))
             target = forked[0] if data.draw(st.booleans()) else seq_id
             self.do_write(target, None, new_tokens, False, len(new_tokens))
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), layer=layer_st, corrupt=st.booleans())
+    def write_batch(self, data: st.DataObject, layer: int | None, corrupt: bool) -> None:
+        """prepare_writes for several sequences of one tenant: all or nothing. The worker
+        runs every copy, then every write (as the coordinator sends them)."""
+        tenant = self.seqs[self.pick(data, self.seqs)].tenant
+        mine = [seq_id for seq_id, seq in self.seqs.items() if seq.tenant == tenant]
+        chosen = data.draw(st.lists(st.sampled_from(mine), min_size=1, max_size=3, unique=True))
+        layers = list(range(LAYERS)) if layer is None else [layer]
+        batch: list[tuple[str, list[int]]] = []
+        starts: list[int] = []
+        invalid = False
+        for seq_id in chosen:
+            seq = self.seqs[seq_id]
+            new_tokens = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=5))
+            first = {seq.written[i] for i in layers}
+            invalid |= len(first) > 1
+            start = min(first)
+            tokens = self.expected_tokens(seq, start, new_tokens)
+            batch.append((seq_id, tokens))
+            starts.append(start)
+        last_id, last_tokens = batch[-1]
+        if corrupt and starts[-1] < len(self.seqs[last_id].tokens):
+            batch[-1] = (last_id, [(last_tokens[0] + 1) % 3, *last_tokens[1:]])
+            invalid = True
+        plans: list = []
+        error = self.expect_unchanged(
+            lambda: plans.extend(self.m.prepare_writes(tenant, layer, batch)),
+            (PoolExhausted, QuotaExceeded, InvalidRequest),
+        )
+        if invalid:
+            assert error is not None  # the first failing item decides which error
+            return
+        if error is not None:
+            assert not isinstance(error, InvalidRequest), error
+            event(f"batch refused: {type(error).__name__}")
+            return
+        event(f"batch of {len(batch)}")
+        for plan in plans:
+            self.run_copies(plan)
+        for (seq_id, tokens), start, plan in zip(batch, starts, plans, strict=True):
+            committed = data.draw(st.integers(0, len(tokens)))
+            self.write_and_commit(seq_id, layer, tokens, start, plan, committed)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        """Give back the positions no layer has written."""
+        seq_id = self.pick(data, self.seqs)
+        seq = self.seqs[seq_id]
+        result = self.m.cancel_write(seq.tenant, seq_id)
+        start = max(seq.written)
+        if result.start != start:
+            # Only positions in the last written block, shared with a fork, may stay.
+            event("cancel kept positions of a shared block")
+            assert start % BS and start < result.start <= -(-start // BS) * BS
+        assert result.num_tokens == len(seq.tokens) - result.start
+        if result.num_tokens:
+            event("cancel released positions")
+        del seq.tokens[result.start :]
+
+    @rule(
+        tenant=tenant_st,
+        max_blocks=st.one_of(st.none(), st.integers(1, 12)),
+        max_sequences=st.one_of(st.none(), st.integers(1, 6)),
+    )
+    def set_quota(self, tenant: str, max_blocks: int | None, max_sequences: int | None) -> None:
+        """A tenant's own limits (None: the config's); calls that would pass them are
+        refused by the rules above, unchanged."""
+        self.m.set_tenant_quota(tenant, max_blocks, max_sequences)
 
     @precondition(lambda self: self.seqs or self.lost)
     @rule(data=st.data())
@@ -364,7 +500,7 @@ class ControlPlaneMachine(RuleBasedStateMachine):
         records = self.m.to_records()
         restored = BlockManager.from_records(json.loads(json.dumps(records)))
         assert restored.to_records() == records
-        self.m = restored
+        self.m = ReleaseTracking(restored, self.poison)
 
     # ---- invariants ---------------------------------------------------------------------
 

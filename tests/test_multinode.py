@@ -203,7 +203,7 @@ class Cluster:
     def stop_all(self) -> None:
         for name in ("coordinator", "second", "head"):
             try:
-                self.kill(name, grace_s=10)
+                self.kill(name, grace_s=5)
             except Exception:  # keep stopping the others
                 pass
         # Ray daemons that left their process group still name our private temp dir.

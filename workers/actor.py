@@ -24,6 +24,7 @@ import torch
 from workers.config import PoolConfig
 from workers.description import WorkerDescription, WorkerHealth
 from workers.errors import StaleEpochError
+from workers.fingerprints import BadSlot
 from workers.pool import AttendResult, IndexLike, KVPool
 
 __all__ = ["PoolWorker", "PoolWorkerActor", "new_epoch"]
@@ -72,6 +73,13 @@ class PoolWorker:
         self._started = time.monotonic()
         self._calls = 0
         self._failed = 0
+
+    @property
+    def pool(self) -> KVPool:
+        """The pool itself, for code run inside the actor process (``handle.__ray_call__``:
+        benchmarks timing the kernels on the worker's GPU). Not reachable as a remote method:
+        no epoch fence, no validation."""
+        return self._pool
 
     # -- identity (no epoch) ------------------------------------------------------------
 
@@ -200,6 +208,41 @@ class PoolWorker:
                 )
             ),
         )
+
+    def reference_attend(
+        self,
+        epoch: str,
+        layer: int,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        causal: bool = True,
+        return_lse: bool = False,
+        *,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[BadSlot]]:
+        """:meth:`KVPool.reference_attend` (torch reference + slot fingerprint check) behind
+        the epoch fence; tensors on the host."""
+
+        def run() -> tuple[torch.Tensor, torch.Tensor | None, list[BadSlot]]:
+            out, lse, bad = self._pool.reference_attend(
+                layer,
+                query,
+                block_tables,
+                seq_lens,
+                query_start_loc,
+                causal=causal,
+                return_lse=return_lse,
+                scale=scale,
+                sliding_window=sliding_window,
+                softcap=softcap,
+            )
+            return out.cpu(), None if lse is None else lse.cpu(), bad
+
+        return self._run(epoch, run)
 
     def copy_blocks(self, epoch: str, src: IndexLike, dst: IndexLike) -> None:
         """:meth:`KVPool.copy_blocks` behind the epoch fence."""

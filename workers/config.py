@@ -29,6 +29,9 @@ class PoolConfig:
             was never written (or was freed) poisons the output instead of passing silently.
         backend: kernels backend, "auto" (Triton on CUDA, torch reference on CPU), "triton"
             (CPU needs TRITON_INTERPRET=1) or "torch".
+        fingerprints: keep a fingerprint of every written slot so the online correctness
+            check can tell a block whose contents changed after the write (costs one small
+            reduction per write and 8 bytes per slot, layer and K/V).
 
     Raises:
         PoolAllocationError: the size is malformed.
@@ -40,6 +43,7 @@ class PoolConfig:
     memory_fraction: float | None = None
     debug: bool = False
     backend: str = "auto"
+    fingerprints: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):

@@ -30,6 +30,7 @@ from workers.checks import (
 )
 from workers.config import PoolConfig
 from workers.errors import InvalidWorkerRequest, PoolAllocationError
+from workers.fingerprints import BadSlot, SlotFingerprints
 from workers.layout import KVLayout
 from workers.sizing import free_device_bytes, resolve_num_blocks
 
@@ -67,6 +68,8 @@ class KVPool:
         device: where the pool lives (see :func:`resolve_device`).
         debug: fill the fresh pool and released blocks with NaN (stale reads show up).
         backend: kernels backend ("auto", "triton", "torch").
+        fingerprints: keep per-slot fingerprints of what was written, for
+            :meth:`reference_attend` (the online correctness check).
 
     Raises:
         PoolAllocationError: the size is malformed or does not fit on the device.
@@ -80,6 +83,7 @@ class KVPool:
         *,
         debug: bool = False,
         backend: str = "auto",
+        fingerprints: bool = False,
     ) -> None:
         # PoolConfig validates the size and the backend; keep one set of rules.
         config = PoolConfig(layout, num_blocks=num_blocks, debug=debug, backend=backend)
@@ -99,6 +103,9 @@ class KVPool:
                 f"allocating {self._num_blocks} blocks ({self._num_blocks * layout.bytes_per_block}"
                 f" bytes) on {self._device} failed: {exc}"
             ) from None
+        self._fingerprints = (
+            SlotFingerprints(layout, self._num_blocks, self._device) if fingerprints else None
+        )
 
     @classmethod
     def from_config(cls, config: PoolConfig, device: str | torch.device | None = None) -> KVPool:
@@ -110,6 +117,7 @@ class KVPool:
             dev,
             debug=config.debug,
             backend=config.backend,
+            fingerprints=config.fingerprints,
         )
 
     # -- shape -------------------------------------------------------------------------
@@ -264,6 +272,55 @@ class KVPool:
         self._write_checked(layer, slots, key, value)
         return self._attend_checked(layer, query, *indices, options)
 
+    def reference_attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[BadSlot]]:
+        """:meth:`attend` recomputed by the torch reference, plus a fingerprint check of every
+        slot it reads (the online correctness check).
+
+        Returns:
+            ``(out [T, Hq, D] pool dtype, lse float32 [T, Hq] or None, bad slots)``; the bad
+            slots are empty when fingerprints are off (``fingerprints=False``) or all match.
+
+        Raises:
+            InvalidWorkerRequest: a malformed argument.
+        """
+        options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
+        tables, lens, starts = check_attend(
+            self._layout, self._num_blocks, layer, query, block_tables, seq_lens, query_start_loc
+        )
+        result = kernels.paged_attention(
+            query.to(self._device).contiguous(),
+            self._data[:, layer, 0],
+            self._data[:, layer, 1],
+            self._to_device(tables, torch.int32),
+            self._to_device(lens, torch.int32),
+            self._to_device(starts, torch.int32),
+            scale=options.scale,
+            causal=options.causal,
+            sliding_window=options.sliding_window,
+            softcap=options.softcap,
+            return_lse=options.return_lse,
+            backend="torch",
+            check_values=False,
+        )
+        out, lse = result if isinstance(result, tuple) else (result, None)
+        bad: list[BadSlot] = []
+        if self._fingerprints is not None:
+            bad = self._fingerprints.check(self._data, layer, tables, lens)
+        return out, lse, bad
+
     def copy_blocks(self, src: IndexLike, dst: IndexLike) -> None:
         """Copy whole blocks (all layers, K and V) ``src[i] -> dst[i]`` (copy-on-write).
 
@@ -279,13 +336,13 @@ class KVPool:
             return
         # The K and V halves, not the pool twice: copying one tensor twice would re-read
         # sources that the first pass already overwrote when src and dst overlap.
+        src_dev = self._to_device(src_ids, torch.int64)
+        dst_dev = self._to_device(dst_ids, torch.int64)
         self._kernel(
-            kernels.copy_blocks,
-            self._data[:, :, 0],
-            self._data[:, :, 1],
-            self._to_device(src_ids, torch.int64),
-            self._to_device(dst_ids, torch.int64),
+            kernels.copy_blocks, self._data[:, :, 0], self._data[:, :, 1], src_dev, dst_dev
         )
+        if self._fingerprints is not None:
+            self._fingerprints.copy_blocks(src_dev, dst_dev)
 
     def export_blocks(self, block_ids: IndexLike) -> torch.Tensor:
         """Copies of the listed blocks ``[n, L, 2, Hkv, block_size, D]`` on the host."""
@@ -300,7 +357,11 @@ class KVPool:
         check_block_data(data, ids.shape[0], self._layout)
         if not ids.numel():
             return
-        self._data.index_copy_(0, self._to_device(ids, torch.int64), data.to(self._device))
+        ids_dev = self._to_device(ids, torch.int64)
+        data_dev = data.to(self._device)
+        self._data.index_copy_(0, ids_dev, data_dev)
+        if self._fingerprints is not None:
+            self._fingerprints.record_blocks(ids_dev, data_dev)
 
     def release_blocks(self, block_ids: IndexLike) -> None:
         """The listed blocks are no longer used: in debug mode poison them with NaN (a later
@@ -341,6 +402,9 @@ class KVPool:
                 self._data[:, lyr, 1],
                 slots_dev,
             )
+        if self._fingerprints is not None:
+            dtype = self._data.dtype
+            self._fingerprints.record(layer, slots_dev, key.to(dtype), value.to(dtype))
 
     def _attend_checked(
         self,

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU runs of the project, grouped into device calls (see benchmarks/results/*-h200*.md).
+# Usage on the GPU machine, from the repo root, with Ray carried (../shared/device/README.md):
+#   source .device/env.sh && bash benchmarks/run_gpu_suite.sh tests-multigpu-workers
+#   source .device/env.sh && bash benchmarks/run_gpu_suite.sh service-transformers
+# Every phase is bounded by `timeout` and writes under $OUT (at most 8 files per call).
+set -uo pipefail
+OUT=${OUT:-/tmp/kvcache-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+phase=${1:?phase: tests-multigpu-workers | service-transformers}
+
+echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
+python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
+
+case $phase in
+tests-multigpu-workers)
+  timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark -n 4 \
+    tests/test_kernels_attention.py tests/test_kernels_io.py tests/test_kernels_validation.py \
+    tests/test_workers_gpu.py tests/test_integration_transformers_gpu.py tests/test_multigpu_gpu.py \
+    2>&1 | tee "$OUT/gpu-tests.log" | tail -15
+  timeout 200 python3 benchmarks/bench_multigpu.py --out "$OUT/multigpu" 2>&1 | tee "$OUT/multigpu.log" | tail -60
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/bench_workers.py --out "$OUT/workers" 2>&1 \
+    | tee "$OUT/workers.log" | tail -25
+  ;;
+service-transformers)
+  CUDA_VISIBLE_DEVICES=0 timeout 290 python3 benchmarks/bench_service.py --h200 --out "$OUT/service-h200.md" 2>&1 \
+    | tee "$OUT/service.log" | tail -40
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/bench_transformers.py --h200 --out "$OUT/transformers" 2>&1 \
+    | tee "$OUT/transformers.log" | tail -30
+  ;;
+*) echo "unknown phase $phase" >&2; exit 2 ;;
+esac

@@ -1,0 +1,46 @@
+"""Letting worker calls in flight settle before a cancellation (a client deadline) lands.
+
+grpc.aio cancels a handler's task when its call's deadline passes or the client goes away.
+If that cancellation interrupted the coordinator between "the control plane reserved blocks
+and the worker calls were sent" and "the calls came back", it would release the sequence's
+lock while a copy-on-write copy or a K/V write was still queued on a worker: a later call
+could then free and reuse those blocks before the stale write lands on them. So the worker
+part of a call runs to completion; the cancellation is delivered afterwards, before the
+write is committed, which leaves the sequence exactly as before the call (the reserved
+positions are rewritten by a retry with the same token ids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+__all__ = ["run_to_completion"]
+
+_T = TypeVar("_T")
+
+
+async def run_to_completion(aw: Awaitable[_T]) -> _T:
+    """Await `aw` to its end even if the calling task is cancelled meanwhile.
+
+    Returns:
+        `aw`'s result (its exception is raised as usual).
+
+    Raises:
+        asyncio.CancelledError: the caller was cancelled while waiting; raised only once
+            `aw` has finished (its own result or error is then dropped).
+    """
+    task = asyncio.ensure_future(aw)
+    interrupted = False
+    while not task.done():
+        try:
+            # wait() never cancels what it waits for, unlike a plain await.
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            interrupted = True
+    if interrupted:
+        if not task.cancelled():
+            task.exception()  # retrieved: no "exception was never retrieved" warning
+        raise asyncio.CancelledError
+    return task.result()
