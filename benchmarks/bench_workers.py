@@ -44,6 +44,7 @@ import kernels
 from workers.config import PoolConfig
 from workers.layout import KVLayout
 from workers.pool import KVPool
+from workers.transport import pack
 
 
 @dataclass(frozen=True)
@@ -169,14 +170,21 @@ def run(shape: Shape, out_dir: Path) -> dict:
         t0 = time.perf_counter()
         for lo in range(0, num_blocks, shape.import_chunk_blocks):
             ids = list(range(lo, min(num_blocks, lo + shape.import_chunk_blocks)))
-            ray.get(worker.import_blocks.remote(epoch, ids, pool.export_blocks(ids)))
+            data = pack(pool.export_blocks(ids), readonly=True)
+            ray.get(worker.import_blocks.remote(epoch, ids, data))
         seconds = time.perf_counter() - t0
         result["import_GBps"] = num_blocks * layout.bytes_per_block / seconds / 1e9
         log(f"imported the pool into the actor at {result['import_GBps']:.2f} GB/s")
 
+        # What RayWorkerClient sends: tensors packed as raw-byte numpy arrays (out-of-band
+        # through the object store, workers.transport); the actor packs its results too.
+        w_query, w_tables, w_seq_lens, w_qsl, w_slots, w_new_k = (
+            pack(t, readonly=True) for t in (query, tables, seq_lens, qsl, step_slots, new_k)
+        )
+
         # Correctness: actor == in-process, bit for bit; both close to float64 dense.
         local_out = pool.attend(0, query, tables, seq_lens, qsl).cpu()
-        actor_out = ray.get(worker.attend.remote(epoch, 0, query, tables, seq_lens, qsl))
+        actor_out = ray.get(worker.attend.remote(epoch, 0, w_query, w_tables, w_seq_lens, w_qsl))
         result["actor_equals_in_process"] = bool(torch.equal(local_out, actor_out))
         result["max_rel_err_vs_fp64_dense"] = dense_check(
             query, pool, tables, shape.context, local_out, min(4, shape.batch)
@@ -212,7 +220,7 @@ def run(shape: Shape, out_dir: Path) -> dict:
             return pool.attend(0, query, tables, seq_lens, qsl).cpu()
 
         def actor_call() -> object:
-            return ray.get(worker.attend.remote(epoch, 0, query, tables, seq_lens, qsl))
+            return ray.get(worker.attend.remote(epoch, 0, w_query, w_tables, w_seq_lens, w_qsl))
 
         def actor_noop() -> object:
             return ray.get(worker.epoch.remote())
@@ -220,7 +228,7 @@ def run(shape: Shape, out_dir: Path) -> dict:
         def actor_step() -> object:
             return ray.get(
                 worker.write_and_attend.remote(
-                    epoch, 0, step_slots, new_k, new_k, query, tables, seq_lens, qsl
+                    epoch, 0, w_slots, w_new_k, w_new_k, w_query, w_tables, w_seq_lens, w_qsl
                 )
             )
 
@@ -231,11 +239,14 @@ def run(shape: Shape, out_dir: Path) -> dict:
             "actor_noop": wall_median(actor_noop, shape.iters, shape.warmup),
             "actor_step": wall_median(actor_step, shape.iters, shape.warmup),
         }
-        refs = [worker.attend.remote(epoch, 0, query, tables, seq_lens, qsl) for _ in range(3)]
+        refs = [
+            worker.attend.remote(epoch, 0, w_query, w_tables, w_seq_lens, w_qsl) for _ in range(3)
+        ]
         ray.get(refs)
         t0 = time.perf_counter()
         refs = [
-            worker.attend.remote(epoch, 0, query, tables, seq_lens, qsl) for _ in range(shape.iters)
+            worker.attend.remote(epoch, 0, w_query, w_tables, w_seq_lens, w_qsl)
+            for _ in range(shape.iters)
         ]
         ray.get(refs)
         timings["actor_pipelined"] = (time.perf_counter() - t0) / shape.iters

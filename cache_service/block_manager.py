@@ -561,7 +561,7 @@ class BlockManager:
         The released positions' blocks (those past the ones holding written positions)
         leave the table, last first; blocks no one else references become free. Blocks
         holding written positions, a copy-on-write copy among them, stay; so do reserved
-        positions in the partly written last block when a fork shares that block.
+        positions in the partly written last block when a fork shares (or published) it.
 
         Returns:
             CancelledWrite(start, num_tokens, blocks) (num_tokens 0: nothing was reserved).
@@ -575,10 +575,12 @@ class BlockManager:
         keep = -(-start // bs)
         if start % bs:
             last = seq.table[keep - 1]
-            if self._pools[last.worker_id].refcount(last.index) > 1:
-                # Shared with a fork taken while this reservation was held: its other
-                # users hold these positions too and a block has one fill, so they stay
-                # (a write there must repeat their tokens, as before the cancel).
+            shared = self._pools[last.worker_id].refcount(last.index) > 1
+            if shared or self._index.is_published(last):
+                # Shared with a fork taken while this reservation was held (or written and
+                # published by one): its other users hold these positions too, a block has
+                # one fill, and published KV must not be overwritten with other tokens'.
+                # They stay reserved: a write there must repeat their tokens.
                 start = min(len(seq.tokens), keep * bs)
         num_tokens = len(seq.tokens) - start
         dropped = tuple(seq.table[keep:])

@@ -659,6 +659,7 @@ class Coordinator:
                     key = key[:, cached:n].to(self._pool_dtype)
                     value = value[:, cached:n].to(self._pool_dtype)
                     plan = self.block_manager.prepare_write(tenant, created.seq_id, None, tail)
+                    self._flush_released()  # blocks evicted for this write: poisoned first
 
                     async def copy_then_write() -> None:
                         await self._run_copies(plan, [created.seq_id])
@@ -1019,7 +1020,12 @@ class Coordinator:
             )
 
     async def _released_before_use(self, worker_ids: Iterable[str]) -> None:
-        """Wait for the release_blocks calls already started on these workers."""
+        """Wait for the release_blocks calls already started on these workers.
+
+        Releases still pending in the control plane are sent first: a path that forgot to
+        flush after freeing or evicting still cannot write a block before its poison.
+        """
+        self._flush_released()
         pending = {
             task
             for w in worker_ids

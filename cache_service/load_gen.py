@@ -42,6 +42,7 @@ from cache_service.config import ServiceConfig, from_dict, to_dict
 from workers.layout import KVLayout
 
 __all__ = [
+    "OPS",
     "KVTables",
     "LoadConfig",
     "LoadResult",

@@ -8,6 +8,10 @@
 
 :func:`transfer_blocks` copies blocks between two workers; between Ray workers the data goes
 through the object store, never through the caller.
+
+Tensors sent to a Ray worker are packed with :mod:`workers.transport` (raw bytes as numpy
+arrays: out-of-band and zero-copy through the object store, where torch tensors would be
+pickled in-band with copies); the actor packs its results the same way.
 """
 
 from __future__ import annotations
@@ -26,11 +30,20 @@ from workers.config import PoolConfig
 from workers.description import WorkerDescription, WorkerHealth
 from workers.errors import WorkerError, WorkerUnavailable
 from workers.fingerprints import BadSlot
+from workers.transport import pack
 
 __all__ = ["LocalWorkerClient", "RayWorkerClient", "transfer_blocks"]
 
 _T = TypeVar("_T")
 IndexLike = torch.Tensor | Sequence[int]
+
+
+def _wire(value: Any) -> Any:
+    """A tensor argument for a Ray call, packed (the actor only reads its inputs, so it may
+    view the object store's buffer); anything else (lists, ObjectRefs, None) as it is."""
+    if isinstance(value, torch.Tensor):
+        return pack(value, readonly=True)
+    return value
 
 
 def _attention_result(value: Any, return_lse: bool) -> AttentionResult:
@@ -72,7 +85,10 @@ class RayWorkerClient:
 
     def submit(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Submit ``method`` without waiting: the ObjectRef of its result. Passing that ref
-        to another actor call hands the result over inside Ray."""
+        to another actor call hands the result over inside Ray. Tensor arguments are packed
+        for the trip (:mod:`workers.transport`)."""
+        args = tuple(_wire(a) for a in args)
+        kwargs = {k: _wire(v) for k, v in kwargs.items()}
         return getattr(self._handle, method).remote(*args, **kwargs)
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -225,7 +241,9 @@ class RayWorkerClient:
         await self._call("copy_blocks", epoch, src, dst)
 
     async def export_blocks(self, epoch: str, block_ids: IndexLike) -> torch.Tensor:
-        return await self._call("export_blocks", epoch, block_ids)
+        # The actor's export arrives as a read-only view of the object store (zero-copy for
+        # transfer_blocks); the caller gets its own writable copy.
+        return (await self._call("export_blocks", epoch, block_ids)).clone()
 
     async def import_blocks(self, epoch: str, block_ids: IndexLike, data: Any) -> None:
         """``data``: exported blocks, or the ObjectRef of another worker's export."""

@@ -12,12 +12,16 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cache_service.block_manager import (
     BlockCopy,
@@ -41,6 +45,7 @@ from cache_service.recovery import (
     recover,
 )
 from cache_service.store import MetadataStore, StoreConfig
+from tests.store_workload import CONFIG, OPS, TENANTS, Workload
 
 BS = 4
 LAYERS = 2
@@ -354,4 +359,87 @@ def test_recovery_cancels_reservations_of_calls_in_flight(tmp_path: Path) -> Non
     # Block 1 held only the cancelled position 4: free, for the workers to poison.
     assert durable.take_released() == {"w0": [1]}
     durable.prepare_write("t", a, 1, [7])  # another token is welcome there now
+    store.close()
+
+
+class UndoWorkload(Workload):
+    """The store tests' random workload plus batches, cancels and per-tenant quotas."""
+
+    def step(self) -> str:
+        op = self.rng.choice((*OPS, "batch", "batch", "cancel", "quota"))
+        try:
+            self._do(op)
+        except CacheError:
+            self.errors += 1
+        return op
+
+    def _do(self, op: str) -> None:
+        m, rng = self.m, self.rng
+        if op == "batch":
+            tenant = rng.choice(TENANTS)
+            mine = [p for p in self.live if p[0] == tenant]
+            picked = rng.sample(mine, min(len(mine), rng.randrange(1, 4)))
+            if not picked:
+                return
+            layer = None if rng.random() < 0.5 else rng.randrange(CONFIG.num_layers)
+            writes = []
+            for _, seq_id in picked:
+                cursor = m.write_cursor(tenant, seq_id, 0 if layer is None else layer)
+                n = rng.randrange(1, 9)
+                tokens = list(cursor.reserved[:n])
+                tokens += [rng.randrange(1, 50) for _ in range(n - len(tokens))]
+                writes.append((seq_id, tokens))
+            m.prepare_writes(tenant, layer, writes)
+            self.mutations += 1
+            for seq_id, tokens in writes:
+                if rng.random() < 0.7:
+                    m.commit_write(tenant, seq_id, layer, len(tokens))
+                    self.mutations += 1
+        elif op == "cancel":
+            picked = self._pick()
+            if picked:
+                m.cancel_write(*picked)
+                self.mutations += 1
+        elif op == "quota":
+            m.set_tenant_quota(
+                rng.choice(TENANTS), rng.choice([None, 3, 12]), rng.choice([None, 2, 6])
+            )
+            self.mutations += 1
+        else:
+            super()._do(op)
+
+
+_paths = itertools.count()
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    steps=st.integers(1, 150),
+    checkpoint_every=st.integers(1, 50),
+)
+def test_random_batches_cancels_and_quotas_recover_exactly(
+    tmp_path: Path, seed: int, steps: int, checkpoint_every: int
+) -> None:
+    path = tmp_path / f"s{next(_paths)}.db"
+    store = _store(path, checkpoint_every)
+    durable = DurableBlockManager(BlockManager(CONFIG), store)
+    work = UndoWorkload(durable, random.Random(seed))
+    work.setup()
+    for _ in range(steps):
+        work.step()
+        durable.manager.check_integrity()
+    # Failed calls (a refused batch among them) are never logged.
+    assert store.last_lsn() == work.mutations
+    expected = durable.manager.to_records()
+    unfinished = durable.unfinished_copies
+    store.close()
+    store = _store(path)
+    result = recover(store, CONFIG)
+    assert result.manager.to_records() == expected
+    assert result.unfinished_copies == unfinished
     store.close()

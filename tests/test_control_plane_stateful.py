@@ -397,8 +397,9 @@ class ControlPlaneMachine(RuleBasedStateMachine):
         result = self.m.cancel_write(seq.tenant, seq_id)
         start = max(seq.written)
         if result.start != start:
-            # Only positions in the last written block, shared with a fork, may stay.
-            event("cancel kept positions of a shared block")
+            # Only positions in the last written block, if a fork shares or published it,
+            # may stay.
+            event("cancel kept positions of a shared or published block")
             assert start % BS and start < result.start <= -(-start // BS) * BS
         assert result.num_tokens == len(seq.tokens) - result.start
         if result.num_tokens:

@@ -4,8 +4,8 @@ Through the real server with debug pools: a freed block that nobody reuses reads
 its worker; a block that stays cached-free (still published in the prefix index) keeps its
 KV bit for bit and a later prompt adopts it; a cached-free block evicted to be reused is
 poisoned *before* its new owner writes it (the new slots hold the new KV, the others NaN,
-never the old prompt's, and attention is still right); the blocks a lost worker's sequence
-held on another worker are poisoned there.
+never the old prompt's, and attention is still right), on every write path (append,
+import); the blocks a lost worker's sequence held on another worker are poisoned there.
 """
 
 from __future__ import annotations
@@ -135,3 +135,32 @@ def test_a_lost_workers_sequences_release_their_blocks_elsewhere() -> None:
         svc.check_integrity()
         client.free(s)
         w1.restart()  # lets the harness shut down cleanly
+
+
+def test_an_import_that_evicts_is_never_poisoned_afterwards() -> None:
+    workers = debug_workers(8)
+    with (
+        ServiceHarness(service_config(), workers) as svc,
+        KVCacheClient(svc.address, timeout_s=20) as client,
+    ):
+        prompt = list(range(40, 48))
+        e, k, v = prefill(client, prompt)
+        exported = client.export_blocks(e)
+        client.free(e)  # 2 cached-free blocks: the tail released first, so evicted first
+        g, _, _ = prefill(client, list(range(60, 68)))
+        client.free(g)
+        f, _, _ = prefill(client, list(range(80, 96)))  # the last 4 free blocks
+        assert svc.stats().workers["w0"].free == 0
+        # The import adopts E's first block and takes a block for the rest: an eviction.
+        imported = client.import_blocks(exported)
+        assert svc.stats().evictions == 1
+        client.free(f)  # any later release must not reach the imported blocks
+        wait_poisoned(svc, workers[0], [4, 5, 6, 7])
+        for layer in range(NL):
+            q = torch.randn(2, HQ, D, generator=GEN)
+            (out,) = client.attend(layer, [AttendItem(imported.seq_id, q)])
+            mirror = Mirror(imported.seq_id, NL)
+            mirror.add(layer, k[layer], v[layer])
+            ref, _ = mirror.reference(layer, q)
+            assert torch.allclose(out.double(), ref, atol=1e-5), layer
+        svc.check_integrity()

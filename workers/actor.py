@@ -5,10 +5,14 @@ when the actor starts, so after a crash and a Ray restart (which reruns the cons
 an empty pool) every call made with the old epoch is refused with
 :class:`~workers.errors.StaleEpochError`: a restarted worker never serves blocks it lost.
 
-Tensors arrive on the host (Ray serialises them), move to the pool's device here, and
-results go back as host tensors. The class is plain Python so it also runs in-process
+Tensors arrive on the host, move to the pool's device here, and results go back as host
+tensors. The class is plain Python so it also runs in-process
 (``cache_service.worker_clients.LocalWorkerClient``); :data:`PoolWorkerActor` is its Ray
-actor class. Ray runs an actor's calls one at a time, which serialises pool updates.
+actor class, which packs its tensor results with :mod:`workers.transport` (raw bytes as
+numpy arrays: out-of-band, zero-copy through Ray's object store instead of torch's in-band
+pickling); callers see plain torch tensors. ``RayWorkerClient`` packs the tensors it sends
+the same way; tensors that arrive unpacked work too. Ray runs an actor's calls one at a
+time, which serialises pool updates.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from workers.description import WorkerDescription, WorkerHealth
 from workers.errors import StaleEpochError
 from workers.fingerprints import BadSlot
 from workers.pool import AttendResult, IndexLike, KVPool
+from workers.transport import pack_result, unpack
 
 __all__ = ["PoolWorker", "PoolWorkerActor", "new_epoch"]
 
@@ -132,6 +137,7 @@ class PoolWorker:
         value: torch.Tensor,
     ) -> None:
         """:meth:`KVPool.write` behind the epoch fence."""
+        slot_mapping, key, value = unpack(slot_mapping), unpack(key), unpack(value)
         self._run(epoch, lambda: self._pool.write(layer, slot_mapping, key, value))
 
     def attend(
@@ -150,6 +156,8 @@ class PoolWorker:
         softcap: float | None = None,
     ) -> AttendResult:
         """:meth:`KVPool.attend` behind the epoch fence; results on the host."""
+        query, block_tables = unpack(query), unpack(block_tables)
+        seq_lens, query_start_loc = unpack(seq_lens), unpack(query_start_loc)
         return self._run(
             epoch,
             lambda: _to_host(
@@ -188,6 +196,9 @@ class PoolWorker:
     ) -> AttendResult:
         """:meth:`KVPool.write_and_attend` (one write launch, one attention launch) behind
         the epoch fence; results on the host."""
+        slot_mapping, key, value = unpack(slot_mapping), unpack(key), unpack(value)
+        query, block_tables = unpack(query), unpack(block_tables)
+        seq_lens, query_start_loc = unpack(seq_lens), unpack(query_start_loc)
         return self._run(
             epoch,
             lambda: _to_host(
@@ -226,6 +237,8 @@ class PoolWorker:
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[BadSlot]]:
         """:meth:`KVPool.reference_attend` (torch reference + slot fingerprint check) behind
         the epoch fence; tensors on the host."""
+        query, block_tables = unpack(query), unpack(block_tables)
+        seq_lens, query_start_loc = unpack(seq_lens), unpack(query_start_loc)
 
         def run() -> tuple[torch.Tensor, torch.Tensor | None, list[BadSlot]]:
             out, lse, bad = self._pool.reference_attend(
@@ -246,33 +259,51 @@ class PoolWorker:
 
     def copy_blocks(self, epoch: str, src: IndexLike, dst: IndexLike) -> None:
         """:meth:`KVPool.copy_blocks` behind the epoch fence."""
+        src, dst = unpack(src), unpack(dst)
         self._run(epoch, lambda: self._pool.copy_blocks(src, dst))
 
     def export_blocks(self, epoch: str, block_ids: IndexLike) -> torch.Tensor:
-        """:meth:`KVPool.export_blocks` behind the epoch fence (host tensor)."""
-        return self._run(epoch, lambda: self._pool.export_blocks(block_ids))
+        """:meth:`KVPool.export_blocks` behind the epoch fence (host tensor; from the Ray
+        actor, a read-only view of the object store: clone it before writing)."""
+        block_ids = unpack(block_ids)
+        return self._run(epoch, lambda: self._pool.export_blocks(block_ids), readonly=True)
 
     def import_blocks(self, epoch: str, block_ids: IndexLike, data: torch.Tensor) -> None:
         """:meth:`KVPool.import_blocks` behind the epoch fence."""
+        block_ids, data = unpack(block_ids), unpack(data)
         self._run(epoch, lambda: self._pool.import_blocks(block_ids, data))
 
     def release_blocks(self, epoch: str, block_ids: IndexLike) -> None:
         """:meth:`KVPool.release_blocks` (NaN poison in debug mode) behind the epoch fence."""
+        block_ids = unpack(block_ids)
         self._run(epoch, lambda: self._pool.release_blocks(block_ids))
 
     # -- internals ---------------------------------------------------------------------
 
-    def _run(self, epoch: str, op: Callable[[], _T]) -> _T:
+    # True in the Ray actor: tensor results leave packed (workers.transport).
+    _pack_results = False
+
+    def _run(self, epoch: str, op: Callable[[], _T], *, readonly: bool = False) -> _T:
         self._calls += 1
         try:
             if epoch != self._epoch:
                 raise StaleEpochError(self._worker_id, expected=epoch, actual=self._epoch)
-            return op()
+            result = op()
         except Exception:
             self._failed += 1
             raise
+        if self._pack_results:
+            return pack_result(result, readonly=readonly)
+        return result
+
+
+class RemotePoolWorker(PoolWorker):
+    """:class:`PoolWorker` as run by Ray: tensor results are packed for the trip back
+    (they unpickle as plain torch tensors)."""
+
+    _pack_results = True
 
 
 # The Ray actor class. Resources (num_gpus, name, lifetime, ...) are set per launch with
 # .options() in workers.launcher.
-PoolWorkerActor = ray.remote(PoolWorker)
+PoolWorkerActor = ray.remote(RemotePoolWorker)
