@@ -6,8 +6,8 @@ and the worker calls were sent" and "the calls came back", it would release the 
 lock while a copy-on-write copy or a K/V write was still queued on a worker: a later call
 could then free and reuse those blocks before the stale write lands on them. So the worker
 part of a call runs to completion; the cancellation is delivered afterwards, before the
-write is committed, which leaves the sequence exactly as before the call (the reserved
-positions are rewritten by a retry with the same token ids).
+write is committed; the coordinator then cancels the reservation (``cancel_write``), which
+leaves the sequence as before the call.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cache_service.block_manager import (
@@ -422,6 +422,8 @@ _paths = itertools.count()
     steps=st.integers(1, 150),
     checkpoint_every=st.integers(1, 50),
 )
+@example(seed=1, steps=600, checkpoint_every=40)
+@example(seed=2, steps=600, checkpoint_every=1000)
 def test_random_batches_cancels_and_quotas_recover_exactly(
     tmp_path: Path, seed: int, steps: int, checkpoint_every: int
 ) -> None:
