@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -34,7 +34,6 @@ from workers.transport import pack
 
 __all__ = ["LocalWorkerClient", "RayWorkerClient", "transfer_blocks"]
 
-_T = TypeVar("_T")
 IndexLike = torch.Tensor | Sequence[int]
 
 
@@ -53,7 +52,118 @@ def _attention_result(value: Any, return_lse: bool) -> AttentionResult:
     return AttentionResult(value, None)
 
 
-class RayWorkerClient:
+class _WorkerClientBase:
+    """The :class:`~cache_service.worker_interface.WorkerClient` methods, each building its
+    ``workers.actor.PoolWorker`` call once; a subclass runs the call with :meth:`_invoke`."""
+
+    _worker_id: str
+
+    @property
+    def worker_id(self) -> str:
+        return self._worker_id
+
+    async def _invoke(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The result of ``PoolWorker.<method>(*args, **kwargs)`` on this client's worker."""
+        raise NotImplementedError
+
+    async def describe(self) -> WorkerDescription:
+        return await self._invoke("describe")
+
+    async def health(self) -> WorkerHealth:
+        return await self._invoke("health")
+
+    async def write(
+        self,
+        epoch: str,
+        layer: int | None,
+        slot_mapping: IndexLike,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
+        await self._invoke("write", epoch, layer, slot_mapping, key, value)
+
+    async def attend(
+        self,
+        epoch: str,
+        layer: int,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
+    ) -> AttentionResult:
+        batch = (query, block_tables, seq_lens, query_start_loc, causal, return_lse)
+        options = {"scale": scale, "softcap": softcap, "sliding_window": sliding_window}
+        value = await self._invoke("attend", epoch, layer, *batch, **options)
+        return _attention_result(value, return_lse)
+
+    async def write_and_attend(
+        self,
+        epoch: str,
+        layer: int,
+        slot_mapping: IndexLike,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
+    ) -> AttentionResult:
+        new = (slot_mapping, key, value)
+        batch = (query, block_tables, seq_lens, query_start_loc, causal, return_lse)
+        options = {"scale": scale, "softcap": softcap, "sliding_window": sliding_window}
+        result = await self._invoke("write_and_attend", epoch, layer, *new, *batch, **options)
+        return _attention_result(result, return_lse)
+
+    async def reference_attend(
+        self,
+        epoch: str,
+        layer: int,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
+    ) -> tuple[AttentionResult, list[BadSlot]]:
+        """The torch reference of :meth:`attend` over the same blocks, and the slots whose
+        data no longer matches its write-time fingerprint (online correctness check)."""
+        batch = (query, block_tables, seq_lens, query_start_loc, causal, return_lse)
+        options = {"scale": scale, "softcap": softcap, "sliding_window": sliding_window}
+        out, lse, bad = await self._invoke("reference_attend", epoch, layer, *batch, **options)
+        return AttentionResult(out, lse), bad
+
+    async def copy_blocks(self, epoch: str, src: IndexLike, dst: IndexLike) -> None:
+        await self._invoke("copy_blocks", epoch, src, dst)
+
+    async def export_blocks(self, epoch: str, block_ids: IndexLike) -> torch.Tensor:
+        return await self._invoke("export_blocks", epoch, block_ids)
+
+    async def import_blocks(self, epoch: str, block_ids: IndexLike, data: Any) -> None:
+        """``data``: exported blocks (for a Ray worker also the ObjectRef of another Ray
+        worker's export)."""
+        await self._invoke("import_blocks", epoch, block_ids, data)
+
+    async def release_blocks(self, epoch: str, block_ids: IndexLike) -> None:
+        await self._invoke("release_blocks", epoch, block_ids)
+
+
+class RayWorkerClient(_WorkerClientBase):
     """A PoolWorker actor behind the async worker interface.
 
     Args:
@@ -75,10 +185,6 @@ class RayWorkerClient:
         return client
 
     @property
-    def worker_id(self) -> str:
-        return self._worker_id
-
-    @property
     def handle(self) -> Any:
         """The actor handle."""
         return self._handle
@@ -91,7 +197,7 @@ class RayWorkerClient:
         kwargs = {k: _wire(v) for k, v in kwargs.items()}
         return getattr(self._handle, method).remote(*args, **kwargs)
 
-    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    async def _invoke(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return await self.resolve(self.submit(method, *args, **kwargs))
 
     async def resolve(self, ref: Any) -> Any:
@@ -120,140 +226,13 @@ class RayWorkerClient:
                 self._worker_id, f"no answer within {self._timeout} s"
             ) from None
 
-    async def describe(self) -> WorkerDescription:
-        return await self._call("describe")
-
-    async def health(self) -> WorkerHealth:
-        return await self._call("health")
-
-    async def write(
-        self,
-        epoch: str,
-        layer: int | None,
-        slot_mapping: IndexLike,
-        key: torch.Tensor,
-        value: torch.Tensor,
-    ) -> None:
-        await self._call("write", epoch, layer, slot_mapping, key, value)
-
-    async def attend(
-        self,
-        epoch: str,
-        layer: int,
-        query: torch.Tensor,
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: IndexLike,
-        query_start_loc: IndexLike,
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        softcap: float | None = None,
-        sliding_window: int | None = None,
-    ) -> AttentionResult:
-        value = await self._call(
-            "attend",
-            epoch,
-            layer,
-            query,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            causal,
-            return_lse,
-            scale=scale,
-            softcap=softcap,
-            sliding_window=sliding_window,
-        )
-        return _attention_result(value, return_lse)
-
-    async def write_and_attend(
-        self,
-        epoch: str,
-        layer: int,
-        slot_mapping: IndexLike,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        query: torch.Tensor,
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: IndexLike,
-        query_start_loc: IndexLike,
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        softcap: float | None = None,
-        sliding_window: int | None = None,
-    ) -> AttentionResult:
-        result = await self._call(
-            "write_and_attend",
-            epoch,
-            layer,
-            slot_mapping,
-            key,
-            value,
-            query,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            causal,
-            return_lse,
-            scale=scale,
-            softcap=softcap,
-            sliding_window=sliding_window,
-        )
-        return _attention_result(result, return_lse)
-
-    async def reference_attend(
-        self,
-        epoch: str,
-        layer: int,
-        query: torch.Tensor,
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: IndexLike,
-        query_start_loc: IndexLike,
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        softcap: float | None = None,
-        sliding_window: int | None = None,
-    ) -> tuple[AttentionResult, list[BadSlot]]:
-        """The torch reference of :meth:`attend` over the same blocks, and the slots whose
-        data no longer matches its write-time fingerprint (online correctness check)."""
-        out, lse, bad = await self._call(
-            "reference_attend",
-            epoch,
-            layer,
-            query,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            causal,
-            return_lse,
-            scale=scale,
-            softcap=softcap,
-            sliding_window=sliding_window,
-        )
-        return AttentionResult(out, lse), bad
-
-    async def copy_blocks(self, epoch: str, src: IndexLike, dst: IndexLike) -> None:
-        await self._call("copy_blocks", epoch, src, dst)
-
     async def export_blocks(self, epoch: str, block_ids: IndexLike) -> torch.Tensor:
         # The actor's export arrives as a read-only view of the object store (zero-copy for
         # transfer_blocks); the caller gets its own writable copy.
-        return (await self._call("export_blocks", epoch, block_ids)).clone()
-
-    async def import_blocks(self, epoch: str, block_ids: IndexLike, data: Any) -> None:
-        """``data``: exported blocks, or the ObjectRef of another worker's export."""
-        await self._call("import_blocks", epoch, block_ids, data)
-
-    async def release_blocks(self, epoch: str, block_ids: IndexLike) -> None:
-        await self._call("release_blocks", epoch, block_ids)
+        return (await super().export_blocks(epoch, block_ids)).clone()
 
 
-class LocalWorkerClient:
+class LocalWorkerClient(_WorkerClientBase):
     """A PoolWorker in this process behind the async worker interface.
 
     Args:
@@ -273,10 +252,6 @@ class LocalWorkerClient:
         self._worker: PoolWorker | None = PoolWorker(worker_id, config, device)
         # One thread: calls run one at a time, in order, as on an actor.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvpool-{worker_id}")
-
-    @property
-    def worker_id(self) -> str:
-        return self._worker_id
 
     @property
     def worker(self) -> PoolWorker:
@@ -301,141 +276,9 @@ class LocalWorkerClient:
         """Stop the private thread (after the calls in flight)."""
         self._executor.shutdown(wait=True)
 
-    async def _call(self, op: Callable[[PoolWorker], _T]) -> _T:
-        worker = self.worker
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(op, worker))
-
-    async def describe(self) -> WorkerDescription:
-        return await self._call(lambda w: w.describe())
-
-    async def health(self) -> WorkerHealth:
-        return await self._call(lambda w: w.health())
-
-    async def write(
-        self,
-        epoch: str,
-        layer: int | None,
-        slot_mapping: IndexLike,
-        key: torch.Tensor,
-        value: torch.Tensor,
-    ) -> None:
-        await self._call(lambda w: w.write(epoch, layer, slot_mapping, key, value))
-
-    async def attend(
-        self,
-        epoch: str,
-        layer: int,
-        query: torch.Tensor,
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: IndexLike,
-        query_start_loc: IndexLike,
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        softcap: float | None = None,
-        sliding_window: int | None = None,
-    ) -> AttentionResult:
-        value = await self._call(
-            lambda w: w.attend(
-                epoch,
-                layer,
-                query,
-                block_tables,
-                seq_lens,
-                query_start_loc,
-                causal,
-                return_lse,
-                scale=scale,
-                softcap=softcap,
-                sliding_window=sliding_window,
-            )
-        )
-        return _attention_result(value, return_lse)
-
-    async def write_and_attend(
-        self,
-        epoch: str,
-        layer: int,
-        slot_mapping: IndexLike,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        query: torch.Tensor,
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: IndexLike,
-        query_start_loc: IndexLike,
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        softcap: float | None = None,
-        sliding_window: int | None = None,
-    ) -> AttentionResult:
-        result = await self._call(
-            lambda w: w.write_and_attend(
-                epoch,
-                layer,
-                slot_mapping,
-                key,
-                value,
-                query,
-                block_tables,
-                seq_lens,
-                query_start_loc,
-                causal,
-                return_lse,
-                scale=scale,
-                softcap=softcap,
-                sliding_window=sliding_window,
-            )
-        )
-        return _attention_result(result, return_lse)
-
-    async def reference_attend(
-        self,
-        epoch: str,
-        layer: int,
-        query: torch.Tensor,
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: IndexLike,
-        query_start_loc: IndexLike,
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        softcap: float | None = None,
-        sliding_window: int | None = None,
-    ) -> tuple[AttentionResult, list[BadSlot]]:
-        """As :meth:`RayWorkerClient.reference_attend`."""
-        out, lse, bad = await self._call(
-            lambda w: w.reference_attend(
-                epoch,
-                layer,
-                query,
-                block_tables,
-                seq_lens,
-                query_start_loc,
-                causal,
-                return_lse,
-                scale=scale,
-                softcap=softcap,
-                sliding_window=sliding_window,
-            )
-        )
-        return AttentionResult(out, lse), bad
-
-    async def copy_blocks(self, epoch: str, src: IndexLike, dst: IndexLike) -> None:
-        await self._call(lambda w: w.copy_blocks(epoch, src, dst))
-
-    async def export_blocks(self, epoch: str, block_ids: IndexLike) -> torch.Tensor:
-        return await self._call(lambda w: w.export_blocks(epoch, block_ids))
-
-    async def import_blocks(self, epoch: str, block_ids: IndexLike, data: torch.Tensor) -> None:
-        await self._call(lambda w: w.import_blocks(epoch, block_ids, data))
-
-    async def release_blocks(self, epoch: str, block_ids: IndexLike) -> None:
-        await self._call(lambda w: w.release_blocks(epoch, block_ids))
+    async def _invoke(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        call = functools.partial(getattr(self.worker, method), *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
 
 
 async def transfer_blocks(

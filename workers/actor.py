@@ -20,7 +20,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import ray
 import torch
@@ -42,10 +42,30 @@ def new_epoch() -> str:
     return secrets.token_hex(8)
 
 
-def _to_host(result: AttendResult) -> AttendResult:
+def _to_host(result: _T) -> _T:
+    """A pool result with its tensors (alone or in a tuple) on the host; the rest as it is."""
     if isinstance(result, tuple):
-        return tuple(t.cpu() for t in result)  # type: ignore[return-value]
-    return result.cpu()
+        return tuple(_to_host(r) for r in result)  # type: ignore[return-value]
+    if isinstance(result, torch.Tensor):
+        return result.cpu()  # type: ignore[return-value]
+    return result
+
+
+def _attend_options(
+    causal: bool,
+    return_lse: bool,
+    scale: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> dict[str, Any]:
+    """The keyword options of the pool's attention methods."""
+    return dict(
+        causal=causal,
+        return_lse=return_lse,
+        scale=scale,
+        sliding_window=sliding_window,
+        softcap=softcap,
+    )
 
 
 class PoolWorker:
@@ -137,8 +157,7 @@ class PoolWorker:
         value: torch.Tensor,
     ) -> None:
         """:meth:`KVPool.write` behind the epoch fence."""
-        slot_mapping, key, value = unpack(slot_mapping), unpack(key), unpack(value)
-        self._run(epoch, lambda: self._pool.write(layer, slot_mapping, key, value))
+        self._on_pool(epoch, self._pool.write, layer, slot_mapping, key, value)
 
     def attend(
         self,
@@ -156,25 +175,9 @@ class PoolWorker:
         softcap: float | None = None,
     ) -> AttendResult:
         """:meth:`KVPool.attend` behind the epoch fence; results on the host."""
-        query, block_tables = unpack(query), unpack(block_tables)
-        seq_lens, query_start_loc = unpack(seq_lens), unpack(query_start_loc)
-        return self._run(
-            epoch,
-            lambda: _to_host(
-                self._pool.attend(
-                    layer,
-                    query,
-                    block_tables,
-                    seq_lens,
-                    query_start_loc,
-                    causal=causal,
-                    return_lse=return_lse,
-                    scale=scale,
-                    sliding_window=sliding_window,
-                    softcap=softcap,
-                )
-            ),
-        )
+        batch = (query, block_tables, seq_lens, query_start_loc)
+        options = _attend_options(causal, return_lse, scale, sliding_window, softcap)
+        return self._on_pool(epoch, self._pool.attend, layer, *batch, **options)
 
     def write_and_attend(
         self,
@@ -196,29 +199,10 @@ class PoolWorker:
     ) -> AttendResult:
         """:meth:`KVPool.write_and_attend` (one write launch, one attention launch) behind
         the epoch fence; results on the host."""
-        slot_mapping, key, value = unpack(slot_mapping), unpack(key), unpack(value)
-        query, block_tables = unpack(query), unpack(block_tables)
-        seq_lens, query_start_loc = unpack(seq_lens), unpack(query_start_loc)
-        return self._run(
-            epoch,
-            lambda: _to_host(
-                self._pool.write_and_attend(
-                    layer,
-                    slot_mapping,
-                    key,
-                    value,
-                    query,
-                    block_tables,
-                    seq_lens,
-                    query_start_loc,
-                    causal=causal,
-                    return_lse=return_lse,
-                    scale=scale,
-                    sliding_window=sliding_window,
-                    softcap=softcap,
-                )
-            ),
-        )
+        new = (slot_mapping, key, value)
+        batch = (query, block_tables, seq_lens, query_start_loc)
+        options = _attend_options(causal, return_lse, scale, sliding_window, softcap)
+        return self._on_pool(epoch, self._pool.write_and_attend, layer, *new, *batch, **options)
 
     def reference_attend(
         self,
@@ -237,51 +221,40 @@ class PoolWorker:
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[BadSlot]]:
         """:meth:`KVPool.reference_attend` (torch reference + slot fingerprint check) behind
         the epoch fence; tensors on the host."""
-        query, block_tables = unpack(query), unpack(block_tables)
-        seq_lens, query_start_loc = unpack(seq_lens), unpack(query_start_loc)
-
-        def run() -> tuple[torch.Tensor, torch.Tensor | None, list[BadSlot]]:
-            out, lse, bad = self._pool.reference_attend(
-                layer,
-                query,
-                block_tables,
-                seq_lens,
-                query_start_loc,
-                causal=causal,
-                return_lse=return_lse,
-                scale=scale,
-                sliding_window=sliding_window,
-                softcap=softcap,
-            )
-            return out.cpu(), None if lse is None else lse.cpu(), bad
-
-        return self._run(epoch, run)
+        batch = (query, block_tables, seq_lens, query_start_loc)
+        options = _attend_options(causal, return_lse, scale, sliding_window, softcap)
+        return self._on_pool(epoch, self._pool.reference_attend, layer, *batch, **options)
 
     def copy_blocks(self, epoch: str, src: IndexLike, dst: IndexLike) -> None:
         """:meth:`KVPool.copy_blocks` behind the epoch fence."""
-        src, dst = unpack(src), unpack(dst)
-        self._run(epoch, lambda: self._pool.copy_blocks(src, dst))
+        self._on_pool(epoch, self._pool.copy_blocks, src, dst)
 
     def export_blocks(self, epoch: str, block_ids: IndexLike) -> torch.Tensor:
         """:meth:`KVPool.export_blocks` behind the epoch fence (host tensor; from the Ray
         actor, a read-only view of the object store: clone it before writing)."""
-        block_ids = unpack(block_ids)
-        return self._run(epoch, lambda: self._pool.export_blocks(block_ids), readonly=True)
+        return self._on_pool(epoch, self._pool.export_blocks, block_ids, readonly=True)
 
     def import_blocks(self, epoch: str, block_ids: IndexLike, data: torch.Tensor) -> None:
         """:meth:`KVPool.import_blocks` behind the epoch fence."""
-        block_ids, data = unpack(block_ids), unpack(data)
-        self._run(epoch, lambda: self._pool.import_blocks(block_ids, data))
+        self._on_pool(epoch, self._pool.import_blocks, block_ids, data)
 
     def release_blocks(self, epoch: str, block_ids: IndexLike) -> None:
         """:meth:`KVPool.release_blocks` (NaN poison in debug mode) behind the epoch fence."""
-        block_ids = unpack(block_ids)
-        self._run(epoch, lambda: self._pool.release_blocks(block_ids))
+        self._on_pool(epoch, self._pool.release_blocks, block_ids)
 
     # -- internals ---------------------------------------------------------------------
 
     # True in the Ray actor: tensor results leave packed (workers.transport).
     _pack_results = False
+
+    def _on_pool(
+        self, epoch: str, op: Callable[..., _T], *args: Any, readonly: bool = False, **kwargs: Any
+    ) -> _T:
+        """``op(*args, **kwargs)`` (a pool method) on the unpacked arguments behind the epoch
+        fence, its tensor results moved to the host."""
+        args = tuple(unpack(a) for a in args)
+        kwargs = {k: unpack(v) for k, v in kwargs.items()}
+        return self._run(epoch, lambda: _to_host(op(*args, **kwargs)), readonly=readonly)
 
     def _run(self, epoch: str, op: Callable[[], _T], *, readonly: bool = False) -> _T:
         self._calls += 1

@@ -225,13 +225,7 @@ class KVPool:
         """
         options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
         indices = check_attend(
-            self._layout,
-            self._num_blocks,
-            layer,
-            query,
-            block_tables,
-            seq_lens,
-            query_start_loc,
+            self._layout, self._num_blocks, layer, query, block_tables, seq_lens, query_start_loc
         )
         return self._attend_checked(layer, query, *indices, options)
 
@@ -261,13 +255,7 @@ class KVPool:
         check_layer(layer, self._layout.num_layers)
         slots = check_write(self._layout, self._num_blocks, layer, slot_mapping, key, value)
         indices = check_attend(
-            self._layout,
-            self._num_blocks,
-            layer,
-            query,
-            block_tables,
-            seq_lens,
-            query_start_loc,
+            self._layout, self._num_blocks, layer, query, block_tables, seq_lens, query_start_loc
         )
         self._write_checked(layer, slots, key, value)
         return self._attend_checked(layer, query, *indices, options)
@@ -300,21 +288,7 @@ class KVPool:
         tables, lens, starts = check_attend(
             self._layout, self._num_blocks, layer, query, block_tables, seq_lens, query_start_loc
         )
-        result = kernels.paged_attention(
-            query.to(self._device).contiguous(),
-            self._data[:, layer, 0],
-            self._data[:, layer, 1],
-            self._to_device(tables, torch.int32),
-            self._to_device(lens, torch.int32),
-            self._to_device(starts, torch.int32),
-            scale=options.scale,
-            causal=options.causal,
-            sliding_window=options.sliding_window,
-            softcap=options.softcap,
-            return_lse=options.return_lse,
-            backend="torch",
-            check_values=False,
-        )
+        result = self._attend_checked(layer, query, tables, lens, starts, options, reference=True)
         out, lse = result if isinstance(result, tuple) else (result, None)
         bad: list[BadSlot] = []
         if self._fingerprints is not None:
@@ -414,19 +388,25 @@ class KVPool:
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
         options: AttendOptions,
+        *,
+        reference: bool = False,
     ) -> AttendResult:
-        q = query.to(self._device).contiguous()
-        return self._kernel(
-            kernels.paged_attention,
-            q,
+        args = (
+            query.to(self._device).contiguous(),
             self._data[:, layer, 0],
             self._data[:, layer, 1],
             self._to_device(block_tables, torch.int32),
             self._to_device(seq_lens, torch.int32),
             self._to_device(query_start_loc, torch.int32),
+        )
+        kwargs = dict(
             scale=options.scale,
             causal=options.causal,
             sliding_window=options.sliding_window,
             softcap=options.softcap,
             return_lse=options.return_lse,
         )
+        if reference:
+            # The torch reference whatever the pool's backend, its errors as they are.
+            return kernels.paged_attention(*args, **kwargs, backend="torch", check_values=False)
+        return self._kernel(kernels.paged_attention, *args, **kwargs)
