@@ -64,7 +64,12 @@ from cache_service.errors import (
 from cache_service.status_mapping import ServiceUnavailable, WorkerLost
 from cache_service.store import MetadataStore, StoreError
 from cache_service.worker_interface import AttentionResult, WorkerClient
-from workers.errors import StaleEpochError, WorkerError, WorkerUnavailable
+from workers.errors import (
+    StaleCoordinatorError,
+    StaleEpochError,
+    WorkerError,
+    WorkerUnavailable,
+)
 from workers.layout import KVLayout
 
 __all__ = [
@@ -307,6 +312,8 @@ class Coordinator:
         kept: set[str] = set()
         if self._store is not None:
             kept = self._recover(self._store, descriptions)
+            # Fence older coordinators off these workers before serving (generation fence).
+            await asyncio.gather(*(self._claim(c) for c in self._clients.values()))
         for client, desc in zip(self._clients.values(), descriptions, strict=True):
             self._register(client.worker_id, desc, known=client.worker_id in kept)
         self._flush_released()  # blocks recovery freed (cancelled in-flight reservations)
@@ -1091,12 +1098,28 @@ class Coordinator:
         )
         return WorkerLost(worker_id, list(dict.fromkeys(seq_ids)), reason)
 
+    async def _claim(self, client: WorkerClient) -> Any:
+        """With a store: claim the worker for this coordinator's generation (its calls
+        carry it from then on; lower generations are refused: `PoolWorker.claim`).
+        Without one (generation None: unfenced), or for a client without `claim`: describe.
+        Returns the worker's description."""
+        claim = getattr(client, "claim", None)
+        if self.generation is None or claim is None:
+            return await client.describe()
+        return await claim(self.generation)
+
     async def _revive(self, worker_id: str) -> None:
         """Re-register a lost worker, empty, once it answers again (backoff up to 5 s)."""
         delay = 0.05
         while not self._closed:
             try:
-                desc = await self._clients[worker_id].describe()
+                desc = await self._claim(self._clients[worker_id])
+            except StaleCoordinatorError as exc:
+                log.error(
+                    "worker not re-registered: this coordinator was superseded",
+                    extra={"worker": worker_id, "reason": str(exc)},
+                )
+                return
             except WorkerError:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)

@@ -79,6 +79,13 @@ _TABLE: tuple[tuple[type[BaseException], grpc.StatusCode, str], ...] = (
     (WorkerLost, grpc.StatusCode.DATA_LOSS, ""),
     (ServiceUnavailable, grpc.StatusCode.UNAVAILABLE, ""),
     (we.StaleEpochError, grpc.StatusCode.DATA_LOSS, ""),
+    # A newer coordinator (higher store generation) claimed the worker: this one must not
+    # drive it any more; clients should reach the current coordinator.
+    (
+        we.StaleCoordinatorError,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        " (this coordinator was superseded by a newer one; connect to the current coordinator)",
+    ),
     (we.WorkerUnavailable, grpc.StatusCode.UNAVAILABLE, " (retry later)"),
     # The write-ahead log cannot take the mutation: nothing more can be acknowledged
     # durably, but no state is wrong; another coordinator (after a restart) can serve.

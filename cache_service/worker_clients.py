@@ -27,7 +27,7 @@ import torch
 from cache_service.worker_interface import AttentionResult, WorkerClient
 from workers.actor import PoolWorker
 from workers.config import PoolConfig
-from workers.description import WorkerDescription, WorkerHealth
+from workers.description import FencedEpoch, WorkerDescription, WorkerHealth
 from workers.errors import WorkerError, WorkerUnavailable
 from workers.fingerprints import BadSlot
 from workers.transport import pack
@@ -57,10 +57,38 @@ class _WorkerClientBase:
     ``workers.actor.PoolWorker`` call once; a subclass runs the call with :meth:`_invoke`."""
 
     _worker_id: str
+    # The coordinator generation this client claimed its worker with (claim()); None:
+    # unfenced. Sent with every data call inside the epoch argument (_fenced).
+    _generation: int | None = None
 
     @property
     def worker_id(self) -> str:
         return self._worker_id
+
+    @property
+    def generation(self) -> int | None:
+        """The coordinator generation this client's calls carry (None: unfenced)."""
+        return self._generation
+
+    def _fenced(self, epoch: str) -> str | FencedEpoch:
+        """The epoch argument of a data call: with this client's generation, if it has one
+        (``workers.actor.PoolWorker`` refuses it once a higher generation claimed the
+        worker)."""
+        if self._generation is None:
+            return epoch
+        return FencedEpoch(epoch, self._generation)
+
+    async def claim(self, generation: int) -> WorkerDescription:
+        """Claim the worker for coordinator ``generation`` and send it with every later
+        data call of this client; returns the worker's description.
+
+        Raises:
+            StaleCoordinatorError: a higher generation already claimed the worker (this
+                coordinator was superseded). The client keeps the refused generation, so
+                its later data calls are refused too (fail closed).
+        """
+        self._generation = generation
+        return await self._invoke("claim", generation)
 
     async def _invoke(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """The result of ``PoolWorker.<method>(*args, **kwargs)`` on this client's worker."""
@@ -80,7 +108,7 @@ class _WorkerClientBase:
         key: torch.Tensor,
         value: torch.Tensor,
     ) -> None:
-        await self._invoke("write", epoch, layer, slot_mapping, key, value)
+        await self._invoke("write", self._fenced(epoch), layer, slot_mapping, key, value)
 
     async def attend(
         self,
@@ -99,7 +127,7 @@ class _WorkerClientBase:
     ) -> AttentionResult:
         batch = (query, block_tables, seq_lens, query_start_loc, causal, return_lse)
         options = {"scale": scale, "softcap": softcap, "sliding_window": sliding_window}
-        value = await self._invoke("attend", epoch, layer, *batch, **options)
+        value = await self._invoke("attend", self._fenced(epoch), layer, *batch, **options)
         return _attention_result(value, return_lse)
 
     async def write_and_attend(
@@ -123,7 +151,9 @@ class _WorkerClientBase:
         new = (slot_mapping, key, value)
         batch = (query, block_tables, seq_lens, query_start_loc, causal, return_lse)
         options = {"scale": scale, "softcap": softcap, "sliding_window": sliding_window}
-        result = await self._invoke("write_and_attend", epoch, layer, *new, *batch, **options)
+        result = await self._invoke(
+            "write_and_attend", self._fenced(epoch), layer, *new, *batch, **options
+        )
         return _attention_result(result, return_lse)
 
     async def reference_attend(
@@ -145,22 +175,24 @@ class _WorkerClientBase:
         data no longer matches its write-time fingerprint (online correctness check)."""
         batch = (query, block_tables, seq_lens, query_start_loc, causal, return_lse)
         options = {"scale": scale, "softcap": softcap, "sliding_window": sliding_window}
-        out, lse, bad = await self._invoke("reference_attend", epoch, layer, *batch, **options)
+        out, lse, bad = await self._invoke(
+            "reference_attend", self._fenced(epoch), layer, *batch, **options
+        )
         return AttentionResult(out, lse), bad
 
     async def copy_blocks(self, epoch: str, src: IndexLike, dst: IndexLike) -> None:
-        await self._invoke("copy_blocks", epoch, src, dst)
+        await self._invoke("copy_blocks", self._fenced(epoch), src, dst)
 
     async def export_blocks(self, epoch: str, block_ids: IndexLike) -> torch.Tensor:
-        return await self._invoke("export_blocks", epoch, block_ids)
+        return await self._invoke("export_blocks", self._fenced(epoch), block_ids)
 
     async def import_blocks(self, epoch: str, block_ids: IndexLike, data: Any) -> None:
         """``data``: exported blocks (for a Ray worker also the ObjectRef of another Ray
         worker's export)."""
-        await self._invoke("import_blocks", epoch, block_ids, data)
+        await self._invoke("import_blocks", self._fenced(epoch), block_ids, data)
 
     async def release_blocks(self, epoch: str, block_ids: IndexLike) -> None:
-        await self._invoke("release_blocks", epoch, block_ids)
+        await self._invoke("release_blocks", self._fenced(epoch), block_ids)
 
 
 class RayWorkerClient(_WorkerClientBase):
@@ -264,6 +296,19 @@ class LocalWorkerClient(_WorkerClientBase):
             raise WorkerUnavailable(self._worker_id, "killed")
         return self._worker
 
+    @classmethod
+    def sharing(cls, other: LocalWorkerClient) -> LocalWorkerClient:
+        """A second client of ``other``'s in-process worker (what a second coordinator's
+        RayWorkerClient on the same actor is), with a generation of its own; calls of both
+        run on ``other``'s thread, one at a time. restart/kill act on this view only."""
+        view = cls.__new__(cls)
+        view._worker_id = other._worker_id
+        view._config = other._config
+        view._device = other._device
+        view._worker = other.worker
+        view._executor = other._executor
+        return view
+
     def restart(self) -> None:
         """Replace the worker by a fresh one: new epoch, empty pool."""
         self._worker = PoolWorker(self._worker_id, self._config, self._device)
@@ -300,7 +345,7 @@ async def transfer_blocks(
         WorkerError: from either side (StaleEpochError names the worker whose epoch moved).
     """
     if isinstance(src, RayWorkerClient) and isinstance(dst, RayWorkerClient):
-        exported = src.submit("export_blocks", src_epoch, src_ids)
+        exported = src.submit("export_blocks", src._fenced(src_epoch), src_ids)
         try:
             await dst.import_blocks(dst_epoch, dst_ids, exported)
         except WorkerUnavailable:

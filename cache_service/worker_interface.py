@@ -13,6 +13,8 @@ Errors (all :class:`workers.errors.WorkerError`):
 * ``InvalidWorkerRequest`` (also a ``ValueError``) - an argument does not fit the pool
   (named in the message); nothing was written.
 * ``WorkerUnavailable`` - the worker died, is restarting or timed out.
+* ``StaleCoordinatorError`` - a newer coordinator generation claimed the worker (clients
+  with an optional ``claim(generation)`` send theirs with every call); nothing was done.
 * ``WorkerError`` - anything else the worker raised (e.g. a device error).
 
 Pure: no torch, Ray or gRPC import at run time.

@@ -5,6 +5,13 @@ when the actor starts, so after a crash and a Ray restart (which reruns the cons
 an empty pool) every call made with the old epoch is refused with
 :class:`~workers.errors.StaleEpochError`: a restarted worker never serves blocks it lost.
 
+A second fence keeps a superseded coordinator out: a coordinator with a metadata store
+claims the worker (:meth:`PoolWorker.claim`) with its generation (from the store, bumped at
+every coordinator start) and passes the generation with every data call
+(:class:`~workers.description.FencedEpoch` in place of the epoch string). A claim or call
+from a generation lower than the highest one seen is refused with
+:class:`~workers.errors.StaleCoordinatorError`. A bare epoch string (no store) is unfenced.
+
 Tensors arrive on the host, move to the pool's device here, and results go back as host
 tensors. The class is plain Python so it also runs in-process
 (``cache_service.worker_clients.LocalWorkerClient``); :data:`PoolWorkerActor` is its Ray
@@ -26,8 +33,8 @@ import ray
 import torch
 
 from workers.config import PoolConfig
-from workers.description import WorkerDescription, WorkerHealth
-from workers.errors import StaleEpochError
+from workers.description import FencedEpoch, WorkerDescription, WorkerHealth
+from workers.errors import StaleCoordinatorError, StaleEpochError
 from workers.fingerprints import BadSlot
 from workers.pool import AttendResult, IndexLike, KVPool
 from workers.transport import pack_result, unpack
@@ -98,6 +105,11 @@ class PoolWorker:
         self._started = time.monotonic()
         self._calls = 0
         self._failed = 0
+        # The highest coordinator generation that claimed this worker or called it with
+        # a FencedEpoch (None: none yet). Not kept across restarts: a restarted worker
+        # has a new epoch, which already refuses every caller until it re-registers (and
+        # re-claims) the worker.
+        self._generation: int | None = None
 
     @property
     def pool(self) -> KVPool:
@@ -123,6 +135,22 @@ class PoolWorker:
             pool_bytes=self._pool.nbytes,
             debug=self._pool.debug,
         )
+
+    def generation(self) -> int | None:
+        """The highest coordinator generation that claimed this worker (None: none)."""
+        return self._generation
+
+    def claim(self, generation: int) -> WorkerDescription:
+        """Record ``generation`` as the coordinator driving this worker (a coordinator with
+        a store calls it at every registration); calls from lower generations are refused
+        from now on. Claiming again with the same generation is fine.
+
+        Raises:
+            StaleCoordinatorError: a higher generation already claimed the worker.
+        """
+        self._check_generation(generation)
+        self._generation = generation
+        return self.describe()
 
     def health(self) -> WorkerHealth:
         """Probe the device with a small computation; never raises."""
@@ -248,19 +276,40 @@ class PoolWorker:
     _pack_results = False
 
     def _on_pool(
-        self, epoch: str, op: Callable[..., _T], *args: Any, readonly: bool = False, **kwargs: Any
+        self,
+        epoch: str | FencedEpoch,
+        op: Callable[..., _T],
+        *args: Any,
+        readonly: bool = False,
+        **kwargs: Any,
     ) -> _T:
         """``op(*args, **kwargs)`` (a pool method) on the unpacked arguments behind the epoch
-        fence, its tensor results moved to the host."""
+        fence (and the generation fence when ``epoch`` is a FencedEpoch), its tensor results
+        moved to the host."""
         args = tuple(unpack(a) for a in args)
         kwargs = {k: unpack(v) for k, v in kwargs.items()}
         return self._run(epoch, lambda: _to_host(op(*args, **kwargs)), readonly=readonly)
 
-    def _run(self, epoch: str, op: Callable[[], _T], *, readonly: bool = False) -> _T:
+    def _check_generation(self, generation: int) -> None:
+        if self._generation is not None and generation < self._generation:
+            raise StaleCoordinatorError(self._worker_id, generation, self._generation)
+
+    def _run(self, epoch: str | FencedEpoch, op: Callable[[], _T], *, readonly: bool = False) -> _T:
         self._calls += 1
         try:
+            # The data methods' epoch argument doubles as the generation carrier (so no
+            # method grows a parameter): a plain string is unfenced (no store), a
+            # FencedEpoch also names the caller's coordinator generation. Both fences are
+            # checked before anything runs.
+            generation = None
+            if isinstance(epoch, FencedEpoch):
+                epoch, generation = epoch.epoch, epoch.generation
+                self._check_generation(generation)
             if epoch != self._epoch:
                 raise StaleEpochError(self._worker_id, expected=epoch, actual=self._epoch)
+            if generation is not None:
+                # A call from a newer coordinator fences the older ones as a claim does.
+                self._generation = generation
             result = op()
         except Exception:
             self._failed += 1

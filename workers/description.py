@@ -4,10 +4,24 @@ coordinator's worker interface)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from workers.layout import KVLayout
 
-__all__ = ["WorkerDescription", "WorkerHealth"]
+__all__ = ["FencedEpoch", "WorkerDescription", "WorkerHealth"]
+
+
+class FencedEpoch(NamedTuple):
+    """The epoch argument of a data call, with the caller's coordinator generation.
+
+    Every ``PoolWorker`` data method takes the epoch it expects first; a caller with a
+    coordinator generation (a coordinator with a metadata store) passes this instead of
+    the bare epoch string, so the generation reaches the worker's single choke point
+    without another parameter on every method. A bare string still works: unfenced.
+    """
+
+    epoch: str
+    generation: int
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "InvalidWorkerRequest",
     "PoolAllocationError",
+    "StaleCoordinatorError",
     "StaleEpochError",
     "WorkerError",
     "WorkerLaunchError",
@@ -38,6 +39,30 @@ class StaleEpochError(WorkerError):
 
     def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
         return (type(self), (self.worker_id, self.expected, self.actual))
+
+
+class StaleCoordinatorError(WorkerError):
+    """A call came from a coordinator generation lower than the highest one that has
+    claimed the worker: that coordinator was superseded (a restarted successor opened the
+    store after it). Nothing was done.
+
+    Attributes:
+        worker_id: the worker that refused the call.
+        generation: the caller's generation.
+        current: the highest generation that claimed the worker.
+    """
+
+    def __init__(self, worker_id: str, generation: int, current: int) -> None:
+        self.worker_id = worker_id
+        self.generation = generation
+        self.current = current
+        super().__init__(
+            f"worker {worker_id!r} refused the call: coordinator generation {generation} was "
+            f"superseded by {current}; nothing was done"
+        )
+
+    def __reduce__(self) -> tuple[type, tuple[str, int, int]]:
+        return (type(self), (self.worker_id, self.generation, self.current))
 
 
 class InvalidWorkerRequest(WorkerError, ValueError):
