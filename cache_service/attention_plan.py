@@ -125,9 +125,11 @@ class WorkerBatch:
         else:
             q = query.index_select(0, torch.tensor(rows, dtype=torch.long, device=query.device))
         width = max(len(e.block_indices) for e in self.entries)
-        tables = torch.zeros((len(self.entries), width), dtype=torch.int32)
-        for i, e in enumerate(self.entries):
-            tables[i, : len(e.block_indices)] = torch.tensor(e.block_indices, dtype=torch.int32)
+        # One tensor for the whole batch (rows zero-padded), not one per sequence.
+        tables = torch.tensor(
+            [[*e.block_indices, *(0,) * (width - len(e.block_indices))] for e in self.entries],
+            dtype=torch.int32,
+        ).reshape(len(self.entries), width)
         seq_lens = torch.tensor([e.seq_len for e in self.entries], dtype=torch.int32)
         starts = [0]
         for e in self.entries:

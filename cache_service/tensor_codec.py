@@ -112,7 +112,7 @@ def tensor_from_bytes(
     shape = tuple(int(s) for s in shape)
     if any(s < 0 for s in shape):
         raise TensorCodecError(f"{field}: shape {list(shape)} has a negative size")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     expected = math.prod(shape) * itemsize
     if len(data) != expected:
         raise TensorCodecError(
@@ -122,10 +122,11 @@ def tensor_from_bytes(
         return torch.empty(shape, dtype=dtype)
     # bytearray copies the payload: the tensor then owns writable memory independent of
     # the (immutable) protobuf bytes.
-    raw = torch.frombuffer(bytearray(data), dtype=_BITS_DTYPE[itemsize])
-    if not _LITTLE_ENDIAN_HOST:  # pragma: no cover - no big-endian CI host
-        raw = torch.from_numpy(raw.numpy().byteswap())
-    return raw.view(dtype).reshape(shape)
+    if _LITTLE_ENDIAN_HOST:  # the wire order: read the values in place, one copy
+        return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
+    raw = torch.frombuffer(bytearray(data), dtype=_BITS_DTYPE[itemsize])  # pragma: no cover
+    raw = torch.from_numpy(raw.numpy().byteswap())  # pragma: no cover - no big-endian CI
+    return raw.view(dtype).reshape(shape)  # pragma: no cover
 
 
 def tensor_to_proto(tensor: torch.Tensor) -> pb.Tensor:
