@@ -164,11 +164,13 @@ def copy_blocks_ref(
     """Copy whole blocks ``src[i] -> dst[i]`` (copy-on-write), in place.
 
     Works on any tensor whose dim 0 indexes blocks, e.g. one layer's cache or a whole pool.
-    Sources are read before any destination is written.
+    Sources are read before any destination is written. Passing the same tensor twice (a whole
+    pool holding K and V) copies it once: a second pass would re-read rows the first one
+    overwrote when ids appear on both sides.
     """
     src, dst = src.long(), dst.long()
-    key_cache[dst] = key_cache[src].clone()
-    value_cache[dst] = value_cache[src].clone()
+    for cache in (key_cache,) if value_cache is key_cache else (key_cache, value_cache):
+        cache[dst] = cache[src].clone()
 
 
 def gather_blocks_ref(

@@ -99,6 +99,16 @@ def test_copy_blocks_on_whole_pool_halves() -> None:
     assert torch.equal(pool, expect)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_copy_blocks_with_one_pool_tensor_for_k_and_v(backend: str) -> None:
+    pool = randn(10, 2, 2, 2, 8, 16, seed=11)  # one tensor passed as both caches
+    src, dst = torch.tensor([2, 5, 9]), torch.tensor([5, 7, 2])  # a chain: copy old 5 to 7
+    expect = pool.clone()
+    expect[dst] = pool[src]
+    kernels.copy_blocks(pool, pool, src, dst, backend=backend)
+    assert torch.equal(pool, expect)
+
+
 def test_gather_scatter_round_trip() -> None:
     kc, vc = cache_pair(num_blocks=9, dtype=torch.float16)
     ids = torch.tensor([7, 0, 3], dtype=torch.int32, device=DEVICE)
