@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 import kernels
@@ -125,11 +126,14 @@ class WorkerBatch:
         else:
             q = query.index_select(0, torch.tensor(rows, dtype=torch.long, device=query.device))
         width = max(len(e.block_indices) for e in self.entries)
-        # One tensor for the whole batch (rows zero-padded), not one per sequence.
-        tables = torch.tensor(
-            [[*e.block_indices, *(0,) * (width - len(e.block_indices))] for e in self.entries],
-            dtype=torch.int32,
-        ).reshape(len(self.entries), width)
+        # One tensor for the whole batch (rows zero-padded), not one per sequence; built
+        # from one flat list through numpy (torch.tensor parses nested lists slowly).
+        flat: list[int] = []
+        for e in self.entries:
+            flat += e.block_indices
+            if len(e.block_indices) < width:
+                flat += (0,) * (width - len(e.block_indices))
+        tables = torch.from_numpy(np.array(flat, dtype=np.int32)).reshape(len(self.entries), width)
         seq_lens = torch.tensor([e.seq_len for e in self.entries], dtype=torch.int32)
         starts = [0]
         for e in self.entries:
@@ -167,6 +171,13 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _block_ids_ok(blocks: tuple[object, ...]) -> bool:
+    """Every entry an int >= 0 (not a bool); plain ints, the usual case, at C speed."""
+    if set(map(type, blocks)) == {int}:
+        return min(blocks) >= 0  # type: ignore[type-var]
+    return all(_is_int(b) and b >= 0 for b in blocks)  # type: ignore[operator]
+
+
 def _effective_segments(
     s: int, view: SequenceViewLike, block_size: int
 ) -> list[tuple[str, int, int, tuple[int, ...]]]:
@@ -187,7 +198,7 @@ def _effective_segments(
             )
         if not blocks:
             _fail(f"{where} holds no block")
-        if not all(_is_int(b) and b >= 0 for b in blocks):
+        if not _block_ids_ok(blocks):
             _fail(f"{where}.block_indices must be ints >= 0, got {list(blocks)}")
         a = expected_start
         expected_start += len(blocks) * block_size

@@ -35,9 +35,9 @@ from cache_service.tensor_codec import (
     dtype_from_proto,
     dtype_to_proto,
     tensor_from_bytes,
-    tensor_from_proto,
     tensor_to_bytes,
-    tensor_to_proto,
+    tensors_from_protos,
+    write_tensors,
 )
 from cache_service.tls import ClientTLSConfig, channel_credentials, channel_options
 
@@ -626,11 +626,9 @@ class KVCacheClient:
         Returns, per item in order, the output ``[n, num_q_heads, head_dim]`` (the query's
         dtype), or with return_lse an ``(output, lse)`` pair, lse float32 ``[n, num_q_heads]``.
         """
-        req = pb.AttendRequest(
-            layer=layer,
-            items=[pb.AttendItem(seq_id=i.seq_id, query=tensor_to_proto(i.query)) for i in items],
-            return_lse=return_lse,
-        )
+        req = pb.AttendRequest(layer=layer, return_lse=return_lse)
+        wire = [req.items.add(seq_id=i.seq_id) for i in items]
+        write_tensors([w.query for w in wire], [i.query for i in items])
         r = self._call(self._stub.Attend, req, timeout_s=timeout_s, retry=True)
         return _results(r.results, return_lse)
 
@@ -646,20 +644,14 @@ class KVCacheClient:
 
         Returns what `attend` returns, one entry per item.
         """
-        req = pb.AppendAttendRequest(
-            layer=layer,
-            items=[
-                pb.AppendAttendItem(
-                    seq_id=i.seq_id,
-                    token_ids=_ids(i.token_ids),
-                    key=tensor_to_proto(i.key),
-                    value=tensor_to_proto(i.value),
-                    query=tensor_to_proto(i.query),
-                )
-                for i in items
-            ],
-            return_lse=return_lse,
-        )
+        # Filled in place (building item messages and copying them in costs several times
+        # more); each field of all items goes to bytes in one copy when the items' tensors
+        # are rows of one tensor, as a model's batch usually is.
+        req = pb.AppendAttendRequest(layer=layer, return_lse=return_lse)
+        wire = [req.items.add(seq_id=i.seq_id, token_ids=_ids(i.token_ids)) for i in items]
+        write_tensors([w.key for w in wire], [i.key for i in items])
+        write_tensors([w.value for w in wire], [i.value for i in items])
+        write_tensors([w.query for w in wire], [i.query for i in items])
         r = self._call(self._stub.AppendAttend, req, timeout_s=timeout_s, retry=False)
         return _results(r.results, return_lse)
 
@@ -733,12 +725,10 @@ def _ids(token_ids: Iterable[int]) -> list[int]:
     return [int(t) for t in token_ids]
 
 
-def _results(results: Iterable[pb.AttendResult], return_lse: bool) -> list[Any]:
-    out: list[Any] = []
-    for i, r in enumerate(results):
-        o = tensor_from_proto(r.output, f"results[{i}].output")
-        if return_lse:
-            out.append((o, tensor_from_proto(r.lse, f"results[{i}].lse")))
-        else:
-            out.append(o)
-    return out
+def _results(results: Sequence[pb.AttendResult], return_lse: bool) -> list[Any]:
+    # Every output lands in one new buffer (one copy), each item's tensor a view of it.
+    outs = tensors_from_protos([r.output for r in results], "results[{}].output")
+    if not return_lse:
+        return outs
+    lses = tensors_from_protos([r.lse for r in results], "results[{}].lse")
+    return list(zip(outs, lses, strict=True))

@@ -201,9 +201,13 @@ class CoordinatorConfig:
     """How the coordinator drives the workers.
 
     Attributes:
-        batch_window_ms: how long the first request for a (worker, layer) waits for others
-            to join its worker call, milliseconds. 0 still merges requests that arrive in
-            the same event-loop turn.
+        batch_window_ms: the longest the first request for a (worker, layer) waits for
+            others to join its worker call, milliseconds. The window is adaptive: while the
+            recent calls of that (worker, layer) came one at a time, a request that finds
+            no worker call in flight goes at once (a lone caller pays no window); once
+            other requests arrive while one gathers or is in flight, the window applies
+            again. Requests arriving while a call is in flight always gather into the next
+            call. 0 still merges requests that arrive in the same event-loop turn.
         max_batch_items: a worker call is sent at once when it holds this many sequences.
         worker_timeout_s: a worker call taking longer counts as a lost worker.
         health_check_interval_s: how often idle workers are probed for a restart (a new

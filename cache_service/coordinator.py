@@ -9,7 +9,8 @@ Request path of one append-and-attend (one layer, a batch of sequences):
 3. `prepare_write` each item (slots, copy-on-write copies), run the copies;
 4. hand each worker's part to that (layer, worker) batcher: parts of concurrent calls that
    arrive within `batch_window_ms` go to the worker as one `write_and_attend`, i.e. one
-   KV-write launch and one attention launch for all of them;
+   KV-write launch and one attention launch for all of them; a lone caller (no recent
+   concurrent traffic on that batcher, nothing in flight) goes at once, without the window;
 5. when every part of the call has its output, `commit_write` each item and answer.
 
 A sequence spread over several workers (a prefix cached on another GPU, a sequence larger
@@ -63,6 +64,7 @@ from cache_service.errors import (
 )
 from cache_service.status_mapping import ServiceUnavailable, WorkerLost
 from cache_service.store import MetadataStore, StoreError
+from cache_service.tensor_codec import joined_view
 from cache_service.worker_interface import AttentionResult, WorkerClient
 from workers.errors import (
     StaleCoordinatorError,
@@ -83,7 +85,7 @@ __all__ = [
 
 log = logging.getLogger("kvcache.coordinator")
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
 
 
 # ------------------------------------------------------------------------------ values
@@ -165,13 +167,30 @@ class _Part:
     future: asyncio.Future[AttentionResult] = field(init=False)
 
 
+# Adaptive window (see _Batcher): weight of the newest batch in the estimate of how often
+# batches are shared, and the estimate at or above which a lone part waits for the window.
+_SHARED_WEIGHT = 0.5
+_SHARED_THRESHOLD = 0.25
+
+
 class _Batcher:
     """Coalesces parts for one (layer, worker, num_q_heads) into one worker call.
 
     A batch leaves when its window (opened by its first part) has passed and the previous
-    batch of this key has come back, or at once when it holds `max_items` sequences. At low
-    load a call waits at most the window; under load, calls that arrive while a batch is on
-    the worker gather into the next one instead of queueing behind it one by one.
+    batch of this key has come back, or at once when it holds `max_items` sequences. Under
+    load, calls that arrive while a batch is on the worker gather into the next one instead
+    of queueing behind it one by one.
+
+    The window is adaptive. A batch counts as shared when one of its parts arrived while
+    another part was gathering or a batch was on the worker; `_shared` is a moving estimate
+    of how often recent batches were (each batch weighs `_SHARED_WEIGHT`). A part that finds
+    nothing gathering and nothing in flight while that estimate is below
+    `_SHARED_THRESHOLD` is a lone caller: its batch leaves at once instead of waiting for a
+    window nobody would use. Otherwise it opens the window as above. One shared batch
+    brings the window back; two or three unshared ones in a row drop it again.
+
+    call_later: the timer (delay in seconds, callback) -> handle with ``cancel()``; default
+    the running loop's ``call_later`` (tests pass a fake clock).
     """
 
     def __init__(
@@ -180,30 +199,47 @@ class _Batcher:
         window_s: float,
         max_items: int,
         run: Callable[[tuple[int, str, int], list[_Part]], Awaitable[None]],
+        call_later: Callable[[float, Callable[[], None]], Any] | None = None,
     ) -> None:
         self._key = key
         self._window_s = window_s
         self._max_items = max_items
         self._run = run
+        self._call_later = call_later
         self._pending: list[_Part] = []
         self._items = 0
-        self._timer: asyncio.TimerHandle | asyncio.Handle | None = None
+        self._timer: Any = None
         self._due = False  # the pending batch's window has passed
         self._in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._shared = 0.0  # moving estimate: how often recent batches were shared
+        self._contended = False  # a part arrived while another was gathering / in flight
+
+    @property
+    def windowed(self) -> bool:
+        """Whether a part arriving at an idle batcher waits for the window (recent batches
+        were shared) rather than leaving at once."""
+        return self._shared >= _SHARED_THRESHOLD
 
     def submit(self, part: _Part) -> None:
-        loop = asyncio.get_running_loop()
+        idle = not self._pending and self._in_flight == 0
+        if not idle:
+            self._contended = True
         self._pending.append(part)
         self._items += len(part.seq_ids)
-        if self._items >= self._max_items:
+        if self._items >= self._max_items or (idle and not self.windowed):
             self._flush()
         elif self._timer is None and not self._due:
-            if self._window_s > 0:
-                self._timer = loop.call_later(self._window_s, self._window_passed)
-            else:
-                # Still merges what arrives in the same event-loop turn.
-                self._timer = loop.call_soon(self._window_passed)
+            self._start_window()
+
+    def _start_window(self) -> None:
+        if self._call_later is not None:
+            self._timer = self._call_later(self._window_s, self._window_passed)
+        elif self._window_s > 0:
+            self._timer = asyncio.get_running_loop().call_later(self._window_s, self._window_passed)
+        else:
+            # Still merges what arrives in the same event-loop turn.
+            self._timer = asyncio.get_running_loop().call_soon(self._window_passed)
 
     def _window_passed(self) -> None:
         self._timer = None
@@ -217,11 +253,17 @@ class _Batcher:
             self._timer = None
         self._due = False
         parts, self._pending, self._items = self._pending, [], 0
-        if parts:
-            self._in_flight += 1
-            task = asyncio.get_running_loop().create_task(self._run(self._key, parts))
-            self._tasks.add(task)
-            task.add_done_callback(self._batch_done)
+        if not parts:
+            return
+        # The sample of the batch that leaves now: were other parts arriving while it
+        # gathered, or while the batch before it was on the worker?
+        sample = 1.0 if self._contended else 0.0
+        self._contended = False
+        self._shared += _SHARED_WEIGHT * (sample - self._shared)
+        self._in_flight += 1
+        task = asyncio.get_running_loop().create_task(self._run(self._key, parts))
+        self._tasks.add(task)
+        task.add_done_callback(self._batch_done)
 
     def _batch_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -516,8 +558,9 @@ class Coordinator:
         """Attention over `layer` for a batch of sequences; per item (out ``[m, Hq, D]`` in
         the query's dtype, lse float32 ``[m, Hq]`` or None)."""
         self._check_layer(layer)
-        hq = self._check_queries([it.query for it in items])
-        _check_finite([(f"items[{i}].query", it.query) for i, it in enumerate(items)])
+        queries = [it.query for it in items]
+        hq = self._check_queries(queries)
+        _check_finite(queries, lambda: ((f"items[{i}].query", q) for i, q in enumerate(queries)))
         if not items:
             return []
         seq_ids = [it.seq_id for it in items]
@@ -532,11 +575,11 @@ class Coordinator:
                         f"{it.seq_id!r} has only {view.seq_len} written tokens"
                     )
                 views.append(view)
-            parts = self._split(views, [it.query for it in items], seq_ids, {}, return_lse, hq)
+            parts = self._split(views, queries, seq_ids, return_lse)
             outputs = await self._execute(layer, parts, hq)
-        results = _reassemble(items, parts, outputs, [it.query.dtype for it in items])
+        results = _reassemble(len(items), parts, outputs, [q.dtype for q in queries])
         if self.metrics is not None:
-            self.metrics.add_attention_tokens(sum(it.query.shape[0] for it in items))
+            self.metrics.add_attention_tokens(sum(q.shape[0] for q in queries))
         return results
 
     async def append_attend(
@@ -549,27 +592,26 @@ class Coordinator:
         """Write each item's new K/V on `layer`, then attend with its queries; one round of
         worker calls for the whole batch (coalesced with concurrent calls)."""
         self._check_layer(layer)
-        hq = self._check_queries([it.query for it in items])
+        queries = [it.query for it in items]
+        hq = self._check_queries(queries)
         if not items:
             return []
         seq_ids = [it.seq_id for it in items]
         if len(set(seq_ids)) != len(seq_ids):
             dup = next(s for s in seq_ids if seq_ids.count(s) > 1)
             raise InvalidRequest(f"sequence {dup!r} appears twice in one append_attend")
-        shape = (self.layout.num_kv_heads, self.layout.head_dim)
-        for i, it in enumerate(items):
-            n = len(it.token_ids)
-            if n == 0:
-                raise InvalidRequest(f"items[{i}].token_ids is empty")
-            _check_tensor(f"items[{i}].key", it.key, (n, *shape), finite=False)
-            _check_tensor(f"items[{i}].value", it.value, (n, *shape), finite=False)
-        _check_finite(
-            [
-                (f"items[{i}].{name}", getattr(it, name))
-                for i, it in enumerate(items)
-                for name in ("key", "value", "query")
-            ]
-        )
+        keys = [it.key for it in items]
+        values = [it.value for it in items]
+        self._check_new_kv(items)
+
+        def named() -> Iterable[tuple[str, torch.Tensor]]:
+            for i, it in enumerate(items):
+                for name in ("key", "value", "query"):
+                    yield f"items[{i}].{name}", getattr(it, name)
+
+        # Keys, values and queries each as one run (what the servicer decodes into one
+        # buffer per field is checked in three passes); item order names a culprit.
+        _check_finite([*keys, *values, *queries], named)
         async with self._locked(seq_ids):
             # Check every item before reserving anything, with per-item messages (unknown
             # / lost sequence, wrong token ids, too many query rows); write_cursor costs
@@ -591,17 +633,15 @@ class Coordinator:
             self._flush_released()  # blocks evicted for these writes: poisoned first
             committed = 0
             try:
-                # Copy-on-write copies run to the end even if the call's deadline passes:
-                # the tables already point at the copies.
-                await run_to_completion(self._run_copies_of(plans, seq_ids))
+                if any(plan.copies for plan in plans):
+                    # Copy-on-write copies run to the end even if the call's deadline
+                    # passes: the tables already point at the copies.
+                    await run_to_completion(self._run_copies_of(plans, seq_ids))
                 views = [
-                    self._view_after_write(tenant, it.seq_id, layer, plan)
-                    for it, plan in zip(items, plans, strict=True)
+                    self._view_after_write(tenant, s, layer, plan)
+                    for s, plan in zip(seq_ids, plans, strict=True)
                 ]
-                writes = _writes_by_item(items, plans, self._pool_dtype)
-                parts = self._split(
-                    views, [it.query for it in items], seq_ids, writes, return_lse, hq
-                )
+                parts = self._split(views, queries, seq_ids, return_lse, (plans, keys, values))
                 outputs = await self._execute(layer, parts, hq)
                 for it in items:
                     self.block_manager.commit_write(tenant, it.seq_id, layer, len(it.token_ids))
@@ -611,10 +651,10 @@ class Coordinator:
                 # sit in slots nobody reads and go back to the pool).
                 self._cancel_writes(tenant, seq_ids[committed:])
                 raise
-        results = _reassemble(items, parts, outputs, [it.query.dtype for it in items])
+        results = _reassemble(len(items), parts, outputs, [q.dtype for q in queries])
         if self.metrics is not None:
             self.metrics.add_tokens_appended(sum(len(it.token_ids) for it in items))
-            self.metrics.add_attention_tokens(sum(it.query.shape[0] for it in items))
+            self.metrics.add_attention_tokens(sum(q.shape[0] for q in queries))
         return results
 
     # -- export / import -------------------------------------------------------------------
@@ -709,6 +749,24 @@ class Coordinator:
     def _check_queries(self, queries: Sequence[torch.Tensor]) -> int:
         """Validate query tensors ``[m >= 1, Hq, D]`` with one Hq, a multiple of Hkv."""
         hkv, d = self.layout.num_kv_heads, self.layout.head_dim
+        if queries:
+            # The usual call passes at C speed; anything else gets the detailed checks.
+            q0 = queries[0]
+            if type(q0) is torch.Tensor and q0.ndim == 3:
+                hq = q0.shape[1]
+                if hq >= 1 and hq % hkv == 0:
+                    for q in queries:
+                        if (
+                            type(q) is not torch.Tensor
+                            or q.dtype not in _FLOAT_DTYPES
+                            or q.ndim != 3
+                            or q.shape[0] < 1
+                            or q.shape[1] != hq
+                            or q.shape[2] != d
+                        ):
+                            break
+                    else:
+                        return hq
         hq = None
         for i, q in enumerate(queries):
             _check_tensor(f"items[{i}].query", q, (None, None, d), finite=False)
@@ -726,6 +784,27 @@ class Coordinator:
                 )
             hq = h
         return hq or 0
+
+    def _check_new_kv(self, items: Sequence[AppendAttendItem]) -> None:
+        """Each item's token ids (n >= 1) and key / value ``[n, Hkv, D]`` of a float dtype."""
+        hkv, d = self.layout.num_kv_heads, self.layout.head_dim
+        for i, it in enumerate(items):
+            n = len(it.token_ids)
+            k, v = it.key, it.value
+            if (
+                n > 0
+                and type(k) is torch.Tensor
+                and type(v) is torch.Tensor
+                and k.dtype in _FLOAT_DTYPES
+                and v.dtype in _FLOAT_DTYPES
+                and k.shape == (n, hkv, d)
+                and v.shape == (n, hkv, d)
+            ):
+                continue
+            if n == 0:
+                raise InvalidRequest(f"items[{i}].token_ids is empty")
+            _check_tensor(f"items[{i}].key", k, (n, hkv, d), finite=False)
+            _check_tensor(f"items[{i}].value", v, (n, hkv, d), finite=False)
 
     def _require_workers(self) -> None:
         if not self.block_manager.workers():
@@ -754,22 +833,22 @@ class Coordinator:
     ) -> SequenceView:
         """The view of `layer` as it will be once the planned tokens are written."""
         bs = self.layout.block_size
-        blocks: list[tuple[str, int]] = []
-        if plan.start > 0:
-            for seg in self.block_manager.attention_view(tenant, seq_id, layer).segments:
-                blocks.extend((seg.worker_id, b) for b in seg.block_indices)
-        for i, (worker_id, slot) in enumerate(plan.slots):
-            pos = plan.start + i
-            if pos // bs == len(blocks):
-                blocks.append((worker_id, slot // bs))
         segments: list[Segment] = []
-        run = 0
-        for i in range(1, len(blocks) + 1):
-            if i == len(blocks) or blocks[i][0] != blocks[run][0]:
-                segments.append(
-                    Segment(blocks[run][0], run * bs, tuple(b for _, b in blocks[run:i]))
-                )
-                run = i
+        if plan.start > 0:
+            segments = list(self.block_manager.attention_view(tenant, seq_id, layer).segments)
+        num_blocks = -(-plan.start // bs)  # what the view covers: [0, start)
+        # The blocks the new tokens open (a position at a block's first slot), in order,
+        # each joining the last segment when it is on the same worker.
+        for i, (worker_id, slot) in enumerate(plan.slots):
+            if (plan.start + i) // bs != num_blocks:
+                continue
+            block = slot // bs
+            last = segments[-1] if segments else None
+            if last is not None and last.worker_id == worker_id:
+                segments[-1] = Segment(worker_id, last.start_token, (*last.block_indices, block))
+            else:
+                segments.append(Segment(worker_id, num_blocks * bs, (block,)))
+            num_blocks += 1
         return SequenceView(plan.start + len(plan.slots), tuple(segments))
 
     def _split(
@@ -777,38 +856,38 @@ class Coordinator:
         views: list[SequenceView],
         queries: Sequence[torch.Tensor],
         seq_ids: list[str],
-        writes: dict[int, dict[str, tuple[list[int], torch.Tensor, torch.Tensor]]],
         return_lse: bool,
-        hq: int,
+        new: tuple[list[WritePlan], list[torch.Tensor], list[torch.Tensor]] | None = None,
     ) -> list[tuple[list[int], _Part]]:
         """Group a call's items into parts: one per single worker (coalescible), one for
-        the items spread over several workers. Returns (item indices, part) pairs."""
+        the items spread over several workers. Returns (item indices, part) pairs.
+
+        new: per item, the write plan and the new tokens' key / value (append-and-attend).
+        Each part gets its items' queries, keys and values as one tensor (per worker) in
+        the pool dtype: a view when the items' tensors lie back to back (as the servicer
+        decodes them), else one copy.
+        """
         groups: dict[str | None, list[int]] = {}
         for i, view in enumerate(views):
-            used = {seg.worker_id for seg in view.segments if seg.start_token < view.seq_len}
-            key = next(iter(used)) if len(used) == 1 else None
+            segs = view.segments
+            if len(segs) == 1:
+                key: str | None = segs[0].worker_id
+            else:
+                used = {seg.worker_id for seg in segs if seg.start_token < view.seq_len}
+                key = next(iter(used)) if len(used) == 1 else None
             groups.setdefault(key, []).append(i)
+        dtype = self._pool_dtype
         out = []
-        for _, idx in groups.items():
-            part_writes: dict[str, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
-            for i in idx:
-                for worker_id, (slots, k, v) in writes.get(i, {}).items():
-                    if worker_id in part_writes:
-                        s0, k0, v0 = part_writes[worker_id]
-                        part_writes[worker_id] = (
-                            s0 + slots,
-                            torch.cat([k0, k]),
-                            torch.cat([v0, v]),
-                        )
-                    else:
-                        part_writes[worker_id] = (list(slots), k, v)
-            query = torch.cat([queries[i].to(self._pool_dtype) for i in idx])
+        for idx in groups.values():
+            writes: dict[str, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
+            if new is not None:
+                writes = _part_writes(idx, *new, dtype)
             part = _Part(
                 views=[views[i] for i in idx],
                 num_queries=[queries[i].shape[0] for i in idx],
                 seq_ids=[seq_ids[i] for i in idx],
-                query=query,
-                writes=part_writes,
+                query=_rows([queries[i] for i in idx], dtype),
+                writes=writes,
                 return_lse=return_lse,
             )
             out.append((idx, part))
@@ -1160,20 +1239,64 @@ def _check_tensor(
         want = ", ".join("*" if w is None else str(w) for w in shape)
         raise InvalidRequest(f"{name} has shape {list(t.shape)}, expected [{want}]")
     if finite:
-        _check_finite([(name, t)])
+        _check_finite([t], lambda: [(name, t)])
 
 
-def _check_finite(named: list[tuple[str, torch.Tensor]]) -> None:
+def _check_finite(
+    tensors: Sequence[torch.Tensor], named: Callable[[], Iterable[tuple[str, torch.Tensor]]]
+) -> None:
     """No NaN / inf anywhere: a NaN key in a shared prefix block would poison every
-    sequence that adopts it. One pass over all tensors; the culprit is named on failure."""
-    if not named:
+    sequence that adopts it.
+
+    Fast pass: the float32 sum of each run of `tensors` (runs: tensors back to back in one
+    storage, see `joined_view`). Any NaN or infinity makes its sum NaN or infinite, so a
+    finite sum clears the run. A sum that is not finite (a culprit, or finite values
+    whose sum overflows) sends every tensor of `named()` through the exact check, which
+    names the first culprit.
+    """
+    if not tensors or all(bool(torch.isfinite(s)) for s in _run_sums(tensors)):
         return
-    flat = torch.cat([t.reshape(-1).float() for _, t in named])
-    if bool(torch.isfinite(flat).all()):
-        return
-    for name, t in named:
+    for name, t in named():
         if not bool(torch.isfinite(t).all()):
             raise InvalidRequest(f"{name} contains NaN or infinite values")
+
+
+def _run_sums(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """float32 sums covering every element of `tensors`: one per run of tensors lying back
+    to back in one storage (so a request decoded by the servicer costs three sums)."""
+    runs: list[torch.Tensor] = []
+    start = 0
+    end_ptr = -1
+    for i, t in enumerate(tensors):
+        # Address arithmetic finds the candidates; joined_view makes sure.
+        ptr = t.data_ptr()
+        if i and ptr != end_ptr:
+            runs.extend(_as_runs(tensors[start:i]))
+            start = i
+        end_ptr = ptr + t.numel() * t.element_size()
+    runs.extend(_as_runs(tensors[start:]))
+    if len(runs) > 8:  # many separate tensors (in-process callers): one sum over a copy
+        return [torch.cat([r.float() for r in runs]).sum()]
+    return [r.sum(dtype=torch.float32) for r in runs]
+
+
+def _as_runs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    if len(tensors) > 1:
+        span = joined_view(tensors)
+        if span is not None:
+            return [span]
+    return [t.reshape(-1) for t in tensors]
+
+
+def _rows(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The tensors (same trailing dims) concatenated along dim 0, in `dtype`: a view of
+    their memory when they lie back to back in one storage, else one copy."""
+    if len(tensors) == 1:
+        return tensors[0].to(dtype)
+    span = joined_view(tensors)
+    if span is not None:
+        return span.view(-1, *tensors[0].shape[1:]).to(dtype)
+    return torch.cat([t.to(dtype) for t in tensors])
 
 
 def _check_reserved(i: int, cursor: WriteCursor, token_ids: Sequence[int], layer: int) -> None:
@@ -1198,41 +1321,50 @@ def _group_slots(slots: list[tuple[str, int]]) -> dict[str, tuple[list[int], lis
     return out
 
 
-def _writes_by_item(
-    items: Sequence[AppendAttendItem], plans: list[WritePlan], dtype: torch.dtype
-) -> dict[int, dict[str, tuple[list[int], torch.Tensor, torch.Tensor]]]:
-    out: dict[int, dict[str, tuple[list[int], torch.Tensor, torch.Tensor]]] = {}
-    for i, (it, plan) in enumerate(zip(items, plans, strict=True)):
-        key = it.key.to(dtype)
-        value = it.value.to(dtype)
-        groups = _group_slots(plan.slots)
-        if len(groups) == 1:
-            ((worker_id, (_, slots)),) = groups.items()
-            out[i] = {worker_id: (slots, key, value)}
+def _part_writes(
+    idx: list[int],
+    plans: list[WritePlan],
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    dtype: torch.dtype,
+) -> dict[str, tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """worker -> (slots, key rows, value rows) of the new tokens of items `idx`, in item
+    order, in `dtype`."""
+    per: dict[str, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
+    for i in idx:
+        slots = plans[i].slots
+        worker_id = slots[0][0]
+        if all(w == worker_id for w, _ in slots):
+            slot_list, ks, vs = per.setdefault(worker_id, ([], [], []))
+            slot_list.extend(slot for _, slot in slots)
+            ks.append(keys[i])
+            vs.append(values[i])
             continue
-        per: dict[str, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
-        for worker_id, (rows, slots) in groups.items():
-            idx = torch.tensor(rows, dtype=torch.long)
-            per[worker_id] = (slots, key.index_select(0, idx), value.index_select(0, idx))
-        out[i] = per
-    return out
+        for w, (rows, flat) in _group_slots(slots).items():
+            rows_t = torch.tensor(rows, dtype=torch.long)
+            slot_list, ks, vs = per.setdefault(w, ([], [], []))
+            slot_list.extend(flat)
+            ks.append(keys[i].index_select(0, rows_t))
+            vs.append(values[i].index_select(0, rows_t))
+    return {w: (sl, _rows(ks, dtype), _rows(vs, dtype)) for w, (sl, ks, vs) in per.items()}
 
 
 def _reassemble(
-    items: Sequence[Any],
+    num_items: int,
     parts: list[tuple[list[int], _Part]],
     outputs: list[AttentionResult],
     dtypes: list[torch.dtype],
 ) -> list[AttentionResult]:
-    """Per item, in call order, the rows of its part's output (converted to its dtype)."""
-    results: list[AttentionResult | None] = [None] * len(items)
+    """Per item, in call order, the rows of its part's output (converted to its dtype:
+    once per part when its items share one)."""
+    results: list[AttentionResult | None] = [None] * num_items
     for (idx, part), res in zip(parts, outputs, strict=True):
-        row = 0
-        for i, m in zip(idx, part.num_queries, strict=True):
-            out = res.out[row : row + m].to(dtypes[i])
-            lse = None if res.lse is None else res.lse[row : row + m]
-            results[i] = AttentionResult(out, lse)
-            row += m
+        kinds = {dtypes[i] for i in idx}
+        out = res.out.to(next(iter(kinds))) if len(kinds) == 1 else res.out
+        outs = out.split(part.num_queries)
+        lses = res.lse.split(part.num_queries) if res.lse is not None else [None] * len(idx)
+        for i, o, lse in zip(idx, outs, lses, strict=True):
+            results[i] = AttentionResult(o.to(dtypes[i]), lse)
     return results  # type: ignore[return-value]
 
 

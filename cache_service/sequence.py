@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import itemgetter
 
 from cache_service.control_types import PhysicalBlock, Segment
 
 __all__ = ["Sequence", "segments_of"]
+
+_WORKER = itemgetter(0)  # PhysicalBlock.worker_id
+_INDEX = itemgetter(1)  # PhysicalBlock.index
 
 
 @dataclass(slots=True)
@@ -55,6 +59,14 @@ def segments_of(
         Segments in logical order; start_token of segment k is its first logical block
         times block_size.
     """
+    blocks = table[:num_blocks]
+    if blocks and len(blocks) == num_blocks:
+        # C-level passes (PhysicalBlock is a tuple) instead of a Python step per block,
+        # for the usual case of a sequence on one worker.
+        workers = set(map(_WORKER, blocks))
+        if len(workers) == 1:
+            indices = tuple(map(_INDEX, blocks))
+            return (Segment(worker_id=workers.pop(), start_token=0, block_indices=indices),)
     segments: list[Segment] = []
     run_start = 0
     for i in range(1, num_blocks + 1):

@@ -50,9 +50,9 @@ from cache_service.tensor_codec import (
     dtype_from_proto,
     dtype_to_proto,
     tensor_from_bytes,
-    tensor_from_proto,
     tensor_to_bytes,
-    tensor_to_proto,
+    tensors_from_protos,
+    write_tensors,
 )
 from cache_service.tls import ServerTLSConfig, server_credentials
 from cache_service.wire_decode import RequestDecodeInterceptor
@@ -154,13 +154,13 @@ def _layout_proto(layout: KVLayout) -> pb.KVLayout:
     )
 
 
-def _results(results: list[Any], return_lse: bool) -> list[pb.AttendResult]:
-    out = []
-    for r in results:
-        msg = pb.AttendResult(output=tensor_to_proto(r.out))
-        if return_lse:
-            msg.lse.CopyFrom(tensor_to_proto(r.lse))
-        out.append(msg)
+def _results(results: list[Any], return_lse: bool, out: Any) -> Any:
+    """Fill the repeated AttendResult field `out` of a reply with the results, in place."""
+    msgs = [out.add() for _ in results]
+    # The outputs of one call are usually rows of one tensor: one host copy for all.
+    write_tensors([m.output for m in msgs], [r.out for r in results])
+    if return_lse:
+        write_tensors([m.lse for m in msgs], [r.lse for r in results])
     return out
 
 
@@ -316,30 +316,34 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     async def Attend(
         self, request: pb.AttendRequest, context: Any, tenant: str
     ) -> pb.AttendResponse:
-        items = [
-            AttendItem(_seq_id(it.seq_id, f"items[{i}].seq_id"), _query(it.query, i))
-            for i, it in enumerate(request.items)
-        ]
+        wire = request.items
+        seq_ids = _seq_ids(wire)
+        queries = tensors_from_protos([it.query for it in wire], "items[{}].query", ndim=3)
+        items = [AttendItem(s, q) for s, q in zip(seq_ids, queries, strict=True)]
         results = await self._coord.attend(tenant, request.layer, items, request.return_lse)
-        return pb.AttendResponse(results=_results(results, request.return_lse))
+        reply = pb.AttendResponse()
+        _results(results, request.return_lse, reply.results)
+        return reply
 
     @_rpc
     async def AppendAttend(
         self, request: pb.AppendAttendRequest, context: Any, tenant: str
     ) -> pb.AppendAttendResponse:
-        items = []
-        for i, it in enumerate(request.items):
-            items.append(
-                AppendAttendItem(
-                    seq_id=_seq_id(it.seq_id, f"items[{i}].seq_id"),
-                    token_ids=list(it.token_ids),
-                    key=tensor_from_proto(it.key, f"items[{i}].key", ndim=3),
-                    value=tensor_from_proto(it.value, f"items[{i}].value", ndim=3),
-                    query=_query(it.query, i),
-                )
-            )
+        wire = request.items
+        seq_ids = _seq_ids(wire)
+        # Each field of every item decodes into one buffer: the coordinator then checks,
+        # converts and sends the items' keys (values, queries) as one tensor, no copies.
+        keys = tensors_from_protos([it.key for it in wire], "items[{}].key", ndim=3)
+        values = tensors_from_protos([it.value for it in wire], "items[{}].value", ndim=3)
+        queries = tensors_from_protos([it.query for it in wire], "items[{}].query", ndim=3)
+        items = [
+            AppendAttendItem(s, list(it.token_ids), k, v, q)
+            for s, it, k, v, q in zip(seq_ids, wire, keys, values, queries, strict=True)
+        ]
         results = await self._coord.append_attend(tenant, request.layer, items, request.return_lse)
-        return pb.AppendAttendResponse(results=_results(results, request.return_lse))
+        reply = pb.AppendAttendResponse()
+        _results(results, request.return_lse, reply.results)
+        return reply
 
     # -- export / import -------------------------------------------------------------------
 
@@ -405,8 +409,13 @@ def _nonempty_ids(token_ids: Any) -> list[int]:
     return ids
 
 
-def _query(msg: pb.Tensor, i: int) -> torch.Tensor:
-    return tensor_from_proto(msg, f"items[{i}].query", ndim=3)
+def _seq_ids(items: Any) -> list[str]:
+    """The items' sequence ids; an empty one is refused, naming its item."""
+    seq_ids = [it.seq_id for it in items]
+    if not all(seq_ids):
+        i = seq_ids.index("")
+        raise InvalidRequest(f"items[{i}].seq_id is empty")
+    return seq_ids
 
 
 def _spec_size(spec: pb.TensorSpec, field: str) -> tuple[torch.dtype, list[int], int]:

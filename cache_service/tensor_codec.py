@@ -4,6 +4,11 @@ Decoding validates everything a client controls (dtype known and allowed, sizes
 non-negative, byte count exact, shape as expected) and raises `TensorCodecError` naming the
 field, which the server reports as INVALID_ARGUMENT. Only float16, bfloat16 and float32
 travel: the KV dtypes the pools support.
+
+The batch forms (`tensors_from_protos`, `write_tensors`) handle one field of every item
+of a request or reply with one copy and a few torch calls in all, instead of several per
+item: decoded tensors are consecutive views of one new buffer (`joined_view` then sees them
+as one tensor, without copying), and encoded ones are cut from one host copy.
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ __all__ = [
     "dtype_from_name",
     "dtype_from_proto",
     "dtype_to_proto",
+    "joined_view",
     "tensor_from_bytes",
     "tensor_from_proto",
     "tensor_to_bytes",
     "tensor_to_proto",
+    "tensors_from_protos",
+    "write_tensors",
 ]
 
 # torch dtype <-> wire enum. Keep in step with the DType enum of kvcache.proto.
@@ -189,3 +197,121 @@ def check_shape(
                 raise TensorCodecError(
                     f"{field}: dimension {axis} is {got}, expected {want} (shape {list(dims)})"
                 )
+
+
+def joined_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One 1-D tensor over the elements of all `tensors`, in order, when they lie back to
+    back in one storage (each C-contiguous, one dtype, each starting where the previous one
+    ends: e.g. the rows of one tensor, or what `tensors_from_protos` returns); else None.
+
+    The result is a view: no data moves. Used to check, convert or send many small tensors
+    as one.
+    """
+    if not tensors:
+        return None
+    first = tensors[0]
+    if not first.is_contiguous():
+        return None
+    dtype = first.dtype
+    itemsize = first.element_size()
+    base = first.data_ptr() - first.storage_offset() * itemsize
+    start = first.storage_offset()
+    end = start + first.numel()
+    for t in tensors[1:]:
+        if (
+            t.dtype != dtype
+            or t.storage_offset() != end
+            or t.data_ptr() - end * itemsize != base
+            or not t.is_contiguous()
+        ):
+            return None
+        end += t.numel()
+    if end * itemsize > first.untyped_storage().nbytes():  # not one storage after all
+        return None
+    return first.as_strided((end - start,), (1,))
+
+
+def tensors_from_protos(
+    msgs: Sequence[pb.Tensor], field: str, *, ndim: int | None = None
+) -> list[torch.Tensor]:
+    """Decode one field of many messages (say every request item's key) into new CPU
+    tensors that are consecutive views of one writable buffer (one copy of the payload in
+    all; `joined_view` of the result is a view, not a copy).
+
+    Args:
+        msgs: the messages, in order.
+        field: the field's name with ``{}`` for the message's index, e.g.
+            ``"items[{}].key"`` (formatted only for an error message).
+        ndim: required number of dimensions of every tensor.
+
+    Validates exactly what `tensor_from_proto` validates and raises its errors, naming the
+    first bad message. Messages of different dtypes (allowed) decode one by one.
+    """
+    if not msgs:
+        return []
+    dtype_value = msgs[0].dtype
+    dtype = _FROM_PROTO.get(dtype_value)
+    if dtype is None or not _LITTLE_ENDIAN_HOST:
+        return [tensor_from_proto(m, field.format(i), ndim=ndim) for i, m in enumerate(msgs)]
+    itemsize = dtype.itemsize
+    shapes = [tuple(m.shape) for m in msgs]
+    datas = [m.data for m in msgs]
+    first = shapes[0]
+    same = shapes.count(first) == len(shapes)
+    if same:  # the usual batch: one shape, so one check covers every message
+        nbytes = math.prod(first) * itemsize
+        ok = (ndim is None or len(first) == ndim) and (not first or min(first) >= 0)
+        ok = ok and all(len(d) == nbytes for d in datas)
+    else:
+        ok = all(
+            (ndim is None or len(dims) == ndim)
+            and (not dims or min(dims) >= 0)
+            and len(d) == math.prod(dims) * itemsize
+            for dims, d in zip(shapes, datas, strict=True)
+        )
+    if not ok or any(m.dtype != dtype_value for m in msgs):
+        # A bad message, or mixed dtypes: one at a time (naming the bad one).
+        return [tensor_from_proto(m, field.format(i), ndim=ndim) for i, m in enumerate(msgs)]
+    buf = bytearray().join(datas)  # the one copy: writable, owned by the tensors
+    if not buf:
+        if same:
+            return list(torch.empty((len(shapes), *first), dtype=dtype).unbind(0))
+        return [torch.empty(s, dtype=dtype) for s in shapes]
+    flat = torch.frombuffer(buf, dtype=dtype)
+    if same:
+        return list(flat.view(len(shapes), *first).unbind(0))
+    sizes = [math.prod(s) for s in shapes]
+    return [piece.view(s) for piece, s in zip(flat.split(sizes), shapes, strict=True)]
+
+
+def write_tensors(msgs: Sequence[pb.Tensor], tensors: Sequence[torch.Tensor]) -> None:
+    """Encode ``tensors[i]`` into the empty message ``msgs[i]`` (say the ``output`` field of
+    each result of a reply, filled in place: building separate messages and copying them
+    in costs several times more).
+
+    Tensors that lie back to back in one storage (`joined_view`: e.g. the per-item rows of
+    one output, or a model's batch split per sequence) reach the host once, and each
+    message's bytes are copied straight out of that memory: one copy per tensor, and a
+    handful of torch calls for all of them. Others go one by one, as `tensor_to_proto`.
+    """
+    span = joined_view(tensors) if len(tensors) > 1 else None
+    if span is None or span.dtype not in _TO_PROTO or span.numel() == 0 or not _LITTLE_ENDIAN_HOST:
+        for msg, t in zip(msgs, tensors, strict=True):
+            data = tensor_to_bytes(t)  # checks the dtype first
+            msg.dtype = _TO_PROTO[t.dtype]
+            msg.shape.extend(t.shape)
+            msg.data = data
+        return
+    host = span.detach()
+    if host.device.type != "cpu":
+        host = host.cpu()
+    itemsize = host.element_size()
+    raw = memoryview(host.view(_BITS_DTYPE[itemsize]).numpy()).cast("B")  # a view
+    enum = _TO_PROTO[host.dtype]
+    offset = 0
+    for msg, t in zip(msgs, tensors, strict=True):
+        end = offset + t.numel() * itemsize
+        msg.dtype = enum
+        msg.shape.extend(t.shape)
+        msg.data = raw[offset:end].tobytes()
+        offset = end

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import Counter
 from collections.abc import Coroutine
 from typing import Any
 
@@ -20,6 +21,7 @@ from workers.layout import KVLayout
 __all__ = [
     "LAYOUT",
     "Mirror",
+    "Recording",
     "ServiceHarness",
     "dense_attention",
     "local_workers",
@@ -137,3 +139,48 @@ class Mirror:
     def reference(self, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense float64 attention of q (the last rows) over everything on `layer`."""
         return dense_attention(q, torch.cat(self.k[layer]), torch.cat(self.v[layer]))
+
+
+class Recording:
+    """A WorkerClient proxy that counts data calls and their batch sizes, and can stall.
+
+    delay_s: every data call waits this long before it runs.
+    hold_first: the first write_and_attend / attend waits until this event is set (it is
+        counted first, so a test can see it arrive).
+    """
+
+    def __init__(
+        self, inner: Any, delay_s: float = 0.0, hold_first: threading.Event | None = None
+    ) -> None:
+        self.inner = inner
+        self.delay_s = delay_s
+        self.hold_first = hold_first
+        self.calls: Counter[str] = Counter()
+        self.batch_sizes: list[int] = []
+
+    @property
+    def worker_id(self) -> str:
+        return self.inner.worker_id
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self.inner, name)
+        if name not in ("write_and_attend", "attend", "write"):
+            return target
+
+        async def wrapped(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            hold = None
+            if name != "write":
+                lens = args[7] if name == "write_and_attend" else args[4]
+                hold = self.hold_first if not self.batch_sizes else None
+                self.batch_sizes.append(len(lens))
+            if hold is not None:
+                await asyncio.get_running_loop().run_in_executor(None, hold.wait)
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            return await target(*args, **kwargs)
+
+        return wrapped

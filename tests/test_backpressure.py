@@ -9,7 +9,14 @@ import time
 
 import pytest
 import torch
-from service_support import LAYOUT, Mirror, ServiceHarness, local_workers, service_config
+from service_support import (
+    LAYOUT,
+    Mirror,
+    Recording,
+    ServiceHarness,
+    local_workers,
+    service_config,
+)
 
 from cache_service.client import (
     AppendAttendItem,
@@ -119,8 +126,11 @@ def test_a_client_with_too_many_calls_in_flight_is_refused_and_others_are_not():
     config = service_config(
         **{"server.max_in_flight_per_client": 2, "coordinator.batch_window_ms": 1000.0}
     )
+    # Every data call takes 1 s on the worker, and a call arriving meanwhile waits for it
+    # (and for the 1 s batching window): all seven calls below are in flight together.
+    slow = [Recording(w, delay_s=1.0) for w in local_workers(1, num_blocks=16)]
     with (
-        ServiceHarness(config, local_workers(1, num_blocks=16)) as svc,
+        ServiceHarness(config, slow) as svc,
         KVCacheClient(svc.address, timeout_s=20) as greedy,
         KVCacheClient(svc.address, timeout_s=20) as polite,
     ):
@@ -145,8 +155,8 @@ def test_a_client_with_too_many_calls_in_flight_is_refused_and_others_are_not():
             with lock:
                 results.append(outcome)
 
-        # Every attend waits for the 1 s batching window: six of the greedy client's calls
-        # are in flight together, plus one of the polite client's.
+        # Six of the greedy client's calls are in flight together, plus one of the polite
+        # client's.
         threads = [threading.Thread(target=call, args=(greedy, mirrors[0])) for _ in range(6)]
         threads.append(threading.Thread(target=call, args=(polite, mirrors[1])))
         for t in threads:
@@ -170,11 +180,11 @@ def test_a_client_with_too_many_calls_in_flight_is_refused_and_others_are_not():
 
 
 def test_a_call_past_its_deadline_is_exceeded_and_leaves_nothing_half_applied():
-    # Each worker round waits for a 1 s batching window: a 0.2 s deadline passes while the
-    # call is inside the coordinator, after its blocks were reserved.
-    config = service_config(**{"coordinator.batch_window_ms": 1000.0})
+    # Each worker call takes 1 s (a lone caller pays no batching window): a 0.2 s deadline
+    # passes while the call is inside the coordinator, after its blocks were reserved.
+    slow = [Recording(w, delay_s=1.0) for w in local_workers(1, num_blocks=16)]
     with (
-        ServiceHarness(config, local_workers(1, num_blocks=16)) as svc,
+        ServiceHarness(service_config(), slow) as svc,
         KVCacheClient(svc.address, timeout_s=20) as client,
     ):
         m = Mirror(client.create_sequence().seq_id, L)

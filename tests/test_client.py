@@ -70,6 +70,7 @@ class Scripted(pb_grpc.KVCacheServicer):
 
     def AppendAttend(self, request, context):
         self._enter("AppendAttend", context)
+        self.last_request = request
         results = [pb.AttendResult(output=it.query) for it in request.items]
         return pb.AppendAttendResponse(results=results)
 
@@ -192,3 +193,35 @@ def test_export_blobs_round_trip_and_refuse_truncation() -> None:
         ExportedBlocks.from_bytes(blob[:-1])
     with pytest.raises(ValueError):
         ExportedBlocks.from_bytes(b"\x01")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_append_attend_sends_each_tensor_as_is_and_decodes_writable_outputs(server, dtype) -> None:
+    """The request carries exactly each item's tensors (rows of one batch tensor, encoded
+    in one copy, or separate ones); the echoed outputs come back bit for bit, each its own
+    writable tensor (views of one reply buffer, not of the immutable message bytes)."""
+    servicer, address = server
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(3, 1, 1, 4, generator=gen).to(dtype)
+    q = torch.randn(3, 2, 2, 4, generator=gen).to(dtype)
+    batched = [AppendAttendItem(f"s{i}", [i], k[i], k[i], q[i]) for i in range(3)]
+    separate = [
+        AppendAttendItem(
+            f"s{i}", [i], k[i].clone(), k[i] * 2, q[i].transpose(0, 1).contiguous().transpose(0, 1)
+        )
+        for i in range(3)
+    ]
+    with KVCacheClient(address) as client:
+        for items in (batched, separate):
+            outs = client.append_attend(1, items)
+            sent = servicer.last_request
+            assert sent.layer == 1 and [it.seq_id for it in sent.items] == ["s0", "s1", "s2"]
+            for it, wire in zip(items, sent.items, strict=True):
+                assert list(wire.token_ids) == list(it.token_ids)
+                assert wire.key == tensor_to_proto(it.key)
+                assert wire.value == tensor_to_proto(it.value)
+                assert wire.query == tensor_to_proto(it.query)
+            for out, it in zip(outs, items, strict=True):
+                assert out.dtype == dtype and torch.equal(out, it.query)
+            outs[0].fill_(7)  # writable, and its neighbours are not touched
+            assert torch.equal(outs[1], items[1].query)

@@ -8,10 +8,13 @@ import torch
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service.tensor_codec import (
     TensorCodecError,
+    joined_view,
     tensor_from_bytes,
     tensor_from_proto,
     tensor_to_bytes,
     tensor_to_proto,
+    tensors_from_protos,
+    write_tensors,
 )
 
 
@@ -75,3 +78,90 @@ def test_unsupported_dtypes_cannot_be_sent() -> None:
         tensor_to_proto(torch.ones(2, dtype=torch.int64))
     with pytest.raises(TensorCodecError, match="needs 8"):
         tensor_from_bytes(b"\0" * 7, torch.float32, [2])
+
+
+# ---- batch forms: one field of every item of a request / reply
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_batch_decode_matches_one_by_one_and_shares_one_writable_buffer(dtype) -> None:
+    ts = [(torch.randn(1, 4, 8) * 100).to(dtype) for _ in range(5)]
+    msgs = [tensor_to_proto(t) for t in ts]
+    got = tensors_from_protos(msgs, "items[{}].key", ndim=3)
+    assert [tuple(g.shape) for g in got] == [(1, 4, 8)] * 5
+    for g, t in zip(got, ts, strict=True):
+        assert g.dtype == dtype and torch.equal(bits(g), bits(t))
+    span = joined_view(got)  # one buffer, items in order: one tensor without a copy
+    assert span is not None and span.numel() == 5 * 32
+    assert span.data_ptr() == got[0].data_ptr()
+    got[1] += 1  # its own memory, not the messages' bytes, and not its neighbours'
+    assert torch.equal(bits(got[0]), bits(ts[0])) and torch.equal(bits(got[2]), bits(ts[2]))
+    assert torch.equal(bits(tensor_from_proto(msgs[1], "t")), bits(ts[1]))
+
+
+def test_batch_decode_of_different_shapes_and_dtypes() -> None:
+    ts = [torch.randn(2, 4, 8), torch.randn(1, 4, 8), torch.randn(3, 4, 8)]
+    got = tensors_from_protos([tensor_to_proto(t) for t in ts], "q{}", ndim=3)
+    assert all(torch.equal(g, t) for g, t in zip(got, ts, strict=True))
+    assert joined_view(got) is not None
+    mixed = [torch.randn(1, 2), torch.randn(1, 2).half(), torch.randn(0, 2)]
+    got = tensors_from_protos([tensor_to_proto(t) for t in mixed], "q{}")
+    assert [g.dtype for g in got] == [t.dtype for t in mixed]
+    assert all(torch.equal(g, t) for g, t in zip(got, mixed, strict=True))
+    empty = tensors_from_protos([tensor_to_proto(torch.ones(0, 3))] * 2, "q{}")
+    assert [tuple(e.shape) for e in empty] == [(0, 3), (0, 3)]
+    assert tensors_from_protos([], "q{}") == []
+
+
+@pytest.mark.parametrize(
+    ("bad", "needle"),
+    [
+        (pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[1, 4, 8], data=b"\0" * 12), "12 data bytes"),
+        (pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[4, 8], data=b"\0" * 128), "3 dimensions"),
+        (pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[-1, -4, 8], data=b"\0" * 128), "negative"),
+        (pb.Tensor(dtype=99, shape=[1, 4, 8], data=b"\0" * 128), "unsupported dtype"),
+    ],
+)
+def test_batch_decode_names_the_bad_message(bad, needle) -> None:
+    good = tensor_to_proto(torch.randn(1, 4, 8))
+    for msgs, index in (([good, good, bad, good], 2), ([bad, good], 0)):
+        with pytest.raises(TensorCodecError, match=needle) as info:
+            tensors_from_protos(msgs, "items[{}].key", ndim=3)
+        assert f"items[{index}].key" in str(info.value)
+
+
+def test_joined_view_only_for_tensors_back_to_back_in_one_storage() -> None:
+    x = torch.arange(24.0).reshape(4, 2, 3)
+    rows = list(x.unbind(0))
+    span = joined_view(rows)
+    assert span is not None and torch.equal(span, x.reshape(-1))
+    assert span.data_ptr() == x.data_ptr()  # a view: nothing copied
+    assert joined_view(rows[1:3]) is not None
+    assert joined_view([rows[0], rows[2]]) is None  # a gap
+    assert joined_view([rows[1], rows[0]]) is None  # out of order
+    assert joined_view([x[:, :1], x[:, 1:]]) is None  # not contiguous
+    assert joined_view([x[0], x.view(torch.int32)[1]]) is None  # another dtype
+    assert joined_view([torch.ones(3), torch.ones(3)]) is None  # two storages
+    assert joined_view([]) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_write_tensors_matches_tensor_to_proto(dtype) -> None:
+    out = (torch.randn(6, 4, 8) * 10).to(dtype)
+    cases = [
+        list(out.split([1, 3, 2])),  # rows of one tensor: one host copy
+        [out[0:1], out[2:3]],  # a gap: one by one
+        [out[:, :2], out[:, 2:]],  # not contiguous
+        [out[0:1], out[1:2].float()],  # mixed dtypes
+    ]
+    for tensors in cases:
+        reply = pb.AttendResponse()
+        msgs = [reply.results.add() for _ in tensors]
+        write_tensors([m.output for m in msgs], tensors)
+        assert [m.output for m in reply.results] == [tensor_to_proto(t) for t in tensors]
+    with pytest.raises(TensorCodecError, match="cannot travel"):
+        write_tensors([pb.Tensor(), pb.Tensor()], [torch.ones(2, dtype=torch.int64)] * 2)

@@ -3,10 +3,8 @@ metrics wiring, large payloads, and coalescing of concurrent calls."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +14,15 @@ import torch
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from service_support import HQ, LAYOUT, Mirror, ServiceHarness, local_workers, service_config
+from service_support import (
+    HQ,
+    LAYOUT,
+    Mirror,
+    Recording,
+    ServiceHarness,
+    local_workers,
+    service_config,
+)
 
 from cache_service.client import (
     AppendAttendItem,
@@ -31,39 +37,6 @@ from cache_service.metrics import ServiceMetrics
 from workers.layout import KVLayout
 
 D, HKV = LAYOUT.head_dim, LAYOUT.num_kv_heads
-
-
-class Recording:
-    """A WorkerClient proxy that counts data calls and their batch sizes, and can stall."""
-
-    def __init__(self, inner: Any, delay_s: float = 0.0) -> None:
-        self.inner = inner
-        self.delay_s = delay_s
-        self.calls: Counter[str] = Counter()
-        self.batch_sizes: list[int] = []
-
-    @property
-    def worker_id(self) -> str:
-        return self.inner.worker_id
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def __getattr__(self, name: str) -> Any:
-        target = getattr(self.inner, name)
-        if name not in ("write_and_attend", "attend", "write"):
-            return target
-
-        async def wrapped(*args: Any, **kwargs: Any) -> Any:
-            self.calls[name] += 1
-            if name != "write":
-                lens = args[7] if name == "write_and_attend" else args[4]
-                self.batch_sizes.append(len(lens))
-            if self.delay_s:
-                await asyncio.sleep(self.delay_s)
-            return await target(*args, **kwargs)
-
-        return wrapped
 
 
 def decode_token(client: KVCacheClient, m: Mirror, layer: int, gen: torch.Generator) -> None:
@@ -181,25 +154,40 @@ def test_concurrent_calls_for_one_worker_and_layer_share_one_worker_call() -> No
 
 
 def test_a_full_batch_goes_at_once_without_waiting_for_the_window() -> None:
-    workers = [Recording(w) for w in local_workers(1, 64)]
+    hold = threading.Event()
+    workers = [Recording(w, hold_first=hold) for w in local_workers(1, 64)]
     # A window longer than the clients' deadline: only the size limit can send the batch.
     config = service_config(
         **{"coordinator.batch_window_ms": 60_000.0, "coordinator.max_batch_items": 2}
     )
     with ServiceHarness(config, workers) as svc:
-        clients = [KVCacheClient(svc.address, timeout_s=10) for _ in range(2)]
+        clients = [KVCacheClient(svc.address, timeout_s=10) for _ in range(3)]
         mirrors = [Mirror(c.create_sequence().seq_id, LAYOUT.num_layers) for c in clients]
         threads = [
             threading.Thread(target=decode_token, args=(c, m, 0, torch.Generator().manual_seed(3)))
             for c, m in zip(clients, mirrors, strict=True)
         ]
-        for t in threads:
+        # The first call is alone: it goes at once (no window) and is held on the worker.
+        threads[0].start()
+        wait_until(lambda: workers[0].calls["write_and_attend"] == 1)
+        # The other two arrive while it is in flight: together they fill a batch, which
+        # leaves at once although the first is still on the worker and the window is long.
+        for t in threads[1:]:
             t.start()
+        wait_until(lambda: workers[0].calls["write_and_attend"] == 2)
+        hold.set()
         for t in threads:
             t.join(20)
-        assert workers[0].batch_sizes == [2]
+        assert workers[0].batch_sizes == [1, 2]
         for c in clients:
             c.close()
+
+
+def wait_until(predicate: Any, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "the service did not get there"
+        time.sleep(0.01)
 
 
 def write_tokens_file(path: Path) -> dict[str, str]:

@@ -1,0 +1,242 @@
+"""The coordinator's adaptive batching window (`coordinator._Batcher`).
+
+A lone caller must not wait for the window; calls that overlap must still share one worker
+call. The batcher tests drive a fake clock: a window "passes" only when the test fires its
+timer, so nothing here depends on how fast the machine is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from service_support import HQ, LAYOUT, dense_attention
+
+import cache_service.coordinator as coordinator_module
+from cache_service.config import CoordinatorConfig
+from cache_service.coordinator import AppendAttendItem, Coordinator, _Batcher, _Part
+from cache_service.worker_clients import LocalWorkerClient
+from workers.config import PoolConfig
+
+HKV, D = LAYOUT.num_kv_heads, LAYOUT.head_dim
+KEY = (0, "w0", HQ)
+
+
+class FakeTimer:
+    def __init__(self, delay: float, callback: Callable[[], None]) -> None:
+        self.delay = delay
+        self.callback = callback
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeClock:
+    """`call_later` whose timers fire only when the test says the window has passed."""
+
+    def __init__(self) -> None:
+        self.timers: list[FakeTimer] = []
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> FakeTimer:
+        timer = FakeTimer(delay, callback)
+        self.timers.append(timer)
+        return timer
+
+    def armed(self) -> list[FakeTimer]:
+        return [t for t in self.timers if not t.cancelled]
+
+    def pass_window(self) -> None:
+        due, self.timers = self.armed(), []
+        for timer in due:
+            timer.callback()
+
+
+class Worker:
+    """The batcher's `run`: records each batch's sequence ids and holds the batch "on the
+    worker" until the test lets it finish."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.gates: list[asyncio.Event] = []
+
+    async def run(self, key: Any, parts: list[_Part]) -> None:
+        self.batches.append([s for p in parts for s in p.seq_ids])
+        gate = asyncio.Event()
+        self.gates.append(gate)
+        await gate.wait()
+
+    async def finish(self, index: int) -> None:
+        self.gates[index].set()
+        for _ in range(3):  # the task ends, its done-callback runs
+            await asyncio.sleep(0)
+
+
+def part(*seq_ids: str) -> _Part:
+    return _Part(
+        views=[],
+        num_queries=[1] * len(seq_ids),
+        seq_ids=list(seq_ids),
+        query=torch.empty(0),
+        writes={},
+        return_lse=False,
+    )
+
+
+def make(window_s: float = 0.5, max_items: int = 64) -> tuple[_Batcher, Worker, FakeClock]:
+    worker, clock = Worker(), FakeClock()
+    batcher = _Batcher(KEY, window_s, max_items, worker.run, call_later=clock.call_later)
+    return batcher, worker, clock
+
+
+async def settle() -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+def test_a_lone_part_leaves_at_once_without_opening_a_window() -> None:
+    async def scenario() -> None:
+        batcher, worker, clock = make()
+        for i in range(5):  # one caller, one call after the other
+            batcher.submit(part(f"s{i}"))
+            await settle()
+            assert worker.batches[-1] == [f"s{i}"]
+            assert clock.timers == []  # no window was ever opened
+            await worker.finish(i)
+        assert len(worker.batches) == 5
+        assert not batcher.windowed
+
+    asyncio.run(scenario())
+
+
+def test_parts_arriving_during_a_batch_gather_and_the_window_comes_back() -> None:
+    async def scenario() -> None:
+        batcher, worker, clock = make()
+        batcher.submit(part("a"))  # lone: on the worker at once
+        await settle()
+        assert worker.batches == [["a"]]
+        batcher.submit(part("b"))
+        batcher.submit(part("c"))
+        await settle()
+        # Both wait for the batch in flight and for the window opened by "b".
+        assert worker.batches == [["a"]]
+        assert len(clock.armed()) == 1
+        await worker.finish(0)
+        assert worker.batches == [["a"]]  # "a" is back, the window has not passed
+        clock.pass_window()
+        await settle()
+        assert worker.batches == [["a"], ["b", "c"]]  # one worker call for both
+        await worker.finish(1)
+
+        # That batch was shared: the next part at an idle batcher waits for company.
+        assert batcher.windowed
+        batcher.submit(part("d"))
+        await settle()
+        assert worker.batches == [["a"], ["b", "c"]]
+        assert len(clock.armed()) == 1
+        batcher.submit(part("e"))
+        clock.pass_window()
+        await settle()
+        assert worker.batches[-1] == ["d", "e"]
+        await worker.finish(2)
+
+    asyncio.run(scenario())
+
+
+def test_lone_traffic_after_shared_batches_drops_the_window_again() -> None:
+    async def scenario() -> None:
+        batcher, worker, clock = make()
+        batcher.submit(part("a"))
+        await settle()
+        batcher.submit(part("b"))
+        await worker.finish(0)
+        clock.pass_window()
+        await settle()
+        await worker.finish(1)
+        assert batcher.windowed
+        waited = []
+        for i in range(6):
+            batcher.submit(part(f"lone{i}"))
+            await settle()
+            if clock.armed():  # it waited for the window, alone
+                waited.append(i)
+                clock.pass_window()
+                await settle()
+            assert worker.batches[-1] == [f"lone{i}"]
+            await worker.finish(len(worker.batches) - 1)
+        # The first lone calls still wait (the traffic might be concurrent), then not.
+        assert waited and waited == list(range(len(waited)))
+        assert len(waited) <= 3
+        assert not batcher.windowed
+
+    asyncio.run(scenario())
+
+
+def test_a_full_batch_leaves_at_once_even_with_one_in_flight() -> None:
+    async def scenario() -> None:
+        batcher, worker, clock = make(window_s=3600.0, max_items=3)
+        batcher.submit(part("a"))
+        await settle()
+        batcher.submit(part("b"))
+        batcher.submit(part("c", "d"))
+        await settle()
+        assert worker.batches == [["a"], ["b", "c", "d"]]
+        assert clock.armed() == []
+        await worker.finish(0)
+        await worker.finish(1)
+
+    asyncio.run(scenario())
+
+
+def test_a_lone_caller_of_the_coordinator_never_opens_a_window(monkeypatch) -> None:
+    """Every batcher the coordinator makes gets a clock that records each window it is
+    asked for (and lets it pass at once, so a wrong answer fails instead of hanging): one
+    caller's calls ask for none, and each is one worker call with the right output."""
+    windows: list[float] = []
+
+    def call_later(delay: float, callback: Callable[[], None]) -> Any:
+        windows.append(delay)
+        return asyncio.get_running_loop().call_soon(callback)
+
+    monkeypatch.setattr(
+        coordinator_module, "_Batcher", functools.partial(_Batcher, call_later=call_later)
+    )
+
+    async def scenario() -> None:
+        worker = LocalWorkerClient("w0", PoolConfig(LAYOUT, num_blocks=32))
+        calls = 0
+        inner = worker.write_and_attend
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            return await inner(*args, **kwargs)
+
+        worker.write_and_attend = counted  # type: ignore[method-assign]
+        coord = Coordinator(LAYOUT, [worker], CoordinatorConfig(batch_window_ms=3_600_000.0))
+        await coord.start()
+        try:
+            seq = (await coord.create_sequence("t")).seq_id
+            gen = torch.Generator().manual_seed(0)
+            keys: dict[int, list[torch.Tensor]] = {}
+            for token in range(3):
+                for layer in range(LAYOUT.num_layers):
+                    k = torch.randn(1, HKV, D, generator=gen)
+                    q = torch.randn(1, HQ, D, generator=gen)
+                    item = AppendAttendItem(seq, [token], k, k, q)
+                    (res,) = await coord.append_attend("t", layer, [item])
+                    keys.setdefault(layer, []).append(k)
+                    kk = torch.cat(keys[layer])
+                    ref, _ = dense_attention(q.double(), kk.double(), kk.double())
+                    assert torch.allclose(res.out.double(), ref, atol=1e-5)
+            assert calls == 3 * LAYOUT.num_layers
+            assert windows == []
+            assert coord._batchers and not any(b.windowed for b in coord._batchers.values())
+        finally:
+            await coord.close()
+            worker.close()
+
+    asyncio.run(scenario())
