@@ -18,7 +18,8 @@ concurrent clients (coalescing). Results go to --out as markdown.
         --out benchmarks/results/service-cpu.md
 
 H200 (--h200): the Llama-3-8B layout (32 layers, 32 query / 8 KV heads, head_dim 128, bf16,
-block 16) on one GPU worker behind Ray: decode batch 32 at context 2048, 32 layers per step,
+block 16) on one GPU, its pool in the server's process and then behind a Ray actor: decode
+batch 32 at context 2048, 32 layers per step,
 steps/s and tokens/s through the service versus in-process, per-call p50/p99; then 8
 concurrent clients of batch 8 versus one client of batch 8. Targets (issue 5): per-layer
 append-and-attend p50 <= 1.5 ms at batch 32; 8 clients >= 3x the throughput of one.
@@ -31,13 +32,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import datetime
 import functools
+import io
 import os
 import platform
+import pstats
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -119,8 +123,13 @@ def service_config(setup: Setup, *, ray: bool, window_ms: float) -> ServiceConfi
     )
 
 
-def through_service(setup: Setup, *, ray: bool, window_ms: float) -> dict[str, BenchResult]:
-    """Start a service, run the single-client and the concurrency benchmarks, stop it."""
+def through_service(
+    setup: Setup, *, ray: bool, window_ms: float, profile: Path | None = None
+) -> dict[str, BenchResult]:
+    """Start a service, run the single-client and the concurrency benchmarks, stop it.
+
+    profile: write a cProfile of the server's event-loop thread during the single-client
+    run here (it slows that run; for finding costs, not for the figures)."""
     dtype = setup.layout.dtype
 
     async def main() -> dict[str, BenchResult]:
@@ -142,8 +151,18 @@ def through_service(setup: Setup, *, ray: bool, window_ms: float) -> dict[str, B
             ):  # fmt: skip
                 # Clients in their own processes: a client sharing the server's GIL would
                 # slow both and inflate the figures.
+                if profile is not None and key != "single":
+                    continue
                 run = functools.partial(run_decode_bench, processes=True)
+                prof = cProfile.Profile() if profile is not None and key == "single" else None
+                if prof is not None:
+                    prof.enable()  # the event loop's thread: gRPC handlers and coordinator
                 out[key] = await loop.run_in_executor(None, run, running.address, cfg)
+                if prof is not None:
+                    prof.disable()
+                    text = io.StringIO()
+                    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(45)
+                    profile.write_text(text.getvalue())
             return out
         finally:
             await running.stop()
@@ -247,19 +266,16 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
             f"{ratio:.2f}x | {many.p50_ms:.3f} | {many.p99_ms:.3f} |"
         )
     if setup.name == "h200":
-        r = next(iter(results.values()))["single"]
-        ratio = results[next(iter(results))]["concurrent"].tokens_per_s / max(
-            results[next(iter(results))]["one_small"].tokens_per_s, 1e-9
-        )
-        lines += [
-            "",
-            "## Targets (issue 5)",
-            "",
-            f"- per-layer append-and-attend p50 at batch 32 <= 1.5 ms: {r.p50_ms:.3f} ms "
-            f"({'met' if r.p50_ms <= 1.5 else 'NOT met'})",
-            f"- 8 concurrent clients of batch 8 >= 3x one client: {ratio:.2f}x "
-            f"({'met' if ratio >= 3 else 'NOT met'})",
-        ]
+        lines += ["", "## Targets (issue 5)", ""]
+        for label, res in results.items():
+            r, one, many = res["single"], res["one_small"], res["concurrent"]
+            ratio = many.tokens_per_s / max(one.tokens_per_s, 1e-9)
+            lines += [
+                f"- {label}: per-layer append-and-attend p50 at batch 32 <= 1.5 ms: "
+                f"{r.p50_ms:.3f} ms ({'met' if r.p50_ms <= 1.5 else 'NOT met'}); 8 concurrent "
+                f"clients of batch 8 >= 3x one client: {ratio:.2f}x "
+                f"({'met' if ratio >= 3 else 'NOT met'})",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -269,12 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the markdown report here")
     parser.add_argument("--batch-window-ms", type=float, default=0.5)
     parser.add_argument("--steps", type=int, help="timed steps (default: the setup's)")
-    parser.add_argument("--no-ray", action="store_true", help="CPU mode: skip the Ray run")
+    parser.add_argument("--no-ray", action="store_true", help="skip the Ray worker run")
+    parser.add_argument(
+        "--profile", type=Path, help="also run once under cProfile, the server's stats here"
+    )
     args = parser.parse_args(argv)
     setup = H200 if args.h200 else CPU
     if args.steps:
-        from dataclasses import replace
-
         setup = replace(setup, steps=args.steps, concurrent_steps=args.steps)
     if setup.device == "cuda" and not torch.cuda.is_available():
         print("--h200 needs a CUDA device", file=sys.stderr)
@@ -282,11 +299,16 @@ def main(argv: list[str] | None = None) -> int:
     if setup.device == "cpu":
         torch.set_num_threads(1)
     results: dict[str, dict[str, BenchResult]] = {}
-    if setup.device == "cpu":
-        results["pools in the server process"] = through_service(
-            setup, ray=False, window_ms=args.batch_window_ms
-        )
-    if not args.no_ray or setup.device == "cuda":
+    # First the pools in the coordinator's process (workers.in_process: the deployment for
+    # one GPU per coordinator), then the same GPU behind a Ray actor.
+    results["pools in the server process"] = through_service(
+        setup, ray=False, window_ms=args.batch_window_ms
+    )
+    if args.profile:
+        # A shorter context: filling 8 GiB again would cost more than the profile tells.
+        short = replace(setup, context=min(setup.context, 512), steps=min(setup.steps, 5))
+        through_service(short, ray=False, window_ms=args.batch_window_ms, profile=args.profile)
+    if not args.no_ray:
         results[f"Ray {setup.device} worker"] = through_service(
             setup, ray=True, window_ms=args.batch_window_ms
         )

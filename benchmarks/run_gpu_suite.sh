@@ -3,12 +3,13 @@
 # Usage on the GPU machine, from the repo root, with Ray carried (../shared/device/README.md):
 #   source .device/env.sh && bash benchmarks/run_gpu_suite.sh tests-multigpu-workers
 #   source .device/env.sh && bash benchmarks/run_gpu_suite.sh service-transformers
+#   source .device/env.sh && bash benchmarks/run_gpu_suite.sh kernels-service
 # Every phase is bounded by `timeout` and writes under $OUT (at most 8 files per call).
 set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -28,6 +29,18 @@ service-transformers)
     | tee "$OUT/service.log" | tail -40
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/bench_transformers.py --h200 --out "$OUT/transformers" 2>&1 \
     | tee "$OUT/transformers.log" | tail -30
+  ;;
+kernels-service)
+  # The single-GPU tests of the kernels and the pool, the service on one GPU (pools in the
+  # server process, with a server profile), then the kernel benchmark; each phase bounded.
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark -n 8 \
+    tests/test_kernels_attention.py tests/test_kernels_io.py tests/test_kernels_validation.py \
+    tests/test_workers_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/bench_service.py --h200 --no-ray \
+    --profile "$OUT/service-profile.txt" --out "$OUT/service-h200.md" 2>&1 \
+    | tee "$OUT/service.log" | tail -40
+  timeout 230 python3 benchmarks/bench_kernels.py --out "$OUT/kernels" 2>&1 \
+    | tee "$OUT/kernels.log" | tail -40
   ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -26,8 +26,10 @@ from functools import lru_cache
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
-from kernels.merge_states import merge_partitions
+from kernels.launch import CachedLauncher
+from kernels.merge_states import merge_partitions, pdl_supported
 from kernels.validation import AttentionProblem, KernelArgumentError
 
 __all__ = [
@@ -80,11 +82,17 @@ class AttentionConfig:
 @dataclass(frozen=True)
 class SplitPolicy:
     """When to split the KV range: when the (query tile, KV head) programs number fewer than
-    ``target_programs_per_sm`` per SM, split each into partitions of at least
-    ``min_partition_tokens`` KV tokens until they do. Two per SM is what a decode program
-    with 128-token tiles can keep resident (registers), and what measured fastest."""
+    ``split_below_programs_per_sm`` per SM, split each into partitions of at least
+    ``min_partition_tokens`` KV tokens until there are ``target_programs_per_sm`` per SM.
+
+    Two per SM is what a decode program with 128-token tiles keeps resident (registers) and
+    what measured fastest for small batches. A batch that already gives every SM a program
+    runs faster unsplit (B=32 x L=2048 on the H200: 67.9 us unsplit vs 82.7 us in two
+    partitions, benchmarks/notes-kernels.md): the merge and the partials cost more than the
+    second program per SM gains."""
 
     target_programs_per_sm: float = 2.0
+    split_below_programs_per_sm: float = 1.0
     min_partition_tokens: int = 256
 
 
@@ -153,11 +161,11 @@ def choose_config(
     base = max(1, q_tiles * problem.num_kv_heads)
     target = int(policy.target_programs_per_sm * sm_count)
     parts = 1
-    if base < target and problem.max_kv_len > policy.min_partition_tokens:
+    if (
+        base < policy.split_below_programs_per_sm * sm_count
+        and problem.max_kv_len > policy.min_partition_tokens
+    ):
         parts = min(_cdiv(target, base), _cdiv(problem.max_kv_len, policy.min_partition_tokens))
-    if parts > 1 and dtype != torch.float32:
-        # Split programs are few and short: a deeper pipeline hides their start-up latency.
-        num_stages = 3
     return AttentionConfig(
         block_m=block_m,
         block_q=block_q,
@@ -191,18 +199,24 @@ def _slot_start(qsl_ptr, s, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _find_sequence(qsl_ptr, pid, num_seqs, grid_q, BLOCK_Q: tl.constexpr):
-    """Largest s with ``start(s) <= pid``.
+def _locate_sequence(qsl_ptr, seq_lens_ptr, pid, num_seqs, grid_q, BLOCK_Q: tl.constexpr):
+    """The sequence owning grid slot ``pid``: ``(seq, first query row, query rows, KV len)``.
 
-    First tries the sequence an even split would give (exact for decode batches and equal
-    prefill lengths: one round trip); otherwise binary-searches (log2(num_seqs) dependent
-    loads). ``start(num_seqs) == grid_q > pid``, so ``s + 1`` may always be read.
+    The sequence is the largest s with ``start(s) <= pid``. The one an even split would give
+    (exact for decode batches and equal prefill lengths) is loaded speculatively: its query
+    bounds and its length in one round trip, so a hit costs one dependent load before the
+    block table. A miss binary-searches (log2(num_seqs) dependent loads) and reloads.
+    ``start(num_seqs) == grid_q > pid``, so ``s + 1`` may always be read.
     """
     guess = tl.minimum((pid.to(tl.int64) * num_seqs // grid_q).to(tl.int32), num_seqs - 1)
-    hit = (_slot_start(qsl_ptr, guess, BLOCK_Q) <= pid) & (
-        pid < _slot_start(qsl_ptr, guess + 1, BLOCK_Q)
-    )
+    q_begin = tl.load(qsl_ptr + guess)
+    q_end = tl.load(qsl_ptr + guess + 1)
+    seq_len = tl.load(seq_lens_ptr + guess)
     seq = guess
+    if BLOCK_Q > 1:
+        hit = (q_begin // BLOCK_Q + guess <= pid) & (pid < q_end // BLOCK_Q + guess + 1)
+    else:
+        hit = (q_begin <= pid) & (pid < q_end)
     if not hit:
         lo = 0
         hi = num_seqs
@@ -213,7 +227,10 @@ def _find_sequence(qsl_ptr, pid, num_seqs, grid_q, BLOCK_Q: tl.constexpr):
             else:
                 hi = mid
         seq = lo
-    return seq
+        q_begin = tl.load(qsl_ptr + seq)
+        q_end = tl.load(qsl_ptr + seq + 1)
+        seq_len = tl.load(seq_lens_ptr + seq)
+    return seq, q_begin, q_end - q_begin, seq_len
 
 
 @triton.jit
@@ -335,14 +352,6 @@ def _paged_attention_kernel(
     stride_bts,
     stride_ot,
     stride_oh,
-    stride_lt,
-    stride_lh,
-    stride_pt,
-    stride_ph,
-    stride_pp,
-    stride_plt,
-    stride_plh,
-    stride_plp,
     qk_scale,
     softcap,
     window,
@@ -360,14 +369,19 @@ def _paged_attention_kernel(
     FUSED_MERGE: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
 
-    seq = _find_sequence(qsl_ptr, pid_q, num_seqs, grid_q, BLOCK_Q)
-    q_begin = tl.load(qsl_ptr + seq)
-    n_q = tl.load(qsl_ptr + seq + 1) - q_begin
+    if LAUNCH_DEPENDENTS:
+        # The merge kernel (launched programmatically dependent) may start its launch now;
+        # it waits for this grid's completion before reading anything.
+        gdc_launch_dependents()
+    seq, q_begin, n_q, seq_len = _locate_sequence(
+        qsl_ptr, seq_lens_ptr, pid_q, num_seqs, grid_q, BLOCK_Q
+    )
     if BLOCK_Q > 1:
         first_slot = q_begin // BLOCK_Q + seq
     else:
@@ -376,7 +390,6 @@ def _paged_attention_kernel(
     if q_lo >= n_q:
         return  # a spare slot of the grid's upper bound
 
-    seq_len = tl.load(seq_lens_ptr + seq)
     rows = tl.arange(0, BLOCK_M)
     q_idx = q_lo + rows // GROUP
     head = kv_head * GROUP + rows % GROUP
@@ -443,11 +456,16 @@ def _paged_attention_kernel(
         seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf")
     )
     store_mask = row_valid[:, None] & dim_valid[None, :]
+    # lse [T, Hq], part_out [T, Hq, P, D] and part_lse [T, Hq, P] are the launcher's own
+    # contiguous buffers: their strides follow from the sizes.
+    num_heads = tl.num_programs(1) * GROUP
     out_rows = out_ptr + q_row * stride_ot + head * stride_oh
-    lse_rows = lse_ptr + q_row * stride_lt + head * stride_lh
+    lse_rows = lse_ptr + q_row * num_heads + head
     if SPLIT:
-        part_rows = part_out_ptr + q_row * stride_pt + head * stride_ph
-        part_lse_rows = part_lse_ptr + q_row * stride_plt + head * stride_plh
+        stride_pp = HEAD_DIM
+        stride_plp = 1
+        part_rows = part_out_ptr + (q_row * num_heads + head) * (num_parts * HEAD_DIM)
+        part_lse_rows = part_lse_ptr + (q_row * num_heads + head) * num_parts
         tl.store(part_rows[:, None] + part * stride_pp + dims[None, :], o, mask=store_mask)
         tl.store(part_lse_rows + part * stride_plp, lse, mask=row_valid)
         if FUSED_MERGE:
@@ -580,7 +598,6 @@ def paged_attention_triton(
             f"AttentionConfig.block_m={config.block_m} cannot hold block_q={config.block_q} "
             f"tokens x {problem.group} heads"
         )
-    d_pad = max(16, _next_pow2(D))
     max_tiles = _cdiv(problem.max_kv_len, config.tile_n)
     tiles_per_part = max(1, _cdiv(max_tiles, config.num_partitions))
     parts = max(1, _cdiv(max_tiles, tiles_per_part)) if config.num_partitions > 1 else 1
@@ -599,63 +616,98 @@ def paged_attention_triton(
     grid_q = num_q_programs(T, problem.num_seqs, config.block_q)
     fused = split and config.fused_merge
     if split:
-        part_out = torch.empty(T, Hq, parts, D, dtype=torch.float32, device=device)
-        part_lse = torch.empty(T, Hq, parts, dtype=torch.float32, device=device)
+        part_out, part_lse = _partials(device, T * Hq * parts, D)
     else:
         part_out = part_lse = out  # never dereferenced
     counters = _merge_counters(device, grid_q * problem.num_kv_heads) if fused else out
     lse_arg = lse if lse is not None else out  # never dereferenced without WRITE_LSE
-    lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+    # Programmatic dependent launch lets the merge kernel's launch overlap this kernel's tail.
+    pdl = split and not fused and pdl_supported(device)
 
-    _paged_attention_kernel[(grid_q, problem.num_kv_heads, parts)](
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        out,
-        lse_arg,
-        part_out,
-        part_lse,
-        counters,
-        problem.num_seqs,
-        grid_q,
-        tiles_per_part,
-        parts,
-        query.stride(0),
-        query.stride(1),
-        key_cache.stride(0),
-        value_cache.stride(0),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        *lse_strides,
-        *(part_out.stride()[:3] if split else (0, 0, 0)),
-        *(part_lse.stride()[:3] if split else (0, 0, 0)),
-        qk_scale,
-        float(softcap) if use_softcap else 1.0,
-        int(sliding_window) if sliding_window is not None else 0,
-        HEAD_DIM=D,
-        HEAD_DIM_PAD=d_pad,
-        BLOCK_SIZE=problem.block_size,
-        GROUP=problem.group,
-        BLOCK_M=config.block_m,
-        BLOCK_Q=config.block_q,
-        TILE_N=config.tile_n,
-        CAUSAL=bool(causal),
-        USE_WINDOW=sliding_window is not None,
-        USE_SOFTCAP=use_softcap,
-        SPLIT=split,
-        FUSED_MERGE=fused,
-        WRITE_LSE=return_lse,
-        DOT_PRECISION=_dot_precision(query.dtype),
+    _ATTENTION_LAUNCHER(
+        (grid_q, problem.num_kv_heads, parts),
+        (
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            out,
+            lse_arg,
+            part_out,
+            part_lse,
+            counters,
+            problem.num_seqs,
+            grid_q,
+            tiles_per_part,
+            parts,
+            query.stride(0),
+            query.stride(1),
+            key_cache.stride(0),
+            value_cache.stride(0),
+            block_tables.stride(0),
+            out.stride(0),
+            out.stride(1),
+            qk_scale,
+            float(softcap) if use_softcap else 1.0,
+            int(sliding_window) if sliding_window is not None else 0,
+        ),
+        {
+            "HEAD_DIM": D,
+            "HEAD_DIM_PAD": max(16, _next_pow2(D)),
+            "BLOCK_SIZE": problem.block_size,
+            "GROUP": problem.group,
+            "BLOCK_M": config.block_m,
+            "BLOCK_Q": config.block_q,
+            "TILE_N": config.tile_n,
+            "CAUSAL": bool(causal),
+            "USE_WINDOW": sliding_window is not None,
+            "USE_SOFTCAP": use_softcap,
+            "SPLIT": split,
+            "FUSED_MERGE": fused,
+            "WRITE_LSE": return_lse,
+            "DOT_PRECISION": _dot_precision(query.dtype),
+            "LAUNCH_DEPENDENTS": pdl,
+        },
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     if split and not fused:
-        merge_partitions(part_out, part_lse, out, lse)
+        merge_partitions(
+            part_out.view(T, Hq, parts, D), part_lse.view(T, Hq, parts), out, lse, pdl=pdl
+        )
     return out, lse
+
+
+_ATTENTION_LAUNCHER = CachedLauncher(_paged_attention_kernel)
+
+_PARTIALS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _partials(device: torch.device, rows: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 buffers for ``rows`` partial outputs ``[rows * head_dim]`` and LSEs ``[rows]``.
+
+    Kept per (device, stream) and grown on demand: launches on one stream run in order, so
+    the next call's kernel cannot overwrite partials the previous merge still reads.
+    Separate streams get separate buffers. Under CUDA-graph capture the buffers are fresh
+    allocations the graph owns.
+    """
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return (
+            torch.empty(rows * head_dim, dtype=torch.float32, device=device),
+            torch.empty(rows, dtype=torch.float32, device=device),
+        )
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    bufs = _PARTIALS.get(key)
+    if bufs is None or bufs[1].numel() < rows or bufs[0].numel() < rows * head_dim:
+        n = max(rows, 4096)
+        bufs = (
+            torch.empty(n * max(head_dim, 128), dtype=torch.float32, device=device),
+            torch.empty(n, dtype=torch.float32, device=device),
+        )
+        _PARTIALS[key] = bufs
+    return bufs[0][: rows * head_dim], bufs[1][:rows]
 
 
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}

@@ -13,11 +13,16 @@ One program merges one (token, head) row; parts are read ``PART_CHUNK`` at a tim
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
-__all__ = ["merge_attention_states_triton", "merge_partitions"]
+from kernels.launch import CachedLauncher
+
+__all__ = ["merge_attention_states_triton", "merge_partitions", "pdl_supported"]
 
 _PART_CHUNK = 16
 
@@ -49,7 +54,12 @@ def _merge_kernel(
     PARTS_PAD: tl.constexpr,
     PART_CHUNK: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    WAIT_PRIMARY: tl.constexpr,
 ):
+    if WAIT_PRIMARY:
+        # Launched programmatically dependent on the kernel that wrote the partials: wait
+        # until that grid has finished and its writes are visible.
+        gdc_wait()
     row = tl.program_id(0)
     token = (row // num_heads).to(tl.int64)
     head = row % num_heads
@@ -98,31 +108,57 @@ def _launch(
     num_parts: int,
     out: torch.Tensor,
     lse_out: torch.Tensor | None,
+    pdl: bool = False,
 ) -> None:
     num_tokens, num_heads, head_dim = out.shape
     if num_tokens * num_heads == 0:
         return
     lse_target = lse_out if lse_out is not None else lses
     lse_out_strides = (lse_out.stride(0), lse_out.stride(1)) if lse_out is not None else (0, 0)
-    _merge_kernel[(num_tokens * num_heads,)](
-        parts,
-        lses,
-        out,
-        lse_target,
-        num_parts,
-        num_heads,
-        *part_strides,
-        *lse_strides,
-        out.stride(0),
-        out.stride(1),
-        *lse_out_strides,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(16, _next_pow2(head_dim)),
-        PARTS_PAD=max(16, _next_pow2(num_parts)),
-        PART_CHUNK=_PART_CHUNK,
-        WRITE_LSE=lse_out is not None,
+    options = {"launch_pdl": True} if pdl else {}
+    _MERGE_LAUNCHER(
+        (num_tokens * num_heads, 1, 1),
+        (
+            parts,
+            lses,
+            out,
+            lse_target,
+            num_parts,
+            num_heads,
+            *part_strides,
+            *lse_strides,
+            out.stride(0),
+            out.stride(1),
+            *lse_out_strides,
+        ),
+        {
+            "HEAD_DIM": head_dim,
+            "HEAD_DIM_PAD": max(16, _next_pow2(head_dim)),
+            "PARTS_PAD": max(16, _next_pow2(num_parts)),
+            "PART_CHUNK": _PART_CHUNK,
+            "WRITE_LSE": lse_out is not None,
+            "WAIT_PRIMARY": pdl,
+        },
         num_warps=4 if head_dim > 64 else 2,
+        **options,
     )
+
+
+_MERGE_LAUNCHER = CachedLauncher(_merge_kernel)
+
+
+@lru_cache(maxsize=16)
+def _has_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can use programmatic dependent launch (CUDA, sm_90+;
+    never under the Triton interpreter)."""
+    if device.type != "cuda" or CachedLauncher.interpreted():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _has_pdl(index)
 
 
 def merge_partitions(
@@ -130,6 +166,8 @@ def merge_partitions(
     part_lse: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor | None,
+    *,
+    pdl: bool = False,
 ) -> None:
     """Merge the split-KV kernel's partials into ``out`` (and ``lse``), in place.
 
@@ -138,6 +176,8 @@ def merge_partitions(
         part_lse: float32 ``[T, H, P]``, natural-log denominators (-inf: empty partition).
         out: ``[T, H, D]``, any float dtype, last dim contiguous.
         lse: float32 ``[T, H]`` or None.
+        pdl: launch programmatically dependent on the kernel that wrote the partials (it
+            must be the previous launch on this stream; see :func:`pdl_supported`).
     """
     _launch(
         part_out,
@@ -147,6 +187,7 @@ def merge_partitions(
         part_out.shape[2],
         out,
         lse,
+        pdl,
     )
 
 

@@ -362,6 +362,16 @@ class TestHeuristics:
         cfg = choose_config(self.problem(256, 256, 2048), torch.bfloat16, sm_count=132)
         assert cfg.num_partitions == 1
 
+    def test_batch_filling_every_sm_does_not_split(self) -> None:
+        # 32 sequences x 8 KV heads = 256 programs on 132 SMs: every SM has work already.
+        cfg = choose_config(self.problem(32, 32, 2048), torch.bfloat16, sm_count=132)
+        assert cfg.num_partitions == 1
+
+    def test_small_batch_long_context_splits_to_two_per_sm(self) -> None:
+        cfg = choose_config(self.problem(4, 4, 16384), torch.bfloat16, sm_count=132)
+        programs = 4 * 8 * cfg.num_partitions
+        assert cfg.num_partitions > 1 and programs >= 2 * 132
+
     def test_short_context_does_not_split(self) -> None:
         cfg = choose_config(self.problem(1, 1, 256), torch.bfloat16, sm_count=132)
         assert cfg.num_partitions == 1
@@ -510,3 +520,38 @@ def test_gpu_pool_beyond_2_pow_31_elements() -> None:
     )
     ref, _ = dense_attention(small)
     assert rel_l2(out, ref) <= HALF_REL_L2
+
+
+@pytest.mark.gpu
+def test_gpu_cached_launch_respects_specialization() -> None:
+    # The second and later launches of one configuration skip Triton's argument binding
+    # (kernels.launch.CachedLauncher). Alternate arguments whose alignment and stride
+    # specializations differ (a query view 1 element off 16-byte alignment, a block table
+    # with a row stride of 1 more) and check every call against the dense reference.
+    batch = make_paged_batch(
+        [700, 33, 4096], [1, 1, 1], num_q_heads=32, num_kv_heads=8, head_dim=128,
+        block_size=16, dtype=torch.float16, device="cuda", seed=51,
+    )  # fmt: skip
+    ref, _ = dense_attention(batch)
+    q = batch.query
+    q_store = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    q_off = q_store[1:].view_as(q)
+    q_off.copy_(q)
+    wide = torch.full(
+        (batch.block_tables.shape[0], batch.block_tables.shape[1] + 1), -1,
+        dtype=torch.int32, device="cuda",
+    )  # fmt: skip
+    tables_odd = wide[:, : batch.block_tables.shape[1]]
+    tables_odd.copy_(batch.block_tables)
+    variants = [(q, batch.block_tables), (q_off, batch.block_tables), (q, tables_odd)]
+    for parts in (1, 6):
+        problem = problem_of(batch)
+        cfg = with_partitions(choose_config(problem, torch.float16, 132), parts)
+        for _ in range(3):
+            for query, tables in variants:
+                out = torch.full_like(q, float("nan"))
+                paged_attention_triton(
+                    query, batch.key_cache, batch.value_cache, tables, batch.seq_lens,
+                    batch.query_start_loc, problem, out=out, config=cfg,
+                )  # fmt: skip
+                assert rel_l2(out, ref) <= HALF_REL_L2

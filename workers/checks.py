@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from workers.errors import InvalidWorkerRequest
@@ -57,6 +58,12 @@ def as_index_tensor(name: str, value: torch.Tensor | Sequence[int]) -> torch.Ten
 
 def _host(t: torch.Tensor) -> torch.Tensor:
     return t if t.device.type == "cpu" else t.cpu()
+
+
+def _host_array(t: torch.Tensor) -> np.ndarray:
+    """An int64 numpy view (or copy) of an index tensor, for the value checks: numpy's
+    per-op cost on a few hundred elements is a fraction of torch's."""
+    return _host(t).numpy().astype(np.int64, copy=False)
 
 
 def check_layer(layer: int | None, num_layers: int, *, allow_all: bool = False) -> None:
@@ -114,16 +121,18 @@ def check_write(
                 f"(slot_mapping has {n} entries), got shape {tuple(t.shape)}"
             )
     if n:
-        host = _host(slots).long()
+        host = _host_array(slots)
         kept = host[host >= 0]
         capacity = num_blocks * layout.block_size
-        if kept.numel() and int(kept.max()) >= capacity:
+        if kept.size and int(kept.max()) >= capacity:
             _fail(
                 f"slot_mapping holds slot {int(kept.max())}, outside the pool's {capacity} slots "
                 f"({num_blocks} blocks x {layout.block_size})"
             )
-        if torch.unique(kept).numel() != kept.numel():
-            _fail("slot_mapping names one slot more than once")
+        if kept.size > 1:
+            ordered = np.sort(kept)
+            if bool((ordered[1:] == ordered[:-1]).any()):
+                _fail("slot_mapping names one slot more than once")
     return slots
 
 
@@ -221,7 +230,7 @@ def check_attend(
             f"{tuple(starts.shape)}"
         )
 
-    qsl = _host(starts).long()
+    qsl = _host_array(starts)
     if int(qsl[0]) != 0:
         _fail(f"query_start_loc[0] must be 0, got {int(qsl[0])}")
     if int(qsl[-1]) != query.shape[0]:
@@ -229,7 +238,7 @@ def check_attend(
             f"query_start_loc[-1] = {int(qsl[-1])} but query has {query.shape[0]} rows (num_tokens)"
         )
     counts = qsl[1:] - qsl[:-1]
-    host_lens = _host(lens).long()
+    host_lens = _host_array(lens)
     bs = layout.block_size
     checks = (
         (counts < 0, "query_start_loc decreases at sequence {s}"),
@@ -245,13 +254,13 @@ def check_attend(
     )
     for bad, template in checks:
         if bool(bad.any()):
-            _fail(template.format(s=int(bad.nonzero()[0, 0])))
+            _fail(template.format(s=int(np.flatnonzero(bad)[0])))
     if num_seqs and max_blocks:
-        used = torch.arange(max_blocks)[None, :] < ((host_lens + bs - 1) // bs)[:, None]
-        host_tables = _host(tables).long()
+        used = np.arange(max_blocks)[None, :] < ((host_lens + bs - 1) // bs)[:, None]
+        host_tables = _host_array(tables)
         bad_ids = used & ((host_tables < 0) | (host_tables >= num_blocks))
         if bool(bad_ids.any()):
-            s, j = (int(x) for x in bad_ids.nonzero()[0])
+            s, j = (int(x) for x in np.argwhere(bad_ids)[0])
             _fail(
                 f"block_tables[{s}, {j}] = {int(host_tables[s, j])} is not a block of this pool "
                 f"[0, {num_blocks})"

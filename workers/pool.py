@@ -33,6 +33,7 @@ from workers.errors import InvalidWorkerRequest, PoolAllocationError
 from workers.fingerprints import BadSlot, SlotFingerprints
 from workers.layout import KVLayout
 from workers.sizing import free_device_bytes, resolve_num_blocks
+from workers.staging import HostStager
 
 __all__ = ["KVPool", "resolve_device"]
 
@@ -106,6 +107,8 @@ class KVPool:
         self._fingerprints = (
             SlotFingerprints(layout, self._num_blocks, self._device) if fingerprints else None
         )
+        # Requests arrive on the host: a GPU pool takes each request's tensors in one copy.
+        self._stager = HostStager(self._device) if self._device.type == "cuda" else None
 
     @classmethod
     def from_config(cls, config: PoolConfig, device: str | torch.device | None = None) -> KVPool:
@@ -257,8 +260,18 @@ class KVPool:
         indices = check_attend(
             self._layout, self._num_blocks, layer, query, block_tables, seq_lens, query_start_loc
         )
+        tables, lens, starts = indices
+        slots, key, value, query, tables, lens, starts = self._on_device(
+            slots.to(torch.int64),
+            key,
+            value,
+            query,
+            tables.to(torch.int32),
+            lens.to(torch.int32),
+            starts.to(torch.int32),
+        )
         self._write_checked(layer, slots, key, value)
-        return self._attend_checked(layer, query, *indices, options)
+        return self._attend_checked(layer, query, tables, lens, starts, options)
 
     def reference_attend(
         self,
@@ -349,6 +362,13 @@ class KVPool:
     def _to_device(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return t.to(device=self._device, dtype=dtype)
 
+    def _on_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """``tensors`` on the pool's device: host tensors of a GPU pool in one staged copy
+        (views valid until the next staged request; only kernels of this call read them)."""
+        if self._stager is not None and all(t.device.type == "cpu" for t in tensors):
+            return self._stager.to_device(tensors)
+        return [t.to(self._device) for t in tensors]
+
     def _kernel(self, fn: Callable[..., _T], *args: object, **kwargs: object) -> _T:
         # Arguments were validated on the host; a kernel-side complaint means a mismatch
         # between the two validators, still reported as a bad request rather than a crash.
@@ -362,9 +382,8 @@ class KVPool:
     ) -> None:
         if slots.shape[0] == 0:
             return
-        slots_dev = self._to_device(slots, torch.int64)
-        key = key.to(self._device).contiguous()
-        value = value.to(self._device).contiguous()
+        slots_dev, key, value = self._on_device(slots.to(torch.int64), key, value)
+        key, value = key.contiguous(), value.contiguous()
         layers = range(self._layout.num_layers) if layer is None else (layer,)
         for i, lyr in enumerate(layers):
             k, v = (key[i], value[i]) if layer is None else (key, value)
@@ -391,13 +410,17 @@ class KVPool:
         *,
         reference: bool = False,
     ) -> AttendResult:
+        query, block_tables, seq_lens, query_start_loc = self._on_device(
+            query, block_tables.to(torch.int32), seq_lens.to(torch.int32),
+            query_start_loc.to(torch.int32),
+        )  # fmt: skip
         args = (
-            query.to(self._device).contiguous(),
+            query.contiguous(),
             self._data[:, layer, 0],
             self._data[:, layer, 1],
-            self._to_device(block_tables, torch.int32),
-            self._to_device(seq_lens, torch.int32),
-            self._to_device(query_start_loc, torch.int32),
+            block_tables,
+            seq_lens,
+            query_start_loc,
         )
         kwargs = dict(
             scale=options.scale,

@@ -1,0 +1,132 @@
+"""Low-overhead launches of compiled Triton kernels.
+
+Triton's ``kernel[grid](...)`` binds and specializes every argument on every call: about
+35-40 us of host time for a kernel with ~35 arguments on the H200 host (Triton 3.6,
+benchmarks/notes-kernels.md), longer than a decode kernel at small batch, so the GPU waits
+for the host. `CachedLauncher` does that work once per specialization. It keys a call by
+what Triton specializes on (each tensor's dtype and 16-byte alignment; each integer being 1,
+a multiple of 16, or outside int32; the compile-time constants and launch options), launches
+through the JIT the first time and keeps the compiled kernel it returns, and afterwards
+calls the compiled kernel's launcher directly with the same arguments.
+
+Two calls with the same key get the same compiled kernel from Triton too, so the direct
+launch runs exactly the binary the JIT would have chosen. Under the interpreter, with a
+launch hook installed (profilers), or if this Triton's compiled kernels lack the expected
+interface, every call goes through the JIT.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["CachedLauncher"]
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def _arg_key(arg: Any) -> Any:
+    """What Triton's specialization sees of one runtime argument."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if type(arg) is int:
+        return (int, arg == 1, arg % 16 == 0, _INT32_MIN <= arg <= _INT32_MAX)
+    if type(arg) is float:
+        return float
+    # Anything else (bool, None, ...) keys by value: rare, and always correct.
+    return (type(arg), arg)
+
+
+def _current_stream(device: int) -> int:
+    """The current CUDA stream's handle (what Triton's own launch uses)."""
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _hooks_installed() -> bool:
+    try:
+        from triton import knobs
+    except ImportError:  # an older Triton without knobs: no direct launches
+        return True
+    return knobs.runtime.launch_enter_hook is not None
+
+
+class CachedLauncher:
+    """Launches one ``@triton.jit`` function with the per-call binding done once per key.
+
+    Args:
+        fn: the JIT function. Calls must pass every runtime argument positionally (in the
+            kernel's parameter order) and every ``tl.constexpr`` parameter by keyword, so
+            the direct launch can rebuild the full argument list.
+    """
+
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+        self._compiled: dict[tuple[Any, ...], Any] = {}
+        self._direct = not self.interpreted()
+
+    @staticmethod
+    def interpreted() -> bool:
+        """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``)."""
+        try:
+            from triton import knobs
+        except ImportError:
+            return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        return bool(knobs.runtime.interpret)
+
+    def __call__(
+        self,
+        grid: tuple[int, int, int],
+        args: Sequence[Any],
+        constexprs: Mapping[str, Any],
+        **options: Any,
+    ) -> None:
+        """Launch on the current CUDA device and stream.
+
+        Args:
+            grid: programs along each axis, three ints.
+            args: runtime arguments, in parameter order.
+            constexprs: compile-time parameters by name (all of them).
+            options: launch options (``num_warps``, ``num_stages``, ``launch_pdl``...).
+        """
+        if not self._direct or _hooks_installed():
+            self._fn[grid](*args, **constexprs, **options)
+            return
+        device = torch.cuda.current_device()
+        key = (
+            device,
+            tuple(_arg_key(a) for a in args),
+            tuple(constexprs.items()),
+            tuple(options.items()),
+        )
+        kernel = self._compiled.get(key)
+        if kernel is None:
+            kernel = self._fn[grid](*args, **constexprs, **options)
+            if hasattr(kernel, "result"):  # an asynchronous compile's future
+                kernel = kernel.result()
+            if not all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
+                self._direct = False  # not the compiled-kernel interface this was built on
+                return
+            names = list(self._fn.arg_names)
+            if names[len(args) :] != list(constexprs):
+                raise TypeError(
+                    f"{self._fn.__name__}: pass runtime arguments positionally and the "
+                    f"constexprs {names[len(args) :]} by keyword, in order"
+                )
+            self._compiled[key] = kernel
+            return
+        kernel.run(
+            grid[0],
+            grid[1],
+            grid[2],
+            _current_stream(device),
+            kernel.function,
+            kernel.packed_metadata,
+            None,
+            None,
+            None,
+            *args,
+            *constexprs.values(),
+        )
