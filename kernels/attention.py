@@ -166,6 +166,11 @@ def choose_config(
         and problem.max_kv_len > policy.min_partition_tokens
     ):
         parts = min(_cdiv(target, base), _cdiv(problem.max_kv_len, policy.min_partition_tokens))
+    if parts > 1 and dtype != torch.float32:
+        # Three stages: fewer registers than two on sm_90 (168 vs 180), so three programs
+        # fit per SM and a split that overshoots two per SM still runs in one wave (B=4 x
+        # L=16384: 288 programs on 132 SMs, 73.6 us with three stages, 82.6 with two).
+        num_stages = 3
     return AttentionConfig(
         block_m=block_m,
         block_q=block_q,
