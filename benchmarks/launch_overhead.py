@@ -20,10 +20,9 @@ import time
 
 import torch
 
-from benchmarks.bench_kernels import host_us
+from benchmarks.bench_kernels import host_us, problem_of
 from kernels.attention import choose_config, num_sms, paged_attention_triton
 from kernels.testing import make_paged_batch
-from kernels.validation import check_paged_attention_args
 from workers.layout import KVLayout
 from workers.pool import KVPool
 
@@ -37,7 +36,7 @@ def main() -> int:
             [kv_len] * batch_size, [1] * batch_size, num_q_heads=32, num_kv_heads=8,
             head_dim=128, block_size=16, dtype=torch.bfloat16, device="cuda", seed=1,
         )  # fmt: skip
-        problem = check_paged_attention_args(*batch.args(), check_values=False)
+        problem = problem_of(batch)
         config = choose_config(problem, torch.bfloat16, num_sms(batch.query.device))
         args = batch.args()
 
@@ -59,15 +58,19 @@ def main() -> int:
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
         print(text.getvalue())
-    pool_step()
+    pool_step(staged=False)
+    pool_step(staged=True)
     return 0
 
 
-def pool_step(batch: int = 32, context: int = 2048) -> None:
-    """Time and profile KVPool.write_and_attend as the service calls it."""
+def pool_step(batch: int = 32, context: int = 2048, *, staged: bool = True) -> None:
+    """Time and profile KVPool.write_and_attend as the service calls it (with or without
+    the pool's one-copy staging of the request)."""
     layout = KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
     per_seq = -(-(context + 64) // 16)
     pool = KVPool(layout, batch * per_seq + 1, "cuda")
+    if not staged:
+        pool._stager = None  # the diagnostic compares both paths
     tables = torch.arange(batch * per_seq, dtype=torch.int32).reshape(batch, per_seq)
     k = torch.randn(batch, 8, 128).to(torch.bfloat16)
     q = torch.randn(batch, 32, 128).to(torch.bfloat16)

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import CachedLauncher
+
 __all__ = ["WriteKVConfig", "write_kv_triton"]
 
 
@@ -102,24 +104,32 @@ def write_kv_triton(
         value = value.contiguous()
     _, num_kv_heads, block_size, head_dim = key_cache.shape
     tokens = config.tokens_per_program
-    _write_kv_kernel[(triton.cdiv(n, tokens),)](
-        key,
-        value,
-        key_cache,
-        value_cache,
-        slot_mapping.contiguous(),
-        n,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        key_cache.stride(0),
-        value_cache.stride(0),
-        NUM_KV_HEADS=num_kv_heads,
-        HEADS_PAD=_next_pow2(num_kv_heads),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=_next_pow2(head_dim),
-        BLOCK_SIZE=block_size,
-        TOKENS=tokens,
+    _WRITE_KV_LAUNCHER(
+        (triton.cdiv(n, tokens), 1, 1),
+        (
+            key,
+            value,
+            key_cache,
+            value_cache,
+            slot_mapping.contiguous(),
+            n,
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            key_cache.stride(0),
+            value_cache.stride(0),
+        ),
+        {
+            "NUM_KV_HEADS": num_kv_heads,
+            "HEADS_PAD": _next_pow2(num_kv_heads),
+            "HEAD_DIM": head_dim,
+            "HEAD_DIM_PAD": _next_pow2(head_dim),
+            "BLOCK_SIZE": block_size,
+            "TOKENS": tokens,
+        },
         num_warps=config.num_warps,
     )
+
+
+_WRITE_KV_LAUNCHER = CachedLauncher(_write_kv_kernel)

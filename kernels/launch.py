@@ -45,12 +45,27 @@ def _current_stream(device: int) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+# Triton's own launch reads the stream through this private torch call (a fraction of a
+# microsecond, against several for building a torch Stream object); fall back if it moves.
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _current_stream)
+
+
+try:
+    from triton import knobs as _knobs
+except ImportError:  # an older Triton without knobs: every launch through the JIT
+    _knobs = None
+
+
 def _hooks_installed() -> bool:
-    try:
-        from triton import knobs
-    except ImportError:  # an older Triton without knobs: no direct launches
+    """Whether a launch hook (a profiler's) wants to see every launch.
+
+    Triton 3.6 keeps the hooks in a chain object that is never None; an empty chain means
+    no hook.
+    """
+    if _knobs is None:
         return True
-    return knobs.runtime.launch_enter_hook is not None
+    hook = _knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 class CachedLauncher:
@@ -70,11 +85,9 @@ class CachedLauncher:
     @staticmethod
     def interpreted() -> bool:
         """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``)."""
-        try:
-            from triton import knobs
-        except ImportError:
+        if _knobs is None:
             return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-        return bool(knobs.runtime.interpret)
+        return bool(_knobs.runtime.interpret)
 
     def __call__(
         self,

@@ -59,6 +59,7 @@ class HostStager:
             self._copied.synchronize()
         self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self._dev = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+        self._typed: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def to_device(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Contiguous device copies of ``tensors`` (same shapes and dtypes), in one copy.
@@ -81,15 +82,22 @@ class HostStager:
                 self._grow(min(_round_up(total * 2, 1 << 20), self._max_bytes))
             elif self._copied is not None:
                 self._copied.synchronize()  # the last copy has left the pinned buffer
+            out = []
             for t, off in zip(tensors, offsets, strict=True):
-                self._slot(self._host, off, t).copy_(t)
-            stream = torch.cuda.current_stream(self._device)
+                host, dev = self._views(t.dtype)
+                start = off // t.element_size()
+                end = start + t.numel()
+                host[start:end].view(t.shape).copy_(t)
+                out.append(dev[start:end].view(t.shape))
             self._dev[:total].copy_(self._host[:total], non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record(stream)
-            return [self._slot(self._dev, off, t) for t, off in zip(tensors, offsets, strict=True)]
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(self._device))
+            return out
 
-    @staticmethod
-    def _slot(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-        nbytes = like.numel() * like.element_size()
-        return buf[offset : offset + nbytes].view(like.dtype).view(like.shape)
+    def _views(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host and device buffers seen as ``dtype`` (made once per buffer and dtype)."""
+        views = self._typed.get(dtype)
+        if views is None:
+            views = self._typed[dtype] = (self._host.view(dtype), self._dev.view(dtype))
+        return views
