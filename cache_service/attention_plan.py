@@ -21,25 +21,33 @@ one entry and needs no merge. Every worker gets one batch, i.e. one kernel launc
 
 Planning (:func:`plan_attention`) is pure; :meth:`WorkerBatch.kernel_args` and
 :func:`merge_partials` build and combine tensors; :func:`run_attention` drives the workers.
+
+The hot path (a decode step: every sequence on one worker) passes :class:`OneWorkerView`
+views, whose block ids are one int32 array each (kept across calls by the block manager):
+planning then does no per-block Python work, and the kernel's block table is assembled from
+those arrays with a few numpy calls.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 import kernels
+from cache_service.control_types import Segment
 from cache_service.worker_interface import AttentionResult, WorkerClient
 
 __all__ = [
     "AttentionPlan",
     "AttentionPlanError",
     "KernelEntry",
+    "OneWorkerView",
     "SegmentLike",
     "SequenceViewLike",
     "WorkerBatch",
@@ -77,22 +85,62 @@ class SequenceViewLike(Protocol):
     def segments(self) -> Sequence[SegmentLike]: ...
 
 
-@dataclass(frozen=True)
-class KernelEntry:
+class OneWorkerView:
+    """A :class:`SequenceViewLike` whose keys all live on one worker, its block ids as one
+    int32 array (``BlockManager.block_ids``): planned without per-block Python work.
+
+    Args:
+        seq_len: keys written (the kernel's seq_len), >= 0.
+        worker_id: the worker holding every block.
+        block_ids: int32 ``[n]`` physical block indices in logical order, covering at
+            least ``seq_len`` tokens; read only (it is not copied). Negative ids are refused
+            when the kernel's block table is built (:meth:`WorkerBatch.kernel_args`).
+
+    Raises:
+        AttentionPlanError: block_ids is not a 1-D int32 array.
+    """
+
+    __slots__ = ("block_ids", "seq_len", "worker_id")
+
+    def __init__(self, seq_len: int, worker_id: str, block_ids: np.ndarray) -> None:
+        if type(block_ids) is not np.ndarray or block_ids.dtype != np.int32 or block_ids.ndim != 1:
+            _fail("OneWorkerView.block_ids must be a 1-D int32 numpy array")
+        self.seq_len = seq_len
+        self.worker_id = worker_id
+        self.block_ids = block_ids
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """The generic form: one segment (block ids as a tuple of ints; slow, O(blocks))."""
+        if not len(self.block_ids):
+            return ()
+        return (Segment(self.worker_id, 0, tuple(self.block_ids.tolist())),)
+
+    def __repr__(self) -> str:
+        return (
+            f"OneWorkerView(seq_len={self.seq_len}, worker_id={self.worker_id!r}, "
+            f"blocks={len(self.block_ids)})"
+        )
+
+
+class KernelEntry(NamedTuple):
     """One sequence row of a worker's kernel batch.
 
     Attributes:
         sequence: index of the sequence in the planned call.
-        block_indices: the worker's physical blocks, logical order (the entry's block table).
+        block_indices: the worker's physical blocks, logical order (the entry's block table):
+            a tuple of ints, or a read-only int32 array for a :class:`OneWorkerView`.
         seq_len: keys the entry sees, counted from its first block.
         first_row: row of its first query in the call's query tensor.
         num_rows: its queries: rows ``first_row .. first_row + num_rows - 1`` (the entry's
             last ``num_rows`` positions).
         part: merge slot (the segment's index within its sequence).
+
+    A NamedTuple: a plan makes one per sequence per call, and tuples are built in C.
     """
 
     sequence: int
-    block_indices: tuple[int, ...]
+    block_indices: tuple[int, ...] | np.ndarray
     seq_len: int
     first_row: int
     num_rows: int
@@ -106,39 +154,85 @@ class WorkerBatch:
     worker_id: str
     entries: tuple[KernelEntry, ...]
 
-    @property
+    @functools.cached_property
     def num_rows(self) -> int:
         """Query rows the worker computes (rows may repeat across entries)."""
         return sum(e.num_rows for e in self.entries)
 
+    @functools.cached_property
+    def _rows(self) -> tuple[int, ...]:
+        return tuple(e.first_row + i for e in self.entries for i in range(e.num_rows))
+
+    @functools.cached_property
+    def _rows_in_order(self) -> bool:
+        """Whether the rows are 0, 1, ..., num_rows - 1 (the usual case: no gather)."""
+        row = 0
+        for e in self.entries:
+            if e.first_row != row:
+                return False
+            row += e.num_rows
+        return True
+
     def rows(self) -> list[int]:
         """The call's query row of each of the worker's query rows, in order."""
-        return [e.first_row + i for e in self.entries for i in range(e.num_rows)]
+        return list(self._rows)
+
+    def covers_in_order(self, num_rows: int) -> bool:
+        """Whether the worker's rows are exactly the call's rows ``0 .. num_rows - 1``."""
+        return self._rows_in_order and self.num_rows == num_rows
 
     def kernel_args(
         self, query: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The worker's ``(query [R, Hq, D], block_tables int32 [S, max_blocks], seq_lens int32
-        [S], query_start_loc int32 [S + 1])`` for the call's ``query [T, Hq, D]``."""
-        rows = self.rows()
-        if rows == list(range(query.shape[0])):
+        [S], query_start_loc int32 [S + 1])`` for the call's ``query [T, Hq, D]``.
+
+        Raises:
+            AttentionPlanError: a block id of a :class:`OneWorkerView` is negative.
+        """
+        if self.covers_in_order(query.shape[0]):
             q = query
         else:
-            q = query.index_select(0, torch.tensor(rows, dtype=torch.long, device=query.device))
-        width = max(len(e.block_indices) for e in self.entries)
-        # One tensor for the whole batch (rows zero-padded), not one per sequence; built
-        # from one flat list through numpy (torch.tensor parses nested lists slowly).
-        flat: list[int] = []
-        for e in self.entries:
-            flat += e.block_indices
-            if len(e.block_indices) < width:
-                flat += (0,) * (width - len(e.block_indices))
-        tables = torch.from_numpy(np.array(flat, dtype=np.int32)).reshape(len(self.entries), width)
-        seq_lens = torch.tensor([e.seq_len for e in self.entries], dtype=torch.int32)
-        starts = [0]
-        for e in self.entries:
-            starts.append(starts[-1] + e.num_rows)
-        return q, tables, seq_lens, torch.tensor(starts, dtype=torch.int32)
+            q = query.index_select(
+                0, torch.tensor(self._rows, dtype=torch.long, device=query.device)
+            )
+        entries = self.entries
+        n = len(entries)
+        tables = _block_table([e.block_indices for e in entries])
+        seq_lens = np.fromiter((e.seq_len for e in entries), dtype=np.int32, count=n)
+        starts = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(
+            np.fromiter((e.num_rows for e in entries), dtype=np.int32, count=n), out=starts[1:]
+        )
+        return q, torch.from_numpy(tables), torch.from_numpy(seq_lens), torch.from_numpy(starts)
+
+
+def _block_table(rows: list[tuple[int, ...] | np.ndarray]) -> np.ndarray:
+    """int32 ``[len(rows), longest row]``, each row zero-padded: one array for the whole
+    batch. Arrays (from :class:`OneWorkerView`) are copied in with numpy; tuples go through
+    one flat list (numpy parses nested lists slowly)."""
+    lengths = [len(r) for r in rows]
+    width = max(lengths)
+    if all(type(r) is np.ndarray for r in rows):
+        if min(lengths) == width:
+            table = np.concatenate(rows).reshape(len(rows), width)
+        else:
+            table = np.zeros((len(rows), width), dtype=np.int32)
+            for i, r in enumerate(rows):
+                table[i, : len(r)] = r
+        # The views' ids were not checked one by one (that would cost a pass per row).
+        if table.size and int(table.min()) < 0:
+            _fail("a block id of a OneWorkerView is negative")
+        return table
+    flat: list[int] = []
+    for r, length in zip(rows, lengths, strict=True):
+        flat += r.tolist() if type(r) is np.ndarray else r
+        if length < width:
+            flat += (0,) * (width - length)
+    table = np.array(flat, dtype=np.int32).reshape(len(rows), width)
+    if any(type(r) is np.ndarray for r in rows) and table.size and int(table.min()) < 0:
+        _fail("a block id of a OneWorkerView is negative")
+    return table
 
 
 @dataclass(frozen=True)
@@ -180,12 +274,21 @@ def _block_ids_ok(blocks: tuple[object, ...]) -> bool:
 
 def _effective_segments(
     s: int, view: SequenceViewLike, block_size: int
-) -> list[tuple[str, int, int, tuple[int, ...]]]:
+) -> list[tuple[str, int, int, tuple[int, ...] | np.ndarray]]:
     """``(worker_id, a, b, blocks)`` for each segment holding keys ``[a, b)`` of the
     sequence, ``b <= seq_len``, blocks trimmed to those keys; validates the view."""
     seq_len = view.seq_len
     if not _is_int(seq_len) or seq_len < 0:
         _fail(f"views[{s}].seq_len must be an int >= 0, got {seq_len!r}")
+    if type(view) is OneWorkerView:
+        ids = view.block_ids
+        needed = -(-seq_len // block_size)
+        if len(ids) < needed:
+            _fail(
+                f"views[{s}] covers {len(ids) * block_size} tokens with its blocks but seq_len "
+                f"is {seq_len}"
+            )
+        return [(view.worker_id, 0, seq_len, ids[:needed])] if seq_len else []
     out = []
     expected_start = 0
     for j, seg in enumerate(view.segments):
@@ -241,6 +344,22 @@ def plan_attention(
     num_parts = 1
     row = 0
     for s, (view, n) in enumerate(zip(views, num_queries, strict=True)):
+        if type(view) is OneWorkerView and causal:
+            # The hot path (decode, prefill on one worker): one segment holding every key,
+            # so one entry with all the sequence's queries as its last rows - what the
+            # general code below computes, without its per-segment work. Anything unusual
+            # (bad values, no queries) takes the general code and its checks.
+            seq_len = view.seq_len
+            if type(seq_len) is int and type(n) is int and 0 < n <= seq_len:
+                needed = -(-seq_len // block_size)
+                ids = view.block_ids
+                if len(ids) >= needed:
+                    entries = per_worker.get(view.worker_id)
+                    if entries is None:
+                        entries = per_worker[view.worker_id] = []
+                    entries.append(KernelEntry(s, ids[:needed], seq_len, row, n, 0))
+                    row += n
+                    continue
         segments = _effective_segments(s, view, block_size)
         if not _is_int(n) or not 0 <= n <= view.seq_len:
             _fail(f"num_queries[{s}] must be an int in [0, seq_len={view.seq_len}], got {n!r}")
@@ -311,7 +430,7 @@ def merge_partials(plan: AttentionPlan, results: Mapping[str, AttentionResult]) 
     first = results[plan.batches[0].worker_id].out
     _, num_heads, head_dim = first.shape
     if not plan.needs_merge:
-        if len(plan.batches) == 1 and plan.batches[0].rows() == list(range(plan.num_rows)):
+        if len(plan.batches) == 1 and plan.batches[0].covers_in_order(plan.num_rows):
             return results[plan.batches[0].worker_id]  # the common case: one worker, in order
         out = first.new_empty((plan.num_rows, num_heads, head_dim))
         with_lse = all(results[b.worker_id].lse is not None for b in plan.batches)
@@ -399,9 +518,13 @@ async def run_attention(
     if sliding_window is not None:
         options["sliding_window"] = sliding_window
 
-    async def one(batch: WorkerBatch) -> AttentionResult:
+    # Every batch's arguments first: one that cannot be built fails the call before any
+    # worker was sent anything.
+    args = [batch.kernel_args(query) for batch in plan.batches]
+
+    async def one(batch: WorkerBatch, batch_args: tuple[torch.Tensor, ...]) -> AttentionResult:
         w = batch.worker_id
-        q, tables, lens, starts = batch.kernel_args(query)
+        q, tables, lens, starts = batch_args
         if w in writes:
             wr = writes[w]
             return await clients[w].write_and_attend(
@@ -418,7 +541,12 @@ async def run_attention(
         for w, wr in writes.items()
         if w not in attending
     ]
-    outcome = await asyncio.gather(*(one(b) for b in plan.batches), *write_only)
+    if len(plan.batches) == 1 and not write_only:  # one worker: no task to spawn
+        outcome = [await one(plan.batches[0], args[0])]
+    else:
+        outcome = await asyncio.gather(
+            *(one(b, a) for b, a in zip(plan.batches, args, strict=True)), *write_only
+        )
     results = {b.worker_id: r for b, r in zip(plan.batches, outcome, strict=False)}
     if not plan.batches:
         return AttentionResult(

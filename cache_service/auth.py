@@ -40,6 +40,8 @@ import grpc
 import grpc.aio
 import yaml
 
+from cache_service.handler_cache import HandlerCache
+
 __all__ = [
     "OPEN_SERVICE_PREFIXES",
     "AuthConfigError",
@@ -328,6 +330,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._table = table
         self._permissions = dict(method_permissions or {})
         self._open = open_prefixes
+        self._handlers = HandlerCache()
 
     def decide(self, method: str, metadata: Any) -> tuple[Principal | None, grpc.StatusCode, str]:
         """Pure decision: (principal, OK) or (None, error code, message)."""
@@ -367,7 +370,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return _rejecting_handler(handler, code, message)
         if principal is None:  # an open service
             return handler
-        return _with_principal(handler, principal)
+        # One wrapper per method and principal (tenants are few), not one per call.
+        return self._handlers.get(
+            (method, principal), handler, lambda h: _with_principal(h, principal)
+        )
 
 
 def _rejecting_handler(

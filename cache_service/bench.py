@@ -175,6 +175,10 @@ def _process_main(
     target: str, token: str | None, cfg: BenchConfig, seed: int, barrier: Any, queue: Any
 ) -> None:
     """A client in its own process: run, then send back (latencies, error text or None)."""
+    # A model executor's RPC thread does small tensor copies; torch's default of one
+    # intra-op thread per core would have every client process spin a full thread pool on
+    # a machine the server shares.
+    torch.set_num_threads(1)
     times: list[float] = []
     errors: list[BaseException] = []
     _client_run(target, token, cfg, seed, barrier, times, errors)

@@ -589,7 +589,7 @@ class BlockManager:
             for block in reversed(dropped):
                 self._release(block)
                 _unref(tenant_blocks, block)
-            del seq.table[keep:]
+            seq.truncate_table(keep)
         del seq.tokens[start:]
         return CancelledWrite(start, num_tokens, dropped)
 
@@ -619,12 +619,15 @@ class BlockManager:
             )
         if layer is None:
             seq.written = [new] * self._num_layers
-            low = new
         else:
             seq.written[layer] = new
+        # Blocks written on every layer get published: min(written) // block_size of them.
+        # That minimum is at most `new`, so when `new` opens no block past the published
+        # ones (most commits) there is nothing to publish and no need for the minimum.
+        if new // self._bs > len(seq.keys):
             low = min(seq.written)
-        if low // self._bs > len(seq.keys):
-            self._publish(seq, low // self._bs)
+            if low // self._bs > len(seq.keys):
+                self._publish(seq, low // self._bs)
 
     # ---- attention ----------------------------------------------------------------------
 
@@ -643,6 +646,32 @@ class BlockManager:
         if seq_len == 0:
             raise LayerNotWritten(f"layer {layer} of sequence {seq_id!r} has nothing written")
         return SequenceView(seq_len, segments_of(seq.table, -(-seq_len // self._bs), self._bs))
+
+    def block_ids(self, tenant: str, seq_id: str, num_blocks: int) -> tuple[str, memoryview] | None:
+        """The first `num_blocks` physical block indices of the sequence's table as a
+        read-only view of packed int32 (``numpy.frombuffer(view, numpy.int32)`` reads it
+        without a copy), with the worker holding them, when that whole table lives on one
+        worker; None when it spans several (use `attention_view` then).
+
+        What the attention hot path reads instead of `attention_view`: the ids are kept
+        across calls and extended as the table grows (cache_service.block_rows), so this
+        is O(1) rather than O(blocks). The view is a snapshot: later changes to the table
+        never show through it.
+
+        Raises:
+            SequenceNotFound, SequenceLost, InvalidRequest (num_blocks outside
+            [0, blocks in the table]).
+        """
+        seq = self._resolve(tenant, seq_id)
+        row = seq.block_row()
+        if type(num_blocks) is not int or not 0 <= num_blocks <= row.n:
+            raise InvalidRequest(
+                f"num_blocks must be an int in [0, {row.n}] for sequence {seq_id!r}, got "
+                f"{num_blocks!r}"
+            )
+        if row.mixed or row.worker is None:
+            return None
+        return row.worker, row.ids(num_blocks)
 
     # ---- prefix cache -------------------------------------------------------------------
 
@@ -951,9 +980,9 @@ class BlockManager:
                 self._pools[step.cow_src.worker_id].incref(step.cow_src.index)
                 _ref(tenant_blocks, step.cow_src)
             del seq.tokens[step.tokens :]
-            del seq.table[step.table :]
+            seq.truncate_table(step.table)
             if step.last is not None:
-                seq.table[-1] = step.last
+                seq.replace_last_block(step.last)
             seq.home = step.home
         self._counters.evictions = journal.evictions
         self._counters.cow_copies = journal.cow_copies
@@ -1013,7 +1042,7 @@ class BlockManager:
         if cow_src is not None:
             dst = self._take(cow_src.worker_id)
             copies.append(BlockCopy(cow_src.worker_id, cow_src.index, dst.index))
-            seq.table[-1] = dst
+            seq.replace_last_block(dst)
             self._release(cow_src)
             _unref(tenant_blocks, cow_src)
             if self._journal is not None:

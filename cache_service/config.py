@@ -166,6 +166,11 @@ class ServerConfig:
         shutdown_grace_s: seconds in-flight calls get to finish at shutdown.
         max_in_flight_per_client: calls one client connection may have in flight; more are
             refused with RESOURCE_EXHAUSTED (cache_service.inflight). 0: no limit.
+        torch_threads: torch intra-op CPU threads in the server process. None (default):
+            torch's own choice when the pools run in-process on the CPU (their attention
+            uses them), else 1: the coordinator's tensor work is small copies and checks,
+            where a thread pool per core only adds wake-up latency and spinning threads
+            that compete with the event loop.
     """
 
     host: str = "127.0.0.1"
@@ -174,8 +179,11 @@ class ServerConfig:
     stream_chunk_bytes: int = 2 * MiB
     shutdown_grace_s: float = 10.0
     max_in_flight_per_client: int = 128
+    torch_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.torch_threads is not None:
+            _positive_int("server.torch_threads", self.torch_threads)
         if not self.host:
             raise ConfigError("server.host must not be empty")
         _port("server.port", self.port)

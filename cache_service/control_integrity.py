@@ -60,6 +60,16 @@ def check_integrity(manager: BlockManager) -> None:
                 f"{seq.seq_id}: {len(seq.keys)} published blocks but "
                 f"{min(seq.written) // bs} full blocks written on every layer"
             )
+        row = seq.row
+        if row is not None and row.matches(seq.table):
+            # A cached block-id row that would be served must be the table's prefix
+            # (cache_service.block_rows); one that no longer matches is rebuilt on use.
+            prefix = seq.table[: row.n]
+            workers = {b.worker_id for b in prefix}
+            if row.ids(row.n).tolist() != [b.index for b in prefix] or (
+                prefix and (row.mixed != (len(workers) > 1) or row.worker != prefix[0].worker_id)
+            ):
+                shape_bad.append(f"{seq.seq_id}: its cached block-id row differs from its table")
         tenant_seqs[seq.tenant] = tenant_seqs.get(seq.tenant, 0) + 1
         counts = tenant_blocks.setdefault(seq.tenant, {})
         for i, block in enumerate(seq.table):

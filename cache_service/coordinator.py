@@ -31,14 +31,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from cache_service.attention_plan import (
+    OneWorkerView,
+    SequenceViewLike,
     WorkerWrite,
     plan_attention,
     run_attention,
@@ -80,6 +84,7 @@ __all__ = [
     "Coordinator",
     "ExportedSequence",
     "ImportedSequence",
+    "JoinedFields",
     "WorkerState",
 ]
 
@@ -91,19 +96,18 @@ _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
 # ------------------------------------------------------------------------------ values
 
 
-@dataclass(frozen=True)
-class AttendItem:
+class AttendItem(NamedTuple):
     """One sequence of an attend call: query ``[m, Hq, D]`` (its last m positions)."""
 
     seq_id: str
     query: torch.Tensor
 
 
-@dataclass(frozen=True)
-class AppendAttendItem:
+class AppendAttendItem(NamedTuple):
     """One sequence of an append-and-attend call.
 
     token_ids: n >= 1 new token ids; key, value ``[n, Hkv, D]``; query ``[m, Hq, D]``.
+    (NamedTuples, not dataclasses: the servicer builds one per sequence per call.)
     """
 
     seq_id: str
@@ -146,6 +150,24 @@ class ImportedSequence:
     num_tokens: int
 
 
+@dataclass(frozen=True)
+class JoinedFields:
+    """The keys, values and queries of an append-and-attend's items, each field as one
+    flat tensor: what `tensor_codec.joined_view` of that field's tensors is (the servicer
+    decodes each field of a request into one buffer and knows it). None for a field
+    whose tensors do not lie back to back."""
+
+    key: torch.Tensor | None
+    value: torch.Tensor | None
+    query: torch.Tensor | None
+
+    def __iter__(self) -> Iterator[torch.Tensor | None]:
+        return iter((self.key, self.value, self.query))
+
+
+_Spans = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
 # ------------------------------------------------------------------------------ batching
 
 
@@ -158,7 +180,7 @@ class _Part:
     writes: worker -> (slots, key, value) of new tokens (pool dtype).
     """
 
-    views: list[SequenceView]
+    views: list[SequenceViewLike]
     num_queries: list[int]
     seq_ids: list[str]
     query: torch.Tensor
@@ -588,9 +610,16 @@ class Coordinator:
         layer: int,
         items: Sequence[AppendAttendItem],
         return_lse: bool = False,
+        *,
+        joined: JoinedFields | None = None,
     ) -> list[AttentionResult]:
         """Write each item's new K/V on `layer`, then attend with its queries; one round of
-        worker calls for the whole batch (coalesced with concurrent calls)."""
+        worker calls for the whole batch (coalesced with concurrent calls).
+
+        joined: what the servicer knows from decoding (see `JoinedFields`): saves finding
+        out whether the items' tensors lie back to back. Only a speed-up; results and
+        errors are the same without it.
+        """
         self._check_layer(layer)
         queries = [it.query for it in items]
         hq = self._check_queries(queries)
@@ -603,6 +632,7 @@ class Coordinator:
         keys = [it.key for it in items]
         values = [it.value for it in items]
         self._check_new_kv(items)
+        spans = _spans(joined, keys, values, queries)
 
         def named() -> Iterable[tuple[str, torch.Tensor]]:
             for i, it in enumerate(items):
@@ -611,7 +641,10 @@ class Coordinator:
 
         # Keys, values and queries each as one run (what the servicer decodes into one
         # buffer per field is checked in three passes); item order names a culprit.
-        _check_finite([*keys, *values, *queries], named)
+        runs: list[torch.Tensor] = []
+        for span, tensors in zip(spans, (keys, values, queries), strict=True):
+            runs += tensors if span is None else (span,)
+        _check_finite(runs, named)
         async with self._locked(seq_ids):
             # Check every item before reserving anything, with per-item messages (unknown
             # / lost sequence, wrong token ids, too many query rows); write_cursor costs
@@ -641,7 +674,9 @@ class Coordinator:
                     self._view_after_write(tenant, s, layer, plan)
                     for s, plan in zip(seq_ids, plans, strict=True)
                 ]
-                parts = self._split(views, queries, seq_ids, return_lse, (plans, keys, values))
+                parts = self._split(
+                    views, queries, seq_ids, return_lse, (plans, keys, values), spans
+                )
                 outputs = await self._execute(layer, parts, hq)
                 for it in items:
                     self.block_manager.commit_write(tenant, it.seq_id, layer, len(it.token_ids))
@@ -817,22 +852,40 @@ class Coordinator:
 
     @contextlib.asynccontextmanager
     async def _locked(self, seq_ids: Sequence[str]):  # type: ignore[no-untyped-def]
-        async with contextlib.AsyncExitStack() as stack:
+        # Acquired one by one and released in reverse order, also when an acquire is
+        # cancelled: what an AsyncExitStack of the locks does, at a fraction of its cost.
+        held: list[asyncio.Lock] = []
+        try:
             # Sorted, so two calls locking overlapping sets cannot deadlock.
             for seq_id in sorted(set(seq_ids)):
                 lock = self._locks.get(seq_id)
                 if lock is None:
                     lock = self._locks[seq_id] = asyncio.Lock()
-                await stack.enter_async_context(lock)
+                await lock.acquire()
+                held.append(lock)
             yield
+        finally:
+            for lock in reversed(held):
+                lock.release()
 
     # -- internals: planning ---------------------------------------------------------------
 
     def _view_after_write(
         self, tenant: str, seq_id: str, layer: int, plan: WritePlan
-    ) -> SequenceView:
-        """The view of `layer` as it will be once the planned tokens are written."""
+    ) -> SequenceViewLike:
+        """The view of `layer` as it will be once the planned tokens are written: keys
+        ``[0, start + n)``, i.e. the table's first ``ceil((start + n) / block_size)`` blocks.
+
+        A sequence on one worker (the usual case) gets a `OneWorkerView` over the block
+        manager's cached int32 ids (no per-block work); others their per-worker segments.
+        """
         bs = self.layout.block_size
+        seq_len = plan.start + len(plan.slots)
+        ids = self.block_manager.block_ids(tenant, seq_id, -(-seq_len // bs))
+        if ids is not None:
+            worker_id, view = ids
+            # A read-only int32 array over the cached ids: no copy.
+            return OneWorkerView(seq_len, worker_id, np.frombuffer(view, dtype=np.int32))
         segments: list[Segment] = []
         if plan.start > 0:
             segments = list(self.block_manager.attention_view(tenant, seq_id, layer).segments)
@@ -853,22 +906,28 @@ class Coordinator:
 
     def _split(
         self,
-        views: list[SequenceView],
+        views: list[SequenceViewLike],
         queries: Sequence[torch.Tensor],
         seq_ids: list[str],
         return_lse: bool,
         new: tuple[list[WritePlan], list[torch.Tensor], list[torch.Tensor]] | None = None,
+        spans: _Spans = (None, None, None),
     ) -> list[tuple[list[int], _Part]]:
         """Group a call's items into parts: one per single worker (coalescible), one for
         the items spread over several workers. Returns (item indices, part) pairs.
 
         new: per item, the write plan and the new tokens' key / value (append-and-attend).
+        spans: the keys, values and queries of all items as one flat tensor each, where
+        known (`_spans`); used when one part holds every item.
         Each part gets its items' queries, keys and values as one tensor (per worker) in
         the pool dtype: a view when the items' tensors lie back to back (as the servicer
         decodes them), else one copy.
         """
         groups: dict[str | None, list[int]] = {}
         for i, view in enumerate(views):
+            if type(view) is OneWorkerView:
+                groups.setdefault(view.worker_id, []).append(i)
+                continue
             segs = view.segments
             if len(segs) == 1:
                 key: str | None = segs[0].worker_id
@@ -879,14 +938,16 @@ class Coordinator:
         dtype = self._pool_dtype
         out = []
         for idx in groups.values():
+            # One part of every item (the usual call): the items' spans are the part's.
+            k_span, v_span, q_span = spans if len(idx) == len(views) else (None, None, None)
             writes: dict[str, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
             if new is not None:
-                writes = _part_writes(idx, *new, dtype)
+                writes = _part_writes(idx, *new, dtype, k_span, v_span)
             part = _Part(
                 views=[views[i] for i in idx],
                 num_queries=[queries[i].shape[0] for i in idx],
                 seq_ids=[seq_ids[i] for i in idx],
-                query=_rows([queries[i] for i in idx], dtype),
+                query=_rows([queries[i] for i in idx], dtype, q_span),
                 writes=writes,
                 return_lse=return_lse,
             )
@@ -903,8 +964,12 @@ class Coordinator:
         waits = []
         for _, part in parts:
             part.future = loop.create_future()
-            workers = {seg.worker_id for v in part.views for seg in v.segments}
-            workers |= set(part.writes)
+            workers = set(part.writes)
+            for v in part.views:
+                if type(v) is OneWorkerView:
+                    workers.add(v.worker_id)
+                else:
+                    workers.update(seg.worker_id for seg in v.segments)
             if len(workers) == 1:
                 (worker_id,) = workers
                 self._batcher(layer, worker_id, hq).submit(part)
@@ -916,6 +981,8 @@ class Coordinator:
         # Every part must finish (or fail) before the call returns, even when its deadline
         # passed meanwhile: a write still in flight must not race the next call on the
         # same sequence (cache_service.cancel_safety).
+        if len(waits) == 1:  # the usual call: one part, no gather to build
+            return [await run_to_completion(waits[0])]
         outcome = await run_to_completion(asyncio.gather(*waits, return_exceptions=True))
         for result in outcome:
             if isinstance(result, BaseException):
@@ -1254,7 +1321,8 @@ def _check_finite(
     whose sum overflows) sends every tensor of `named()` through the exact check, which
     names the first culprit.
     """
-    if not tensors or all(bool(torch.isfinite(s)) for s in _run_sums(tensors)):
+    # math.isfinite of the Python float: a fraction of what a torch.isfinite call costs.
+    if not tensors or all(math.isfinite(s.item()) for s in _run_sums(tensors)):
         return
     for name, t in named():
         if not bool(torch.isfinite(t).all()):
@@ -1288,15 +1356,48 @@ def _as_runs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [t.reshape(-1) for t in tensors]
 
 
-def _rows(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def _rows(
+    tensors: list[torch.Tensor], dtype: torch.dtype, span: torch.Tensor | None = None
+) -> torch.Tensor:
     """The tensors (same trailing dims) concatenated along dim 0, in `dtype`: a view of
-    their memory when they lie back to back in one storage, else one copy."""
+    their memory when they lie back to back in one storage, else one copy.
+
+    span: their `joined_view`, when the caller knows it already."""
     if len(tensors) == 1:
         return tensors[0].to(dtype)
-    span = joined_view(tensors)
+    if span is None:
+        span = joined_view(tensors)
     if span is not None:
         return span.view(-1, *tensors[0].shape[1:]).to(dtype)
     return torch.cat([t.to(dtype) for t in tensors])
+
+
+def _spans(
+    joined: JoinedFields | None,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    queries: list[torch.Tensor],
+) -> _Spans:
+    """The flat key, value and query spans of `joined` that agree with the items (same
+    dtype, first and last element, element count); None for the others, which then go
+    the general way. A cheap consistency check, not a proof: `joined` comes from the
+    servicer, which decoded the items into those very spans."""
+    if joined is None:
+        return (None, None, None)
+    out: list[torch.Tensor | None] = []
+    for span, tensors in zip(joined, (keys, values, queries), strict=True):
+        ok = (
+            span is not None
+            and span.ndim == 1
+            and span.dtype == tensors[0].dtype
+            and span.is_contiguous()
+            and span.data_ptr() == tensors[0].data_ptr()
+            and span.numel() == sum(t.numel() for t in tensors)
+            and tensors[-1].data_ptr() + tensors[-1].numel() * span.element_size()
+            == span.data_ptr() + span.numel() * span.element_size()
+        )
+        out.append(span if ok else None)
+    return out[0], out[1], out[2]
 
 
 def _check_reserved(i: int, cursor: WriteCursor, token_ids: Sequence[int], layer: int) -> None:
@@ -1327,26 +1428,36 @@ def _part_writes(
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     dtype: torch.dtype,
+    k_span: torch.Tensor | None = None,
+    v_span: torch.Tensor | None = None,
 ) -> dict[str, tuple[list[int], torch.Tensor, torch.Tensor]]:
     """worker -> (slots, key rows, value rows) of the new tokens of items `idx`, in item
-    order, in `dtype`."""
+    order, in `dtype`. k_span / v_span: the `joined_view` of those items' keys / values,
+    when known."""
     per: dict[str, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
+    whole = True  # every item's tokens go to one worker, so its rows stay in order
     for i in idx:
         slots = plans[i].slots
         worker_id = slots[0][0]
-        if all(w == worker_id for w, _ in slots):
+        if len(slots) == 1 or all(w == worker_id for w, _ in slots):
             slot_list, ks, vs = per.setdefault(worker_id, ([], [], []))
-            slot_list.extend(slot for _, slot in slots)
+            slot_list.extend([slot for _, slot in slots])
             ks.append(keys[i])
             vs.append(values[i])
             continue
+        whole = False
         for w, (rows, flat) in _group_slots(slots).items():
             rows_t = torch.tensor(rows, dtype=torch.long)
             slot_list, ks, vs = per.setdefault(w, ([], [], []))
             slot_list.extend(flat)
             ks.append(keys[i].index_select(0, rows_t))
             vs.append(values[i].index_select(0, rows_t))
-    return {w: (sl, _rows(ks, dtype), _rows(vs, dtype)) for w, (sl, ks, vs) in per.items()}
+    if not (whole and len(per) == 1):
+        k_span = v_span = None
+    return {
+        w: (sl, _rows(ks, dtype, k_span), _rows(vs, dtype, v_span))
+        for w, (sl, ks, vs) in per.items()
+    }
 
 
 def _reassemble(
@@ -1360,11 +1471,14 @@ def _reassemble(
     results: list[AttentionResult | None] = [None] * num_items
     for (idx, part), res in zip(parts, outputs, strict=True):
         kinds = {dtypes[i] for i in idx}
-        out = res.out.to(next(iter(kinds))) if len(kinds) == 1 else res.out
-        outs = out.split(part.num_queries)
-        lses = res.lse.split(part.num_queries) if res.lse is not None else [None] * len(idx)
+        one_kind = len(kinds) == 1
+        out = res.out.to(next(iter(kinds))) if one_kind else res.out
+        outs = out.split_with_sizes(part.num_queries)
+        lses = (
+            res.lse.split_with_sizes(part.num_queries) if res.lse is not None else [None] * len(idx)
+        )
         for i, o, lse in zip(idx, outs, lses, strict=True):
-            results[i] = AttentionResult(o.to(dtypes[i]), lse)
+            results[i] = AttentionResult(o if one_kind else o.to(dtypes[i]), lse)
     return results  # type: ignore[return-value]
 
 

@@ -21,6 +21,7 @@ import grpc
 import grpc.aio
 
 from cache_service.auth import current_principal
+from cache_service.handler_cache import HandlerCache
 
 __all__ = ["InFlightLimitInterceptor", "InFlightLimiter"]
 
@@ -87,6 +88,7 @@ class InFlightLimitInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, limiter: InFlightLimiter, service_prefix: str) -> None:
         self._limiter = limiter
         self._prefix = service_prefix
+        self._handlers = HandlerCache()
 
     async def intercept_service(
         self,
@@ -94,8 +96,13 @@ class InFlightLimitInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or not handler_call_details.method.startswith(self._prefix):
+        method = handler_call_details.method
+        if handler is None or not method.startswith(self._prefix):
             return handler
+        # The client key is computed per call inside the wrapper: one wrapper per method.
+        return self._handlers.get(method, handler, self._wrap_handler)
+
+    def _wrap_handler(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         common = {
             "request_deserializer": handler.request_deserializer,
             "response_serializer": handler.response_serializer,

@@ -16,6 +16,8 @@ import grpc
 import grpc.aio
 from prometheus_client import Counter, Histogram
 
+from cache_service.handler_cache import HandlerCache
+
 __all__ = ["RpcMetricsInterceptor", "split_method"]
 
 
@@ -58,10 +60,19 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, requests: Counter, duration: Histogram) -> None:
         self._requests = requests
         self._duration = duration
+        # Wrapped handlers per method, and the labelled children per (service, method,
+        # code): `labels()` validates and locks on every call, the children never change.
+        self._handlers = HandlerCache()
+        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 
     def _record(self, service: str, method: str, code: str, seconds: float) -> None:
-        self._duration.labels(service, method, code).observe(seconds)
-        self._requests.labels(service, method, code).inc()
+        key = (service, method, code)
+        children = self._children.get(key)
+        if children is None:
+            children = (self._duration.labels(*key), self._requests.labels(*key))
+            self._children[key] = children
+        children[0].observe(seconds)
+        children[1].inc()
 
     async def intercept_service(
         self,
@@ -71,7 +82,12 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        service, method = split_method(handler_call_details.method)
+        full_method = handler_call_details.method
+        return self._handlers.get(full_method, handler, lambda h: self._wrap(h, full_method))
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, full_method: str) -> grpc.RpcMethodHandler:
+        """`handler` timed and counted under `full_method`'s labels."""
+        service, method = split_method(full_method)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._wrap_unary(handler.unary_unary, service, method),

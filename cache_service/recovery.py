@@ -78,10 +78,12 @@ LOGGED_OPS = (
     "set_tenant_quota",
 )
 # take_released empties a transient list that is no part of the durable state (see
-# BlockManager.take_released), so it passes through like a read.
+# BlockManager.take_released), so it passes through like a read; so does block_ids, whose
+# only side effect is a cache derived from the block tables (cache_service.block_rows).
 _READ_ONLY = frozenset(
     {
         "attention_view",
+        "block_ids",
         "lookup",
         "sequence_info",
         "write_cursor",

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import itemgetter
 
+from cache_service.block_rows import BlockRow
 from cache_service.control_types import PhysicalBlock, Segment
 
 __all__ = ["Sequence", "segments_of"]
@@ -27,6 +28,11 @@ class Sequence:
         keys: prefix-index keys of blocks 0 .. len(keys)-1, which are full and written on
             every layer (the chain the next block's key extends).
         home: worker that new blocks come from first (None: choose at the next growth).
+        row: the table's block ids as int32 (`block_row`), a cache derived from `table`;
+            not state (never compared, copied or recorded).
+
+    Change `table` only by appending, `replace_last_block` or `truncate_table`: the last
+    two drop `row`, which is what keeps it exact (cache_service.block_rows).
     """
 
     seq_id: str
@@ -36,9 +42,32 @@ class Sequence:
     written: list[int]
     keys: list[bytes]
     home: str | None
+    row: BlockRow | None = field(default=None, compare=False, repr=False)
+
+    def block_row(self) -> BlockRow:
+        """The table's block ids as int32, brought up to date (built on first use, then
+        extended as the table grows)."""
+        row = self.row
+        table = self.table
+        if row is None or not row.matches(table):
+            row = self.row = BlockRow(table)
+        elif row.n < len(table):
+            row.extend(table)
+        return row
+
+    def replace_last_block(self, block: PhysicalBlock) -> None:
+        """Point the table's last entry at `block` (copy-on-write, undo of one)."""
+        self.table[-1] = block
+        self.row = None
+
+    def truncate_table(self, num_blocks: int) -> None:
+        """Keep the first `num_blocks` entries of the table."""
+        del self.table[num_blocks:]
+        self.row = None
 
     def copy_as(self, seq_id: str) -> Sequence:
-        """A fork: same tokens, table, lengths and keys under a new id (lists copied)."""
+        """A fork: same tokens, table, lengths and keys under a new id (lists copied; no
+        block row: the fork's table grows on its own)."""
         return Sequence(
             seq_id=seq_id,
             tenant=self.tenant,

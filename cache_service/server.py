@@ -38,9 +38,10 @@ from cache_service.auth import (
 )
 from cache_service.config import ServiceConfig
 from cache_service.control_types import TenantQuota
-from cache_service.coordinator import AppendAttendItem, AttendItem, Coordinator
+from cache_service.coordinator import AppendAttendItem, AttendItem, Coordinator, JoinedFields
 from cache_service.errors import InvalidRequest
 from cache_service.inflight import InFlightLimiter, InFlightLimitInterceptor
+from cache_service.result_codec import results_reply
 from cache_service.status_mapping import status_for
 from cache_service.store import MetadataStore, StoreConfig
 from cache_service.tensor_codec import (
@@ -49,10 +50,10 @@ from cache_service.tensor_codec import (
     dtype_from_name,
     dtype_from_proto,
     dtype_to_proto,
+    joined_from_protos,
     tensor_from_bytes,
     tensor_to_bytes,
     tensors_from_protos,
-    write_tensors,
 )
 from cache_service.tls import ServerTLSConfig, server_credentials
 from cache_service.wire_decode import RequestDecodeInterceptor
@@ -152,16 +153,6 @@ def _layout_proto(layout: KVLayout) -> pb.KVLayout:
         fingerprint=layout.fingerprint(),
         bytes_per_block=layout.bytes_per_block,
     )
-
-
-def _results(results: list[Any], return_lse: bool, out: Any) -> Any:
-    """Fill the repeated AttendResult field `out` of a reply with the results, in place."""
-    msgs = [out.add() for _ in results]
-    # The outputs of one call are usually rows of one tensor: one host copy for all.
-    write_tensors([m.output for m in msgs], [r.out for r in results])
-    if return_lse:
-        write_tensors([m.lse for m in msgs], [r.lse for r in results])
-    return out
 
 
 class KVCacheServicer(pb_grpc.KVCacheServicer):
@@ -321,9 +312,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         queries = tensors_from_protos([it.query for it in wire], "items[{}].query", ndim=3)
         items = [AttendItem(s, q) for s, q in zip(seq_ids, queries, strict=True)]
         results = await self._coord.attend(tenant, request.layer, items, request.return_lse)
-        reply = pb.AttendResponse()
-        _results(results, request.return_lse, reply.results)
-        return reply
+        return results_reply(pb.AttendResponse, results, request.return_lse)
 
     @_rpc
     async def AppendAttend(
@@ -332,18 +321,23 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         wire = request.items
         seq_ids = _seq_ids(wire)
         # Each field of every item decodes into one buffer: the coordinator then checks,
-        # converts and sends the items' keys (values, queries) as one tensor, no copies.
-        keys = tensors_from_protos([it.key for it in wire], "items[{}].key", ndim=3)
-        values = tensors_from_protos([it.value for it in wire], "items[{}].value", ndim=3)
-        queries = tensors_from_protos([it.query for it in wire], "items[{}].query", ndim=3)
+        # converts and sends the items' keys (values, queries) as one tensor, no copies;
+        # the flat spans tell it so without a check per tensor.
+        keys, k_span = joined_from_protos([it.key for it in wire], "items[{}].key", ndim=3)
+        values, v_span = joined_from_protos([it.value for it in wire], "items[{}].value", ndim=3)
+        queries, q_span = joined_from_protos([it.query for it in wire], "items[{}].query", ndim=3)
         items = [
             AppendAttendItem(s, list(it.token_ids), k, v, q)
             for s, it, k, v, q in zip(seq_ids, wire, keys, values, queries, strict=True)
         ]
-        results = await self._coord.append_attend(tenant, request.layer, items, request.return_lse)
-        reply = pb.AppendAttendResponse()
-        _results(results, request.return_lse, reply.results)
-        return reply
+        results = await self._coord.append_attend(
+            tenant,
+            request.layer,
+            items,
+            request.return_lse,
+            joined=JoinedFields(k_span, v_span, q_span),
+        )
+        return results_reply(pb.AppendAttendResponse, results, request.return_lse)
 
     # -- export / import -------------------------------------------------------------------
 
@@ -704,6 +698,16 @@ async def _probe_workers(coordinator: Coordinator, interval_s: float) -> None:
             log.exception("worker probe failed")
 
 
+def server_torch_threads(config: ServiceConfig) -> int | None:
+    """The intra-op thread count the server process should use (None: torch's default);
+    see ``ServerConfig.torch_threads``."""
+    if config.server.torch_threads is not None:
+        return config.server.torch_threads
+    if config.workers.in_process and config.workers.device == "cpu":
+        return None
+    return 1
+
+
 async def start_service(
     config: ServiceConfig,
     *,
@@ -723,6 +727,9 @@ async def start_service(
     """
     from cache_service.metrics import ServiceMetrics
 
+    threads = server_torch_threads(config)
+    if threads is not None:
+        torch.set_num_threads(threads)
     layout = config.layout.kv_layout()
     table = load_token_table(config.auth_file) if config.auth_file else None
     tls = None

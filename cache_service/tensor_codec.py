@@ -28,9 +28,11 @@ __all__ = [
     "dtype_from_name",
     "dtype_from_proto",
     "dtype_to_proto",
+    "joined_from_protos",
     "joined_view",
     "tensor_from_bytes",
     "tensor_from_proto",
+    "tensor_payloads",
     "tensor_to_bytes",
     "tensor_to_proto",
     "tensors_from_protos",
@@ -247,21 +249,32 @@ def tensors_from_protos(
     Validates exactly what `tensor_from_proto` validates and raises its errors, naming the
     first bad message. Messages of different dtypes (allowed) decode one by one.
     """
+    return joined_from_protos(msgs, field, ndim=ndim)[0]
+
+
+def joined_from_protos(
+    msgs: Sequence[pb.Tensor], field: str, *, ndim: int | None = None
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """`tensors_from_protos`, and the flat tensor over all of them (what `joined_view` of
+    the result is) when they share one buffer, else None: a caller that hands the tensors
+    on knows they are back to back without checking each one again."""
     if not msgs:
-        return []
+        return [], None
     dtype_value = msgs[0].dtype
     dtype = _FROM_PROTO.get(dtype_value)
     if dtype is None or not _LITTLE_ENDIAN_HOST:
-        return [tensor_from_proto(m, field.format(i), ndim=ndim) for i, m in enumerate(msgs)]
+        return _one_by_one(msgs, field, ndim), None
     itemsize = dtype.itemsize
-    shapes = [tuple(m.shape) for m in msgs]
+    # Lists (slicing is the cheapest copy of a repeated field); C-level passes below, as
+    # this runs for every field of every request.
+    shapes = [m.shape[:] for m in msgs]
     datas = [m.data for m in msgs]
     first = shapes[0]
     same = shapes.count(first) == len(shapes)
     if same:  # the usual batch: one shape, so one check covers every message
         nbytes = math.prod(first) * itemsize
         ok = (ndim is None or len(first) == ndim) and (not first or min(first) >= 0)
-        ok = ok and all(len(d) == nbytes for d in datas)
+        ok = ok and set(map(len, datas)) == {nbytes}
     else:
         ok = all(
             (ndim is None or len(dims) == ndim)
@@ -269,19 +282,56 @@ def tensors_from_protos(
             and len(d) == math.prod(dims) * itemsize
             for dims, d in zip(shapes, datas, strict=True)
         )
-    if not ok or any(m.dtype != dtype_value for m in msgs):
+    if not ok or [m.dtype for m in msgs].count(dtype_value) != len(msgs):
         # A bad message, or mixed dtypes: one at a time (naming the bad one).
-        return [tensor_from_proto(m, field.format(i), ndim=ndim) for i, m in enumerate(msgs)]
+        return _one_by_one(msgs, field, ndim), None
     buf = bytearray().join(datas)  # the one copy: writable, owned by the tensors
     if not buf:
         if same:
-            return list(torch.empty((len(shapes), *first), dtype=dtype).unbind(0))
-        return [torch.empty(s, dtype=dtype) for s in shapes]
+            return list(torch.empty((len(shapes), *first), dtype=dtype).unbind(0)), None
+        return [torch.empty(s, dtype=dtype) for s in shapes], None
     flat = torch.frombuffer(buf, dtype=dtype)
     if same:
-        return list(flat.view(len(shapes), *first).unbind(0))
+        return list(flat.view(len(shapes), *first).unbind(0)), flat
     sizes = [math.prod(s) for s in shapes]
-    return [piece.view(s) for piece, s in zip(flat.split(sizes), shapes, strict=True)]
+    return [piece.view(s) for piece, s in zip(flat.split(sizes), shapes, strict=True)], flat
+
+
+def _one_by_one(msgs: Sequence[pb.Tensor], field: str, ndim: int | None) -> list[torch.Tensor]:
+    return [tensor_from_proto(m, field.format(i), ndim=ndim) for i, m in enumerate(msgs)]
+
+
+def tensor_payloads(
+    tensors: Sequence[torch.Tensor], *, uniform: bool = False
+) -> list[bytes | memoryview]:
+    """Each tensor's raw little-endian bytes (`tensor_to_bytes`). Tensors back to back in
+    one storage (`joined_view`: the per-item rows of one output) reach the host once and
+    each item's bytes are a view of that copy.
+
+    uniform: the caller knows every tensor has the first one's size (cut at fixed offsets).
+
+    Raises:
+        TensorCodecError: a dtype that cannot travel.
+    """
+    span = joined_view(tensors) if len(tensors) > 1 else None
+    if span is None or span.numel() == 0 or not _LITTLE_ENDIAN_HOST:
+        return [tensor_to_bytes(t) for t in tensors]
+    dtype_to_proto(span.dtype)
+    host = span.detach()
+    if host.device.type != "cpu":
+        host = host.cpu()
+    itemsize = host.element_size()
+    raw = memoryview(host.view(_BITS_DTYPE[itemsize]).numpy()).cast("B")  # a view
+    if uniform:
+        size = tensors[0].numel() * itemsize
+        return [raw[i : i + size] for i in range(0, size * len(tensors), size)]
+    out: list[bytes | memoryview] = []
+    offset = 0
+    for t in tensors:
+        end = offset + t.numel() * itemsize
+        out.append(raw[offset:end])
+        offset = end
+    return out
 
 
 def write_tensors(msgs: Sequence[pb.Tensor], tensors: Sequence[torch.Tensor]) -> None:

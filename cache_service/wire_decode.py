@@ -23,6 +23,7 @@ import grpc
 import grpc.aio
 
 from cache_service.errors import InvalidRequest
+from cache_service.handler_cache import HandlerCache
 
 __all__ = ["RequestDecodeInterceptor"]
 
@@ -45,6 +46,7 @@ class RequestDecodeInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, service_prefix: str) -> None:
         self._prefix = service_prefix
+        self._handlers = HandlerCache()
 
     async def intercept_service(
         self,
@@ -59,24 +61,30 @@ class RequestDecodeInterceptor(grpc.aio.ServerInterceptor):
             or not method.startswith(self._prefix)
         ):
             return handler
-        decode = handler.request_deserializer
-        out = handler.response_serializer
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                _unary_request(handler.unary_unary, decode, method), response_serializer=out
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                _unary_request_streaming(handler.unary_stream, decode, method),
-                response_serializer=out,
-            )
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(
-                _stream_request(handler.stream_unary, decode, method), response_serializer=out
-            )
-        return grpc.stream_stream_rpc_method_handler(
-            _stream_request(handler.stream_stream, decode, method), response_serializer=out
+        return self._handlers.get(method, handler, lambda h: _decoding(h, method))
+
+
+def _decoding(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """`handler` taking raw bytes and decoding them itself (INVALID_ARGUMENT if they do
+    not parse)."""
+    decode = handler.request_deserializer
+    out = handler.response_serializer
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(
+            _unary_request(handler.unary_unary, decode, method), response_serializer=out
         )
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(
+            _unary_request_streaming(handler.unary_stream, decode, method),
+            response_serializer=out,
+        )
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(
+            _stream_request(handler.stream_unary, decode, method), response_serializer=out
+        )
+    return grpc.stream_stream_rpc_method_handler(
+        _stream_request(handler.stream_stream, decode, method), response_serializer=out
+    )
 
 
 def _unary_request(

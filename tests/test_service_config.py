@@ -60,3 +60,17 @@ def test_missing_file_and_unknown_override_are_refused(tmp_path: Path) -> None:
         ServiceConfig().with_overrides({"server.nope": 1})
     with pytest.raises(ConfigError, match="stream_chunk_bytes"):
         ServiceConfig().with_overrides({"server.max_message_bytes": 1024})
+
+
+def test_server_torch_threads_default_depends_on_where_pools_run() -> None:
+    from cache_service.server import server_torch_threads
+
+    base = ServiceConfig()
+    cpu_pools = base.with_overrides({"workers.in_process": True, "workers.device": "cpu"})
+    gpu_pools = base.with_overrides({"workers.in_process": True, "workers.device": "cuda"})
+    assert server_torch_threads(cpu_pools) is None  # their attention uses torch's threads
+    assert server_torch_threads(gpu_pools) == 1
+    assert server_torch_threads(base) == 1  # Ray workers: the server only copies and checks
+    assert server_torch_threads(gpu_pools.with_overrides({"server.torch_threads": 3})) == 3
+    with pytest.raises(ConfigError, match=r"server\.torch_threads"):
+        base.with_overrides({"server.torch_threads": 0})
