@@ -1,0 +1,218 @@
+"""Where the time of one append-and-attend RPC goes (a diagnostic).
+
+One client process runs decode steps against a service whose pools live in this process;
+per call it reports the client's end-to-end time, the servicer handler's time, the worker
+call's time (thread hop + pool work) and the metrics interceptor's mean. ``--stub`` replaces
+the pool's write-and-attend by a zero-cost fake (what is left is the service's own cost).
+
+    PYTHONPATH=. python3 benchmarks/service_breakdown.py --device cuda --dtype bfloat16
+"""
+
+import argparse
+import asyncio
+import cProfile
+import multiprocessing as mp
+import pstats
+import statistics
+import time
+
+import torch
+
+
+def client_main(addr, batch, context, steps, hq, dtype, conn):
+    from cache_service.client import AppendAttendItem, KVCacheClient
+
+    torch.set_num_threads(1)
+    with KVCacheClient(addr, timeout_s=120) as client:
+        lay = client.info().layout
+        gen = torch.Generator().manual_seed(0)
+        seqs = [client.create_sequence() for _ in range(batch)]
+        dt = getattr(torch, dtype)
+        kv = torch.randn(lay.num_layers, context, lay.num_kv_heads, lay.head_dim, generator=gen)
+        kv = kv.to(dt)
+        for i, s in enumerate(seqs):
+            ids = [(i * 104729 + t) % 2**31 for t in range(context)]
+            client.append(s.seq_id, ids, kv, kv, layer=None)
+        k = torch.randn(batch, 1, lay.num_kv_heads, lay.head_dim, generator=gen).to(dt)
+        q = torch.randn(batch, 1, hq, lay.head_dim, generator=gen).to(dt)
+
+        def step(times):
+            for layer in range(lay.num_layers):
+                items = [
+                    AppendAttendItem(s.seq_id, [7], k[i], k[i], q[i]) for i, s in enumerate(seqs)
+                ]
+                t0 = time.perf_counter()
+                client.append_attend(layer, items)
+                times.append(time.perf_counter() - t0)
+
+        for _ in range(3):
+            step([])
+        conn.send("ready")
+        conn.recv()
+        times = []
+        for _ in range(steps):
+            step(times)
+        conn.send(times)
+        conn.recv()
+        for s in seqs:
+            s.free()
+
+
+async def main(args):
+    from cache_service import server as srv
+    from cache_service.config import ServiceConfig
+
+    if args.stub:
+        import workers.pool as wp
+
+        def fake(
+            self,
+            layer,
+            slot_mapping,
+            key,
+            value,
+            query,
+            block_tables,
+            seq_lens,
+            qsl,
+            *,
+            causal=True,
+            return_lse=False,
+            **kw,
+        ):
+            out = torch.zeros_like(query)
+            if return_lse:
+                return out, torch.zeros(query.shape[:2])
+            return out
+
+        wp.KVPool.write_and_attend = fake
+    handler_times = []
+    orig = srv.KVCacheServicer.AppendAttend
+    rec = {"on": False}
+
+    async def timed(self, request, context):
+        t0 = time.perf_counter()
+        try:
+            return await orig(self, request, context)
+        finally:
+            if rec["on"]:
+                handler_times.append(time.perf_counter() - t0)
+
+    srv.KVCacheServicer.AppendAttend = timed
+    from cache_service import worker_clients as wcm
+
+    inv_times = []
+    orig_inv = wcm.LocalWorkerClient._invoke
+
+    async def inv(self, method, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return await orig_inv(self, method, *a, **k)
+        finally:
+            if rec["on"] and method == "write_and_attend":
+                inv_times.append(time.perf_counter() - t0)
+
+    wcm.LocalWorkerClient._invoke = inv
+    cfg = ServiceConfig().with_overrides(
+        {
+            "server.port": 0,
+            "metrics.enabled": True,
+            "metrics.port": 0,
+            "layout.num_layers": args.layers,
+            "layout.num_kv_heads": args.kv_heads,
+            "layout.head_dim": args.head_dim,
+            "layout.block_size": 16,
+            "layout.dtype": args.dtype,
+            "workers.num_workers": 1,
+            "workers.blocks_per_worker": args.batch
+            * (-(-(args.context + 3 + args.steps + 2) // 16))
+            + 64,
+            "workers.device": args.device,
+            "workers.in_process": True,
+            "coordinator.batch_window_ms": 0.5,
+            "coordinator.correctness_check_fraction": 0.0,
+            "coordinator.health_check_interval_s": 0,
+            "log_level": "WARNING",
+        }
+    )
+    running = await srv.start_service(cfg)
+    loop = asyncio.get_running_loop()
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(
+        target=client_main,
+        args=(
+            running.address,
+            args.batch,
+            args.context,
+            args.steps,
+            args.q_heads,
+            args.dtype,
+            child,
+        ),
+    )
+    proc.start()
+    try:
+        msg = await loop.run_in_executor(None, parent.recv)
+        assert msg == "ready"
+        hist = running.metrics.rpc_duration
+
+        def hsum():
+            for m in hist.collect():
+                s = c = 0
+                for smp in m.samples:
+                    if smp.labels.get("method") == "AppendAttend":
+                        if smp.name.endswith("_sum"):
+                            s += smp.value
+                        if smp.name.endswith("_count"):
+                            c += smp.value
+                return s, c
+
+        s0, c0 = hsum()
+        prof = cProfile.Profile() if args.profile else None
+        rec["on"] = True
+        if prof:
+            prof.enable()
+        parent.send("go")
+        times = await loop.run_in_executor(None, parent.recv)
+        if prof:
+            prof.disable()
+        rec["on"] = False
+        s1, c1 = hsum()
+        parent.send("bye")
+        await loop.run_in_executor(None, proc.join)
+    finally:
+        await running.stop()
+
+    def ms(xs):
+        return f"p50 {statistics.median(xs) * 1e3:.3f} ms, mean {statistics.fmean(xs) * 1e3:.3f} ms"
+
+    print(
+        f"mode={'stub' if args.stub else 'real'} device={args.device} dtype={args.dtype} batch={args.batch} context={args.context} calls={len(times)}"
+    )
+    print("client e2e:        ", ms(times))
+    print("servicer handler:  ", ms(handler_times))
+    print("worker invoke:     ", ms(inv_times))
+    print(f"interceptor mean:   {(s1 - s0) / (c1 - c0) * 1e3:.3f} ms over {int(c1 - c0)} calls")
+    if prof:
+        prof.dump_stats(args.profile)
+        st = pstats.Stats(prof)
+        st.sort_stats("tottime").print_stats(35)
+        st.sort_stats("cumulative").print_stats(40)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stub", action="store_true", help="zero-cost fake pool operation")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--profile")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=2048)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    asyncio.run(main(args))
