@@ -633,8 +633,15 @@ async def _start_workers(
         from cache_service.worker_clients import LocalWorkerClient
 
         device = "cuda" if wc.device == "cuda" else "cpu"
+        # GPU pools answer per-layer calls on the event loop (see LocalWorkerClient.inline);
+        # CPU pools compute attention on the host, which would stall the loop.
         clients = [
-            LocalWorkerClient(f"{wc.name_prefix}{i}", _pool_config(config, layout), device)
+            LocalWorkerClient(
+                f"{wc.name_prefix}{i}",
+                _pool_config(config, layout),
+                device,
+                inline=device == "cuda",
+            )
             for i in range(wc.num_workers)
         ]
         return clients, [c.close for c in clients]

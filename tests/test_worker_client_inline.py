@@ -1,0 +1,90 @@
+"""LocalWorkerClient's inline per-layer calls: on the event loop when the worker's thread
+is idle, through the thread otherwise, never two calls at once."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import torch
+from service_support import LAYOUT
+
+from cache_service.worker_clients import LocalWorkerClient
+from workers.config import PoolConfig
+
+
+def _recording_client(inline: bool) -> tuple[LocalWorkerClient, list[tuple[str, str]]]:
+    client = LocalWorkerClient("w0", PoolConfig(LAYOUT, num_blocks=16), inline=inline)
+    seen: list[tuple[str, str]] = []
+    worker = client.worker
+    active = [0]
+
+    def traced(name: str, fn, delay: float = 0.0):
+        def run(*args, **kwargs):
+            active[0] += 1
+            try:
+                assert active[0] == 1, "two worker calls overlapped"
+                seen.append((name, threading.current_thread().name))
+                time.sleep(delay)
+                return fn(*args, **kwargs)
+            finally:
+                active[0] -= 1
+
+        return run
+
+    worker.write_and_attend = traced("write_and_attend", worker.write_and_attend)
+    worker.write = traced("write", worker.write, delay=0.05)
+    return client, seen
+
+
+def _step_args(client: LocalWorkerClient) -> tuple:
+    d, hkv = LAYOUT.head_dim, LAYOUT.num_kv_heads
+    k = torch.randn(1, hkv, d)
+    q = torch.randn(1, 2 * hkv, d)
+    return (client.worker.epoch(), 0, [0], k, k, q, [[0]], [1], [0, 1])
+
+
+def test_inline_call_runs_on_the_loop_when_the_thread_is_idle() -> None:
+    async def main() -> list[tuple[str, str]]:
+        client, seen = _recording_client(inline=True)
+        try:
+            await client._invoke("write_and_attend", *_step_args(client))
+        finally:
+            client.close()
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen == [("write_and_attend", threading.main_thread().name)]
+
+
+def test_inline_call_waits_behind_a_queued_bulk_call() -> None:
+    async def main() -> list[tuple[str, str]]:
+        client, seen = _recording_client(inline=True)
+        epoch = client.worker.epoch()
+        kv = torch.randn(LAYOUT.num_layers, 1, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+        try:
+            bulk = asyncio.ensure_future(client._invoke("write", epoch, None, [5], kv, kv))
+            await asyncio.sleep(0)  # the bulk write is on the thread now
+            await client._invoke("write_and_attend", *_step_args(client))
+            await bulk
+        finally:
+            client.close()
+        return seen
+
+    seen = asyncio.run(main())
+    assert [name for name, _ in seen] == ["write", "write_and_attend"]
+    assert all(thread.startswith("kvpool-w0") for _, thread in seen)
+
+
+def test_without_inline_every_call_takes_the_thread() -> None:
+    async def main() -> list[tuple[str, str]]:
+        client, seen = _recording_client(inline=False)
+        try:
+            await client._invoke("write_and_attend", *_step_args(client))
+        finally:
+            client.close()
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[0][1].startswith("kvpool-w0")
