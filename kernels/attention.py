@@ -687,50 +687,52 @@ def paged_attention_triton(
 
 _ATTENTION_LAUNCHER = CachedLauncher(_paged_attention_kernel)
 
-_PARTIALS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _partials(device: torch.device, rows: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 buffers for ``rows`` partial outputs ``[rows * head_dim]`` and LSEs ``[rows]``.
-
-    Kept per (device, stream) and grown on demand: launches on one stream run in order, so
-    the next call's kernel cannot overwrite partials the previous merge still reads.
-    Separate streams get separate buffers. Under CUDA-graph capture the buffers are fresh
-    allocations the graph owns.
-    """
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return (
-            torch.empty(rows * head_dim, dtype=torch.float32, device=device),
-            torch.empty(rows, dtype=torch.float32, device=device),
-        )
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
-    bufs = _PARTIALS.get(key)
-    if bufs is None or bufs[1].numel() < rows or bufs[0].numel() < rows * head_dim:
-        n = max(rows, 4096)
-        bufs = (
-            torch.empty(n * max(head_dim, 128), dtype=torch.float32, device=device),
-            torch.empty(n, dtype=torch.float32, device=device),
-        )
-        _PARTIALS[key] = bufs
-    return bufs[0][: rows * head_dim], bufs[1][:rows]
-
-
+_PARTIALS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_PARTIAL_LSES: dict[tuple[torch.device, int], torch.Tensor] = {}
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for the fused merge, kept per (device, stream).
+def _stream_buffer(
+    cache: dict[tuple[torch.device, int], torch.Tensor],
+    device: torch.device,
+    numel: int,
+    dtype: torch.dtype,
+    *,
+    zeroed: bool = False,
+) -> torch.Tensor:
+    """The first ``numel`` elements of a buffer kept per (device, stream), grown on demand.
 
-    The kernel leaves every counter it used at zero again, so one buffer serves every call
-    on a stream; separate streams get separate buffers because their launches may overlap.
+    Launches on one stream run in order, so a call's kernels cannot overwrite what the
+    previous call's kernels still read; separate streams get separate buffers because their
+    launches may overlap. Under CUDA-graph capture the buffer is a fresh allocation the
+    graph owns. ``zeroed``: allocate with zeros (users that must find it zeroed leave it so).
     """
+    alloc = torch.zeros if zeroed else torch.empty
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return alloc(max(numel, 1), dtype=dtype, device=device)[:numel]
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
+    buf = cache.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = alloc(max(numel, 1024), dtype=dtype, device=device)
+        cache[key] = buf
+    return buf[:numel]
+
+
+def _partials(device: torch.device, rows: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 buffers for ``rows`` partial outputs ``[rows * head_dim]`` and LSEs ``[rows]``
+    (per stream, see :func:`_stream_buffer`)."""
+    return (
+        _stream_buffer(_PARTIALS, device, rows * head_dim, torch.float32),
+        _stream_buffer(_PARTIAL_LSES, device, rows, torch.float32),
+    )
+
+
+def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for the fused merge (per stream, see
+    :func:`_stream_buffer`). The kernel leaves every counter it used at zero again, so one
+    buffer serves every call on a stream."""
+    return _stream_buffer(_COUNTERS, device, n, torch.int32, zeroed=True)
 
 
 def with_partitions(config: AttentionConfig, num_partitions: int) -> AttentionConfig:

@@ -45,46 +45,43 @@ def _step_args(client: LocalWorkerClient) -> tuple:
     return (client.worker.epoch(), 0, [0], k, k, q, [[0]], [1], [0, 1])
 
 
-def test_inline_call_runs_on_the_loop_when_the_thread_is_idle() -> None:
+def _run(inline: bool, calls) -> list[tuple[str, str]]:
+    """Run ``await calls(client)`` on a recording client; the (method, thread) pairs seen."""
+
     async def main() -> list[tuple[str, str]]:
-        client, seen = _recording_client(inline=True)
+        client, seen = _recording_client(inline)
         try:
-            await client._invoke("write_and_attend", *_step_args(client))
+            await calls(client)
         finally:
             client.close()
         return seen
 
-    seen = asyncio.run(main())
+    return asyncio.run(main())
+
+
+async def _one_step(client: LocalWorkerClient) -> None:
+    await client._invoke("write_and_attend", *_step_args(client))
+
+
+def test_inline_call_runs_on_the_loop_when_the_thread_is_idle() -> None:
+    seen = _run(True, _one_step)
     assert seen == [("write_and_attend", threading.main_thread().name)]
 
 
 def test_inline_call_waits_behind_a_queued_bulk_call() -> None:
-    async def main() -> list[tuple[str, str]]:
-        client, seen = _recording_client(inline=True)
+    async def bulk_then_step(client: LocalWorkerClient) -> None:
         epoch = client.worker.epoch()
         kv = torch.randn(LAYOUT.num_layers, 1, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-        try:
-            bulk = asyncio.ensure_future(client._invoke("write", epoch, None, [5], kv, kv))
-            await asyncio.sleep(0)  # the bulk write is on the thread now
-            await client._invoke("write_and_attend", *_step_args(client))
-            await bulk
-        finally:
-            client.close()
-        return seen
+        bulk = asyncio.ensure_future(client._invoke("write", epoch, None, [5], kv, kv))
+        await asyncio.sleep(0)  # the bulk write is on the thread now
+        await _one_step(client)
+        await bulk
 
-    seen = asyncio.run(main())
+    seen = _run(True, bulk_then_step)
     assert [name for name, _ in seen] == ["write", "write_and_attend"]
     assert all(thread.startswith("kvpool-w0") for _, thread in seen)
 
 
 def test_without_inline_every_call_takes_the_thread() -> None:
-    async def main() -> list[tuple[str, str]]:
-        client, seen = _recording_client(inline=False)
-        try:
-            await client._invoke("write_and_attend", *_step_args(client))
-        finally:
-            client.close()
-        return seen
-
-    seen = asyncio.run(main())
+    seen = _run(False, _one_step)
     assert seen[0][1].startswith("kvpool-w0")

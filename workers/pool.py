@@ -260,18 +260,12 @@ class KVPool:
         indices = check_attend(
             self._layout, self._num_blocks, layer, query, block_tables, seq_lens, query_start_loc
         )
-        tables, lens, starts = indices
-        slots, key, value, query, tables, lens, starts = self._on_device(
-            slots.to(torch.int64),
-            key,
-            value,
-            query,
-            tables.to(torch.int32),
-            lens.to(torch.int32),
-            starts.to(torch.int32),
+        # Both halves' tensors reach the device in one staged copy.
+        staged = self._on_device(
+            *_write_inputs(slots, key, value), *_attend_inputs(query, *indices)
         )
-        self._write_checked(layer, slots, key, value)
-        return self._attend_checked(layer, query, tables, lens, starts, options)
+        self._write_on_device(layer, *staged[:3])
+        return self._attend_on_device(layer, *staged[3:], options)
 
     def reference_attend(
         self,
@@ -380,9 +374,14 @@ class KVPool:
     def _write_checked(
         self, layer: int | None, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> None:
+        self._write_on_device(layer, *self._on_device(*_write_inputs(slots, key, value)))
+
+    def _write_on_device(
+        self, layer: int | None, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        """The write with validated arguments already on the pool's device."""
         if slots.shape[0] == 0:
             return
-        slots_dev, key, value = self._on_device(slots.to(torch.int64), key, value)
         key, value = key.contiguous(), value.contiguous()
         layers = range(self._layout.num_layers) if layer is None else (layer,)
         for i, lyr in enumerate(layers):
@@ -393,11 +392,11 @@ class KVPool:
                 v,
                 self._data[:, lyr, 0],
                 self._data[:, lyr, 1],
-                slots_dev,
+                slots,
             )
         if self._fingerprints is not None:
             dtype = self._data.dtype
-            self._fingerprints.record(layer, slots_dev, key.to(dtype), value.to(dtype))
+            self._fingerprints.record(layer, slots, key.to(dtype), value.to(dtype))
 
     def _attend_checked(
         self,
@@ -410,10 +409,23 @@ class KVPool:
         *,
         reference: bool = False,
     ) -> AttendResult:
-        query, block_tables, seq_lens, query_start_loc = self._on_device(
-            query, block_tables.to(torch.int32), seq_lens.to(torch.int32),
-            query_start_loc.to(torch.int32),
-        )  # fmt: skip
+        inputs = _attend_inputs(query, block_tables, seq_lens, query_start_loc)
+        return self._attend_on_device(
+            layer, *self._on_device(*inputs), options, reference=reference
+        )
+
+    def _attend_on_device(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        options: AttendOptions,
+        *,
+        reference: bool = False,
+    ) -> AttendResult:
+        """The attention with validated arguments already on the pool's device."""
         args = (
             query.contiguous(),
             self._data[:, layer, 0],
@@ -433,3 +445,25 @@ class KVPool:
             # The torch reference whatever the pool's backend, its errors as they are.
             return kernels.paged_attention(*args, **kwargs, backend="torch", check_values=False)
         return self._kernel(kernels.paged_attention, *args, **kwargs)
+
+
+def _write_inputs(
+    slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A write's tensors in the dtypes the kernels take (slots int64)."""
+    return slots.to(torch.int64), key, value
+
+
+def _attend_inputs(
+    query: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An attention call's tensors in the dtypes the kernels take (index tensors int32)."""
+    return (
+        query,
+        block_tables.to(torch.int32),
+        seq_lens.to(torch.int32),
+        query_start_loc.to(torch.int32),
+    )
