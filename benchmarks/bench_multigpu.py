@@ -923,14 +923,10 @@ def run(cfg: BenchConfig, out_dir: Path, command: str) -> dict:
     num_workers = min(found, cfg.max_workers or found)
     namespace = f"bench-multigpu-{uuid.uuid4().hex[:8]}"
     prefix = "bench-mg-"
-    ray.init(
-        address="local",
-        namespace=namespace,
-        num_cpus=2 if cfg.smoke else 4,
-        include_dashboard=False,
-        log_to_driver=False,
-    )
     from workers.launcher import shutdown_workers
+    from workers.ray_startup import start_local_ray
+
+    start_local_ray(namespace, num_cpus=2 if cfg.smoke else 4)
 
     ray_gpus = ray.cluster_resources().get("GPU", 0.0)
     if not cfg.smoke and ray_gpus < num_workers:

@@ -108,6 +108,7 @@ def run(shape: Shape, out_dir: Path) -> dict:
     import ray
 
     from workers.launcher import LaunchConfig, launch_workers, shutdown_workers
+    from workers.ray_startup import start_local_ray
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -144,13 +145,7 @@ def run(shape: Shape, out_dir: Path) -> dict:
     step_slots = torch.arange(shape.batch, dtype=torch.int64)  # distinct scratch slots
 
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
-    ray.init(
-        address="local",
-        namespace=namespace,
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-    )
+    start_local_ray(namespace, num_cpus=4)
     prefix = "bench-worker-"
     try:
         config = LaunchConfig(

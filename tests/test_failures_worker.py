@@ -32,6 +32,8 @@ from cache_service.client import (
 
 ray = pytest.importorskip("ray")
 
+from workers.ray_startup import start_local_ray  # noqa: E402
+
 HQ, HKV, D = 4, LAYOUT.num_kv_heads, LAYOUT.head_dim
 BLOCKS = 64
 NAMESPACE = f"kvcache-failures-{uuid.uuid4().hex[:8]}"
@@ -41,13 +43,7 @@ PREFIX = "fail-worker-"
 @pytest.fixture(scope="module")
 def svc():
     # Ray wants the main thread for init; the service then finds it connected.
-    ray.init(
-        address="local",
-        num_cpus=2,
-        namespace=NAMESPACE,
-        include_dashboard=False,
-        log_to_driver=False,
-    )
+    start_local_ray(NAMESPACE, num_cpus=2)
     config = service_config(
         **{
             "workers.in_process": False,

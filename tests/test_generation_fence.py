@@ -26,6 +26,7 @@ from workers.config import PoolConfig
 from workers.description import FencedEpoch
 from workers.errors import StaleCoordinatorError, StaleEpochError, WorkerError
 from workers.layout import KVLayout
+from workers.ray_startup import start_local_ray
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 CONFIG = PoolConfig(LAYOUT, num_blocks=8)
@@ -258,13 +259,7 @@ def test_ray_actor_refuses_the_superseded_generation() -> None:
     namespace = f"kvcache-fence-{uuid.uuid4().hex[:8]}"
     started = not ray.is_initialized()
     if started:
-        ray.init(
-            address="local",
-            num_cpus=1,
-            namespace=namespace,
-            include_dashboard=False,
-            log_to_driver=False,
-        )
+        start_local_ray(namespace, num_cpus=1)
     prefix = "fence-"
     try:
         (handle,) = launch_workers(

@@ -108,10 +108,11 @@ def test_one_worker_run_skips_the_cross_worker_sections_and_says_why(tmp_path):
 def test_a_poisoned_pool_fails_the_correctness_check():
     ray = pytest.importorskip("ray")
     from workers.launcher import shutdown_workers
+    from workers.ray_startup import start_local_ray
 
     cfg = bench.replace(bench.SMOKE, seconds=0.01)
     namespace = f"test-multigpu-{uuid.uuid4().hex[:8]}"
-    ray.init(address="local", namespace=namespace, num_cpus=1, include_dashboard=False)
+    start_local_ray(namespace, num_cpus=1)
     try:
         workers = bench.start_workers(cfg, namespace, "poison-", 1)
 

@@ -80,10 +80,11 @@ def gpu_workers():
     import ray
 
     from workers.launcher import shutdown_workers
+    from workers.ray_startup import start_local_ray
 
     namespace = f"test-multigpu-gpu-{uuid.uuid4().hex[:8]}"
     prefix = "mg-test-"
-    ray.init(address="local", namespace=namespace, num_cpus=4, include_dashboard=False)
+    start_local_ray(namespace, num_cpus=4)
     try:
         yield bench.start_workers(CFG, namespace, prefix, NUM_GPUS)
     finally:

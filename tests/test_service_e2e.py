@@ -14,13 +14,14 @@ import torch
 from service_support import HQ, LAYOUT, Mirror, ServiceHarness, service_config
 
 from cache_service.client import AppendAttendItem, AttendItem, KVCacheClient
+from workers.ray_startup import start_local_ray
 
 D, HKV, NL = LAYOUT.head_dim, LAYOUT.num_kv_heads, LAYOUT.num_layers
 
 
 @pytest.fixture(scope="module")
 def svc():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="e2e")
+    start_local_ray("e2e", num_cpus=2)
     prefix = f"e2e-{uuid.uuid4().hex[:6]}-"
     config = service_config(
         **{

@@ -143,10 +143,12 @@ def test_pool_sized_from_free_gpu_memory_and_refused_when_too_big():
 @pytest.fixture(scope="module")
 def gpu_ray():
     ray = pytest.importorskip("ray")
+    from workers.ray_startup import start_local_ray
+
     namespace = f"kvcache-gpu-test-{uuid.uuid4().hex[:8]}"
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", num_cpus=4, namespace=namespace, include_dashboard=False)
+        start_local_ray(namespace, num_cpus=4)
     yield ray, namespace
     if started:
         ray.shutdown()

@@ -35,6 +35,7 @@ from workers.launcher import (  # noqa: E402
     shutdown_workers,
 )
 from workers.layout import KVLayout  # noqa: E402
+from workers.ray_startup import start_local_ray  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32")
 NAMESPACE = f"kvcache-test-{uuid.uuid4().hex[:8]}"
@@ -46,13 +47,7 @@ def cluster():
     started = not ray.is_initialized()
     if started:
         # address="local": a fresh cluster, never one another process left on this machine.
-        ray.init(
-            address="local",
-            num_cpus=2,
-            namespace=NAMESPACE,
-            include_dashboard=False,
-            log_to_driver=False,
-        )
+        start_local_ray(NAMESPACE, num_cpus=2)
     yield ray.get_runtime_context().gcs_address
     if started:
         ray.shutdown()

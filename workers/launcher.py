@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from workers.actor import PoolWorkerActor
 from workers.config import PoolConfig
 from workers.errors import WorkerLaunchError, WorkersAlreadyExist
+from workers.ray_startup import start_local_ray
 
 __all__ = [
     "LaunchConfig",
@@ -126,13 +127,7 @@ def connect_ray(address: str | None, namespace: str, *, local_num_cpus: int | No
     if ray.is_initialized():
         return
     if address is None:
-        ray.init(
-            address="local",
-            namespace=namespace,
-            num_cpus=local_num_cpus,
-            include_dashboard=False,
-            log_to_driver=False,
-        )
+        start_local_ray(namespace, num_cpus=local_num_cpus)
     else:
         ray.init(address=address, namespace=namespace, log_to_driver=False)
 
