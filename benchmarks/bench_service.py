@@ -124,7 +124,7 @@ def service_config(setup: Setup, *, ray: bool, window_ms: float) -> ServiceConfi
 
 
 def through_service(
-    setup: Setup, *, ray: bool, window_ms: float, profile: Path | None = None
+    setup: Setup, *, ray: bool, window_ms: float, api: str = "batch", profile: Path | None = None
 ) -> dict[str, BenchResult]:
     """Start a service, run the single-client and the concurrency benchmarks, stop it.
 
@@ -140,14 +140,16 @@ def through_service(
             for key, cfg in (
                 ("single", BenchConfig(batch=setup.batch, context=setup.context,
                                        steps=setup.steps, num_q_heads=setup.num_q_heads,
-                                       dtype=dtype)),
+                                       dtype=dtype, api=api)),
                 ("one_small", BenchConfig(batch=setup.concurrent_batch, context=setup.context,
                                           steps=setup.concurrent_steps,
-                                          num_q_heads=setup.num_q_heads, dtype=dtype)),
+                                          num_q_heads=setup.num_q_heads, dtype=dtype,
+                                          api=api)),
                 ("concurrent", BenchConfig(batch=setup.concurrent_batch, context=setup.context,
                                            steps=setup.concurrent_steps,
                                            clients=setup.concurrent_clients,
-                                           num_q_heads=setup.num_q_heads, dtype=dtype)),
+                                           num_q_heads=setup.num_q_heads, dtype=dtype,
+                                          api=api)),
             ):  # fmt: skip
                 # Clients in their own processes: a client sharing the server's GIL would
                 # slow both and inflate the figures.
@@ -211,6 +213,12 @@ def in_process(setup: Setup) -> tuple[list[float], float]:
     return times, time.perf_counter() - t_start
 
 
+API_TEXT = {
+    "batch": "`append_attend_batch` (the batch as `[batch, ...]` tensors)",
+    "items": "`append_attend` (one `AppendAttendItem` per sequence)",
+}
+
+
 def fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
 
@@ -234,6 +242,7 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         f"- decode: batch {setup.batch}, context {setup.context}, {setup.steps} timed steps "
         f"of {lay.num_layers} append-and-attend calls (3 warm-up steps); batching window "
         f"{args.batch_window_ms} ms",
+        f"- client call: {API_TEXT[args.api]}",
         "- each client runs in its own process (loopback gRPC); one worker; the server's "
         "process holds the coordinator (and, for the first row, the pools)",
         "",
@@ -286,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-window-ms", type=float, default=0.5)
     parser.add_argument("--steps", type=int, help="timed steps (default: the setup's)")
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray worker run")
+    parser.add_argument("--api", choices=tuple(API_TEXT), default="batch", help="client call")
     parser.add_argument(
         "--profile", type=Path, help="also run once under cProfile, the server's stats here"
     )
@@ -302,15 +312,17 @@ def main(argv: list[str] | None = None) -> int:
     # First the pools in the coordinator's process (workers.in_process: the deployment for
     # one GPU per coordinator), then the same GPU behind a Ray actor.
     results["pools in the server process"] = through_service(
-        setup, ray=False, window_ms=args.batch_window_ms
+        setup, ray=False, window_ms=args.batch_window_ms, api=args.api
     )
     if args.profile:
         # A shorter context: filling 8 GiB again would cost more than the profile tells.
         short = replace(setup, context=min(setup.context, 512), steps=min(setup.steps, 5))
-        through_service(short, ray=False, window_ms=args.batch_window_ms, profile=args.profile)
+        through_service(
+            short, ray=False, window_ms=args.batch_window_ms, api=args.api, profile=args.profile
+        )
     if not args.no_ray:
         results[f"Ray {setup.device} worker"] = through_service(
-            setup, ray=True, window_ms=args.batch_window_ms
+            setup, ray=True, window_ms=args.batch_window_ms, api=args.api
         )
     # After the service stopped, so the baseline has the device to itself.
     base = in_process(setup)

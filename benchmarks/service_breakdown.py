@@ -19,7 +19,7 @@ import time
 import torch
 
 
-def client_main(addr, batch, context, steps, hq, dtype, conn):
+def client_main(addr, batch, context, steps, hq, dtype, api, conn):
     from cache_service.client import AppendAttendItem, KVCacheClient
 
     torch.set_num_threads(1)
@@ -36,13 +36,19 @@ def client_main(addr, batch, context, steps, hq, dtype, conn):
         k = torch.randn(batch, 1, lay.num_kv_heads, lay.head_dim, generator=gen).to(dt)
         q = torch.randn(batch, 1, hq, lay.head_dim, generator=gen).to(dt)
 
+        seq_ids = [s.seq_id for s in seqs]
+
         def step(times):
             for layer in range(lay.num_layers):
-                items = [
-                    AppendAttendItem(s.seq_id, [7], k[i], k[i], q[i]) for i, s in enumerate(seqs)
-                ]
-                t0 = time.perf_counter()
-                client.append_attend(layer, items)
+                if api == "batch":
+                    t0 = time.perf_counter()
+                    client.append_attend_batch(layer, seq_ids, [[7]] * batch, k, k, q)
+                else:
+                    items = [
+                        AppendAttendItem(s, [7], k[i], k[i], q[i]) for i, s in enumerate(seq_ids)
+                    ]
+                    t0 = time.perf_counter()
+                    client.append_attend(layer, items)
                 times.append(time.perf_counter() - t0)
 
         for _ in range(3):
@@ -147,6 +153,7 @@ async def main(args):
             args.steps,
             args.q_heads,
             args.dtype,
+            args.api,
             child,
         ),
     )
@@ -187,7 +194,7 @@ async def main(args):
         return f"p50 {statistics.median(xs) * 1e3:.3f} ms, mean {statistics.fmean(xs) * 1e3:.3f} ms"
 
     print(
-        f"mode={'stub' if args.stub else 'real'} device={args.device} dtype={args.dtype} batch={args.batch} context={args.context} calls={len(times)}"
+        f"mode={'stub' if args.stub else 'real'} api={args.api} device={args.device} dtype={args.dtype} batch={args.batch} context={args.context} calls={len(times)}"
     )
     print("client e2e:        ", ms(times))
     print("servicer handler:  ", ms(handler_times))
@@ -210,6 +217,7 @@ if __name__ == "__main__":
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--profile")
+    ap.add_argument("--api", choices=("batch", "items"), default="batch")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=2048)

@@ -39,6 +39,8 @@ class BenchConfig:
         num_q_heads: query heads (a multiple of the layout's KV heads).
         dtype: dtype of the K/V/query tensors sent ("float16" | "bfloat16" | "float32").
         timeout_s: deadline of each call.
+        api: "batch" sends the batch as ``[batch, ...]`` tensors (`append_attend_batch`,
+            what a model executor holds); "items" as one `AppendAttendItem` per sequence.
     """
 
     batch: int = 8
@@ -49,6 +51,7 @@ class BenchConfig:
     num_q_heads: int = 4
     dtype: str = "float32"
     timeout_s: float = 60.0
+    api: str = "batch"
 
     def __post_init__(self) -> None:
         for name in ("batch", "context", "steps", "clients", "num_q_heads"):
@@ -59,6 +62,8 @@ class BenchConfig:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
         if self.dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"dtype must be float16, bfloat16 or float32, got {self.dtype!r}")
+        if self.api not in ("batch", "items"):
+            raise ValueError(f"api must be batch or items, got {self.api!r}")
 
 
 @dataclass
@@ -139,14 +144,21 @@ def _client_run(
                 k = torch.randn(cfg.batch, 1, hkv, d, generator=gen).to(dtype)
                 q = torch.randn(cfg.batch, 1, cfg.num_q_heads, d, generator=gen).to(dtype)
 
+                seq_ids = [s.seq_id for s in seqs]
+                token_ids = [[7]] * cfg.batch
+
                 def step(timed: bool) -> None:
                     for layer in range(num_layers):
-                        items = [
-                            AppendAttendItem(s.seq_id, [7], k[i], k[i], q[i])
-                            for i, s in enumerate(seqs)
-                        ]
-                        t0 = time.perf_counter()
-                        client.append_attend(layer, items)
+                        if cfg.api == "batch":
+                            t0 = time.perf_counter()
+                            client.append_attend_batch(layer, seq_ids, token_ids, k, k, q)
+                        else:
+                            items = [
+                                AppendAttendItem(s, [7], k[i], k[i], q[i])
+                                for i, s in enumerate(seq_ids)
+                            ]
+                            t0 = time.perf_counter()
+                            client.append_attend(layer, items)
                         if timed:
                             times.append(time.perf_counter() - t0)
 

@@ -638,14 +638,27 @@ class BlockManager:
         Raises:
             SequenceNotFound, SequenceLost, InvalidRequest (bad layer), LayerNotWritten.
         """
-        seq = self._resolve(tenant, seq_id)
         if layer is None:
             raise InvalidRequest("attention_view needs one layer, got None")
+        seq_len = self.written_length(tenant, seq_id, layer)
+        table = self._resolve(tenant, seq_id).table
+        return SequenceView(seq_len, segments_of(table, -(-seq_len // self._bs), self._bs))
+
+    def written_length(self, tenant: str, seq_id: str, layer: int) -> int:
+        """written(layer): the keys attending over `layer` reads (`attention_view`'s
+        seq_len, without building the view).
+
+        Raises:
+            SequenceNotFound, SequenceLost, InvalidRequest (bad layer), LayerNotWritten.
+        """
+        seq = self._resolve(tenant, seq_id)
+        if layer is None:
+            raise InvalidRequest("written_length needs one layer, got None")
         self._check_layer(layer)
         seq_len = seq.written[layer]
         if seq_len == 0:
             raise LayerNotWritten(f"layer {layer} of sequence {seq_id!r} has nothing written")
-        return SequenceView(seq_len, segments_of(seq.table, -(-seq_len // self._bs), self._bs))
+        return seq_len
 
     def block_ids(self, tenant: str, seq_id: str, num_blocks: int) -> tuple[str, memoryview] | None:
         """The first `num_blocks` physical block indices of the sequence's table as a

@@ -140,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, default=20)
     bench.add_argument("--clients", type=int, default=1)
     bench.add_argument("--num-q-heads", type=int, default=4)
+    bench.add_argument(
+        "--api",
+        choices=("batch", "items"),
+        default="batch",
+        help="send [batch, ...] tensors (append_attend_batch) or one item per sequence",
+    )
 
     for name, text in (("info", "layout, workers and capacity"), ("stats", "pool statistics")):
         p = sub.add_parser(name, help=text)
@@ -237,6 +243,7 @@ def _bench(args: argparse.Namespace) -> int:
         steps=args.steps,
         clients=args.clients,
         num_q_heads=args.num_q_heads,
+        api=args.api,
     )
 
     async def embedded() -> Any:

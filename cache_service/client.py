@@ -31,15 +31,18 @@ import torch
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service._proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+from cache_service.request_codec import encode_append_attend, encode_attend
 from cache_service.tensor_codec import (
     dtype_from_proto,
     dtype_to_proto,
+    stacked_from_protos,
     tensor_from_bytes,
     tensor_to_bytes,
     tensors_from_protos,
-    write_tensors,
 )
 from cache_service.tls import ClientTLSConfig, channel_credentials, channel_options
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["KVCache"].full_name
 
 __all__ = [
     "AppendAttendItem",
@@ -383,6 +386,17 @@ class KVCacheClient:
             options += channel_options(tls)
             self._channel = grpc.secure_channel(target, channel_credentials(tls), options=options)
         self._stub = pb_grpc.KVCacheStub(self._channel)
+        # The per-layer calls send requests the client encodes itself (`request_codec`).
+        self._append_attend_raw = self._channel.unary_unary(
+            f"/{_SERVICE}/AppendAttend",
+            request_serializer=None,
+            response_deserializer=pb.AppendAttendResponse.FromString,
+        )
+        self._attend_raw = self._channel.unary_unary(
+            f"/{_SERVICE}/Attend",
+            request_serializer=None,
+            response_deserializer=pb.AttendResponse.FromString,
+        )
         self._layout: Any = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -626,10 +640,8 @@ class KVCacheClient:
         Returns, per item in order, the output ``[n, num_q_heads, head_dim]`` (the query's
         dtype), or with return_lse an ``(output, lse)`` pair, lse float32 ``[n, num_q_heads]``.
         """
-        req = pb.AttendRequest(layer=layer, return_lse=return_lse)
-        wire = [req.items.add(seq_id=i.seq_id) for i in items]
-        write_tensors([w.query for w in wire], [i.query for i in items])
-        r = self._call(self._stub.Attend, req, timeout_s=timeout_s, retry=True)
+        req = encode_attend(layer, [i.seq_id for i in items], [i.query for i in items], return_lse)
+        r = self._call(self._attend_raw, req, timeout_s=timeout_s, retry=True)
         return _results(r.results, return_lse)
 
     def append_attend(
@@ -644,16 +656,77 @@ class KVCacheClient:
 
         Returns what `attend` returns, one entry per item.
         """
-        # Filled in place (building item messages and copying them in costs several times
-        # more); each field of all items goes to bytes in one copy when the items' tensors
-        # are rows of one tensor, as a model's batch usually is.
-        req = pb.AppendAttendRequest(layer=layer, return_lse=return_lse)
-        wire = [req.items.add(seq_id=i.seq_id, token_ids=_ids(i.token_ids)) for i in items]
-        write_tensors([w.key for w in wire], [i.key for i in items])
-        write_tensors([w.value for w in wire], [i.value for i in items])
-        write_tensors([w.query for w in wire], [i.query for i in items])
-        r = self._call(self._stub.AppendAttend, req, timeout_s=timeout_s, retry=False)
+        # Each field of all items goes to bytes in one copy when the items' tensors are
+        # rows of one tensor, as a model's batch usually is.
+        req = encode_append_attend(
+            layer,
+            [i.seq_id for i in items],
+            [_ids(i.token_ids) for i in items],
+            [i.key for i in items],
+            [i.value for i in items],
+            [i.query for i in items],
+            return_lse,
+        )
+        r = self._call(self._append_attend_raw, req, timeout_s=timeout_s, retry=False)
         return _results(r.results, return_lse)
+
+    def append_attend_batch(
+        self,
+        layer: int,
+        seq_ids: Sequence[str],
+        token_ids: Sequence[Sequence[int]] | torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query: torch.Tensor,
+        return_lse: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """`append_attend` for a batch in a model's layout: one RPC, row i is sequence i.
+
+        The fast form of the per-layer call: whole-batch tensors are framed once and sent
+        without per-sequence tensor work, and the reply is one tensor.
+
+        Args:
+            layer: the layer.
+            seq_ids: ``batch`` distinct sequences.
+            token_ids: ``[batch, n]`` ids of the new tokens (ints or an integer tensor).
+            key, value: ``[batch, n, num_kv_heads, head_dim]``, float16 / bfloat16 / float32.
+            query: ``[batch, m, num_q_heads, head_dim]``: the last m positions after the
+                write (m = 1 to decode).
+            return_lse: also return the log-sum-exp.
+
+        Returns:
+            The output ``[batch, m, num_q_heads, head_dim]`` in the query's dtype, or with
+            return_lse an ``(output, lse)`` pair, lse float32 ``[batch, m, num_q_heads]``.
+
+        Raises:
+            ValueError: the tensors are not 4-D or their batch sizes differ from seq_ids.
+        """
+        ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
+        _check_batch(seq_ids, ids, key=key, value=value, query=query)
+        req = encode_append_attend(
+            layer, seq_ids, [_ids(row) for row in ids], key, value, query, return_lse
+        )
+        r = self._call(self._append_attend_raw, req, timeout_s=timeout_s, retry=False)
+        return _stacked_results(r.results, return_lse)
+
+    def attend_batch(
+        self,
+        layer: int,
+        seq_ids: Sequence[str],
+        query: torch.Tensor,
+        return_lse: bool = False,
+        *,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """`attend` for a batch in a model's layout: query ``[batch, m, num_q_heads,
+        head_dim]``, row i for sequence i. Returns the output (and lse) as
+        `append_attend_batch` does."""
+        _check_batch(seq_ids, None, query=query)
+        req = encode_attend(layer, seq_ids, query, return_lse)
+        r = self._call(self._attend_raw, req, timeout_s=timeout_s, retry=True)
+        return _stacked_results(r.results, return_lse)
 
     # -- export / import -------------------------------------------------------------------
 
@@ -723,6 +796,32 @@ def _ids(token_ids: Iterable[int]) -> list[int]:
             raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
         return token_ids.tolist()
     return [int(t) for t in token_ids]
+
+
+def _check_batch(
+    seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]] | None, **tensors: torch.Tensor
+) -> None:
+    batch = len(seq_ids)
+    if batch == 0:
+        raise ValueError("a batch call needs at least one sequence")
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.ndim != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"{name} must be a 4-D tensor [batch, rows, heads, head_dim], got {shape}"
+            )
+        if t.shape[0] != batch:
+            raise ValueError(f"{name} holds {t.shape[0]} sequences, seq_ids {batch}")
+    if token_ids is not None and len(token_ids) != batch:
+        raise ValueError(f"token_ids holds {len(token_ids)} sequences, seq_ids {batch}")
+
+
+def _stacked_results(results: Sequence[pb.AttendResult], return_lse: bool) -> Any:
+    # Every output lands in one new buffer (one copy), viewed as [batch, ...].
+    out = stacked_from_protos([r.output for r in results], "results[{}].output")
+    if not return_lse:
+        return out
+    return out, stacked_from_protos([r.lse for r in results], "results[{}].lse")
 
 
 def _results(results: Sequence[pb.AttendResult], return_lse: bool) -> list[Any]:

@@ -589,7 +589,7 @@ class Coordinator:
         async with self._locked(seq_ids):
             views = []
             for i, it in enumerate(items):
-                view = self.block_manager.attention_view(tenant, it.seq_id, layer)
+                view = self._view_of(tenant, it.seq_id, layer)
                 m = it.query.shape[0]
                 if m > view.seq_len:
                     raise LayerNotWritten(
@@ -869,6 +869,16 @@ class Coordinator:
                 lock.release()
 
     # -- internals: planning ---------------------------------------------------------------
+
+    def _view_of(self, tenant: str, seq_id: str, layer: int) -> SequenceViewLike:
+        """What attending over `layer` reads: a `OneWorkerView` over the cached block ids
+        when the sequence lives on one worker (O(1)), else its per-worker segments."""
+        seq_len = self.block_manager.written_length(tenant, seq_id, layer)
+        ids = self.block_manager.block_ids(tenant, seq_id, -(-seq_len // self.layout.block_size))
+        if ids is not None:
+            worker_id, view = ids
+            return OneWorkerView(seq_len, worker_id, np.frombuffer(view, dtype=np.int32))
+        return self.block_manager.attention_view(tenant, seq_id, layer)
 
     def _view_after_write(
         self, tenant: str, seq_id: str, layer: int, plan: WritePlan

@@ -87,6 +87,7 @@ _READ_ONLY = frozenset(
         "lookup",
         "sequence_info",
         "write_cursor",
+        "written_length",
         "unfinished_writes",
         "tenant_quotas",
         "take_released",

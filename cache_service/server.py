@@ -41,7 +41,7 @@ from cache_service.control_types import TenantQuota
 from cache_service.coordinator import AppendAttendItem, AttendItem, Coordinator, JoinedFields
 from cache_service.errors import InvalidRequest
 from cache_service.inflight import InFlightLimiter, InFlightLimitInterceptor
-from cache_service.result_codec import results_reply
+from cache_service.result_codec import encode_results
 from cache_service.status_mapping import status_for
 from cache_service.store import MetadataStore, StoreConfig
 from cache_service.tensor_codec import (
@@ -304,20 +304,18 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         return pb.AppendResponse(start_position=start, num_tokens=len(head.token_ids))
 
     @_rpc
-    async def Attend(
-        self, request: pb.AttendRequest, context: Any, tenant: str
-    ) -> pb.AttendResponse:
+    async def Attend(self, request: pb.AttendRequest, context: Any, tenant: str) -> bytes:
         wire = request.items
         seq_ids = _seq_ids(wire)
         queries = tensors_from_protos([it.query for it in wire], "items[{}].query", ndim=3)
         items = [AttendItem(s, q) for s, q in zip(seq_ids, queries, strict=True)]
         results = await self._coord.attend(tenant, request.layer, items, request.return_lse)
-        return results_reply(pb.AttendResponse, results, request.return_lse)
+        return encode_results(results, request.return_lse)  # an encoded AttendResponse
 
     @_rpc
     async def AppendAttend(
         self, request: pb.AppendAttendRequest, context: Any, tenant: str
-    ) -> pb.AppendAttendResponse:
+    ) -> bytes:
         wire = request.items
         seq_ids = _seq_ids(wire)
         # Each field of every item decodes into one buffer: the coordinator then checks,
@@ -337,7 +335,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             request.return_lse,
             joined=JoinedFields(k_span, v_span, q_span),
         )
-        return results_reply(pb.AppendAttendResponse, results, request.return_lse)
+        return encode_results(results, request.return_lse)  # an encoded AppendAttendResponse
 
     # -- export / import -------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ non-negative, byte count exact, shape as expected) and raises `TensorCodecError`
 field, which the server reports as INVALID_ARGUMENT. Only float16, bfloat16 and float32
 travel: the KV dtypes the pools support.
 
-The batch forms (`tensors_from_protos`, `write_tensors`) handle one field of every item
+The batch forms (`tensors_from_protos`, `tensor_payloads`) handle one field of every item
 of a request or reply with one copy and a few torch calls in all, instead of several per
 item: decoded tensors are consecutive views of one new buffer (`joined_view` then sees them
 as one tensor, without copying), and encoded ones are cut from one host copy.
@@ -30,13 +30,14 @@ __all__ = [
     "dtype_to_proto",
     "joined_from_protos",
     "joined_view",
+    "row_payloads",
+    "stacked_from_protos",
     "tensor_from_bytes",
     "tensor_from_proto",
     "tensor_payloads",
     "tensor_to_bytes",
     "tensor_to_proto",
     "tensors_from_protos",
-    "write_tensors",
 ]
 
 # torch dtype <-> wire enum. Keep in step with the DType enum of kvcache.proto.
@@ -260,10 +261,57 @@ def joined_from_protos(
     on knows they are back to back without checking each one again."""
     if not msgs:
         return [], None
+    joined = _joined(msgs, field, ndim)
+    if joined is None:  # a bad message, or mixed dtypes: one at a time
+        return _one_by_one(msgs, field, ndim), None
+    flat, shapes, same = joined
+    if same:
+        return list(flat.view(len(shapes), *shapes[0]).unbind(0)), flat if flat.numel() else None
+    if not flat.numel():
+        return [torch.empty(s, dtype=flat.dtype) for s in shapes], None
+    sizes = [math.prod(s) for s in shapes]
+    return [piece.view(s) for piece, s in zip(flat.split(sizes), shapes, strict=True)], flat
+
+
+def stacked_from_protos(
+    msgs: Sequence[pb.Tensor], field: str, *, ndim: int | None = None
+) -> torch.Tensor:
+    """Decode one field of many messages of one dtype and shape into one new CPU tensor
+    ``[len(msgs), *shape]`` (one copy of the payload; no per-message tensors).
+
+    Raises:
+        TensorCodecError: what `tensor_from_proto` raises, naming the first bad message;
+            or the messages differ in dtype or shape, or there are none.
+    """
+    if not msgs:
+        raise TensorCodecError(f"{field.format(0)} is missing: no messages to stack")
+    joined = _joined(msgs, field, ndim)
+    if joined is None:
+        tensors = _one_by_one(msgs, field, ndim)  # raises for a bad message
+        raise TensorCodecError(
+            f"{field.format('*')}: the messages differ in dtype "
+            f"({sorted({str(t.dtype) for t in tensors})}), one tensor cannot hold them"
+        )
+    flat, shapes, same = joined
+    if not same:
+        bad = next(i for i, s in enumerate(shapes) if s != shapes[0])
+        raise TensorCodecError(
+            f"{field.format(bad)} has shape {shapes[bad]}, {field.format(0)} has {shapes[0]}: "
+            "one tensor cannot hold them"
+        )
+    return flat.view(len(shapes), *shapes[0])
+
+
+def _joined(
+    msgs: Sequence[pb.Tensor], field: str, ndim: int | None
+) -> tuple[torch.Tensor, list[list[int]], bool] | None:
+    """Every message's payload in one new flat tensor, with the messages' shapes and
+    whether they are all alike; None when a message is bad or the dtypes differ (the
+    caller then decodes one by one, which names the bad message)."""
     dtype_value = msgs[0].dtype
     dtype = _FROM_PROTO.get(dtype_value)
     if dtype is None or not _LITTLE_ENDIAN_HOST:
-        return _one_by_one(msgs, field, ndim), None
+        return None
     itemsize = dtype.itemsize
     # Lists (slicing is the cheapest copy of a repeated field); C-level passes below, as
     # this runs for every field of every request.
@@ -283,22 +331,37 @@ def joined_from_protos(
             for dims, d in zip(shapes, datas, strict=True)
         )
     if not ok or [m.dtype for m in msgs].count(dtype_value) != len(msgs):
-        # A bad message, or mixed dtypes: one at a time (naming the bad one).
-        return _one_by_one(msgs, field, ndim), None
+        return None
     buf = bytearray().join(datas)  # the one copy: writable, owned by the tensors
-    if not buf:
-        if same:
-            return list(torch.empty((len(shapes), *first), dtype=dtype).unbind(0)), None
-        return [torch.empty(s, dtype=dtype) for s in shapes], None
-    flat = torch.frombuffer(buf, dtype=dtype)
-    if same:
-        return list(flat.view(len(shapes), *first).unbind(0)), flat
-    sizes = [math.prod(s) for s in shapes]
-    return [piece.view(s) for piece, s in zip(flat.split(sizes), shapes, strict=True)], flat
+    flat = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
+    return flat, shapes, same
 
 
 def _one_by_one(msgs: Sequence[pb.Tensor], field: str, ndim: int | None) -> list[torch.Tensor]:
     return [tensor_from_proto(m, field.format(i), ndim=ndim) for i, m in enumerate(msgs)]
+
+
+def row_payloads(batch: torch.Tensor) -> list[bytes | memoryview]:
+    """The raw little-endian bytes of each ``batch[i]`` (`tensor_to_bytes` of each row),
+    cut from one host copy of the batch: no per-row tensor work.
+
+    Raises:
+        TensorCodecError: a dtype that cannot travel.
+        ValueError: ``batch`` has no leading (batch) dimension.
+    """
+    if batch.ndim < 1:
+        raise ValueError("row_payloads needs a batch dimension, got a 0-d tensor")
+    dtype_to_proto(batch.dtype)
+    rows = batch.shape[0]
+    if not _LITTLE_ENDIAN_HOST or rows == 0 or batch.numel() == 0:
+        return [tensor_to_bytes(row) for row in batch]
+    host = batch.detach()
+    if host.device.type != "cpu":
+        host = host.cpu()
+    host = host.contiguous()
+    raw = memoryview(host.view(_BITS_DTYPE[host.element_size()]).numpy()).cast("B")
+    size = raw.nbytes // rows
+    return [raw[i : i + size] for i in range(0, size * rows, size)]
 
 
 def tensor_payloads(
@@ -332,36 +395,3 @@ def tensor_payloads(
         out.append(raw[offset:end])
         offset = end
     return out
-
-
-def write_tensors(msgs: Sequence[pb.Tensor], tensors: Sequence[torch.Tensor]) -> None:
-    """Encode ``tensors[i]`` into the empty message ``msgs[i]`` (say the ``output`` field of
-    each result of a reply, filled in place: building separate messages and copying them
-    in costs several times more).
-
-    Tensors that lie back to back in one storage (`joined_view`: e.g. the per-item rows of
-    one output, or a model's batch split per sequence) reach the host once, and each
-    message's bytes are copied straight out of that memory: one copy per tensor, and a
-    handful of torch calls for all of them. Others go one by one, as `tensor_to_proto`.
-    """
-    span = joined_view(tensors) if len(tensors) > 1 else None
-    if span is None or span.dtype not in _TO_PROTO or span.numel() == 0 or not _LITTLE_ENDIAN_HOST:
-        for msg, t in zip(msgs, tensors, strict=True):
-            data = tensor_to_bytes(t)  # checks the dtype first
-            msg.dtype = _TO_PROTO[t.dtype]
-            msg.shape.extend(t.shape)
-            msg.data = data
-        return
-    host = span.detach()
-    if host.device.type != "cpu":
-        host = host.cpu()
-    itemsize = host.element_size()
-    raw = memoryview(host.view(_BITS_DTYPE[itemsize]).numpy()).cast("B")  # a view
-    enum = _TO_PROTO[host.dtype]
-    offset = 0
-    for msg, t in zip(msgs, tensors, strict=True):
-        end = offset + t.numel() * itemsize
-        msg.dtype = enum
-        msg.shape.extend(t.shape)
-        msg.data = raw[offset:end].tobytes()
-        offset = end

@@ -8,6 +8,10 @@ them itself and refuses what does not parse with INVALID_ARGUMENT naming the mes
 In client-streaming calls (Append, ImportBlocks) a bad message raises InvalidRequest inside
 the servicer's stream loop, which the servicer maps to INVALID_ARGUMENT as well.
 
+Replies travel the other way as they come: a handler may return bytes it encoded itself
+(the attention replies, `result_codec`), which go out unchanged; messages are serialized
+as usual.
+
 Install it innermost (last in the interceptor list): the interceptors outside it then see
 raw bytes, and the authentication interceptor still refuses a call before anything is
 parsed.
@@ -68,7 +72,7 @@ def _decoding(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHand
     """`handler` taking raw bytes and decoding them itself (INVALID_ARGUMENT if they do
     not parse)."""
     decode = handler.request_deserializer
-    out = handler.response_serializer
+    out = _passing_bytes(handler.response_serializer)
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(
             _unary_request(handler.unary_unary, decode, method), response_serializer=out
@@ -85,6 +89,17 @@ def _decoding(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHand
     return grpc.stream_stream_rpc_method_handler(
         _stream_request(handler.stream_stream, decode, method), response_serializer=out
     )
+
+
+def _passing_bytes(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
+    """`serialize`, except that replies already encoded (bytes) go out as they are."""
+    if serialize is None:
+        return None
+
+    def serialize_or_pass(reply: Any) -> bytes:
+        return reply if type(reply) is bytes else serialize(reply)
+
+    return serialize_or_pass
 
 
 def _unary_request(

@@ -14,7 +14,6 @@ from cache_service.tensor_codec import (
     tensor_to_bytes,
     tensor_to_proto,
     tensors_from_protos,
-    write_tensors,
 )
 
 
@@ -147,21 +146,3 @@ def test_joined_view_only_for_tensors_back_to_back_in_one_storage() -> None:
     assert joined_view([x[0], x.view(torch.int32)[1]]) is None  # another dtype
     assert joined_view([torch.ones(3), torch.ones(3)]) is None  # two storages
     assert joined_view([]) is None
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_write_tensors_matches_tensor_to_proto(dtype) -> None:
-    out = (torch.randn(6, 4, 8) * 10).to(dtype)
-    cases = [
-        list(out.split([1, 3, 2])),  # rows of one tensor: one host copy
-        [out[0:1], out[2:3]],  # a gap: one by one
-        [out[:, :2], out[:, 2:]],  # not contiguous
-        [out[0:1], out[1:2].float()],  # mixed dtypes
-    ]
-    for tensors in cases:
-        reply = pb.AttendResponse()
-        msgs = [reply.results.add() for _ in tensors]
-        write_tensors([m.output for m in msgs], tensors)
-        assert [m.output for m in reply.results] == [tensor_to_proto(t) for t in tensors]
-    with pytest.raises(TensorCodecError, match="cannot travel"):
-        write_tensors([pb.Tensor(), pb.Tensor()], [torch.ones(2, dtype=torch.int64)] * 2)

@@ -1,0 +1,106 @@
+"""The client's batch calls (`append_attend_batch`, `attend_batch`) over a real port: a model's
+``[batch, ...]`` tensors in, one ``[batch, ...]`` output out, equal to dense attention and to
+the per-item calls; bad batches refused on the client or with INVALID_ARGUMENT, changing
+nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from service_support import (
+    HQ,
+    LAYOUT,
+    Mirror,
+    ServiceHarness,
+    dense_attention,
+    local_workers,
+    service_config,
+)
+
+from cache_service.client import (
+    AppendAttendItem,
+    InvalidArgumentError,
+    KVCacheClient,
+    NotFoundError,
+)
+
+D, HKV, NL = LAYOUT.head_dim, LAYOUT.num_kv_heads, LAYOUT.num_layers
+
+
+@pytest.fixture(scope="module")
+def svc():
+    with ServiceHarness(service_config(), local_workers(2, 64)) as harness:
+        yield harness
+
+
+def test_batch_decode_equals_dense_and_the_per_item_call(svc) -> None:
+    gen = torch.Generator().manual_seed(3)
+    with KVCacheClient(svc.address) as client:
+        mirrors = [Mirror(client.create_sequence().seq_id, NL) for _ in range(5)]
+        twins = [Mirror(client.create_sequence().seq_id, NL) for _ in range(5)]
+        ids = [m.seq_id for m in mirrors]
+        for step in range(6):  # across a block boundary (block_size 4)
+            n = 3 if step == 0 else 1  # a short prefill, then decode
+            m_rows = 2 if step == 3 else 1  # speculative-style rows on one step
+            tokens = torch.randint(0, 50000, (5, n), generator=gen)  # one step, every layer
+            for layer in range(NL):
+                k = torch.randn(5, n, HKV, D, generator=gen)
+                v = torch.randn(5, n, HKV, D, generator=gen)
+                q = torch.randn(5, m_rows, HQ, D, generator=gen)
+                out, lse = client.append_attend_batch(layer, ids, tokens, k, v, q, True)
+                assert out.shape == (5, m_rows, HQ, D) and lse.shape == (5, m_rows, HQ)
+                items = [
+                    AppendAttendItem(t.seq_id, tokens[i].tolist(), k[i], v[i], q[i])
+                    for i, t in enumerate(twins)
+                ]
+                per_item = client.append_attend(layer, items)
+                for i, m in enumerate(mirrors):
+                    m.add(layer, k[i], v[i])
+                    ref, ref_lse = m.reference(layer, q[i])
+                    assert torch.allclose(out[i].double(), ref, atol=1e-5)
+                    assert torch.allclose(lse[i].double(), ref_lse, atol=1e-4)
+                    assert torch.equal(out[i], per_item[i])
+        last = NL - 1
+        q = torch.randn(5, 2, HQ, D, generator=gen).half()
+        out = client.attend_batch(last, ids, q)
+        assert out.dtype == torch.float16 and out.shape == (5, 2, HQ, D)
+        for i, m in enumerate(mirrors):
+            ref, _ = m.reference(last, q[i].float())
+            assert torch.allclose(out[i].double(), ref, atol=2e-3)
+        for m in mirrors + twins:
+            client.free(m.seq_id)
+    svc.check_integrity()
+
+
+def test_bad_batches_are_refused_and_change_nothing(svc) -> None:
+    gen = torch.Generator().manual_seed(4)
+    with KVCacheClient(svc.address) as client:
+        seqs = [client.create_sequence().seq_id for _ in range(2)]
+        k = torch.randn(2, 1, HKV, D, generator=gen)
+        q = torch.randn(2, 1, HQ, D, generator=gen)
+        before = svc.stats()
+        with pytest.raises(ValueError, match="key holds 2 sequences, seq_ids 3"):
+            client.append_attend_batch(0, [*seqs, "x"], [[1], [2], [3]], k, k, q)
+        with pytest.raises(ValueError, match="query must be a 4-D tensor"):
+            client.attend_batch(0, seqs, q[:, 0])
+        with pytest.raises(ValueError, match="token_ids holds 1 sequences"):
+            client.append_attend_batch(0, seqs, [[1]], k, k, q)
+        with pytest.raises(ValueError, match="at least one sequence"):
+            client.attend_batch(0, [], q[:0])
+        # The server's refusals: wrong head_dim, unknown sequence, duplicate sequence.
+        with pytest.raises(InvalidArgumentError, match="key"):
+            client.append_attend_batch(0, seqs, [[1], [2]], k[..., :-1], k[..., :-1], q)
+        with pytest.raises(NotFoundError):
+            client.append_attend_batch(0, [seqs[0], "no-such-seq"], [[1], [2]], k, k, q)
+        with pytest.raises(InvalidArgumentError, match="appears twice"):
+            client.append_attend_batch(0, [seqs[0], seqs[0]], [[1], [2]], k, k, q)
+        assert svc.stats() == before
+        svc.check_integrity()
+        # Nothing was written: the first real write is each sequence's only token.
+        out = client.append_attend_batch(0, seqs, [[1], [2]], k, -k, q)
+        for i in range(2):
+            ref, _ = dense_attention(q[i], k[i], -k[i])
+            assert torch.allclose(out[i].double(), ref, atol=1e-5)
+        for s in seqs:
+            client.free(s)
+    svc.check_integrity()
