@@ -86,13 +86,22 @@ class RecordingClient:
     def __init__(self, client: KVCacheClient) -> None:
         self._client = client
         self.appends: list[tuple[int, str, list[int]]] = []
+        self.calls = {"items": 0, "batch": 0}  # append-and-attend calls by form
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
 
     def append_attend(self, layer: int, items: Sequence[AppendAttendItem]) -> list[Any]:
         self.appends.extend((layer, i.seq_id, list(i.token_ids)) for i in items)
+        self.calls["items"] += 1
         return self._client.append_attend(layer, items)
+
+    def append_attend_batch(
+        self, layer: int, seq_ids: Sequence[str], token_ids: Any, *a: Any
+    ) -> Any:
+        self.appends.extend((layer, s, list(t)) for s, t in zip(seq_ids, token_ids, strict=True))
+        self.calls["batch"] += 1
+        return self._client.append_attend_batch(layer, seq_ids, token_ids, *a)
 
     def sent(self, seq_id: str, layer: int) -> list[int]:
         """Token ids sent for one sequence on one layer, in order."""
@@ -183,6 +192,7 @@ def test_batched_greedy_generation_equals_transformers(
 
     served = ServiceModel(model, client)
     assert model.config._attn_implementation == SERVICE_ATTENTION
+    before = dict(client.calls)
     with served.session(ids, mask, SessionConfig(reuse_prefix=False)) as session, torch.no_grad():
         ours = session.generate(**_generate_kwargs())
         exported = [client.export_blocks(s).token_ids for s in session.seq_ids]
@@ -201,6 +211,9 @@ def test_batched_greedy_generation_equals_transformers(
     assert session.stats.step_columns == [width] + [1] * (NEW_TOKENS - 1)
     # One RPC per layer per forward, whatever the batch size.
     assert session.stats.rpc_calls == family.num_layers * NEW_TOKENS
+    # The ragged prefill goes item by item; every decode step as [batch, ...] tensors.
+    assert client.calls["items"] - before["items"] == family.num_layers
+    assert client.calls["batch"] - before["batch"] == family.num_layers * (NEW_TOKENS - 1)
     assert client.stats().active_sequences == 0
 
 

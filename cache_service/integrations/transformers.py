@@ -15,7 +15,8 @@ How a forward pass reaches the service:
    and cached columns are skipped) and hands the plan to the attention layers through a
    forward keyword.
 4. Each attention layer, after the model applied its rotary embedding, sends the new
-   keys/values and queries of every row in one ``append_attend`` RPC and returns the
+   keys/values and queries of every row in one RPC (``append_attend_batch`` when every row
+   sends as many tokens, as in decode; ``append_attend`` otherwise) and returns the
    service's output in the layout transformers expects ``[batch, q_len, q_heads,
    head_dim]``. Columns that were not sent (padding, cached prefix) get zeros: nothing
    downstream reads them, because later layers' keys for those columns are never sent and
@@ -76,6 +77,16 @@ class ServiceClient(Protocol):
 
     def append_attend(self, layer: int, items: list[AppendAttendItem]) -> list[torch.Tensor]: ...
 
+    def append_attend_batch(
+        self,
+        layer: int,
+        seq_ids: Sequence[str],
+        token_ids: Sequence[Sequence[int]],
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query: torch.Tensor,
+    ) -> torch.Tensor: ...
+
 
 @dataclass(frozen=True)
 class ModelLayout:
@@ -133,8 +144,8 @@ class SessionStats:
         prompt_tokens: per row, prompt length without padding.
         step_columns: per forward, columns the model computed.
         step_tokens: per forward, tokens sent to the service for each row.
-        rpc_calls: ``append_attend`` calls (one per layer per forward).
-        rpc_seconds: wall time spent inside ``append_attend``, seconds.
+        rpc_calls: append-and-attend calls (one per layer per forward).
+        rpc_seconds: wall time spent inside them, seconds.
     """
 
     cached_tokens: list[int]
@@ -442,29 +453,44 @@ class GenerationSession:
         factor = 1.0 if scaling is None else scaling * math.sqrt(head_dim)
         if not math.isclose(factor, 1.0, rel_tol=1e-6):
             q_host = q_host * factor
-        items = []
-        for r in rows:
-            sl = slice(width - r.count, width)
-            items.append(
-                AppendAttendItem(
-                    seq_id=self._seq_ids[r.row],
-                    token_ids=step.token_ids[r.row],
-                    key=k_host[r.row, sl],
-                    value=v_host[r.row, sl],
-                    query=q_host[r.row, sl],
-                )
-            )
+        out = torch.zeros(batch, q, num_q_heads, head_dim, dtype=query.dtype)
+        client = self._owner.client
+        # Every row sending the same number of tokens (a decode step, an unpadded prefill):
+        # the batch goes as [batch, ...] tensors, the cheaper form of the call.
+        uniform = [r.row for r in rows] == list(range(batch)) and all(
+            r.count == width for r in rows
+        )
         t0 = time.perf_counter()
         try:
-            outputs = self._owner.client.append_attend(layer, items)
+            if uniform:
+                stacked = client.append_attend_batch(
+                    layer,
+                    [self._seq_ids[r.row] for r in rows],
+                    [step.token_ids[r.row] for r in rows],
+                    k_host,
+                    v_host,
+                    q_host,
+                )
+                outputs = list(stacked)
+            else:
+                items = [
+                    AppendAttendItem(
+                        seq_id=self._seq_ids[r.row],
+                        token_ids=step.token_ids[r.row],
+                        key=k_host[r.row, width - r.count :],
+                        value=v_host[r.row, width - r.count :],
+                        query=q_host[r.row, width - r.count :],
+                    )
+                    for r in rows
+                ]
+                outputs = client.append_attend(layer, items)
         except BaseException:
             self._broken = f"append_attend failed on layer {layer} of step {step.plan.index}"
             raise
         self.stats.rpc_seconds += time.perf_counter() - t0
         self.stats.rpc_calls += 1
-        if len(outputs) != len(items):
-            raise RuntimeError(f"service returned {len(outputs)} outputs for {len(items)} items")
-        out = torch.zeros(batch, q, num_q_heads, head_dim, dtype=query.dtype)
+        if len(outputs) != len(rows):
+            raise RuntimeError(f"service returned {len(outputs)} outputs for {len(rows)} rows")
         for r, o in zip(rows, outputs, strict=True):
             if tuple(o.shape) != (r.count, num_q_heads, head_dim):
                 raise RuntimeError(
