@@ -703,7 +703,19 @@ class KVCacheClient:
         Raises:
             ValueError: the tensors are not 4-D or their batch sizes differ from seq_ids.
         """
-        ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
+        if isinstance(token_ids, torch.Tensor):
+            if token_ids.ndim != 2:
+                raise ValueError(
+                    f"token_ids must be [batch, n], got shape {tuple(token_ids.shape)}"
+                )
+            ids = token_ids.tolist()
+        else:
+            ids = token_ids
+            for i, row in enumerate(ids):
+                if not isinstance(row, Sequence | torch.Tensor) or isinstance(row, str | bytes):
+                    raise ValueError(
+                        f"token_ids[{i}] must be the row's token ids, got {type(row).__name__}"
+                    )
         _check_batch(seq_ids, ids, key=key, value=value, query=query)
         req = encode_append_attend(
             layer, seq_ids, [_ids(row) for row in ids], key, value, query, return_lse

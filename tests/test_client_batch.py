@@ -85,6 +85,12 @@ def test_bad_batches_are_refused_and_change_nothing(svc) -> None:
             client.attend_batch(0, seqs, q[:, 0])
         with pytest.raises(ValueError, match="token_ids holds 1 sequences"):
             client.append_attend_batch(0, seqs, [[1]], k, k, q)
+        with pytest.raises(ValueError, match=r"token_ids must be \[batch, n\], got shape \(2,\)"):
+            client.append_attend_batch(0, seqs, torch.tensor([1, 2]), k, k, q)
+        with pytest.raises(
+            ValueError, match=r"token_ids\[0\] must be the row's token ids, got int"
+        ):
+            client.append_attend_batch(0, seqs, [1, 2], k, k, q)
         with pytest.raises(ValueError, match="at least one sequence"):
             client.attend_batch(0, [], q[:0])
         # The server's refusals: wrong head_dim, unknown sequence, duplicate sequence.
