@@ -638,11 +638,9 @@ class BlockManager:
         Raises:
             SequenceNotFound, SequenceLost, InvalidRequest (bad layer), LayerNotWritten.
         """
-        if layer is None:
-            raise InvalidRequest("attention_view needs one layer, got None")
-        seq_len = self.written_length(tenant, seq_id, layer)
-        table = self._resolve(tenant, seq_id).table
-        return SequenceView(seq_len, segments_of(table, -(-seq_len // self._bs), self._bs))
+        seq = self._resolve(tenant, seq_id)
+        seq_len = self._written_on(seq, layer, "attention_view")
+        return SequenceView(seq_len, segments_of(seq.table, -(-seq_len // self._bs), self._bs))
 
     def written_length(self, tenant: str, seq_id: str, layer: int) -> int:
         """written(layer): the keys attending over `layer` reads (`attention_view`'s
@@ -651,14 +649,7 @@ class BlockManager:
         Raises:
             SequenceNotFound, SequenceLost, InvalidRequest (bad layer), LayerNotWritten.
         """
-        seq = self._resolve(tenant, seq_id)
-        if layer is None:
-            raise InvalidRequest("written_length needs one layer, got None")
-        self._check_layer(layer)
-        seq_len = seq.written[layer]
-        if seq_len == 0:
-            raise LayerNotWritten(f"layer {layer} of sequence {seq_id!r} has nothing written")
-        return seq_len
+        return self._written_on(self._resolve(tenant, seq_id), layer, "written_length")
 
     def block_ids(self, tenant: str, seq_id: str, num_blocks: int) -> tuple[str, memoryview] | None:
         """The first `num_blocks` physical block indices of the sequence's table as a
@@ -894,6 +885,17 @@ class BlockManager:
                 "free it and recompute"
             )
         raise _not_found(seq_id)
+
+    def _written_on(self, seq: Sequence, layer: int, caller: str) -> int:
+        """written(layer) of a resolved sequence, refusing None, a bad layer and nothing
+        written (what attending over one layer needs)."""
+        if layer is None:
+            raise InvalidRequest(f"{caller} needs one layer, got None")
+        self._check_layer(layer)
+        seq_len = seq.written[layer]
+        if seq_len == 0:
+            raise LayerNotWritten(f"layer {layer} of sequence {seq.seq_id!r} has nothing written")
+        return seq_len
 
     def _check_layer(self, layer: object) -> None:
         if type(layer) is not int or not 0 <= layer < self._num_layers:

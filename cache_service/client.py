@@ -703,23 +703,9 @@ class KVCacheClient:
         Raises:
             ValueError: the tensors are not 4-D or their batch sizes differ from seq_ids.
         """
-        if isinstance(token_ids, torch.Tensor):
-            if token_ids.ndim != 2:
-                raise ValueError(
-                    f"token_ids must be [batch, n], got shape {tuple(token_ids.shape)}"
-                )
-            ids = token_ids.tolist()
-        else:
-            ids = token_ids
-            for i, row in enumerate(ids):
-                if not isinstance(row, Sequence | torch.Tensor) or isinstance(row, str | bytes):
-                    raise ValueError(
-                        f"token_ids[{i}] must be the row's token ids, got {type(row).__name__}"
-                    )
+        ids = _id_rows(token_ids)
         _check_batch(seq_ids, ids, key=key, value=value, query=query)
-        req = encode_append_attend(
-            layer, seq_ids, [_ids(row) for row in ids], key, value, query, return_lse
-        )
+        req = encode_append_attend(layer, seq_ids, ids, key, value, query, return_lse)
         r = self._call(self._append_attend_raw, req, timeout_s=timeout_s, retry=False)
         return _stacked_results(r.results, return_lse)
 
@@ -808,6 +794,22 @@ def _ids(token_ids: Iterable[int]) -> list[int]:
             raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
         return token_ids.tolist()
     return [int(t) for t in token_ids]
+
+
+def _id_rows(token_ids: Sequence[Sequence[int]] | torch.Tensor) -> list[list[int]]:
+    """``[batch, n]`` token ids (rows of ints, or an integer tensor) as lists of ints."""
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.ndim != 2:
+            raise ValueError(f"token_ids must be [batch, n], got shape {tuple(token_ids.shape)}")
+        return token_ids.tolist()
+    rows = []
+    for i, row in enumerate(token_ids):
+        if not isinstance(row, Sequence | torch.Tensor) or isinstance(row, str | bytes):
+            raise ValueError(
+                f"token_ids[{i}] must be the row's token ids, got {type(row).__name__}"
+            )
+        rows.append(_ids(row))
+    return rows
 
 
 def _check_batch(

@@ -286,13 +286,20 @@ def stacked_from_protos(
     if not msgs:
         raise TensorCodecError(f"{field.format(0)} is missing: no messages to stack")
     joined = _joined(msgs, field, ndim)
-    if joined is None:
+    if joined is None:  # a bad message, mixed dtypes, or a big-endian host
         tensors = _one_by_one(msgs, field, ndim)  # raises for a bad message
-        raise TensorCodecError(
-            f"{field.format('*')}: the messages differ in dtype "
-            f"({sorted({str(t.dtype) for t in tensors})}), one tensor cannot hold them"
-        )
-    flat, shapes, same = joined
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) > 1:
+            raise TensorCodecError(
+                f"{field.format('*')}: the messages differ in dtype "
+                f"({sorted(map(str, dtypes))}), one tensor cannot hold them"
+            )
+        shapes = [list(t.shape) for t in tensors]
+        if shapes.count(shapes[0]) == len(shapes):
+            return torch.stack(tensors)
+        same = False
+    else:
+        flat, shapes, same = joined
     if not same:
         bad = next(i for i, s in enumerate(shapes) if s != shapes[0])
         raise TensorCodecError(
@@ -355,13 +362,21 @@ def row_payloads(batch: torch.Tensor) -> list[bytes | memoryview]:
     rows = batch.shape[0]
     if not _LITTLE_ENDIAN_HOST or rows == 0 or batch.numel() == 0:
         return [tensor_to_bytes(row) for row in batch]
-    host = batch.detach()
+    raw = _host_bytes(batch.contiguous())
+    return _cut(raw, raw.nbytes // rows, rows)
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of contiguous ``t`` on the host (a view when it is there already)."""
+    host = t.detach()
     if host.device.type != "cpu":
         host = host.cpu()
-    host = host.contiguous()
-    raw = memoryview(host.view(_BITS_DTYPE[host.element_size()]).numpy()).cast("B")
-    size = raw.nbytes // rows
-    return [raw[i : i + size] for i in range(0, size * rows, size)]
+    return memoryview(host.view(_BITS_DTYPE[host.element_size()]).numpy()).cast("B")
+
+
+def _cut(raw: memoryview, size: int, count: int) -> list[bytes | memoryview]:
+    """``count`` consecutive ``size``-byte views of ``raw``."""
+    return [raw[i : i + size] for i in range(0, size * count, size)]
 
 
 def tensor_payloads(
@@ -380,14 +395,10 @@ def tensor_payloads(
     if span is None or span.numel() == 0 or not _LITTLE_ENDIAN_HOST:
         return [tensor_to_bytes(t) for t in tensors]
     dtype_to_proto(span.dtype)
-    host = span.detach()
-    if host.device.type != "cpu":
-        host = host.cpu()
-    itemsize = host.element_size()
-    raw = memoryview(host.view(_BITS_DTYPE[itemsize]).numpy()).cast("B")  # a view
+    raw = _host_bytes(span)
+    itemsize = span.element_size()
     if uniform:
-        size = tensors[0].numel() * itemsize
-        return [raw[i : i + size] for i in range(0, size * len(tensors), size)]
+        return _cut(raw, tensors[0].numel() * itemsize, len(tensors))
     out: list[bytes | memoryview] = []
     offset = 0
     for t in tensors:

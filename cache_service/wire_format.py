@@ -13,7 +13,7 @@ import torch
 
 from cache_service.tensor_codec import dtype_to_proto
 
-__all__ = ["delimited", "tensor_head", "tensor_size", "varint"]
+__all__ = ["delimited", "tensor_head", "varint"]
 
 # (dtype enum, shape) -> the Tensor message's bytes before its payload. Few distinct keys
 # occur (one per dtype and rows-per-item); the bound only guards against odd callers.
@@ -71,8 +71,3 @@ def tensor_head(t: torch.Tensor) -> bytes:
             _HEADS.clear()
         _HEADS[(enum, shape)] = head
     return head
-
-
-def tensor_size(t: torch.Tensor) -> int:
-    """Bytes of ``t``'s whole `Tensor` message (head and payload)."""
-    return len(tensor_head(t)) + t.numel() * t.element_size()

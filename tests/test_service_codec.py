@@ -9,6 +9,8 @@ from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service.tensor_codec import (
     TensorCodecError,
     joined_view,
+    row_payloads,
+    stacked_from_protos,
     tensor_from_bytes,
     tensor_from_proto,
     tensor_to_bytes,
@@ -146,3 +148,27 @@ def test_joined_view_only_for_tensors_back_to_back_in_one_storage() -> None:
     assert joined_view([x[0], x.view(torch.int32)[1]]) is None  # another dtype
     assert joined_view([torch.ones(3), torch.ones(3)]) is None  # two storages
     assert joined_view([]) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_stacked_and_row_payloads_round_trip(dtype: torch.dtype) -> None:
+    batch = (torch.randn(5, 2, 3, 4) * 100).to(dtype).transpose(1, 2)  # not contiguous
+    rows = row_payloads(batch)
+    assert [bytes(r) for r in rows] == [tensor_to_bytes(b) for b in batch]
+    msgs = [tensor_to_proto(b) for b in batch]
+    back = stacked_from_protos(msgs, "results[{}].output")
+    assert back.dtype == dtype and torch.equal(back, batch)
+
+
+def test_stacked_refuses_what_one_tensor_cannot_hold() -> None:
+    a, b = torch.ones(2, 3), torch.ones(3, 3)
+    with pytest.raises(TensorCodecError, match=r"out\[1\] has shape \[3, 3\], out\[0\] has"):
+        stacked_from_protos([tensor_to_proto(a), tensor_to_proto(b)], "out[{}]")
+    with pytest.raises(TensorCodecError, match=r"out\[\*\]: the messages differ in dtype"):
+        stacked_from_protos([tensor_to_proto(a), tensor_to_proto(a.half())], "out[{}]")
+    with pytest.raises(TensorCodecError, match="no messages"):
+        stacked_from_protos([], "out[{}]")
+    bad = tensor_to_proto(a)
+    bad.data = bad.data[:-1]
+    with pytest.raises(TensorCodecError, match=r"out\[1\]"):
+        stacked_from_protos([tensor_to_proto(a), bad], "out[{}]")
