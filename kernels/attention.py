@@ -10,9 +10,10 @@ float32 (base-2 exponentials, the scale folded into ``log2(e)``).
 Decode and prefill share the kernel: ``block_q == 1`` for one query token per sequence,
 larger for prefill / chunked prefill / speculative verification. When the query tiles times
 KV heads cannot fill the GPU (long contexts, small batches), the KV range is split into
-partitions that write float32 partial results and their log-sum-exp, merged afterwards by
-:mod:`kernels.merge_states` (the same math as ``merge_attention_states``), or optionally by
-the last partition program of each tile (``AttentionConfig.fused_merge``).
+partitions that write float32 partial results and their log-sum-exp. By default the last
+partition program of each tile to finish merges them (``AttentionConfig.fused_merge``): one
+launch per call. Otherwise :mod:`kernels.merge_states` merges them in a second launch (the
+same math as ``merge_attention_states``).
 
 Offsets that can pass 2**31 elements (block index times the pool's block stride, query and
 output rows) are computed in int64.
@@ -28,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from kernels.launch import CachedLauncher
+from kernels.launch import CachedLauncher, current_stream_handle
 from kernels.merge_states import merge_partitions, pdl_supported
 from kernels.validation import AttentionProblem, KernelArgumentError
 
@@ -44,6 +45,8 @@ __all__ = [
 
 _LOG2E = 1.4426950408889634
 _MAX_HEAD_DIM = 256
+# Partials the fused merge reads per step ([rows, chunk, head_dim] float32 in registers).
+_MERGE_CHUNK = tl.constexpr(4)
 
 
 @dataclass(frozen=True)
@@ -58,8 +61,10 @@ class AttentionConfig:
         num_partitions: split-KV partitions per (query tile, KV head); 1 = no split.
         num_warps, num_stages: Triton launch options (warps per program, pipeline depth).
         fused_merge: with a split, the last partition program of each tile merges the
-            partials (one launch, but a serial merge at the tail); by default a separate
-            merge kernel runs after, which measured as fast or faster on the H200.
+            partials (one launch); else a separate merge kernel runs after. ``choose_config``
+            fuses: on the H200 the two cost about the same GPU time (B=4 x 16384: 71.0 vs
+            70.8 us, B=1 x 32768: 44.3 vs 41.8, graph replay) but the second launch cost
+            40-65 us more host time, which made a call host-bound (notes-kernels.md, v5).
     """
 
     block_m: int
@@ -136,13 +141,13 @@ def choose_config(
     # Row and tile caps keep each program's registers and shared memory within budget (checked
     # against the sm_90 compiler's resource report): float32 dots run as exact FMA loops that
     # spill above 16 x 16 tiles; head_dim 256 halves the 16-bit tiles.
-    # Tile sizes from the H200 sweep (benchmarks/notes-kernels.md): 128-token KV tiles read
-    # 32 KB of K and of V per step, enough bytes in flight per program to run decode near the
-    # copy ceiling.
+    # Tile sizes from the H200 sweeps (benchmarks/notes-kernels.md, v5): 64-token decode
+    # tiles with two stages beat 128-token ones at every batch (B=64 x 4096: 247.9 vs 251.8
+    # us, B=128 x 512: 69.2 vs 73.7, B=256 x 128: 40.2 vs 50.0, graph replay).
     if dtype == torch.float32:
         max_rows, tile_n, num_warps, num_stages = 16, 16, 4, 2
     elif decode:
-        max_rows, tile_n, num_warps, num_stages = 16, (32 if d_pad >= 256 else 128), 4, 2
+        max_rows, tile_n, num_warps, num_stages = 16, (32 if d_pad >= 256 else 64), 4, 2
     elif d_pad >= 256:
         max_rows, tile_n, num_warps, num_stages = 64, 32, 8, 2
     else:
@@ -165,11 +170,13 @@ def choose_config(
         base < policy.split_below_programs_per_sm * sm_count
         and problem.max_kv_len > policy.min_partition_tokens
     ):
-        parts = min(_cdiv(target, base), _cdiv(problem.max_kv_len, policy.min_partition_tokens))
+        # Rounded down: a split that overshoots the target (B=4 x 16384: 9 partitions, 288
+        # programs) measured slower than one just under it (8, 256 programs).
+        parts = min(max(1, target // base), _cdiv(problem.max_kv_len, policy.min_partition_tokens))
     if parts > 1 and dtype != torch.float32:
-        # Three stages: fewer registers than two on sm_90 (168 vs 180), so three programs
-        # fit per SM and a split that overshoots two per SM still runs in one wave (B=4 x
-        # L=16384: 288 programs on 132 SMs, 73.6 us with three stages, 82.6 with two).
+        # Three stages let the K/V loads run two tiles ahead of the block-id reads, which
+        # `_attend_tiles` issues one tile ahead (B=1 x 32768: 41.5 us with 3 stages, 45.6
+        # with 2; B=4 x 16384: 70.4 vs 78.0, graph replay).
         num_stages = 3
     return AttentionConfig(
         block_m=block_m,
@@ -178,6 +185,7 @@ def choose_config(
         num_partitions=max(1, parts),
         num_warps=num_warps,
         num_stages=num_stages,
+        fused_merge=parts > 1,
     )
 
 
@@ -282,14 +290,16 @@ def _attend_tiles(
     """
     offs_n = tl.arange(0, TILE_N)
     dims = tl.arange(0, HEAD_DIM_PAD)
+    # Block ids are read one tile ahead, so a tile's K/V loads never wait on the table read
+    # that gives their addresses: with 3 pipeline stages that took B=1 x 32768 decode from
+    # 47.8 to 41.5 us and B=4 x 16384 from 80.1 to 70.4 us (notes-kernels.md, v5).
+    first = t_from * TILE_N + offs_n
+    block = tl.load(table_row + first // BLOCK_SIZE, mask=first < kv_hi, other=0).to(tl.int64)
     for tile in range(t_from, t_to):
         kv_idx = tile * TILE_N + offs_n
         kv_valid = kv_idx < kv_hi
-        if MASKED:
-            block = tl.load(table_row + kv_idx // BLOCK_SIZE, mask=kv_valid, other=0)
-        else:
-            block = tl.load(table_row + kv_idx // BLOCK_SIZE)
-        block = block.to(tl.int64)
+        nxt = kv_idx + TILE_N
+        block_next = tl.load(table_row + nxt // BLOCK_SIZE, mask=nxt < kv_hi, other=0)
         k_rows = k_head + block * stride_kb + (kv_idx % BLOCK_SIZE) * HEAD_DIM
         v_rows = v_head + block * stride_vb + (kv_idx % BLOCK_SIZE) * HEAD_DIM
         if HEAD_DIM == HEAD_DIM_PAD:
@@ -330,6 +340,7 @@ def _attend_tiles(
             v = tl.load(v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+        block = block_next.to(tl.int64)
     return acc, m_i, l_i
 
 
@@ -516,33 +527,38 @@ def _merge_partials(
 ):
     """Log-sum-exp merge of ``num_parts`` float32 partials of the tile's rows.
 
-    Returns ``(out [BLOCK_M, HEAD_DIM_PAD] float32, lse [BLOCK_M] natural log)``. The loads
-    bypass L1 (``.cg``): the partials were written by other programs.
+    Returns ``(out [BLOCK_M, HEAD_DIM_PAD] float32, lse [BLOCK_M] natural log)``. Partials
+    are read ``_MERGE_CHUNK`` at a time as one ``[BLOCK_M, chunk, HEAD_DIM_PAD]`` load, so
+    the merge waits on ceil(parts / chunk) reads, not one per partition. The loads bypass
+    L1 (``.cg``): other programs wrote the partials.
     """
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     den = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    mask = row_valid[:, None] & dim_valid[None, :]
-    for p in range(0, num_parts):
-        lse_p = tl.load(
-            part_lse_rows + p * stride_plp,
-            mask=row_valid,
+    chunk = tl.arange(0, _MERGE_CHUNK)
+    for start in range(0, num_parts, _MERGE_CHUNK):
+        p = start + chunk
+        live = row_valid[:, None] & (p < num_parts)[None, :]
+        lse_c = tl.load(
+            part_lse_rows[:, None] + p[None, :] * stride_plp,
+            mask=live,
             other=float("-inf"),
             cache_modifier=".cg",
         )
-        o_p = tl.load(
-            part_rows[:, None] + p * stride_pp + dims[None, :],
-            mask=mask,
+        o_c = tl.load(
+            part_rows[:, None, None] + p[None, :, None] * stride_pp + dims[None, None, :],
+            mask=live[:, :, None] & dim_valid[None, None, :],
             other=0.0,
             cache_modifier=".cg",
         )
-        m_new = tl.maximum(m, lse_p)
+        m_new = tl.maximum(m, tl.max(lse_c, 1))
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_shift)
-        w = tl.exp(lse_p - m_shift)
-        den = den * alpha + w
-        # An empty partial (lse -inf, weight 0) holds zeros; select so nothing else leaks.
-        acc = acc * alpha[:, None] + tl.where(w[:, None] > 0.0, w[:, None] * o_p, 0.0)
+        w = tl.exp(lse_c - m_shift[:, None])
+        den = den * alpha + tl.sum(w, 1)
+        # An empty partial (lse -inf, weight 0) may hold anything: select, never multiply.
+        contrib = tl.where(w[:, :, None] > 0.0, w[:, :, None] * o_c, 0.0)
+        acc = acc * alpha[:, None] + tl.sum(contrib, 1)
         m = m_new
     seen = den > 0.0
     out = acc / tl.where(seen, den, 1.0)[:, None]
@@ -710,8 +726,11 @@ def _stream_buffer(
     alloc = torch.zeros if zeroed else torch.empty
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return alloc(max(numel, 1), dtype=dtype, device=device)[:numel]
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (device, current_stream_handle(index))
+    else:
+        key = (device, 0)
     buf = cache.get(key)
     if buf is None or buf.numel() < numel:
         buf = alloc(max(numel, 1024), dtype=dtype, device=device)

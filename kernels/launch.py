@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CachedLauncher"]
+__all__ = ["CachedLauncher", "current_stream_handle"]
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
@@ -41,14 +41,18 @@ def _arg_key(arg: Any) -> Any:
     return (type(arg), arg)
 
 
-def _current_stream(device: int) -> int:
-    """The current CUDA stream's handle (what Triton's own launch uses)."""
+def _stream_of(device: int) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
 # Triton's own launch reads the stream through this private torch call (a fraction of a
 # microsecond, against several for building a torch Stream object); fall back if it moves.
-_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _current_stream)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _stream_of)
+
+
+def current_stream_handle(device: int) -> int:
+    """The raw handle of the current CUDA stream of device ``device`` (an index)."""
+    return _current_stream(device)
 
 
 try:

@@ -1,0 +1,232 @@
+"""Launch-config grid for the split-KV decode cases (a diagnostic for issue 2's targets).
+
+For each small-batch decode case (B=1 x 32768, B=4 x 16384 by default) it times every
+(tile_n, num_warps, num_stages, partitions) of a grid with CUDA-graph replays (kernel time
+only, cheap), then times the fastest few and ``choose_config``'s pick with ``do_bench``
+(L2 flushed, host launch included), alternating with dense SDPA on the same data, which is
+how ``bench_kernels.py`` scores the targets. Every timed config is first checked against
+dense attention (relative L2).
+
+    PYTHONPATH=. python3 benchmarks/sweep_split.py --out $OUT/sweep-split.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+import triton.testing
+from bench_kernels import (
+    BenchSettings,
+    dense_kv,
+    host_us,
+    log,
+    ours,
+    paired_times,
+    problem_of,
+    sdpa_decode,
+)
+
+from kernels.attention import AttentionConfig, choose_config, num_sms
+from kernels.testing import dense_attention, make_paged_batch, rel_l2
+
+CASES = ((1, 32768), (4, 16384), (64, 4096), (128, 512), (256, 128))
+TILES = (64, 128)
+WARPS = (4,)
+STAGES = (2, 3, 4)
+PARTITIONS = (8, 12, 16, 24, 32, 48, 64)
+PREFETCH = (False, True)
+
+
+def graph_us(fn, rep_ms: float) -> float:
+    return 1e3 * float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+
+
+def sweep_case(batch_size: int, kv_len: int, s: BenchSettings, top: int, rep_ms: float) -> dict:
+    batch = make_paged_batch(
+        [kv_len] * batch_size,
+        [1] * batch_size,
+        num_q_heads=s.num_q_heads,
+        num_kv_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
+        block_size=s.block_size,
+        dtype=s.dtype,
+        device="cuda",
+        seed=batch_size,
+    )
+    ref, _ = dense_attention(batch)
+    base = choose_config(problem_of(batch), s.dtype, num_sms(batch.query.device))
+    k, v = dense_kv(batch)
+    sdpa = sdpa_decode(batch, k, v)
+    sdpa_graph = graph_us(sdpa, rep_ms)
+    log(f"--- B={batch_size} x L={kv_len}: default {base}; SDPA graph {sdpa_graph:.1f} us")
+    rows = []
+    # Unsplit cases (every SM already has a program) keep their split count.
+    split_counts = PARTITIONS if base.num_partitions > 1 else (1,)
+    grid = itertools.product(TILES, WARPS, STAGES, split_counts, PREFETCH)
+    for tile, warps, stages, parts, prefetch in grid:
+        cfg = replace(
+            base,
+            tile_n=tile,
+            num_warps=warps,
+            num_stages=stages,
+            num_partitions=parts,
+            prefetch_table=prefetch,
+        )
+        try:
+            fn = ours(batch, cfg)
+            err = rel_l2(fn(), ref)
+            us = graph_us(fn, rep_ms)
+        except Exception as exc:  # out of resources for this tile / stage count
+            rows.append({"config": asdict(cfg), "error": f"{type(exc).__name__}: {exc}"[:200]})
+            continue
+        rows.append({"config": asdict(cfg), "graph_us": us, "rel_l2": err})
+        log(
+            f"  tile {tile:3d} w{warps} s{stages} P{parts:2d} prefetch={int(prefetch)}: "
+            f"{us:6.1f} us  rel L2 {err:.1e}"
+        )
+    ok = sorted(
+        (r for r in rows if "graph_us" in r and r["rel_l2"] < 1e-2), key=lambda r: r["graph_us"]
+    )
+    finalists = [AttentionConfig(**r["config"]) for r in ok[:top]]
+    if base not in finalists:
+        finalists.append(base)
+    paired = []
+    for cfg in finalists:
+        t = paired_times(ours(batch, cfg), sdpa, s)
+        t["config"] = asdict(cfg)
+        t["ratio"] = t["sdpa_ms"] / t["ours_ms"]
+        paired.append(t)
+        log(
+            f"  do_bench {cfg}: ours {t['ours_ms'] * 1e3:.1f} us, SDPA {t['sdpa_ms'] * 1e3:.1f} us,"
+            f" SDPA/ours {t['ratio']:.3f} (rounds {[round(x, 3) for x in t['ratio_rounds']]})"
+        )
+    # Host time per call with short bursts (the launch queue never fills).
+    host = {str(asdict(c)): host_us(ours(batch, c), n=250) for c in [*finalists[:1], base]}
+    log(f"  host us per call: {list(host.values())}")
+    return {
+        "case": f"B={batch_size} x L={kv_len}",
+        "host_us": host,
+        "default": asdict(base),
+        "sdpa_graph_us": sdpa_graph,
+        "grid": rows,
+        "paired": paired,
+    }
+
+
+def host_diagnosis(s: BenchSettings) -> dict:
+    """Host time per call of the split path's variants at B=1 x 32768 (separate merge with
+    and without programmatic dependent launch, fused merge, no split), and a profile."""
+    import cProfile
+    import io
+    import pstats
+
+    import kernels.attention as attention
+
+    batch = make_paged_batch(
+        [32768], [1], num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads,
+        head_dim=s.head_dim, block_size=s.block_size, dtype=s.dtype, device="cuda", seed=1,
+    )  # fmt: skip
+    base = choose_config(problem_of(batch), s.dtype, num_sms(batch.query.device))
+    out: dict = {}
+    variants = {
+        "split, PDL merge": (base, True),
+        "split, plain merge": (base, False),
+        "split, fused merge": (replace(base, fused_merge=True), True),
+        "no split": (replace(base, num_partitions=1), True),
+    }
+    real_pdl = attention.pdl_supported
+    for name, (cfg, pdl) in variants.items():
+        attention.pdl_supported = real_pdl if pdl else (lambda device: False)
+        try:
+            fn = ours(batch, cfg)
+            out[name] = {"host_us": host_us(fn, n=250), "graph_us": graph_us(fn, 20.0)}
+        finally:
+            attention.pdl_supported = real_pdl
+        log(f"  host diag {name}: {out[name]}")
+    fn = ours(batch, base)
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+    out["profile"] = text.getvalue()
+    log(out["profile"])
+    return out
+
+
+def merge_ab(s: BenchSettings) -> list[dict]:
+    """The split cases with the default config, merged by the separate (PDL) kernel and by
+    the last partition program: graph replay, host time, and do_bench against SDPA."""
+    rows = []
+    for b, n in CASES[:2]:
+        batch = make_paged_batch(
+            [n] * b, [1] * b, num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads,
+            head_dim=s.head_dim, block_size=s.block_size, dtype=s.dtype, device="cuda", seed=b,
+        )  # fmt: skip
+        ref, _ = dense_attention(batch)
+        base = choose_config(problem_of(batch), s.dtype, num_sms(batch.query.device))
+        k, v = dense_kv(batch)
+        sdpa = sdpa_decode(batch, k, v)
+        for fused in (False, True):
+            cfg = replace(base, fused_merge=fused)
+            fn = ours(batch, cfg)
+            row = {"case": f"B={b} x L={n}", "config": asdict(cfg), "rel_l2": rel_l2(fn(), ref)}
+            row["graph_us"], row["host_us"] = graph_us(fn, 20.0), host_us(fn, n=250)
+            row.update(paired_times(fn, sdpa, s))
+            row["ratio"] = row["sdpa_ms"] / row["ours_ms"]
+            rows.append(row)
+            log(
+                f"  merge A/B B={b} fused={fused}: graph {row['graph_us']:.1f} us, host "
+                f"{row['host_us']:.0f} us, do_bench {row['ours_ms'] * 1e3:.1f} vs SDPA "
+                f"{row['sdpa_ms'] * 1e3:.1f} us = {row['ratio']:.3f} "
+                f"(rounds {[round(x, 3) for x in row['ratio_rounds']]})"
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSON file for the results")
+    parser.add_argument("--top", type=int, default=3, help="grid winners timed with do_bench")
+    parser.add_argument("--rep-ms", type=float, default=25.0, help="graph replay time per config")
+    parser.add_argument("--host-only", action="store_true", help="only the host-time diagnosis")
+    parser.add_argument("--merge-ab", action="store_true", help="only the merge A/B")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sweep_split needs a CUDA device", file=sys.stderr)
+        return 2
+    s = BenchSettings(rounds=3)
+    t0 = time.time()
+    out = {"device": torch.cuda.get_device_name(), "cases": []}
+    if args.merge_ab:
+        out["merge_ab"] = merge_ab(s)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=1, default=str))
+        return 0
+    out["host"] = host_diagnosis(s)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1, default=str))
+    for b, n in [] if args.host_only else CASES:
+        out["cases"].append(sweep_case(b, n, s, args.top, args.rep_ms))
+        torch.cuda.empty_cache()
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=1, default=str))
+    log(f"done in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
