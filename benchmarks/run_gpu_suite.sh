@@ -4,12 +4,13 @@
 #   source .device/env.sh && bash benchmarks/run_gpu_suite.sh tests-multigpu-workers
 #   source .device/env.sh && bash benchmarks/run_gpu_suite.sh service-transformers
 #   source .device/env.sh && bash benchmarks/run_gpu_suite.sh kernels-service
+#   source .device/env.sh && bash benchmarks/run_gpu_suite.sh kernels-service-breakdown
 # Every phase is bounded by `timeout` and writes under $OUT (at most 8 files per call).
 set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -41,6 +42,19 @@ kernels-service)
     | tee "$OUT/service.log" | tail -40
   timeout 230 python3 benchmarks/bench_kernels.py --out "$OUT/kernels" 2>&1 \
     | tee "$OUT/kernels.log" | tail -40
+  ;;
+kernels-service-breakdown)
+  # The single-GPU tests, the kernel benchmark, the service (pools in the server process)
+  # and where one service call's time goes; fits one 10-minute device call.
+  timeout 100 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark -n 8 \
+    tests/test_kernels_attention.py tests/test_kernels_io.py tests/test_kernels_validation.py \
+    tests/test_workers_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -4
+  timeout 220 python3 benchmarks/bench_kernels.py --out "$OUT/kernels" 2>&1 \
+    | tee "$OUT/kernels.log" | grep -v "^  sweep" | tail -32
+  CUDA_VISIBLE_DEVICES=0 timeout 190 python3 benchmarks/bench_service.py --h200 --no-ray \
+    --out "$OUT/service-h200.md" > "$OUT/service.log" 2>&1; tail -22 "$OUT/service.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 60 python3 benchmarks/service_breakdown.py --device cuda \
+    2>&1 | tee "$OUT/breakdown.log" | tail -5
   ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -93,7 +93,8 @@ async def main(args):
 
         wp.KVPool.write_and_attend = fake
     handler_times = []
-    orig = srv.KVCacheServicer.AppendAttend
+    method = "AppendAttendBatch" if args.api == "batch" else "AppendAttend"
+    orig = getattr(srv.KVCacheServicer, method)
     rec = {"on": False}
 
     async def timed(self, request, context):
@@ -104,7 +105,7 @@ async def main(args):
             if rec["on"]:
                 handler_times.append(time.perf_counter() - t0)
 
-    srv.KVCacheServicer.AppendAttend = timed
+    setattr(srv.KVCacheServicer, method, timed)
     from cache_service import worker_clients as wcm
 
     inv_times = []
@@ -167,7 +168,7 @@ async def main(args):
             for m in hist.collect():
                 s = c = 0
                 for smp in m.samples:
-                    if smp.labels.get("method") == "AppendAttend":
+                    if smp.labels.get("method") == method:
                         if smp.name.endswith("_sum"):
                             s += smp.value
                         if smp.name.endswith("_count"):

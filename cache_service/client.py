@@ -31,12 +31,17 @@ import torch
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service._proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
-from cache_service.request_codec import encode_append_attend, encode_attend
+from cache_service.request_codec import (
+    encode_append_attend,
+    encode_append_attend_batch,
+    encode_attend,
+    encode_attend_batch,
+)
 from cache_service.tensor_codec import (
     dtype_from_proto,
     dtype_to_proto,
-    stacked_from_protos,
     tensor_from_bytes,
+    tensor_from_proto,
     tensor_to_bytes,
     tensors_from_protos,
 )
@@ -397,6 +402,16 @@ class KVCacheClient:
             request_serializer=None,
             response_deserializer=pb.AttendResponse.FromString,
         )
+        self._append_attend_batch_raw = self._channel.unary_unary(
+            f"/{_SERVICE}/AppendAttendBatch",
+            request_serializer=None,
+            response_deserializer=pb.AppendAttendBatchResponse.FromString,
+        )
+        self._attend_batch_raw = self._channel.unary_unary(
+            f"/{_SERVICE}/AttendBatch",
+            request_serializer=None,
+            response_deserializer=pb.AttendBatchResponse.FromString,
+        )
         self._layout: Any = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -684,8 +699,8 @@ class KVCacheClient:
     ) -> Any:
         """`append_attend` for a batch in a model's layout: one RPC, row i is sequence i.
 
-        The fast form of the per-layer call: whole-batch tensors are framed once and sent
-        without per-sequence tensor work, and the reply is one tensor.
+        The fast form of the per-layer call (the AppendAttendBatch RPC): each whole-batch
+        tensor travels as one tensor, with no per-sequence framing, and so does the reply.
 
         Args:
             layer: the layer.
@@ -705,9 +720,9 @@ class KVCacheClient:
         """
         ids = _id_rows(token_ids)
         _check_batch(seq_ids, ids, key=key, value=value, query=query)
-        req = encode_append_attend(layer, seq_ids, ids, key, value, query, return_lse)
-        r = self._call(self._append_attend_raw, req, timeout_s=timeout_s, retry=False)
-        return _stacked_results(r.results, return_lse)
+        req = encode_append_attend_batch(layer, seq_ids, ids, key, value, query, return_lse)
+        r = self._call(self._append_attend_batch_raw, req, timeout_s=timeout_s, retry=False)
+        return _batch_results(r, return_lse)
 
     def attend_batch(
         self,
@@ -722,9 +737,9 @@ class KVCacheClient:
         head_dim]``, row i for sequence i. Returns the output (and lse) as
         `append_attend_batch` does."""
         _check_batch(seq_ids, None, query=query)
-        req = encode_attend(layer, seq_ids, query, return_lse)
-        r = self._call(self._attend_raw, req, timeout_s=timeout_s, retry=True)
-        return _stacked_results(r.results, return_lse)
+        req = encode_attend_batch(layer, seq_ids, query, return_lse)
+        r = self._call(self._attend_batch_raw, req, timeout_s=timeout_s, retry=True)
+        return _batch_results(r, return_lse)
 
     # -- export / import -------------------------------------------------------------------
 
@@ -830,12 +845,12 @@ def _check_batch(
         raise ValueError(f"token_ids holds {len(token_ids)} sequences, seq_ids {batch}")
 
 
-def _stacked_results(results: Sequence[pb.AttendResult], return_lse: bool) -> Any:
-    # Every output lands in one new buffer (one copy), viewed as [batch, ...].
-    out = stacked_from_protos([r.output for r in results], "results[{}].output")
+def _batch_results(reply: Any, return_lse: bool) -> Any:
+    """A batch reply's output ``[batch, m, Hq, D]`` (and lse), each one new tensor."""
+    out = tensor_from_proto(reply.output, "output", ndim=4)
     if not return_lse:
         return out
-    return out, stacked_from_protos([r.lse for r in results], "results[{}].lse")
+    return out, tensor_from_proto(reply.lse, "lse", ndim=3)
 
 
 def _results(results: Sequence[pb.AttendResult], return_lse: bool) -> list[Any]:

@@ -575,10 +575,20 @@ class Coordinator:
         return plan.start
 
     async def attend(
-        self, tenant: str, layer: int, items: Sequence[AttendItem], return_lse: bool = False
+        self,
+        tenant: str,
+        layer: int,
+        items: Sequence[AttendItem],
+        return_lse: bool = False,
+        *,
+        stacked: bool = False,
     ) -> list[AttentionResult]:
         """Attention over `layer` for a batch of sequences; per item (out ``[m, Hq, D]`` in
-        the query's dtype, lse float32 ``[m, Hq]`` or None)."""
+        the query's dtype, lse float32 ``[m, Hq]`` or None).
+
+        stacked: the items' queries share one dtype; return one result holding every
+        item's rows in item order (out ``[sum m, Hq, D]``) instead of one per item.
+        """
         self._check_layer(layer)
         queries = [it.query for it in items]
         hq = self._check_queries(queries)
@@ -599,10 +609,11 @@ class Coordinator:
                 views.append(view)
             parts = self._split(views, queries, seq_ids, return_lse)
             outputs = await self._execute(layer, parts, hq)
-        results = _reassemble(len(items), parts, outputs, [q.dtype for q in queries])
         if self.metrics is not None:
             self.metrics.add_attention_tokens(sum(q.shape[0] for q in queries))
-        return results
+        if stacked:
+            return [_stacked(len(items), parts, outputs, queries[0].dtype, return_lse)]
+        return _reassemble(len(items), parts, outputs, [q.dtype for q in queries])
 
     async def append_attend(
         self,
@@ -612,6 +623,7 @@ class Coordinator:
         return_lse: bool = False,
         *,
         joined: JoinedFields | None = None,
+        stacked: bool = False,
     ) -> list[AttentionResult]:
         """Write each item's new K/V on `layer`, then attend with its queries; one round of
         worker calls for the whole batch (coalesced with concurrent calls).
@@ -619,6 +631,7 @@ class Coordinator:
         joined: what the servicer knows from decoding (see `JoinedFields`): saves finding
         out whether the items' tensors lie back to back. Only a speed-up; results and
         errors are the same without it.
+        stacked: as in `attend`.
         """
         self._check_layer(layer)
         queries = [it.query for it in items]
@@ -686,11 +699,12 @@ class Coordinator:
                 # sit in slots nobody reads and go back to the pool).
                 self._cancel_writes(tenant, seq_ids[committed:])
                 raise
-        results = _reassemble(len(items), parts, outputs, [q.dtype for q in queries])
         if self.metrics is not None:
             self.metrics.add_tokens_appended(sum(len(it.token_ids) for it in items))
             self.metrics.add_attention_tokens(sum(q.shape[0] for q in queries))
-        return results
+        if stacked:
+            return [_stacked(len(items), parts, outputs, queries[0].dtype, return_lse)]
+        return _reassemble(len(items), parts, outputs, [q.dtype for q in queries])
 
     # -- export / import -------------------------------------------------------------------
 
@@ -1490,6 +1504,24 @@ def _reassemble(
         for i, o, lse in zip(idx, outs, lses, strict=True):
             results[i] = AttentionResult(o if one_kind else o.to(dtypes[i]), lse)
     return results  # type: ignore[return-value]
+
+
+def _stacked(
+    num_items: int,
+    parts: list[tuple[list[int], _Part]],
+    outputs: list[AttentionResult],
+    dtype: torch.dtype,
+    return_lse: bool,
+) -> AttentionResult:
+    """Every item's rows, in call order, as one result in `dtype`: the part's output itself
+    when one part holds every item in order (the usual call), else one concatenation."""
+    if len(parts) == 1 and parts[0][0] == list(range(num_items)):
+        res = outputs[0]
+        return AttentionResult(res.out.to(dtype), res.lse if return_lse else None)
+    per_item = _reassemble(num_items, parts, outputs, [dtype] * num_items)
+    out = torch.cat([r.out for r in per_item])
+    lse = torch.cat([r.lse for r in per_item]) if return_lse else None  # type: ignore[misc]
+    return AttentionResult(out, lse)
 
 
 def _blocks_to_tokens(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

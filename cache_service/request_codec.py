@@ -16,6 +16,16 @@ compare them); the client sends them through a channel method without a serializ
     AttendRequest       { uint32 layer = 1; repeated AttendItem items = 2;
                           bool return_lse = 3; }
     AttendItem          { string seq_id = 1; Tensor query = 2; }
+
+The batch forms carry the batch as the first dimension of one tensor per field, so their
+cost does not grow with per-item framing; a decode step's sequence ids, sent layer after
+layer, are encoded once:
+
+    AppendAttendBatchRequest { uint32 layer = 1; repeated string seq_ids = 2;
+                               repeated int64 token_ids = 3 (packed); Tensor key = 4;
+                               Tensor value = 5; Tensor query = 6; bool return_lse = 7; }
+    AttendBatchRequest       { uint32 layer = 1; repeated string seq_ids = 2;
+                               Tensor query = 3; bool return_lse = 4; }
 """
 
 from __future__ import annotations
@@ -25,10 +35,15 @@ from collections.abc import Sequence
 
 import torch
 
-from cache_service.tensor_codec import row_payloads, tensor_payloads
+from cache_service.tensor_codec import row_payloads, tensor_payload, tensor_payloads
 from cache_service.wire_format import delimited, tensor_head, varint
 
-__all__ = ["encode_append_attend", "encode_attend"]
+__all__ = [
+    "encode_append_attend",
+    "encode_append_attend_batch",
+    "encode_attend",
+    "encode_attend_batch",
+]
 
 _LAYER = b"\x08"  # field 1, varint
 _ITEMS = b"\x12"  # field 2, length-delimited
@@ -39,6 +54,16 @@ _KEY = b"\x1a"  # item field 3
 _VALUE = b"\x22"  # item field 4
 _QUERY_OF_APPEND = b"\x2a"  # AppendAttendItem.query = 5
 _QUERY_OF_ATTEND = b"\x12"  # AttendItem.query = 2
+
+# The batch requests' fields (see the module docstring).
+_BATCH_SEQ_IDS = b"\x12"  # field 2, one per id
+_BATCH_TOKEN_IDS = b"\x1a"  # AppendAttendBatchRequest.token_ids = 3 (packed)
+_BATCH_KEY = b"\x22"  # = 4
+_BATCH_VALUE = b"\x2a"  # = 5
+_BATCH_QUERY_OF_APPEND = b"\x32"  # = 6
+_BATCH_LSE_OF_APPEND = b"\x38\x01"  # return_lse = 7, true
+_BATCH_QUERY_OF_ATTEND = b"\x1a"  # AttendBatchRequest.query = 3
+_BATCH_LSE_OF_ATTEND = b"\x20\x01"  # return_lse = 4, true
 
 # Ids below 128 are one byte each: looked up, not computed.
 _SMALL = [bytes([i]) for i in range(128)]
@@ -65,6 +90,12 @@ def _token_ids_field(token_ids: Sequence[int], item: int) -> bytes:
             return _one_id_field(t)
     if not token_ids:
         return b""
+    packed = _packed_ids(token_ids, f"items[{item}].token_ids")
+    return delimited(_TOKEN_IDS, len(packed)) + packed
+
+
+def _packed_ids(token_ids: Sequence[int], field: str) -> bytes:
+    """The varints of `token_ids`, back to back (a packed field's payload)."""
     parts = []
     for t in token_ids:
         if 0 <= t < 128:
@@ -72,9 +103,26 @@ def _token_ids_field(token_ids: Sequence[int], item: int) -> bytes:
         elif -(1 << 63) <= t < 1 << 63:
             parts.append(varint(t))
         else:
-            raise ValueError(f"items[{item}].token_ids holds {t}, outside int64")
-    packed = b"".join(parts)
-    return delimited(_TOKEN_IDS, len(packed)) + packed
+            raise ValueError(f"{field} holds {t}, outside int64")
+    return b"".join(parts)
+
+
+@functools.lru_cache(maxsize=1024)
+def _batch_seq_ids_field(seq_ids: tuple[str, ...]) -> bytes:
+    """Every id as one ``seq_ids`` field: the same tuple comes back for every layer of a
+    decode step, so it is encoded once per step, not once per layer."""
+    parts = []
+    for seq_id in seq_ids:
+        raw = seq_id.encode("utf-8")
+        parts.append(delimited(_BATCH_SEQ_IDS, len(raw)) + raw)
+    return b"".join(parts)
+
+
+def _batch_tensor_field(tag: bytes, tensor: torch.Tensor) -> tuple[bytes, bytes | memoryview]:
+    """A whole-batch tensor field: its framing and its payload (a view where possible)."""
+    head = tensor_head(tensor)
+    data = tensor_payload(tensor)
+    return delimited(tag, len(head) + len(data)) + head, data
 
 
 _Field = tuple[bytes, bytes | memoryview, int]  # framing, payload, total size
@@ -191,6 +239,58 @@ def encode_attend(
         out.item(len(sid) + qs)
         parts += (sid, qf, qd)
     return out.bytes(return_lse)
+
+
+def encode_append_attend_batch(
+    layer: int,
+    seq_ids: Sequence[str],
+    token_ids: Sequence[Sequence[int]],
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query: torch.Tensor,
+    return_lse: bool,
+) -> bytes:
+    """A serialized AppendAttendBatchRequest.
+
+    Args:
+        layer: the layer (>= 0).
+        seq_ids: the batch's sequences.
+        token_ids: per sequence, its n new token ids (ints in int64 range).
+        key, value: ``[batch, n, num_kv_heads, head_dim]``; query ``[batch, m,
+            num_q_heads, head_dim]``; float16, bfloat16 or float32, any device (copied
+            to the host when not there).
+
+    Raises:
+        TensorCodecError: a tensor's dtype cannot travel.
+        ValueError: a token id or the layer is out of range.
+    """
+    out = _Parts(layer)
+    out.parts.append(_batch_seq_ids_field(tuple(seq_ids)))
+    if len(token_ids) and all(len(row) == 1 for row in token_ids):
+        flat: Sequence[int] = [row[0] for row in token_ids]
+    else:
+        flat = [t for row in token_ids for t in row]
+    if flat:
+        packed = _packed_ids(flat, "token_ids")
+        out.parts += (delimited(_BATCH_TOKEN_IDS, len(packed)), packed)
+    for tag, tensor in ((_BATCH_KEY, key), (_BATCH_VALUE, value), (_BATCH_QUERY_OF_APPEND, query)):
+        out.parts += _batch_tensor_field(tag, tensor)
+    if return_lse:
+        out.parts.append(_BATCH_LSE_OF_APPEND)
+    return b"".join(out.parts)
+
+
+def encode_attend_batch(
+    layer: int, seq_ids: Sequence[str], query: torch.Tensor, return_lse: bool
+) -> bytes:
+    """A serialized AttendBatchRequest: query ``[batch, m, num_q_heads, head_dim]``;
+    arguments and errors as `encode_append_attend_batch`."""
+    out = _Parts(layer)
+    out.parts.append(_batch_seq_ids_field(tuple(seq_ids)))
+    out.parts += _batch_tensor_field(_BATCH_QUERY_OF_ATTEND, query)
+    if return_lse:
+        out.parts.append(_BATCH_LSE_OF_ATTEND)
+    return b"".join(out.parts)
 
 
 def _check_lengths(*lists: Sequence[object] | torch.Tensor) -> None:

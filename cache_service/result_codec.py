@@ -9,6 +9,9 @@ the wire format directly - a header per (dtype, shape), computed once, then head
 payload per item - and the servicer hands the bytes to gRPC as they are (the decode
 interceptor lets encoded replies through). The message is the one the API would build
 (tests compare them).
+
+The batch replies (`AppendAttendBatchResponse`, `AttendBatchResponse`: ``Tensor output = 1;
+Tensor lse = 2;``) hold the whole batch as one tensor per field: `encode_batch_result`.
 """
 
 from __future__ import annotations
@@ -17,15 +20,15 @@ from collections.abc import Sequence
 
 import torch
 
-from cache_service.tensor_codec import tensor_payloads
+from cache_service.tensor_codec import tensor_payload, tensor_payloads
 from cache_service.wire_format import delimited, tensor_head
 from cache_service.worker_interface import AttentionResult
 
-__all__ = ["encode_results"]
+__all__ = ["encode_batch_result", "encode_results"]
 
 # Wire tags: field number << 3 | 2 (length-delimited).
-_RESULTS = b"\x0a"  # Response.results = 1 / AttendResult.output = 1
-_LSE = b"\x12"  # AttendResult.lse = 2
+_RESULTS = b"\x0a"  # Response.results = 1 / AttendResult.output = 1 / batch output = 1
+_LSE = b"\x12"  # AttendResult.lse = 2 / batch lse = 2
 
 
 def _frame(out: torch.Tensor, lse: torch.Tensor | None) -> tuple[bytes, bytes]:
@@ -88,4 +91,22 @@ def encode_results(results: Sequence[AttentionResult], with_lse: bool) -> bytes:
         parts += (before, out_data[i])
         if with_lse:
             parts += (middle, lse_data[i])
+    return b"".join(parts)
+
+
+def encode_batch_result(out: torch.Tensor, lse: torch.Tensor | None) -> bytes:
+    """The serialized AppendAttendBatchResponse / AttendBatchResponse (alike on the wire):
+    output `out` ``[batch, m, num_q_heads, head_dim]`` and, when given, lse float32
+    ``[batch, m, num_q_heads]``; payloads are views of the tensors' memory.
+
+    Raises:
+        TensorCodecError: a tensor's dtype cannot travel.
+    """
+    parts: list[bytes | memoryview] = []
+    for tag, tensor in ((_RESULTS, out), (_LSE, lse)):
+        if tensor is None:
+            continue
+        head = tensor_head(tensor)
+        data = tensor_payload(tensor)
+        parts += (delimited(tag, len(head) + len(data)) + head, data)
     return b"".join(parts)

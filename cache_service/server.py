@@ -41,7 +41,7 @@ from cache_service.control_types import TenantQuota
 from cache_service.coordinator import AppendAttendItem, AttendItem, Coordinator, JoinedFields
 from cache_service.errors import InvalidRequest
 from cache_service.inflight import InFlightLimiter, InFlightLimitInterceptor
-from cache_service.result_codec import encode_results
+from cache_service.result_codec import encode_batch_result, encode_results
 from cache_service.status_mapping import status_for
 from cache_service.store import MetadataStore, StoreConfig
 from cache_service.tensor_codec import (
@@ -52,6 +52,7 @@ from cache_service.tensor_codec import (
     dtype_to_proto,
     joined_from_protos,
     tensor_from_bytes,
+    tensor_from_proto,
     tensor_to_bytes,
     tensors_from_protos,
 )
@@ -337,6 +338,54 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         )
         return encode_results(results, request.return_lse)  # an encoded AppendAttendResponse
 
+    @_rpc
+    async def AppendAttendBatch(
+        self, request: pb.AppendAttendBatchRequest, context: Any, tenant: str
+    ) -> bytes:
+        seq_ids = _batch_seq_ids(request.seq_ids)
+        b = len(seq_ids)
+        lay = self._coord.layout
+        kv_shape = (b, None, lay.num_kv_heads, lay.head_dim)
+        key = tensor_from_proto(request.key, "key", shape=kv_shape)
+        value = tensor_from_proto(request.value, "value", shape=(b, *key.shape[1:]))
+        query = _batch_query(request.query, b, lay.head_dim)
+        n = key.shape[1]
+        if n < 1:
+            raise InvalidRequest(f"key has shape {list(key.shape)}: no new tokens")
+        flat = list(request.token_ids)
+        if len(flat) != b * n:
+            raise InvalidRequest(
+                f"token_ids holds {len(flat)} ids; {b} sequences x {n} new tokens (key "
+                f"dimension 1) need {b * n}"
+            )
+        rows = [[t] for t in flat] if n == 1 else [flat[i * n : (i + 1) * n] for i in range(b)]
+        items = [
+            AppendAttendItem(s, r, k, v, q)
+            for s, r, k, v, q in zip(
+                seq_ids, rows, key.unbind(0), value.unbind(0), query.unbind(0), strict=True
+            )
+        ]
+        # Errors about one sequence name it as items[i]: row i of the batch.
+        (result,) = await self._coord.append_attend(
+            tenant,
+            request.layer,
+            items,
+            request.return_lse,
+            joined=JoinedFields(key.view(-1), value.view(-1), query.view(-1)),
+            stacked=True,
+        )
+        return _batch_reply(result, query.shape)
+
+    @_rpc
+    async def AttendBatch(self, request: pb.AttendBatchRequest, context: Any, tenant: str) -> bytes:
+        seq_ids = _batch_seq_ids(request.seq_ids)
+        query = _batch_query(request.query, len(seq_ids), self._coord.layout.head_dim)
+        items = [AttendItem(s, q) for s, q in zip(seq_ids, query.unbind(0), strict=True)]
+        (result,) = await self._coord.attend(
+            tenant, request.layer, items, request.return_lse, stacked=True
+        )
+        return _batch_reply(result, query.shape)
+
     # -- export / import -------------------------------------------------------------------
 
     async def ExportBlocks(
@@ -408,6 +457,33 @@ def _seq_ids(items: Any) -> list[str]:
         i = seq_ids.index("")
         raise InvalidRequest(f"items[{i}].seq_id is empty")
     return seq_ids
+
+
+def _batch_seq_ids(seq_ids: Any) -> list[str]:
+    """A batch request's sequence ids: at least one, none empty."""
+    ids = list(seq_ids)
+    if not ids:
+        raise InvalidRequest("seq_ids is empty: a batch needs at least one sequence")
+    if not all(ids):
+        raise InvalidRequest(f"seq_ids[{ids.index('')}] is empty")
+    return ids
+
+
+def _batch_query(msg: pb.Tensor, batch: int, head_dim: int) -> torch.Tensor:
+    """A batch request's query ``[batch, m >= 1, num_q_heads, head_dim]`` (the head count
+    is the coordinator's to check against the layout)."""
+    query = tensor_from_proto(msg, "query", shape=(batch, None, None, head_dim))
+    if query.shape[1] < 1:
+        raise InvalidRequest(f"query has shape {list(query.shape)}: no query rows")
+    return query
+
+
+def _batch_reply(result: Any, query_shape: torch.Size) -> bytes:
+    """The encoded batch reply: the stacked output as ``[batch, m, num_q_heads, head_dim]``
+    (and lse ``[batch, m, num_q_heads]``)."""
+    out = result.out.reshape(query_shape)
+    lse = None if result.lse is None else result.lse.reshape(query_shape[:3])
+    return encode_batch_result(out, lse)
 
 
 def _spec_size(spec: pb.TensorSpec, field: str) -> tuple[torch.dtype, list[int], int]:

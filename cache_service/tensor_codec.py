@@ -31,9 +31,9 @@ __all__ = [
     "joined_from_protos",
     "joined_view",
     "row_payloads",
-    "stacked_from_protos",
     "tensor_from_bytes",
     "tensor_from_proto",
+    "tensor_payload",
     "tensor_payloads",
     "tensor_to_bytes",
     "tensor_to_proto",
@@ -273,42 +273,6 @@ def joined_from_protos(
     return [piece.view(s) for piece, s in zip(flat.split(sizes), shapes, strict=True)], flat
 
 
-def stacked_from_protos(
-    msgs: Sequence[pb.Tensor], field: str, *, ndim: int | None = None
-) -> torch.Tensor:
-    """Decode one field of many messages of one dtype and shape into one new CPU tensor
-    ``[len(msgs), *shape]`` (one copy of the payload; no per-message tensors).
-
-    Raises:
-        TensorCodecError: what `tensor_from_proto` raises, naming the first bad message;
-            or the messages differ in dtype or shape, or there are none.
-    """
-    if not msgs:
-        raise TensorCodecError(f"{field.format(0)} is missing: no messages to stack")
-    joined = _joined(msgs, field, ndim)
-    if joined is None:  # a bad message, mixed dtypes, or a big-endian host
-        tensors = _one_by_one(msgs, field, ndim)  # raises for a bad message
-        dtypes = {t.dtype for t in tensors}
-        if len(dtypes) > 1:
-            raise TensorCodecError(
-                f"{field.format('*')}: the messages differ in dtype "
-                f"({sorted(map(str, dtypes))}), one tensor cannot hold them"
-            )
-        shapes = [list(t.shape) for t in tensors]
-        if shapes.count(shapes[0]) == len(shapes):
-            return torch.stack(tensors)
-        same = False
-    else:
-        flat, shapes, same = joined
-    if not same:
-        bad = next(i for i, s in enumerate(shapes) if s != shapes[0])
-        raise TensorCodecError(
-            f"{field.format(bad)} has shape {shapes[bad]}, {field.format(0)} has {shapes[0]}: "
-            "one tensor cannot hold them"
-        )
-    return flat.view(len(shapes), *shapes[0])
-
-
 def _joined(
     msgs: Sequence[pb.Tensor], field: str, ndim: int | None
 ) -> tuple[torch.Tensor, list[list[int]], bool] | None:
@@ -364,6 +328,19 @@ def row_payloads(batch: torch.Tensor) -> list[bytes | memoryview]:
         return [tensor_to_bytes(row) for row in batch]
     raw = _host_bytes(batch.contiguous())
     return _cut(raw, raw.nbytes // rows, rows)
+
+
+def tensor_payload(tensor: torch.Tensor) -> bytes | memoryview:
+    """The raw little-endian, C-contiguous bytes of `tensor` (`tensor_to_bytes`), as a
+    view of its memory where it is a contiguous host tensor already (no copy).
+
+    Raises:
+        TensorCodecError: a dtype that cannot travel.
+    """
+    dtype_to_proto(tensor.dtype)
+    if not _LITTLE_ENDIAN_HOST or tensor.numel() == 0:
+        return tensor_to_bytes(tensor)
+    return _host_bytes(tensor.contiguous())
 
 
 def _host_bytes(t: torch.Tensor) -> memoryview:

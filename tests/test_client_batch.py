@@ -5,6 +5,9 @@ nothing."""
 
 from __future__ import annotations
 
+import re
+
+import grpc
 import pytest
 import torch
 from service_support import (
@@ -17,12 +20,15 @@ from service_support import (
     service_config,
 )
 
+from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
+from cache_service._proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from cache_service.client import (
     AppendAttendItem,
     InvalidArgumentError,
     KVCacheClient,
     NotFoundError,
 )
+from cache_service.tensor_codec import tensor_from_proto, tensor_to_proto
 
 D, HKV, NL = LAYOUT.head_dim, LAYOUT.num_kv_heads, LAYOUT.num_layers
 
@@ -107,6 +113,86 @@ def test_bad_batches_are_refused_and_change_nothing(svc) -> None:
         for i in range(2):
             ref, _ = dense_attention(q[i], k[i], -k[i])
             assert torch.allclose(out[i].double(), ref, atol=1e-5)
+        for s in seqs:
+            client.free(s)
+    svc.check_integrity()
+
+
+def _raw_batch(seq_ids, tokens, k, v, q, layer=0):
+    return pb.AppendAttendBatchRequest(
+        layer=layer,
+        seq_ids=seq_ids,
+        token_ids=tokens,
+        key=tensor_to_proto(k),
+        value=tensor_to_proto(v),
+        query=tensor_to_proto(q),
+    )
+
+
+def test_batch_rpcs_refuse_malformed_requests_and_change_nothing(svc) -> None:
+    """What the client would never send, sent raw: each refusal names the field, and no
+    sequence, block or counter changes."""
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(2, 1, HKV, D, generator=gen)
+    q = torch.randn(2, 1, HQ, D, generator=gen)
+    with KVCacheClient(svc.address) as client, grpc.insecure_channel(svc.address) as channel:
+        stub = pb_grpc.KVCacheStub(channel)
+        seqs = [client.create_sequence().seq_id for _ in range(2)]
+        client.append_attend_batch(0, seqs, [[5], [6]], k, k, q)  # layer 0 holds one token
+        before = svc.stats()
+        nan = k.clone()
+        nan[1, 0, 0, 0] = float("nan")
+        short = _raw_batch(seqs, [1, 2], k, k, q)
+        short.key.data = short.key.data[:-2]
+        bad_dtype = _raw_batch(seqs, [1, 2], k, k, q)
+        bad_dtype.value.dtype = 99
+        cases = [
+            (_raw_batch([], [], k[:0], k[:0], q[:0]), "seq_ids is empty"),
+            (_raw_batch([seqs[0], ""], [1, 2], k, k, q), r"seq_ids\[1\] is empty"),
+            (_raw_batch(seqs, [1, 2, 3], torch.cat([k, k[:1]]), k, q), "key: dimension 0 is 3"),
+            (_raw_batch(seqs, [1, 2], k, k[:, :, :1], q), "value: dimension 2 is 1"),
+            (_raw_batch(seqs, [1, 2, 3], k, k, q), "token_ids holds 3 ids; 2 sequences x 1"),
+            (_raw_batch(seqs, [], k[:, :0], k[:, :0], q), "no new tokens"),
+            (_raw_batch(seqs, [1, 2], k, k, q[:, :0]), "no query rows"),
+            (_raw_batch(seqs, [1, 2], k, k, q[..., :-1]), "query: dimension 3"),
+            (_raw_batch(seqs, [1, 2], k, k, q[:, :, :3]), "3 heads"),
+            (_raw_batch(seqs, [1, 2], nan, k, q), r"items\[1\]\.key contains NaN"),
+            (short, "data bytes"),
+            (bad_dtype, "value.dtype"),
+            (_raw_batch(seqs, [1, 2], k, k, q, layer=NL), "layer must be in"),
+            # Layer 1 is new for both, but layer 0 reserved tokens 5 and 6 at position 0.
+            (_raw_batch(seqs, [5, 7], k, k, q, layer=1), r"items\[1\]: position 0 holds token 6"),
+        ]
+        for request, message in cases:
+            with pytest.raises(grpc.RpcError) as info:
+                stub.AppendAttendBatch(request, timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, message
+            assert re.search(message, info.value.details()), (message, info.value.details())
+        with pytest.raises(grpc.RpcError) as info:
+            stub.AppendAttendBatch(_raw_batch([seqs[0], "nope"], [5, 1], k, k, q), timeout=10)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        attend = pb.AttendBatchRequest(layer=1, seq_ids=seqs, query=tensor_to_proto(q))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.AttendBatch(attend, timeout=10)  # layer 1 holds nothing yet
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        attend = pb.AttendBatchRequest(layer=0, seq_ids=seqs, query=tensor_to_proto(q[:1]))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.AttendBatch(attend, timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "query: dimension 0 is 1, expected 2" in info.value.details()
+        assert svc.stats() == before
+        svc.check_integrity()
+        # The raw batch RPC answers like the client's call: [batch, m, Hq, D] and lse.
+        raw = _raw_batch(seqs, [5, 6], k, -k, q, layer=1)
+        raw.return_lse = True
+        reply = stub.AppendAttendBatch(raw, timeout=10)
+        out = tensor_from_proto(reply.output, "output")
+        lse = tensor_from_proto(reply.lse, "lse")
+        assert out.shape == (2, 1, HQ, D) and lse.shape == (2, 1, HQ)
+        for i in range(2):
+            ref, ref_lse = dense_attention(q[i], k[i], -k[i])
+            assert torch.allclose(out[i].double(), ref, atol=1e-5)
+            assert torch.allclose(lse[i].double(), ref_lse, atol=1e-4)
         for s in seqs:
             client.free(s)
     svc.check_integrity()

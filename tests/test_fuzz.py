@@ -286,6 +286,21 @@ def test_hand_written_malformed_requests(env: Env):
     )
     whole = pb.AppendAttendRequest(layer=0, items=[item]).SerializeToString()
     refused(lambda: raw(whole[: len(whole) // 2], metadata=fz, timeout=20), C.INVALID_ARGUMENT)
+    raw_batch = env.channel.unary_unary(SERVICE + "AppendAttendBatch")
+    refused(
+        lambda: raw_batch(b"\xff\xfe\xfd\xfc", metadata=fz, timeout=20),
+        C.INVALID_ARGUMENT,
+        "protobuf",
+    )
+    batch = pb.AppendAttendBatchRequest(
+        layer=0,
+        seq_ids=[env.b],
+        token_ids=[1],
+        key=t(k[None]),
+        value=t(v[None]),
+        query=t(torch.randn(1, 1, HQ, D)),
+    ).SerializeToString()
+    refused(lambda: raw_batch(batch[: len(batch) - 5], metadata=fz, timeout=20), C.INVALID_ARGUMENT)
     raw_stream = env.channel.stream_unary(SERVICE + "Append")
     refused(
         lambda: raw_stream(iter([head.SerializeToString()[:-7]]), metadata=fz, timeout=20),

@@ -56,8 +56,8 @@ def test_the_api_has_every_capability_of_the_issue() -> None:
     methods = {m.name: m for m in service.methods}
     assert set(methods) == {
         "GetInfo", "CreateSequence", "ForkSequence", "FreeSequence", "Lookup", "Pin", "Unpin",
-        "PublishPublic", "Append", "Attend", "AppendAttend", "ExportBlocks", "ImportBlocks",
-        "GetStats",
+        "PublishPublic", "Append", "Attend", "AppendAttend", "AppendAttendBatch",
+        "AttendBatch", "ExportBlocks", "ImportBlocks", "GetStats",
     }  # fmt: skip
     # Large payloads stream: Append and ImportBlocks from the client, ExportBlocks back.
     assert methods["Append"].client_streaming and not methods["Append"].server_streaming

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
-from cache_service.request_codec import encode_append_attend, encode_attend
+from cache_service.request_codec import (
+    encode_append_attend,
+    encode_append_attend_batch,
+    encode_attend,
+    encode_attend_batch,
+)
 from cache_service.tensor_codec import TensorCodecError, tensor_to_proto
 
 Batch = tuple[list[str], list[list[int]], list[torch.Tensor], list[torch.Tensor], list]
@@ -106,3 +111,60 @@ def test_what_cannot_travel_is_refused_before_anything_is_sent() -> None:
         encode_append_attend(-1, s, ids, k, v, q, False)
     with pytest.raises(ValueError, match="differ in count"):
         encode_append_attend(0, s, ids, k[:1], v, q, False)
+
+
+BATCH_CASES: dict[str, Callable[[], tuple]] = {
+    "decode bf16 x32": lambda: _whole(torch.bfloat16, 32, 1, 1),
+    "decode fp16 x1": lambda: _whole(torch.float16, 1, 1, 1),
+    "chunk fp32: 3 tokens, 2 query rows, wide ids": lambda: _whole(torch.float32, 4, 3, 2),
+    "non-contiguous batch tensors": lambda: _whole(torch.float16, 5, 2, 1, transpose=True),
+}
+
+
+def _whole(dtype: torch.dtype, b: int, n: int, m: int, transpose: bool = False) -> tuple:
+    g = torch.Generator().manual_seed(b * 10 + n)
+    k = torch.randn(b, n, 4, 16, generator=g).to(dtype)
+    v = torch.randn(b, n, 4, 16, generator=g).to(dtype)
+    q = torch.randn(b, m, 8, 16, generator=g).to(dtype)
+    if transpose:
+        k = torch.randn(b, 4, n, 16, generator=g).to(dtype).transpose(1, 2)
+    ids = [[(i * 7919 + j) % 50000 for j in range(n)] for i in range(b)]
+    if n > 1:
+        ids[0] = [2**40, -1, 2**63 - 1][:n] + ids[0][3:]
+    return [f"seq-{i:04x}-é" for i in range(b)], ids, k, v, q
+
+
+@pytest.mark.parametrize("case", list(BATCH_CASES))
+@pytest.mark.parametrize(("layer", "lse"), [(0, False), (31, True), (2**32 - 1, True)])
+def test_batch_requests_equal_the_protobuf_api(case: str, layer: int, lse: bool) -> None:
+    seq_ids, ids, k, v, q = BATCH_CASES[case]()
+    raw = encode_append_attend_batch(layer, seq_ids, ids, k, v, q, lse)
+    want = pb.AppendAttendBatchRequest(
+        layer=layer,
+        seq_ids=seq_ids,
+        token_ids=[t for row in ids for t in row],
+        key=tensor_to_proto(k),
+        value=tensor_to_proto(v),
+        query=tensor_to_proto(q),
+        return_lse=lse,
+    )
+    assert pb.AppendAttendBatchRequest.FromString(raw) == want
+    assert raw == want.SerializeToString()
+    raw = encode_attend_batch(layer, seq_ids, q, lse)
+    want = pb.AttendBatchRequest(
+        layer=layer, seq_ids=seq_ids, query=tensor_to_proto(q), return_lse=lse
+    )
+    assert pb.AttendBatchRequest.FromString(raw) == want
+    assert raw == want.SerializeToString()
+
+
+def test_batch_request_refusals() -> None:
+    seq_ids, ids, k, v, q = _whole(torch.float16, 2, 1, 1)
+    with pytest.raises(TensorCodecError, match="cannot travel"):
+        encode_append_attend_batch(0, seq_ids, ids, k.long(), v, q, False)
+    with pytest.raises(TensorCodecError, match="cannot travel"):
+        encode_attend_batch(0, seq_ids, q.double(), False)
+    with pytest.raises(ValueError, match="token_ids holds 9223372036854775808"):
+        encode_append_attend_batch(0, seq_ids, [[1], [2**63]], k, v, q, False)
+    with pytest.raises(ValueError, match="layer must be a uint32"):
+        encode_attend_batch(2**32, seq_ids, q, False)

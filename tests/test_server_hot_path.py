@@ -17,7 +17,7 @@ from cache_service.auth import AuthInterceptor, bearer_metadata, parse_token_doc
 from cache_service.handler_cache import HandlerCache
 from cache_service.inflight import InFlightLimiter, InFlightLimitInterceptor
 from cache_service.metrics import ServiceMetrics
-from cache_service.result_codec import encode_results
+from cache_service.result_codec import encode_batch_result, encode_results
 from cache_service.tensor_codec import TensorCodecError, tensor_to_proto
 from cache_service.wire_decode import RequestDecodeInterceptor
 from cache_service.worker_interface import AttentionResult
@@ -79,6 +79,22 @@ def test_reply_refuses_what_cannot_travel() -> None:
         encode_results(ints, False)
     with pytest.raises(TypeError, match="no lse"):
         encode_results([AttentionResult(torch.ones(1, 2, 3), None)], True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cls", [pb.AttendBatchResponse, pb.AppendAttendBatchResponse])
+def test_batch_reply_bytes_equal_the_protobuf_api(dtype: torch.dtype, cls: Any) -> None:
+    out = torch.randn(6, 2, 8, 16).to(dtype)
+    lse = torch.randn(6, 2, 8)
+    for with_lse in (False, True):
+        raw = encode_batch_result(out, lse if with_lse else None)
+        want = cls(output=tensor_to_proto(out))
+        if with_lse:
+            want.lse.CopyFrom(tensor_to_proto(lse))
+        assert type(raw) is bytes and raw == want.SerializeToString()
+        assert cls.FromString(raw) == want
+    with pytest.raises(TensorCodecError):
+        encode_batch_result(out.long(), None)
 
 
 # -- interceptors ------------------------------------------------------------------------

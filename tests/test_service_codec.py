@@ -10,9 +10,9 @@ from cache_service.tensor_codec import (
     TensorCodecError,
     joined_view,
     row_payloads,
-    stacked_from_protos,
     tensor_from_bytes,
     tensor_from_proto,
+    tensor_payload,
     tensor_to_bytes,
     tensor_to_proto,
     tensors_from_protos,
@@ -151,24 +151,14 @@ def test_joined_view_only_for_tensors_back_to_back_in_one_storage() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_stacked_and_row_payloads_round_trip(dtype: torch.dtype) -> None:
+def test_row_and_whole_payloads_are_the_tensor_bytes(dtype: torch.dtype) -> None:
     batch = (torch.randn(5, 2, 3, 4) * 100).to(dtype).transpose(1, 2)  # not contiguous
     rows = row_payloads(batch)
     assert [bytes(r) for r in rows] == [tensor_to_bytes(b) for b in batch]
-    msgs = [tensor_to_proto(b) for b in batch]
-    back = stacked_from_protos(msgs, "results[{}].output")
-    assert back.dtype == dtype and torch.equal(back, batch)
-
-
-def test_stacked_refuses_what_one_tensor_cannot_hold() -> None:
-    a, b = torch.ones(2, 3), torch.ones(3, 3)
-    with pytest.raises(TensorCodecError, match=r"out\[1\] has shape \[3, 3\], out\[0\] has"):
-        stacked_from_protos([tensor_to_proto(a), tensor_to_proto(b)], "out[{}]")
-    with pytest.raises(TensorCodecError, match=r"out\[\*\]: the messages differ in dtype"):
-        stacked_from_protos([tensor_to_proto(a), tensor_to_proto(a.half())], "out[{}]")
-    with pytest.raises(TensorCodecError, match="no messages"):
-        stacked_from_protos([], "out[{}]")
-    bad = tensor_to_proto(a)
-    bad.data = bad.data[:-1]
-    with pytest.raises(TensorCodecError, match=r"out\[1\]"):
-        stacked_from_protos([tensor_to_proto(a), bad], "out[{}]")
+    assert bytes(tensor_payload(batch)) == tensor_to_bytes(batch)
+    contiguous = batch.contiguous()
+    view = tensor_payload(contiguous)
+    assert isinstance(view, memoryview) and bytes(view) == tensor_to_bytes(batch)  # no copy
+    assert tensor_payload(torch.empty(0, 3, dtype=dtype)) == b""
+    with pytest.raises(TensorCodecError):
+        tensor_payload(torch.ones(2, dtype=torch.int64))

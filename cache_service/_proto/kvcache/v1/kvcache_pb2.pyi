@@ -256,6 +256,52 @@ class AppendAttendResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[AttendResult]
     def __init__(self, results: _Optional[_Iterable[_Union[AttendResult, _Mapping]]] = ...) -> None: ...
 
+class AppendAttendBatchRequest(_message.Message):
+    __slots__ = ("layer", "seq_ids", "token_ids", "key", "value", "query", "return_lse")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LSE_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    key: Tensor
+    value: Tensor
+    query: Tensor
+    return_lse: bool
+    def __init__(self, layer: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., key: _Optional[_Union[Tensor, _Mapping]] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ..., query: _Optional[_Union[Tensor, _Mapping]] = ..., return_lse: _Optional[bool] = ...) -> None: ...
+
+class AppendAttendBatchResponse(_message.Message):
+    __slots__ = ("output", "lse")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    LSE_FIELD_NUMBER: _ClassVar[int]
+    output: Tensor
+    lse: Tensor
+    def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., lse: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class AttendBatchRequest(_message.Message):
+    __slots__ = ("layer", "seq_ids", "query", "return_lse")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LSE_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    query: Tensor
+    return_lse: bool
+    def __init__(self, layer: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ..., query: _Optional[_Union[Tensor, _Mapping]] = ..., return_lse: _Optional[bool] = ...) -> None: ...
+
+class AttendBatchResponse(_message.Message):
+    __slots__ = ("output", "lse")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    LSE_FIELD_NUMBER: _ClassVar[int]
+    output: Tensor
+    lse: Tensor
+    def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., lse: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
 class ExportBlocksRequest(_message.Message):
     __slots__ = ("seq_id", "chunk_bytes")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]

@@ -90,6 +90,16 @@ class KVCacheStub:
                 request_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AppendAttendRequest.SerializeToString,
                 response_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AppendAttendResponse.FromString,
                 _registered_method=True)
+        self.AppendAttendBatch = channel.unary_unary(
+                '/kvcache.v1.KVCache/AppendAttendBatch',
+                request_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AppendAttendBatchRequest.SerializeToString,
+                response_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AppendAttendBatchResponse.FromString,
+                _registered_method=True)
+        self.AttendBatch = channel.unary_unary(
+                '/kvcache.v1.KVCache/AttendBatch',
+                request_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AttendBatchRequest.SerializeToString,
+                response_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AttendBatchResponse.FromString,
+                _registered_method=True)
         self.ExportBlocks = channel.unary_stream(
                 '/kvcache.v1.KVCache/ExportBlocks',
                 request_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ExportBlocksRequest.SerializeToString,
@@ -194,6 +204,22 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AppendAttendBatch(self, request, context):
+        """AppendAttend for a batch whose sequences all write n tokens and attend with m query
+        rows (a decode step: n = m = 1), the batch as the first dimension of one tensor per
+        field. The same semantics and errors as AppendAttend; less to encode and decode.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AttendBatch(self, request, context):
+        """Attend for a batch whose sequences all have m query rows, as one query tensor.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ExportBlocks(self, request, context):
         """Stream a sequence's blocks out (header first, then the block bytes in chunks).
         """
@@ -272,6 +298,16 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.AppendAttend,
                     request_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AppendAttendRequest.FromString,
                     response_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AppendAttendResponse.SerializeToString,
+            ),
+            'AppendAttendBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.AppendAttendBatch,
+                    request_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AppendAttendBatchRequest.FromString,
+                    response_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AppendAttendBatchResponse.SerializeToString,
+            ),
+            'AttendBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttendBatch,
+                    request_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AttendBatchRequest.FromString,
+                    response_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AttendBatchResponse.SerializeToString,
             ),
             'ExportBlocks': grpc.unary_stream_rpc_method_handler(
                     servicer.ExportBlocks,
@@ -587,6 +623,60 @@ class KVCache:
             '/kvcache.v1.KVCache/AppendAttend',
             cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AppendAttendRequest.SerializeToString,
             cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AppendAttendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AppendAttendBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.KVCache/AppendAttendBatch',
+            cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AppendAttendBatchRequest.SerializeToString,
+            cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AppendAttendBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttendBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.KVCache/AttendBatch',
+            cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AttendBatchRequest.SerializeToString,
+            cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AttendBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
