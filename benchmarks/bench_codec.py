@@ -1,8 +1,9 @@
 """Host cost of encoding and decoding one per-layer append-and-attend call (CPU only).
 
 What the client and the servicer spend per call outside the network and the coordinator:
-the request's encoding (client), and the reply's encoding (server) and decoding (client),
-for a decode batch of the Llama-3-8B layout (32 sequences, 8 KV / 32 query heads,
+the request's encoding (client) and decoding (server), and the reply's encoding (server) and
+decoding (client), for the per-item AppendAttend and the AppendAttendBatch RPC, for a decode
+batch of the Llama-3-8B layout (32 sequences, 8 KV / 32 query heads,
 head_dim 128, bf16, one new token and one query row each). Each row is the median of
 many calls on one core.
 
@@ -24,11 +25,13 @@ from pathlib import Path
 import torch
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
-from cache_service.client import _results, _stacked_results
-from cache_service.request_codec import encode_append_attend
-from cache_service.result_codec import encode_results
+from cache_service.client import _batch_results, _results
+from cache_service.request_codec import encode_append_attend, encode_append_attend_batch
+from cache_service.request_decode import decode_append_attend, decode_append_attend_batch
+from cache_service.result_codec import encode_batch_result, encode_results
 from cache_service.tensor_codec import tensor_to_proto
 from cache_service.worker_interface import AttentionResult
+from workers.layout import KVLayout
 
 
 def median_us(fn: Callable[[], object], calls: int) -> float:
@@ -75,10 +78,15 @@ def main(argv: list[str] | None = None) -> int:
             3, seq_ids, tokens, list(key), list(value), list(query), return_lse=False
         )
 
-    def batch_request() -> bytes:
+    def batch_tensors_request() -> bytes:
         return encode_append_attend(3, seq_ids, tokens, key, value, query, return_lse=False)
 
-    request = batch_request()
+    def batch_rpc_request() -> bytes:
+        return encode_append_attend_batch(3, seq_ids, tokens, key, value, query, False)
+
+    request = batch_tensors_request()
+    batch_request = batch_rpc_request()
+    layout = KVLayout(num_layers=32, num_kv_heads=hkv, head_dim=d, block_size=16, dtype="bfloat16")
     if pb.AppendAttendRequest.FromString(request) != pb.AppendAttendRequest.FromString(
         api_request()
     ):
@@ -95,19 +103,38 @@ def main(argv: list[str] | None = None) -> int:
     reply = encode_results(results, False)
     if reply != api_reply():
         raise SystemExit("the codec's reply differs from the protobuf API's")
+    batch_reply = encode_batch_result(out, None)
     rows = [
-        ("client: request, protobuf API (one message per item)", api_request),
-        ("client: request, `request_codec`, one tensor per item", items_request),
-        ("client: request, `request_codec`, batch tensors", batch_request),
-        ("server: reply, protobuf API", api_reply),
-        ("server: reply, `result_codec` (sent as bytes)", lambda: encode_results(results, False)),
+        ("AppendAttend: client request, protobuf API (one message per item)", api_request),
+        ("AppendAttend: client request, `request_codec`, one tensor per item", items_request),
+        ("AppendAttend: client request, `request_codec`, batch tensors", batch_tensors_request),
         (
-            "client: reply to per-item tensors (`append_attend`)",
-            lambda: _results(pb.AppendAttendResponse.FromString(reply).results, False),
+            "AppendAttend: server request decode (`decode_append_attend`)",
+            lambda: decode_append_attend(pb.AppendAttendRequest.FromString(request)),
+        ),
+        ("AppendAttend: server reply, protobuf API", api_reply),
+        (
+            "AppendAttend: server reply, `result_codec` (sent as bytes)",
+            lambda: encode_results(results, False),
         ),
         (
-            "client: reply to one batch tensor (`append_attend_batch`)",
-            lambda: _stacked_results(pb.AppendAttendResponse.FromString(reply).results, False),
+            "AppendAttend: client reply decode (`append_attend`)",
+            lambda: _results(pb.AppendAttendResponse.FromString(reply).results, False),
+        ),
+        ("AppendAttendBatch: client request (`append_attend_batch`)", batch_rpc_request),
+        (
+            "AppendAttendBatch: server request decode (`decode_append_attend_batch`)",
+            lambda: decode_append_attend_batch(
+                pb.AppendAttendBatchRequest.FromString(batch_request), layout
+            ),
+        ),
+        (
+            "AppendAttendBatch: server reply (`encode_batch_result`)",
+            lambda: encode_batch_result(out, None),
+        ),
+        (
+            "AppendAttendBatch: client reply decode",
+            lambda: _batch_results(pb.AppendAttendBatchResponse.FromString(batch_reply), False),
         ),
     ]
     lines = [
@@ -118,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         f"python {platform.python_version()}, torch {torch.__version__}, one torch thread",
         f"- command: `{' '.join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])])}`",
         f"- batch {b}, Llama-3-8B heads ({hkv} KV / {hq} query, head_dim {d}), bf16, one "
-        f"token and one query row per sequence: request {len(request)} bytes, reply "
-        f"{len(reply)} bytes; median of {args.calls} calls",
+        f"token and one query row per sequence: AppendAttend request {len(request)} bytes, "
+        f"reply {len(reply)} bytes; AppendAttendBatch request {len(batch_request)} bytes, "
+        f"reply {len(batch_reply)} bytes; median of {args.calls} calls",
         "",
         "| step | median us |",
         "| --- | ---: |",

@@ -38,9 +38,15 @@ from cache_service.auth import (
 )
 from cache_service.config import ServiceConfig
 from cache_service.control_types import TenantQuota
-from cache_service.coordinator import AppendAttendItem, AttendItem, Coordinator, JoinedFields
+from cache_service.coordinator import Coordinator
 from cache_service.errors import InvalidRequest
 from cache_service.inflight import InFlightLimiter, InFlightLimitInterceptor
+from cache_service.request_decode import (
+    decode_append_attend,
+    decode_append_attend_batch,
+    decode_attend,
+    decode_attend_batch,
+)
 from cache_service.result_codec import encode_batch_result, encode_results
 from cache_service.status_mapping import status_for
 from cache_service.store import MetadataStore, StoreConfig
@@ -50,11 +56,8 @@ from cache_service.tensor_codec import (
     dtype_from_name,
     dtype_from_proto,
     dtype_to_proto,
-    joined_from_protos,
     tensor_from_bytes,
-    tensor_from_proto,
     tensor_to_bytes,
-    tensors_from_protos,
 )
 from cache_service.tls import ServerTLSConfig, server_credentials
 from cache_service.wire_decode import RequestDecodeInterceptor
@@ -306,10 +309,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
 
     @_rpc
     async def Attend(self, request: pb.AttendRequest, context: Any, tenant: str) -> bytes:
-        wire = request.items
-        seq_ids = _seq_ids(wire)
-        queries = tensors_from_protos([it.query for it in wire], "items[{}].query", ndim=3)
-        items = [AttendItem(s, q) for s, q in zip(seq_ids, queries, strict=True)]
+        items = decode_attend(request)
         results = await self._coord.attend(tenant, request.layer, items, request.return_lse)
         return encode_results(results, request.return_lse)  # an encoded AttendResponse
 
@@ -317,24 +317,9 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     async def AppendAttend(
         self, request: pb.AppendAttendRequest, context: Any, tenant: str
     ) -> bytes:
-        wire = request.items
-        seq_ids = _seq_ids(wire)
-        # Each field of every item decodes into one buffer: the coordinator then checks,
-        # converts and sends the items' keys (values, queries) as one tensor, no copies;
-        # the flat spans tell it so without a check per tensor.
-        keys, k_span = joined_from_protos([it.key for it in wire], "items[{}].key", ndim=3)
-        values, v_span = joined_from_protos([it.value for it in wire], "items[{}].value", ndim=3)
-        queries, q_span = joined_from_protos([it.query for it in wire], "items[{}].query", ndim=3)
-        items = [
-            AppendAttendItem(s, list(it.token_ids), k, v, q)
-            for s, it, k, v, q in zip(seq_ids, wire, keys, values, queries, strict=True)
-        ]
+        items, joined = decode_append_attend(request)
         results = await self._coord.append_attend(
-            tenant,
-            request.layer,
-            items,
-            request.return_lse,
-            joined=JoinedFields(k_span, v_span, q_span),
+            tenant, request.layer, items, request.return_lse, joined=joined
         )
         return encode_results(results, request.return_lse)  # an encoded AppendAttendResponse
 
@@ -342,49 +327,25 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     async def AppendAttendBatch(
         self, request: pb.AppendAttendBatchRequest, context: Any, tenant: str
     ) -> bytes:
-        seq_ids = _batch_seq_ids(request.seq_ids)
-        b = len(seq_ids)
-        lay = self._coord.layout
-        kv_shape = (b, None, lay.num_kv_heads, lay.head_dim)
-        key = tensor_from_proto(request.key, "key", shape=kv_shape)
-        value = tensor_from_proto(request.value, "value", shape=(b, *key.shape[1:]))
-        query = _batch_query(request.query, b, lay.head_dim)
-        n = key.shape[1]
-        if n < 1:
-            raise InvalidRequest(f"key has shape {list(key.shape)}: no new tokens")
-        flat = list(request.token_ids)
-        if len(flat) != b * n:
-            raise InvalidRequest(
-                f"token_ids holds {len(flat)} ids; {b} sequences x {n} new tokens (key "
-                f"dimension 1) need {b * n}"
-            )
-        rows = [[t] for t in flat] if n == 1 else [flat[i * n : (i + 1) * n] for i in range(b)]
-        items = [
-            AppendAttendItem(s, r, k, v, q)
-            for s, r, k, v, q in zip(
-                seq_ids, rows, key.unbind(0), value.unbind(0), query.unbind(0), strict=True
-            )
-        ]
+        items, joined, shape = decode_append_attend_batch(request, self._coord.layout)
         # Errors about one sequence name it as items[i]: row i of the batch.
         (result,) = await self._coord.append_attend(
             tenant,
             request.layer,
             items,
             request.return_lse,
-            joined=JoinedFields(key.view(-1), value.view(-1), query.view(-1)),
+            joined=joined,
             stacked=True,
         )
-        return _batch_reply(result, query.shape)
+        return _batch_reply(result, shape)
 
     @_rpc
     async def AttendBatch(self, request: pb.AttendBatchRequest, context: Any, tenant: str) -> bytes:
-        seq_ids = _batch_seq_ids(request.seq_ids)
-        query = _batch_query(request.query, len(seq_ids), self._coord.layout.head_dim)
-        items = [AttendItem(s, q) for s, q in zip(seq_ids, query.unbind(0), strict=True)]
+        items, shape = decode_attend_batch(request, self._coord.layout)
         (result,) = await self._coord.attend(
             tenant, request.layer, items, request.return_lse, stacked=True
         )
-        return _batch_reply(result, query.shape)
+        return _batch_reply(result, shape)
 
     # -- export / import -------------------------------------------------------------------
 
@@ -448,34 +409,6 @@ def _nonempty_ids(token_ids: Any) -> list[int]:
     if not ids:
         raise InvalidRequest("token_ids is empty")
     return ids
-
-
-def _seq_ids(items: Any) -> list[str]:
-    """The items' sequence ids; an empty one is refused, naming its item."""
-    seq_ids = [it.seq_id for it in items]
-    if not all(seq_ids):
-        i = seq_ids.index("")
-        raise InvalidRequest(f"items[{i}].seq_id is empty")
-    return seq_ids
-
-
-def _batch_seq_ids(seq_ids: Any) -> list[str]:
-    """A batch request's sequence ids: at least one, none empty."""
-    ids = list(seq_ids)
-    if not ids:
-        raise InvalidRequest("seq_ids is empty: a batch needs at least one sequence")
-    if not all(ids):
-        raise InvalidRequest(f"seq_ids[{ids.index('')}] is empty")
-    return ids
-
-
-def _batch_query(msg: pb.Tensor, batch: int, head_dim: int) -> torch.Tensor:
-    """A batch request's query ``[batch, m >= 1, num_q_heads, head_dim]`` (the head count
-    is the coordinator's to check against the layout)."""
-    query = tensor_from_proto(msg, "query", shape=(batch, None, None, head_dim))
-    if query.shape[1] < 1:
-        raise InvalidRequest(f"query has shape {list(query.shape)}: no query rows")
-    return query
 
 
 def _batch_reply(result: Any, query_shape: torch.Size) -> bytes:

@@ -265,6 +265,34 @@ def test_split_matches_unsplit_and_writes_every_element(causal: bool) -> None:
         torch.testing.assert_close(lse, results[0][1], rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (6, 2), (8, 1)])
+def test_fused_merge_matches_the_merge_kernel(hq: int, hkv: int) -> None:
+    """The last partition program's merge (group sizes 1, 3 and 8; decode and multi-row
+    tiles; 19 partitions, read in chunks with a partial last one) agrees with the separate
+    merge kernel and with dense attention, outputs and LSEs."""
+    batch = make_paged_batch(
+        [600, 9, 97], [1, 3, 5], num_q_heads=hq, num_kv_heads=hkv, head_dim=32, block_size=8,
+        seed=hq * 10 + hkv,
+    )  # fmt: skip
+    problem = problem_of(batch)
+    base = replace(choose_config(problem, torch.float32, sm_count=4), tile_n=16)
+    ref, ref_lse = dense_attention(batch)
+    for parts in (5, 19):
+        got = []
+        for fused in (True, False):
+            out = torch.full_like(batch.query, float("nan"))
+            cfg = replace(with_partitions(base, parts), fused_merge=fused)
+            o, lse = paged_attention_triton(
+                *batch.args(), problem, return_lse=True, out=out, config=cfg
+            )
+            assert not torch.isnan(o).any()
+            got.append((o, lse))
+        torch.testing.assert_close(got[0][0], got[1][0], rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(got[0][1], got[1][1], rtol=2e-6, atol=2e-6)
+        assert max_rel(got[0][0], ref) <= FP32_MAX_REL
+        torch.testing.assert_close(got[0][1].double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
 def test_merge_of_partials_from_separate_calls_equals_whole() -> None:
     """Attention over keys [0, a) and [a, L) computed as two non-causal calls, merged."""
     seq_len, cut, d = 70, 29, 32
