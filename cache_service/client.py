@@ -841,8 +841,17 @@ def _check_batch(
             )
         if t.shape[0] != batch:
             raise ValueError(f"{name} holds {t.shape[0]} sequences, seq_ids {batch}")
-    if token_ids is not None and len(token_ids) != batch:
-        raise ValueError(f"token_ids holds {len(token_ids)} sequences, seq_ids {batch}")
+    if token_ids is not None:
+        if len(token_ids) != batch:
+            raise ValueError(f"token_ids holds {len(token_ids)} sequences, seq_ids {batch}")
+        # The request carries the ids flat: a ragged row would hand tokens to its neighbour.
+        n = tensors["key"].shape[1]
+        for i, row in enumerate(token_ids):
+            if len(row) != n:
+                raise ValueError(
+                    f"token_ids[{i}] holds {len(row)} ids but key has {n} new tokens per "
+                    "sequence (dimension 1)"
+                )
 
 
 def _batch_results(reply: Any, return_lse: bool) -> Any:

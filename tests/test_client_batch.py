@@ -97,6 +97,11 @@ def test_bad_batches_are_refused_and_change_nothing(svc) -> None:
             ValueError, match=r"token_ids\[0\] must be the row's token ids, got int"
         ):
             client.append_attend_batch(0, seqs, [1, 2], k, k, q)
+        k2 = torch.randn(2, 2, HKV, D, generator=gen)
+        with pytest.raises(ValueError, match=r"token_ids\[0\] holds 3 ids but key has 2 new"):
+            client.append_attend_batch(0, seqs, [[1, 2, 3], [4]], k2, k2, q)
+        with pytest.raises(ValueError, match=r"token_ids\[1\] holds 1 ids but key has 2 new"):
+            client.append_attend_batch(0, seqs, [[1, 2], [4]], k2, k2, q)
         with pytest.raises(ValueError, match="at least one sequence"):
             client.attend_batch(0, [], q[:0])
         # The server's refusals: wrong head_dim, unknown sequence, duplicate sequence.

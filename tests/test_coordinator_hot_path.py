@@ -17,7 +17,7 @@ import torch
 from service_support import HQ, LAYOUT, dense_attention
 
 from cache_service.config import CoordinatorConfig
-from cache_service.coordinator import AppendAttendItem, Coordinator
+from cache_service.coordinator import AppendAttendItem, AttendItem, Coordinator
 from cache_service.errors import InvalidRequest
 from cache_service.worker_clients import LocalWorkerClient
 from workers.config import PoolConfig
@@ -173,3 +173,48 @@ def test_sequences_spread_over_two_workers_still_match() -> None:
         coord.block_manager.check_integrity()
 
     run(scenario, workers=2, blocks=6)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_stacked_results_are_the_items_rows_in_order(workers: int) -> None:
+    """`stacked=True` (the batch RPCs) gives every item's rows in item order as one tensor,
+    equal to the per-item results, whether one part holds every item (its output handed on)
+    or the items sit on two workers (one part each, concatenated); with and without LSE."""
+
+    def rows(seqs: list[str], token: int, k: torch.Tensor, q: torch.Tensor) -> list:
+        return [AppendAttendItem(s, [token], k[i], -k[i], q[i]) for i, s in enumerate(seqs)]
+
+    async def scenario(coord: Coordinator) -> None:
+        gen = torch.Generator().manual_seed(9)
+        prompt = torch.randn(B, L, 1, HKV, D, generator=gen)
+        twins: dict[str, list[str]] = {"per_item": [], "stacked": []}
+        for seqs in twins.values():
+            for i in range(B):
+                # Written right away, so the next sequence's home is the emptier worker.
+                seqs.append((await coord.create_sequence("t")).seq_id)
+                await coord.append("t", seqs[-1], None, [0], prompt[i], -prompt[i])
+        per_item, stacked = twins["per_item"], twins["stacked"]
+        for token in range(1, 6):  # across a block boundary (block size 4)
+            for layer in range(L):
+                k = torch.randn(B, 1, HKV, D, generator=gen)
+                q = torch.randn(B, 2 if token == 5 else 1, HQ, D, generator=gen)
+                lse = layer == 0
+                want = await coord.append_attend("t", layer, rows(per_item, token, k, q), lse)
+                (got,) = await coord.append_attend(
+                    "t", layer, rows(stacked, token, k, q), lse, stacked=True
+                )
+                assert torch.equal(got.out, torch.cat([r.out for r in want]))
+                if lse:
+                    assert torch.equal(got.lse, torch.cat([r.lse for r in want]))
+                else:
+                    assert got.lse is None
+        (att,) = await coord.attend(
+            "t", 0, [AttendItem(s, q[i]) for i, s in enumerate(stacked)], stacked=True
+        )
+        ref = await coord.attend("t", 0, [AttendItem(s, q[i]) for i, s in enumerate(per_item)])
+        assert torch.equal(att.out, torch.cat([r.out for r in ref]))
+        homes = {coord.block_manager.sequence_info("t", s).workers for s in stacked}
+        assert len(homes) == workers  # two workers: the concatenation path ran
+        coord.block_manager.check_integrity()
+
+    run(scenario, workers=workers)
