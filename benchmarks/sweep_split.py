@@ -41,7 +41,6 @@ TILES = (64, 128)
 WARPS = (4,)
 STAGES = (2, 3, 4)
 PARTITIONS = (8, 12, 16, 24, 32, 48, 64)
-PREFETCH = (False, True)
 
 
 def graph_us(fn, rep_ms: float) -> float:
@@ -69,15 +68,14 @@ def sweep_case(batch_size: int, kv_len: int, s: BenchSettings, top: int, rep_ms:
     rows = []
     # Unsplit cases (every SM already has a program) keep their split count.
     split_counts = PARTITIONS if base.num_partitions > 1 else (1,)
-    grid = itertools.product(TILES, WARPS, STAGES, split_counts, PREFETCH)
-    for tile, warps, stages, parts, prefetch in grid:
+    grid = itertools.product(TILES, WARPS, STAGES, split_counts)
+    for tile, warps, stages, parts in grid:
         cfg = replace(
             base,
             tile_n=tile,
             num_warps=warps,
             num_stages=stages,
             num_partitions=parts,
-            prefetch_table=prefetch,
         )
         try:
             fn = ours(batch, cfg)
@@ -87,10 +85,7 @@ def sweep_case(batch_size: int, kv_len: int, s: BenchSettings, top: int, rep_ms:
             rows.append({"config": asdict(cfg), "error": f"{type(exc).__name__}: {exc}"[:200]})
             continue
         rows.append({"config": asdict(cfg), "graph_us": us, "rel_l2": err})
-        log(
-            f"  tile {tile:3d} w{warps} s{stages} P{parts:2d} prefetch={int(prefetch)}: "
-            f"{us:6.1f} us  rel L2 {err:.1e}"
-        )
+        log(f"  tile {tile:3d} w{warps} s{stages} P{parts:2d}: {us:6.1f} us  rel L2 {err:.1e}")
     ok = sorted(
         (r for r in rows if "graph_us" in r and r["rel_l2"] < 1e-2), key=lambda r: r["graph_us"]
     )
