@@ -22,10 +22,13 @@ Usage (from the repository root, on the GPU machine):
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
+import io
 import json
 import math
 import platform
+import pstats
 import random
 import subprocess
 import sys
@@ -283,19 +286,50 @@ def sweep_decode(batch: PagedBatch, base: AttentionConfig, ref: torch.Tensor, s)
                     num_partitions=parts,
                     fused_merge=fused,
                 )
-                try:
-                    fn = ours(batch, cfg)
-                    err = rel_l2(fn(), ref)
-                    ms = time_ms(fn, s)
-                except Exception as exc:
-                    results.append({"config": asdict(cfg), "error": f"{type(exc).__name__}: {exc}"})
-                    continue
-                results.append({"config": asdict(cfg), "ms": ms, "rel_l2": err})
-                log(
-                    f"  sweep tile {tile_n} w{warps} s{stages} P{parts} fused={fused}: "
-                    f"{ms * 1e3:.1f} us  rel L2 {err:.1e}"
-                )
+                row = try_config(batch, cfg, ref, lambda fn: time_ms(fn, s), "ms")
+                results.append(row)
+                if "ms" in row:
+                    log(
+                        f"  sweep tile {tile_n} w{warps} s{stages} P{parts} fused={fused}: "
+                        f"{row['ms'] * 1e3:.1f} us  rel L2 {row['rel_l2']:.1e}"
+                    )
     return results
+
+
+def try_config(
+    batch: PagedBatch,
+    cfg: AttentionConfig,
+    ref: torch.Tensor,
+    timer: Callable[[Callable[[], torch.Tensor]], float],
+    key: str,
+) -> dict:
+    """One config of a sweep: its output checked against ``ref`` (relative L2), then timed;
+    a config that cannot run (out of registers or shared memory) is recorded, not raised.
+
+    Returns ``{"config", key: timer's figure, "rel_l2"}`` or ``{"config", "error"}``.
+    """
+    try:
+        fn = ours(batch, cfg)
+        err = rel_l2(fn(), ref)
+        value = timer(fn)
+    except Exception as exc:
+        return {"config": asdict(cfg), "error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {"config": asdict(cfg), key: value, "rel_l2": err}
+
+
+def profile_calls(fn: Callable[[], object], calls: int, top: int) -> str:
+    """cProfile of ``calls`` calls of ``fn`` (no sync inside), the ``top`` functions by own
+    time, as text; the device is drained afterwards."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
 
 
 def host_us(fn: Callable[[], object], n: int = 2000) -> float:

@@ -12,15 +12,12 @@ output back: what the service's worker does per layer).
 
 from __future__ import annotations
 
-import cProfile
-import io
-import pstats
 import sys
 import time
 
 import torch
 
-from benchmarks.bench_kernels import host_us, problem_of
+from benchmarks.bench_kernels import host_us, problem_of, profile_calls
 from kernels.attention import choose_config, num_sms, paged_attention_triton
 from kernels.testing import make_paged_batch
 from workers.layout import KVLayout
@@ -49,15 +46,7 @@ def main() -> int:
         print(f"B={batch_size} x L={kv_len}: {config}")
         print(f"  launcher            {host_us(launcher):7.1f} us/call")
         print(f"  torch.empty_like    {host_us(empty):7.1f} us/call")
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(500):
-            launcher()
-        prof.disable()
-        torch.cuda.synchronize()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
-        print(text.getvalue())
+        print(profile_calls(launcher, 500, 25))
     pool_step(staged=False)
     pool_step(staged=True)
     return 0
@@ -93,14 +82,7 @@ def pool_step(batch: int = 32, context: int = 2048, *, staged: bool = True) -> N
         f"pool write_and_attend B={batch} ctx={context}: p50 {times[100]:.0f} us, "
         f"p90 {times[180]:.0f} us"
     )
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(200):
-        step()
-    prof.disable()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
-    print(text.getvalue())
+    print(profile_calls(step, 200, 25))
 
 
 if __name__ == "__main__":

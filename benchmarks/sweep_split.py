@@ -30,7 +30,9 @@ from bench_kernels import (
     ours,
     paired_times,
     problem_of,
+    profile_calls,
     sdpa_decode,
+    try_config,
 )
 
 from kernels.attention import AttentionConfig, choose_config, num_sms
@@ -77,15 +79,13 @@ def sweep_case(batch_size: int, kv_len: int, s: BenchSettings, top: int, rep_ms:
             num_stages=stages,
             num_partitions=parts,
         )
-        try:
-            fn = ours(batch, cfg)
-            err = rel_l2(fn(), ref)
-            us = graph_us(fn, rep_ms)
-        except Exception as exc:  # out of resources for this tile / stage count
-            rows.append({"config": asdict(cfg), "error": f"{type(exc).__name__}: {exc}"[:200]})
-            continue
-        rows.append({"config": asdict(cfg), "graph_us": us, "rel_l2": err})
-        log(f"  tile {tile:3d} w{warps} s{stages} P{parts:2d}: {us:6.1f} us  rel L2 {err:.1e}")
+        row = try_config(batch, cfg, ref, lambda fn: graph_us(fn, rep_ms), "graph_us")
+        rows.append(row)
+        if "graph_us" in row:
+            log(
+                f"  tile {tile:3d} w{warps} s{stages} P{parts:2d}: {row['graph_us']:6.1f} us  "
+                f"rel L2 {row['rel_l2']:.1e}"
+            )
     ok = sorted(
         (r for r in rows if "graph_us" in r and r["rel_l2"] < 1e-2), key=lambda r: r["graph_us"]
     )
@@ -118,10 +118,6 @@ def sweep_case(batch_size: int, kv_len: int, s: BenchSettings, top: int, rep_ms:
 def host_diagnosis(s: BenchSettings) -> dict:
     """Host time per call of the split path's variants at B=1 x 32768 (separate merge with
     and without programmatic dependent launch, fused merge, no split), and a profile."""
-    import cProfile
-    import io
-    import pstats
-
     import kernels.attention as attention
 
     batch = make_paged_batch(
@@ -149,15 +145,7 @@ def host_diagnosis(s: BenchSettings) -> dict:
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(300):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
-    out["profile"] = text.getvalue()
+    out["profile"] = profile_calls(fn, 300, 18)
     log(out["profile"])
     return out
 

@@ -392,27 +392,21 @@ class KVCacheClient:
             self._channel = grpc.secure_channel(target, channel_credentials(tls), options=options)
         self._stub = pb_grpc.KVCacheStub(self._channel)
         # The per-layer calls send requests the client encodes itself (`request_codec`).
-        self._append_attend_raw = self._channel.unary_unary(
-            f"/{_SERVICE}/AppendAttend",
-            request_serializer=None,
-            response_deserializer=pb.AppendAttendResponse.FromString,
+        self._append_attend_raw = self._raw_method("AppendAttend", pb.AppendAttendResponse)
+        self._attend_raw = self._raw_method("Attend", pb.AttendResponse)
+        self._append_attend_batch_raw = self._raw_method(
+            "AppendAttendBatch", pb.AppendAttendBatchResponse
         )
-        self._attend_raw = self._channel.unary_unary(
-            f"/{_SERVICE}/Attend",
-            request_serializer=None,
-            response_deserializer=pb.AttendResponse.FromString,
-        )
-        self._append_attend_batch_raw = self._channel.unary_unary(
-            f"/{_SERVICE}/AppendAttendBatch",
-            request_serializer=None,
-            response_deserializer=pb.AppendAttendBatchResponse.FromString,
-        )
-        self._attend_batch_raw = self._channel.unary_unary(
-            f"/{_SERVICE}/AttendBatch",
-            request_serializer=None,
-            response_deserializer=pb.AttendBatchResponse.FromString,
-        )
+        self._attend_batch_raw = self._raw_method("AttendBatch", pb.AttendBatchResponse)
         self._layout: Any = None
+
+    def _raw_method(self, name: str, response: Any) -> Any:
+        """A unary method of the service taking request bytes as they are (no serializer)."""
+        return self._channel.unary_unary(
+            f"/{_SERVICE}/{name}",
+            request_serializer=None,
+            response_deserializer=response.FromString,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
 

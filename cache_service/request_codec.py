@@ -35,8 +35,8 @@ from collections.abc import Sequence
 
 import torch
 
-from cache_service.tensor_codec import row_payloads, tensor_payload, tensor_payloads
-from cache_service.wire_format import delimited, tensor_head, varint
+from cache_service.tensor_codec import row_payloads, tensor_payloads
+from cache_service.wire_format import delimited, tensor_field, tensor_head, varint
 
 __all__ = [
     "encode_append_attend",
@@ -116,13 +116,6 @@ def _batch_seq_ids_field(seq_ids: tuple[str, ...]) -> bytes:
         raw = seq_id.encode("utf-8")
         parts.append(delimited(_BATCH_SEQ_IDS, len(raw)) + raw)
     return b"".join(parts)
-
-
-def _batch_tensor_field(tag: bytes, tensor: torch.Tensor) -> tuple[bytes, bytes | memoryview]:
-    """A whole-batch tensor field: its framing and its payload (a view where possible)."""
-    head = tensor_head(tensor)
-    data = tensor_payload(tensor)
-    return delimited(tag, len(head) + len(data)) + head, data
 
 
 _Field = tuple[bytes, bytes | memoryview, int]  # framing, payload, total size
@@ -274,7 +267,7 @@ def encode_append_attend_batch(
         packed = _packed_ids(flat, "token_ids")
         out.parts += (delimited(_BATCH_TOKEN_IDS, len(packed)), packed)
     for tag, tensor in ((_BATCH_KEY, key), (_BATCH_VALUE, value), (_BATCH_QUERY_OF_APPEND, query)):
-        out.parts += _batch_tensor_field(tag, tensor)
+        out.parts += tensor_field(tag, tensor)
     if return_lse:
         out.parts.append(_BATCH_LSE_OF_APPEND)
     return b"".join(out.parts)
@@ -287,7 +280,7 @@ def encode_attend_batch(
     arguments and errors as `encode_append_attend_batch`."""
     out = _Parts(layer)
     out.parts.append(_batch_seq_ids_field(tuple(seq_ids)))
-    out.parts += _batch_tensor_field(_BATCH_QUERY_OF_ATTEND, query)
+    out.parts += tensor_field(_BATCH_QUERY_OF_ATTEND, query)
     if return_lse:
         out.parts.append(_BATCH_LSE_OF_ATTEND)
     return b"".join(out.parts)

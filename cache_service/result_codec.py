@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from cache_service.tensor_codec import tensor_payload, tensor_payloads
-from cache_service.wire_format import delimited, tensor_head
+from cache_service.tensor_codec import tensor_payloads
+from cache_service.wire_format import delimited, tensor_field, tensor_head
 from cache_service.worker_interface import AttentionResult
 
 __all__ = ["encode_batch_result", "encode_results"]
@@ -102,11 +102,7 @@ def encode_batch_result(out: torch.Tensor, lse: torch.Tensor | None) -> bytes:
     Raises:
         TensorCodecError: a tensor's dtype cannot travel.
     """
-    parts: list[bytes | memoryview] = []
-    for tag, tensor in ((_RESULTS, out), (_LSE, lse)):
-        if tensor is None:
-            continue
-        head = tensor_head(tensor)
-        data = tensor_payload(tensor)
-        parts += (delimited(tag, len(head) + len(data)) + head, data)
+    parts: list[bytes | memoryview] = [*tensor_field(_RESULTS, out)]
+    if lse is not None:
+        parts += tensor_field(_LSE, lse)
     return b"".join(parts)

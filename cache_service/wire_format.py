@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from cache_service.tensor_codec import dtype_to_proto
+from cache_service.tensor_codec import dtype_to_proto, tensor_payload
 
-__all__ = ["delimited", "tensor_head", "varint"]
+__all__ = ["delimited", "tensor_field", "tensor_head", "varint"]
 
 # (dtype enum, shape) -> the Tensor message's bytes before its payload. Few distinct keys
 # occur (one per dtype and rows-per-item); the bound only guards against odd callers.
@@ -71,3 +71,15 @@ def tensor_head(t: torch.Tensor) -> bytes:
             _HEADS.clear()
         _HEADS[(enum, shape)] = head
     return head
+
+
+def tensor_field(tag: bytes, t: torch.Tensor) -> tuple[bytes, bytes | memoryview]:
+    """A whole `Tensor` field of ``t`` under ``tag``: its framing (tag, length, Tensor head)
+    and its payload (a view of ``t``'s memory where possible); joined, they are the field.
+
+    Raises:
+        TensorCodecError: ``t``'s dtype cannot travel.
+    """
+    head = tensor_head(t)
+    data = tensor_payload(t)
+    return delimited(tag, len(head) + len(data)) + head, data

@@ -42,17 +42,13 @@ def _arg_key(arg: Any) -> Any:
 
 
 def _stream_of(device: int) -> int:
+    """The raw handle of the current CUDA stream of device ``device`` (an index)."""
     return torch.cuda.current_stream(device).cuda_stream
 
 
 # Triton's own launch reads the stream through this private torch call (a fraction of a
 # microsecond, against several for building a torch Stream object); fall back if it moves.
-_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _stream_of)
-
-
-def current_stream_handle(device: int) -> int:
-    """The raw handle of the current CUDA stream of device ``device`` (an index)."""
-    return _current_stream(device)
+current_stream_handle = getattr(torch._C, "_cuda_getCurrentRawStream", _stream_of)
 
 
 try:
@@ -135,7 +131,7 @@ class CachedLauncher:
             grid[0],
             grid[1],
             grid[2],
-            _current_stream(device),
+            current_stream_handle(device),
             kernel.function,
             kernel.packed_metadata,
             None,
