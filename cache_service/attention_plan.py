@@ -196,6 +196,14 @@ class WorkerBatch:
             q = query.index_select(
                 0, torch.tensor(self._rows, dtype=torch.long, device=query.device)
             )
+        tables, seq_lens, starts = self._metadata
+        return q, torch.from_numpy(tables), torch.from_numpy(seq_lens), torch.from_numpy(starts)
+
+    @functools.cached_property
+    def _metadata(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """int32 block tables ``[S, max_blocks]``, seq_lens ``[S]``, query_start_loc
+        ``[S + 1]`` of the entries: built once per batch (a decode step's recorded plan
+        serves every layer; the workers only read them)."""
         entries = self.entries
         n = len(entries)
         tables = _block_table([e.block_indices for e in entries])
@@ -204,7 +212,7 @@ class WorkerBatch:
         np.cumsum(
             np.fromiter((e.num_rows for e in entries), dtype=np.int32, count=n), out=starts[1:]
         )
-        return q, torch.from_numpy(tables), torch.from_numpy(seq_lens), torch.from_numpy(starts)
+        return tables, seq_lens, starts
 
 
 def _block_table(rows: list[tuple[int, ...] | np.ndarray]) -> np.ndarray:

@@ -83,10 +83,33 @@ __all__ = [
     "WorkerStats",
     "WriteCursor",
     "WritePlan",
+    "WriteSnapshot",
 ]
 
 # Ids and tenant names are echoed in messages and stored in snapshots: keep them bounded.
 _MAX_NAME = 256
+
+
+@dataclass(frozen=True, slots=True)
+class WriteSnapshot:
+    """A batch of one-layer writes as planned, for `BlockManager.repeatable` (see
+    `BlockManager.snapshot_writes`).
+
+    Attributes:
+        tenant: the writes' tenant.
+        seq_ids: the sequences, in batch order.
+        starts: per sequence, the first position written.
+        num_tokens: tokens each sequence wrote.
+        seqs / rows: the live sequence objects and their block rows at the time (identity
+            is what `repeatable` checks; read them only through the manager).
+    """
+
+    tenant: str
+    seq_ids: tuple[str, ...]
+    starts: tuple[int, ...]
+    num_tokens: int
+    seqs: tuple[Sequence, ...]
+    rows: tuple[Any, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -607,6 +630,72 @@ class BlockManager:
             SequenceNotFound, SequenceLost, InvalidRequest.
         """
         seq = self._resolve(tenant, seq_id)
+        self._apply_commit(seq, layer, self._committed_length(seq, layer, num_tokens))
+
+    def commit_writes(
+        self, tenant: str, layer: int | None, writes: SequenceABC[tuple[str, int]]
+    ) -> None:
+        """`commit_write` of several sequences of one tenant on one layer, all or nothing:
+        every write is checked before any is committed.
+
+        Args:
+            layer: the layer of every write, or None for all layers.
+            writes: (seq_id, num_tokens) per sequence; each sequence at most once.
+
+        Raises:
+            What commit_write raises, naming the write; InvalidRequest for a sequence named
+            twice.
+        """
+        live = self._seqs
+        checked: list[tuple[Sequence, int]] = []
+        seen: set[str] = set()
+        if type(layer) is int and 0 <= layer < self._num_layers:
+            # The decode step's commit (one layer, known sequences): checks inline.
+            for item in writes:
+                if type(item) is not tuple or len(item) != 2:
+                    break
+                seq_id, num_tokens = item
+                seq = live.get(seq_id) if type(seq_id) is str else None
+                if (
+                    seq is None
+                    or seq.tenant != tenant
+                    or seq_id in seen
+                    or type(num_tokens) is not int
+                    or num_tokens < 0
+                ):
+                    break
+                new = seq.written[layer] + num_tokens
+                if new > len(seq.tokens):
+                    break
+                seen.add(seq_id)
+                checked.append((seq, new))
+            else:
+                for seq, new in checked:
+                    self._apply_commit(seq, layer, new)
+                return
+            checked.clear()
+            seen.clear()
+        # The general path, naming what is wrong.
+        for i, item in enumerate(writes):
+            if not isinstance(item, tuple | list) or len(item) != 2:
+                raise InvalidRequest("each write must be a (seq_id, num_tokens) pair")
+            seq_id, num_tokens = item
+            if not isinstance(seq_id, str):
+                raise InvalidRequest("each write's seq_id must be a str")
+            if seq_id in seen:
+                raise InvalidRequest(f"sequence {seq_id!r} appears twice in one batch")
+            seen.add(seq_id)
+            try:
+                seq = self._resolve(tenant, seq_id)
+                checked.append((seq, self._committed_length(seq, layer, num_tokens)))
+            except CacheError as exc:
+                raise type(exc)(f"{exc} (write {i + 1} of {len(writes)})") from None
+        for seq, new in checked:
+            self._apply_commit(seq, layer, new)
+
+    def _committed_length(self, seq: Sequence, layer: int | None, num_tokens: object) -> int:
+        """written(layer) after committing `num_tokens` more, checked against the reserved
+        positions."""
         if type(num_tokens) is not int or num_tokens < 0:
             raise InvalidRequest(f"num_tokens must be a non-negative int, got {num_tokens!r}")
         start = self._start_of(seq, layer)
@@ -617,6 +706,9 @@ class BlockManager:
                 f"layer {layer}: {start} written + {num_tokens} passes the {reserved} "
                 "reserved tokens (prepare_write reserves them)"
             )
+        return new
+
+    def _apply_commit(self, seq: Sequence, layer: int | None, new: int) -> None:
         if layer is None:
             seq.written = [new] * self._num_layers
         else:
@@ -628,6 +720,93 @@ class BlockManager:
             low = min(seq.written)
             if low // self._bs > len(seq.keys):
                 self._publish(seq, low // self._bs)
+
+    # ---- repeated writes (the other layers of a decode step) ----------------------------
+
+    def snapshot_writes(
+        self, tenant: str, seq_ids: SequenceABC[str], plans: SequenceABC[WritePlan]
+    ) -> WriteSnapshot | None:
+        """Remember a batch of one-layer writes that `prepare_writes` planned (and whose
+        views the caller read through `block_ids`), so `repeatable` can tell when another
+        layer's write of the same tokens would get the very same plan.
+
+        Returns:
+            The snapshot; None when the batch does not qualify: writes of unequal length,
+            copy-on-write copies, or a sequence whose block ids were not read since its
+            table last changed.
+
+        Raises:
+            SequenceNotFound, SequenceLost; InvalidRequest when seq_ids and plans differ
+            in length.
+        """
+        if len(seq_ids) != len(plans):
+            raise InvalidRequest(f"{len(seq_ids)} seq_ids for {len(plans)} write plans")
+        if not plans:
+            return None
+        n = len(plans[0].slots)
+        seqs: list[Sequence] = []
+        rows: list[Any] = []
+        for seq_id, plan in zip(seq_ids, plans, strict=True):
+            seq = self._resolve(tenant, seq_id)
+            row = seq.row
+            if plan.copies or len(plan.slots) != n or row is None or not row.matches(seq.table):
+                return None
+            seqs.append(seq)
+            rows.append(row)
+        starts = tuple(plan.start for plan in plans)
+        return WriteSnapshot(tenant, tuple(seq_ids), starts, n, tuple(seqs), tuple(rows))
+
+    def repeatable(
+        self, snapshot: WriteSnapshot, layer: int, token_ids: SequenceABC[object]
+    ) -> bool:
+        """Whether writing `token_ids` on `layer` now would be planned exactly as the
+        snapshot's writes were: same slots, same block ids, nothing reserved or copied.
+
+        True when, for every sequence of the snapshot: it is still the same live sequence,
+        `layer` has written exactly up to the snapshot's start (so the write covers the
+        same positions), those positions are reserved for these very token ids (int
+        objects), and its block table changed only by growing since the snapshot (the
+        block row is the same object and still mirrors the table, see
+        cache_service.block_rows). Then `prepare_write` would reserve nothing (the
+        positions are reserved), copy nothing (copy-on-write happens only when reserving)
+        and compute the same slots from the unchanged leading blocks.
+
+        Args:
+            token_ids: the new tokens, snapshot.num_tokens per sequence, sequence by sequence.
+
+        Read only; False for anything unusual (the caller plans from scratch then, and
+        that path raises the precise error).
+        """
+        n = snapshot.num_tokens
+        if (
+            type(layer) is not int
+            or not 0 <= layer < self._num_layers
+            or len(token_ids) != n * len(snapshot.seq_ids)
+        ):
+            return False
+        live = self._seqs
+        for i, (seq_id, seq, row, start) in enumerate(
+            zip(snapshot.seq_ids, snapshot.seqs, snapshot.rows, snapshot.starts, strict=True)
+        ):
+            if (
+                live.get(seq_id) is not seq
+                or seq.written[layer] != start
+                or seq.row is not row
+                or not row.matches(seq.table)
+                or len(seq.tokens) < start + n
+            ):
+                return False
+            if n == 1:
+                token = token_ids[i]
+                if type(token) is not int or seq.tokens[start] != token:
+                    return False
+            else:
+                mine = token_ids[i * n : (i + 1) * n]
+                if any(type(t) is not int for t in mine) or seq.tokens[start : start + n] != list(
+                    mine
+                ):
+                    return False
+        return True
 
     # ---- attention ----------------------------------------------------------------------
 

@@ -71,6 +71,7 @@ LOGGED_OPS = (
     "prepare_writes",
     "cancel_write",
     "commit_write",
+    "commit_writes",
     "pin",
     "unpin",
     "publish_public",
@@ -85,6 +86,8 @@ _READ_ONLY = frozenset(
         "attention_view",
         "block_ids",
         "lookup",
+        "repeatable",
+        "snapshot_writes",
         "sequence_info",
         "write_cursor",
         "written_length",
@@ -383,6 +386,17 @@ class DurableBlockManager:
             lambda: {"tenant": tenant, "seq_id": seq_id, "layer": layer, "num_tokens": num_tokens},
         )
 
+    def commit_writes(
+        self, tenant: str, layer: int | None, writes: SequenceABC[tuple[str, int]]
+    ) -> None:
+        """BlockManager.commit_writes (one record for the whole batch: all or nothing)."""
+        items = [tuple(w) if isinstance(w, tuple | list) else w for w in writes]
+        self._run(
+            "commit_writes",
+            lambda: self._manager.commit_writes(tenant, layer, items),
+            lambda: {"tenant": tenant, "layer": layer, "writes": [list(w) for w in items]},
+        )
+
     def pin(self, tenant: str, token_ids: SequenceABC[int]) -> int:
         """BlockManager.pin."""
         token_ids = _materialize(token_ids)
@@ -470,6 +484,9 @@ def _apply(manager: BlockManager, op: str, args: dict[str, Any], recorded: Any) 
         return m.set_tenant_quota(args["tenant"], args["max_blocks"], args["max_sequences"])
     if op == "commit_write":
         return m.commit_write(args["tenant"], args["seq_id"], args["layer"], args["num_tokens"])
+    if op == "commit_writes":
+        writes = [(seq_id, num_tokens) for seq_id, num_tokens in args["writes"]]
+        return m.commit_writes(args["tenant"], args["layer"], writes)
     if op == "pin":
         return m.pin(args["tenant"], args["token_ids"])
     if op == "unpin":
@@ -578,6 +595,9 @@ def _track(
                 unfinished[SeqRef(args["tenant"], seq_id)] = list(plan.copies)
     elif op in ("commit_write", "free"):
         unfinished.pop(SeqRef(args["tenant"], args["seq_id"]), None)
+    elif op == "commit_writes":
+        for seq_id, _ in args["writes"]:
+            unfinished.pop(SeqRef(args["tenant"], seq_id), None)
 
 
 def _checkpoint_state(

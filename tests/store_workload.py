@@ -190,7 +190,10 @@ class Workload:
         m.prepare_write(*picked, layer, tokens)
         self.mutations += 1
         if commit:
-            m.commit_write(*picked, layer, n)
+            if rng.random() < 0.5:
+                m.commit_write(*picked, layer, n)
+            else:  # the batch form a decode step's other layers commit with
+                m.commit_writes(picked[0], layer, [(picked[1], n)])
             self.mutations += 1
 
 

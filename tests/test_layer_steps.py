@@ -1,0 +1,349 @@
+"""Planning once per decode step: the block manager's repeatable writes and batch commit,
+and the coordinator reusing one layer's plan for the step's other layers.
+
+The reuse must be invisible: every layer's output equals dense attention, errors are the
+ones the full path raises, and anything that changes a sequence between two layers of a
+step (a cancelled write, a freed sequence, a lost worker, other token ids) makes the next
+layer plan from scratch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from service_support import dense_attention
+
+from cache_service.block_manager import BlockManager, BlockManagerConfig
+from cache_service.config import CoordinatorConfig
+from cache_service.coordinator import AppendAttendItem, Coordinator
+from cache_service.errors import CacheError, InvalidRequest, SequenceNotFound
+from cache_service.layer_steps import LayerStep, LayerStepCache
+from cache_service.worker_clients import LocalWorkerClient
+from workers.config import PoolConfig
+from workers.layout import KVLayout
+
+BS = 4
+LAYERS = 3
+
+
+def manager() -> BlockManager:
+    m = BlockManager(BlockManagerConfig(block_size=BS, num_layers=LAYERS, layout_fingerprint="fp"))
+    m.add_worker("w0", 32)
+    return m
+
+
+def first_layer(m: BlockManager, seq_ids: list[str], tokens: list[int]) -> Any:
+    """Layer 0 of a decode step as the coordinator runs it: plan, read the block ids (the
+    attention views), snapshot; returns (plans, snapshot)."""
+    plans = m.prepare_writes("t", 0, [(s, [tok]) for s, tok in zip(seq_ids, tokens, strict=True)])
+    for s, plan in zip(seq_ids, plans, strict=True):
+        assert m.block_ids("t", s, -(-(plan.start + 1) // BS)) is not None
+    m.commit_writes("t", 0, [(s, 1) for s in seq_ids])
+    return plans, m.snapshot_writes("t", seq_ids, plans)
+
+
+def unchanged(m: BlockManager, call: Callable[[], object], error: type[CacheError]) -> str:
+    before = m.to_records()
+    with pytest.raises(error) as info:
+        call()
+    assert m.to_records() == before
+    m.check_integrity()
+    return str(info.value)
+
+
+# ---- block manager ----------------------------------------------------------------------
+
+
+def test_a_repeatable_write_gets_the_plan_prepare_write_would_give() -> None:
+    m = manager()
+    seqs = [m.create_sequence("t").seq_id for _ in range(3)]
+    for token in range(6):  # crosses a block boundary
+        tokens = [100 + token + i for i in range(3)]
+        plans, snap = first_layer(m, seqs, tokens)
+        assert snap is not None and snap.starts == tuple(p.start for p in plans)
+        for layer in range(1, LAYERS):
+            assert m.repeatable(snap, layer, tokens)
+            again = m.prepare_writes(
+                "t", layer, [(s, [t]) for s, t in zip(seqs, tokens, strict=True)]
+            )
+            assert [p.slots for p in again] == [p.slots for p in plans]
+            assert all(not p.copies for p in again)
+            m.commit_writes("t", layer, [(s, 1) for s in seqs])
+            # Once committed, the same layer is past the snapshot's positions.
+            assert not m.repeatable(snap, layer, tokens)
+    m.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "other_tokens",
+        "bool_token",
+        "table_changed",
+        "freed",
+        "worker_lost",
+        "short_list",
+        "bad_layer",
+    ],
+)
+def test_anything_that_changes_the_plan_makes_a_write_unrepeatable(change: str) -> None:
+    m = manager()
+    seqs = [m.create_sequence("t").seq_id for _ in range(2)]
+    _, snap = first_layer(m, seqs, [7, 8])
+    tokens: list[Any] = [7, 8]
+    layer = 1
+    if change == "other_tokens":
+        tokens = [7, 9]
+    elif change == "bool_token":
+        m2 = manager()
+        s2 = [m2.create_sequence("t").seq_id]
+        _, snap = first_layer(m2, s2, [1])
+        assert m2.repeatable(snap, 1, [1])
+        assert not m2.repeatable(snap, 1, [True])
+        return
+    elif change == "table_changed":
+        # What a copy-on-write or a rolled-back reservation does to a table: any change
+        # but growth drops its block row (cache_service.block_rows).
+        seq = m._seqs[seqs[1]]
+        seq.truncate_table(len(seq.table))
+    elif change == "freed":
+        m.free("t", seqs[0])
+    elif change == "worker_lost":
+        m.lose_worker("w0")
+    elif change == "short_list":
+        tokens = [7]
+    elif change == "bad_layer":
+        layer = LAYERS
+    assert not m.repeatable(snap, layer, tokens)
+
+
+def test_a_write_needing_copy_on_write_is_not_snapshotted() -> None:
+    m = manager()
+    seq = m.create_sequence("t").seq_id
+    m.prepare_write("t", seq, None, [1, 2])
+    m.commit_write("t", seq, None, 2)
+    m.fork("t", seq)  # shares the half-full last block
+    plans = m.prepare_writes("t", 0, [(seq, [3])])
+    assert plans[0].copies
+    m.block_ids("t", seq, 1)
+    assert m.snapshot_writes("t", [seq], plans) is None
+
+
+def test_commit_writes_is_all_or_nothing_and_names_the_write() -> None:
+    m = manager()
+    seqs = [m.create_sequence("t").seq_id for _ in range(2)]
+    m.prepare_writes("t", 0, [(s, [1, 2]) for s in seqs])
+    msg = unchanged(
+        m, lambda: m.commit_writes("t", 0, [(seqs[0], 2), ("nope", 2)]), SequenceNotFound
+    )
+    assert "write 2 of 2" in msg
+    msg = unchanged(
+        m, lambda: m.commit_writes("t", 0, [(seqs[0], 2), (seqs[1], 3)]), InvalidRequest
+    )
+    assert "passes the 2 reserved tokens" in msg and "write 2 of 2" in msg
+    msg = unchanged(
+        m, lambda: m.commit_writes("t", 0, [(seqs[0], 1), (seqs[0], 1)]), InvalidRequest
+    )
+    assert "appears twice" in msg
+    unchanged(m, lambda: m.commit_writes("other", 0, [(seqs[0], 1)]), SequenceNotFound)
+    unchanged(m, lambda: m.commit_writes("t", 0, [(seqs[0], -1)]), InvalidRequest)
+    unchanged(m, lambda: m.commit_writes("t", LAYERS, [(seqs[0], 1)]), InvalidRequest)
+    m.commit_writes("t", 0, [(s, 2) for s in seqs])
+    assert [m.sequence_info("t", s).written for s in seqs] == [(2, 0, 0)] * 2
+    m.check_integrity()
+
+
+def test_the_step_cache_forgets_freed_sequences_and_stays_bounded() -> None:
+    m = manager()
+    cache = LayerStepCache(capacity=2)
+
+    steps = []
+    for i in range(3):
+        seqs = [m.create_sequence("t").seq_id for _ in range(2)]
+        _, snap = first_layer(m, seqs, [i, i])
+        steps.append(LayerStep(snap, "w0", [1, 1], [], [0, 0]))
+        cache.put(steps[-1])
+    assert len(cache) == 2
+    assert cache.get("t", steps[0].snapshot.seq_ids) is None  # least recently used: gone
+    cache.forget_sequence(steps[1].snapshot.seq_ids[1])
+    assert cache.get("t", steps[1].snapshot.seq_ids) is None
+    assert cache.get("t", steps[2].snapshot.seq_ids) is steps[2]
+    assert cache.get("other", steps[2].snapshot.seq_ids) is None
+
+
+# ---- coordinator ------------------------------------------------------------------------
+
+LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=2, head_dim=16, block_size=BS, dtype="float32")
+HKV, D, HQ = 2, 16, 4
+B = 4
+
+
+def run(scenario: Callable[[Coordinator], Any]) -> None:
+    async def main() -> None:
+        client = LocalWorkerClient("w0", PoolConfig(LAYOUT, num_blocks=64))
+        coord = Coordinator(LAYOUT, [client], CoordinatorConfig(correctness_check_fraction=0.0))
+        await coord.start()
+        try:
+            await scenario(coord)
+        finally:
+            await coord.close()
+            client.close()
+
+    asyncio.run(main())
+
+
+class Model:
+    """Random K/V/Q per step and layer, with the dense history to check outputs against."""
+
+    def __init__(self, seqs: list[str]) -> None:
+        self.seqs = list(seqs)
+        self.gen = torch.Generator().manual_seed(5)
+        self.history: dict[tuple[str, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def items(self, token: int, layer: int) -> tuple[list[AppendAttendItem], torch.Tensor]:
+        n = len(self.seqs)
+        k = torch.randn(n, 1, HKV, D, generator=self.gen)
+        v = torch.randn(n, 1, HKV, D, generator=self.gen)
+        q = torch.randn(n, 1, HQ, D, generator=self.gen)
+        self._pending = (layer, k, v)
+        items = [AppendAttendItem(s, [token], k[i], v[i], q[i]) for i, s in enumerate(self.seqs)]
+        return items, q
+
+    def check(self, results: list[Any], q: torch.Tensor) -> None:
+        layer, k, v = self._pending
+        for i, (s, res) in enumerate(zip(self.seqs, results, strict=True)):
+            hist = self.history.setdefault((s, layer), [])
+            hist.append((k[i], v[i]))
+            ks = torch.cat([x for x, _ in hist])
+            vs = torch.cat([y for _, y in hist])
+            ref, _ = dense_attention(q[i], ks, vs)
+            assert torch.allclose(res.out.double(), ref, atol=1e-5), (s, layer)
+
+
+def counting(coord: Coordinator) -> list[int]:
+    """Count the block manager's prepare_writes calls (the full planning path)."""
+    calls = [0]
+    real = coord.block_manager.prepare_writes
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    coord.block_manager.prepare_writes = wrapped  # type: ignore[method-assign]
+    return calls
+
+
+def test_a_decode_step_plans_once_and_every_layer_matches_dense_attention() -> None:
+    async def scenario(coord: Coordinator) -> None:
+        seqs = [(await coord.create_sequence("t")).seq_id for _ in range(B)]
+        model = Model(seqs)
+        calls = counting(coord)
+        steps = 7  # crosses block boundaries (block size 4)
+        for token in range(steps):
+            for layer in range(LAYERS):
+                items, q = model.items(token, layer)
+                model.check(await coord.append_attend("t", layer, items), q)
+        assert calls[0] == steps  # layer 0 of each step; the other layers reused its plan
+        coord.block_manager.check_integrity()
+        for s in seqs:
+            assert coord.block_manager.sequence_info("t", s).written == (steps,) * LAYERS
+
+    run(scenario)
+
+
+def test_a_fork_between_layers_keeps_both_sequences_exact() -> None:
+    async def scenario(coord: Coordinator) -> None:
+        seqs = [(await coord.create_sequence("t")).seq_id for _ in range(B)]
+        model = Model(seqs)
+        for token in range(5):  # the last block is partly full: a fork shares it
+            for layer in range(LAYERS):
+                items, q = model.items(token, layer)
+                model.check(await coord.append_attend("t", layer, items), q)
+        items, q = model.items(5, 0)
+        model.check(await coord.append_attend("t", 0, items), q)
+        fork = await coord.fork("t", seqs[0])
+        assert fork.num_cached_tokens == 5  # layers 1..2 have not written position 5 yet
+        for layer in range(1, LAYERS):
+            items, q = model.items(5, layer)
+            model.check(await coord.append_attend("t", layer, items), q)
+        # The fork continues over its copy of the history: layer 0 holds position 5
+        # already (written before the fork), layers 1..2 do not. Position 5 sits in the
+        # block both share and is reserved for both: a model computes the same K/V for
+        # the same token after the same prefix, which is what the fork writes there.
+        for (s, layer), hist in list(model.history.items()):
+            if s == seqs[0]:
+                model.history[(fork.seq_id, layer)] = list(hist[: 6 if layer == 0 else 5])
+        child = Model([fork.seq_id])
+        child.history = model.history
+        for layer in range(1, LAYERS):
+            items, q = child.items(5, layer)
+            k5, v5 = model.history[(seqs[0], layer)][5]
+            child._pending = (layer, k5[None], v5[None])
+            items = [AppendAttendItem(fork.seq_id, [5], k5, v5, items[0].query)]
+            child.check(await coord.append_attend("t", layer, items), q)
+        # From position 6 on the two differ: the first to reserve it copies the block.
+        for layer in range(LAYERS):
+            items, q = child.items(6, layer)
+            child.check(await coord.append_attend("t", layer, items), q)
+        # The original, unaffected by the fork's own K/V at position 6.
+        for layer in range(LAYERS):
+            items, q = model.items(6, layer)
+            model.check(await coord.append_attend("t", layer, items), q)
+        coord.block_manager.check_integrity()
+
+    run(scenario)
+
+
+def test_other_token_ids_on_a_later_layer_get_the_full_paths_error() -> None:
+    async def scenario(coord: Coordinator) -> None:
+        seqs = [(await coord.create_sequence("t")).seq_id for _ in range(B)]
+        model = Model(seqs)
+        items, _ = model.items(1, 0)
+        await coord.append_attend("t", 0, items)
+        items, _ = model.items(1, 1)
+        items[2] = AppendAttendItem(seqs[2], [2], items[2].key, items[2].value, items[2].query)
+        before = coord.block_manager.to_records()
+        with pytest.raises(InvalidRequest, match=r"items\[2\]: position 0 holds token 1, got 2"):
+            await coord.append_attend("t", 1, items)
+        assert coord.block_manager.to_records() == before
+        coord.block_manager.check_integrity()
+
+    run(scenario)
+
+
+def test_freeing_a_sequence_mid_step_forgets_its_step() -> None:
+    async def scenario(coord: Coordinator) -> None:
+        seqs = [(await coord.create_sequence("t")).seq_id for _ in range(B)]
+        model = Model(seqs)
+        items, q = model.items(0, 0)
+        model.check(await coord.append_attend("t", 0, items), q)
+        assert len(coord._steps) == 1
+        await coord.free("t", seqs[1])
+        assert len(coord._steps) == 0
+        model.seqs = [s for s in seqs if s != seqs[1]]
+        calls = counting(coord)
+        for layer in range(1, LAYERS):
+            items, q = model.items(0, layer)
+            model.check(await coord.append_attend("t", layer, items), q)
+        assert calls[0] == 1  # a new batch: planned once, then reused
+        coord.block_manager.check_integrity()
+
+    run(scenario)
+
+
+def test_another_tenant_naming_the_same_batch_does_not_reuse_the_step() -> None:
+    async def scenario(coord: Coordinator) -> None:
+        seqs = [(await coord.create_sequence("t")).seq_id for _ in range(2)]
+        model = Model(seqs)
+        items, _ = model.items(0, 0)
+        await coord.append_attend("t", 0, items)
+        items, _ = model.items(0, 1)
+        with pytest.raises(SequenceNotFound):
+            await coord.append_attend("intruder", 1, items)
+        assert all(coord.block_manager.sequence_info("t", s).written[1] == 0 for s in seqs)
+
+    run(scenario)
