@@ -15,10 +15,16 @@ Every call has a deadline (`timeout_s` of the client, or per call). Only calls t
 and change nothing are retried, and only on UNAVAILABLE (the server or a worker was not
 reachable): info, lookup, attend, export, stats. Errors surface as `KVCacheError`
 subclasses carrying the gRPC status code and the server's message.
+
+A client on the server's host sends the batch calls' tensors (`append_attend_batch`,
+`attend_batch`) through a shared-memory region instead of the message when it can
+(``shared_memory="auto"``, the default; `client_shared_memory`): only small messages then
+cross gRPC. Elsewhere, or when the server turned it off, the calls send bytes as before.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import struct
 import time
@@ -31,6 +37,7 @@ import torch
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service._proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+from cache_service.client_shared_memory import SharedMemoryPath, SharedMemoryUnavailable, Staged
 from cache_service.request_codec import (
     encode_append_attend,
     encode_append_attend_batch,
@@ -66,6 +73,7 @@ __all__ = [
     "SequenceHandle",
     "ServiceInfo",
     "ServiceStats",
+    "SharedMemoryUnavailable",
     "UnauthenticatedError",
     "UnavailableError",
     "WorkerInfo",
@@ -354,6 +362,13 @@ class KVCacheClient:
         max_message_bytes: largest message sent or received, bytes (match the server's).
         stream_chunk_bytes: data bytes per message of Append / import streams.
         max_attempts: attempts of a retryable call (reads failing with UNAVAILABLE).
+        shared_memory: how the batch calls (`append_attend_batch`, `attend_batch`) move
+            their tensors. "auto" (default): through a shared-memory region of the server
+            when this process can map it (same host, same user), else as bytes, decided
+            on the first batch call. False: always bytes. True: through shared memory,
+            raising `SharedMemoryUnavailable` (or the server's error) where "auto" would
+            fall back; a call that finds the region busy with another thread's call
+            still sends bytes.
     """
 
     def __init__(
@@ -366,7 +381,10 @@ class KVCacheClient:
         max_message_bytes: int = 256 * MiB,
         stream_chunk_bytes: int = 2 * MiB,
         max_attempts: int = 4,
+        shared_memory: bool | str = "auto",
     ) -> None:
+        if shared_memory not in (True, False, "auto"):
+            raise ValueError(f"shared_memory must be True, False or 'auto', got {shared_memory!r}")
         if not (isinstance(timeout_s, int | float) and timeout_s > 0):
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
         if max_attempts < 1:
@@ -399,6 +417,13 @@ class KVCacheClient:
         )
         self._attend_batch_raw = self._raw_method("AttendBatch", pb.AttendBatchResponse)
         self._layout: Any = None
+        self._shm = (
+            SharedMemoryPath(
+                self._create_region, self._release_region, required=shared_memory is True
+            )
+            if shared_memory
+            else None
+        )
 
     def _raw_method(self, name: str, response: Any) -> Any:
         """A unary method of the service taking request bytes as they are (no serializer)."""
@@ -411,8 +436,15 @@ class KVCacheClient:
     # -- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the channel."""
+        """Release the shared-memory region (if any) and close the channel."""
+        if self._shm is not None:
+            self._shm.close()
         self._channel.close()
+
+    @property
+    def shared_memory_active(self) -> bool:
+        """Whether the batch calls currently move their tensors through shared memory."""
+        return self._shm is not None and self._shm.active
 
     def __enter__(self) -> KVCacheClient:
         return self
@@ -512,6 +544,66 @@ class KVCacheClient:
             active_sequences=r.active_sequences,
             lost_sequences=r.lost_sequences,
         )
+
+    # -- shared memory ---------------------------------------------------------------------
+
+    def _create_region(self, size_bytes: int, timeout_s: float | None) -> Any:
+        return self._call(
+            self._stub.CreateSharedRegion,
+            pb.CreateSharedRegionRequest(size_bytes=size_bytes),
+            timeout_s=timeout_s,
+            retry=False,
+        )
+
+    def _release_region(self, region_id: str, timeout_s: float | None) -> None:
+        self._call(
+            self._stub.ReleaseSharedRegion,
+            pb.ReleaseSharedRegionRequest(region_id=region_id),
+            timeout_s=timeout_s,
+            retry=False,
+        )
+
+    def _stage(
+        self,
+        inputs: tuple[torch.Tensor, ...],
+        query: torch.Tensor,
+        return_lse: bool,
+        timeout_s: float | None,
+    ) -> Staged | None:
+        """The call's tensors in the shared region (outputs: the query's dtype and shape,
+        and float32 lse); None: send bytes."""
+        if self._shm is None:
+            return None
+        outputs = [(query.dtype, tuple(query.shape))]
+        if return_lse:
+            outputs.append((torch.float32, tuple(query.shape[:3])))
+        return self._shm.stage(inputs, outputs, timeout_s)
+
+    def _shared_call(
+        self,
+        method: Callable[..., Any],
+        staged: Staged,
+        encode: Callable[..., bytes],
+        return_lse: bool,
+        timeout_s: float | None,
+        retry: bool,
+    ) -> Any:
+        """One batch call through the region; None when the server no longer knows the
+        region (the caller then sends bytes: nothing happened, the region is checked
+        before anything changes)."""
+        try:
+            lse_to = staged.outputs[1] if return_lse else None
+            request = encode(*staged.inputs, output_to=staged.outputs[0], lse_to=lse_to)
+            reply = self._call(method, request, timeout_s=timeout_s, retry=retry)
+            out = staged.output(reply.output, 0, "output")
+            return (out, staged.output(reply.lse, 1, "lse")) if return_lse else out
+        except NotFoundError as exc:
+            if staged.region_id not in exc.message:
+                raise
+            self._shm.forget()  # type: ignore[union-attr]
+            return None
+        finally:
+            staged.done()
 
     # -- sequences -------------------------------------------------------------------------
 
@@ -714,6 +806,20 @@ class KVCacheClient:
         """
         ids = _id_rows(token_ids)
         _check_batch(seq_ids, ids, key=key, value=value, query=query)
+        staged = self._stage((key, value, query), query, return_lse, timeout_s)
+        if staged is not None:
+            result = self._shared_call(
+                self._append_attend_batch_raw,
+                staged,
+                functools.partial(
+                    encode_append_attend_batch, layer, seq_ids, ids, return_lse=return_lse
+                ),
+                return_lse,
+                timeout_s,
+                retry=False,
+            )
+            if result is not None:
+                return result
         req = encode_append_attend_batch(layer, seq_ids, ids, key, value, query, return_lse)
         r = self._call(self._append_attend_batch_raw, req, timeout_s=timeout_s, retry=False)
         return _batch_results(r, return_lse)
@@ -731,6 +837,18 @@ class KVCacheClient:
         head_dim]``, row i for sequence i. Returns the output (and lse) as
         `append_attend_batch` does."""
         _check_batch(seq_ids, None, query=query)
+        staged = self._stage((query,), query, return_lse, timeout_s)
+        if staged is not None:
+            result = self._shared_call(
+                self._attend_batch_raw,
+                staged,
+                functools.partial(encode_attend_batch, layer, seq_ids, return_lse=return_lse),
+                return_lse,
+                timeout_s,
+                retry=True,
+            )
+            if result is not None:
+                return result
         req = encode_attend_batch(layer, seq_ids, query, return_lse)
         r = self._call(self._attend_batch_raw, req, timeout_s=timeout_s, retry=True)
         return _batch_results(r, return_lse)

@@ -7,6 +7,8 @@ A file mirrors the dataclasses, one section per group; every field is optional::
     server:      {host: 127.0.0.1, port: 50051, max_message_bytes: 268435456}
     coordinator: {batch_window_ms: 0.5, max_batch_items: 256}
     metrics:     {enabled: true, host: 127.0.0.1, port: 9400}
+    shared_memory: {enabled: true, max_region_bytes: 268435456, max_regions_per_tenant: 16,
+                    max_total_bytes: 4294967296, idle_timeout_s: 600}
     auth_file: null          # token file (cache_service.auth); null: no authentication
     tls: null                # {cert_file, key_file, client_ca_file}; null: plaintext
     store_path: null         # write-ahead metadata store (SQLite); null: none (cache_service.store)
@@ -36,6 +38,7 @@ __all__ = [
     "MetricsConfig",
     "ServerConfig",
     "ServiceConfig",
+    "SharedMemoryConfig",
     "TLSFilesConfig",
     "WorkersConfig",
     "load_config",
@@ -44,6 +47,7 @@ __all__ = [
 _DTYPES = ("float16", "bfloat16", "float32")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 class ConfigError(ValueError):
@@ -264,6 +268,49 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class SharedMemoryConfig:
+    """Shared-memory regions for the tensors of same-host clients' batch calls
+    (CreateSharedRegion; cache_service.shared_regions).
+
+    Attributes:
+        enabled: serve CreateSharedRegion. False: it answers FAILED_PRECONDITION and clients
+            send tensors as bytes.
+        max_region_bytes: largest region, bytes.
+        max_regions_per_tenant: regions one tenant may hold at once.
+        max_total_bytes: bytes of all regions of all tenants together (they live in
+            /dev/shm, i.e. in memory).
+        idle_timeout_s: a region no call used for this long is released by the server,
+            seconds (a client that died never releases its own).
+    """
+
+    enabled: bool = True
+    max_region_bytes: int = 256 * MiB
+    max_regions_per_tenant: int = 16
+    max_total_bytes: int = 4 * GiB
+    idle_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"shared_memory.enabled must be true or false, got {self.enabled!r}")
+        _positive_int("shared_memory.max_region_bytes", self.max_region_bytes)
+        _positive_int("shared_memory.max_regions_per_tenant", self.max_regions_per_tenant)
+        _positive_int("shared_memory.max_total_bytes", self.max_total_bytes)
+        if self.max_region_bytes > self.max_total_bytes:
+            raise ConfigError(
+                "shared_memory.max_region_bytes must be at most shared_memory.max_total_bytes "
+                f"({self.max_total_bytes}), got {self.max_region_bytes}"
+            )
+        if (
+            isinstance(self.idle_timeout_s, bool)
+            or not isinstance(self.idle_timeout_s, int | float)
+            or not self.idle_timeout_s > 0
+        ):
+            raise ConfigError(
+                f"shared_memory.idle_timeout_s must be > 0 seconds, got {self.idle_timeout_s!r}"
+            )
+
+
+@dataclass(frozen=True)
 class TLSFilesConfig:
     """PEM files of the server's TLS (client_ca_file set: mutual TLS)."""
 
@@ -281,6 +328,7 @@ class ServiceConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    shared_memory: SharedMemoryConfig = field(default_factory=SharedMemoryConfig)
     auth_file: str | None = None
     tls: TLSFilesConfig | None = None
     store_path: str | None = None

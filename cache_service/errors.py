@@ -1,4 +1,5 @@
-"""Errors of the control plane (block manager). Every one leaves the state unchanged.
+"""Errors of the control plane (block manager, shared-memory regions). Every one leaves the
+state unchanged.
 
 The gRPC servicer maps them to status codes; the mapping lives there, not here, so these
 modules stay free of grpc imports.
@@ -16,6 +17,9 @@ __all__ = [
     "QuotaExceeded",
     "SequenceLost",
     "SequenceNotFound",
+    "SharedMemoryDisabled",
+    "SharedMemoryLimit",
+    "SharedRegionNotFound",
 ]
 
 
@@ -70,3 +74,19 @@ class IntegrityError(CacheError):
 
     The message names each invariant that failed with the counts that disagree.
     """
+
+
+class SharedRegionNotFound(CacheError):
+    """No such shared-memory region for this tenant: never created, released, reaped after
+    its idle timeout, or another tenant's (the same message for all, so region ids cannot
+    be probed across tenants). A client recovers by creating a new region."""
+
+
+class SharedMemoryLimit(CacheError):
+    """Creating a shared-memory region would exceed a configured limit (per region, per
+    tenant or in total) or the room of the shared-memory file system; the message names it."""
+
+
+class SharedMemoryDisabled(CacheError):
+    """The server has shared memory turned off (``shared_memory.enabled: false``): tensors
+    travel as bytes."""

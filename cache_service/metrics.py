@@ -206,6 +206,16 @@ class ServiceMetrics:
             ["worker"],
             registry=reg,
         )
+        self.shared_memory_regions = Gauge(
+            f"{p}_shared_memory_regions",
+            "Shared-memory regions held for same-host clients' tensors (all tenants).",
+            registry=reg,
+        )
+        self.shared_memory_bytes = Gauge(
+            f"{p}_shared_memory_bytes",
+            "Bytes of the shared-memory regions held (all tenants; in /dev/shm, i.e. memory).",
+            registry=reg,
+        )
 
     # -- gRPC ------------------------------------------------------------------------------
 
@@ -297,6 +307,16 @@ class ServiceMetrics:
                     metric.remove(worker_id)
                 except KeyError:
                     pass
+
+    # -- shared memory ---------------------------------------------------------------------
+
+    def set_shared_memory(self, regions: int, nbytes: int) -> None:
+        """Report the shared-memory regions held: their count and their bytes (both >= 0;
+        `SharedRegions` calls this after every change)."""
+        _check_count("regions", regions)
+        _check_count("nbytes", nbytes)
+        self.shared_memory_regions.set(regions)
+        self.shared_memory_bytes.set(nbytes)
 
     # -- control-plane state ---------------------------------------------------------------
 

@@ -23,22 +23,37 @@ layer, are encoded once:
 
     AppendAttendBatchRequest { uint32 layer = 1; repeated string seq_ids = 2;
                                repeated int64 token_ids = 3 (packed); Tensor key = 4;
-                               Tensor value = 5; Tensor query = 6; bool return_lse = 7; }
+                               Tensor value = 5; Tensor query = 6; bool return_lse = 7;
+                               SharedSlice output_to = 8; SharedSlice lse_to = 9; }
     AttendBatchRequest       { uint32 layer = 1; repeated string seq_ids = 2;
-                               Tensor query = 3; bool return_lse = 4; }
+                               Tensor query = 3; bool return_lse = 4;
+                               SharedSlice output_to = 5; SharedSlice lse_to = 6; }
+
+A batch tensor may already lie in a shared-memory region (`SharedTensor`, the client's
+same-host path): its field then carries the slice, not the bytes; `output_to` / `lse_to`
+ask the server to write the reply's tensors into the region.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from cache_service.tensor_codec import row_payloads, tensor_payloads
-from cache_service.wire_format import delimited, tensor_field, tensor_head, varint
+from cache_service.wire_format import (
+    delimited,
+    shared_slice,
+    shared_tensor_field,
+    tensor_field,
+    tensor_head,
+    varint,
+)
 
 __all__ = [
+    "SharedTensor",
     "encode_append_attend",
     "encode_append_attend_batch",
     "encode_attend",
@@ -62,11 +77,55 @@ _BATCH_KEY = b"\x22"  # = 4
 _BATCH_VALUE = b"\x2a"  # = 5
 _BATCH_QUERY_OF_APPEND = b"\x32"  # = 6
 _BATCH_LSE_OF_APPEND = b"\x38\x01"  # return_lse = 7, true
+_BATCH_OUTPUT_TO_OF_APPEND = b"\x42"  # output_to = 8
+_BATCH_LSE_TO_OF_APPEND = b"\x4a"  # lse_to = 9
 _BATCH_QUERY_OF_ATTEND = b"\x1a"  # AttendBatchRequest.query = 3
 _BATCH_LSE_OF_ATTEND = b"\x20\x01"  # return_lse = 4, true
+_BATCH_OUTPUT_TO_OF_ATTEND = b"\x2a"  # output_to = 5
+_BATCH_LSE_TO_OF_ATTEND = b"\x32"  # lse_to = 6
 
 # Ids below 128 are one byte each: looked up, not computed.
 _SMALL = [bytes([i]) for i in range(128)]
+
+
+class SharedTensor(NamedTuple):
+    """A tensor whose bytes the client wrote into a shared-memory region.
+
+    Attributes:
+        dtype: float16, bfloat16 or float32.
+        shape: its sizes.
+        region_id: the region (CreateSharedRegionResponse.region_id).
+        offset: its first byte in the region (a multiple of the element size).
+    """
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    region_id: str
+    offset: int
+
+
+# (region id, byte offset) where the server is to write one of the reply's tensors.
+SliceRef = tuple[str, int]
+
+
+def _batch_tensor(tag: bytes, tensor: torch.Tensor | SharedTensor) -> Sequence[bytes | memoryview]:
+    """A batch request's tensor field: the bytes, or the slice of a `SharedTensor`."""
+    if isinstance(tensor, SharedTensor):
+        return (
+            shared_tensor_field(tag, tensor.dtype, tensor.shape, tensor.region_id, tensor.offset),
+        )
+    return tensor_field(tag, tensor)
+
+
+def _slice_fields(
+    tag_out: bytes, tag_lse: bytes, output_to: SliceRef | None, lse_to: SliceRef | None
+) -> list[bytes]:
+    parts = []
+    for tag, ref in ((tag_out, output_to), (tag_lse, lse_to)):
+        if ref is not None:
+            msg = shared_slice(*ref)
+            parts += (delimited(tag, len(msg)), msg)
+    return parts
 
 
 # A client sends the same sequence ids layer after layer, and one new token per sequence
@@ -238,10 +297,13 @@ def encode_append_attend_batch(
     layer: int,
     seq_ids: Sequence[str],
     token_ids: Sequence[Sequence[int]],
-    key: torch.Tensor,
-    value: torch.Tensor,
-    query: torch.Tensor,
+    key: torch.Tensor | SharedTensor,
+    value: torch.Tensor | SharedTensor,
+    query: torch.Tensor | SharedTensor,
     return_lse: bool,
+    *,
+    output_to: SliceRef | None = None,
+    lse_to: SliceRef | None = None,
 ) -> bytes:
     """A serialized AppendAttendBatchRequest.
 
@@ -251,7 +313,9 @@ def encode_append_attend_batch(
         token_ids: per sequence, its n new token ids (ints in int64 range).
         key, value: ``[batch, n, num_kv_heads, head_dim]``; query ``[batch, m,
             num_q_heads, head_dim]``; float16, bfloat16 or float32, any device (copied
-            to the host when not there).
+            to the host when not there); or each a `SharedTensor` already in a region.
+        output_to, lse_to: (region id, byte offset) for the server to write the output
+            (lse) to; None: it comes back as bytes.
 
     Raises:
         TensorCodecError: a tensor's dtype cannot travel.
@@ -267,22 +331,36 @@ def encode_append_attend_batch(
         packed = _packed_ids(flat, "token_ids")
         out.parts += (delimited(_BATCH_TOKEN_IDS, len(packed)), packed)
     for tag, tensor in ((_BATCH_KEY, key), (_BATCH_VALUE, value), (_BATCH_QUERY_OF_APPEND, query)):
-        out.parts += tensor_field(tag, tensor)
+        out.parts += _batch_tensor(tag, tensor)
     if return_lse:
         out.parts.append(_BATCH_LSE_OF_APPEND)
+    if output_to is not None or lse_to is not None:
+        out.parts += _slice_fields(
+            _BATCH_OUTPUT_TO_OF_APPEND, _BATCH_LSE_TO_OF_APPEND, output_to, lse_to
+        )
     return b"".join(out.parts)
 
 
 def encode_attend_batch(
-    layer: int, seq_ids: Sequence[str], query: torch.Tensor, return_lse: bool
+    layer: int,
+    seq_ids: Sequence[str],
+    query: torch.Tensor | SharedTensor,
+    return_lse: bool,
+    *,
+    output_to: SliceRef | None = None,
+    lse_to: SliceRef | None = None,
 ) -> bytes:
     """A serialized AttendBatchRequest: query ``[batch, m, num_q_heads, head_dim]``;
     arguments and errors as `encode_append_attend_batch`."""
     out = _Parts(layer)
     out.parts.append(_batch_seq_ids_field(tuple(seq_ids)))
-    out.parts += tensor_field(_BATCH_QUERY_OF_ATTEND, query)
+    out.parts += _batch_tensor(_BATCH_QUERY_OF_ATTEND, query)
     if return_lse:
         out.parts.append(_BATCH_LSE_OF_ATTEND)
+    if output_to is not None or lse_to is not None:
+        out.parts += _slice_fields(
+            _BATCH_OUTPUT_TO_OF_ATTEND, _BATCH_LSE_TO_OF_ATTEND, output_to, lse_to
+        )
     return b"".join(out.parts)
 
 

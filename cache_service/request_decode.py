@@ -10,7 +10,9 @@ on; benchmarks time them as the server's decode step.
   as one tensor.
 - `AppendAttendBatch` / `AttendBatch`: one tensor per field for the whole batch, row i for
   sequence i. The items are the rows (views); errors about one sequence name it
-  ``items[i]``, the batch row.
+  ``items[i]``, the batch row. Their tensors may reference a shared-memory region instead
+  of carrying bytes (``Tensor.shared``): the caller passes a `SharedReader` that copies
+  them out (`SharedRegions.read`), and the checks and messages are the bytes path's.
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ import torch
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service.coordinator import AppendAttendItem, AttendItem, JoinedFields
 from cache_service.errors import InvalidRequest
-from cache_service.tensor_codec import joined_from_protos, tensor_from_proto, tensors_from_protos
+from cache_service.tensor_codec import (
+    SharedReader,
+    joined_from_protos,
+    tensor_from_proto,
+    tensors_from_protos,
+)
 from workers.layout import KVLayout
 
 __all__ = [
@@ -66,23 +73,25 @@ def decode_append_attend(
 
 
 def decode_append_attend_batch(
-    request: pb.AppendAttendBatchRequest, layout: KVLayout
+    request: pb.AppendAttendBatchRequest, layout: KVLayout, shared: SharedReader | None = None
 ) -> tuple[list[AppendAttendItem], JoinedFields, torch.Size]:
     """The items of an AppendAttendBatchRequest (row i of each tensor is sequence i's), the
     flat buffers, and the query's shape ``[batch, m, Hq, D]`` (the reply's).
 
+    shared: reads tensors whose payload is a shared-memory slice (None: refused).
+
     Raises:
         InvalidRequest / TensorCodecError: no or empty sequence ids; key not ``[batch, n >=
         1, num_kv_heads, head_dim]``; value not key's shape; query not ``[batch, m >= 1, *,
-        head_dim]``; token_ids not batch x n ids.
+        head_dim]``; token_ids not batch x n ids. Whatever `shared` raises.
     """
     seq_ids = _batch_seq_ids(request.seq_ids)
     b = len(seq_ids)
     key = tensor_from_proto(
-        request.key, "key", shape=(b, None, layout.num_kv_heads, layout.head_dim)
+        request.key, "key", shape=(b, None, layout.num_kv_heads, layout.head_dim), shared=shared
     )
-    value = tensor_from_proto(request.value, "value", shape=(b, *key.shape[1:]))
-    query = _batch_query(request.query, b, layout.head_dim)
+    value = tensor_from_proto(request.value, "value", shape=(b, *key.shape[1:]), shared=shared)
+    query = _batch_query(request.query, b, layout.head_dim, shared)
     n = key.shape[1]
     if n < 1:
         raise InvalidRequest(f"key has shape {list(key.shape)}: no new tokens")
@@ -103,16 +112,17 @@ def decode_append_attend_batch(
 
 
 def decode_attend_batch(
-    request: pb.AttendBatchRequest, layout: KVLayout
+    request: pb.AttendBatchRequest, layout: KVLayout, shared: SharedReader | None = None
 ) -> tuple[list[AttendItem], torch.Size]:
-    """The items of an AttendBatchRequest and the query's shape ``[batch, m, Hq, D]``.
+    """The items of an AttendBatchRequest and the query's shape ``[batch, m, Hq, D]``;
+    `shared` as in `decode_append_attend_batch`.
 
     Raises:
         InvalidRequest / TensorCodecError: no or empty sequence ids; a query that is not
-        ``[batch, m >= 1, *, head_dim]``.
+        ``[batch, m >= 1, *, head_dim]``. Whatever `shared` raises.
     """
     seq_ids = _batch_seq_ids(request.seq_ids)
-    query = _batch_query(request.query, len(seq_ids), layout.head_dim)
+    query = _batch_query(request.query, len(seq_ids), layout.head_dim, shared)
     items = [AttendItem(s, q) for s, q in zip(seq_ids, query.unbind(0), strict=True)]
     return items, query.shape
 
@@ -135,10 +145,12 @@ def _batch_seq_ids(seq_ids: Any) -> list[str]:
     return ids
 
 
-def _batch_query(msg: pb.Tensor, batch: int, head_dim: int) -> torch.Tensor:
+def _batch_query(
+    msg: pb.Tensor, batch: int, head_dim: int, shared: SharedReader | None
+) -> torch.Tensor:
     """A batch request's query ``[batch, m >= 1, num_q_heads, head_dim]`` (the head count
     is the coordinator's to check against the layout)."""
-    query = tensor_from_proto(msg, "query", shape=(batch, None, None, head_dim))
+    query = tensor_from_proto(msg, "query", shape=(batch, None, None, head_dim), shared=shared)
     if query.shape[1] < 1:
         raise InvalidRequest(f"query has shape {list(query.shape)}: no query rows")
     return query

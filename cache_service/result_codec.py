@@ -11,7 +11,9 @@ interceptor lets encoded replies through). The message is the one the API would 
 (tests compare them).
 
 The batch replies (`AppendAttendBatchResponse`, `AttendBatchResponse`: ``Tensor output = 1;
-Tensor lse = 2;``) hold the whole batch as one tensor per field: `encode_batch_result`.
+Tensor lse = 2;``) hold the whole batch as one tensor per field: `encode_batch_result`;
+a field the servicer wrote into the client's shared-memory region carries that slice
+instead of the bytes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from cache_service.tensor_codec import tensor_payloads
-from cache_service.wire_format import delimited, tensor_field, tensor_head
+from cache_service.wire_format import delimited, shared_tensor_field, tensor_field, tensor_head
 from cache_service.worker_interface import AttentionResult
 
 __all__ = ["encode_batch_result", "encode_results"]
@@ -94,15 +96,31 @@ def encode_results(results: Sequence[AttentionResult], with_lse: bool) -> bytes:
     return b"".join(parts)
 
 
-def encode_batch_result(out: torch.Tensor, lse: torch.Tensor | None) -> bytes:
+def encode_batch_result(
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    *,
+    out_to: tuple[str, int] | None = None,
+    lse_to: tuple[str, int] | None = None,
+) -> bytes:
     """The serialized AppendAttendBatchResponse / AttendBatchResponse (alike on the wire):
     output `out` ``[batch, m, num_q_heads, head_dim]`` and, when given, lse float32
     ``[batch, m, num_q_heads]``; payloads are views of the tensors' memory.
 
+    out_to / lse_to: (region id, byte offset) where that tensor was written in a shared
+    region; its field then carries the slice (with dtype and shape), not the bytes.
+
     Raises:
         TensorCodecError: a tensor's dtype cannot travel.
     """
-    parts: list[bytes | memoryview] = [*tensor_field(_RESULTS, out)]
+    parts: list[bytes | memoryview]
+    if out_to is None:
+        parts = [*tensor_field(_RESULTS, out)]
+    else:
+        parts = [shared_tensor_field(_RESULTS, out.dtype, out.shape, *out_to)]
     if lse is not None:
-        parts += tensor_field(_LSE, lse)
+        if lse_to is None:
+            parts += tensor_field(_LSE, lse)
+        else:
+            parts.append(shared_tensor_field(_LSE, lse.dtype, lse.shape, *lse_to))
     return b"".join(parts)

@@ -4,8 +4,9 @@ The servicer only translates (protobuf <-> torch), validates what the wire carri
 errors to statuses (`status_mapping`); the coordinator does the work. `start_service`
 assembles a running service: workers (in-process, a local Ray or a Ray cluster), the
 coordinator, the gRPC server with health checking, reflection, authentication and metrics,
-and the Prometheus endpoint. `RunningService.stop()` drains: health turns NOT_SERVING, new
-calls are refused, calls in flight get `shutdown_grace_s` to finish.
+the shared-memory regions of same-host clients (`shared_regions`) and the Prometheus
+endpoint. `RunningService.stop()` drains: health turns NOT_SERVING, new calls are refused,
+calls in flight get `shutdown_grace_s` to finish.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from cache_service.auth import (
     current_principal,
     load_token_table,
 )
-from cache_service.config import ServiceConfig
+from cache_service.config import ServiceConfig, SharedMemoryConfig
 from cache_service.control_types import TenantQuota
 from cache_service.coordinator import Coordinator
 from cache_service.errors import InvalidRequest
@@ -48,9 +49,12 @@ from cache_service.request_decode import (
     decode_attend_batch,
 )
 from cache_service.result_codec import encode_batch_result, encode_results
+from cache_service.shared_outputs import SharedOutputs, shared_outputs
+from cache_service.shared_regions import SharedRegions
 from cache_service.status_mapping import status_for
 from cache_service.store import MetadataStore, StoreConfig
 from cache_service.tensor_codec import (
+    SharedReader,
     TensorCodecError,
     check_shape,
     dtype_from_name,
@@ -79,6 +83,8 @@ DEFAULT_TENANT = "default"
 METHOD_PERMISSIONS = {f"/{SERVICE_NAME}/PublishPublic": Permission.PUBLISH_PUBLIC}
 
 log = logging.getLogger("kvcache.server")
+# The batch handlers' `with` when the reply goes back as bytes (reusable: it does nothing).
+_NO_SHARED_OUTPUTS = contextlib.nullcontext()
 
 
 def _version() -> str:
@@ -166,15 +172,28 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         coordinator: a started coordinator.
         max_message_bytes: the server's message limit (reported by GetInfo, caps chunks).
         stream_chunk_bytes: default data bytes per export message.
+        shared_regions: the shared-memory regions of same-host clients (None: a disabled
+            registry, CreateSharedRegion answers FAILED_PRECONDITION).
     """
 
     def __init__(
-        self, coordinator: Coordinator, max_message_bytes: int, stream_chunk_bytes: int
+        self,
+        coordinator: Coordinator,
+        max_message_bytes: int,
+        stream_chunk_bytes: int,
+        shared_regions: SharedRegions | None = None,
     ) -> None:
         self._coord = coordinator
         self._max_message = max_message_bytes
         self._chunk = stream_chunk_bytes
         self._version = _version()
+        if shared_regions is None:
+            shared_regions = SharedRegions(SharedMemoryConfig(enabled=False))
+        self._regions = shared_regions
+
+    def _shared_reader(self, tenant: str) -> SharedReader:
+        """Reads the tenant's `Tensor.shared` payloads (copies; see SharedRegions.read)."""
+        return functools.partial(self._regions.read, tenant)
 
     # -- info ------------------------------------------------------------------------------
 
@@ -327,25 +346,50 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     async def AppendAttendBatch(
         self, request: pb.AppendAttendBatchRequest, context: Any, tenant: str
     ) -> bytes:
-        items, joined, shape = decode_append_attend_batch(request, self._coord.layout)
-        # Errors about one sequence name it as items[i]: row i of the batch.
-        (result,) = await self._coord.append_attend(
-            tenant,
-            request.layer,
-            items,
-            request.return_lse,
-            joined=joined,
-            stacked=True,
+        items, joined, shape = decode_append_attend_batch(
+            request, self._coord.layout, self._shared_reader(tenant)
         )
-        return _batch_reply(result, shape)
+        # Output ranges are checked before the coordinator changes anything.
+        outputs = shared_outputs(self._regions, tenant, request, shape, items[0].query.dtype)
+        with outputs if outputs is not None else _NO_SHARED_OUTPUTS:
+            # Errors about one sequence name it as items[i]: row i of the batch.
+            (result,) = await self._coord.append_attend(
+                tenant,
+                request.layer,
+                items,
+                request.return_lse,
+                joined=joined,
+                stacked=True,
+            )
+            return _batch_reply(result, shape, outputs)
 
     @_rpc
     async def AttendBatch(self, request: pb.AttendBatchRequest, context: Any, tenant: str) -> bytes:
-        items, shape = decode_attend_batch(request, self._coord.layout)
-        (result,) = await self._coord.attend(
-            tenant, request.layer, items, request.return_lse, stacked=True
+        items, shape = decode_attend_batch(request, self._coord.layout, self._shared_reader(tenant))
+        outputs = shared_outputs(self._regions, tenant, request, shape, items[0].query.dtype)
+        with outputs if outputs is not None else _NO_SHARED_OUTPUTS:
+            (result,) = await self._coord.attend(
+                tenant, request.layer, items, request.return_lse, stacked=True
+            )
+            return _batch_reply(result, shape, outputs)
+
+    # -- shared memory ---------------------------------------------------------------------
+
+    @_rpc
+    async def CreateSharedRegion(
+        self, request: pb.CreateSharedRegionRequest, context: Any, tenant: str
+    ) -> pb.CreateSharedRegionResponse:
+        info = await self._regions.create(tenant, request.size_bytes)
+        return pb.CreateSharedRegionResponse(
+            region_id=info.region_id, path=info.path, size_bytes=info.size_bytes
         )
-        return _batch_reply(result, shape)
+
+    @_rpc
+    async def ReleaseSharedRegion(
+        self, request: pb.ReleaseSharedRegionRequest, context: Any, tenant: str
+    ) -> pb.ReleaseSharedRegionResponse:
+        self._regions.release(tenant, request.region_id)
+        return pb.ReleaseSharedRegionResponse()
 
     # -- export / import -------------------------------------------------------------------
 
@@ -411,11 +455,14 @@ def _nonempty_ids(token_ids: Any) -> list[int]:
     return ids
 
 
-def _batch_reply(result: Any, query_shape: torch.Size) -> bytes:
+def _batch_reply(result: Any, query_shape: torch.Size, outputs: SharedOutputs | None) -> bytes:
     """The encoded batch reply: the stacked output as ``[batch, m, num_q_heads, head_dim]``
-    (and lse ``[batch, m, num_q_heads]``)."""
+    (and lse ``[batch, m, num_q_heads]``), written into the client's region first where
+    the request asked for it (`outputs`)."""
     out = result.out.reshape(query_shape)
     lse = None if result.lse is None else result.lse.reshape(query_shape[:3])
+    if outputs is not None:
+        return outputs.reply(out, lse)
     return encode_batch_result(out, lse)
 
 
@@ -567,7 +614,8 @@ def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
 
 @dataclass
 class RunningService:
-    """A started service. `address` is "host:port" with the bound port."""
+    """A started service. `address` is "host:port" with the bound port; `shared_regions`
+    the shared-memory regions of same-host clients (deleted at `stop`)."""
 
     config: ServiceConfig
     coordinator: Coordinator
@@ -575,6 +623,7 @@ class RunningService:
     port: int
     metrics: Any
     metrics_http: Any = None
+    shared_regions: SharedRegions | None = None
     _health: Any = None
     _cleanups: list[Callable[[], Any]] = field(default_factory=list)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -589,7 +638,8 @@ class RunningService:
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain and stop: NOT_SERVING, refuse new calls, wait up to grace_s for calls in
-        flight, then stop background work, the metrics endpoint and the workers we started."""
+        flight, then stop background work, the metrics endpoint and the workers we started,
+        and delete the shared-memory regions."""
         if self._stopped:
             return
         self._stopped = True
@@ -788,7 +838,12 @@ async def start_service(
                 ("grpc.so_reuseport", 0),
             ],
         )
-        servicer = KVCacheServicer(coordinator, limit, config.server.stream_chunk_bytes)
+        # Every region's file is deleted at stop (or if the start fails from here on).
+        regions = SharedRegions(config.shared_memory, on_change=metrics.set_shared_memory)
+        cleanups.append(regions.close)
+        servicer = KVCacheServicer(
+            coordinator, limit, config.server.stream_chunk_bytes, shared_regions=regions
+        )
         pb_grpc.add_KVCacheServicer_to_server(servicer, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -828,6 +883,7 @@ async def start_service(
         port=port,
         metrics=metrics,
         metrics_http=metrics_http,
+        shared_regions=regions,
         _health=health_servicer,
         _cleanups=cleanups,
     )
@@ -837,6 +893,8 @@ async def start_service(
                 _probe_workers(coordinator, config.coordinator.health_check_interval_s)
             )
         )
+    if regions.enabled:
+        running._tasks.append(asyncio.get_running_loop().create_task(regions.reap_forever()))
     log.info(
         "serving",
         extra={
@@ -846,6 +904,7 @@ async def start_service(
             "tls": tls is not None,
             "auth": table is not None,
             "metrics": running.metrics_http.url if running.metrics_http else None,
+            "shared_memory": regions.directory if regions.enabled else None,
         },
     )
     return running

@@ -5,6 +5,11 @@ non-negative, byte count exact, shape as expected) and raises `TensorCodecError`
 field, which the server reports as INVALID_ARGUMENT. Only float16, bfloat16 and float32
 travel: the KV dtypes the pools support.
 
+A `Tensor` may instead reference bytes in a shared-memory region (its `shared` payload,
+accepted by the batch RPCs only): `tensor_from_proto` validates dtype and shape alike and
+hands the reference to a `SharedReader` (the server's `SharedRegions.read`, which copies
+the bytes out); without one, such a tensor is refused naming the field.
+
 The batch forms (`tensors_from_protos`, `tensor_payloads`) handle one field of every item
 of a request or reply with one copy and a few torch calls in all, instead of several per
 item: decoded tensors are consecutive views of one new buffer (`joined_view` then sees them
@@ -15,7 +20,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -23,6 +28,7 @@ from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 
 __all__ = [
     "DTYPE_NAMES",
+    "SharedReader",
     "TensorCodecError",
     "check_shape",
     "dtype_from_name",
@@ -61,6 +67,11 @@ _LITTLE_ENDIAN_HOST = sys.byteorder == "little"
 
 class TensorCodecError(ValueError):
     """A tensor on the wire is malformed or has the wrong dtype / shape for its field."""
+
+
+# (region_id, offset, dtype, shape, field) -> a new tensor holding a copy of those bytes;
+# see `tensor_from_proto`.
+SharedReader = Callable[[str, int, torch.dtype, list[int], str], torch.Tensor]
 
 
 def dtype_to_proto(dtype: torch.dtype) -> int:
@@ -156,6 +167,7 @@ def tensor_from_proto(
     ndim: int | None = None,
     shape: Sequence[int | None] | None = None,
     dtypes: Sequence[torch.dtype] | None = None,
+    shared: SharedReader | None = None,
 ) -> torch.Tensor:
     """Decode and validate a `Tensor` message into a new CPU tensor.
 
@@ -165,9 +177,11 @@ def tensor_from_proto(
         ndim: required number of dimensions.
         shape: required sizes; None entries are free.
         dtypes: allowed dtypes (default: all three wire dtypes).
+        shared: reads a `shared` payload (after the dtype and shape checks); None: a
+            message with a `shared` payload is refused.
 
     Raises:
-        TensorCodecError naming `field` and what was wrong.
+        TensorCodecError naming `field` and what was wrong; whatever `shared` raises.
     """
     dtype = dtype_from_proto(msg.dtype, f"{field}.dtype")
     if dtypes is not None and dtype not in dtypes:
@@ -177,7 +191,17 @@ def tensor_from_proto(
         )
     dims = list(msg.shape)
     check_shape(dims, field, ndim=ndim, shape=shape)
-    return tensor_from_bytes(msg.data, dtype, dims, field)
+    data = msg.data
+    # `data` and `shared` are one oneof: only an empty `data` can hide a `shared` payload,
+    # so the bytes path pays nothing for the check.
+    if not data and msg.HasField("shared"):
+        if shared is None:
+            raise TensorCodecError(
+                f"{field}: a shared-memory payload is accepted only by the batch calls "
+                "(AppendAttendBatch, AttendBatch); send the bytes"
+            )
+        return shared(msg.shared.region_id, msg.shared.offset, dtype, dims, field)
+    return tensor_from_bytes(data, dtype, dims, field)
 
 
 def check_shape(

@@ -18,15 +18,25 @@ DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
 DTYPE_FLOAT32: DType
 
+class SharedSlice(_message.Message):
+    __slots__ = ("region_id", "offset")
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    region_id: str
+    offset: int
+    def __init__(self, region_id: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data")
+    __slots__ = ("dtype", "shape", "data", "shared")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    shared: SharedSlice
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., shared: _Optional[_Union[SharedSlice, _Mapping]] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("dtype", "shape")
@@ -257,7 +267,7 @@ class AppendAttendResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[AttendResult, _Mapping]]] = ...) -> None: ...
 
 class AppendAttendBatchRequest(_message.Message):
-    __slots__ = ("layer", "seq_ids", "token_ids", "key", "value", "query", "return_lse")
+    __slots__ = ("layer", "seq_ids", "token_ids", "key", "value", "query", "return_lse", "output_to", "lse_to")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +275,8 @@ class AppendAttendBatchRequest(_message.Message):
     VALUE_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
     RETURN_LSE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TO_FIELD_NUMBER: _ClassVar[int]
+    LSE_TO_FIELD_NUMBER: _ClassVar[int]
     layer: int
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -272,7 +284,9 @@ class AppendAttendBatchRequest(_message.Message):
     value: Tensor
     query: Tensor
     return_lse: bool
-    def __init__(self, layer: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., key: _Optional[_Union[Tensor, _Mapping]] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ..., query: _Optional[_Union[Tensor, _Mapping]] = ..., return_lse: _Optional[bool] = ...) -> None: ...
+    output_to: SharedSlice
+    lse_to: SharedSlice
+    def __init__(self, layer: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., key: _Optional[_Union[Tensor, _Mapping]] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ..., query: _Optional[_Union[Tensor, _Mapping]] = ..., return_lse: _Optional[bool] = ..., output_to: _Optional[_Union[SharedSlice, _Mapping]] = ..., lse_to: _Optional[_Union[SharedSlice, _Mapping]] = ...) -> None: ...
 
 class AppendAttendBatchResponse(_message.Message):
     __slots__ = ("output", "lse")
@@ -283,16 +297,20 @@ class AppendAttendBatchResponse(_message.Message):
     def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., lse: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class AttendBatchRequest(_message.Message):
-    __slots__ = ("layer", "seq_ids", "query", "return_lse")
+    __slots__ = ("layer", "seq_ids", "query", "return_lse", "output_to", "lse_to")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
     RETURN_LSE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TO_FIELD_NUMBER: _ClassVar[int]
+    LSE_TO_FIELD_NUMBER: _ClassVar[int]
     layer: int
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
     query: Tensor
     return_lse: bool
-    def __init__(self, layer: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ..., query: _Optional[_Union[Tensor, _Mapping]] = ..., return_lse: _Optional[bool] = ...) -> None: ...
+    output_to: SharedSlice
+    lse_to: SharedSlice
+    def __init__(self, layer: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ..., query: _Optional[_Union[Tensor, _Mapping]] = ..., return_lse: _Optional[bool] = ..., output_to: _Optional[_Union[SharedSlice, _Mapping]] = ..., lse_to: _Optional[_Union[SharedSlice, _Mapping]] = ...) -> None: ...
 
 class AttendBatchResponse(_message.Message):
     __slots__ = ("output", "lse")
@@ -403,3 +421,29 @@ class GetStatsResponse(_message.Message):
     active_sequences: int
     lost_sequences: int
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., utilization: _Optional[float] = ..., fragmentation: _Optional[float] = ..., prefix: _Optional[_Iterable[_Union[TenantPrefixStats, _Mapping]]] = ..., evictions: _Optional[int] = ..., cow_copies: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., active_sequences: _Optional[int] = ..., lost_sequences: _Optional[int] = ...) -> None: ...
+
+class CreateSharedRegionRequest(_message.Message):
+    __slots__ = ("size_bytes",)
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    size_bytes: int
+    def __init__(self, size_bytes: _Optional[int] = ...) -> None: ...
+
+class CreateSharedRegionResponse(_message.Message):
+    __slots__ = ("region_id", "path", "size_bytes")
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    region_id: str
+    path: str
+    size_bytes: int
+    def __init__(self, region_id: _Optional[str] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class ReleaseSharedRegionRequest(_message.Message):
+    __slots__ = ("region_id",)
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    region_id: str
+    def __init__(self, region_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseSharedRegionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -115,6 +115,16 @@ class KVCacheStub:
                 request_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.CreateSharedRegion = channel.unary_unary(
+                '/kvcache.v1.KVCache/CreateSharedRegion',
+                request_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.CreateSharedRegionRequest.SerializeToString,
+                response_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.CreateSharedRegionResponse.FromString,
+                _registered_method=True)
+        self.ReleaseSharedRegion = channel.unary_unary(
+                '/kvcache.v1.KVCache/ReleaseSharedRegion',
+                request_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ReleaseSharedRegionRequest.SerializeToString,
+                response_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ReleaseSharedRegionResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -241,6 +251,29 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateSharedRegion(self, request, context):
+        """A shared-memory region for the tensors of the batch RPCs (AppendAttendBatch,
+        AttendBatch), for a client on the coordinator's host: a file the server creates in
+        /dev/shm (mode 0600, so only processes of the server's user can open it) and maps.
+        The client maps `path` too, writes its tensors there and sends SharedSlice references
+        instead of bytes; the server writes outputs there when asked (output_to / lse_to).
+        The region belongs to the caller's tenant. Errors: FAILED_PRECONDITION when the
+        server has shared memory disabled (send bytes instead), RESOURCE_EXHAUSTED when a
+        limit would be exceeded (the message names it). A region unused for the server's
+        idle timeout is released by the server.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseSharedRegion(self, request, context):
+        """Unmap and delete a region made by CreateSharedRegion. NOT_FOUND for an unknown region
+        (or one of another tenant).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -323,6 +356,16 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.GetStatsRequest.FromString,
                     response_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'CreateSharedRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateSharedRegion,
+                    request_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.CreateSharedRegionRequest.FromString,
+                    response_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.CreateSharedRegionResponse.SerializeToString,
+            ),
+            'ReleaseSharedRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseSharedRegion,
+                    request_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ReleaseSharedRegionRequest.FromString,
+                    response_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ReleaseSharedRegionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -758,6 +801,60 @@ class KVCache:
             '/kvcache.v1.KVCache/GetStats',
             cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.GetStatsRequest.SerializeToString,
             cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateSharedRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.KVCache/CreateSharedRegion',
+            cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.CreateSharedRegionRequest.SerializeToString,
+            cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.CreateSharedRegionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseSharedRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.KVCache/ReleaseSharedRegion',
+            cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ReleaseSharedRegionRequest.SerializeToString,
+            cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ReleaseSharedRegionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,461 @@
+"""Shared-memory regions of same-host clients: the server's registry, whose one job is to
+own them (create, look up, bounds-check, copy in and out, reap, delete).
+
+A model executor on the coordinator's host sends the tensors of its per-layer batch calls
+through a region instead of inside the gRPC message (CreateSharedRegion in kvcache.proto):
+a file in /dev/shm that the server creates and maps and the client maps too. The file has a
+random, unguessable name and mode 0600, so only processes of the server's user can open it;
+the region id the RPCs use is a second random token, not the file name (a listing of
+/dev/shm reveals no ids). Each region belongs to the tenant that created it: any other
+tenant's lookup gets `SharedRegionNotFound` with the message an unknown id gets, so ids
+cannot be probed across tenants.
+
+Inputs are copied out of the region when a request is decoded (`read`): the client could
+change the bytes while the coordinator works, so the coordinator never sees a live view.
+Outputs are range-checked before the coordinator runs (`check_writable`, which also keeps
+the region mapped until the call ends, even if it is released meanwhile) and written only
+after the call succeeded (`OutputSlot.write`), so a failed call writes nothing.
+
+Regions no call used for `idle_timeout_s` are deleted by `reap_forever` (a client that died
+never releases its own); `close` deletes every region at server stop. Not thread-safe: the
+servicer and the reaper use it from the event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import math
+import mmap
+import os
+import secrets
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cache_service.config import SharedMemoryConfig
+from cache_service.errors import (
+    InvalidRequest,
+    SharedMemoryDisabled,
+    SharedMemoryLimit,
+    SharedRegionNotFound,
+)
+from cache_service.tensor_codec import tensor_from_bytes, tensor_payload
+
+__all__ = ["OutputSlot", "RegionInfo", "SharedRegions", "default_directory"]
+
+log = logging.getLogger("kvcache.shared_regions")
+
+_FILE_PREFIX = "kvcache-"
+# The reaper looks this often (at most): a region is deleted between idle_timeout_s and
+# idle_timeout_s + this after its last use.
+_MAX_REAP_INTERVAL_S = 30.0
+
+
+def default_directory() -> str:
+    """/dev/shm where it exists (memory-backed: the fast path), else the temporary
+    directory (a disk file still works, the page cache serving most of it)."""
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
+        return "/dev/shm"
+    return tempfile.gettempdir()
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """A created region, as CreateSharedRegionResponse reports it.
+
+    Attributes:
+        region_id: the id SharedSlice.region_id names it by.
+        path: the file to map.
+        size_bytes: the region's (and the file's) size, bytes.
+    """
+
+    region_id: str
+    path: str
+    size_bytes: int
+
+
+class _Region:
+    """One mapped file. `users` counts the output slots of calls in flight: a release or
+    the reaper never unmaps a region under them (see `SharedRegions._drop`)."""
+
+    __slots__ = ("last_used", "mm", "path", "region_id", "released", "size", "tenant", "users")
+
+    def __init__(
+        self, region_id: str, tenant: str, path: str, size: int, mm: mmap.mmap, now: float
+    ) -> None:
+        self.region_id = region_id
+        self.tenant = tenant
+        self.path = path
+        self.size = size
+        self.mm = mm
+        self.last_used = now
+        self.users = 0
+        self.released = False
+
+    def unmap_if_unused(self) -> None:
+        if self.released and self.users == 0 and not self.mm.closed:
+            try:
+                self.mm.close()
+            except BufferError:  # pragma: no cover - no view outlives a read or write
+                log.warning("shared region still has views; left to the GC", extra=self._log())
+
+    def _log(self) -> dict[str, object]:
+        return {"region": self.region_id, "tenant": self.tenant}
+
+
+class OutputSlot:
+    """A checked byte range of a region that one output will be written to.
+
+    While open it keeps the region mapped (a concurrent release or the reaper deletes the
+    file but unmaps only after `close`), so writing after a successful call cannot fail.
+    Use as a context manager, or call `close`.
+    """
+
+    __slots__ = ("_region", "nbytes", "offset", "region_id")
+
+    def __init__(self, region: _Region, offset: int, nbytes: int) -> None:
+        self._region: _Region | None = region
+        self.region_id = region.region_id
+        self.offset = offset
+        self.nbytes = nbytes
+        region.users += 1
+
+    def write(self, tensor: torch.Tensor) -> None:
+        """Write `tensor`'s raw little-endian, C-contiguous bytes (exactly `nbytes`; any
+        device) at the slot's offset.
+
+        Raises:
+            ValueError: the tensor's byte size differs from the slot's (a caller's bug), or
+                the slot is closed.
+        """
+        region = self._region
+        if region is None:
+            raise ValueError("the output slot is closed")
+        data = tensor_payload(tensor)
+        if len(data) != self.nbytes:
+            raise ValueError(f"{len(data)} output bytes for a slot of {self.nbytes}")
+        region.mm[self.offset : self.offset + self.nbytes] = data
+
+    def close(self) -> None:
+        """Stop using the region (idempotent)."""
+        region, self._region = self._region, None
+        if region is not None:
+            region.users -= 1
+            region.unmap_if_unused()
+
+    def __enter__(self) -> OutputSlot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SharedRegions:
+    """The server's shared-memory regions, by id, each owned by one tenant.
+
+    Args:
+        config: the limits and the idle timeout (`enabled` False: `create` refuses).
+        directory: where the files go (default: `default_directory()`).
+        on_change: called with (regions, bytes) after every change of either, e.g. the
+            metrics gauges' setter.
+        clock: monotonic seconds (tests pass a fake one to age regions).
+    """
+
+    def __init__(
+        self,
+        config: SharedMemoryConfig,
+        *,
+        directory: str | None = None,
+        on_change: Callable[[int, int], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._config = config
+        self.directory = directory if directory is not None else default_directory()
+        self._on_change = on_change
+        self._clock = clock
+        self._regions: dict[str, _Region] = {}
+        self._per_tenant: dict[str, int] = {}  # regions held or being created
+        self._bytes = 0  # of the regions held
+        self._pending_bytes = 0  # of the regions being created
+        self._report()
+
+    @property
+    def enabled(self) -> bool:
+        """Whether `create` serves (config `enabled`)."""
+        return self._config.enabled
+
+    @property
+    def num_regions(self) -> int:
+        """Regions held, all tenants."""
+        return len(self._regions)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all regions held, all tenants."""
+        return self._bytes
+
+    # -- lifecycle of regions --------------------------------------------------------------
+
+    async def create(self, tenant: str, size_bytes: int) -> RegionInfo:
+        """A new region of `size_bytes` bytes for `tenant`: a zero-filled file, mode 0600,
+        with its memory reserved (posix_fallocate), mapped read-write.
+
+        The file is made on a thread (reserving 256 MiB of tmpfs takes tens of
+        milliseconds, which would stall every call on the event loop); its bytes count
+        against the limits from the start, so concurrent creations cannot overshoot them.
+
+        Raises:
+            SharedMemoryDisabled: config `enabled` is False.
+            InvalidRequest: size_bytes < 1.
+            SharedMemoryLimit: max_region_bytes, max_regions_per_tenant or max_total_bytes
+                would be exceeded, or the file system has no room; the message names which.
+        """
+        self._admit(tenant, size_bytes)
+        made = asyncio.get_running_loop().run_in_executor(None, self._new_file, size_bytes)
+        try:
+            # Shielded: a cancelled call still learns of the file, to delete it.
+            path, mm = await asyncio.shield(made)
+        except BaseException:
+            self._per_tenant_dec(tenant)
+            self._pending_bytes -= size_bytes
+            made.add_done_callback(_discard_file)  # nothing to do if the creation failed
+            raise
+        self._pending_bytes -= size_bytes
+        region_id = secrets.token_hex(16)
+        self._regions[region_id] = _Region(region_id, tenant, path, size_bytes, mm, self._clock())
+        self._bytes += size_bytes
+        self._report()
+        log.debug("shared region created", extra={"region": region_id, "bytes": size_bytes})
+        return RegionInfo(region_id, path, size_bytes)
+
+    def _admit(self, tenant: str, size_bytes: int) -> None:
+        """Check a creation against the configuration and count it (a region of the
+        tenant, pending bytes); raises what `create` documents."""
+        cfg = self._config
+        if not cfg.enabled:
+            raise SharedMemoryDisabled(
+                "shared memory is disabled on this server (shared_memory.enabled: false); "
+                "send tensors as bytes"
+            )
+        if size_bytes < 1:
+            raise InvalidRequest(f"size_bytes must be >= 1, got {size_bytes}")
+        if size_bytes > cfg.max_region_bytes:
+            raise SharedMemoryLimit(
+                f"size_bytes {size_bytes} exceeds shared_memory.max_region_bytes "
+                f"({cfg.max_region_bytes})"
+            )
+        held = self._per_tenant.get(tenant, 0)
+        if held >= cfg.max_regions_per_tenant:
+            raise SharedMemoryLimit(
+                f"the tenant holds {held} shared regions, shared_memory.max_regions_per_tenant "
+                f"({cfg.max_regions_per_tenant}): release one first"
+            )
+        if size_bytes > cfg.max_total_bytes - self._bytes - self._pending_bytes:
+            # No figure of other tenants' use in the message: only the configured limit.
+            raise SharedMemoryLimit(
+                f"{size_bytes} more bytes would exceed shared_memory.max_total_bytes "
+                f"({cfg.max_total_bytes}, the regions of all tenants together)"
+            )
+        self._per_tenant[tenant] = held + 1
+        self._pending_bytes += size_bytes
+
+    def _per_tenant_dec(self, tenant: str) -> None:
+        left = self._per_tenant[tenant] - 1
+        if left:
+            self._per_tenant[tenant] = left
+        else:
+            del self._per_tenant[tenant]
+
+    def _new_file(self, size: int) -> tuple[str, mmap.mmap]:
+        """A new file of `size` bytes under the directory, mapped; nothing left behind on
+        failure."""
+        path = os.path.join(self.directory, _FILE_PREFIX + secrets.token_hex(16))
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+        flags |= getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # exactly 0600 whatever the umask (it can only remove bits)
+            os.ftruncate(fd, size)
+            _reserve(fd, size, self.directory)
+            return path, mmap.mmap(fd, size)  # MAP_SHARED, read-write; keeps its own fd
+        except BaseException:
+            _unlink(path)
+            raise
+        finally:
+            os.close(fd)
+
+    def release(self, tenant: str, region_id: str) -> None:
+        """Delete `tenant`'s region: the file is unlinked at once, the mapping closed once
+        no call in flight writes to it.
+
+        Raises:
+            SharedRegionNotFound: unknown id, or another tenant's.
+        """
+        region = self._lookup(tenant, region_id, "region_id")
+        self._drop(region)
+        self._report()
+
+    def _drop(self, region: _Region) -> None:
+        del self._regions[region.region_id]
+        self._per_tenant_dec(region.tenant)
+        self._bytes -= region.size
+        region.released = True
+        _unlink(region.path)
+        region.unmap_if_unused()
+
+    def reap_idle(self) -> int:
+        """Delete every region that no call has used for `idle_timeout_s` (and none is
+        writing to now). Returns how many went."""
+        limit = self._clock() - self._config.idle_timeout_s
+        idle = [r for r in self._regions.values() if r.users == 0 and r.last_used <= limit]
+        for region in idle:
+            self._drop(region)
+            log.info("idle shared region deleted", extra=region._log())
+        if idle:
+            self._report()
+        return len(idle)
+
+    async def reap_forever(self) -> None:
+        """`reap_idle` every idle_timeout_s / 4 (at most every 30 s), until cancelled."""
+        interval = min(self._config.idle_timeout_s / 4, _MAX_REAP_INTERVAL_S)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.reap_idle()
+            except Exception:  # keep reaping; a file system error is logged, not fatal
+                log.exception("reaping shared regions failed")
+
+    def close(self) -> None:
+        """Delete every region (server stop). Idempotent."""
+        for region in list(self._regions.values()):
+            self._drop(region)
+            # Calls have ended (the server stopped first): nothing writes any more.
+            region.users = 0
+            region.unmap_if_unused()
+        self._report()
+
+    # -- data ------------------------------------------------------------------------------
+
+    def read(
+        self,
+        tenant: str,
+        region_id: str,
+        offset: int,
+        dtype: torch.dtype,
+        shape: Sequence[int],
+        field: str,
+    ) -> torch.Tensor:
+        """A new CPU tensor of `dtype` and `shape` holding a COPY of the region's bytes at
+        `offset` (little-endian, C-contiguous; product(shape) * itemsize bytes).
+
+        Args:
+            tenant: the caller's tenant.
+            region_id, offset: the request's SharedSlice.
+            dtype, shape: the Tensor message's, already checked (sizes >= 0).
+            field: the request field, for messages (e.g. "key").
+
+        Raises:
+            SharedRegionNotFound: unknown region, or another tenant's.
+            InvalidRequest: the offset is not a multiple of the element size, or the bytes
+                do not lie within the region.
+        """
+        region = self._lookup(tenant, region_id, f"{field}.shared")
+        nbytes = math.prod(shape) * dtype.itemsize
+        _check_range(region, offset, nbytes, dtype.itemsize, f"{field}.shared")
+        with memoryview(region.mm) as whole, whole[offset : offset + nbytes] as part:
+            return tensor_from_bytes(part, dtype, shape, field)  # copies: the one copy
+
+    def check_writable(
+        self,
+        tenant: str,
+        region_id: str,
+        offset: int,
+        dtype: torch.dtype,
+        shape: Sequence[int],
+        field: str,
+    ) -> OutputSlot:
+        """The slot an output of `dtype` and `shape` will be written to, checked now so a
+        bad range fails the call before anything changes. Close the slot when the call ends.
+
+        Raises:
+            SharedRegionNotFound / InvalidRequest: as `read`, naming `field` (e.g.
+            "output_to").
+        """
+        region = self._lookup(tenant, region_id, field)
+        nbytes = math.prod(shape) * dtype.itemsize
+        _check_range(region, offset, nbytes, dtype.itemsize, field)
+        return OutputSlot(region, offset, nbytes)
+
+    def _lookup(self, tenant: str, region_id: str, field: str) -> _Region:
+        region = self._regions.get(region_id)
+        if region is None or region.tenant != tenant:
+            # One message for unknown and foreign ids: existence does not leak.
+            raise SharedRegionNotFound(
+                f"{field}: shared region {region_id!r} not found (unknown, released, deleted "
+                "after its idle timeout, or not yours): create a new one"
+            )
+        region.last_used = self._clock()
+        return region
+
+    def _report(self) -> None:
+        if self._on_change is not None:
+            self._on_change(len(self._regions), self._bytes)
+
+
+def _check_range(region: _Region, offset: int, nbytes: int, itemsize: int, field: str) -> None:
+    """offset aligned to the element size, [offset, offset + nbytes) within the region.
+
+    Written as `nbytes > size - offset` after `offset <= size`: Python ints cannot wrap,
+    but this is the form that stays right for any uint64 offset in any language.
+    """
+    if offset % itemsize:
+        raise InvalidRequest(
+            f"{field}.offset {offset} is not a multiple of the element size ({itemsize} bytes)"
+        )
+    if offset > region.size or nbytes > region.size - offset:
+        raise InvalidRequest(
+            f"{field}: {nbytes} bytes at offset {offset} do not fit in the shared region of "
+            f"{region.size} bytes"
+        )
+
+
+def _reserve(fd: int, size: int, directory: str) -> None:
+    """Allocate the file's blocks now. A tmpfs file that is only truncated is sparse: when
+    /dev/shm fills up (a container's default is 64 MiB), touching a page beyond its room
+    kills the toucher with SIGBUS. Reserving turns that into an error at creation."""
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None:  # pragma: no cover - not on Linux
+        return
+    try:
+        fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise SharedMemoryLimit(
+                f"no room for {size} bytes in {directory} (the file system holding the "
+                "shared regions is full: enlarge it, e.g. docker --shm-size, or lower "
+                "shared_memory.max_total_bytes)"
+            ) from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        # A file system without fallocate: the file stays sparse (as on macOS).
+
+
+def _discard_file(made: asyncio.Future[tuple[str, mmap.mmap]]) -> None:
+    """Delete the file a creation made for a call that was cancelled meanwhile."""
+    if made.cancelled() or made.exception() is not None:
+        return
+    path, mm = made.result()
+    mm.close()
+    _unlink(path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:  # removed by hand: nothing left to delete
+        pass
