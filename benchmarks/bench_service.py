@@ -123,14 +123,31 @@ def service_config(setup: Setup, *, ray: bool, window_ms: float) -> ServiceConfi
     )
 
 
+# Client transports (--transports): (Session stream, shared memory), and how rows name them.
+TRANSPORTS = {
+    "session-shm": ((True, True), "Session stream, shared-memory tensors"),
+    "session": ((True, False), "Session stream, tensor bytes"),
+    "unary-shm": ((False, True), "unary RPCs, shared-memory tensors"),
+    "unary": ((False, False), "unary RPCs, tensor bytes"),
+}
+
+
 def through_service(
-    setup: Setup, *, ray: bool, window_ms: float, api: str = "batch", profile: Path | None = None
+    setup: Setup,
+    *,
+    ray: bool,
+    window_ms: float,
+    api: str = "batch",
+    profile: Path | None = None,
+    transport: str = "session-shm",
 ) -> dict[str, BenchResult]:
     """Start a service, run the single-client and the concurrency benchmarks, stop it.
 
     profile: write a cProfile of the server's event-loop thread during the single-client
     run here (it slows that run; for finding costs, not for the figures)."""
     dtype = setup.layout.dtype
+    (session, shm), _ = TRANSPORTS[transport]
+    wire = {"api": api, "session": session, "shared_memory": shm}
 
     async def main() -> dict[str, BenchResult]:
         running = await start_service(service_config(setup, ray=ray, window_ms=window_ms))
@@ -140,16 +157,16 @@ def through_service(
             for key, cfg in (
                 ("single", BenchConfig(batch=setup.batch, context=setup.context,
                                        steps=setup.steps, num_q_heads=setup.num_q_heads,
-                                       dtype=dtype, api=api)),
+                                       dtype=dtype, **wire)),
                 ("one_small", BenchConfig(batch=setup.concurrent_batch, context=setup.context,
                                           steps=setup.concurrent_steps,
                                           num_q_heads=setup.num_q_heads, dtype=dtype,
-                                          api=api)),
+                                          **wire)),
                 ("concurrent", BenchConfig(batch=setup.concurrent_batch, context=setup.context,
                                            steps=setup.concurrent_steps,
                                            clients=setup.concurrent_clients,
                                            num_q_heads=setup.num_q_heads, dtype=dtype,
-                                          api=api)),
+                                           **wire)),
             ):  # fmt: skip
                 # Clients in their own processes: a client sharing the server's GIL would
                 # slow both and inflate the figures.
@@ -242,7 +259,8 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         f"- decode: batch {setup.batch}, context {setup.context}, {setup.steps} timed steps "
         f"of {lay.num_layers} append-and-attend calls (3 warm-up steps); batching window "
         f"{args.batch_window_ms} ms",
-        f"- client call: {API_TEXT[args.api]}",
+        f"- client call: {API_TEXT[args.api]}; transports (rows): "
+        + "; ".join(TRANSPORTS[t][1] for t in args.transports.split(",")),
         "- each client runs in its own process (loopback gRPC); one worker; the server's "
         "process holds the coordinator (and, for the first row, the pools)",
         "",
@@ -299,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", type=Path, help="also run once under cProfile, the server's stats here"
     )
+    parser.add_argument(
+        "--transports",
+        default="session-shm,unary",
+        help=f"comma-separated client transports, of {', '.join(TRANSPORTS)}",
+    )
     args = parser.parse_args(argv)
     setup = H200 if args.h200 else CPU
     if args.steps:
@@ -310,19 +333,30 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     results: dict[str, dict[str, BenchResult]] = {}
     # First the pools in the coordinator's process (workers.in_process: the deployment for
-    # one GPU per coordinator), then the same GPU behind a Ray actor.
-    results["pools in the server process"] = through_service(
-        setup, ray=False, window_ms=args.batch_window_ms, api=args.api
-    )
+    # one GPU per coordinator), over each client transport, then the same GPU behind a Ray
+    # actor (the first transport).
+    transports = args.transports.split(",")
+    unknown = [t for t in transports if t not in TRANSPORTS]
+    if unknown:
+        parser.error(f"unknown transport(s) {unknown}; choose among {list(TRANSPORTS)}")
+    for transport in transports:
+        results[f"pools in the server process, {TRANSPORTS[transport][1]}"] = through_service(
+            setup, ray=False, window_ms=args.batch_window_ms, api=args.api, transport=transport
+        )
     if args.profile:
         # A shorter context: filling 8 GiB again would cost more than the profile tells.
         short = replace(setup, context=min(setup.context, 512), steps=min(setup.steps, 5))
         through_service(
-            short, ray=False, window_ms=args.batch_window_ms, api=args.api, profile=args.profile
+            short,
+            ray=False,
+            window_ms=args.batch_window_ms,
+            api=args.api,
+            profile=args.profile,
+            transport=transports[0],
         )
     if not args.no_ray:
-        results[f"Ray {setup.device} worker"] = through_service(
-            setup, ray=True, window_ms=args.batch_window_ms, api=args.api
+        results[f"Ray {setup.device} worker, {TRANSPORTS[transports[0]][1]}"] = through_service(
+            setup, ray=True, window_ms=args.batch_window_ms, api=args.api, transport=transports[0]
         )
     # After the service stopped, so the baseline has the device to itself.
     base = in_process(setup)

@@ -41,6 +41,10 @@ class BenchConfig:
         timeout_s: deadline of each call.
         api: "batch" sends the batch as ``[batch, ...]`` tensors (`append_attend_batch`,
             what a model executor holds); "items" as one `AppendAttendItem` per sequence.
+        session: the client's batch calls as messages of one Session stream (else one
+            unary RPC each); see `KVCacheClient`.
+        shared_memory: the batch calls' tensors through a shared-memory region when the
+            client can map it (else as bytes in the messages).
     """
 
     batch: int = 8
@@ -52,6 +56,8 @@ class BenchConfig:
     dtype: str = "float32"
     timeout_s: float = 60.0
     api: str = "batch"
+    session: bool = True
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         for name in ("batch", "context", "steps", "clients", "num_q_heads"):
@@ -127,7 +133,13 @@ def _client_run(
 ) -> None:
     dtype = getattr(torch, cfg.dtype)
     try:
-        with KVCacheClient(target, token=token, timeout_s=cfg.timeout_s) as client:
+        with KVCacheClient(
+            target,
+            token=token,
+            timeout_s=cfg.timeout_s,
+            session=cfg.session,
+            shared_memory="auto" if cfg.shared_memory else False,
+        ) as client:
             layout = client.info().layout
             gen = torch.Generator().manual_seed(seed)
             hkv, d, num_layers = layout.num_kv_heads, layout.head_dim, layout.num_layers

@@ -25,6 +25,7 @@ cross gRPC. Elsewhere, or when the server turned it off, the calls send bytes as
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 import struct
 import time
@@ -37,6 +38,7 @@ import torch
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service._proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+from cache_service.call_stream import CallStream, StreamBroken
 from cache_service.client_shared_memory import SharedMemoryPath, SharedMemoryUnavailable, Staged
 from cache_service.request_codec import (
     encode_append_attend,
@@ -44,6 +46,7 @@ from cache_service.request_codec import (
     encode_attend,
     encode_attend_batch,
 )
+from cache_service.session_codec import APPEND_ATTEND_BATCH, ATTEND_BATCH, session_message
 from cache_service.tensor_codec import (
     dtype_from_proto,
     dtype_to_proto,
@@ -148,6 +151,28 @@ _ERRORS: dict[grpc.StatusCode, type[KVCacheError]] = {
     grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
 }
+
+
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+# SessionResponse.result of each session call's reply.
+_SESSION_REPLY = {APPEND_ATTEND_BATCH: "append_attend_batch", ATTEND_BATCH: "attend_batch"}
+
+
+def _session_result(raw: bytes, call_id: int, field: int) -> Any:
+    """The reply message of a session call from its encoded SessionResponse; its error as
+    the KVCacheError the unary call would have raised."""
+    reply = pb.SessionResponse.FromString(raw)
+    which = reply.WhichOneof("result")
+    if which == "error":
+        code = _STATUS_BY_NUMBER.get(reply.error.code, grpc.StatusCode.UNKNOWN)
+        raise _ERRORS.get(code, InternalError)(code, reply.error.message or code.name)
+    if reply.call_id != call_id or which != _SESSION_REPLY[field]:
+        raise InternalError(
+            grpc.StatusCode.INTERNAL,
+            f"the session answered call {reply.call_id} with {which!r}; expected call "
+            f"{call_id} with {_SESSION_REPLY[field]!r}",
+        )
+    return getattr(reply, which)
 
 
 def _error_from_rpc(exc: grpc.RpcError) -> KVCacheError:
@@ -369,6 +394,10 @@ class KVCacheClient:
             raising `SharedMemoryUnavailable` (or the server's error) where "auto" would
             fall back; a call that finds the region busy with another thread's call
             still sends bytes.
+        session: send the batch calls as messages of one `Session` stream (opened on the
+            first one; `call_stream`) instead of one unary RPC each: what a model
+            executor calling once per layer wants. A call that finds the stream busy with
+            another thread's call, or a server without sessions, uses the unary RPC.
     """
 
     def __init__(
@@ -382,6 +411,7 @@ class KVCacheClient:
         stream_chunk_bytes: int = 2 * MiB,
         max_attempts: int = 4,
         shared_memory: bool | str = "auto",
+        session: bool = True,
     ) -> None:
         if shared_memory not in (True, False, "auto"):
             raise ValueError(f"shared_memory must be True, False or 'auto', got {shared_memory!r}")
@@ -416,6 +446,17 @@ class KVCacheClient:
             "AppendAttendBatch", pb.AppendAttendBatchResponse
         )
         self._attend_batch_raw = self._raw_method("AttendBatch", pb.AttendBatchResponse)
+        self._session = (
+            CallStream(
+                self._channel.stream_stream(
+                    f"/{_SERVICE}/Session", request_serializer=None, response_deserializer=None
+                ),
+                metadata=self._metadata,
+            )
+            if session
+            else None
+        )
+        self._call_ids = itertools.count(1)
         self._layout: Any = None
         self._shm = (
             SharedMemoryPath(
@@ -436,7 +477,10 @@ class KVCacheClient:
     # -- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release the shared-memory region (if any) and close the channel."""
+        """End the session stream, release the shared-memory region (if any) and close the
+        channel."""
+        if self._session is not None:
+            self._session.close()
         if self._shm is not None:
             self._shm.close()
         self._channel.close()
@@ -489,6 +533,40 @@ class KVCacheClient:
                 if time.monotonic() + pause >= deadline:
                     raise error from None
                 time.sleep(pause)
+
+    def _batch_call(
+        self,
+        field: int,
+        method: Callable[..., Any],
+        request: bytes,
+        *,
+        timeout_s: float | None,
+        retry: bool,
+    ) -> Any:
+        """One batch call (`field`: session_codec.APPEND_ATTEND_BATCH or ATTEND_BATCH) with
+        its encoded request: a message of the session stream when there is one and it is
+        free, else the unary `method`. Returns the parsed reply; raises what `_call` does.
+        """
+        stream = self._session
+        if stream is not None:
+            budget = self.timeout_s if timeout_s is None else float(timeout_s)
+            call_id = next(self._call_ids)
+            try:
+                raw = stream.call(session_message(call_id, field, request), budget)
+            except StreamBroken as exc:
+                if exc.code == grpc.StatusCode.UNIMPLEMENTED:
+                    # A server without sessions: nothing ran; unary calls from now on.
+                    self._session = None
+                    stream.close()
+                    raw = None
+                else:
+                    error = _ERRORS.get(exc.code, InternalError)(exc.code, exc.details)
+                    if not (retry and isinstance(error, UnavailableError)):
+                        raise error from None
+                    raw = None  # a safe call: the unary path retries it with backoff
+            if raw is not None:
+                return _session_result(raw, call_id, field)
+        return self._call(method, request, timeout_s=timeout_s, retry=retry)
 
     # -- service ---------------------------------------------------------------------------
 
@@ -581,6 +659,7 @@ class KVCacheClient:
 
     def _shared_call(
         self,
+        field: int,
         method: Callable[..., Any],
         staged: Staged,
         encode: Callable[..., bytes],
@@ -594,7 +673,7 @@ class KVCacheClient:
         try:
             lse_to = staged.outputs[1] if return_lse else None
             request = encode(*staged.inputs, output_to=staged.outputs[0], lse_to=lse_to)
-            reply = self._call(method, request, timeout_s=timeout_s, retry=retry)
+            reply = self._batch_call(field, method, request, timeout_s=timeout_s, retry=retry)
             out = staged.output(reply.output, 0, "output")
             return (out, staged.output(reply.lse, 1, "lse")) if return_lse else out
         except NotFoundError as exc:
@@ -809,6 +888,7 @@ class KVCacheClient:
         staged = self._stage((key, value, query), query, return_lse, timeout_s)
         if staged is not None:
             result = self._shared_call(
+                APPEND_ATTEND_BATCH,
                 self._append_attend_batch_raw,
                 staged,
                 functools.partial(
@@ -821,7 +901,13 @@ class KVCacheClient:
             if result is not None:
                 return result
         req = encode_append_attend_batch(layer, seq_ids, ids, key, value, query, return_lse)
-        r = self._call(self._append_attend_batch_raw, req, timeout_s=timeout_s, retry=False)
+        r = self._batch_call(
+            APPEND_ATTEND_BATCH,
+            self._append_attend_batch_raw,
+            req,
+            timeout_s=timeout_s,
+            retry=False,
+        )
         return _batch_results(r, return_lse)
 
     def attend_batch(
@@ -840,6 +926,7 @@ class KVCacheClient:
         staged = self._stage((query,), query, return_lse, timeout_s)
         if staged is not None:
             result = self._shared_call(
+                ATTEND_BATCH,
                 self._attend_batch_raw,
                 staged,
                 functools.partial(encode_attend_batch, layer, seq_ids, return_lse=return_lse),
@@ -850,7 +937,9 @@ class KVCacheClient:
             if result is not None:
                 return result
         req = encode_attend_batch(layer, seq_ids, query, return_lse)
-        r = self._call(self._attend_batch_raw, req, timeout_s=timeout_s, retry=True)
+        r = self._batch_call(
+            ATTEND_BATCH, self._attend_batch_raw, req, timeout_s=timeout_s, retry=True
+        )
         return _batch_results(r, return_lse)
 
     # -- export / import -------------------------------------------------------------------

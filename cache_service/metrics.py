@@ -33,6 +33,7 @@ from prometheus_client import (
 )
 from prometheus_client import start_http_server as _start_http_server
 
+from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service.metrics_rpc import RpcMetricsInterceptor
 from cache_service.metrics_stats import CacheStatsCollector, StatsBinding
 
@@ -40,6 +41,9 @@ if TYPE_CHECKING:
     from cache_service.accounting import CacheStats
 
 __all__ = ["MetricsHTTPServer", "ServiceMetrics"]
+
+# The service label of the session calls (the label the RPC interceptor gives its RPCs).
+_SERVICE = pb.DESCRIPTOR.services_by_name["KVCache"].full_name
 
 _PREFIX_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
@@ -223,6 +227,15 @@ class ServiceMetrics:
         """An interceptor for `grpc.aio.server(interceptors=[...])` recording every RPC's
         latency (seconds) and count by service, method and final status code."""
         return RpcMetricsInterceptor(self.rpc_requests, self.rpc_duration)
+
+    def observe_session_call(self, method: str, code: str, seconds: float) -> None:
+        """Record one call made as a message of a `Session` stream like an RPC of its own:
+        method ``Session.<call>`` (e.g. ``Session.AppendAttendBatch``), its status code
+        name, its handling time in seconds. (The stream itself is recorded as one
+        ``Session`` RPC when it ends.)"""
+        key = (_SERVICE, method, code)
+        self.rpc_duration.labels(*key).observe(seconds)
+        self.rpc_requests.labels(*key).inc()
 
     # -- data plane ------------------------------------------------------------------------
 

@@ -49,6 +49,12 @@ from cache_service.request_decode import (
     decode_attend_batch,
 )
 from cache_service.result_codec import encode_batch_result, encode_results
+from cache_service.session_codec import (
+    APPEND_ATTEND_BATCH,
+    ATTEND_BATCH,
+    session_error,
+    session_message,
+)
 from cache_service.shared_outputs import SharedOutputs, shared_outputs
 from cache_service.shared_regions import SharedRegions
 from cache_service.status_mapping import status_for
@@ -83,6 +89,11 @@ DEFAULT_TENANT = "default"
 METHOD_PERMISSIONS = {f"/{SERVICE_NAME}/PublishPublic": Permission.PUBLISH_PUBLIC}
 
 log = logging.getLogger("kvcache.server")
+# SessionRequest.call kinds: (their name in logs and metrics, their SessionResponse field).
+_SESSION_CALLS = {
+    "append_attend_batch": ("Session.AppendAttendBatch", APPEND_ATTEND_BATCH),
+    "attend_batch": ("Session.AttendBatch", ATTEND_BATCH),
+}
 # The batch handlers' `with` when the reply goes back as bytes (reusable: it does nothing).
 _NO_SHARED_OUTPUTS = contextlib.nullcontext()
 
@@ -123,13 +134,20 @@ async def _abort(
 ) -> None:
     if isinstance(exc, asyncio.CancelledError):  # pragma: no cover - never an Exception
         raise exc
+    status = _logged_status(name, tenant, exc, t0)
+    await context.abort(status.code, status.message)
+
+
+def _logged_status(name: str, tenant: str, exc: Exception, t0: float) -> Any:
+    """The status a failed call answers with (`status_for`), logged: refusals at info,
+    internal errors at error with the traceback."""
     status = status_for(exc)
     fields = _fields(name, tenant, status.code.name, t0)
     if status.internal:
         log.error("rpc failed: %s", status.message, exc_info=exc, extra=fields)
     else:
         log.info("rpc refused: %s", status.message, extra=fields)
-    await context.abort(status.code, status.message)
+    return status
 
 
 def _fields(method: str, tenant: str, code: str, t0: float) -> dict[str, Any]:
@@ -174,6 +192,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         stream_chunk_bytes: default data bytes per export message.
         shared_regions: the shared-memory regions of same-host clients (None: a disabled
             registry, CreateSharedRegion answers FAILED_PRECONDITION).
+        metrics: a ServiceMetrics recording each session call like an RPC (optional).
     """
 
     def __init__(
@@ -182,8 +201,14 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         max_message_bytes: int,
         stream_chunk_bytes: int,
         shared_regions: SharedRegions | None = None,
+        metrics: Any = None,
     ) -> None:
         self._coord = coordinator
+        self._metrics = metrics
+        # Session streams waiting for their next call (their handlers' tasks), and whether
+        # the server is shutting down (see end_sessions).
+        self._idle_sessions: set[asyncio.Task[Any]] = set()
+        self._draining = False
         self._max_message = max_message_bytes
         self._chunk = stream_chunk_bytes
         self._version = _version()
@@ -346,6 +371,16 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     async def AppendAttendBatch(
         self, request: pb.AppendAttendBatchRequest, context: Any, tenant: str
     ) -> bytes:
+        return await self._append_attend_batch(request, tenant)
+
+    @_rpc
+    async def AttendBatch(self, request: pb.AttendBatchRequest, context: Any, tenant: str) -> bytes:
+        return await self._attend_batch(request, tenant)
+
+    async def _append_attend_batch(
+        self, request: pb.AppendAttendBatchRequest, tenant: str
+    ) -> bytes:
+        """An AppendAttendBatch call (unary or in a session): the encoded reply."""
         items, joined, shape = decode_append_attend_batch(
             request, self._coord.layout, self._shared_reader(tenant)
         )
@@ -363,8 +398,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             )
             return _batch_reply(result, shape, outputs)
 
-    @_rpc
-    async def AttendBatch(self, request: pb.AttendBatchRequest, context: Any, tenant: str) -> bytes:
+    async def _attend_batch(self, request: pb.AttendBatchRequest, tenant: str) -> bytes:
+        """An AttendBatch call (unary or in a session): the encoded reply."""
         items, shape = decode_attend_batch(request, self._coord.layout, self._shared_reader(tenant))
         outputs = shared_outputs(self._regions, tenant, request, shape, items[0].query.dtype)
         with outputs if outputs is not None else _NO_SHARED_OUTPUTS:
@@ -372,6 +407,71 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 tenant, request.layer, items, request.return_lse, stacked=True
             )
             return _batch_reply(result, shape, outputs)
+
+    # -- session ---------------------------------------------------------------------------
+
+    async def Session(
+        self, request_iterator: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        """Batch calls as messages of one stream, answered one by one, in order."""
+        tenant = _tenant()
+        task = asyncio.current_task()
+        if self._draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        # Idle between calls: end_sessions() may cancel the stream then, never mid-call.
+        self._idle_sessions.add(task)
+        try:
+            async for request in request_iterator:
+                self._idle_sessions.discard(task)
+                yield await self._session_call(request, tenant)
+                if self._draining:
+                    break
+                self._idle_sessions.add(task)
+        except asyncio.CancelledError:
+            if not self._draining:
+                raise
+        except Exception as exc:  # a message that does not parse ends the stream
+            await _abort(context, "Session", tenant, exc, time.perf_counter())
+        finally:
+            self._idle_sessions.discard(task)
+        if self._draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "the server is shutting down; the session ended after its last call (open "
+                "a new one when the service is back)",
+            )
+
+    async def _session_call(self, request: pb.SessionRequest, tenant: str) -> bytes:
+        """One session call's encoded SessionResponse: its reply, or its error status."""
+        t0 = time.perf_counter()
+        kind = request.WhichOneof("call")
+        name = _SESSION_CALLS.get(kind, ("Session", 0))[0]
+        try:
+            if kind == "append_attend_batch":
+                reply = await self._append_attend_batch(request.append_attend_batch, tenant)
+            elif kind == "attend_batch":
+                reply = await self._attend_batch(request.attend_batch, tenant)
+            else:
+                raise InvalidRequest(
+                    "the SessionRequest carries no call: set append_attend_batch or attend_batch"
+                )
+        except Exception as exc:
+            status = _logged_status(name, tenant, exc, t0)
+            self._observe_session_call(name, status.code.name, t0)
+            return session_error(request.call_id, status.code, status.message)
+        self._observe_session_call(name, "OK", t0)
+        return session_message(request.call_id, _SESSION_CALLS[kind][1], reply)
+
+    def _observe_session_call(self, name: str, code: str, t0: float) -> None:
+        if self._metrics is not None:
+            self._metrics.observe_session_call(name, code, time.perf_counter() - t0)
+
+    def end_sessions(self) -> None:
+        """Shutting down: refuse new sessions, end each open one after its call in flight
+        (UNAVAILABLE), and the idle ones now."""
+        self._draining = True
+        for task in list(self._idle_sessions):
+            task.cancel()
 
     # -- shared memory ---------------------------------------------------------------------
 
@@ -624,6 +724,7 @@ class RunningService:
     metrics: Any
     metrics_http: Any = None
     shared_regions: SharedRegions | None = None
+    _servicer: KVCacheServicer | None = None
     _health: Any = None
     _cleanups: list[Callable[[], Any]] = field(default_factory=list)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -647,6 +748,8 @@ class RunningService:
         log.info("shutting down", extra={"grace_s": grace})
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        if self._servicer is not None:
+            self._servicer.end_sessions()
         await self.server.stop(grace)
         for task in self._tasks:
             task.cancel()
@@ -842,7 +945,11 @@ async def start_service(
         regions = SharedRegions(config.shared_memory, on_change=metrics.set_shared_memory)
         cleanups.append(regions.close)
         servicer = KVCacheServicer(
-            coordinator, limit, config.server.stream_chunk_bytes, shared_regions=regions
+            coordinator,
+            limit,
+            config.server.stream_chunk_bytes,
+            shared_regions=regions,
+            metrics=metrics,
         )
         pb_grpc.add_KVCacheServicer_to_server(servicer, server)
         health_servicer = health.aio.HealthServicer()
@@ -884,6 +991,7 @@ async def start_service(
         metrics=metrics,
         metrics_http=metrics_http,
         shared_regions=regions,
+        _servicer=servicer,
         _health=health_servicer,
         _cleanups=cleanups,
     )

@@ -320,6 +320,36 @@ class AttendBatchResponse(_message.Message):
     lse: Tensor
     def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., lse: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
+class SessionRequest(_message.Message):
+    __slots__ = ("call_id", "append_attend_batch", "attend_batch")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    APPEND_ATTEND_BATCH_FIELD_NUMBER: _ClassVar[int]
+    ATTEND_BATCH_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    append_attend_batch: AppendAttendBatchRequest
+    attend_batch: AttendBatchRequest
+    def __init__(self, call_id: _Optional[int] = ..., append_attend_batch: _Optional[_Union[AppendAttendBatchRequest, _Mapping]] = ..., attend_batch: _Optional[_Union[AttendBatchRequest, _Mapping]] = ...) -> None: ...
+
+class CallError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("call_id", "append_attend_batch", "attend_batch", "error")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    APPEND_ATTEND_BATCH_FIELD_NUMBER: _ClassVar[int]
+    ATTEND_BATCH_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    append_attend_batch: AppendAttendBatchResponse
+    attend_batch: AttendBatchResponse
+    error: CallError
+    def __init__(self, call_id: _Optional[int] = ..., append_attend_batch: _Optional[_Union[AppendAttendBatchResponse, _Mapping]] = ..., attend_batch: _Optional[_Union[AttendBatchResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
+
 class ExportBlocksRequest(_message.Message):
     __slots__ = ("seq_id", "chunk_bytes")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]

@@ -100,6 +100,11 @@ class KVCacheStub:
                 request_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AttendBatchRequest.SerializeToString,
                 response_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AttendBatchResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/kvcache.v1.KVCache/Session',
+                request_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.SessionRequest.SerializeToString,
+                response_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.SessionResponse.FromString,
+                _registered_method=True)
         self.ExportBlocks = channel.unary_stream(
                 '/kvcache.v1.KVCache/ExportBlocks',
                 request_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ExportBlocksRequest.SerializeToString,
@@ -230,6 +235,20 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """AppendAttendBatch and AttendBatch calls as messages of one long-lived stream: what a
+        model executor keeps open and sends one message per layer per decode step over. A
+        stream message costs the server a fraction of a unary call (no call set-up, no
+        headers). Every request message gets exactly one response message, in order, carrying
+        the request's call_id. A call that fails answers with `error` (the status and message
+        its unary RPC would have ended with) and the stream stays open; only a malformed
+        message (INVALID_ARGUMENT), authentication, or the server shutting down ends it.
+        Calls of one stream run one after another; open several streams for concurrency.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ExportBlocks(self, request, context):
         """Stream a sequence's blocks out (header first, then the block bytes in chunks).
         """
@@ -341,6 +360,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.AttendBatch,
                     request_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AttendBatchRequest.FromString,
                     response_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AttendBatchResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.SessionRequest.FromString,
+                    response_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.SessionResponse.SerializeToString,
             ),
             'ExportBlocks': grpc.unary_stream_rpc_method_handler(
                     servicer.ExportBlocks,
@@ -720,6 +744,33 @@ class KVCache:
             '/kvcache.v1.KVCache/AttendBatch',
             cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AttendBatchRequest.SerializeToString,
             cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.AttendBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvcache.v1.KVCache/Session',
+            cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.SessionRequest.SerializeToString,
+            cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
