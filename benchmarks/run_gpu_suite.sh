@@ -5,12 +5,13 @@
 #   source .device/env.sh && bash benchmarks/run_gpu_suite.sh service-transformers
 #   source .device/env.sh && bash benchmarks/run_gpu_suite.sh kernels-service
 #   source .device/env.sh && bash benchmarks/run_gpu_suite.sh kernels-service-breakdown
+#   source .device/env.sh && bash benchmarks/run_gpu_suite.sh service-transports
 # Every phase is bounded by `timeout` and writes under $OUT (at most 8 files per call).
 set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -55,6 +56,26 @@ kernels-service-breakdown)
     --out "$OUT/service-h200.md" > "$OUT/service.log" 2>&1; tail -22 "$OUT/service.log"
   CUDA_VISIBLE_DEVICES=0 timeout 60 python3 benchmarks/service_breakdown.py --device cuda \
     2>&1 | tee "$OUT/breakdown.log" | tail -5
+  ;;
+service-transports)
+  # The pool's GPU tests and the session / shared-memory / step-reuse tests (CPU workers,
+  # this host's Python and grpcio); the service over two client transports; where one
+  # call's time goes (both transports); the in-process pool call's host profile; the
+  # block-placement diagnostic of the split-KV kernels.
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 4 \
+    tests/test_workers_gpu.py tests/test_session.py tests/test_shared_memory.py \
+    tests/test_layer_steps.py 2>&1 | tee "$OUT/tests.log" | tail -4
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/bench_service.py --h200 --no-ray \
+    --transports session-shm,unary --out "$OUT/service-h200.md" > "$OUT/service.log" 2>&1
+  tail -24 "$OUT/service.log"
+  for t in session-shm unary; do
+    CUDA_VISIBLE_DEVICES=0 timeout 70 python3 benchmarks/service_breakdown.py --device cuda \
+      --layers 32 --transport $t 2>&1 | tee -a "$OUT/breakdown.log" | tail -7
+  done
+  CUDA_VISIBLE_DEVICES=0 timeout 60 python3 benchmarks/profile_in_process.py --h200 \
+    > "$OUT/profile-in-process.txt" 2>&1; head -40 "$OUT/profile-in-process.txt"
+  CUDA_VISIBLE_DEVICES=0 timeout 60 python3 benchmarks/diag_placement.py 2>&1 \
+    | tee "$OUT/placement.log" | tail -3
   ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -2,7 +2,9 @@
 
 One client process runs decode steps against a service whose pools live in this process;
 per call it reports the client's end-to-end time, the servicer handler's time, the worker
-call's time (thread hop + pool work) and the metrics interceptor's mean. ``--stub`` replaces
+call's time (thread hop + pool work), the metrics' mean and the server process's CPU time.
+``--transport`` picks the client's (bench_service.TRANSPORTS; default Session stream with
+shared-memory tensors). ``--stub`` replaces
 the pool's write-and-attend by a zero-cost fake (what is left is the service's own cost).
 
     PYTHONPATH=. python3 benchmarks/service_breakdown.py --device cuda --dtype bfloat16
@@ -17,13 +19,17 @@ import statistics
 import time
 
 import torch
+from bench_service import TRANSPORTS
 
 
-def client_main(addr, batch, context, steps, hq, dtype, api, conn):
+def client_main(addr, batch, context, steps, hq, dtype, api, transport, conn):
     from cache_service.client import AppendAttendItem, KVCacheClient
 
     torch.set_num_threads(1)
-    with KVCacheClient(addr, timeout_s=120) as client:
+    session, shm = transport
+    with KVCacheClient(
+        addr, timeout_s=120, session=session, shared_memory="auto" if shm else False
+    ) as client:
         lay = client.info().layout
         gen = torch.Generator().manual_seed(0)
         seqs = [client.create_sequence() for _ in range(batch)]
@@ -93,14 +99,20 @@ async def main(args):
 
         wp.KVPool.write_and_attend = fake
     handler_times = []
-    method = "AppendAttendBatch" if args.api == "batch" else "AppendAttend"
+    session, _ = TRANSPORTS[args.transport]
+    # The handler body both the unary RPC and the session call run; the metric the call
+    # is recorded under.
+    method = "_append_attend_batch" if args.api == "batch" else "AppendAttend"
+    label = "AppendAttend"
+    if args.api == "batch":
+        label = "Session.AppendAttendBatch" if session else "AppendAttendBatch"
     orig = getattr(srv.KVCacheServicer, method)
     rec = {"on": False}
 
-    async def timed(self, request, context):
+    async def timed(self, request, *rest):
         t0 = time.perf_counter()
         try:
-            return await orig(self, request, context)
+            return await orig(self, request, *rest)
         finally:
             if rec["on"]:
                 handler_times.append(time.perf_counter() - t0)
@@ -155,6 +167,7 @@ async def main(args):
             args.q_heads,
             args.dtype,
             args.api,
+            TRANSPORTS[args.transport],
             child,
         ),
     )
@@ -168,7 +181,7 @@ async def main(args):
             for m in hist.collect():
                 s = c = 0
                 for smp in m.samples:
-                    if smp.labels.get("method") == method:
+                    if smp.labels.get("method") == label:
                         if smp.name.endswith("_sum"):
                             s += smp.value
                         if smp.name.endswith("_count"):
@@ -180,11 +193,15 @@ async def main(args):
         rec["on"] = True
         if prof:
             prof.enable()
+        cpu0 = time.process_time()
+        wall0 = time.perf_counter()
         parent.send("go")
         times = await loop.run_in_executor(None, parent.recv)
         if prof:
             prof.disable()
         rec["on"] = False
+        server_cpu = (time.process_time() - cpu0) / len(handler_times)
+        wall = (time.perf_counter() - wall0) / len(handler_times)
         s1, c1 = hsum()
         parent.send("bye")
         await loop.run_in_executor(None, proc.join)
@@ -197,10 +214,15 @@ async def main(args):
     print(
         f"mode={'stub' if args.stub else 'real'} api={args.api} device={args.device} dtype={args.dtype} batch={args.batch} context={args.context} calls={len(times)}"
     )
+    print(f"transport:          {args.transport}")
     print("client e2e:        ", ms(times))
     print("servicer handler:  ", ms(handler_times))
     print("worker invoke:     ", ms(inv_times))
     print(f"interceptor mean:   {(s1 - s0) / (c1 - c0) * 1e3:.3f} ms over {int(c1 - c0)} calls")
+    print(
+        f"server process CPU: {server_cpu * 1e3:.3f} ms per call (all its threads; wall "
+        f"{wall * 1e3:.3f} ms per call)"
+    )
     if prof:
         prof.dump_stats(args.profile)
         st = pstats.Stats(prof)
@@ -219,6 +241,7 @@ if __name__ == "__main__":
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--profile")
     ap.add_argument("--api", choices=("batch", "items"), default="batch")
+    ap.add_argument("--transport", choices=tuple(TRANSPORTS), default="session-shm")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=2048)
