@@ -25,7 +25,7 @@ import torch
 import triton.testing
 from bench_kernels import BenchSettings, dense_kv, problem_of, sdpa_decode
 
-from kernels.attention import choose_config, paged_attention_triton
+from kernels.attention import choose_config, num_sms, paged_attention_triton
 from kernels.testing import PagedBatch, dense_attention, make_paged_batch, rel_l2
 
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         for name, variant in variants.items():
             problem = problem_of(variant)
-            config = choose_config(problem)
+            config = choose_config(problem, variant.query.dtype, num_sms(variant.query.device))
 
             def fn(variant=variant, problem=problem, config=config) -> torch.Tensor:
                 return paged_attention_triton(*variant.args(), problem, config=config)[0]
