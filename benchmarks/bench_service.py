@@ -222,8 +222,11 @@ def in_process(setup: Setup) -> tuple[list[float], float]:
         seq_lens = torch.full((setup.batch,), length + 1, dtype=torch.int32)
         for layer in range(lay.num_layers):
             t0 = time.perf_counter()
-            # The worker returns host tensors, as it does for the service.
-            worker.write_and_attend(epoch, layer, slots, k, k, q, tables, seq_lens, qsl)
+            # The worker returns host tensors, as it does for the service, and keeps the
+            # step's attention metadata under one key, as the service's plan reuse does.
+            worker.write_and_attend(
+                epoch, layer, slots, k, k, q, tables, seq_lens, qsl, metadata_key=step
+            )
             if step >= warmup:
                 times.append(time.perf_counter() - t0)
         length += 1

@@ -4,7 +4,8 @@
 The service benchmark's baseline (batch 32 decode at context 2048, Llama-3-8B heads, bf16,
 32 layers per step) with each stage of the call timed on the host, p50 per call:
 
-* ``checks``: argument validation of the write and the attention (workers.checks);
+* ``checks``: argument validation of the write and the attention (workers.checks; with
+  the step's metadata key, the attention's index checks run once per step);
 * ``staging``: packing the request's host tensors into one pinned buffer and its copy;
 * ``write launch`` / ``attention launch``: the kernels' Python launch paths (validation,
   config, the launch; not their GPU time);
@@ -52,6 +53,9 @@ def timed(record: dict[str, list[float]], stage: str, fn: Callable[..., Any]) ->
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--no-key", action="store_true", help="no metadata_key: validate and stage every call"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -88,13 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(2 + args.steps):
         slots = [int(tables[s, length // bs]) * bs + length % bs for s in range(setup.batch)]
         seq_lens = torch.full((setup.batch,), length + 1, dtype=torch.int32)
+        # One metadata key per step unless --no-key: what the service's plan reuse sends.
+        key = None if args.no_key else step
         for layer in range(lay.num_layers):
+            call_args = (epoch, layer, slots, k, k, q, tables, seq_lens, qsl)
             if step < 2:  # warm-up
-                worker.write_and_attend(epoch, layer, slots, k, k, q, tables, seq_lens, qsl)
+                worker.write_and_attend(*call_args, metadata_key=key)
                 continue
             before = {stage: len(v) for stage, v in record.items()}
             t0 = time.perf_counter()
-            worker.write_and_attend(epoch, layer, slots, k, k, q, tables, seq_lens, qsl)
+            worker.write_and_attend(*call_args, metadata_key=key)
             totals.append(time.perf_counter() - t0)
             for stage in STAGES:  # one sample per stage per call (checks: two, summed)
                 samples = record[stage][before.get(stage, 0) :]

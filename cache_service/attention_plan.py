@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -198,6 +199,13 @@ class WorkerBatch:
             )
         tables, seq_lens, starts = self._metadata
         return q, torch.from_numpy(tables), torch.from_numpy(seq_lens), torch.from_numpy(starts)
+
+    @functools.cached_property
+    def metadata_key(self) -> int:
+        """A random id naming this batch's kernel metadata (`kernel_args` less the query)
+        for the worker, which then validates and copies it once for every call that runs
+        this batch (a decode step's recorded plan: every layer)."""
+        return secrets.randbits(63)
 
     @functools.cached_property
     def _metadata(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -537,11 +545,13 @@ async def run_attention(
             wr = writes[w]
             return await clients[w].write_and_attend(
                 epochs[w], layer, wr.slot_mapping, wr.key, wr.value,
-                q, tables, lens, starts, return_lse=want_lse, **options,
+                q, tables, lens, starts, return_lse=want_lse,
+                metadata_key=batch.metadata_key, **options,
             )  # fmt: skip
         return await clients[w].attend(
-            epochs[w], layer, q, tables, lens, starts, return_lse=want_lse, **options
-        )
+            epochs[w], layer, q, tables, lens, starts, return_lse=want_lse,
+            metadata_key=batch.metadata_key, **options,
+        )  # fmt: skip
 
     attending = {b.worker_id for b in plan.batches}
     write_only = [

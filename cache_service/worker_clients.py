@@ -124,9 +124,12 @@ class _WorkerClientBase:
         scale: float | None = None,
         softcap: float | None = None,
         sliding_window: int | None = None,
+        metadata_key: int | None = None,
     ) -> AttentionResult:
         batch = (query, block_tables, seq_lens, query_start_loc, causal, return_lse)
         options = {"scale": scale, "softcap": softcap, "sliding_window": sliding_window}
+        if metadata_key is not None:
+            options["metadata_key"] = metadata_key
         value = await self._invoke("attend", self._fenced(epoch), layer, *batch, **options)
         return _attention_result(value, return_lse)
 
@@ -147,10 +150,13 @@ class _WorkerClientBase:
         scale: float | None = None,
         softcap: float | None = None,
         sliding_window: int | None = None,
+        metadata_key: int | None = None,
     ) -> AttentionResult:
         new = (slot_mapping, key, value)
         batch = (query, block_tables, seq_lens, query_start_loc, causal, return_lse)
         options = {"scale": scale, "softcap": softcap, "sliding_window": sliding_window}
+        if metadata_key is not None:
+            options["metadata_key"] = metadata_key
         result = await self._invoke(
             "write_and_attend", self._fenced(epoch), layer, *new, *batch, **options
         )

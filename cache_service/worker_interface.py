@@ -88,8 +88,14 @@ class WorkerClient(Protocol):
         scale: float | None = None,
         softcap: float | None = None,
         sliding_window: int | None = None,
+        metadata_key: int | None = None,
     ) -> AttentionResult:
-        """Paged attention of a batch of sequences over one layer (one kernel launch)."""
+        """Paged attention of a batch of sequences over one layer (one kernel launch).
+
+        metadata_key: names (block_tables, seq_lens, query_start_loc) for later calls with
+        the same content, which the worker may then skip validating and copying (a random
+        id per kernel batch; never reused for other content). None: no reuse.
+        """
         ...
 
     async def write_and_attend(
@@ -109,8 +115,10 @@ class WorkerClient(Protocol):
         scale: float | None = None,
         softcap: float | None = None,
         sliding_window: int | None = None,
+        metadata_key: int | None = None,
     ) -> AttentionResult:
-        """:meth:`write` then :meth:`attend` in one call, both validated before the write."""
+        """:meth:`write` then :meth:`attend` in one call, both validated before the write
+        (metadata_key as in :meth:`attend`)."""
         ...
 
     async def copy_blocks(

@@ -347,3 +347,28 @@ def test_another_tenant_naming_the_same_batch_does_not_reuse_the_step() -> None:
         assert all(coord.block_manager.sequence_info("t", s).written[1] == 0 for s in seqs)
 
     run(scenario)
+
+
+def test_a_steps_layers_name_one_metadata_key_for_the_worker() -> None:
+    async def scenario(coord: Coordinator) -> None:
+        seqs = [(await coord.create_sequence("t")).seq_id for _ in range(B)]
+        model = Model(seqs)
+        client = coord._clients["w0"]
+        keys: list[object] = []
+        real = client.write_and_attend
+
+        async def spy(*args: Any, **kwargs: Any) -> Any:
+            keys.append(kwargs.get("metadata_key"))
+            return await real(*args, **kwargs)
+
+        client.write_and_attend = spy  # type: ignore[method-assign]
+        for token in range(3):
+            for layer in range(LAYERS):
+                items, q = model.items(token, layer)
+                model.check(await coord.append_attend("t", layer, items), q)
+        assert all(isinstance(k, int) for k in keys)
+        per_step = [set(keys[i : i + LAYERS]) for i in range(0, len(keys), LAYERS)]
+        assert all(len(s) == 1 for s in per_step)  # one key for every layer of a step
+        assert len(set().union(*per_step)) == 3  # a new key each step
+
+    run(scenario)

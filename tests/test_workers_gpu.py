@@ -224,3 +224,27 @@ def test_sequence_spanning_two_gpu_workers_matches_dense(gpu_ray):
         asyncio.run(scenario())
     finally:
         shutdown_workers(namespace, prefix)
+
+
+def test_keyed_metadata_on_the_gpu_answers_like_unkeyed_calls():
+    # The pool keeps a step's validated block tables, lengths and offsets on the GPU under
+    # its metadata_key (workers.metadata_cache); a decode step through it must equal the
+    # same step without a key, bit for bit, on every layer.
+    layout = llama_layout("bfloat16")
+    keyed, plain = KVPool(layout, 300, "cuda"), KVPool(layout, 300, "cuda")
+    gen = torch.Generator().manual_seed(11)
+    seqs, bs = 4, layout.block_size
+    tables = torch.randperm(300, generator=gen)[: seqs * 40].reshape(seqs, 40).int()
+    lengths = [3, 16, 31, 200]
+    for step in range(20):
+        slots = torch.tensor([int(tables[s, n // bs]) * bs + n % bs for s, n in enumerate(lengths)])
+        lens = torch.tensor([n + 1 for n in lengths], dtype=torch.int32)
+        qsl = torch.arange(seqs + 1, dtype=torch.int32)
+        for layer in range(layout.num_layers):
+            k = torch.randn(seqs, 8, 128, generator=gen).to(torch.bfloat16)
+            q = torch.randn(seqs, 32, 128, generator=gen).to(torch.bfloat16)
+            a = keyed.write_and_attend(layer, slots, k, k, q, tables, lens, qsl, metadata_key=step)
+            b = plain.write_and_attend(layer, slots, k, k, q, tables, lens, qsl)
+            assert torch.equal(a, b), (step, layer)
+        lengths = [n + 1 for n in lengths]
+    assert torch.equal(keyed.data, plain.data)

@@ -370,3 +370,73 @@ def test_transfer_between_local_workers_is_bit_exact():
             b.close()
 
     asyncio.run(scenario())
+
+
+# -- attention metadata kept across calls (metadata_key) -----------------------------------
+
+
+def _decode_args(pool: KVPool, seed: int):
+    """A decode batch of 3 sequences over random blocks of `pool`: (slots, k, v, q, tables,
+    lens, qsl)."""
+    gen = torch.Generator().manual_seed(seed)
+    tables = torch.randperm(pool.num_blocks, generator=gen)[:9].reshape(3, 3).int()
+    lens = torch.tensor([5, 9, 12], dtype=torch.int32)
+    slots = torch.tensor(
+        [int(tables[s, (n - 1) // 4]) * 4 + (n - 1) % 4 for s, n in enumerate(lens)]
+    )
+    k = torch.randn(3, 2, 16, generator=gen)
+    v = torch.randn(3, 2, 16, generator=gen)
+    q = torch.randn(3, 4, 16, generator=gen)
+    return slots, k, v, q, tables, lens, torch.arange(4, dtype=torch.int32)
+
+
+def test_a_metadata_key_validates_once_and_answers_like_an_unkeyed_call(monkeypatch):
+    import workers.pool as pool_mod
+
+    keyed, plain = filled_pool(seed=3), filled_pool(seed=3)
+    checks = []
+    real = pool_mod.check_attend
+    monkeypatch.setattr(pool_mod, "check_attend", lambda *a: checks.append(1) or real(*a))
+    args = _decode_args(keyed, seed=4)
+    for layer in range(LAYOUT.num_layers):  # one step: every layer, one key
+        q = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(layer))
+        step = (*args[:3], q, *args[4:])
+        a = keyed.write_and_attend(layer, *step, metadata_key=77)
+        b = plain.write_and_attend(layer, *step)
+        assert torch.equal(a, b)
+        assert torch.equal(keyed.attend(layer, q, *args[4:], metadata_key=77), a)
+    assert torch.equal(keyed.data, plain.data)
+    assert len(checks) == 1 + LAYOUT.num_layers  # the keyed pool checked once; plain each call
+
+
+@pytest.mark.parametrize("change", ["rows", "tables", "key_type"])
+def test_a_call_that_does_not_fit_its_keys_metadata_is_refused_and_writes_nothing(change):
+    pool = filled_pool(seed=5)
+    slots, k, v, q, tables, lens, qsl = _decode_args(pool, seed=6)
+    pool.write_and_attend(0, slots, k, v, q, tables, lens, qsl, metadata_key=5)
+    before = pool.data.clone()
+    key: object = 5
+    if change == "rows":  # another batch under the same key
+        q = torch.randn(4, 4, 16)
+        qsl = torch.tensor([0, 1, 2, 4], dtype=torch.int32)
+    elif change == "tables":
+        tables = torch.cat([tables, tables[:, :1]], dim=1)
+    else:
+        key = "5"
+    with pytest.raises(InvalidWorkerRequest, match="metadata_key"):
+        pool.write_and_attend(1, slots, k, v, q, tables, lens, qsl, metadata_key=key)
+    assert torch.equal(pool.data, before)
+
+
+def test_the_metadata_cache_keeps_the_most_recent_keys():
+    from workers.metadata_cache import CachedMetadata, MetadataCache
+
+    cache = MetadataCache(capacity=2)
+    entry = CachedMetadata(torch.zeros(1, 1), torch.zeros(1), torch.zeros(2), 1)
+    for key in (1, 2):
+        cache.put(key, entry)
+    assert cache.get(1) is entry  # 1 is now the most recent
+    cache.put(3, entry)
+    assert cache.get(2) is None and cache.get(1) is entry and cache.get(3) is entry
+    with pytest.raises(ValueError):
+        MetadataCache(capacity=0)

@@ -201,11 +201,14 @@ class PoolWorker:
         scale: float | None = None,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        metadata_key: int | None = None,
     ) -> AttendResult:
         """:meth:`KVPool.attend` behind the epoch fence; results on the host."""
         batch = (query, block_tables, seq_lens, query_start_loc)
         options = _attend_options(causal, return_lse, scale, sliding_window, softcap)
-        return self._on_pool(epoch, self._pool.attend, layer, *batch, **options)
+        return self._on_pool(
+            epoch, self._pool.attend, layer, *batch, metadata_key=metadata_key, **options
+        )
 
     def write_and_attend(
         self,
@@ -224,13 +227,22 @@ class PoolWorker:
         scale: float | None = None,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        metadata_key: int | None = None,
     ) -> AttendResult:
         """:meth:`KVPool.write_and_attend` (one write launch, one attention launch) behind
         the epoch fence; results on the host."""
         new = (slot_mapping, key, value)
         batch = (query, block_tables, seq_lens, query_start_loc)
         options = _attend_options(causal, return_lse, scale, sliding_window, softcap)
-        return self._on_pool(epoch, self._pool.write_and_attend, layer, *new, *batch, **options)
+        return self._on_pool(
+            epoch,
+            self._pool.write_and_attend,
+            layer,
+            *new,
+            *batch,
+            metadata_key=metadata_key,
+            **options,
+        )
 
     def reference_attend(
         self,

@@ -24,6 +24,7 @@ __all__ = [
     "check_block_data",
     "check_block_ids",
     "check_layer",
+    "check_query",
     "check_write",
 ]
 
@@ -174,6 +175,27 @@ class AttendOptions:
             _fail(f"softcap must be a positive finite number or None, got {cap!r}")
 
 
+def check_query(layout: KVLayout, query: object) -> None:
+    """``query`` is ``[T, Hq, D]`` in the layout's dtype with ``Hq`` a positive multiple of
+    the layout's KV heads."""
+    if not isinstance(query, torch.Tensor):
+        _fail(f"query must be a torch.Tensor, got {type(query).__name__}")
+    assert isinstance(query, torch.Tensor)
+    if query.dim() != 3 or query.shape[2] != layout.head_dim:
+        _fail(
+            f"query must be [num_tokens, num_q_heads, {layout.head_dim}] for this layout, got "
+            f"shape {tuple(query.shape)}"
+        )
+    hq = query.shape[1]
+    if hq == 0 or hq % layout.num_kv_heads:
+        _fail(
+            f"query has {hq} heads, not a positive multiple of the layout's "
+            f"{layout.num_kv_heads} KV heads"
+        )
+    if query.dtype != layout.torch_dtype():
+        _fail(f"query dtype {query.dtype} differs from the pool's {layout.dtype}")
+
+
 def check_attend(
     layout: KVLayout,
     num_blocks: int,
@@ -197,22 +219,7 @@ def check_attend(
             ``n_s <= seq_lens[s]``.
     """
     check_layer(layer, layout.num_layers)
-    if not isinstance(query, torch.Tensor):
-        _fail(f"query must be a torch.Tensor, got {type(query).__name__}")
-    if query.dim() != 3 or query.shape[2] != layout.head_dim:
-        _fail(
-            f"query must be [num_tokens, num_q_heads, {layout.head_dim}] for this layout, got "
-            f"shape {tuple(query.shape)}"
-        )
-    hq = query.shape[1]
-    if hq == 0 or hq % layout.num_kv_heads:
-        _fail(
-            f"query has {hq} heads, not a positive multiple of the layout's "
-            f"{layout.num_kv_heads} KV heads"
-        )
-    if query.dtype != layout.torch_dtype():
-        _fail(f"query dtype {query.dtype} differs from the pool's {layout.dtype}")
-
+    check_query(layout, query)
     tables = as_index_tensor("block_tables", block_tables)
     lens = as_index_tensor("seq_lens", seq_lens)
     starts = as_index_tensor("query_start_loc", query_start_loc)

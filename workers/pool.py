@@ -26,12 +26,14 @@ from workers.checks import (
     check_block_data,
     check_block_ids,
     check_layer,
+    check_query,
     check_write,
 )
 from workers.config import PoolConfig
 from workers.errors import InvalidWorkerRequest, PoolAllocationError
 from workers.fingerprints import BadSlot, SlotFingerprints
 from workers.layout import KVLayout
+from workers.metadata_cache import CachedMetadata, MetadataCache
 from workers.sizing import free_device_bytes, resolve_num_blocks
 from workers.staging import HostStager
 
@@ -109,6 +111,8 @@ class KVPool:
         )
         # Requests arrive on the host: a GPU pool takes each request's tensors in one copy.
         self._stager = HostStager(self._device) if self._device.type == "cuda" else None
+        # The attention metadata of recent decode steps, validated and on the device.
+        self._metadata = MetadataCache()
 
     @classmethod
     def from_config(cls, config: PoolConfig, device: str | torch.device | None = None) -> KVPool:
@@ -206,6 +210,7 @@ class KVPool:
         scale: float | None = None,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        metadata_key: int | None = None,
     ) -> AttendResult:
         """Paged attention of a batch of sequences over one layer (one kernel launch).
 
@@ -223,14 +228,25 @@ class KVPool:
             out ``[T, Hq, D]`` (pool dtype, pool device); with ``return_lse`` also lse float32
             ``[T, Hq]`` (natural log; -inf for a row that saw no key).
 
+            metadata_key: names (block_tables, seq_lens, query_start_loc) for later calls
+                passing the same content: validated and copied to the device once, then
+                reused (`workers.metadata_cache`). The caller must never name other
+                content with the same key. None: nothing is kept.
+
         Raises:
             InvalidWorkerRequest: a malformed argument.
         """
         options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
-        indices = check_attend(
-            self._layout, self._num_blocks, layer, query, block_tables, seq_lens, query_start_loc
-        )
-        return self._attend_checked(layer, query, *indices, options)
+        check_layer(layer, self._layout.num_layers)
+        batch = (block_tables, seq_lens, query_start_loc)
+        cached = self._cached_metadata(metadata_key, query, *batch)
+        if cached is not None:
+            (q,) = self._on_device(query)
+            return self._attend_on_device(layer, q, *cached, options)
+        indices = check_attend(self._layout, self._num_blocks, layer, query, *batch)
+        staged = self._on_device(*_attend_inputs(query, *indices))
+        self._remember_metadata(metadata_key, staged[1:], query.shape[0])
+        return self._attend_on_device(layer, *staged, options)
 
     def write_and_attend(
         self,
@@ -248,22 +264,28 @@ class KVPool:
         scale: float | None = None,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        metadata_key: int | None = None,
     ) -> AttendResult:
         """:meth:`write` then :meth:`attend` on one layer: a model layer's step, two launches.
 
         Both halves are validated before the write, so a bad attention argument leaves the
-        pool unchanged.
+        pool unchanged. metadata_key: as in :meth:`attend`.
         """
         options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
         check_layer(layer, self._layout.num_layers)
         slots = check_write(self._layout, self._num_blocks, layer, slot_mapping, key, value)
-        indices = check_attend(
-            self._layout, self._num_blocks, layer, query, block_tables, seq_lens, query_start_loc
-        )
+        batch = (block_tables, seq_lens, query_start_loc)
+        cached = self._cached_metadata(metadata_key, query, *batch)
+        if cached is not None:
+            staged = self._on_device(*_write_inputs(slots, key, value), query)
+            self._write_on_device(layer, *staged[:3])
+            return self._attend_on_device(layer, staged[3], *cached, options)
+        indices = check_attend(self._layout, self._num_blocks, layer, query, *batch)
         # Both halves' tensors reach the device in one staged copy.
         staged = self._on_device(
             *_write_inputs(slots, key, value), *_attend_inputs(query, *indices)
         )
+        self._remember_metadata(metadata_key, staged[4:], query.shape[0])
         self._write_on_device(layer, *staged[:3])
         return self._attend_on_device(layer, *staged[3:], options)
 
@@ -355,6 +377,53 @@ class KVPool:
 
     def _to_device(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return t.to(device=self._device, dtype=dtype)
+
+    def _cached_metadata(
+        self,
+        metadata_key: int | None,
+        query: torch.Tensor,
+        block_tables: object,
+        seq_lens: object,
+        query_start_loc: object,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The device copies kept under `metadata_key`, after checking that this call fits
+        them (query shape and rows, the shapes of the index tensors passed); None when the
+        key is None or unknown (validate and stage as usual).
+
+        Raises:
+            InvalidWorkerRequest: a malformed key, or a call that does not fit the
+                metadata its key names (a caller reusing a key for other content).
+        """
+        if metadata_key is None:
+            return None
+        if type(metadata_key) is not int:
+            raise InvalidWorkerRequest(
+                f"metadata_key must be an int or None, got {type(metadata_key).__name__}"
+            )
+        entry = self._metadata.get(metadata_key)
+        if entry is None:
+            return None
+        check_query(self._layout, query)
+        given = tuple(
+            tuple(t.shape) if isinstance(t, torch.Tensor) else None
+            for t in (block_tables, seq_lens, query_start_loc)
+        )
+        if query.shape[0] != entry.num_rows or given != tuple(map(tuple, entry.shapes())):
+            raise InvalidWorkerRequest(
+                f"metadata_key {metadata_key} names metadata of {entry.num_rows} query rows "
+                f"and index shapes {[list(x) for x in entry.shapes()]}; this call has "
+                f"{query.shape[0]} rows and {given}: a key must name one content"
+            )
+        return entry.block_tables, entry.seq_lens, entry.query_start_loc
+
+    def _remember_metadata(
+        self, metadata_key: int | None, staged: Sequence[torch.Tensor], num_rows: int
+    ) -> None:
+        """Keep validated index tensors (already on the device: views the next staged copy
+        overwrites, hence the copies) under `metadata_key`."""
+        if metadata_key is not None:
+            tables, lens, starts = (t.clone() for t in staged)
+            self._metadata.put(metadata_key, CachedMetadata(tables, lens, starts, num_rows))
 
     def _on_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """``tensors`` on the pool's device: host tensors of a GPU pool in one staged copy
