@@ -60,8 +60,8 @@ kernels-service-breakdown)
 service-transports)
   # The pool's GPU tests and the session / shared-memory / step-reuse tests (CPU workers,
   # this host's Python and grpcio); the service over two client transports; where one
-  # call's time goes (both transports); the in-process pool call's host profile; the
-  # block-placement diagnostic of the split-KV kernels.
+  # call's time goes (both transports); the stages of the in-process pool call (with and
+  # without the step's metadata key); the block-placement diagnostic of the split-KV kernels.
   timeout 120 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 4 \
     tests/test_workers_gpu.py tests/test_session.py tests/test_shared_memory.py \
     tests/test_layer_steps.py 2>&1 | tee "$OUT/tests.log" | tail -4
@@ -72,8 +72,10 @@ service-transports)
     CUDA_VISIBLE_DEVICES=0 timeout 70 python3 benchmarks/service_breakdown.py --device cuda \
       --layers 32 --transport $t 2>&1 | tee -a "$OUT/breakdown.log" | tail -7
   done
-  CUDA_VISIBLE_DEVICES=0 timeout 60 python3 benchmarks/profile_in_process.py --h200 \
-    > "$OUT/profile-in-process.txt" 2>&1; head -40 "$OUT/profile-in-process.txt"
+  for flag in "" --no-key; do
+    CUDA_VISIBLE_DEVICES=0 timeout 90 python3 benchmarks/pool_call_breakdown.py $flag 2>&1 \
+      | tee -a "$OUT/pool-breakdown.log" | tail -9
+  done
   CUDA_VISIBLE_DEVICES=0 timeout 60 python3 benchmarks/diag_placement.py 2>&1 \
     | tee "$OUT/placement.log" | tail -3
   ;;
