@@ -189,17 +189,41 @@ def through_service(
     return asyncio.run(main())
 
 
-def in_process(setup: Setup) -> tuple[list[float], float]:
-    """The same write_and_attend calls on a PoolWorker in this process.
+@dataclass
+class DecodePool:
+    """A PoolWorker holding `setup.batch` sequences of `setup.context` tokens on every
+    layer, and the host tensors of their decode calls (the in-process baseline's data).
 
-    Returns (per-call seconds, wall seconds of the timed steps).
+    Attributes:
+        worker, epoch: the pool and its epoch.
+        block_size: tokens per block.
+        tables: int32 ``[batch, blocks per sequence]`` (sequence s owns a contiguous run).
+        key: ``[batch, Hkv, D]`` new K (and V) per step; query ``[batch, Hq, D]``.
+        qsl: int32 ``[batch + 1]``, one query row per sequence.
     """
+
+    worker: PoolWorker
+    epoch: str
+    block_size: int
+    tables: torch.Tensor
+    key: torch.Tensor
+    query: torch.Tensor
+    qsl: torch.Tensor
+
+    def step_args(self, length: int) -> tuple[list[int], torch.Tensor]:
+        """Slots of the new tokens at position `length` and the seq_lens after them."""
+        bs = self.block_size
+        batch = self.tables.shape[0]
+        slots = [int(self.tables[s, length // bs]) * bs + length % bs for s in range(batch)]
+        return slots, torch.full((batch,), length + 1, dtype=torch.int32)
+
+
+def decode_pool(setup: Setup, steps: int, name: str = "bench") -> DecodePool:
+    """A pool filled for `steps` decode steps of `setup` after its context."""
     lay = setup.layout
     bs, hkv, d = lay.block_size, lay.num_kv_heads, lay.head_dim
-    per_seq = -(-(setup.context + setup.steps + 4) // bs)
-    worker = PoolWorker(
-        "bench", PoolConfig(lay, num_blocks=setup.batch * per_seq + 1), setup.device
-    )
+    per_seq = -(-(setup.context + steps + 4) // bs)
+    worker = PoolWorker(name, PoolConfig(lay, num_blocks=setup.batch * per_seq + 1), setup.device)
     epoch = worker.epoch()
     dtype = lay.torch_dtype()
     gen = torch.Generator().manual_seed(0)
@@ -211,15 +235,27 @@ def in_process(setup: Setup) -> tuple[list[float], float]:
     k = torch.randn(setup.batch, hkv, d, generator=gen).to(dtype)
     q = torch.randn(setup.batch, setup.num_q_heads, d, generator=gen).to(dtype)
     qsl = torch.arange(setup.batch + 1, dtype=torch.int32)
+    return DecodePool(worker, epoch, bs, tables, k, q, qsl)
+
+
+def in_process(setup: Setup) -> tuple[list[float], float]:
+    """The same write_and_attend calls on a PoolWorker in this process.
+
+    Returns (per-call seconds, wall seconds of the timed steps).
+    """
+    lay = setup.layout
+    warmup = 3
+    pool = decode_pool(setup, warmup + setup.steps)
+    worker, epoch, tables, k, q, qsl = (
+        pool.worker, pool.epoch, pool.tables, pool.key, pool.query, pool.qsl
+    )  # fmt: skip
     times: list[float] = []
     length = setup.context
-    warmup = 3
     t_start = 0.0
     for step in range(warmup + setup.steps):
         if step == warmup:
             t_start = time.perf_counter()
-        slots = [int(tables[s, length // bs]) * bs + length % bs for s in range(setup.batch)]
-        seq_lens = torch.full((setup.batch,), length + 1, dtype=torch.int32)
+        slots, seq_lens = pool.step_args(length)
         for layer in range(lay.num_layers):
             t0 = time.perf_counter()
             # The worker returns host tensors, as it does for the service, and keeps the

@@ -29,12 +29,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from bench_service import H200
+from bench_service import H200, decode_pool
 
 import workers.actor as actor_mod
 import workers.pool as pool_mod
-from workers.actor import PoolWorker
-from workers.config import PoolConfig
 
 STAGES = ("checks", "staging", "write launch", "attention launch", "to host")
 
@@ -62,20 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup = H200
     lay = setup.layout
-    bs, hkv, d = lay.block_size, lay.num_kv_heads, lay.head_dim
-    per_seq = -(-(setup.context + args.steps + 8) // bs)
-    worker = PoolWorker("bd", PoolConfig(lay, num_blocks=setup.batch * per_seq + 1), "cuda")
-    epoch = worker.epoch()
-    dtype = lay.torch_dtype()
-    gen = torch.Generator().manual_seed(0)
-    tables = torch.arange(setup.batch * per_seq, dtype=torch.int32).reshape(setup.batch, per_seq)
-    kv = torch.randn(lay.num_layers, setup.context, hkv, d, generator=gen).to(dtype)
-    for s in range(setup.batch):
-        slots = [int(tables[s, t // bs]) * bs + t % bs for t in range(setup.context)]
-        worker.write(epoch, None, slots, kv, kv)
-    k = torch.randn(setup.batch, hkv, d, generator=gen).to(dtype)
-    q = torch.randn(setup.batch, setup.num_q_heads, d, generator=gen).to(dtype)
-    qsl = torch.arange(setup.batch + 1, dtype=torch.int32)
+    pool_data = decode_pool(setup, 2 + args.steps + 1, name="bd")
+    worker, epoch, tables, k, q, qsl = (
+        pool_data.worker, pool_data.epoch, pool_data.tables, pool_data.key, pool_data.query,
+        pool_data.qsl,
+    )  # fmt: skip
 
     record: dict[str, list[float]] = defaultdict(list)
     pool_mod.check_write = timed(record, "checks", pool_mod.check_write)
@@ -90,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu_ms: list[float] = []
     length = setup.context
     for step in range(2 + args.steps):
-        slots = [int(tables[s, length // bs]) * bs + length % bs for s in range(setup.batch)]
-        seq_lens = torch.full((setup.batch,), length + 1, dtype=torch.int32)
+        slots, seq_lens = pool_data.step_args(length)
         # One metadata key per step unless --no-key: what the service's plan reuse sends.
         key = None if args.no_key else step
         for layer in range(lay.num_layers):
@@ -114,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     # device-side halves with the inputs already staged, queued behind a sleep kernel so the
     # GPU runs them back to back.
     pool = worker._pool
-    slots = [int(tables[s, length // bs]) * bs + length % bs for s in range(setup.batch)]
-    seq_lens = torch.full((setup.batch,), length + 1, dtype=torch.int32)
+    slots, seq_lens = pool_data.step_args(length)
     staged = pool._on_device(torch.tensor(slots, dtype=torch.int64), k, k, q, tables, seq_lens, qsl)
     options = pool_mod.AttendOptions(True, False, None, None, None)
     for _ in range(20):

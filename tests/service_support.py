@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import torch
 from workers_support import dense_attention
 
-from cache_service.config import ServiceConfig
+from cache_service.config import CoordinatorConfig, ServiceConfig
+from cache_service.coordinator import Coordinator
 from cache_service.server import RunningService, start_service
 from cache_service.worker_clients import LocalWorkerClient
 from workers.config import PoolConfig
@@ -25,6 +26,7 @@ __all__ = [
     "ServiceHarness",
     "dense_attention",
     "local_workers",
+    "run_coordinator",
     "service_config",
 ]
 
@@ -48,6 +50,33 @@ def service_config(layout: KVLayout = LAYOUT, **overrides: Any) -> ServiceConfig
     }
     base.update(overrides)
     return ServiceConfig().with_overrides(base)
+
+
+def run_coordinator(
+    scenario: Callable[[Coordinator], Awaitable[Any]],
+    layout: KVLayout = LAYOUT,
+    workers: int = 1,
+    blocks: int = 64,
+) -> None:
+    """Run ``scenario(coordinator)`` on a started Coordinator (no server) over `workers`
+    in-process CPU pools w0, w1, ... of `blocks` blocks, without the online correctness
+    check; close everything afterwards."""
+
+    async def main() -> None:
+        clients = [
+            LocalWorkerClient(f"w{i}", PoolConfig(layout, num_blocks=blocks))
+            for i in range(workers)
+        ]
+        coord = Coordinator(layout, clients, CoordinatorConfig(correctness_check_fraction=0.0))
+        await coord.start()
+        try:
+            await scenario(coord)
+        finally:
+            await coord.close()
+            for c in clients:
+                c.close()
+
+    asyncio.run(main())
 
 
 def local_workers(n: int, num_blocks: int, layout: KVLayout = LAYOUT) -> list[LocalWorkerClient]:

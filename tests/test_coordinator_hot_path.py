@@ -8,40 +8,22 @@ must still name the bad item and change nothing.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from service_support import HQ, LAYOUT, dense_attention
+from service_support import HQ, LAYOUT, dense_attention, run_coordinator
 
-from cache_service.config import CoordinatorConfig
 from cache_service.coordinator import AppendAttendItem, AttendItem, Coordinator
 from cache_service.errors import InvalidRequest
-from cache_service.worker_clients import LocalWorkerClient
-from workers.config import PoolConfig
 
 HKV, D, L = LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.num_layers
 B = 5
 
 
 def run(scenario: Callable[[Coordinator], Any], workers: int = 1, blocks: int = 64) -> None:
-    async def main() -> None:
-        clients = [
-            LocalWorkerClient(f"w{i}", PoolConfig(LAYOUT, num_blocks=blocks))
-            for i in range(workers)
-        ]
-        coord = Coordinator(LAYOUT, clients, CoordinatorConfig(correctness_check_fraction=0.0))
-        await coord.start()
-        try:
-            await scenario(coord)
-        finally:
-            await coord.close()
-            for c in clients:
-                c.close()
-
-    asyncio.run(main())
+    run_coordinator(scenario, workers=workers, blocks=blocks)
 
 
 def packed_items(

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from service_support import HQ, LAYOUT, dense_attention
+from service_support import HQ, LAYOUT, dense_attention, run_coordinator
 
 import cache_service.coordinator as coordinator_module
 from cache_service.attention_plan import (
@@ -21,11 +21,8 @@ from cache_service.attention_plan import (
     plan_attention,
     run_attention,
 )
-from cache_service.config import CoordinatorConfig
 from cache_service.control_types import Segment, SequenceView
 from cache_service.coordinator import AppendAttendItem, Coordinator, JoinedFields
-from cache_service.worker_clients import LocalWorkerClient
-from workers.config import PoolConfig
 
 HKV, D, BS = LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.block_size
 
@@ -108,17 +105,7 @@ def test_mixed_view_kinds_build_one_table() -> None:
 
 
 def run(scenario: Callable[[Coordinator], Any], blocks: int = 64) -> None:
-    async def main() -> None:
-        client = LocalWorkerClient("w0", PoolConfig(LAYOUT, num_blocks=blocks))
-        coord = Coordinator(LAYOUT, [client], CoordinatorConfig(correctness_check_fraction=0.0))
-        await coord.start()
-        try:
-            await scenario(coord)
-        finally:
-            await coord.close()
-            client.close()
-
-    asyncio.run(main())
+    run_coordinator(scenario, blocks=blocks)
 
 
 class History:

@@ -9,21 +9,18 @@ layer plan from scratch.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from service_support import dense_attention
+from service_support import dense_attention, run_coordinator
+from test_block_manager import unchanged
 
 from cache_service.block_manager import BlockManager, BlockManagerConfig
-from cache_service.config import CoordinatorConfig
 from cache_service.coordinator import AppendAttendItem, Coordinator
-from cache_service.errors import CacheError, InvalidRequest, SequenceNotFound
+from cache_service.errors import InvalidRequest, SequenceNotFound
 from cache_service.layer_steps import LayerStep, LayerStepCache
-from cache_service.worker_clients import LocalWorkerClient
-from workers.config import PoolConfig
 from workers.layout import KVLayout
 
 BS = 4
@@ -44,15 +41,6 @@ def first_layer(m: BlockManager, seq_ids: list[str], tokens: list[int]) -> Any:
         assert m.block_ids("t", s, -(-(plan.start + 1) // BS)) is not None
     m.commit_writes("t", 0, [(s, 1) for s in seq_ids])
     return plans, m.snapshot_writes("t", seq_ids, plans)
-
-
-def unchanged(m: BlockManager, call: Callable[[], object], error: type[CacheError]) -> str:
-    before = m.to_records()
-    with pytest.raises(error) as info:
-        call()
-    assert m.to_records() == before
-    m.check_integrity()
-    return str(info.value)
 
 
 # ---- block manager ----------------------------------------------------------------------
@@ -183,17 +171,7 @@ B = 4
 
 
 def run(scenario: Callable[[Coordinator], Any]) -> None:
-    async def main() -> None:
-        client = LocalWorkerClient("w0", PoolConfig(LAYOUT, num_blocks=64))
-        coord = Coordinator(LAYOUT, [client], CoordinatorConfig(correctness_check_fraction=0.0))
-        await coord.start()
-        try:
-            await scenario(coord)
-        finally:
-            await coord.close()
-            client.close()
-
-    asyncio.run(main())
+    run_coordinator(scenario, layout=LAYOUT)
 
 
 class Model:
