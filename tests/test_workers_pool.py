@@ -440,3 +440,20 @@ def test_the_metadata_cache_keeps_the_most_recent_keys():
     assert cache.get(2) is None and cache.get(1) is entry and cache.get(3) is entry
     with pytest.raises(ValueError):
         MetadataCache(capacity=0)
+
+
+def test_fingerprints_skip_negative_slots_and_still_catch_a_changed_slot():
+    pool = filled_pool(fingerprints=True)
+    gen = torch.Generator().manual_seed(8)
+    k, v = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, 16, generator=gen)
+    pool.write(1, torch.tensor([5, -1, 6]), k, v)  # the middle token is skipped
+    tables = torch.tensor([[1, 0]], dtype=torch.int32)  # block 1 holds slots 4..7
+    lens = torch.tensor([3], dtype=torch.int32)
+    q = torch.randn(1, 4, 16, generator=gen)
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    pool.write(1, torch.tensor([4]), k[:1], v[:1])
+    _, _, bad = pool.reference_attend(1, q, tables, lens, qsl)
+    assert bad == []  # slots 4, 5, 6 as written; the skipped token touched nothing
+    pool.data[1, 1, 1, 0, 2, 0] += 1.0  # block 1, layer 1, V, head 0, offset 2 (slot 6)
+    _, _, bad = pool.reference_attend(1, q, tables, lens, qsl)
+    assert [(b.block, b.offset, b.kind) for b in bad] == [(1, 2, 1)]

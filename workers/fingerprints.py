@@ -9,7 +9,7 @@ check recomputes it from the pool and compares.
 
 A fingerprint is a weighted sum (float64) of one slot's row ``[Hkv, D]`` for one layer and
 one of K/V, with fixed pseudo-random weights, so swapped or sign-flipped values show up
-too, not only changed sums. The store is ``[num_slots, L, 2]`` float64: 8 bytes per slot,
+too, not only changed sums. The store is ``[num_slots, L, 2]`` float64 (plus one spare block): 8 bytes per slot,
 layer and K/V, next to ``Hkv * D`` elements of data (0.4% for 8 heads of 128 in bf16).
 
 Torch only; every tensor lives on the pool's device.
@@ -61,8 +61,11 @@ class SlotFingerprints:
         gen = torch.Generator().manual_seed(0x5EED)
         weights = torch.rand((layout.num_kv_heads, layout.head_dim), generator=gen) + 0.5
         self._weights = weights.to(device=device, dtype=torch.float64)
+        # One spare block past the pool's: skipped (negative) slots of a write land there
+        # and are never read, so a write needs no host round trip to filter them out.
+        self._spare = num_blocks * layout.block_size
         self._sums = torch.zeros(
-            (num_blocks * layout.block_size, layout.num_layers, 2),
+            ((num_blocks + 1) * layout.block_size, layout.num_layers, 2),
             dtype=torch.float64,
             device=device,
         )
@@ -81,13 +84,9 @@ class SlotFingerprints:
             slots: int64 ``[n]`` flat slots on the pool's device (negative: skipped).
             key, value: ``[n, Hkv, D]`` (``[L, n, Hkv, D]`` for layer None), as written.
         """
-        keep = slots >= 0
-        if not bool(keep.all()):
-            slots = slots[keep]
-            key = key[..., keep, :, :]
-            value = value[..., keep, :, :]
         if slots.numel() == 0:
             return
+        slots = torch.where(slots >= 0, slots, self._spare)
         both = torch.stack([self._rows(key), self._rows(value)], dim=-1)  # [(L,) n, 2]
         if layer is None:
             self._sums[slots] = both.transpose(0, 1)  # [n, L, 2]
