@@ -56,6 +56,7 @@ __all__ = [
     "merge_partials",
     "plan_attention",
     "run_attention",
+    "run_attention_pages",
 ]
 
 
@@ -572,3 +573,78 @@ async def run_attention(
             torch.empty((0, query.shape[1]), dtype=torch.float32) if return_lse else None,
         )
     return merge_partials(plan, results)
+
+
+async def run_attention_pages(
+    plan: AttentionPlan,
+    query: torch.Tensor,
+    seq_layers: np.ndarray,
+    num_layers: int,
+    clients: Mapping[str, WorkerClient],
+    epochs: Mapping[str, str],
+    *,
+    writes: Mapping[str, WorkerWrite] | None = None,
+    return_lse: bool = False,
+) -> AttentionResult:
+    """:func:`run_attention` for a round whose sequences are on different layers: one
+    ``write_and_attend_pages`` (or ``attend_pages``) per worker, over pages of every layer.
+
+    Args:
+        plan: from :func:`plan_attention` over every sequence of the round.
+        query: ``[plan.num_rows, Hq, D]`` in the pool dtype (host).
+        seq_layers: int64 ``[num sequences]``, the layer of each planned sequence.
+        num_layers: the layout's layers (page ``block * num_layers + layer``).
+        clients, epochs: as in :func:`run_attention`.
+        writes: new tokens per worker, their slots already page slots (every worker with
+            writes must also attend: a round's parts each live on one worker).
+        return_lse: also return the merged LSE.
+
+    Raises:
+        AttentionPlanError: a worker with writes and no attention, a page id past int32,
+            or what :func:`run_attention` refuses; nothing was sent.
+    """
+    writes = writes or {}
+    if query.shape[0] != plan.num_rows:
+        _fail(f"query has {query.shape[0]} rows, the plan has {plan.num_rows}")
+    attending = {b.worker_id for b in plan.batches}
+    for w in set(writes) | attending:
+        if w not in clients or w not in epochs:
+            _fail(f"worker {w!r} of the plan has no client or no epoch")
+    if set(writes) - attending:
+        _fail(f"worker(s) {sorted(set(writes) - attending)} have writes but no attention")
+    want_lse = return_lse or plan.needs_merge
+    args = []
+    for batch in plan.batches:
+        q, tables, lens, starts = batch.kernel_args(query)
+        layers = seq_layers[[e.sequence for e in batch.entries]]
+        pages = tables.to(torch.int64) * num_layers + torch.from_numpy(layers)[:, None]
+        if pages.numel() and int(pages.max()) > np.iinfo(np.int32).max:
+            _fail("page ids pass int32: too many blocks x layers for one launch")
+        args.append((q, pages.to(torch.int32), lens, starts))
+
+    async def one(batch: WorkerBatch, batch_args: tuple[torch.Tensor, ...]) -> AttentionResult:
+        w = batch.worker_id
+        if w in writes:
+            wr = writes[w]
+            return await clients[w].write_and_attend_pages(
+                epochs[w], wr.slot_mapping, wr.key, wr.value, *batch_args,
+                causal=plan.causal, return_lse=want_lse,
+            )  # fmt: skip
+        return await clients[w].attend_pages(
+            epochs[w], *batch_args, causal=plan.causal, return_lse=want_lse
+        )
+
+    if len(plan.batches) == 1:
+        outcome = [await one(plan.batches[0], args[0])]
+    else:
+        outcome = await asyncio.gather(
+            *(one(b, a) for b, a in zip(plan.batches, args, strict=True))
+        )
+    if not plan.batches:
+        return AttentionResult(
+            query.new_empty((0, *query.shape[1:])),
+            torch.empty((0, query.shape[1]), dtype=torch.float32) if return_lse else None,
+        )
+    return merge_partials(
+        plan, {b.worker_id: r for b, r in zip(plan.batches, outcome, strict=True)}
+    )

@@ -5,7 +5,7 @@ A file mirrors the dataclasses, one section per group; every field is optional::
     layout:      {num_layers: 4, num_kv_heads: 2, head_dim: 64, block_size: 16, dtype: float32}
     workers:     {num_workers: 2, blocks_per_worker: 512, device: cpu, ray_address: null}
     server:      {host: 127.0.0.1, port: 50051, max_message_bytes: 268435456}
-    coordinator: {batch_window_ms: 0.5, max_batch_items: 256}
+    coordinator: {batch_window_ms: 0.5, max_batch_items: 256, coalesce_layers: true}
     metrics:     {enabled: true, host: 127.0.0.1, port: 9400}
     shared_memory: {enabled: true, max_region_bytes: 268435456, max_regions_per_tenant: 16,
                     max_total_bytes: 4294967296, idle_timeout_s: 600}
@@ -213,7 +213,8 @@ class CoordinatorConfig:
     """How the coordinator drives the workers.
 
     Attributes:
-        batch_window_ms: the longest the first request for a (worker, layer) waits for
+        batch_window_ms: the longest the first request for a worker (and layer, without
+            coalesce_layers) waits for
             others to join its worker call, milliseconds. The window is adaptive: while the
             recent calls of that (worker, layer) came one at a time, a request that finds
             no worker call in flight goes at once (a lone caller pays no window); once
@@ -227,7 +228,12 @@ class CoordinatorConfig:
         tenant_quota_blocks: blocks any one tenant may hold (None: no quota).
         correctness_check_fraction: share of worker rounds (attend / append-and-attend)
             recomputed by the torch reference and compared, in [0, 1]; 0 disables the
-            online correctness check (cache_service.correctness_check).
+            online correctness check (cache_service.correctness_check). Rounds that merged
+            calls of several layers are not sampled.
+        coalesce_layers: merge concurrent calls for different layers of one worker into
+            one worker call as well (one launch of each kernel over pages of every layer,
+            `KVPool.write_and_attend_pages`), not only calls for the same layer: clients
+            decoding layer by layer are rarely at the same layer at once.
     """
 
     batch_window_ms: float = 0.5
@@ -236,6 +242,7 @@ class CoordinatorConfig:
     health_check_interval_s: float = 5.0
     tenant_quota_blocks: int | None = None
     correctness_check_fraction: float = 0.01
+    coalesce_layers: bool = True
 
     def __post_init__(self) -> None:
         _non_negative("coordinator.batch_window_ms", self.batch_window_ms)
@@ -248,6 +255,10 @@ class CoordinatorConfig:
         if self.tenant_quota_blocks is not None:
             _positive_int("coordinator.tenant_quota_blocks", self.tenant_quota_blocks)
         _non_negative("coordinator.correctness_check_fraction", self.correctness_check_fraction)
+        if not isinstance(self.coalesce_layers, bool):
+            raise ConfigError(
+                f"coordinator.coalesce_layers must be true or false, got {self.coalesce_layers!r}"
+            )
         if self.correctness_check_fraction > 1:
             raise ConfigError(
                 "coordinator.correctness_check_fraction must be in [0, 1], got "

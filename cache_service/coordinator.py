@@ -47,6 +47,7 @@ from cache_service.attention_plan import (
     WorkerWrite,
     plan_attention,
     run_attention,
+    run_attention_pages,
 )
 from cache_service.block_manager import BlockManager, BlockManagerConfig
 from cache_service.cancel_safety import run_to_completion
@@ -177,6 +178,7 @@ _Spans = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 class _Part:
     """One call's work for one group of workers on one layer.
 
+    layer: the layer it writes and attends over.
     views / num_queries / seq_ids: per sequence of the call in this part, in order.
     query: the rows of all those sequences, concatenated, pool dtype.
     writes: worker -> (slots, key, value) of new tokens (pool dtype).
@@ -188,6 +190,7 @@ class _Part:
     query: torch.Tensor
     writes: dict[str, tuple[list[int], torch.Tensor, torch.Tensor]]
     return_lse: bool
+    layer: int = 0
     # The kernel plan of exactly these views and query rows, when known (a recorded
     # step's); _run_parts fills it in when it plans this part alone.
     plan: AttentionPlan | None = None
@@ -201,7 +204,8 @@ _SHARED_THRESHOLD = 0.25
 
 
 class _Batcher:
-    """Coalesces parts for one (layer, worker, num_q_heads) into one worker call.
+    """Coalesces parts for one (layer, worker, num_q_heads) into one worker call (for one
+    (worker, num_q_heads) and every layer with CoordinatorConfig.coalesce_layers).
 
     A batch leaves when its window (opened by its first part) has passed and the previous
     batch of this key has come back, or at once when it holds `max_items` sequences. Under
@@ -1090,6 +1094,7 @@ class Coordinator:
         waits = []
         for _, part in parts:
             part.future = loop.create_future()
+            part.layer = layer
             workers = set(part.writes)
             for v in part.views:
                 if type(v) is OneWorkerView:
@@ -1116,7 +1121,8 @@ class Coordinator:
         return list(outcome)  # type: ignore[arg-type]
 
     def _batcher(self, layer: int, worker_id: str, hq: int) -> _Batcher:
-        key = (layer, worker_id, hq)
+        # With coalesce_layers one batcher per worker (and head count) takes every layer.
+        key = (None if self.config.coalesce_layers else layer, worker_id, hq)
         batcher = self._batchers.get(key)
         if batcher is None:
             batcher = self._batchers[key] = _Batcher(
@@ -1127,10 +1133,13 @@ class Coordinator:
             )
         return batcher
 
-    async def _run_parts(self, key: tuple[int, str, int], parts: list[_Part]) -> None:
+    async def _run_parts(self, key: tuple[int | None, str, int], parts: list[_Part]) -> None:
         """One worker round for several parts: one plan, one call per worker, results split
         back to each part's future."""
-        layer = key[0]
+        layers = {p.layer for p in parts}
+        # One layer (the usual round): per-layer calls. Several (coalesce_layers): one call
+        # over pages of every layer.
+        layer = parts[0].layer if len(layers) == 1 else None
         views = [v for p in parts for v in p.views]
         nq = [n for p in parts for n in p.num_queries]
         seq_ids = [s for p in parts for s in p.seq_ids]
@@ -1146,6 +1155,8 @@ class Coordinator:
             merged: dict[str, list[tuple[list[int], torch.Tensor, torch.Tensor]]] = {}
             for p in parts:
                 for worker_id, w in p.writes.items():
+                    if layer is None:  # slots of the part's layer's pages
+                        w = (self._page_slots(w[0], p.layer), w[1], w[2])
                     merged.setdefault(worker_id, []).append(w)
             writes = {
                 w: WorkerWrite(
@@ -1165,15 +1176,26 @@ class Coordinator:
             await self._released_before_use(workers)
             epochs = {w: self._epochs[w] for w in workers}
             t0 = time.perf_counter()
-            result = await run_attention(
-                plan,
-                query,
-                layer,
-                self._clients,
-                epochs,
-                writes=writes,
-                return_lse=any(p.return_lse for p in parts),
-            )
+            return_lse = any(p.return_lse for p in parts)
+            if layer is None:
+                seq_layers = np.repeat(
+                    np.array([p.layer for p in parts], dtype=np.int64),
+                    [len(p.seq_ids) for p in parts],
+                )
+                result = await run_attention_pages(
+                    plan,
+                    query,
+                    seq_layers,
+                    self.layout.num_layers,
+                    self._clients,
+                    epochs,
+                    writes=writes,
+                    return_lse=return_lse,
+                )
+            else:
+                result = await run_attention(
+                    plan, query, layer, self._clients, epochs, writes=writes, return_lse=return_lse
+                )
             elapsed = time.perf_counter() - t0
             if self.metrics is not None:
                 for w in workers:
@@ -1192,7 +1214,7 @@ class Coordinator:
                 if not p.future.done():
                     p.future.set_exception(exc)
             return
-        if self.correctness is not None and self.correctness.sample():
+        if layer is not None and self.correctness is not None and self.correctness.sample():
             await self.correctness.check(
                 plan, query, layer, self._clients, epochs, result, seq_ids, nq
             )
@@ -1204,6 +1226,12 @@ class Coordinator:
             row += rows
             if not p.future.done():
                 p.future.set_result(AttentionResult(out, lse))
+
+    def _page_slots(self, slots: list[int], layer: int) -> list[int]:
+        """Flat slots of one layer as slots of the pool's pages (page ``block * num_layers +
+        layer``; see KVPool.write_and_attend_pages)."""
+        bs, num_layers = self.layout.block_size, self.layout.num_layers
+        return [((s // bs) * num_layers + layer) * bs + s % bs for s in slots]
 
     async def _run_copies(self, plan: WritePlan, seq_ids: list[str]) -> None:
         await self._run_copies_of([plan], seq_ids)

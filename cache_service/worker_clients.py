@@ -162,6 +162,50 @@ class _WorkerClientBase:
         )
         return _attention_result(result, return_lse)
 
+    async def write_and_attend_pages(
+        self,
+        epoch: str,
+        slot_mapping: IndexLike,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
+    ) -> AttentionResult:
+        new = (slot_mapping, key, value)
+        batch = (query, block_tables, seq_lens, query_start_loc, causal, return_lse)
+        options = {"scale": scale, "softcap": softcap, "sliding_window": sliding_window}
+        result = await self._invoke(
+            "write_and_attend_pages", self._fenced(epoch), *new, *batch, **options
+        )
+        return _attention_result(result, return_lse)
+
+    async def attend_pages(
+        self,
+        epoch: str,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
+    ) -> AttentionResult:
+        batch = (query, block_tables, seq_lens, query_start_loc, causal, return_lse)
+        options = {"scale": scale, "softcap": softcap, "sliding_window": sliding_window}
+        value = await self._invoke("attend_pages", self._fenced(epoch), *batch, **options)
+        return _attention_result(value, return_lse)
+
     async def reference_attend(
         self,
         epoch: str,
@@ -290,7 +334,9 @@ class LocalWorkerClient(_WorkerClientBase):
     is testable without Ray.
     """
 
-    _INLINE_METHODS = frozenset({"write_and_attend", "attend"})
+    _INLINE_METHODS = frozenset(
+        {"write_and_attend", "attend", "write_and_attend_pages", "attend_pages"}
+    )
 
     def __init__(
         self,

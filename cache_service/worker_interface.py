@@ -121,6 +121,45 @@ class WorkerClient(Protocol):
         (metadata_key as in :meth:`attend`)."""
         ...
 
+    async def write_and_attend_pages(
+        self,
+        epoch: str,
+        slot_mapping: torch.Tensor | Sequence[int],
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: torch.Tensor | Sequence[int],
+        query_start_loc: torch.Tensor | Sequence[int],
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
+    ) -> AttentionResult:
+        """:meth:`write_and_attend` for sequences of several layers in one launch: block ids
+        (in the tables and in the slots' blocks) are page ids ``block * num_layers +
+        layer`` (workers.pool.KVPool.write_and_attend_pages)."""
+        ...
+
+    async def attend_pages(
+        self,
+        epoch: str,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: torch.Tensor | Sequence[int],
+        query_start_loc: torch.Tensor | Sequence[int],
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
+    ) -> AttentionResult:
+        """:meth:`attend` for sequences of several layers in one launch (page ids)."""
+        ...
+
     async def copy_blocks(
         self, epoch: str, src: torch.Tensor | Sequence[int], dst: torch.Tensor | Sequence[int]
     ) -> None:

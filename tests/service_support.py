@@ -170,12 +170,16 @@ class Mirror:
         return dense_attention(q, torch.cat(self.k[layer]), torch.cat(self.v[layer]))
 
 
+# Recording's data calls and the position of their seq_lens argument (after the epoch).
+_LENS_ARG = {"write_and_attend": 7, "attend": 4, "write_and_attend_pages": 6, "attend_pages": 3}
+
+
 class Recording:
     """A WorkerClient proxy that counts data calls and their batch sizes, and can stall.
 
     delay_s: every data call waits this long before it runs.
-    hold_first: the first write_and_attend / attend waits until this event is set (it is
-        counted first, so a test can see it arrive).
+    hold_first: the first attention call (write_and_attend, attend or their _pages forms)
+        waits until this event is set (it is counted first, so a test can see it arrive).
     """
 
     def __init__(
@@ -196,14 +200,14 @@ class Recording:
 
     def __getattr__(self, name: str) -> Any:
         target = getattr(self.inner, name)
-        if name not in ("write_and_attend", "attend", "write"):
+        if name not in _LENS_ARG and name != "write":
             return target
 
         async def wrapped(*args: Any, **kwargs: Any) -> Any:
             self.calls[name] += 1
             hold = None
             if name != "write":
-                lens = args[7] if name == "write_and_attend" else args[4]
+                lens = args[_LENS_ARG[name]]
                 hold = self.hold_first if not self.batch_sizes else None
                 self.batch_sizes.append(len(lens))
             if hold is not None:

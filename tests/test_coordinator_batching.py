@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -240,3 +241,59 @@ def test_a_lone_caller_of_the_coordinator_never_opens_a_window(monkeypatch) -> N
             worker.close()
 
     asyncio.run(scenario())
+
+
+def test_calls_for_different_layers_that_overlap_share_one_worker_call() -> None:
+    # Clients decoding layer by layer are rarely at the same layer at once: with
+    # coalesce_layers (the default) calls for different layers that gather while another
+    # is on the worker leave as one call over pages of every layer.
+    import threading
+
+    from service_support import Recording
+
+    async def scenario(coalesce: bool) -> Counter:
+        hold = threading.Event()
+        worker = Recording(
+            LocalWorkerClient("w0", PoolConfig(LAYOUT, num_blocks=32)), hold_first=hold
+        )
+        config = CoordinatorConfig(coalesce_layers=coalesce, correctness_check_fraction=0.0)
+        coord = Coordinator(LAYOUT, [worker], config)
+        await coord.start()
+        try:
+            seqs = [(await coord.create_sequence("t")).seq_id for _ in range(3)]
+            gen = torch.Generator().manual_seed(5)
+            kv = {}
+
+            def item(i: int) -> AppendAttendItem:
+                k = torch.randn(1, HKV, D, generator=gen)
+                kv[i] = (k, torch.randn(1, HQ, D, generator=gen))
+                return AppendAttendItem(seqs[i], [i], k, k, kv[i][1])
+
+            # The first call holds the worker; the other two (layers 1 and 0) gather.
+            first = asyncio.create_task(coord.append_attend("t", 0, [item(0)]))
+            while not worker.calls:
+                await asyncio.sleep(0.001)
+            rest = [
+                asyncio.create_task(coord.append_attend("t", 1, [item(1)])),
+                asyncio.create_task(coord.append_attend("t", 0, [item(2)])),
+            ]
+            await asyncio.sleep(0.05)
+            hold.set()
+            results = [await first] + [await t for t in rest]
+            for i, (res,) in enumerate(results):
+                k, q = kv[i]
+                ref, _ = dense_attention(q.double(), k.double(), k.double())
+                assert torch.allclose(res.out.double(), ref, atol=1e-5)
+            for s, layer in zip(seqs, (0, 1, 0), strict=True):
+                written = coord.block_manager.sequence_info("t", s).written
+                assert written[layer] == 1 and sum(written) == 1
+            coord.block_manager.check_integrity()
+            return worker.calls
+        finally:
+            await coord.close()
+            worker.close()
+
+    merged = asyncio.run(scenario(True))
+    assert merged == {"write_and_attend": 1, "write_and_attend_pages": 1}
+    separate = asyncio.run(scenario(False))
+    assert separate == {"write_and_attend": 3}

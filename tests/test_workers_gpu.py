@@ -248,3 +248,35 @@ def test_keyed_metadata_on_the_gpu_answers_like_unkeyed_calls():
             assert torch.equal(a, b), (step, layer)
         lengths = [n + 1 for n in lengths]
     assert torch.equal(keyed.data, plain.data)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_one_page_addressed_launch_serves_sequences_of_different_layers(dtype):
+    # The coordinator merges concurrent calls for different layers into one call over the
+    # pool's pages (page = block * num_layers + layer): decode and prefill rows of sequences
+    # on layer 0 and layer 1 in one launch, each equal to dense attention over its own layer.
+    layout = llama_layout(dtype)
+    pool = KVPool(layout, 800, "cuda")
+    rng, gen = random.Random(3), torch.Generator().manual_seed(3)
+    torch_dtype = layout.torch_dtype()
+    specs = [(1000, 1, 0), (333, 17, 1), (4096, 1, 1), (77, 77, 0)]  # (seq_len, rows, layer)
+    width = max(-(-s // layout.block_size) for s, _, _ in specs)
+    taken: dict[str, set[int]] = {}
+    tables, lens, starts, queries, refs = [], [], [0], [], []
+    for seq_len, n, layer in specs:
+        k = torch.randn(seq_len, 8, 128, generator=gen).to(torch_dtype)
+        v = torch.randn(seq_len, 8, 128, generator=gen).to(torch_dtype)
+        q = torch.randn(n, 32, 128, generator=gen).to(torch_dtype)
+        blocks = -(-seq_len // layout.block_size)
+        view = place_sequence({"w": pool}, [("w", blocks)], k, v, rng, layer=layer, taken=taken)
+        ids = list(view.segments[0].block_indices) + [0] * (width - blocks)
+        tables.append([b * layout.num_layers + layer for b in ids])
+        lens.append(seq_len)
+        starts.append(starts[-1] + n)
+        queries.append(q)
+        refs.append(dense_attention(q, k, v)[0])
+    out = pool.attend_pages(
+        torch.cat(queries), torch.tensor(tables), torch.tensor(lens), torch.tensor(starts)
+    )
+    assert out.is_cuda and not torch.isnan(out).any()
+    assert rel_err(out.cpu(), torch.cat(refs)) < TOLERANCE[dtype]

@@ -457,3 +457,52 @@ def test_fingerprints_skip_negative_slots_and_still_catch_a_changed_slot():
     pool.data[1, 1, 1, 0, 2, 0] += 1.0  # block 1, layer 1, V, head 0, offset 2 (slot 6)
     _, _, bad = pool.reference_attend(1, q, tables, lens, qsl)
     assert [(b.block, b.offset, b.kind) for b in bad] == [(1, 2, 1)]
+
+
+# -- sequences of several layers in one call (pages) ---------------------------------------
+
+
+def test_page_addressed_calls_equal_per_layer_calls_and_keep_fingerprints():
+    paged, plain = filled_pool(seed=9, fingerprints=True), filled_pool(seed=9, fingerprints=True)
+    num_layers = LAYOUT.num_layers
+    layers = [2, 0, 2]  # three sequences: two on layer 2, one on layer 0
+    slots, k, v, q, tables, lens, qsl = _decode_args(paged, seed=10)
+    pages = tables.long() * num_layers + torch.tensor(layers)[:, None]
+    slot_pages = ((slots // 4) * num_layers + torch.tensor(layers)) * 4 + slots % 4
+    out = paged.write_and_attend_pages(slot_pages, k, v, q, pages.int(), lens, qsl)
+    for i, layer in enumerate(layers):  # the same, one sequence and layer at a time
+        one = slice(i, i + 1)
+        ref = plain.write_and_attend(
+            layer, slots[one], k[one], v[one], q[one], tables[one], lens[one], qsl[:2]
+        )
+        assert torch.allclose(out[one], ref, atol=1e-6)
+        assert torch.allclose(
+            paged.attend_pages(q[one], pages[one].int(), lens[one], qsl[:2]), ref, atol=1e-6
+        )
+    assert torch.equal(paged.data, plain.data)
+    for layer in sorted(set(layers)):
+        rows = [i for i, lyr in enumerate(layers) if lyr == layer]
+        starts = torch.arange(len(rows) + 1, dtype=torch.int32)
+        args = (layer, q[rows], tables[rows], lens[rows], starts)
+        # The filled pools' other slots were never fingerprinted (both report them); the
+        # slots written here must be recorded under their own layers, as per-layer calls do.
+        bad = paged.reference_attend(*args)[2]
+        assert bad == plain.reference_attend(*args)[2]
+        written = {(int(s) // 4, int(s) % 4) for s in slots[rows]}
+        assert not written & {(b.block, b.offset) for b in bad}
+
+
+def test_a_page_id_outside_every_layer_is_refused_and_writes_nothing():
+    pool = filled_pool(seed=11)
+    slots, k, v, q, tables, lens, qsl = _decode_args(pool, seed=12)
+    pages = tables.long() * LAYOUT.num_layers
+    before = pool.data.clone()
+    bad = pages.clone()
+    bad[1, 0] = pool.num_blocks * LAYOUT.num_layers  # one past the last page
+    with pytest.raises(InvalidWorkerRequest, match="block_tables"):
+        pool.write_and_attend_pages(slots, k, v, q, bad.int(), lens, qsl)
+    too_far = slots.clone()
+    too_far[0] = pool.num_blocks * LAYOUT.num_layers * 4
+    with pytest.raises(InvalidWorkerRequest, match="slot_mapping"):
+        pool.write_and_attend_pages(too_far, k, v, q, pages.int(), lens, qsl)
+    assert torch.equal(pool.data, before)

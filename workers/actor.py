@@ -244,6 +244,49 @@ class PoolWorker:
             **options,
         )
 
+    def write_and_attend_pages(
+        self,
+        epoch: str,
+        slot_mapping: IndexLike,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        causal: bool = True,
+        return_lse: bool = False,
+        *,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> AttendResult:
+        """:meth:`KVPool.write_and_attend_pages` (sequences of several layers, addressed by
+        pages) behind the epoch fence; results on the host."""
+        new = (slot_mapping, key, value)
+        batch = (query, block_tables, seq_lens, query_start_loc)
+        options = _attend_options(causal, return_lse, scale, sliding_window, softcap)
+        return self._on_pool(epoch, self._pool.write_and_attend_pages, *new, *batch, **options)
+
+    def attend_pages(
+        self,
+        epoch: str,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        causal: bool = True,
+        return_lse: bool = False,
+        *,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> AttendResult:
+        """:meth:`KVPool.attend_pages` behind the epoch fence; results on the host."""
+        batch = (query, block_tables, seq_lens, query_start_loc)
+        options = _attend_options(causal, return_lse, scale, sliding_window, softcap)
+        return self._on_pool(epoch, self._pool.attend_pages, *batch, **options)
+
     def reference_attend(
         self,
         epoch: str,

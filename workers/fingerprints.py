@@ -93,6 +93,19 @@ class SlotFingerprints:
         else:
             self._sums[slots, layer] = both
 
+    def record_pages(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Fingerprint a write addressed by pages (page ``block * L + layer``, slot ``page *
+        block_size + offset``; see KVPool.write_and_attend_pages): key, value ``[n, Hkv,
+        D]``, each token on its own layer."""
+        if slots.numel() == 0:
+            return
+        num_layers = self._sums.shape[1]
+        pages, offsets = slots.div(self._bs, rounding_mode="floor"), slots.remainder(self._bs)
+        layers = pages.remainder(num_layers)
+        rows = pages.div(num_layers, rounding_mode="floor") * self._bs + offsets
+        rows = torch.where(slots >= 0, rows, self._spare)
+        self._sums[rows, layers] = torch.stack([self._rows(key), self._rows(value)], dim=-1)
+
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Block ``src[i]``'s fingerprints become ``dst[i]``'s (int64 ids, device)."""
         per_block = self._sums.view(-1, self._bs, *self._sums.shape[1:])

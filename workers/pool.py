@@ -289,6 +289,65 @@ class KVPool:
         self._write_on_device(layer, *staged[:3])
         return self._attend_on_device(layer, *staged[3:], options)
 
+    def write_and_attend_pages(
+        self,
+        slot_mapping: IndexLike,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> AttendResult:
+        """:meth:`write_and_attend` for sequences of different layers in one call.
+
+        Block ids (in ``block_tables`` and in the blocks of ``slot_mapping``'s slots) are
+        *page* ids: page ``block * num_layers + layer`` is ``block`` of ``layer``, so each
+        sequence (and each new token) names its layer through its pages and one launch of
+        each kernel serves them all. Shapes, options and errors as in
+        :meth:`write_and_attend`, with ``num_blocks * num_layers`` pages.
+        """
+        options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
+        pages = self._num_blocks * self._layout.num_layers
+        slots = check_write(self._layout, pages, 0, slot_mapping, key, value)
+        batch = (block_tables, seq_lens, query_start_loc)
+        indices = check_attend(self._layout, pages, 0, query, *batch)
+        staged = self._on_device(
+            *_write_inputs(slots, key, value), *_attend_inputs(query, *indices)
+        )
+        self._write_pages_on_device(*staged[:3])
+        return self._attend_on_device(None, *staged[3:], options)
+
+    def attend_pages(
+        self,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> AttendResult:
+        """:meth:`attend` for sequences of different layers in one launch: block ids are
+        page ids as in :meth:`write_and_attend_pages`."""
+        options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
+        pages = self._num_blocks * self._layout.num_layers
+        indices = check_attend(
+            self._layout, pages, 0, query, block_tables, seq_lens, query_start_loc
+        )
+        return self._attend_on_device(
+            None, *self._on_device(*_attend_inputs(query, *indices)), options
+        )
+
     def reference_attend(
         self,
         layer: int,
@@ -467,6 +526,27 @@ class KVPool:
             dtype = self._data.dtype
             self._fingerprints.record(layer, slots, key.to(dtype), value.to(dtype))
 
+    def _write_pages_on_device(
+        self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        """A write addressed by pages (validated, on the pool's device)."""
+        if slots.shape[0] == 0:
+            return
+        key, value = key.contiguous(), value.contiguous()
+        self._kernel(kernels.write_kv, key, value, *self._page_caches(), slots)
+        if self._fingerprints is not None:
+            dtype = self._data.dtype
+            self._fingerprints.record_pages(slots, key.to(dtype), value.to(dtype))
+
+    def _page_caches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every layer as pages ``[num_blocks * L, Hkv, block_size, D]`` (views:
+        page ``b * L + l`` is block b of layer l; dim 0 strides over the K/V pair)."""
+        lay = self._layout
+        pages = self._data.view(
+            self._num_blocks * lay.num_layers, 2, lay.num_kv_heads, lay.block_size, lay.head_dim
+        )
+        return pages[:, 0], pages[:, 1]
+
     def _attend_checked(
         self,
         layer: int,
@@ -485,7 +565,7 @@ class KVPool:
 
     def _attend_on_device(
         self,
-        layer: int,
+        layer: int | None,
         query: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
@@ -494,11 +574,16 @@ class KVPool:
         *,
         reference: bool = False,
     ) -> AttendResult:
-        """The attention with validated arguments already on the pool's device."""
+        """The attention with validated arguments already on the pool's device, over one
+        layer (None: over pages of every layer, see write_and_attend_pages)."""
+        if layer is None:
+            key_cache, value_cache = self._page_caches()
+        else:
+            key_cache, value_cache = self._data[:, layer, 0], self._data[:, layer, 1]
         args = (
             query.contiguous(),
-            self._data[:, layer, 0],
-            self._data[:, layer, 1],
+            key_cache,
+            value_cache,
             block_tables,
             seq_lens,
             query_start_loc,
