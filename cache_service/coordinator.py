@@ -226,10 +226,10 @@ class _Batcher:
 
     def __init__(
         self,
-        key: tuple[int, str, int],
+        key: tuple[int | None, str, int],
         window_s: float,
         max_items: int,
-        run: Callable[[tuple[int, str, int], list[_Part]], Awaitable[None]],
+        run: Callable[[tuple[int | None, str, int], list[_Part]], Awaitable[None]],
         call_later: Callable[[float, Callable[[], None]], Any] | None = None,
     ) -> None:
         self._key = key
@@ -351,7 +351,7 @@ class Coordinator:
         self._locks: dict[str, asyncio.Lock] = {}
         # Per client batch, what its latest append-and-attend planned (layer_steps).
         self._steps = LayerStepCache()
-        self._batchers: dict[tuple[int, str, int], _Batcher] = {}
+        self._batchers: dict[tuple[int | None, str, int], _Batcher] = {}
         self._background: set[asyncio.Task[None]] = set()
         # Per worker, the latest release_blocks call (see _flush_released); workers whose
         # pools poison released blocks (debug pools): only they are told.
