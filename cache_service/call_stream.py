@@ -22,6 +22,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -149,9 +150,12 @@ class CallStream:
         self._requests = requests
         self._responses = self._open_stream(iterate(), metadata=self._metadata)
         if self._watchdog is None:
+            # The thread holds the stream weakly: a client dropped without close() is
+            # still collected, and its watchdog ends.
             self._watchdog = threading.Thread(
-                target=self._watch, name="kvcache-session-watchdog", daemon=True
-            )
+                target=_watch, args=(weakref.ref(self),), name="kvcache-session-watchdog",
+                daemon=True,
+            )  # fmt: skip
             self._watchdog.start()
 
     def _drop(self) -> None:
@@ -163,12 +167,23 @@ class CallStream:
         self._requests = None
         self._responses = None
 
-    def _watch(self) -> None:
-        while not self._closed:
-            time.sleep(_WATCH_INTERVAL_S)
-            with self._watch_lock:
-                responses = self._responses
-                if self._deadline and responses is not None and time.monotonic() > self._deadline:
-                    self._expired = True
-                    self._deadline = 0.0
-                    responses.cancel()  # the blocked next() raises CANCELLED
+    def _expire_late_call(self) -> None:
+        """Cancel the stream if the call in flight is past its deadline."""
+        with self._watch_lock:
+            responses = self._responses
+            if self._deadline and responses is not None and time.monotonic() > self._deadline:
+                self._expired = True
+                self._deadline = 0.0
+                responses.cancel()  # the blocked next() raises CANCELLED
+
+
+def _watch(ref: weakref.ReferenceType[CallStream]) -> None:
+    """The watchdog thread: until its stream is closed or collected, look at the call in
+    flight every _WATCH_INTERVAL_S."""
+    while True:
+        time.sleep(_WATCH_INTERVAL_S)
+        stream = ref()
+        if stream is None or stream._closed:
+            return
+        stream._expire_late_call()
+        del stream

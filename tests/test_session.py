@@ -81,10 +81,17 @@ def test_session_calls_equal_dense_attention_and_use_one_stream(svc, shared_memo
     before = counts(svc)
     with KVCacheClient(svc.address, shared_memory=shared_memory) as client:
         decode_steps(client, n_seqs=3, steps=6, seed=1)
-    after = counts(svc)
 
     def grew(key: tuple[str, str]) -> float:
         return after.get(key, 0) - before.get(key, 0)
+
+    # The stream is recorded when the server sees it end, a moment after the client closed.
+    deadline = time.monotonic() + 10
+    while True:
+        after = counts(svc)
+        if grew(("Session", "OK")) + grew(("Session", "CANCELLED")) or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
 
     assert grew(("Session.AppendAttendBatch", "OK")) == 6 * NL
     assert grew(("Session.AttendBatch", "OK")) == 6 * NL
