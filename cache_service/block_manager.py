@@ -544,18 +544,9 @@ class BlockManager:
             What prepare_write raises; InvalidRequest for an empty batch or a sequence
             named twice. PoolExhausted / QuotaExceeded name the failing item.
         """
-        items = list(writes)
+        items = _batch_items(writes, "token_ids")
         if not items:
             raise InvalidRequest("writes is empty")
-        seen: set[object] = set()
-        for item in items:
-            if not isinstance(item, tuple | list) or len(item) != 2:
-                raise InvalidRequest("each write must be a (seq_id, token_ids) pair")
-            if not isinstance(item[0], str):
-                raise InvalidRequest("each write's seq_id must be a str")
-            if item[0] in seen:
-                raise InvalidRequest(f"sequence {item[0]!r} appears twice in one batch")
-            seen.add(item[0])
         journal = self._journal = _Journal(self._counters, self._released)
         plans: list[WritePlan] = []
         try:
@@ -646,50 +637,14 @@ class BlockManager:
             What commit_write raises, naming the write; InvalidRequest for a sequence named
             twice.
         """
-        live = self._seqs
+        items = _batch_items(writes, "num_tokens")
         checked: list[tuple[Sequence, int]] = []
-        seen: set[str] = set()
-        if type(layer) is int and 0 <= layer < self._num_layers:
-            # The decode step's commit (one layer, known sequences): checks inline.
-            for item in writes:
-                if type(item) is not tuple or len(item) != 2:
-                    break
-                seq_id, num_tokens = item
-                seq = live.get(seq_id) if type(seq_id) is str else None
-                if (
-                    seq is None
-                    or seq.tenant != tenant
-                    or seq_id in seen
-                    or type(num_tokens) is not int
-                    or num_tokens < 0
-                ):
-                    break
-                new = seq.written[layer] + num_tokens
-                if new > len(seq.tokens):
-                    break
-                seen.add(seq_id)
-                checked.append((seq, new))
-            else:
-                for seq, new in checked:
-                    self._apply_commit(seq, layer, new)
-                return
-            checked.clear()
-            seen.clear()
-        # The general path, naming what is wrong.
-        for i, item in enumerate(writes):
-            if not isinstance(item, tuple | list) or len(item) != 2:
-                raise InvalidRequest("each write must be a (seq_id, num_tokens) pair")
-            seq_id, num_tokens = item
-            if not isinstance(seq_id, str):
-                raise InvalidRequest("each write's seq_id must be a str")
-            if seq_id in seen:
-                raise InvalidRequest(f"sequence {seq_id!r} appears twice in one batch")
-            seen.add(seq_id)
+        for i, (seq_id, num_tokens) in enumerate(items):
             try:
                 seq = self._resolve(tenant, seq_id)
                 checked.append((seq, self._committed_length(seq, layer, num_tokens)))
             except CacheError as exc:
-                raise type(exc)(f"{exc} (write {i + 1} of {len(writes)})") from None
+                raise type(exc)(f"{exc} (write {i + 1} of {len(items)})") from None
         for seq, new in checked:
             self._apply_commit(seq, layer, new)
 
@@ -1269,6 +1224,26 @@ class BlockManager:
 def _check_name(what: str, value: object) -> None:
     if not isinstance(value, str) or not value or len(value) > _MAX_NAME:
         raise InvalidRequest(f"{what} must be a non-empty str of at most {_MAX_NAME} characters")
+
+
+def _batch_items(writes: SequenceABC[Any], second: str) -> list[tuple[Any, Any]]:
+    """A batch of ``(seq_id, <second>)`` pairs as a list, each sequence at most once.
+
+    Raises:
+        InvalidRequest: an item that is not a pair, a seq_id that is not a str, a sequence
+            named twice.
+    """
+    items = list(writes)
+    seen: set[str] = set()
+    for item in items:
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise InvalidRequest(f"each write must be a (seq_id, {second}) pair")
+        if not isinstance(item[0], str):
+            raise InvalidRequest("each write's seq_id must be a str")
+        if item[0] in seen:
+            raise InvalidRequest(f"sequence {item[0]!r} appears twice in one batch")
+        seen.add(item[0])
+    return items
 
 
 def _not_found(seq_id: object) -> SequenceNotFound:
