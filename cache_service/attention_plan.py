@@ -48,6 +48,7 @@ __all__ = [
     "AttentionPlan",
     "AttentionPlanError",
     "KernelEntry",
+    "LayerPages",
     "OneWorkerView",
     "SegmentLike",
     "SequenceViewLike",
@@ -56,7 +57,6 @@ __all__ = [
     "merge_partials",
     "plan_attention",
     "run_attention",
-    "run_attention_pages",
 ]
 
 
@@ -489,10 +489,36 @@ class WorkerWrite:
     value: torch.Tensor
 
 
+@dataclass(frozen=True)
+class LayerPages:
+    """A round whose sequences are on several layers: the pool addressed as pages of every
+    layer, page ``block * num_layers + layer`` (workers.pool.KVPool.write_and_attend_pages).
+
+    Attributes:
+        seq_layers: int64 ``[num sequences]``, the layer of each planned sequence.
+        num_layers: the layout's layers.
+    """
+
+    seq_layers: np.ndarray
+    num_layers: int
+
+    def page_tables(self, batch: WorkerBatch, tables: torch.Tensor) -> torch.Tensor:
+        """int32 ``[S, max_blocks]``: `batch`'s block tables as page tables.
+
+        Raises:
+            AttentionPlanError: a page id past int32.
+        """
+        layers = self.seq_layers[[e.sequence for e in batch.entries]]
+        pages = tables.to(torch.int64) * self.num_layers + torch.from_numpy(layers)[:, None]
+        if pages.numel() and int(pages.max()) > np.iinfo(np.int32).max:
+            _fail("page ids pass int32: too many blocks x layers for one launch")
+        return pages.to(torch.int32)
+
+
 async def run_attention(
     plan: AttentionPlan,
     query: torch.Tensor,
-    layer: int,
+    layer: int | LayerPages,
     clients: Mapping[str, WorkerClient],
     epochs: Mapping[str, str],
     *,
@@ -505,20 +531,23 @@ async def run_attention(
     """Run one layer's step on every worker concurrently, then merge.
 
     A worker with writes and queries gets one ``write_and_attend`` call, one with only
-    writes a ``write``, one with only queries an ``attend``.
+    writes a ``write``, one with only queries an ``attend`` (with `LayerPages`:
+    ``write_and_attend_pages`` and ``attend_pages``, and writes only where it attends).
 
     Args:
         plan: from :func:`plan_attention`.
         query: ``[plan.num_rows, Hq, D]`` in the pool dtype (host).
-        layer: layer index.
+        layer: layer index, or the layers of a round over several (the writes' slots are
+            then page slots).
         clients, epochs: every worker of the plan and of ``writes``, with the epoch expected.
         writes: new tokens per worker, written before that worker attends.
         return_lse: also return the merged LSE (asks every worker for it).
         scale, softcap, sliding_window: as in ``kernels.paged_attention``.
 
     Raises:
-        AttentionPlanError: a worker has no client or epoch, or ``query`` has the wrong
-            number of rows; nothing was sent.
+        AttentionPlanError: a worker has no client or epoch, ``query`` has the wrong
+            number of rows, or (LayerPages) a worker only writes or a page id passes int32;
+            nothing was sent.
         WorkerError: a worker failed (StaleEpochError, InvalidWorkerRequest, ...). Workers
             that did not fail may have written their tokens.
     """
@@ -535,13 +564,33 @@ async def run_attention(
     if sliding_window is not None:
         options["sliding_window"] = sliding_window
 
+    pages = layer if isinstance(layer, LayerPages) else None
+    attending = {b.worker_id for b in plan.batches}
+    if pages is not None and set(writes) - attending:
+        _fail(f"worker(s) {sorted(set(writes) - attending)} have writes but no attention")
+
     # Every batch's arguments first: one that cannot be built fails the call before any
     # worker was sent anything.
     args = [batch.kernel_args(query) for batch in plan.batches]
+    if pages is not None:
+        args = [
+            (q, pages.page_tables(b, tables), lens, starts)
+            for b, (q, tables, lens, starts) in zip(plan.batches, args, strict=True)
+        ]
 
     async def one(batch: WorkerBatch, batch_args: tuple[torch.Tensor, ...]) -> AttentionResult:
         w = batch.worker_id
         q, tables, lens, starts = batch_args
+        if pages is not None:
+            if w in writes:
+                wr = writes[w]
+                return await clients[w].write_and_attend_pages(
+                    epochs[w], wr.slot_mapping, wr.key, wr.value, *batch_args,
+                    return_lse=want_lse, **options,
+                )  # fmt: skip
+            return await clients[w].attend_pages(
+                epochs[w], *batch_args, return_lse=want_lse, **options
+            )
         if w in writes:
             wr = writes[w]
             return await clients[w].write_and_attend(
@@ -554,7 +603,6 @@ async def run_attention(
             metadata_key=batch.metadata_key, **options,
         )  # fmt: skip
 
-    attending = {b.worker_id for b in plan.batches}
     write_only = [
         clients[w].write(epochs[w], layer, wr.slot_mapping, wr.key, wr.value)
         for w, wr in writes.items()
@@ -573,78 +621,3 @@ async def run_attention(
             torch.empty((0, query.shape[1]), dtype=torch.float32) if return_lse else None,
         )
     return merge_partials(plan, results)
-
-
-async def run_attention_pages(
-    plan: AttentionPlan,
-    query: torch.Tensor,
-    seq_layers: np.ndarray,
-    num_layers: int,
-    clients: Mapping[str, WorkerClient],
-    epochs: Mapping[str, str],
-    *,
-    writes: Mapping[str, WorkerWrite] | None = None,
-    return_lse: bool = False,
-) -> AttentionResult:
-    """:func:`run_attention` for a round whose sequences are on different layers: one
-    ``write_and_attend_pages`` (or ``attend_pages``) per worker, over pages of every layer.
-
-    Args:
-        plan: from :func:`plan_attention` over every sequence of the round.
-        query: ``[plan.num_rows, Hq, D]`` in the pool dtype (host).
-        seq_layers: int64 ``[num sequences]``, the layer of each planned sequence.
-        num_layers: the layout's layers (page ``block * num_layers + layer``).
-        clients, epochs: as in :func:`run_attention`.
-        writes: new tokens per worker, their slots already page slots (every worker with
-            writes must also attend: a round's parts each live on one worker).
-        return_lse: also return the merged LSE.
-
-    Raises:
-        AttentionPlanError: a worker with writes and no attention, a page id past int32,
-            or what :func:`run_attention` refuses; nothing was sent.
-    """
-    writes = writes or {}
-    if query.shape[0] != plan.num_rows:
-        _fail(f"query has {query.shape[0]} rows, the plan has {plan.num_rows}")
-    attending = {b.worker_id for b in plan.batches}
-    for w in set(writes) | attending:
-        if w not in clients or w not in epochs:
-            _fail(f"worker {w!r} of the plan has no client or no epoch")
-    if set(writes) - attending:
-        _fail(f"worker(s) {sorted(set(writes) - attending)} have writes but no attention")
-    want_lse = return_lse or plan.needs_merge
-    args = []
-    for batch in plan.batches:
-        q, tables, lens, starts = batch.kernel_args(query)
-        layers = seq_layers[[e.sequence for e in batch.entries]]
-        pages = tables.to(torch.int64) * num_layers + torch.from_numpy(layers)[:, None]
-        if pages.numel() and int(pages.max()) > np.iinfo(np.int32).max:
-            _fail("page ids pass int32: too many blocks x layers for one launch")
-        args.append((q, pages.to(torch.int32), lens, starts))
-
-    async def one(batch: WorkerBatch, batch_args: tuple[torch.Tensor, ...]) -> AttentionResult:
-        w = batch.worker_id
-        if w in writes:
-            wr = writes[w]
-            return await clients[w].write_and_attend_pages(
-                epochs[w], wr.slot_mapping, wr.key, wr.value, *batch_args,
-                causal=plan.causal, return_lse=want_lse,
-            )  # fmt: skip
-        return await clients[w].attend_pages(
-            epochs[w], *batch_args, causal=plan.causal, return_lse=want_lse
-        )
-
-    if len(plan.batches) == 1:
-        outcome = [await one(plan.batches[0], args[0])]
-    else:
-        outcome = await asyncio.gather(
-            *(one(b, a) for b, a in zip(plan.batches, args, strict=True))
-        )
-    if not plan.batches:
-        return AttentionResult(
-            query.new_empty((0, *query.shape[1:])),
-            torch.empty((0, query.shape[1]), dtype=torch.float32) if return_lse else None,
-        )
-    return merge_partials(
-        plan, {b.worker_id: r for b, r in zip(plan.batches, outcome, strict=True)}
-    )

@@ -42,12 +42,12 @@ import torch
 
 from cache_service.attention_plan import (
     AttentionPlan,
+    LayerPages,
     OneWorkerView,
     SequenceViewLike,
     WorkerWrite,
     plan_attention,
     run_attention,
-    run_attention_pages,
 )
 from cache_service.block_manager import BlockManager, BlockManagerConfig
 from cache_service.cancel_safety import run_to_completion
@@ -1177,25 +1177,20 @@ class Coordinator:
             epochs = {w: self._epochs[w] for w in workers}
             t0 = time.perf_counter()
             return_lse = any(p.return_lse for p in parts)
-            if layer is None:
-                seq_layers = np.repeat(
-                    np.array([p.layer for p in parts], dtype=np.int64),
-                    [len(p.seq_ids) for p in parts],
-                )
-                result = await run_attention_pages(
-                    plan,
-                    query,
-                    seq_layers,
+            target: int | LayerPages = (
+                layer
+                if layer is not None
+                else LayerPages(
+                    np.repeat(
+                        np.array([p.layer for p in parts], dtype=np.int64),
+                        [len(p.seq_ids) for p in parts],
+                    ),
                     self.layout.num_layers,
-                    self._clients,
-                    epochs,
-                    writes=writes,
-                    return_lse=return_lse,
                 )
-            else:
-                result = await run_attention(
-                    plan, query, layer, self._clients, epochs, writes=writes, return_lse=return_lse
-                )
+            )
+            result = await run_attention(
+                plan, query, target, self._clients, epochs, writes=writes, return_lse=return_lse
+            )
             elapsed = time.perf_counter() - t0
             if self.metrics is not None:
                 for w in workers:
