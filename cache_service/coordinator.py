@@ -697,7 +697,7 @@ class Coordinator:
                     for it in items:
                         self.block_manager.commit_write(tenant, it.seq_id, layer, len(it.token_ids))
                         committed += 1
-                    self._remember_step(tenant, seq_ids, plans, views, parts)
+                    self._remember_step(tenant, seq_ids, plans, parts)
                 else:
                     n = step.snapshot.num_tokens
                     self.block_manager.commit_writes(tenant, layer, [(s, n) for s in seq_ids])
@@ -787,7 +787,6 @@ class Coordinator:
         tenant: str,
         seq_ids: list[str],
         plans: list[WritePlan],
-        views: list[SequenceViewLike],
         parts: list[tuple[list[int], _Part]],
     ) -> None:
         """Record a planned call for the step's other layers when it qualifies: one part
@@ -800,16 +799,17 @@ class Coordinator:
         if len(part.writes) != 1 or len(set(part.num_queries)) != 1:
             return
         ((worker_id, (slots, _, _)),) = part.writes.items()
-        for v in views:
+        for v in part.views:
             if type(v) is not OneWorkerView or v.worker_id != worker_id:
                 return
-        if idx != list(range(len(views))):
+        if idx != list(range(len(seq_ids))):
             return
         snapshot = self.block_manager.snapshot_writes(tenant, seq_ids, plans)
         if snapshot is None:
             return
+        views: list[OneWorkerView] = part.views  # type: ignore[assignment]
         self._steps.put(
-            LayerStep(snapshot, worker_id, part.num_queries, views, list(slots), part.plan)  # type: ignore[arg-type]
+            LayerStep(snapshot, worker_id, part.num_queries, views, list(slots), part.plan)
         )
 
     # -- export / import -------------------------------------------------------------------
@@ -1487,8 +1487,9 @@ def _check_finite(
 
 
 def _run_sums(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Sums covering every element of `tensors` (float32 or of float32's range): one per run of tensors lying back
-    to back in one storage (so a request decoded by the servicer costs three sums)."""
+    """Sums covering every element of `tensors` (float32 or of float32's range): one per
+    run of tensors lying back to back in one storage (so a request decoded by the servicer
+    costs three sums)."""
     runs: list[torch.Tensor] = []
     start = 0
     end_ptr = -1

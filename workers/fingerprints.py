@@ -9,8 +9,9 @@ check recomputes it from the pool and compares.
 
 A fingerprint is a weighted sum (float64) of one slot's row ``[Hkv, D]`` for one layer and
 one of K/V, with fixed pseudo-random weights, so swapped or sign-flipped values show up
-too, not only changed sums. The store is ``[num_slots, L, 2]`` float64 (plus one spare block): 8 bytes per slot,
-layer and K/V, next to ``Hkv * D`` elements of data (0.4% for 8 heads of 128 in bf16).
+too, not only changed sums. The store is ``[num_slots, L, 2]`` float64 (plus one spare
+block): 8 bytes per slot, layer and K/V, next to ``Hkv * D`` elements of data (0.4% for 8
+heads of 128 in bf16).
 
 Torch only; every tensor lives on the pool's device.
 """

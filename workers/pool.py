@@ -223,15 +223,14 @@ class KVPool:
             query_start_loc: int ``[S + 1]``.
             causal, return_lse, scale, sliding_window, softcap: as in
                 ``kernels.paged_attention``.
-
-        Returns:
-            out ``[T, Hq, D]`` (pool dtype, pool device); with ``return_lse`` also lse float32
-            ``[T, Hq]`` (natural log; -inf for a row that saw no key).
-
             metadata_key: names (block_tables, seq_lens, query_start_loc) for later calls
                 passing the same content: validated and copied to the device once, then
                 reused (`workers.metadata_cache`). The caller must never name other
                 content with the same key. None: nothing is kept.
+
+        Returns:
+            out ``[T, Hq, D]`` (pool dtype, pool device); with ``return_lse`` also lse float32
+            ``[T, Hq]`` (natural log; -inf for a row that saw no key).
 
         Raises:
             InvalidWorkerRequest: a malformed argument.
