@@ -48,7 +48,7 @@ from cache_service.request_decode import (
     decode_attend,
     decode_attend_batch,
 )
-from cache_service.result_codec import encode_batch_result, encode_results
+from cache_service.result_codec import encode_results
 from cache_service.session_codec import (
     APPEND_ATTEND_BATCH,
     ATTEND_BATCH,
@@ -93,9 +93,7 @@ log = logging.getLogger("kvcache.server")
 _SESSION_CALLS = {
     "append_attend_batch": ("Session.AppendAttendBatch", APPEND_ATTEND_BATCH),
     "attend_batch": ("Session.AttendBatch", ATTEND_BATCH),
-}
-# The batch handlers' `with` when the reply goes back as bytes (reusable: it does nothing).
-_NO_SHARED_OUTPUTS = contextlib.nullcontext()
+}  # the servicer runs kind "x" with its method `_x`
 
 
 def _version() -> str:
@@ -386,7 +384,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         )
         # Output ranges are checked before the coordinator changes anything.
         outputs = shared_outputs(self._regions, tenant, request, shape, items[0].query.dtype)
-        with outputs if outputs is not None else _NO_SHARED_OUTPUTS:
+        with outputs:
             # Errors about one sequence name it as items[i]: row i of the batch.
             (result,) = await self._coord.append_attend(
                 tenant,
@@ -402,7 +400,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         """An AttendBatch call (unary or in a session): the encoded reply."""
         items, shape = decode_attend_batch(request, self._coord.layout, self._shared_reader(tenant))
         outputs = shared_outputs(self._regions, tenant, request, shape, items[0].query.dtype)
-        with outputs if outputs is not None else _NO_SHARED_OUTPUTS:
+        with outputs:
             (result,) = await self._coord.attend(
                 tenant, request.layer, items, request.return_lse, stacked=True
             )
@@ -447,14 +445,11 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         kind = request.WhichOneof("call")
         name = _SESSION_CALLS.get(kind, ("Session", 0))[0]
         try:
-            if kind == "append_attend_batch":
-                reply = await self._append_attend_batch(request.append_attend_batch, tenant)
-            elif kind == "attend_batch":
-                reply = await self._attend_batch(request.attend_batch, tenant)
-            else:
+            if kind not in _SESSION_CALLS:
                 raise InvalidRequest(
                     "the SessionRequest carries no call: set append_attend_batch or attend_batch"
                 )
+            reply = await getattr(self, f"_{kind}")(getattr(request, kind), tenant)
         except Exception as exc:
             status = _logged_status(name, tenant, exc, t0)
             self._observe_session_call(name, status.code.name, t0)
@@ -555,15 +550,13 @@ def _nonempty_ids(token_ids: Any) -> list[int]:
     return ids
 
 
-def _batch_reply(result: Any, query_shape: torch.Size, outputs: SharedOutputs | None) -> bytes:
+def _batch_reply(result: Any, query_shape: torch.Size, outputs: SharedOutputs) -> bytes:
     """The encoded batch reply: the stacked output as ``[batch, m, num_q_heads, head_dim]``
     (and lse ``[batch, m, num_q_heads]``), written into the client's region first where
     the request asked for it (`outputs`)."""
     out = result.out.reshape(query_shape)
     lse = None if result.lse is None else result.lse.reshape(query_shape[:3])
-    if outputs is not None:
-        return outputs.reply(out, lse)
-    return encode_batch_result(out, lse)
+    return outputs.reply(out, lse)
 
 
 def _spec_size(spec: pb.TensorSpec, field: str) -> tuple[torch.dtype, list[int], int]:

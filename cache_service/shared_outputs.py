@@ -67,9 +67,9 @@ def shared_outputs(
     request: Any,
     query_shape: torch.Size,
     dtype: torch.dtype,
-) -> SharedOutputs | None:
-    """The checked slots a batch request asks its outputs to go to; None when it asks for
-    none (the usual bytes reply).
+) -> SharedOutputs:
+    """The checked slots a batch request asks its outputs to go to; no slots when it asks
+    for none (the usual bytes reply).
 
     Args:
         regions: the server's registry.
@@ -87,7 +87,7 @@ def shared_outputs(
     want_out = request.HasField("output_to")
     want_lse = request.HasField("lse_to")
     if not (want_out or want_lse):
-        return None
+        return _BYTES
     if want_lse and not request.return_lse:
         raise InvalidRequest("lse_to is set but return_lse is false: no lse to write")
     out = lse = None
@@ -111,6 +111,10 @@ def shared_outputs(
         SharedOutputs(out, lse).close()
         raise
     return SharedOutputs(out, lse)
+
+
+# The outputs of a request that names no slots: its reply carries bytes (nothing to close).
+_BYTES = SharedOutputs(None, None)
 
 
 def _overlap(a: OutputSlot, b: OutputSlot) -> bool:
