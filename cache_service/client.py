@@ -657,6 +657,27 @@ class KVCacheClient:
             outputs.append((torch.float32, tuple(query.shape[:3])))
         return self._shm.stage(inputs, outputs, timeout_s)
 
+    def _batch(
+        self,
+        field: int,
+        method: Callable[..., Any],
+        encode: Callable[..., bytes],
+        inputs: tuple[torch.Tensor, ...],
+        return_lse: bool,
+        timeout_s: float | None,
+        retry: bool,
+    ) -> Any:
+        """A batch call (`field` and its unary `method`; `encode` takes `inputs`, the last
+        of them the query): through the shared region when there is one, else with the
+        tensors' bytes. Returns the output (and lse) as the public batch calls do."""
+        staged = self._stage(inputs, inputs[-1], return_lse, timeout_s)
+        if staged is not None:
+            result = self._shared_call(field, method, staged, encode, return_lse, timeout_s, retry)
+            if result is not None:
+                return result
+        reply = self._batch_call(field, method, encode(*inputs), timeout_s=timeout_s, retry=retry)
+        return _batch_results(reply, return_lse)
+
     def _shared_call(
         self,
         field: int,
@@ -885,30 +906,17 @@ class KVCacheClient:
         """
         ids = _id_rows(token_ids)
         _check_batch(seq_ids, ids, key=key, value=value, query=query)
-        staged = self._stage((key, value, query), query, return_lse, timeout_s)
-        if staged is not None:
-            result = self._shared_call(
-                APPEND_ATTEND_BATCH,
-                self._append_attend_batch_raw,
-                staged,
-                functools.partial(
-                    encode_append_attend_batch, layer, seq_ids, ids, return_lse=return_lse
-                ),
-                return_lse,
-                timeout_s,
-                retry=False,
-            )
-            if result is not None:
-                return result
-        req = encode_append_attend_batch(layer, seq_ids, ids, key, value, query, return_lse)
-        r = self._batch_call(
+        return self._batch(
             APPEND_ATTEND_BATCH,
             self._append_attend_batch_raw,
-            req,
-            timeout_s=timeout_s,
+            functools.partial(
+                encode_append_attend_batch, layer, seq_ids, ids, return_lse=return_lse
+            ),
+            (key, value, query),
+            return_lse,
+            timeout_s,
             retry=False,
         )
-        return _batch_results(r, return_lse)
 
     def attend_batch(
         self,
@@ -923,24 +931,15 @@ class KVCacheClient:
         head_dim]``, row i for sequence i. Returns the output (and lse) as
         `append_attend_batch` does."""
         _check_batch(seq_ids, None, query=query)
-        staged = self._stage((query,), query, return_lse, timeout_s)
-        if staged is not None:
-            result = self._shared_call(
-                ATTEND_BATCH,
-                self._attend_batch_raw,
-                staged,
-                functools.partial(encode_attend_batch, layer, seq_ids, return_lse=return_lse),
-                return_lse,
-                timeout_s,
-                retry=True,
-            )
-            if result is not None:
-                return result
-        req = encode_attend_batch(layer, seq_ids, query, return_lse)
-        r = self._batch_call(
-            ATTEND_BATCH, self._attend_batch_raw, req, timeout_s=timeout_s, retry=True
+        return self._batch(
+            ATTEND_BATCH,
+            self._attend_batch_raw,
+            functools.partial(encode_attend_batch, layer, seq_ids, return_lse=return_lse),
+            (query,),
+            return_lse,
+            timeout_s,
+            retry=True,
         )
-        return _batch_results(r, return_lse)
 
     # -- export / import -------------------------------------------------------------------
 
