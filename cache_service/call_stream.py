@@ -102,16 +102,11 @@ class CallStream:
             self._requests.put(request)
             try:
                 reply = next(self._responses)
-                with self._watch_lock:
-                    self._deadline = 0.0
-                    expired = self._expired
-                if expired:  # the reply won the race with the watchdog's cancel
+                if self._call_done():  # the reply won the race with the watchdog's cancel
                     self._drop()
                 return reply
             except grpc.RpcError as exc:
-                with self._watch_lock:
-                    self._deadline = 0.0
-                    expired = self._expired
+                expired = self._call_done()
                 self._drop()
                 if expired:
                     raise StreamBroken(
@@ -122,14 +117,20 @@ class CallStream:
                 details = exc.details() if hasattr(exc, "details") else str(exc)
                 raise StreamBroken(code, details or code.name) from None
             except StopIteration:
-                with self._watch_lock:
-                    self._deadline = 0.0
+                self._call_done()
                 self._drop()
                 raise StreamBroken(
                     grpc.StatusCode.UNAVAILABLE, "the server ended the session stream"
                 ) from None
         finally:
             self._lock.release()
+
+    def _call_done(self) -> bool:
+        """The call in flight has ended: clear its deadline; whether the watchdog had
+        cancelled the stream for it."""
+        with self._watch_lock:
+            self._deadline = 0.0
+            return self._expired
 
     def close(self) -> None:
         """End the stream (after the call in flight) and stop the watchdog."""
