@@ -32,8 +32,9 @@ import asyncio
 import contextlib
 import logging
 import math
+import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -88,12 +89,14 @@ __all__ = [
     "ExportedSequence",
     "ImportedSequence",
     "JoinedFields",
+    "StackedAppendAttend",
     "WorkerState",
 ]
 
 log = logging.getLogger("kvcache.coordinator")
 
 _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
+_EAGER_TASKS = sys.version_info >= (3, 12)  # asyncio.Task(..., eager_start=True)
 
 
 # ------------------------------------------------------------------------------ values
@@ -168,6 +171,47 @@ class JoinedFields:
         return iter((self.key, self.value, self.query))
 
 
+class StackedAppendAttend(NamedTuple):
+    """An append-and-attend batch as the batch RPC carries it: row i of every tensor is
+    sequence i's (b sequences, n new tokens and m query rows each).
+
+    seq_ids: the b sequences; token_ids: b * n ids, sequence by sequence; key, value
+    ``[b, n, Hkv, D]`` and query ``[b, m, Hq, D]``, each contiguous, float16 / bfloat16 /
+    float32.
+    """
+
+    seq_ids: list[str]
+    token_ids: list[int]
+    key: torch.Tensor
+    value: torch.Tensor
+    query: torch.Tensor
+
+    def items(self) -> list[AppendAttendItem]:
+        """The batch as one item per sequence (views of the rows)."""
+        n = self.key.shape[1]
+        flat = self.token_ids
+        rows = (
+            [[t] for t in flat]
+            if n == 1
+            else [flat[i * n : (i + 1) * n] for i in range(len(self.seq_ids))]
+        )
+        return [
+            AppendAttendItem(s, r, k, v, q)
+            for s, r, k, v, q in zip(
+                self.seq_ids,
+                rows,
+                self.key.unbind(0),
+                self.value.unbind(0),
+                self.query.unbind(0),
+                strict=True,
+            )
+        ]
+
+    def joined(self) -> JoinedFields:
+        """Each field as one flat view (None for a field that is not contiguous)."""
+        return JoinedFields(*(t.view(-1) if t.is_contiguous() else None for t in self[2:]))
+
+
 _Spans = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
@@ -203,6 +247,20 @@ _SHARED_WEIGHT = 0.5
 _SHARED_THRESHOLD = 0.25
 
 
+def _start_eagerly(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    """A task for `coro`, run at once up to its first suspension where Python has eager
+    tasks (3.12+), else scheduled as usual.
+
+    An in-process GPU pool answers a batch without suspending (its call runs inline on the
+    loop), so eagerly the whole worker round is done before the caller awaits its result:
+    two event-loop turns fewer per call (the task's first step, then the caller's wake-up).
+    """
+    loop = asyncio.get_running_loop()
+    if _EAGER_TASKS:
+        return asyncio.Task(coro, loop=loop, eager_start=True)  # type: ignore[call-arg]
+    return loop.create_task(coro)
+
+
 class _Batcher:
     """Coalesces parts for one (layer, worker, num_q_heads) into one worker call (for one
     (worker, num_q_heads) and every layer with CoordinatorConfig.coalesce_layers).
@@ -229,7 +287,7 @@ class _Batcher:
         key: tuple[int | None, str, int],
         window_s: float,
         max_items: int,
-        run: Callable[[tuple[int | None, str, int], list[_Part]], Awaitable[None]],
+        run: Callable[[tuple[int | None, str, int], list[_Part]], Coroutine[Any, Any, None]],
         call_later: Callable[[float, Callable[[], None]], Any] | None = None,
     ) -> None:
         self._key = key
@@ -292,7 +350,7 @@ class _Batcher:
         self._contended = False
         self._shared += _SHARED_WEIGHT * (sample - self._shared)
         self._in_flight += 1
-        task = asyncio.get_running_loop().create_task(self._run(self._key, parts))
+        task = _start_eagerly(self._run(self._key, parts))
         self._tasks.add(task)
         task.add_done_callback(self._batch_done)
 
@@ -714,6 +772,119 @@ class Coordinator:
         if stacked:
             return [_stacked(len(items), parts, outputs, queries[0].dtype, return_lse)]
         return _reassemble(len(items), parts, outputs, [q.dtype for q in queries])
+
+    async def append_attend_stacked(
+        self, tenant: str, layer: int, batch: StackedAppendAttend, return_lse: bool = False
+    ) -> AttentionResult:
+        """`append_attend` of a stacked batch, as one result: out ``[b * m, Hq, D]`` in the
+        query's dtype (lse ``[b * m, Hq]`` float32), sequence by sequence.
+
+        The other layers of a decode step (see layer_steps) take a short path: with the
+        batch's tensors already stacked, the shape checks are a few comparisons instead of
+        three per sequence, and nothing is split into per-sequence items. Anything the
+        short path does not accept (another batch, other tokens, a non-finite value, an
+        unusual shape) goes the full way, which raises the precise error.
+        """
+        step = self._stacked_step(tenant, layer, batch)
+        if step is not None:
+            result = await self._repeat_step(tenant, layer, step, batch, return_lse)
+            if result is not None:
+                return result
+        (result,) = await self.append_attend(
+            tenant, layer, batch.items(), return_lse, joined=batch.joined(), stacked=True
+        )
+        return result
+
+    def _stacked_step(
+        self, tenant: str, layer: int, batch: StackedAppendAttend
+    ) -> LayerStep | None:
+        """The recorded step `batch` can repeat on `layer`, judged by what needs no lock:
+        the same batch of sequences, its token and query row counts, tensors of the layout's
+        shapes and float dtypes, every value finite. None: take the full path."""
+        step = self._steps.get(tenant, tuple(batch.seq_ids))
+        if (
+            step is None
+            or step.worker_id not in self._epochs
+            or type(layer) is not int
+            or not 0 <= layer < self.layout.num_layers
+        ):
+            return None
+        key, value, query = batch.key, batch.value, batch.query
+        b, n, m = len(batch.seq_ids), step.snapshot.num_tokens, step.num_queries[0]
+        hkv, d = self.layout.num_kv_heads, self.layout.head_dim
+        if not (
+            type(key) is type(value) is type(query) is torch.Tensor
+            and key.dtype in _FLOAT_DTYPES
+            and value.dtype in _FLOAT_DTYPES
+            and query.dtype in _FLOAT_DTYPES
+            and key.shape == (b, n, hkv, d)
+            and value.shape == (b, n, hkv, d)
+            and query.ndim == 4
+            and query.shape[:2] == (b, m)
+            and query.shape[3] == d
+            and query.shape[2] >= 1
+            and query.shape[2] % hkv == 0
+            and len(batch.token_ids) == b * n
+            and key.is_contiguous()
+            and value.is_contiguous()
+            and query.is_contiguous()
+        ):
+            return None
+        tensors = [key.view(-1), value.view(-1), query.view(-1)]
+        if not all(math.isfinite(s.item()) for s in _run_sums(tensors)):
+            return None
+        return step
+
+    async def _repeat_step(
+        self,
+        tenant: str,
+        layer: int,
+        step: LayerStep,
+        batch: StackedAppendAttend,
+        return_lse: bool,
+    ) -> AttentionResult | None:
+        """Run `batch` on `layer` through `step` (checked by `_stacked_step`); None, having
+        changed nothing, when under the locks the step no longer applies."""
+        seq_ids = batch.seq_ids
+        async with self._locked(seq_ids):
+            # Another call may have replaced the step or moved a sequence meanwhile.
+            if self._steps.get(tenant, tuple(seq_ids)) is not step or not (
+                self.block_manager.repeatable(step.snapshot, layer, batch.token_ids)
+            ):
+                return None
+            b, n, m, hq = (
+                len(seq_ids),
+                step.snapshot.num_tokens,
+                step.num_queries[0],
+                batch.query.shape[2],
+            )
+            dtype, hkv, d = self._pool_dtype, self.layout.num_kv_heads, self.layout.head_dim
+            part = _Part(
+                views=step.views,  # type: ignore[arg-type]
+                num_queries=step.num_queries,
+                seq_ids=list(step.snapshot.seq_ids),
+                query=batch.query.view(b * m, hq, d).to(dtype),
+                writes={
+                    step.worker_id: (
+                        step.slots,
+                        batch.key.view(b * n, hkv, d).to(dtype),
+                        batch.value.view(b * n, hkv, d).to(dtype),
+                    )
+                },
+                return_lse=return_lse,
+                plan=step.plan,
+            )
+            try:
+                (output,) = await self._execute(layer, [(list(range(b)), part)], hq)
+                self.block_manager.commit_writes(tenant, layer, [(s, n) for s in seq_ids])
+            except BaseException:
+                self._cancel_writes(tenant, seq_ids)
+                raise
+            step.plan = part.plan
+        if self.metrics is not None:
+            self.metrics.add_tokens_appended(b * n)
+            self.metrics.add_attention_tokens(b * m)
+        return AttentionResult(output.out.to(batch.query.dtype), output.lse if return_lse else None)
 
     def _prepare_append(
         self, tenant: str, layer: int, items: Sequence[AppendAttendItem]

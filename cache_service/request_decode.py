@@ -22,7 +22,12 @@ from typing import Any
 import torch
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
-from cache_service.coordinator import AppendAttendItem, AttendItem, JoinedFields
+from cache_service.coordinator import (
+    AppendAttendItem,
+    AttendItem,
+    JoinedFields,
+    StackedAppendAttend,
+)
 from cache_service.errors import InvalidRequest
 from cache_service.tensor_codec import (
     SharedReader,
@@ -74,9 +79,9 @@ def decode_append_attend(
 
 def decode_append_attend_batch(
     request: pb.AppendAttendBatchRequest, layout: KVLayout, shared: SharedReader | None = None
-) -> tuple[list[AppendAttendItem], JoinedFields, torch.Size]:
-    """The items of an AppendAttendBatchRequest (row i of each tensor is sequence i's), the
-    flat buffers, and the query's shape ``[batch, m, Hq, D]`` (the reply's).
+) -> StackedAppendAttend:
+    """The batch of an AppendAttendBatchRequest: row i of each tensor is sequence i's; the
+    query's shape ``[batch, m, Hq, D]`` is the reply's.
 
     shared: reads tensors whose payload is a shared-memory slice (None: refused).
 
@@ -101,14 +106,7 @@ def decode_append_attend_batch(
             f"token_ids holds {len(flat)} ids; {b} sequences x {n} new tokens (key "
             f"dimension 1) need {b * n}"
         )
-    rows = [[t] for t in flat] if n == 1 else [flat[i * n : (i + 1) * n] for i in range(b)]
-    items = [
-        AppendAttendItem(s, r, k, v, q)
-        for s, r, k, v, q in zip(
-            seq_ids, rows, key.unbind(0), value.unbind(0), query.unbind(0), strict=True
-        )
-    ]
-    return items, JoinedFields(key.view(-1), value.view(-1), query.view(-1)), query.shape
+    return StackedAppendAttend(seq_ids, flat, key, value, query)
 
 
 def decode_attend_batch(

@@ -379,20 +379,14 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         self, request: pb.AppendAttendBatchRequest, tenant: str
     ) -> bytes:
         """An AppendAttendBatch call (unary or in a session): the encoded reply."""
-        items, joined, shape = decode_append_attend_batch(
-            request, self._coord.layout, self._shared_reader(tenant)
-        )
+        batch = decode_append_attend_batch(request, self._coord.layout, self._shared_reader(tenant))
+        shape = batch.query.shape
         # Output ranges are checked before the coordinator changes anything.
-        outputs = shared_outputs(self._regions, tenant, request, shape, items[0].query.dtype)
+        outputs = shared_outputs(self._regions, tenant, request, shape, batch.query.dtype)
         with outputs:
             # Errors about one sequence name it as items[i]: row i of the batch.
-            (result,) = await self._coord.append_attend(
-                tenant,
-                request.layer,
-                items,
-                request.return_lse,
-                joined=joined,
-                stacked=True,
+            result = await self._coord.append_attend_stacked(
+                tenant, request.layer, batch, request.return_lse
             )
             return _batch_reply(result, shape, outputs)
 

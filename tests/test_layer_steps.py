@@ -18,7 +18,7 @@ from service_support import dense_attention, run_coordinator
 from test_block_manager import unchanged
 
 from cache_service.block_manager import BlockManager, BlockManagerConfig
-from cache_service.coordinator import AppendAttendItem, Coordinator
+from cache_service.coordinator import AppendAttendItem, Coordinator, StackedAppendAttend
 from cache_service.errors import InvalidRequest, SequenceNotFound
 from cache_service.layer_steps import LayerStep, LayerStepCache
 from workers.layout import KVLayout
@@ -348,5 +348,162 @@ def test_a_steps_layers_name_one_metadata_key_for_the_worker() -> None:
         per_step = [set(keys[i : i + LAYERS]) for i in range(0, len(keys), LAYERS)]
         assert all(len(s) == 1 for s in per_step)  # one key for every layer of a step
         assert len(set().union(*per_step)) == 3  # a new key each step
+
+    run(scenario)
+
+
+# ---- the stacked batch's short path (append_attend_stacked) ----------------------------
+
+
+def stacked(items: list[AppendAttendItem]) -> StackedAppendAttend:
+    """The items as the batch RPC's decoder hands them over: one stacked tensor a field."""
+    return StackedAppendAttend(
+        [it.seq_id for it in items],
+        [t for it in items for t in it.token_ids],
+        torch.stack([it.key for it in items]),
+        torch.stack([it.value for it in items]),
+        torch.stack([it.query for it in items]),
+    )
+
+
+def short_paths(coord: Coordinator) -> list[int]:
+    """Count the calls that took the short path (a step repeated under the locks)."""
+    taken = [0]
+    real = coord._repeat_step
+
+    async def wrapped(*args: Any, **kwargs: Any) -> Any:
+        result = await real(*args, **kwargs)
+        taken[0] += result is not None
+        return result
+
+    coord._repeat_step = wrapped  # type: ignore[method-assign]
+    return taken
+
+
+def test_stacked_batches_take_the_short_path_and_match_dense_attention() -> None:
+    async def scenario(coord: Coordinator) -> None:
+        seqs = [(await coord.create_sequence("t")).seq_id for _ in range(B)]
+        model = Model(seqs)
+        calls, taken = counting(coord), short_paths(coord)
+        steps = 6  # crosses block boundaries (block size 4)
+        for token in range(steps):
+            for layer in range(LAYERS):
+                items, q = model.items(token, layer)
+                res = await coord.append_attend_stacked("t", layer, stacked(items), True)
+                assert res.out.shape == (B, HQ, D) and res.lse.shape == (B, HQ)
+                model.check([_Row(res.out[i : i + 1]) for i in range(B)], q)
+        assert calls[0] == steps  # layer 0 plans
+        assert taken[0] == steps * (LAYERS - 1)  # every other layer took the short path
+        coord.block_manager.check_integrity()
+        for s in seqs:
+            assert coord.block_manager.sequence_info("t", s).written == (steps,) * LAYERS
+
+    run(scenario)
+
+
+class _Row:
+    """One sequence's rows of a stacked result, shaped as Model.check reads them."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.out = out
+
+
+def spoil(batch: StackedAppendAttend, how: str) -> StackedAppendAttend:
+    if how == "nan query":
+        query = batch.query.clone()
+        query[2, 0, 1, 3] = float("nan")
+        return batch._replace(query=query)
+    if how == "inf key":
+        key = batch.key.clone()
+        key[1, 0, 0, 0] = float("inf")
+        return batch._replace(key=key)
+    assert how == "other token"
+    tokens = list(batch.token_ids)
+    tokens[2] = 2
+    return batch._replace(token_ids=tokens)
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("nan query", r"items\[2\]\.query contains NaN or infinite values"),
+        ("inf key", r"items\[1\]\.key contains NaN or infinite values"),
+        ("other token", r"items\[2\]: position 0 holds token 1, got 2"),
+    ],
+)
+def test_what_the_short_path_refuses_gets_the_full_paths_error(how: str, message: str) -> None:
+    async def scenario(coord: Coordinator) -> None:
+        seqs = [(await coord.create_sequence("t")).seq_id for _ in range(B)]
+        model = Model(seqs)
+        items, _ = model.items(1, 0)
+        await coord.append_attend_stacked("t", 0, stacked(items))
+        items, _ = model.items(1, 1)
+        before = coord.block_manager.to_records()
+        taken = short_paths(coord)
+        with pytest.raises(InvalidRequest, match=message):
+            await coord.append_attend_stacked("t", 1, spoil(stacked(items), how))
+        assert taken[0] == 0
+        assert coord.block_manager.to_records() == before
+        coord.block_manager.check_integrity()
+        # The batch as sent by a well-behaved client still goes the short way afterwards.
+        items, q = model.items(1, 1)
+        res = await coord.append_attend_stacked("t", 1, stacked(items))
+        assert taken[0] == 1
+        model.check([_Row(res.out[i : i + 1]) for i in range(B)], q)
+
+    run(scenario)
+
+
+def test_other_query_rows_on_a_later_layer_plan_afresh_and_stay_exact() -> None:
+    async def scenario(coord: Coordinator) -> None:
+        seqs = [(await coord.create_sequence("t")).seq_id for _ in range(B)]
+        model = Model(seqs)
+        for token in range(4):  # three tokens written on every layer, a fourth on layer 0
+            for layer in range(LAYERS if token < 3 else 1):
+                items, q = model.items(token, layer)
+                res = await coord.append_attend_stacked("t", layer, stacked(items))
+                model.check([_Row(res.out[i : i + 1]) for i in range(B)], q)
+        # Layer 1 of the same step attends with two query rows per sequence (a verifier's
+        # call): the recorded step holds one, so the call takes the full path.
+        items, _ = model.items(3, 1)
+        gen = torch.Generator().manual_seed(9)
+        q2 = torch.randn(B, 2, HQ, D, generator=gen)
+        items = [it._replace(query=q2[i]) for i, it in enumerate(items)]
+        taken = short_paths(coord)
+        res = await coord.append_attend_stacked("t", 1, stacked(items))
+        assert taken[0] == 0
+        layer, k, v = model._pending
+        for i, s in enumerate(seqs):
+            hist = model.history.setdefault((s, layer), [])
+            ks = torch.cat([x for x, _ in hist] + [k[i]])
+            vs = torch.cat([y for _, y in hist] + [v[i]])
+            # Query row j of the two sits at position len - 2 + j (causal).
+            ref, _ = dense_attention(q2[i], ks, vs)
+            assert torch.allclose(res.out[2 * i : 2 * i + 2].double(), ref, atol=1e-5)
+        coord.block_manager.check_integrity()
+
+    run(scenario)
+
+
+def test_a_step_replaced_before_the_locks_are_taken_is_not_repeated() -> None:
+    async def scenario(coord: Coordinator) -> None:
+        seqs = [(await coord.create_sequence("t")).seq_id for _ in range(B)]
+        model = Model(seqs)
+        items, _ = model.items(0, 0)
+        await coord.append_attend_stacked("t", 0, stacked(items))
+        items, _ = model.items(0, 1)
+        batch = stacked(items)
+        stale = coord._stacked_step("t", 1, batch)
+        assert stale is not None
+        # Meanwhile the next step's layer 0 replaces the recorded step.
+        for layer in range(1, LAYERS):
+            later, _ = model.items(0, layer)
+            await coord.append_attend_stacked("t", layer, stacked(later))
+        nxt, _ = model.items(1, 0)
+        await coord.append_attend_stacked("t", 0, stacked(nxt))
+        before = coord.block_manager.to_records()
+        assert await coord._repeat_step("t", 1, stale, batch, False) is None
+        assert coord.block_manager.to_records() == before
+        coord.block_manager.check_integrity()
 
     run(scenario)
