@@ -8,6 +8,10 @@ how ``bench_kernels.py`` scores the targets. Every timed config is first checked
 dense attention (relative L2).
 
     PYTHONPATH=. python3 benchmarks/sweep_split.py --out $OUT/sweep-split.json
+
+``--v7`` instead times the v7 variants (early block-id reads, ids two tiles ahead, deeper
+pipelines, 32-token tiles, 1.5x partitions) of every decode case; ``--scan`` fits graph
+time = fixed + per-token cost for B=1 over KV lengths, ours and SDPA (notes-kernels.md, v7).
 """
 
 from __future__ import annotations
