@@ -8,6 +8,10 @@ how ``bench_kernels.py`` scores the targets. Every timed config is first checked
 dense attention (relative L2).
 
     PYTHONPATH=. python3 benchmarks/sweep_split.py --out $OUT/sweep-split.json
+
+``--v7`` instead times the v7 variants (early block-id reads, ids two tiles ahead, deeper
+pipelines, 32-token tiles, 1.5x partitions) of every decode case; ``--scan`` fits graph
+time = fixed + per-token cost for B=1 over KV lengths, ours and SDPA (notes-kernels.md, v7).
 """
 
 from __future__ import annotations
@@ -180,6 +184,123 @@ def merge_ab(s: BenchSettings) -> list[dict]:
     return rows
 
 
+def v7_variants(base: AttentionConfig) -> dict[str, AttentionConfig]:
+    """The v7 variants of one case's default config (notes-kernels.md, v7): early block-id
+    reads, ids two tiles ahead, deeper pipelines, 32-token tiles, three programs per SM."""
+    early = replace(base, early_ids=True)
+    both = replace(early, ids_ahead=2)
+    out = {"base": base, "early": early, "ahead2": replace(base, ids_ahead=2), "early+ahead2": both}
+    if base.num_partitions == 1:
+        return out
+    p15 = base.num_partitions * 3 // 2
+    out.update(
+        {
+            "s4": replace(base, num_stages=4),
+            "s4 early": replace(early, num_stages=4),
+            "s4 early+ahead2": replace(both, num_stages=4),
+            "t32 s5 early+ahead2": replace(both, tile_n=32, num_stages=5),
+            "t32 s6 early+ahead2": replace(both, tile_n=32, num_stages=6),
+            "P1.5 early": replace(early, num_partitions=p15),
+            "P1.5 early+ahead2": replace(both, num_partitions=p15),
+            "P1.5 t32 s5 early+ahead2": replace(both, tile_n=32, num_stages=5, num_partitions=p15),
+        }
+    )
+    return out
+
+
+def v7_case(batch_size: int, kv_len: int, s: BenchSettings, top: int) -> dict:
+    """Every v7 variant of one decode case: rel L2 against dense attention, graph replay
+    (SDPA's before and after), then do_bench paired with SDPA for the base, ``early`` and
+    the ``top`` fastest others."""
+    batch = make_paged_batch(
+        [kv_len] * batch_size, [1] * batch_size, num_q_heads=s.num_q_heads,
+        num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, block_size=s.block_size,
+        dtype=s.dtype, device="cuda", seed=batch_size,
+    )  # fmt: skip
+    ref, _ = dense_attention(batch)
+    base = choose_config(problem_of(batch), s.dtype, num_sms(batch.query.device))
+    k, v = dense_kv(batch)
+    sdpa = sdpa_decode(batch, k, v)
+    name = f"B={batch_size} x L={kv_len}"
+    row: dict = {"case": name, "default": asdict(base), "sdpa_rel_l2": rel_l2(sdpa(), ref)}
+    row["sdpa_graph_us"] = [graph_us(sdpa, 20.0)]
+    variants = v7_variants(base)
+    grid = {}
+    for label, cfg in variants.items():
+        r = try_config(batch, cfg, ref, lambda fn: graph_us(fn, 20.0), "graph_us")
+        grid[label] = r
+        log(
+            f"  {name} {label:26s} {r.get('graph_us', float('nan')):6.1f} us  {r.get('rel_l2', r.get('error'))}"
+        )
+    row["sdpa_graph_us"].append(graph_us(sdpa, 20.0))
+    row["grid"] = grid
+    ok = sorted(
+        (lb for lb, r in grid.items() if "graph_us" in r and r["rel_l2"] < 1e-2 and lb != "base"),
+        key=lambda lb: grid[lb]["graph_us"],
+    )
+    chosen = ["base", *dict.fromkeys(["early", *ok[:top]])]
+    row["paired"] = {}
+    for label in chosen:
+        if label != "base" and label not in ok:
+            continue
+        t = paired_times(ours(batch, variants[label]), sdpa, s)
+        t["ratio"] = t["sdpa_ms"] / t["ours_ms"]
+        row["paired"][label] = t
+        log(
+            f"  {name} do_bench {label:26s} ours {t['ours_ms'] * 1e3:6.1f} us  SDPA "
+            f"{t['sdpa_ms'] * 1e3:6.1f} us  x{t['ratio']:.3f} rounds "
+            f"{[round(x, 3) for x in t['ratio_rounds']]}"
+        )
+    return row
+
+
+def v7_summary(rows: list[dict]) -> str:
+    lines = ["case | variant | graph us | x SDPA graph | do_bench us | x SDPA do_bench | rel L2"]
+    for row in rows:
+        sg = sum(row["sdpa_graph_us"]) / len(row["sdpa_graph_us"])
+        for label, r in row["grid"].items():
+            g = r.get("graph_us")
+            p = row["paired"].get(label)
+            db = f"{p['ours_ms'] * 1e3:.1f} | {p['ratio']:.3f}" if p else "- | -"
+            gs = f"{g:.1f} | {sg / g:.3f}" if g else f"error {r.get('error', '')[:60]} | -"
+            lines.append(f"{row['case']} | {label} | {gs} | {db} | {r.get('rel_l2', 0):.1e}")
+        lines.append(f"{row['case']} | SDPA | {row['sdpa_graph_us']} | - | - | -")
+    return "\n".join(lines)
+
+
+def length_scan(
+    s: BenchSettings, parts: int = 32, lengths: tuple[int, ...] = (8192, 16384, 32768, 65536)
+) -> list[dict]:
+    """B=1 decode at several KV lengths with a fixed split count (the partition length grows
+    with L): graph replay of ours (default config otherwise) and SDPA, and the least-squares
+    line t = a + b * L of each, separating a fixed cost per call (a) from a cost per token
+    (b, i.e. bandwidth)."""
+    rows = []
+    for n in lengths:
+        batch = make_paged_batch(
+            [n], [1], num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads,
+            head_dim=s.head_dim, block_size=s.block_size, dtype=s.dtype, device="cuda", seed=n,
+        )  # fmt: skip
+        base = choose_config(problem_of(batch), s.dtype, num_sms(batch.query.device))
+        cfg = replace(base, num_partitions=parts)
+        k, v = dense_kv(batch)
+        fn, sdpa = ours(batch, cfg), sdpa_decode(batch, k, v)
+        ref, _ = dense_attention(batch)
+        row = {"kv_len": n, "config": asdict(cfg), "rel_l2": rel_l2(fn(), ref)}
+        row["ours_us"], row["sdpa_us"] = graph_us(fn, 20.0), graph_us(sdpa, 20.0)
+        rows.append(row)
+        log(f"  scan B=1 L={n}: ours {row['ours_us']:.1f} us  SDPA {row['sdpa_us']:.1f} us")
+    for key in ("ours_us", "sdpa_us"):
+        xs = [r["kv_len"] for r in rows]
+        ys = [r[key] for r in rows]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+            (x - mx) ** 2 for x in xs
+        )
+        log(f"  scan fit {key}: {my - b * mx:.2f} us + {b * 1e3:.3f} us per 1k tokens")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="JSON file for the results")
@@ -187,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rep-ms", type=float, default=25.0, help="graph replay time per config")
     parser.add_argument("--host-only", action="store_true", help="only the host-time diagnosis")
     parser.add_argument("--merge-ab", action="store_true", help="only the merge A/B")
+    parser.add_argument("--v7", action="store_true", help="only the v7 variants, every case")
+    parser.add_argument("--scan", action="store_true", help="only the B=1 length scan")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("sweep_split needs a CUDA device", file=sys.stderr)
@@ -194,6 +317,21 @@ def main(argv: list[str] | None = None) -> int:
     s = BenchSettings(rounds=3)
     t0 = time.time()
     out = {"device": torch.cuda.get_device_name(), "cases": []}
+    if args.scan:
+        out["scan"] = length_scan(s)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=1, default=str))
+        return 0
+    if args.v7:
+        out["v7"] = []
+        for b, n in CASES:
+            out["v7"].append(v7_case(b, n, s, args.top))
+            torch.cuda.empty_cache()
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(out, indent=1, default=str))
+        print(v7_summary(out["v7"]), flush=True)
+        log(f"done in {time.time() - t0:.0f} s")
+        return 0
     if args.merge_ab:
         out["merge_ab"] = merge_ab(s)
         args.out.parent.mkdir(parents=True, exist_ok=True)

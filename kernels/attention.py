@@ -65,6 +65,11 @@ class AttentionConfig:
             fuses: on the H200 the two cost about the same GPU time (B=4 x 16384: 71.0 vs
             70.8 us, B=1 x 32768: 44.3 vs 41.8, graph replay) but the second launch cost
             40-65 us more host time, which made a call host-bound (notes-kernels.md, v5).
+        early_ids: decode (``block_q == 1``, no sliding window) issues the query load and the
+            first tiles' block-id reads at program start, in parallel with the sequence
+            lookup, on the lookup's even-split guess (re-read on a miss): one dependent
+            round trip less before the first K/V load.
+        ids_ahead: tiles between a block-id read and the K/V loads that use it (1 or 2).
     """
 
     block_m: int
@@ -74,6 +79,8 @@ class AttentionConfig:
     num_warps: int = 4
     num_stages: int = 2
     fused_merge: bool = False
+    early_ids: bool = False
+    ids_ahead: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "tile_n"):
@@ -82,6 +89,8 @@ class AttentionConfig:
                 raise KernelArgumentError(f"AttentionConfig.{name} must be a power of two >= 16")
         if self.block_q < 1 or self.num_partitions < 1:
             raise KernelArgumentError("AttentionConfig.block_q and num_partitions must be >= 1")
+        if self.ids_ahead not in (1, 2):
+            raise KernelArgumentError("AttentionConfig.ids_ahead must be 1 or 2")
 
 
 @dataclass(frozen=True)
@@ -186,6 +195,10 @@ def choose_config(
         num_warps=num_warps,
         num_stages=num_stages,
         fused_merge=parts > 1,
+        # Early block-id reads measured a small gain unsplit (do_bench vs SDPA: B=256 x 128
+        # 1.153x vs 1.115x, B=128 x 512 0.981x vs 0.975x, B=64 x 4096 0.985x vs 0.989x)
+        # but cost 5.6 us at B=4 x 16384 split (graph replay 75.0 vs 69.4): notes, v7.
+        early_ids=decode and parts == 1,
     )
 
 
@@ -212,6 +225,20 @@ def _slot_start(qsl_ptr, s, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _guess_sequence(pid, num_seqs, grid_q):
+    """The sequence an even split of the grid gives slot ``pid`` (exact for decode batches
+    and equal prefill lengths)."""
+    return tl.minimum((pid.to(tl.int64) * num_seqs // grid_q).to(tl.int32), num_seqs - 1)
+
+
+@triton.jit
+def _tile_ids(table_row, tile, kv_hi, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Block ids ``[TILE_N]`` (int32) of the tokens of ``tile``; 0 for tokens >= ``kv_hi``."""
+    idx = tile * TILE_N + tl.arange(0, TILE_N)
+    return tl.load(table_row + idx // BLOCK_SIZE, mask=idx < kv_hi, other=0)
+
+
+@triton.jit
 def _locate_sequence(qsl_ptr, seq_lens_ptr, pid, num_seqs, grid_q, BLOCK_Q: tl.constexpr):
     """The sequence owning grid slot ``pid``: ``(seq, first query row, query rows, KV len)``.
 
@@ -221,7 +248,7 @@ def _locate_sequence(qsl_ptr, seq_lens_ptr, pid, num_seqs, grid_q, BLOCK_Q: tl.c
     block table. A miss binary-searches (log2(num_seqs) dependent loads) and reloads.
     ``start(num_seqs) == grid_q > pid``, so ``s + 1`` may always be read.
     """
-    guess = tl.minimum((pid.to(tl.int64) * num_seqs // grid_q).to(tl.int32), num_seqs - 1)
+    guess = _guess_sequence(pid, num_seqs, grid_q)
     q_begin = tl.load(qsl_ptr + guess)
     q_end = tl.load(qsl_ptr + guess + 1)
     seq_len = tl.load(seq_lens_ptr + guess)
@@ -264,6 +291,8 @@ def _attend_tiles(
     k_head,
     v_head,
     table_row,
+    block0,
+    block1,
     stride_kb,
     stride_vb,
     t_from,
@@ -282,24 +311,28 @@ def _attend_tiles(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    IDS_AHEAD: tl.constexpr,
 ):
     """Fold KV tiles ``[t_from, t_to)`` into the online softmax ``(acc, m_i, l_i)``.
 
-    Scores are in base-2 units (``qk_scale`` carries log2(e) unless soft-capping). With
-    ``MASKED`` False every key of every tile must be visible to every row.
+    ``block0`` (and ``block1`` when ``IDS_AHEAD == 2``) are the block ids ``[TILE_N]`` of
+    tiles ``t_from`` (and ``t_from + 1``), from :func:`_tile_ids`. Scores are in base-2 units
+    (``qk_scale`` carries log2(e) unless soft-capping). With ``MASKED`` False every key of
+    every tile must be visible to every row.
     """
     offs_n = tl.arange(0, TILE_N)
     dims = tl.arange(0, HEAD_DIM_PAD)
-    # Block ids are read one tile ahead, so a tile's K/V loads never wait on the table read
-    # that gives their addresses: with 3 pipeline stages that took B=1 x 32768 decode from
-    # 47.8 to 41.5 us and B=4 x 16384 from 80.1 to 70.4 us (notes-kernels.md, v5).
-    first = t_from * TILE_N + offs_n
-    block = tl.load(table_row + first // BLOCK_SIZE, mask=first < kv_hi, other=0).to(tl.int64)
+    # Block ids are read IDS_AHEAD tiles ahead, so a tile's K/V loads never wait on the
+    # table read that gives their addresses: one tile ahead with 3 pipeline stages took
+    # B=1 x 32768 decode from 47.8 to 41.5 us and B=4 x 16384 from 80.1 to 70.4 us
+    # (notes-kernels.md, v5).
+    block = block0.to(tl.int64)
+    if IDS_AHEAD == 2:
+        block_a = block1
     for tile in range(t_from, t_to):
         kv_idx = tile * TILE_N + offs_n
         kv_valid = kv_idx < kv_hi
-        nxt = kv_idx + TILE_N
-        block_next = tl.load(table_row + nxt // BLOCK_SIZE, mask=nxt < kv_hi, other=0)
+        block_next = _tile_ids(table_row, tile + IDS_AHEAD, kv_hi, TILE_N, BLOCK_SIZE)
         k_rows = k_head + block * stride_kb + (kv_idx % BLOCK_SIZE) * HEAD_DIM
         v_rows = v_head + block * stride_vb + (kv_idx % BLOCK_SIZE) * HEAD_DIM
         if HEAD_DIM == HEAD_DIM_PAD:
@@ -340,7 +373,11 @@ def _attend_tiles(
             v = tl.load(v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-        block = block_next.to(tl.int64)
+        if IDS_AHEAD == 2:
+            block = block_a.to(tl.int64)
+            block_a = block_next
+        else:
+            block = block_next.to(tl.int64)
     return acc, m_i, l_i
 
 
@@ -366,6 +403,7 @@ def _paged_attention_kernel(
     stride_kb,
     stride_vb,
     stride_bts,
+    max_blocks,
     stride_ot,
     stride_oh,
     qk_scale,
@@ -386,6 +424,8 @@ def _paged_attention_kernel(
     WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
+    EARLY_IDS: tl.constexpr,
+    IDS_AHEAD: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -395,6 +435,27 @@ def _paged_attention_kernel(
         # The merge kernel (launched programmatically dependent) may start its launch now;
         # it waits for this grid's completion before reading anything.
         gdc_launch_dependents()
+    rows = tl.arange(0, BLOCK_M)
+    head = kv_head * GROUP + rows % GROUP
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    if EARLY_IDS:
+        # Decode without a window (the launcher checks): slot pid_q holds query token pid_q
+        # and this partition starts at tile part * tiles_per_part whatever the sequence, so
+        # the query and the first tiles' block ids (of the guessed sequence's table row)
+        # are read before the lookup resolves, in the same round trip as its loads.
+        guess = _guess_sequence(pid_q, num_seqs, grid_q)
+        t_first = part * tiles_per_part
+        guess_row = block_tables_ptr + guess.to(tl.int64) * stride_bts
+        ids0 = _tile_ids(guess_row, t_first, max_blocks * BLOCK_SIZE, TILE_N, BLOCK_SIZE)
+        ids1 = ids0
+        if IDS_AHEAD == 2:
+            ids1 = _tile_ids(guess_row, t_first + 1, max_blocks * BLOCK_SIZE, TILE_N, BLOCK_SIZE)
+        q = tl.load(
+            q_ptr + pid_q.to(tl.int64) * stride_qt + head[:, None] * stride_qh + dims[None, :],
+            mask=(rows < GROUP)[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
     seq, q_begin, n_q, seq_len = _locate_sequence(
         qsl_ptr, seq_lens_ptr, pid_q, num_seqs, grid_q, BLOCK_Q
     )
@@ -406,20 +467,17 @@ def _paged_attention_kernel(
     if q_lo >= n_q:
         return  # a spare slot of the grid's upper bound
 
-    rows = tl.arange(0, BLOCK_M)
     q_idx = q_lo + rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
     row_valid = (rows < BLOCK_Q * GROUP) & (q_idx < n_q)
     q_pos = seq_len - n_q + q_idx
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_valid = dims < HEAD_DIM
 
     q_row = (q_begin + q_idx).to(tl.int64)
-    q = tl.load(
-        q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-        mask=row_valid[:, None] & dim_valid[None, :],
-        other=0.0,
-    )
+    if not EARLY_IDS:
+        q = tl.load(
+            q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+            mask=row_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
 
     # The KV range any row of this tile can see; partitions split it in whole tiles.
     last_q = tl.minimum(q_lo + BLOCK_Q, n_q) - 1
@@ -450,19 +508,39 @@ def _paged_attention_kernel(
     t_split = tl.minimum(tl.maximum(t_full, t_begin), t_end)
 
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
+    if EARLY_IDS:
+        if seq != guess:  # the guess missed (not a plain decode batch): read the right row
+            ids0 = _tile_ids(table_row, t_begin, kv_hi, TILE_N, BLOCK_SIZE)
+            if IDS_AHEAD == 2:
+                ids1 = _tile_ids(table_row, t_begin + 1, kv_hi, TILE_N, BLOCK_SIZE)
+            else:
+                ids1 = ids0
+        # Ids past the sequence (-1 in the table) become 0, as _tile_ids gives them.
+        ids0 = tl.where(t_begin * TILE_N + tl.arange(0, TILE_N) < kv_hi, ids0, 0)
+        ids1 = tl.where((t_begin + 1) * TILE_N + tl.arange(0, TILE_N) < kv_hi, ids1, 0)
+    else:
+        ids0 = _tile_ids(table_row, t_begin, kv_hi, TILE_N, BLOCK_SIZE)
+        ids1 = ids0
+        if IDS_AHEAD == 2:
+            ids1 = _tile_ids(table_row, t_begin + 1, kv_hi, TILE_N, BLOCK_SIZE)
     k_head = k_ptr + kv_head * (BLOCK_SIZE * HEAD_DIM)
     v_head = v_ptr + kv_head * (BLOCK_SIZE * HEAD_DIM)
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_head, v_head, table_row, stride_kb, stride_vb,
+        acc, m_i, l_i, q, k_head, v_head, table_row, ids0, ids1, stride_kb, stride_vb,
         t_begin, t_split, kv_hi, q_pos, qk_scale, softcap, window,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, CAUSAL, USE_WINDOW, USE_SOFTCAP,
-        DOT_PRECISION,
+        DOT_PRECISION, IDS_AHEAD,
     )  # fmt: skip
+    # The masked tiles start where the unmasked ones stopped: their own first ids.
+    ids0 = _tile_ids(table_row, t_split, kv_hi, TILE_N, BLOCK_SIZE)
+    ids1 = ids0
+    if IDS_AHEAD == 2:
+        ids1 = _tile_ids(table_row, t_split + 1, kv_hi, TILE_N, BLOCK_SIZE)
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_head, v_head, table_row, stride_kb, stride_vb,
+        acc, m_i, l_i, q, k_head, v_head, table_row, ids0, ids1, stride_kb, stride_vb,
         t_split, t_end, kv_hi, q_pos, qk_scale, softcap, window,
         HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, CAUSAL, USE_WINDOW, USE_SOFTCAP,
-        DOT_PRECISION,
+        DOT_PRECISION, IDS_AHEAD,
     )  # fmt: skip
 
     seen = l_i > 0.0
@@ -668,6 +746,7 @@ def paged_attention_triton(
             key_cache.stride(0),
             value_cache.stride(0),
             block_tables.stride(0),
+            block_tables.shape[1],
             out.stride(0),
             out.stride(1),
             qk_scale,
@@ -690,6 +769,10 @@ def paged_attention_triton(
             "WRITE_LSE": return_lse,
             "DOT_PRECISION": _dot_precision(query.dtype),
             "LAUNCH_DEPENDENTS": pdl,
+            # The early reads rely on slot == query token and on partitions starting at a
+            # fixed tile, which hold for one-token tiles without a window.
+            "EARLY_IDS": config.early_ids and config.block_q == 1 and sliding_window is None,
+            "IDS_AHEAD": config.ids_ahead,
         },
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -293,6 +293,54 @@ def test_fused_merge_matches_the_merge_kernel(hq: int, hkv: int) -> None:
         torch.testing.assert_close(got[0][1].double(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
+# Decode batches for the early block-id reads: every sequence one query (the lookup's guess
+# always hits), and one with query-less sequences (the guess misses for some slots, which
+# must re-read the right table row). Lengths cross tile and block edges.
+EARLY_BATCHES = {
+    "decode": ([1, 15, 16, 17, 95, 160], [1, 1, 1, 1, 1, 1]),
+    "guess_misses": ([40, 7, 33, 96, 5, 64], [1, 0, 0, 1, 1, 0]),
+}
+
+
+@pytest.mark.parametrize("batch_name", sorted(EARLY_BATCHES))
+@pytest.mark.parametrize(("early", "ahead"), [(True, 1), (True, 2), (False, 2)])
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 20}], ids=["full", "window"])
+def test_early_ids_and_ids_ahead(batch_name: str, early: bool, ahead: int, options: dict) -> None:
+    """``early_ids`` (query and first block ids read before the sequence lookup resolves)
+    and ``ids_ahead=2`` (block ids two tiles ahead) give the default path's result, split
+    (fused merge) and unsplit, and every output element is written. A sliding window turns
+    the early reads off (partitions then start at a sequence-dependent tile)."""
+    lens, q_lens = EARLY_BATCHES[batch_name]
+    batch = make_paged_batch(
+        lens, q_lens, num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=8, seed=len(lens)
+    )
+    problem = problem_of(batch)
+    cfg = choose_config(problem, torch.float32, sm_count=4)
+    base = replace(cfg, tile_n=16, early_ids=False, ids_ahead=1)
+    assert base.block_q == 1
+    ref, ref_lse = dense_attention(batch, **options)
+    for parts in (1, 4):
+        got = []
+        for cfg in (base, replace(base, early_ids=early, ids_ahead=ahead)):
+            out = torch.full_like(batch.query, float("nan"))
+            cfg = replace(with_partitions(cfg, parts), fused_merge=parts > 1)
+            o, lse = paged_attention_triton(
+                *batch.args(), problem, return_lse=True, out=out, config=cfg, **options
+            )
+            assert not torch.isnan(o).any()
+            got.append((o, lse))
+        torch.testing.assert_close(got[1][0], got[0][0], rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(got[1][1], got[0][1], rtol=2e-6, atol=2e-6)
+        assert max_rel(got[1][0], ref) <= FP32_MAX_REL
+        seen = torch.isfinite(ref_lse)
+        torch.testing.assert_close(got[1][1][seen].double(), ref_lse[seen], rtol=1e-5, atol=1e-5)
+
+
+def test_ids_ahead_is_checked() -> None:
+    with pytest.raises(ValueError, match="ids_ahead"):
+        AttentionConfig(block_m=16, block_q=1, tile_n=32, ids_ahead=3)
+
+
 def test_merge_of_partials_from_separate_calls_equals_whole() -> None:
     """Attention over keys [0, a) and [a, L) computed as two non-causal calls, merged."""
     seq_len, cut, d = 70, 29, 32
@@ -402,6 +450,16 @@ class TestHeuristics:
         programs = base * cfg.num_partitions
         assert cfg.num_partitions > 1 and 2 * 132 - base < programs <= 2 * 132
         assert cfg.num_stages == 3 and cfg.fused_merge  # one launch per call
+
+    def test_early_ids_only_for_unsplit_decode(self) -> None:
+        # Measured on the H200 (notes-kernels.md, v7): a small gain unsplit, a loss split.
+        unsplit = choose_config(self.problem(256, 256, 128), torch.bfloat16, sm_count=132)
+        split = choose_config(self.problem(4, 4, 16384), torch.bfloat16, sm_count=132)
+        prefill = choose_config(self.problem(8, 8 * 512, 4096), torch.bfloat16, sm_count=132)
+        assert unsplit.num_partitions == 1 and unsplit.early_ids
+        assert split.num_partitions > 1 and not split.early_ids
+        assert prefill.block_q > 1 and not prefill.early_ids
+        assert unsplit.ids_ahead == split.ids_ahead == prefill.ids_ahead == 1
 
     def test_short_context_does_not_split(self) -> None:
         cfg = choose_config(self.problem(1, 1, 256), torch.bfloat16, sm_count=132)
