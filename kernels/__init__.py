@@ -1,8 +1,8 @@
 """Paged-attention compute: Triton kernels for CUDA tensors, torch references for CPU tensors.
 
 Public API (shapes, dtypes and units in each function's docstring):
-``paged_attention``, ``merge_attention_states``, ``write_kv``, ``copy_blocks``,
-``gather_blocks``, ``scatter_blocks``.
+``paged_attention``, ``merge_attention_states``, ``write_kv``, ``record_fingerprints``,
+``copy_blocks``, ``gather_blocks``, ``scatter_blocks``.
 
 Every function validates its arguments first (:mod:`kernels.validation`): a malformed
 argument raises :class:`KernelArgumentError`, a ``ValueError`` naming the argument, and
@@ -34,6 +34,7 @@ from kernels.reference import (
     gather_blocks_ref,
     merge_attention_states_ref,
     paged_attention_ref,
+    record_fingerprints_ref,
     scatter_blocks_ref,
     write_kv_ref,
 )
@@ -43,6 +44,7 @@ from kernels.validation import (
     check_gather_args,
     check_merge_args,
     check_paged_attention_args,
+    check_record_fingerprints_args,
     check_scatter_args,
     check_write_kv_args,
 )
@@ -54,6 +56,7 @@ __all__ = [
     "gather_blocks",
     "merge_attention_states",
     "paged_attention",
+    "record_fingerprints",
     "scatter_blocks",
     "triton_interpreter_enabled",
     "write_kv",
@@ -230,6 +233,47 @@ def write_kv(
         write_kv_triton(key, value, key_cache, value_cache, slot_mapping)
     else:
         write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
+
+
+def record_fingerprints(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    weights: torch.Tensor,
+    sums: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layer: int | None,
+    block_size: int,
+    *,
+    backend: Backend | None = None,
+    check_values: bool = True,
+) -> None:
+    """Fingerprint a write, in place: each token's K and V rows summed with `weights` in
+    float64, stored at its slot's row and layer of `sums` (workers.fingerprints).
+
+    Args:
+        key, value: ``[n, Hkv, D]``, float16 / bfloat16 / float32 (as written).
+        weights: float64 ``[Hkv, D]``.
+        sums: float64 ``[rows, L, 2]``, contiguous (index 0: K, 1: V). Its last
+            `block_size` rows are a spare block: tokens with a negative slot land there.
+        slot_mapping: int64 (or int32) ``[n]``: flat slots ``block * block_size + offset``;
+            with `layer` None, slots of pages (page ``block * L + layer``); negative:
+            skipped (spare row). Row ``slot`` (or ``block * block_size + offset`` of the
+            page) must lie below the spare block.
+        layer: the layer of every token, or None for page slots (each token on its own).
+        block_size: tokens per block.
+        backend, check_values: see the module docstring.
+    """
+    check_record_fingerprints_args(
+        key, value, weights, sums, slot_mapping, layer, block_size, check_values=check_values
+    )
+    if _use_triton(backend, sums.device):
+        from kernels.slot_fingerprints import record_fingerprints_triton
+
+        record_fingerprints_triton(
+            key.contiguous(), value.contiguous(), weights, sums, slot_mapping, layer, block_size
+        )
+    else:
+        record_fingerprints_ref(key, value, weights, sums, slot_mapping, layer, block_size)
 
 
 def copy_blocks(

@@ -158,6 +158,36 @@ def write_kv_ref(
     value_cache[blocks, :, offsets, :] = value[keep].to(value_cache.dtype)
 
 
+def record_fingerprints_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    weights: torch.Tensor,
+    sums: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layer: int | None,
+    block_size: int,
+) -> None:
+    """Store each token's K and V fingerprints (float64 sums of the row times `weights`)
+    in its slot's row of `sums`, in place (shapes as in :func:`kernels.record_fingerprints`).
+    """
+    slots = slot_mapping.long()
+    spare = sums.shape[0] - block_size
+    both = torch.stack([_weighted_rows(key, weights), _weighted_rows(value, weights)], dim=-1)
+    if layer is None:
+        num_layers = sums.shape[1]
+        pages, offsets = slots.div(block_size, rounding_mode="floor"), slots % block_size
+        layers = pages % num_layers
+        rows = pages.div(num_layers, rounding_mode="floor") * block_size + offsets
+        sums[torch.where(slots >= 0, rows, spare), layers] = both
+    else:
+        sums[torch.where(slots >= 0, slots, spare), layer] = both
+
+
+def _weighted_rows(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``[n, Hkv, D]`` -> ``[n]`` float64: each row's sum of x * weights."""
+    return (x.to(torch.float64) * weights).sum((-2, -1))
+
+
 def copy_blocks_ref(
     key_cache: torch.Tensor, value_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
 ) -> None:

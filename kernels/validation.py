@@ -23,6 +23,7 @@ __all__ = [
     "check_gather_args",
     "check_merge_args",
     "check_paged_attention_args",
+    "check_record_fingerprints_args",
     "check_scatter_args",
     "check_write_kv_args",
 ]
@@ -451,3 +452,56 @@ def check_scatter_args(
             _fail(f"block_ids holds a block id outside [0, {n_blocks})")
         if torch.unique(ids).numel() != ids.numel():
             _fail("block_ids names one block more than once")
+
+
+def check_record_fingerprints_args(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    weights: torch.Tensor,
+    sums: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layer: int | None,
+    block_size: int,
+    *,
+    check_values: bool = True,
+) -> None:
+    """Validate ``record_fingerprints`` (shapes in its docstring)."""
+    _require_tensor("weights", weights)
+    _require_dim("weights", weights, 2, "[num_kv_heads, head_dim]")
+    _require_dtype("weights", weights, (torch.float64,))
+    _require_tensor("sums", sums)
+    _require_dim("sums", sums, 3, "[rows, num_layers, 2]")
+    _require_dtype("sums", sums, (torch.float64,))
+    if not weights.is_contiguous() or not sums.is_contiguous():
+        _fail("weights and sums must be contiguous")
+    if type(block_size) is not int or block_size < 1:
+        _fail(f"block_size must be a positive int, got {block_size!r}")
+    rows, num_layers, kinds = sums.shape
+    if kinds != 2 or rows < block_size or rows % block_size:
+        _fail(
+            f"sums must be [rows, num_layers, 2] with rows a multiple of block_size "
+            f"{block_size} (a spare block included), got shape {tuple(sums.shape)}"
+        )
+    if layer is not None and (type(layer) is not int or not 0 <= layer < num_layers):
+        _fail(f"layer must be None or an int in [0, {num_layers}), got {layer!r}")
+    for name, t in (("key", key), ("value", value)):
+        _require_tensor(name, t)
+        _require_dim(name, t, 3, "[num_tokens, num_kv_heads, head_dim]")
+        _require_dtype(name, t, ATTENTION_DTYPES)
+        if tuple(t.shape[1:]) != tuple(weights.shape):
+            _fail(f"{name} shape {tuple(t.shape)} does not match weights {tuple(weights.shape)}")
+    if value.shape[0] != key.shape[0]:
+        _fail(f"value has {value.shape[0]} tokens but key has {key.shape[0]}")
+    _require_tensor("slot_mapping", slot_mapping)
+    _require_dim("slot_mapping", slot_mapping, 1, "[num_tokens]")
+    _require_dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
+    if slot_mapping.shape[0] != key.shape[0]:
+        _fail(f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens")
+    _require_same_device(
+        "sums", sums, key=key, value=value, weights=weights, slot_mapping=slot_mapping
+    )
+    if check_values and slot_mapping.numel() > 0:
+        limit = (rows - block_size) * (1 if layer is not None else num_layers)
+        top = int(slot_mapping.max())
+        if top >= limit:
+            _fail(f"slot_mapping holds slot {top}, past the {limit} slots sums covers")

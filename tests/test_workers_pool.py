@@ -28,10 +28,14 @@ from workers.pool import KVPool
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32")
 
 
-def filled_pool(num_blocks: int = 16, seed: int = 0, **kwargs) -> KVPool:
-    pool = KVPool(LAYOUT, num_blocks, "cpu", **kwargs)
+def filled_pool(num_blocks: int = 16, seed: int = 0, device: str = "cpu", **kwargs) -> KVPool:
+    pool = KVPool(LAYOUT, num_blocks, device, **kwargs)
     pool.data.copy_(torch.randn(pool.data.shape, generator=torch.Generator().manual_seed(seed)))
     return pool
+
+
+# The fingerprint tests also run on CUDA, where fingerprints come from a Triton kernel.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 # -- layout and package weight ---------------------------------------------------------
@@ -409,6 +413,37 @@ def test_a_metadata_key_validates_once_and_answers_like_an_unkeyed_call(monkeypa
     assert len(checks) == 1 + LAYOUT.num_layers  # the keyed pool checked once; plain each call
 
 
+@pytest.mark.parametrize("as_list", [False, True])
+def test_a_keys_slots_are_validated_once_and_other_slots_as_usual(monkeypatch, as_list):
+    import workers.pool as pool_mod
+
+    keyed, plain = filled_pool(seed=3), filled_pool(seed=3)
+    checks = []
+    real = pool_mod.check_write
+    monkeypatch.setattr(pool_mod, "check_write", lambda *a: checks.append(1) or real(*a))
+    slots, k, v, q, tables, lens, qsl = _decode_args(keyed, seed=4)
+    given = slots.tolist() if as_list else slots
+    for layer in range(LAYOUT.num_layers):
+        args = (layer, given, k + layer, v - layer, q, tables, lens, qsl)
+        assert torch.equal(
+            keyed.write_and_attend(*args, metadata_key=9), plain.write_and_attend(*args)
+        )
+    assert torch.equal(keyed.data, plain.data)
+    assert len(checks) == 1 + LAYOUT.num_layers  # the keyed pool checked the slots once
+    # Other slots under the same key: validated again (a slot past the pool is refused and
+    # nothing is written), and good ones written where they say.
+    bad = slots.clone()
+    bad[1] = keyed.num_slots
+    before = keyed.data.clone()
+    with pytest.raises(InvalidWorkerRequest, match="slot_mapping holds slot"):
+        keyed.write_and_attend(0, bad, k, v, q, tables, lens, qsl, metadata_key=9)
+    assert torch.equal(keyed.data, before)
+    # The key's kept slots are not fooled by a key of the wrong shape either.
+    with pytest.raises(InvalidWorkerRequest, match="key must be"):
+        keyed.write_and_attend(0, given, k[:2], v, q, tables, lens, qsl, metadata_key=9)
+    assert torch.equal(keyed.data, before)
+
+
 @pytest.mark.parametrize("change", ["rows", "tables", "key_type"])
 def test_a_call_that_does_not_fit_its_keys_metadata_is_refused_and_writes_nothing(change):
     pool = filled_pool(seed=5)
@@ -442,8 +477,9 @@ def test_the_metadata_cache_keeps_the_most_recent_keys():
         MetadataCache(capacity=0)
 
 
-def test_fingerprints_skip_negative_slots_and_still_catch_a_changed_slot():
-    pool = filled_pool(fingerprints=True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_fingerprints_skip_negative_slots_and_still_catch_a_changed_slot(device: str):
+    pool = filled_pool(device=device, fingerprints=True)
     gen = torch.Generator().manual_seed(8)
     k, v = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, 16, generator=gen)
     pool.write(1, torch.tensor([5, -1, 6]), k, v)  # the middle token is skipped
@@ -462,8 +498,10 @@ def test_fingerprints_skip_negative_slots_and_still_catch_a_changed_slot():
 # -- sequences of several layers in one call (pages) ---------------------------------------
 
 
-def test_page_addressed_calls_equal_per_layer_calls_and_keep_fingerprints():
-    paged, plain = filled_pool(seed=9, fingerprints=True), filled_pool(seed=9, fingerprints=True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_page_addressed_calls_equal_per_layer_calls_and_keep_fingerprints(device: str):
+    paged = filled_pool(seed=9, device=device, fingerprints=True)
+    plain = filled_pool(seed=9, device=device, fingerprints=True)
     num_layers = LAYOUT.num_layers
     layers = [2, 0, 2]  # three sequences: two on layer 2, one on layer 0
     slots, k, v, q, tables, lens, qsl = _decode_args(paged, seed=10)

@@ -24,6 +24,7 @@ __all__ = [
     "check_block_data",
     "check_block_ids",
     "check_layer",
+    "check_new_kv",
     "check_query",
     "check_write",
 ]
@@ -110,17 +111,7 @@ def check_write(
     if slots.dim() != 1:
         _fail(f"slot_mapping must be 1-D [num_tokens], got shape {tuple(slots.shape)}")
     n = slots.shape[0]
-    if layer is None:
-        leading, ndim = f"{layout.num_layers}, {n}", 4
-    else:
-        leading, ndim = f"{n}", 3
-    for name, t in (("key", key), ("value", value)):
-        _check_heads(name, t, layout, leading, ndim)
-        if tuple(t.shape[:-2]) != ((layout.num_layers, n) if layer is None else (n,)):
-            _fail(
-                f"{name} must be [{leading}, {layout.num_kv_heads}, {layout.head_dim}] "
-                f"(slot_mapping has {n} entries), got shape {tuple(t.shape)}"
-            )
+    check_new_kv(layout, layer, n, key, value)
     if n:
         host = _host_array(slots)
         kept = host[host >= 0]
@@ -135,6 +126,24 @@ def check_write(
             if bool((ordered[1:] == ordered[:-1]).any()):
                 _fail("slot_mapping names one slot more than once")
     return slots
+
+
+def check_new_kv(
+    layout: KVLayout, layer: int | None, n: int, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """Validate a write's key and value for `n` slots: ``[n, Hkv, D]`` (``[L, n, Hkv, D]``
+    when ``layer`` is None) in the layout's dtype."""
+    if layer is None:
+        leading, ndim = f"{layout.num_layers}, {n}", 4
+    else:
+        leading, ndim = f"{n}", 3
+    for name, t in (("key", key), ("value", value)):
+        _check_heads(name, t, layout, leading, ndim)
+        if tuple(t.shape[:-2]) != ((layout.num_layers, n) if layer is None else (n,)):
+            _fail(
+                f"{name} must be [{leading}, {layout.num_kv_heads}, {layout.head_dim}] "
+                f"(slot_mapping has {n} entries), got shape {tuple(t.shape)}"
+            )
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+import kernels
 from workers.layout import KVLayout
 
 __all__ = ["BadSlot", "SlotFingerprints"]
@@ -87,25 +88,28 @@ class SlotFingerprints:
         """
         if slots.numel() == 0:
             return
-        slots = torch.where(slots >= 0, slots, self._spare)
-        both = torch.stack([self._rows(key), self._rows(value)], dim=-1)  # [(L,) n, 2]
-        if layer is None:
+        if layer is None:  # a whole-sequence write: rare, torch is fine
+            slots = torch.where(slots >= 0, slots, self._spare)
+            both = torch.stack([self._rows(key), self._rows(value)], dim=-1)  # [L, n, 2]
             self._sums[slots] = both.transpose(0, 1)  # [n, L, 2]
-        else:
-            self._sums[slots, layer] = both
+            return
+        self._record(layer, slots, key, value)
 
     def record_pages(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Fingerprint a write addressed by pages (page ``block * L + layer``, slot ``page *
         block_size + offset``; see KVPool.write_and_attend_pages): key, value ``[n, Hkv,
         D]``, each token on its own layer."""
-        if slots.numel() == 0:
-            return
-        num_layers = self._sums.shape[1]
-        pages, offsets = slots.div(self._bs, rounding_mode="floor"), slots.remainder(self._bs)
-        layers = pages.remainder(num_layers)
-        rows = pages.div(num_layers, rounding_mode="floor") * self._bs + offsets
-        rows = torch.where(slots >= 0, rows, self._spare)
-        self._sums[rows, layers] = torch.stack([self._rows(key), self._rows(value)], dim=-1)
+        if slots.numel() != 0:
+            self._record(None, slots, key, value)
+
+    def _record(
+        self, layer: int | None, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        # One Triton launch on CUDA instead of ~8 torch ops (kernels.slot_fingerprints); the
+        # pool validated the slots.
+        kernels.record_fingerprints(
+            key, value, self._weights, self._sums, slots, layer, self._bs, check_values=False
+        )
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Block ``src[i]``'s fingerprints become ``dst[i]``'s (int64 ids, device)."""

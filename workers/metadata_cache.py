@@ -11,6 +11,8 @@ copies under the key, least recently used dropped first.
 
 What a hit still checks: that the call has as many query rows as the cached offsets end
 with, and the shapes of the tensors passed (a caller bug is refused, never served stale).
+A write's slots are kept too, and reused only when the call passes equal slots (a list
+comparison: about a microsecond for a decode batch); other slots are validated as usual.
 """
 
 from __future__ import annotations
@@ -32,12 +34,36 @@ class CachedMetadata:
         seq_lens: int32 ``[S]``.
         query_start_loc: int32 ``[S + 1]``; its last entry is ``num_rows``.
         num_rows: query rows of the calls it serves.
+        slot_source, slots: the write's slot mapping as a caller passed it (a copy) and
+            validated on the device as int64 ``[n]``, when the key's calls write (every
+            layer of a decode step writes the same slots); None before the first write.
     """
 
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     num_rows: int
+    slot_source: list[int] | torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+
+    def same_slots(self, slot_mapping: object) -> bool:
+        """Whether `slot_mapping` holds the slots kept here (validated, on the device as
+        `slots`): a list equal to the kept one, or a host tensor equal to it."""
+        source = self.slot_source
+        if type(slot_mapping) is list and type(source) is list:
+            return slot_mapping == source
+        if isinstance(slot_mapping, torch.Tensor) and isinstance(source, torch.Tensor):
+            return (
+                slot_mapping.device == source.device
+                and slot_mapping.shape == source.shape
+                and slot_mapping.dtype == source.dtype
+                and torch.equal(slot_mapping, source)
+            )
+        return False
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block_tables, seq_lens, query_start_loc): the attention's index tensors."""
+        return self.block_tables, self.seq_lens, self.query_start_loc
 
     def shapes(self) -> tuple[torch.Size, torch.Size, torch.Size]:
         return self.block_tables.shape, self.seq_lens.shape, self.query_start_loc.shape

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TypeVar
 
 import torch
@@ -26,6 +27,7 @@ from workers.checks import (
     check_block_data,
     check_block_ids,
     check_layer,
+    check_new_kv,
     check_query,
     check_write,
 )
@@ -238,10 +240,10 @@ class KVPool:
         options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
         check_layer(layer, self._layout.num_layers)
         batch = (block_tables, seq_lens, query_start_loc)
-        cached = self._cached_metadata(metadata_key, query, *batch)
-        if cached is not None:
+        entry = self._cached_metadata(metadata_key, query, *batch)
+        if entry is not None:
             (q,) = self._on_device(query)
-            return self._attend_on_device(layer, q, *cached, options)
+            return self._attend_on_device(layer, q, *entry.tables(), options)
         indices = check_attend(self._layout, self._num_blocks, layer, query, *batch)
         staged = self._on_device(*_attend_inputs(query, *indices))
         self._remember_metadata(metadata_key, staged[1:], query.shape[0])
@@ -272,19 +274,30 @@ class KVPool:
         """
         options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
         check_layer(layer, self._layout.num_layers)
-        slots = check_write(self._layout, self._num_blocks, layer, slot_mapping, key, value)
         batch = (block_tables, seq_lens, query_start_loc)
-        cached = self._cached_metadata(metadata_key, query, *batch)
-        if cached is not None:
+        entry = self._cached_metadata(metadata_key, query, *batch)
+        if entry is not None and entry.slots is not None and entry.same_slots(slot_mapping):
+            # Another layer of the step: slots validated and on the device already.
+            check_new_kv(self._layout, layer, entry.slots.shape[0], key, value)
+            k, v, q = self._on_device(key, value, query)
+            self._write_on_device(layer, entry.slots, k, v)
+            return self._attend_on_device(layer, q, *entry.tables(), options)
+        slots = check_write(self._layout, self._num_blocks, layer, slot_mapping, key, value)
+        if entry is not None:
             staged = self._on_device(*_write_inputs(slots, key, value), query)
+            self._remember_slots(metadata_key, entry, slot_mapping, staged[0])
             self._write_on_device(layer, *staged[:3])
-            return self._attend_on_device(layer, staged[3], *cached, options)
+            return self._attend_on_device(layer, staged[3], *entry.tables(), options)
         indices = check_attend(self._layout, self._num_blocks, layer, query, *batch)
         # Both halves' tensors reach the device in one staged copy.
         staged = self._on_device(
             *_write_inputs(slots, key, value), *_attend_inputs(query, *indices)
         )
         self._remember_metadata(metadata_key, staged[4:], query.shape[0])
+        if metadata_key is not None:
+            self._remember_slots(
+                metadata_key, self._metadata.get(metadata_key), slot_mapping, staged[0]
+            )
         self._write_on_device(layer, *staged[:3])
         return self._attend_on_device(layer, *staged[3:], options)
 
@@ -443,7 +456,7 @@ class KVPool:
         block_tables: object,
         seq_lens: object,
         query_start_loc: object,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    ) -> CachedMetadata | None:
         """The device copies kept under `metadata_key`, after checking that this call fits
         them (query shape and rows, the shapes of the index tensors passed); None when the
         key is None or unknown (validate and stage as usual).
@@ -472,7 +485,27 @@ class KVPool:
                 f"and index shapes {[list(x) for x in entry.shapes()]}; this call has "
                 f"{query.shape[0]} rows and {given}: a key must name one content"
             )
-        return entry.block_tables, entry.seq_lens, entry.query_start_loc
+        return entry
+
+    def _remember_slots(
+        self,
+        metadata_key: int,
+        entry: CachedMetadata | None,
+        slot_mapping: object,
+        slots: torch.Tensor,
+    ) -> None:
+        """Keep a write's validated slots (`slots`, on the device: a view the next staged
+        copy overwrites, hence the copy) with the key's metadata, for its other layers."""
+        if entry is None:
+            return
+        source: list[int] | torch.Tensor | None
+        if type(slot_mapping) is list:
+            source = list(slot_mapping)
+        elif isinstance(slot_mapping, torch.Tensor):
+            source = slot_mapping.clone()
+        else:
+            return
+        self._metadata.put(metadata_key, replace(entry, slot_source=source, slots=slots.clone()))
 
     def _remember_metadata(
         self, metadata_key: int | None, staged: Sequence[torch.Tensor], num_rows: int
