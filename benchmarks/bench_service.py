@@ -218,12 +218,20 @@ class DecodePool:
         return slots, torch.full((batch,), length + 1, dtype=torch.int32)
 
 
-def decode_pool(setup: Setup, steps: int, name: str = "bench") -> DecodePool:
-    """A pool filled for `steps` decode steps of `setup` after its context."""
+def decode_pool(
+    setup: Setup, steps: int, name: str = "bench", fingerprints: bool = True
+) -> DecodePool:
+    """A pool filled for `steps` decode steps of `setup` after its context.
+
+    fingerprints: record slot fingerprints on every write, as the service's pools do by
+    default (they serve its online correctness check), so the in-process baseline does
+    the same pool work per call as the service.
+    """
     lay = setup.layout
     bs, hkv, d = lay.block_size, lay.num_kv_heads, lay.head_dim
     per_seq = -(-(setup.context + steps + 4) // bs)
-    worker = PoolWorker(name, PoolConfig(lay, num_blocks=setup.batch * per_seq + 1), setup.device)
+    config = PoolConfig(lay, num_blocks=setup.batch * per_seq + 1, fingerprints=fingerprints)
+    worker = PoolWorker(name, config, setup.device)
     epoch = worker.epoch()
     dtype = lay.torch_dtype()
     gen = torch.Generator().manual_seed(0)

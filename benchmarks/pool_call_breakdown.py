@@ -54,13 +54,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-key", action="store_true", help="no metadata_key: validate and stage every call"
     )
+    parser.add_argument(
+        "--no-fingerprints", action="store_true", help="a pool without slot fingerprints"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
     setup = H200
     lay = setup.layout
-    pool_data = decode_pool(setup, 2 + args.steps + 1, name="bd")
+    pool_data = decode_pool(
+        setup, 2 + args.steps + 1, name="bd", fingerprints=not args.no_fingerprints
+    )
     worker, epoch, tables, k, q, qsl = (
         pool_data.worker, pool_data.epoch, pool_data.tables, pool_data.key, pool_data.query,
         pool_data.qsl,

@@ -13,6 +13,7 @@ import pytest
 import torch
 from workers_support import dense_attention, place_sequence, rel_err, write_tokens
 
+import kernels
 from cache_service.worker_clients import LocalWorkerClient, transfer_blocks
 from workers.actor import PoolWorker
 from workers.config import PoolConfig
@@ -36,6 +37,18 @@ def filled_pool(num_blocks: int = 16, seed: int = 0, device: str = "cpu", **kwar
 
 # The fingerprint tests also run on CUDA, where fingerprints come from a Triton kernel.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# Triton on the CPU pools here runs through the interpreter, which conftest turns on only
+# where there is no GPU (test_workers_gpu covers the real kernels there).
+BACKENDS = [
+    "torch",
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            torch.cuda.is_available() and not kernels.triton_interpreter_enabled(),
+            reason="Triton on CPU tensors needs the interpreter (off where there is a GPU)",
+        ),
+    ),
+]
 
 
 # -- layout and package weight ---------------------------------------------------------
@@ -130,7 +143,7 @@ def test_layer_views_are_strided_slices_of_one_tensor():
 # -- write / attend ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_batched_decode_and_prefill_match_dense(backend):
     """Three sequences (decode, chunked prefill, full prefill) in one launch, GQA 4:2,
     shuffled physical blocks; the Triton path runs through the interpreter here."""
@@ -193,7 +206,7 @@ def test_negative_slots_are_skipped():
 # -- block operations ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_copy_blocks_copies_every_layer_and_reads_sources_first(backend):
     pool = filled_pool(8, backend=backend)
     before = pool.data.clone()
@@ -305,7 +318,7 @@ def test_bad_attention_options_are_refused(option, value):
 
 
 def test_worker_refuses_a_stale_epoch_and_changes_nothing():
-    worker = PoolWorker("w0", PoolConfig(LAYOUT, num_blocks=8))
+    worker = PoolWorker("w0", PoolConfig(LAYOUT, num_blocks=8), "cpu")
     desc = worker.describe()
     assert desc.worker_id == "w0" and desc.num_blocks == 8 and desc.device == "cpu"
     assert desc.layout == LAYOUT and desc.epoch == worker.epoch() and len(desc.epoch) == 16
