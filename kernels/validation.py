@@ -302,6 +302,17 @@ def check_merge_args(outputs: torch.Tensor, lses: torch.Tensor) -> None:
     _require_same_device("outputs", outputs, lses=lses)
 
 
+def _check_token_rows(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """A write's value and slot_mapping ``[n]`` (int32/int64) have key's n tokens."""
+    if value.shape[0] != key.shape[0]:
+        _fail(f"value has {value.shape[0]} tokens but key has {key.shape[0]}")
+    _require_tensor("slot_mapping", slot_mapping)
+    _require_dim("slot_mapping", slot_mapping, 1, "[num_tokens]")
+    _require_dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
+    if slot_mapping.shape[0] != key.shape[0]:
+        _fail(f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens")
+
+
 def check_write_kv_args(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -324,13 +335,7 @@ def check_write_kv_args(
             )
         if t.dtype != key_cache.dtype:
             _fail(f"{name} dtype {t.dtype} differs from the cache dtype {key_cache.dtype}")
-    if value.shape[0] != key.shape[0]:
-        _fail(f"value has {value.shape[0]} tokens but key has {key.shape[0]}")
-    _require_tensor("slot_mapping", slot_mapping)
-    _require_dim("slot_mapping", slot_mapping, 1, "[num_tokens]")
-    _require_dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
-    if slot_mapping.shape[0] != key.shape[0]:
-        _fail(f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens")
+    _check_token_rows(key, value, slot_mapping)
     _require_same_device("key_cache", key_cache, key=key, value=value, slot_mapping=slot_mapping)
     if check_values and slot_mapping.numel() > 0:
         capacity = num_blocks * block_size
@@ -490,13 +495,7 @@ def check_record_fingerprints_args(
         _require_dtype(name, t, ATTENTION_DTYPES)
         if tuple(t.shape[1:]) != tuple(weights.shape):
             _fail(f"{name} shape {tuple(t.shape)} does not match weights {tuple(weights.shape)}")
-    if value.shape[0] != key.shape[0]:
-        _fail(f"value has {value.shape[0]} tokens but key has {key.shape[0]}")
-    _require_tensor("slot_mapping", slot_mapping)
-    _require_dim("slot_mapping", slot_mapping, 1, "[num_tokens]")
-    _require_dtype("slot_mapping", slot_mapping, INDEX_DTYPES)
-    if slot_mapping.shape[0] != key.shape[0]:
-        _fail(f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens")
+    _check_token_rows(key, value, slot_mapping)
     _require_same_device(
         "sums", sums, key=key, value=value, weights=weights, slot_mapping=slot_mapping
     )
