@@ -10,7 +10,8 @@ t(short)) / (long / short - 1). Then ``do_bench`` paired with SDPA (alternating 
 flushed) of the v7 kernel and the default on every decode case of ``bench_kernels.py``.
 
 The ladder runs on the v7 kernel (``unguarded_loops``), as it did when the v8 figures were
-taken (the fix was then the opt-in candidate ``guard_loops``; notes-kernels.md, v8).
+taken (the fix was then the opt-in candidate ``guard_loops``; notes-kernels.md, v8). The
+three "merge:" rows (the merge tail in steps) were added after that call and have not run.
 
     PYTHONPATH=. python3 benchmarks/diag_fixed.py --out $OUT/diag-fixed.json
 """
@@ -69,6 +70,10 @@ def variants(base: AttentionConfig, batch_size: int) -> dict[str, tuple[Attentio
         "no merge, no partial stores": (base, V7 + "+no_stores" + cc),
         "relaxed counter": (base, V7 + "+relaxed_counter" + cc),
         "start-up only": (base, V7 + "+startup_only" + cc),
+        # The merge tail in steps (added after the v8 call; not yet run on a device).
+        "merge: counter + store, no reads": (base, V7 + "+merge_no_reads" + cc),
+        "merge: LSE reads only": (base, V7 + "+merge_lse_only" + cc),
+        "merge: first read only": (base, V7 + "+merge_one_read" + cc),
         "separate merge kernel": (replace(base, fused_merge=False), V7),
         "candidate guard_loops": (base, ""),
         "candidate + counters not captured": (base, cc[1:]),

@@ -50,12 +50,17 @@ _MERGE_CHUNK = tl.constexpr(4)
 
 # Diagnostic-only kernel variants (benchmarks/diag_fixed.py, notes-kernels.md v8), selected
 # by the launcher's private ``_diagnostic`` argument; never used by the public API. Only
-# _DIAG_RELAXED_COUNTER still writes the output (without the ordering the merge needs).
+# _DIAG_RELAXED_COUNTER still computes the output (without the ordering the merge needs);
+# the _DIAG_MERGE_* variants write it, wrong; the others leave it unwritten.
 _DIAG_OFF = tl.constexpr(0)
 _DIAG_NO_MERGE = tl.constexpr(1)  # split: store the partials, no counter, no merge
 _DIAG_NO_STORES = tl.constexpr(2)  # split: neither partial stores nor merge
 _DIAG_RELAXED_COUNTER = tl.constexpr(3)  # fused merge behind a relaxed (unordered) counter
 _DIAG_STARTUP_ONLY = tl.constexpr(4)  # every program returns right after the sequence lookup
+# The fused merge's tail in steps (the last program still takes the counter and stores):
+_DIAG_MERGE_NO_READS = tl.constexpr(5)  # it stores its own partial, reads none
+_DIAG_MERGE_LSE_ONLY = tl.constexpr(6)  # it reads the LSEs; the output reads wait on them, off
+_DIAG_MERGE_ONE_READ = tl.constexpr(7)  # it reads the first _MERGE_CHUNK partials only
 # Names the launcher accepts, joined with "+": kernel variants, plus two host-side ones:
 # "cached_counters" keeps the fused merge's counters in one buffer per device even under
 # CUDA-graph capture (no zero-fill kernel captured with each call; unsafe if two captured
@@ -66,6 +71,9 @@ _DIAG_CODES = {
     "no_stores": _DIAG_NO_STORES.value,
     "relaxed_counter": _DIAG_RELAXED_COUNTER.value,
     "startup_only": _DIAG_STARTUP_ONLY.value,
+    "merge_no_reads": _DIAG_MERGE_NO_READS.value,
+    "merge_lse_only": _DIAG_MERGE_LSE_ONLY.value,
+    "merge_one_read": _DIAG_MERGE_ONE_READ.value,
 }
 _DIAG_HOST = ("cached_counters", "unguarded_loops")
 
@@ -671,10 +679,11 @@ def _paged_attention_kernel(
                 finished = tl.atomic_add(counter, 1, sem="acq_rel")
             if finished == num_parts - 1:
                 tl.store(counter, 0)
-                o, lse = _merge_partials(
-                    part_rows, part_lse_rows, num_parts, stride_pp, stride_plp, row_valid,
-                    dims, dim_valid, BLOCK_M, HEAD_DIM_PAD,
-                )  # fmt: skip
+                if DIAG != _DIAG_MERGE_NO_READS:  # (diagnostic: its own partial as output)
+                    o, lse = _merge_partials(
+                        part_rows, part_lse_rows, num_parts, stride_pp, stride_plp, row_valid,
+                        dims, dim_valid, BLOCK_M, HEAD_DIM_PAD, DIAG,
+                    )  # fmt: skip
                 tl.store(
                     out_rows[:, None] + dims[None, :],
                     o.to(out_ptr.dtype.element_ty),
@@ -700,19 +709,24 @@ def _merge_partials(
     dim_valid,
     BLOCK_M: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    DIAG: tl.constexpr,
 ):
     """Log-sum-exp merge of ``num_parts`` float32 partials of the tile's rows.
 
     Returns ``(out [BLOCK_M, HEAD_DIM_PAD] float32, lse [BLOCK_M] natural log)``. Partials
     are read ``_MERGE_CHUNK`` at a time as one ``[BLOCK_M, chunk, HEAD_DIM_PAD]`` load, so
     the merge waits on ceil(parts / chunk) reads, not one per partition. The loads bypass
-    L1 (``.cg``): other programs wrote the partials.
+    L1 (``.cg``): other programs wrote the partials. ``DIAG``: the kernel's diagnostic
+    variant (``_DIAG_MERGE_LSE_ONLY`` / ``_DIAG_MERGE_ONE_READ`` read less; timing only).
     """
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     den = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     chunk = tl.arange(0, _MERGE_CHUNK)
-    for start in range(0, num_parts, _MERGE_CHUNK):
+    n_read = num_parts
+    if DIAG == _DIAG_MERGE_ONE_READ:
+        n_read = tl.minimum(num_parts, _MERGE_CHUNK)
+    for start in range(0, n_read, _MERGE_CHUNK):
         p = start + chunk
         live = row_valid[:, None] & (p < num_parts)[None, :]
         lse_c = tl.load(
@@ -721,6 +735,10 @@ def _merge_partials(
             other=float("-inf"),
             cache_modifier=".cg",
         )
+        if DIAG == _DIAG_MERGE_LSE_ONLY:
+            # Diagnostic: the output loads stay in the code (same registers) but wait on the
+            # LSEs and are switched off by them (an LSE is never above 3e38): no traffic.
+            live = live & (lse_c > 3.0e38)
         o_c = tl.load(
             part_rows[:, None, None] + p[None, :, None] * stride_pp + dims[None, None, :],
             mask=live[:, :, None] & dim_valid[None, None, :],

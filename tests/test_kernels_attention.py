@@ -686,8 +686,9 @@ def test_loop_guards_match_unguarded_loops(batch_name: str, options: dict) -> No
 
 def test_diagnostic_variants_run_and_skip_their_work() -> None:
     """The benchmark-only kernel variants (notes-kernels.md, v8) compile and run: the relaxed
-    counter still merges (the interpreter runs programs one by one, so no race), the others
-    leave the output unwritten, as they claim; the counters stay reset for the next call."""
+    counter still merges (the interpreter runs programs one by one, so no race), the
+    skipping ones leave the output unwritten, the merge-tail steps write it; the counters
+    stay reset for the next call."""
     batch = make_paged_batch(
         [150, 64], [1, 1], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8, seed=3
     )
@@ -711,6 +712,14 @@ def test_diagnostic_variants_run_and_skip_their_work() -> None:
         out = torch.full_like(batch.query, float("nan"))
         paged_attention_triton(*batch.args(), problem, out=out, config=cfg, _diagnostic=diag)
         assert torch.isnan(out).all(), diag
+    # The merge-tail steps write every element (not the merged result, except one read of
+    # all four partials, which is the whole merge).
+    for diag in ("merge_no_reads", "merge_lse_only", "merge_one_read"):
+        out = torch.full_like(batch.query, float("nan"))
+        o, _ = paged_attention_triton(*batch.args(), problem, out=out, config=cfg, _diagnostic=diag)
+        assert torch.isfinite(o).all(), diag
+        if diag == "merge_one_read":
+            assert max_rel(o, ref) <= FP32_MAX_REL
     out = torch.full_like(batch.query, float("nan"))
     o, _ = paged_attention_triton(*batch.args(), problem, out=out, config=cfg)
     assert max_rel(o, ref) <= FP32_MAX_REL
