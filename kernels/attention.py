@@ -48,6 +48,35 @@ _MAX_HEAD_DIM = 256
 # Partials the fused merge reads per step ([rows, chunk, head_dim] float32 in registers).
 _MERGE_CHUNK = tl.constexpr(4)
 
+# Diagnostic-only kernel variants (benchmarks/diag_fixed.py, notes-kernels.md v8), selected
+# by the launcher's private ``_diagnostic`` argument; never used by the public API. Only
+# _DIAG_RELAXED_COUNTER still computes the output (without the ordering the merge needs);
+# the _DIAG_MERGE_* variants write it, wrong; the others leave it unwritten.
+_DIAG_OFF = tl.constexpr(0)
+_DIAG_NO_MERGE = tl.constexpr(1)  # split: store the partials, no counter, no merge
+_DIAG_NO_STORES = tl.constexpr(2)  # split: neither partial stores nor merge
+_DIAG_RELAXED_COUNTER = tl.constexpr(3)  # fused merge behind a relaxed (unordered) counter
+_DIAG_STARTUP_ONLY = tl.constexpr(4)  # every program returns right after the sequence lookup
+# The fused merge's tail in steps (the last program still takes the counter and stores):
+_DIAG_MERGE_NO_READS = tl.constexpr(5)  # it stores its own partial, reads none
+_DIAG_MERGE_LSE_ONLY = tl.constexpr(6)  # it reads the LSEs; the output reads wait on them, off
+_DIAG_MERGE_ONE_READ = tl.constexpr(7)  # it reads the first _MERGE_CHUNK partials only
+# Names the launcher accepts, joined with "+": kernel variants, plus two host-side ones:
+# "cached_counters" keeps the fused merge's counters in one buffer per device even under
+# CUDA-graph capture (no zero-fill kernel captured with each call; unsafe if two captured
+# graphs or streams use it concurrently), and "unguarded_loops" runs the tile loops even
+# when empty (the v7 kernel; the guard that skips them is the default since v8).
+_DIAG_CODES = {
+    "no_merge": _DIAG_NO_MERGE.value,
+    "no_stores": _DIAG_NO_STORES.value,
+    "relaxed_counter": _DIAG_RELAXED_COUNTER.value,
+    "startup_only": _DIAG_STARTUP_ONLY.value,
+    "merge_no_reads": _DIAG_MERGE_NO_READS.value,
+    "merge_lse_only": _DIAG_MERGE_LSE_ONLY.value,
+    "merge_one_read": _DIAG_MERGE_ONE_READ.value,
+}
+_DIAG_HOST = ("cached_counters", "unguarded_loops")
+
 
 @dataclass(frozen=True)
 class AttentionConfig:
@@ -382,6 +411,49 @@ def _attend_tiles(
 
 
 @triton.jit
+def _masked_tiles(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_head,
+    v_head,
+    table_row,
+    stride_kb,
+    stride_vb,
+    t_from,
+    t_to,
+    kv_hi,
+    q_pos,
+    qk_scale,
+    softcap,
+    window,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    IDS_AHEAD: tl.constexpr,
+):
+    """Fold the masked tiles ``[t_from, t_to)`` (causal diagonal, sequence end, window) into
+    ``(acc, m_i, l_i)``: they start where the unmasked ones stopped, with their own first
+    block ids."""
+    ids0 = _tile_ids(table_row, t_from, kv_hi, TILE_N, BLOCK_SIZE)
+    ids1 = ids0
+    if IDS_AHEAD == 2:
+        ids1 = _tile_ids(table_row, t_from + 1, kv_hi, TILE_N, BLOCK_SIZE)
+    return _attend_tiles(
+        acc, m_i, l_i, q, k_head, v_head, table_row, ids0, ids1, stride_kb, stride_vb,
+        t_from, t_to, kv_hi, q_pos, qk_scale, softcap, window,
+        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, CAUSAL, USE_WINDOW, USE_SOFTCAP,
+        DOT_PRECISION, IDS_AHEAD,
+    )  # fmt: skip
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,
@@ -426,6 +498,8 @@ def _paged_attention_kernel(
     LAUNCH_DEPENDENTS: tl.constexpr,
     EARLY_IDS: tl.constexpr,
     IDS_AHEAD: tl.constexpr,
+    GUARD_LOOPS: tl.constexpr,
+    DIAG: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -466,6 +540,11 @@ def _paged_attention_kernel(
     q_lo = (pid_q - first_slot) * BLOCK_Q
     if q_lo >= n_q:
         return  # a spare slot of the grid's upper bound
+    if DIAG == _DIAG_STARTUP_ONLY:
+        # Diagnostic: start-up alone. The condition always holds, but the compiler cannot
+        # know it, so the lookup's loads stay and the rest of the kernel still compiles.
+        if seq_len >= 0:
+            return
 
     q_idx = q_lo + rows // GROUP
     row_valid = (rows < BLOCK_Q * GROUP) & (q_idx < n_q)
@@ -525,23 +604,40 @@ def _paged_attention_kernel(
             ids1 = _tile_ids(table_row, t_begin + 1, kv_hi, TILE_N, BLOCK_SIZE)
     k_head = k_ptr + kv_head * (BLOCK_SIZE * HEAD_DIM)
     v_head = v_ptr + kv_head * (BLOCK_SIZE * HEAD_DIM)
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_head, v_head, table_row, ids0, ids1, stride_kb, stride_vb,
-        t_begin, t_split, kv_hi, q_pos, qk_scale, softcap, window,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, CAUSAL, USE_WINDOW, USE_SOFTCAP,
-        DOT_PRECISION, IDS_AHEAD,
-    )  # fmt: skip
-    # The masked tiles start where the unmasked ones stopped: their own first ids.
-    ids0 = _tile_ids(table_row, t_split, kv_hi, TILE_N, BLOCK_SIZE)
-    ids1 = ids0
-    if IDS_AHEAD == 2:
-        ids1 = _tile_ids(table_row, t_split + 1, kv_hi, TILE_N, BLOCK_SIZE)
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_head, v_head, table_row, ids0, ids1, stride_kb, stride_vb,
-        t_split, t_end, kv_hi, q_pos, qk_scale, softcap, window,
-        HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, True, CAUSAL, USE_WINDOW, USE_SOFTCAP,
-        DOT_PRECISION, IDS_AHEAD,
-    )  # fmt: skip
+    if GUARD_LOOPS:
+        # An empty loop is not free: its ids read waits a round trip after the previous
+        # loop has drained, and its pipeline prologue / epilogue still run. Decode at a
+        # tile-aligned length (every partition of B=1 x 32768) has no masked tile at all.
+        # Skipping empty loops gained at every decode case on the H200 (do_bench x SDPA:
+        # B=1 x 32768 0.930 -> 0.958, B=4 x 16384 0.987 -> 0.999, B=128 x 512 0.981 ->
+        # 1.002, B=256 x 128 1.143 -> 1.196, B=64 x 4096 0.985 -> 0.990; notes, v8).
+        if t_begin < t_split:
+            acc, m_i, l_i = _attend_tiles(
+                acc, m_i, l_i, q, k_head, v_head, table_row, ids0, ids1, stride_kb, stride_vb,
+                t_begin, t_split, kv_hi, q_pos, qk_scale, softcap, window,
+                HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, CAUSAL, USE_WINDOW,
+                USE_SOFTCAP, DOT_PRECISION, IDS_AHEAD,
+            )  # fmt: skip
+        if t_split < t_end:
+            acc, m_i, l_i = _masked_tiles(
+                acc, m_i, l_i, q, k_head, v_head, table_row, stride_kb, stride_vb,
+                t_split, t_end, kv_hi, q_pos, qk_scale, softcap, window,
+                HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_WINDOW, USE_SOFTCAP,
+                DOT_PRECISION, IDS_AHEAD,
+            )  # fmt: skip
+    else:
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, k_head, v_head, table_row, ids0, ids1, stride_kb, stride_vb,
+            t_begin, t_split, kv_hi, q_pos, qk_scale, softcap, window,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, False, CAUSAL, USE_WINDOW, USE_SOFTCAP,
+            DOT_PRECISION, IDS_AHEAD,
+        )  # fmt: skip
+        acc, m_i, l_i = _masked_tiles(
+            acc, m_i, l_i, q, k_head, v_head, table_row, stride_kb, stride_vb,
+            t_split, t_end, kv_hi, q_pos, qk_scale, softcap, window,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, TILE_N, CAUSAL, USE_WINDOW, USE_SOFTCAP,
+            DOT_PRECISION, IDS_AHEAD,
+        )  # fmt: skip
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -560,23 +656,34 @@ def _paged_attention_kernel(
         stride_plp = 1
         part_rows = part_out_ptr + (q_row * num_heads + head) * (num_parts * HEAD_DIM)
         part_lse_rows = part_lse_ptr + (q_row * num_heads + head) * num_parts
-        tl.store(part_rows[:, None] + part * stride_pp + dims[None, :], o, mask=store_mask)
-        tl.store(part_lse_rows + part * stride_plp, lse, mask=row_valid)
-        if FUSED_MERGE:
+        if DIAG == _DIAG_NO_STORES:
+            # Diagnostic: the partials are computed but not stored. The condition never holds
+            # (l_i >= 0), but the compiler cannot know: the work is not optimised away.
+            if tl.sum(l_i, 0) < 0.0:
+                tl.store(part_rows[:, None] + part * stride_pp + dims[None, :], o, mask=store_mask)
+                tl.store(part_lse_rows + part * stride_plp, lse, mask=row_valid)
+        else:
+            tl.store(part_rows[:, None] + part * stride_pp + dims[None, :], o, mask=store_mask)
+            tl.store(part_lse_rows + part * stride_plp, lse, mask=row_valid)
+        if FUSED_MERGE and DIAG != _DIAG_NO_MERGE and DIAG != _DIAG_NO_STORES:
             # The last partition program of this (query tile, KV head) to finish merges all
             # partials, saving a second launch. Every thread's partial stores precede the
             # barrier; the counter's acq_rel atomic publishes them (release) to the program
             # that reads the final count (acquire), which then resets the counter for the
-            # next call.
+            # next call. (_DIAG_RELAXED_COUNTER drops the ordering: timing only, racy.)
             tl.debug_barrier()
             counter = counter_ptr + pid_q * tl.num_programs(1) + kv_head
-            finished = tl.atomic_add(counter, 1, sem="acq_rel")
+            if DIAG == _DIAG_RELAXED_COUNTER:
+                finished = tl.atomic_add(counter, 1, sem="relaxed")
+            else:
+                finished = tl.atomic_add(counter, 1, sem="acq_rel")
             if finished == num_parts - 1:
                 tl.store(counter, 0)
-                o, lse = _merge_partials(
-                    part_rows, part_lse_rows, num_parts, stride_pp, stride_plp, row_valid,
-                    dims, dim_valid, BLOCK_M, HEAD_DIM_PAD,
-                )  # fmt: skip
+                if DIAG != _DIAG_MERGE_NO_READS:  # (diagnostic: its own partial as output)
+                    o, lse = _merge_partials(
+                        part_rows, part_lse_rows, num_parts, stride_pp, stride_plp, row_valid,
+                        dims, dim_valid, BLOCK_M, HEAD_DIM_PAD, DIAG,
+                    )  # fmt: skip
                 tl.store(
                     out_rows[:, None] + dims[None, :],
                     o.to(out_ptr.dtype.element_ty),
@@ -602,19 +709,24 @@ def _merge_partials(
     dim_valid,
     BLOCK_M: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    DIAG: tl.constexpr,
 ):
     """Log-sum-exp merge of ``num_parts`` float32 partials of the tile's rows.
 
     Returns ``(out [BLOCK_M, HEAD_DIM_PAD] float32, lse [BLOCK_M] natural log)``. Partials
     are read ``_MERGE_CHUNK`` at a time as one ``[BLOCK_M, chunk, HEAD_DIM_PAD]`` load, so
     the merge waits on ceil(parts / chunk) reads, not one per partition. The loads bypass
-    L1 (``.cg``): other programs wrote the partials.
+    L1 (``.cg``): other programs wrote the partials. ``DIAG``: the kernel's diagnostic
+    variant (``_DIAG_MERGE_LSE_ONLY`` / ``_DIAG_MERGE_ONE_READ`` read less; timing only).
     """
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     den = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     chunk = tl.arange(0, _MERGE_CHUNK)
-    for start in range(0, num_parts, _MERGE_CHUNK):
+    n_read = num_parts
+    if DIAG == _DIAG_MERGE_ONE_READ:
+        n_read = tl.minimum(num_parts, _MERGE_CHUNK)
+    for start in range(0, n_read, _MERGE_CHUNK):
         p = start + chunk
         live = row_valid[:, None] & (p < num_parts)[None, :]
         lse_c = tl.load(
@@ -623,6 +735,10 @@ def _merge_partials(
             other=float("-inf"),
             cache_modifier=".cg",
         )
+        if DIAG == _DIAG_MERGE_LSE_ONLY:
+            # Diagnostic: the output loads stay in the code (same registers) but wait on the
+            # LSEs and are switched off by them (an LSE is never above 3e38): no traffic.
+            live = live & (lse_c > 3.0e38)
         o_c = tl.load(
             part_rows[:, None, None] + p[None, :, None] * stride_pp + dims[None, None, :],
             mask=live[:, :, None] & dim_valid[None, None, :],
@@ -666,6 +782,7 @@ def paged_attention_triton(
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     config: AttentionConfig | None = None,
+    _diagnostic: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the paged-attention kernel on validated arguments.
 
@@ -674,6 +791,8 @@ def paged_attention_triton(
 
     Args:
         config: launch parameters; default from :func:`choose_config` on this device.
+        _diagnostic: private, for benchmarks only: "+"-joined names of diagnostic variants
+            (see ``_DIAG_CODES``); most of them skip work and leave ``out`` unwritten.
 
     Returns:
         ``(out, lse)``: out ``[T, Hq, D]`` in the query's dtype; lse float32 ``[T, Hq]``
@@ -711,6 +830,7 @@ def paged_attention_triton(
     if block_tables.stride(1) != 1:  # the kernel walks a row with unit stride
         block_tables = block_tables.contiguous()
 
+    diag, unguarded_loops, cached_counters = _parse_diagnostic(_diagnostic)
     split = parts > 1
     grid_q = num_q_programs(T, problem.num_seqs, config.block_q)
     fused = split and config.fused_merge
@@ -718,7 +838,8 @@ def paged_attention_triton(
         part_out, part_lse = _partials(device, T * Hq * parts, D)
     else:
         part_out = part_lse = out  # never dereferenced
-    counters = _merge_counters(device, grid_q * problem.num_kv_heads) if fused else out
+    n_counters = grid_q * problem.num_kv_heads
+    counters = _merge_counters(device, n_counters, cached_counters) if fused else out
     lse_arg = lse if lse is not None else out  # never dereferenced without WRITE_LSE
     # Programmatic dependent launch lets the merge kernel's launch overlap this kernel's tail.
     pdl = split and not fused and pdl_supported(device)
@@ -773,6 +894,8 @@ def paged_attention_triton(
             # fixed tile, which hold for one-token tiles without a window.
             "EARLY_IDS": config.early_ids and config.block_q == 1 and sliding_window is None,
             "IDS_AHEAD": config.ids_ahead,
+            "GUARD_LOOPS": not unguarded_loops,
+            "DIAG": diag,
         },
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -798,6 +921,7 @@ def _stream_buffer(
     dtype: torch.dtype,
     *,
     zeroed: bool = False,
+    fresh_in_capture: bool = True,
 ) -> torch.Tensor:
     """The first ``numel`` elements of a buffer kept per (device, stream), grown on demand.
 
@@ -805,13 +929,17 @@ def _stream_buffer(
     previous call's kernels still read; separate streams get separate buffers because their
     launches may overlap. Under CUDA-graph capture the buffer is a fresh allocation the
     graph owns. ``zeroed``: allocate with zeros (users that must find it zeroed leave it so).
+    ``fresh_in_capture=False`` (diagnostics) uses one buffer per device, eager and under
+    capture alike (the capture stream differs from the eager one): an eager call must have
+    created it before capture, or the capture records its allocation (and zero-fill).
     """
     alloc = torch.zeros if zeroed else torch.empty
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if capturing and fresh_in_capture:
         return alloc(max(numel, 1), dtype=dtype, device=device)[:numel]
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (device, current_stream_handle(index))
+        key = (device, current_stream_handle(index) if fresh_in_capture else -1)
     else:
         key = (device, 0)
     buf = cache.get(key)
@@ -830,11 +958,26 @@ def _partials(device: torch.device, rows: int, head_dim: int) -> tuple[torch.Ten
     )
 
 
-def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
+def _merge_counters(device: torch.device, n: int, cached_in_capture: bool = False) -> torch.Tensor:
     """Zeroed int32 arrival counters for the fused merge (per stream, see
     :func:`_stream_buffer`). The kernel leaves every counter it used at zero again, so one
-    buffer serves every call on a stream."""
-    return _stream_buffer(_COUNTERS, device, n, torch.int32, zeroed=True)
+    buffer serves every call on a stream. Under graph capture a fresh zeroed buffer is
+    captured (a fill kernel per replay) unless ``cached_in_capture`` (diagnostic only)."""
+    return _stream_buffer(
+        _COUNTERS, device, n, torch.int32, zeroed=True, fresh_in_capture=not cached_in_capture
+    )
+
+
+def _parse_diagnostic(names: str) -> tuple[int, bool, bool]:
+    """``(DIAG code, unguarded_loops, cached_counters)`` from the launcher's private
+    ``_diagnostic`` string ("+"-joined names; "" = the production kernel)."""
+    parts = [n for n in names.split("+") if n]
+    unknown = [n for n in parts if n not in _DIAG_CODES and n not in _DIAG_HOST]
+    kernel_variants = [n for n in parts if n in _DIAG_CODES]
+    if unknown or len(kernel_variants) > 1:
+        raise KernelArgumentError(f"unknown or conflicting diagnostic variants: {names!r}")
+    code = _DIAG_CODES[kernel_variants[0]] if kernel_variants else 0
+    return code, "unguarded_loops" in parts, "cached_counters" in parts
 
 
 def with_partitions(config: AttentionConfig, num_partitions: int) -> AttentionConfig:

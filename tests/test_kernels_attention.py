@@ -644,3 +644,91 @@ def test_gpu_cached_launch_respects_specialization() -> None:
                     batch.query_start_loc, problem, out=out, config=cfg,
                 )  # fmt: skip
                 assert rel_l2(out, ref) <= HALF_REL_L2
+
+
+# Batches for the loop guards: tile-aligned decode lengths (no masked tile at all), ragged
+# ones, and prefill rows (causal diagonal inside the last tiles).
+GUARD_BATCHES = {
+    "aligned_decode": ([64, 128, 32], [1, 1, 1]),
+    "ragged_decode": ([1, 15, 17, 95, 160], [1, 1, 1, 1, 1]),
+    "prefill": ([40, 9, 70], [40, 3, 21]),
+}
+
+
+@pytest.mark.parametrize("batch_name", sorted(GUARD_BATCHES))
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 20}], ids=["full", "window"])
+def test_loop_guards_match_unguarded_loops(batch_name: str, options: dict) -> None:
+    """The default kernel (empty unmasked / masked tile loops skipped) gives the result of
+    the v7 kernel that runs them empty (the ``unguarded_loops`` diagnostic), split (fused
+    merge) and unsplit, and both write every output element."""
+    lens, q_lens = GUARD_BATCHES[batch_name]
+    batch = make_paged_batch(
+        lens, q_lens, num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=8, seed=len(lens)
+    )
+    problem = problem_of(batch)
+    base = replace(choose_config(problem, torch.float32, sm_count=4), tile_n=16)
+    ref, _ = dense_attention(batch, **options)
+    for parts in (1, 3):
+        cfg = replace(with_partitions(base, parts), fused_merge=parts > 1)
+        got = []
+        for diag in ("unguarded_loops", ""):
+            out = torch.full_like(batch.query, float("nan"))
+            o, lse = paged_attention_triton(
+                *batch.args(), problem, return_lse=True, out=out, config=cfg,
+                _diagnostic=diag, **options,
+            )  # fmt: skip
+            assert not torch.isnan(o).any()
+            got.append((o, lse))
+        torch.testing.assert_close(got[1][0], got[0][0], rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(got[1][1], got[0][1], rtol=2e-6, atol=2e-6)
+        assert max_rel(got[1][0], ref) <= FP32_MAX_REL
+
+
+def test_diagnostic_variants_run_and_skip_their_work() -> None:
+    """The benchmark-only kernel variants (notes-kernels.md, v8) compile and run: the relaxed
+    counter still merges (the interpreter runs programs one by one, so no race), the
+    skipping ones leave the output unwritten, the merge-tail steps write it; the counters
+    stay reset for the next call."""
+    batch = make_paged_batch(
+        [150, 64], [1, 1], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8, seed=3
+    )
+    problem = problem_of(batch)
+    cfg = replace(
+        with_partitions(choose_config(problem, torch.float32, sm_count=4), 4),
+        tile_n=16,
+        fused_merge=True,
+    )
+    ref, _ = dense_attention(batch)
+    merging = (
+        (cfg, "relaxed_counter+cached_counters"),
+        (cfg, "cached_counters+unguarded_loops"),
+        (replace(cfg, fused_merge=False), "unguarded_loops"),
+    )
+    for c, diag in merging:
+        out = torch.full_like(batch.query, float("nan"))
+        o, _ = paged_attention_triton(*batch.args(), problem, out=out, config=c, _diagnostic=diag)
+        assert max_rel(o, ref) <= FP32_MAX_REL, diag
+    for diag in ("no_merge", "no_stores+cached_counters", "startup_only"):
+        out = torch.full_like(batch.query, float("nan"))
+        paged_attention_triton(*batch.args(), problem, out=out, config=cfg, _diagnostic=diag)
+        assert torch.isnan(out).all(), diag
+    # The merge-tail steps write every element (not the merged result, except one read of
+    # all four partials, which is the whole merge).
+    for diag in ("merge_no_reads", "merge_lse_only", "merge_one_read"):
+        out = torch.full_like(batch.query, float("nan"))
+        o, _ = paged_attention_triton(*batch.args(), problem, out=out, config=cfg, _diagnostic=diag)
+        assert torch.isfinite(o).all(), diag
+        if diag == "merge_one_read":
+            assert max_rel(o, ref) <= FP32_MAX_REL
+    out = torch.full_like(batch.query, float("nan"))
+    o, _ = paged_attention_triton(*batch.args(), problem, out=out, config=cfg)
+    assert max_rel(o, ref) <= FP32_MAX_REL
+
+
+@pytest.mark.parametrize("diag", ["bogus", "no_merge+no_stores", "unguarded_loops+x"])
+def test_diagnostic_names_are_checked(diag: str) -> None:
+    batch = make_paged_batch(
+        [20], [1], num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=8, seed=1
+    )
+    with pytest.raises(ValueError, match="diagnostic"):
+        paged_attention_triton(*batch.args(), problem_of(batch), _diagnostic=diag)
