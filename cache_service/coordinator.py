@@ -847,9 +847,12 @@ class Coordinator:
         changed nothing, when under the locks the step no longer applies."""
         seq_ids = batch.seq_ids
         async with self._locked(seq_ids):
-            # Another call may have replaced the step or moved a sequence meanwhile.
-            if self._steps.get(tenant, tuple(seq_ids)) is not step or not (
-                self.block_manager.repeatable(step.snapshot, layer, batch.token_ids)
+            # Another call may have replaced the step or moved a sequence meanwhile, or the
+            # step's worker may have gone.
+            if (
+                self._steps.get(tenant, tuple(seq_ids)) is not step
+                or step.worker_id not in self._epochs
+                or not self.block_manager.repeatable(step.snapshot, layer, batch.token_ids)
             ):
                 return None
             b, n, m, hq = (

@@ -19,8 +19,9 @@ from test_block_manager import unchanged
 
 from cache_service.block_manager import BlockManager, BlockManagerConfig
 from cache_service.coordinator import AppendAttendItem, Coordinator, StackedAppendAttend
-from cache_service.errors import InvalidRequest, SequenceNotFound
+from cache_service.errors import InvalidRequest, SequenceLost, SequenceNotFound
 from cache_service.layer_steps import LayerStep, LayerStepCache
+from cache_service.status_mapping import WorkerLost
 from workers.layout import KVLayout
 
 BS = 4
@@ -505,5 +506,29 @@ def test_a_step_replaced_before_the_locks_are_taken_is_not_repeated() -> None:
         assert await coord._repeat_step("t", 1, stale, batch, False) is None
         assert coord.block_manager.to_records() == before
         coord.block_manager.check_integrity()
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("restarted", [False, True])
+def test_a_worker_lost_between_two_layers_fails_the_stacked_call_and_keeps_the_books(
+    restarted: bool,
+) -> None:
+    async def scenario(coord: Coordinator) -> None:
+        seqs = [(await coord.create_sequence("t")).seq_id for _ in range(B)]
+        model = Model(seqs)
+        items, _ = model.items(0, 0)
+        await coord.append_attend_stacked("t", 0, stacked(items))
+        worker = coord._clients["w0"]
+        if restarted:  # a new epoch: the coordinator learns it on the next call
+            worker.restart()
+        else:
+            worker.kill()
+        items, _ = model.items(0, 1)
+        with pytest.raises((WorkerLost, SequenceLost)):
+            await coord.append_attend_stacked("t", 1, stacked(items))
+        coord.block_manager.check_integrity()
+        # The step is not repeated afterwards: its worker is no longer the coordinator's.
+        assert coord._stacked_step("t", 1, stacked(items)) is None
 
     run(scenario)
