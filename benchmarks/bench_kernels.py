@@ -17,6 +17,7 @@ dense attention. ``--sweep`` additionally times a grid of launch configurations 
 
 Usage (from the repository root, on the GPU machine):
     PYTHONPATH=. python3 benchmarks/bench_kernels.py --out DIR [--sweep] [--no-flex]
+        [--merge-reads serial|batched]
 """
 
 from __future__ import annotations
@@ -43,7 +44,13 @@ import triton
 import triton.testing
 
 import kernels
-from kernels.attention import AttentionConfig, choose_config, num_sms, paged_attention_triton
+from kernels.attention import (
+    MERGE_READS,
+    AttentionConfig,
+    choose_config,
+    num_sms,
+    paged_attention_triton,
+)
 from kernels.kv_write import WriteKVConfig, write_kv_triton
 from kernels.testing import PagedBatch, dense_attention, make_paged_batch, rel_l2
 from kernels.validation import check_paged_attention_args
@@ -64,6 +71,8 @@ class BenchSettings:
     warmup_ms: float = 300.0
     rep_ms: float = 200.0
     rounds: int = 3  # ours and SDPA timed alternately, this many times each
+    # The fused merge's reads on the split path (AttentionConfig.merge_reads; --merge-reads).
+    merge_reads: str = "serial"
 
 
 @dataclass(frozen=True)
@@ -121,6 +130,13 @@ def attention_bytes(batch: PagedBatch) -> int:
     )
     lens = batch.seq_lens.numel() * 4 + batch.query_start_loc.numel() * 4
     return (kv + 2 * q) * elem + tables + lens
+
+
+def bench_config(batch: PagedBatch, s: BenchSettings) -> AttentionConfig:
+    """``choose_config``'s pick for ``batch`` with the run's fused-merge reads (which only
+    the split path uses)."""
+    config = choose_config(problem_of(batch), s.dtype, num_sms(batch.query.device))
+    return replace(config, merge_reads=s.merge_reads)
 
 
 def problem_of(batch: PagedBatch):
@@ -207,8 +223,7 @@ def bench_decode(case: DecodeCase, s: BenchSettings, sweep: bool, flex: bool) ->
     )
     n_bytes = attention_bytes(batch)
     ref, _ = dense_attention(batch)
-    problem = problem_of(batch)
-    config = choose_config(problem, s.dtype, num_sms(batch.query.device))
+    config = bench_config(batch, s)
     fn = ours(batch, config)
     err = rel_l2(fn(), ref)
     row = {
@@ -378,7 +393,7 @@ def bench_prefill(s: BenchSettings, sweep: bool) -> dict:
     pairs = n_seq * sum(cached + i + 1 for i in range(new)) * s.num_q_heads
     flops = 4 * s.head_dim * pairs
     ref, _ = dense_attention(batch)
-    config = choose_config(problem_of(batch), s.dtype, num_sms(batch.query.device))
+    config = bench_config(batch, s)
     fn = ours(batch, config)
     row = {
         "case": name,
@@ -550,6 +565,8 @@ def render(results: dict, command: str) -> str:
         f"Python {dev['python']}",
         f"- date: {dev['date_utc']}",
         f"- copy ceiling: {ceiling:.0f} GB/s (device-to-device copy of 4 GiB, read + write)",
+        f"- fused merge reads on the split path: `{results['settings'].get('merge_reads', 'serial')}`"
+        " (`--merge-reads`; the public-API column runs the library default, `serial`)",
         "",
         "Times are medians of `triton.testing.do_bench` (L2 flushed before each run, 300 ms "
         "warm-up); ours and SDPA are timed alternately in 3 rounds and the median round is "
@@ -632,11 +649,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also time launch-config grids")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compiles)")
     parser.add_argument("--only", default="", help="comma list: decode,prefill,write_kv")
+    parser.add_argument(
+        "--merge-reads",
+        choices=MERGE_READS,
+        default="serial",
+        help="the fused merge's reads on the split path (AttentionConfig.merge_reads)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA device", file=sys.stderr)
         return 2
-    s = BenchSettings()
+    s = BenchSettings(merge_reads=args.merge_reads)
     parts = set(args.only.split(",")) if args.only else {"decode", "prefill", "write_kv"}
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": device_info(), "settings": {**asdict(s), "dtype": str(s.dtype)}}

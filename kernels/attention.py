@@ -13,7 +13,9 @@ KV heads cannot fill the GPU (long contexts, small batches), the KV range is spl
 partitions that write float32 partial results and their log-sum-exp. By default the last
 partition program of each tile to finish merges them (``AttentionConfig.fused_merge``): one
 launch per call. Otherwise :mod:`kernels.merge_states` merges them in a second launch (the
-same math as ``merge_attention_states``).
+same math as ``merge_attention_states``). The fused merge reads the partials either in
+dependent steps (``merge_reads="serial"``, the default) or all up front
+(``"batched"``: all LSEs in one load, the output reads issued back to back).
 
 Offsets that can pass 2**31 elements (block index times the pool's block stride, query and
 output rows) are computed in int64.
@@ -34,6 +36,7 @@ from kernels.merge_states import merge_partitions, pdl_supported
 from kernels.validation import AttentionProblem, KernelArgumentError
 
 __all__ = [
+    "MERGE_READS",
     "AttentionConfig",
     "SplitPolicy",
     "choose_config",
@@ -47,6 +50,16 @@ _LOG2E = 1.4426950408889634
 _MAX_HEAD_DIM = 256
 # Partials the fused merge reads per step ([rows, chunk, head_dim] float32 in registers).
 _MERGE_CHUNK = tl.constexpr(4)
+# The fused merge's read strategies (AttentionConfig.merge_reads), the old one first.
+MERGE_READS = ("serial", "batched")
+# Registers per thread the batched merge may fill with output partials in flight: one
+# read of all partials when they fit, else two chunks of half this (one summed, one
+# prefetched). The split decode build must keep its residency: 3 programs per SM, bound by
+# its 70 KB of shared memory (the grid asks for 2). sm_90 build, bf16, head_dim 128,
+# group 4: serial 118 registers; batched 116 at 8 partitions (one read), 146 at 32
+# (chunks of 8; ptxas still issues most reads up front), 168 with one read of 32 (the
+# budget 128 that diag_merge.py also times); none spills (notes-kernels.md, v9).
+_MERGE_READ_REGS = 64
 
 # Diagnostic-only kernel variants (benchmarks/diag_fixed.py, notes-kernels.md v8), selected
 # by the launcher's private ``_diagnostic`` argument; never used by the public API. Only
@@ -99,6 +112,11 @@ class AttentionConfig:
             lookup, on the lookup's even-split guess (re-read on a miss): one dependent
             round trip less before the first K/V load.
         ids_ahead: tiles between a block-id read and the K/V loads that use it (1 or 2).
+        merge_reads: how the fused merge reads the partials (see ``MERGE_READS``):
+            "serial" (the v8 merge: an online merge over ``[block_m, 4, head_dim]`` loads,
+            each read waiting for the previous one's math) or "batched" (the v9 merge: all
+            LSEs in one load, then the output partials of the tile's real rows in
+            independent, prefetched loads). No effect without a fused split.
     """
 
     block_m: int
@@ -110,6 +128,7 @@ class AttentionConfig:
     fused_merge: bool = False
     early_ids: bool = False
     ids_ahead: int = 1
+    merge_reads: str = "serial"
 
     def __post_init__(self) -> None:
         for name in ("block_m", "tile_n"):
@@ -120,6 +139,10 @@ class AttentionConfig:
             raise KernelArgumentError("AttentionConfig.block_q and num_partitions must be >= 1")
         if self.ids_ahead not in (1, 2):
             raise KernelArgumentError("AttentionConfig.ids_ahead must be 1 or 2")
+        if self.merge_reads not in MERGE_READS:
+            raise KernelArgumentError(
+                f"AttentionConfig.merge_reads must be one of {MERGE_READS}, not {self.merge_reads!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -500,6 +523,10 @@ def _paged_attention_kernel(
     IDS_AHEAD: tl.constexpr,
     GUARD_LOOPS: tl.constexpr,
     DIAG: tl.constexpr,
+    MERGE_BATCHED: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
+    MERGE_PARTS_PAD: tl.constexpr,
+    MERGE_CHUNK_PARTS: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -679,18 +706,26 @@ def _paged_attention_kernel(
                 finished = tl.atomic_add(counter, 1, sem="acq_rel")
             if finished == num_parts - 1:
                 tl.store(counter, 0)
-                if DIAG != _DIAG_MERGE_NO_READS:  # (diagnostic: its own partial as output)
-                    o, lse = _merge_partials(
-                        part_rows, part_lse_rows, num_parts, stride_pp, stride_plp, row_valid,
-                        dims, dim_valid, BLOCK_M, HEAD_DIM_PAD, DIAG,
+                if MERGE_BATCHED:
+                    _merge_batched_and_store(
+                        part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, q_begin, q_lo, n_q,
+                        kv_head, num_parts, num_heads, stride_ot, stride_oh,
+                        HEAD_DIM, HEAD_DIM_PAD, GROUP, BLOCK_Q, WRITE_LSE,
+                        MERGE_ROWS, MERGE_PARTS_PAD, MERGE_CHUNK_PARTS,
                     )  # fmt: skip
-                tl.store(
-                    out_rows[:, None] + dims[None, :],
-                    o.to(out_ptr.dtype.element_ty),
-                    mask=store_mask,
-                )
-                if WRITE_LSE:
-                    tl.store(lse_rows, lse, mask=row_valid)
+                else:
+                    if DIAG != _DIAG_MERGE_NO_READS:  # (diagnostic: its own partial as output)
+                        o, lse = _merge_partials(
+                            part_rows, part_lse_rows, num_parts, stride_pp, stride_plp,
+                            row_valid, dims, dim_valid, BLOCK_M, HEAD_DIM_PAD, DIAG,
+                        )  # fmt: skip
+                    tl.store(
+                        out_rows[:, None] + dims[None, :],
+                        o.to(out_ptr.dtype.element_ty),
+                        mask=store_mask,
+                    )
+                    if WRITE_LSE:
+                        tl.store(lse_rows, lse, mask=row_valid)
     else:
         tl.store(out_rows[:, None] + dims[None, :], o.to(out_ptr.dtype.element_ty), mask=store_mask)
         if WRITE_LSE:
@@ -758,6 +793,151 @@ def _merge_partials(
     out = acc / tl.where(seen, den, 1.0)[:, None]
     lse = tl.where(seen, m + tl.log(tl.where(seen, den, 1.0)), float("-inf"))
     return out, lse
+
+
+@triton.jit
+def _weighted_chunk(
+    po_rows,
+    pl_rows,
+    start,
+    num_parts,
+    m_shift,
+    row_valid,
+    dims,
+    dim_valid,
+    HEAD_DIM: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Issue the reads of partials ``[start, start + CHUNK)`` of the merge's rows.
+
+    Returns ``(o [rows, CHUNK, HEAD_DIM_PAD] float32, w [rows, CHUNK] float32)``: the
+    partial outputs (0 where masked) and their weights ``exp(lse - m_shift)`` (0 for empty
+    or missing partials). Nothing here depends on an earlier chunk, so the loads of one
+    chunk can be in flight while the previous chunk's products are summed. ``.cg``: other
+    programs wrote the partials, L1 may hold stale lines.
+    """
+    p = start + tl.arange(0, CHUNK)
+    live = row_valid[:, None] & (p < num_parts)[None, :]
+    lse_c = tl.load(
+        pl_rows[:, None] + p[None, :], mask=live, other=float("-inf"), cache_modifier=".cg"
+    )
+    o_c = tl.load(
+        po_rows[:, None, None] + p[None, :, None] * HEAD_DIM + dims[None, None, :],
+        mask=live[:, :, None] & dim_valid[None, None, :],
+        other=0.0,
+        cache_modifier=".cg",
+    )
+    return o_c, tl.exp(lse_c - m_shift[:, None])
+
+
+@triton.jit
+def _weighted_sum(o_c, w):
+    """``sum_p w[r, p] * o_c[r, p, :]`` -> ``[rows, HEAD_DIM_PAD]``; an empty partial (weight
+    0, lse -inf) may hold anything (never written): select, never multiply."""
+    return tl.sum(tl.where(w[:, :, None] > 0.0, w[:, :, None] * o_c, 0.0), 1)
+
+
+@triton.jit
+def _merge_batched_and_store(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    lse_ptr,
+    q_begin,
+    q_lo,
+    n_q,
+    kv_head,
+    num_parts,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
+    PARTS_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """The v9 fused merge: merge the tile's ``num_parts`` float32 partials and store the
+    result (``out`` in its dtype, ``lse`` float32 natural log when ``WRITE_LSE``).
+
+    Same math as ``merge_attention_states``: ``m = max_p lse_p``, ``w_p = exp(lse_p - m)``,
+    ``out = sum_p w_p out_p / sum_p w_p``, ``lse = m + log(sum_p w_p)``; rows with no key
+    anywhere get 0 / -inf. Unlike the serial merge (an online max, each read's math before
+    the next read), every global read here has an address known up front:
+
+    * the LSEs ``[MERGE_ROWS, PARTS_PAD]`` of all partials in one load (a few hundred bytes),
+      giving the max and the denominator at once;
+    * the output partials ``[MERGE_ROWS, CHUNK, HEAD_DIM_PAD]`` in ``PARTS_PAD / CHUNK``
+      loads: one when ``CHUNK == PARTS_PAD``, else each chunk is issued before the previous
+      one is summed (one chunk prefetched), so reads overlap instead of queueing.
+
+    Only the tile's real rows are read: ``MERGE_ROWS`` = ``BLOCK_Q * GROUP`` rounded up to
+    a power of two (4 of the 16 rows a decode tile pads to for ``tl.dot`` at group 4).
+    Partials are ``[T, Hq, P, D]`` / ``[T, Hq, P]`` contiguous (the launcher's buffers).
+    """
+    rows = tl.arange(0, MERGE_ROWS)
+    q_idx = q_lo + rows // GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (q_idx < n_q)
+    head = kv_head * GROUP + rows % GROUP
+    q_row = (q_begin + q_idx).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    flat = q_row * num_heads + head  # (token, head) row of the partial buffers
+    po_rows = part_out_ptr + flat * (num_parts * HEAD_DIM)
+    pl_rows = part_lse_ptr + flat * num_parts
+
+    p_all = tl.arange(0, PARTS_PAD)
+    lse_all = tl.load(
+        pl_rows[:, None] + p_all[None, :],
+        mask=row_valid[:, None] & (p_all < num_parts)[None, :],
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )
+    if CHUNK == PARTS_PAD:
+        # One read of every partial, issued right behind the LSE read (independent of it).
+        o_all = tl.load(
+            po_rows[:, None, None] + p_all[None, :, None] * HEAD_DIM + dims[None, None, :],
+            mask=(row_valid[:, None] & (p_all < num_parts)[None, :])[:, :, None]
+            & dim_valid[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+    m = tl.max(lse_all, 1)
+    # A row that no partition saw (all -inf) shifts by 0, so its weights are 0, not NaN.
+    m_shift = tl.where(m == float("-inf"), 0.0, m)
+    den = tl.sum(tl.exp(lse_all - m_shift[:, None]), 1)
+    if CHUNK == PARTS_PAD:
+        acc = _weighted_sum(o_all, tl.exp(lse_all - m_shift[:, None]))
+    else:
+        acc = tl.zeros([MERGE_ROWS, HEAD_DIM_PAD], dtype=tl.float32)
+        o_c, w_c = _weighted_chunk(
+            po_rows, pl_rows, 0, num_parts, m_shift, row_valid, dims, dim_valid, HEAD_DIM, CHUNK
+        )
+        for start in tl.static_range(CHUNK, PARTS_PAD, CHUNK):
+            # Issue chunk `start` before summing the previous one: its loads need nothing
+            # the sum produces, so they are in flight while it runs.
+            o_n, w_n = _weighted_chunk(
+                po_rows, pl_rows, start, num_parts, m_shift, row_valid, dims, dim_valid,
+                HEAD_DIM, CHUNK,
+            )  # fmt: skip
+            acc += _weighted_sum(o_c, w_c)
+            o_c = o_n
+            w_c = w_n
+        acc += _weighted_sum(o_c, w_c)
+    seen = den > 0.0
+    out = acc / tl.where(seen, den, 1.0)[:, None]
+    out_rows = out_ptr + q_row * stride_ot + head * stride_oh
+    tl.store(
+        out_rows[:, None] + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & dim_valid[None, :],
+    )
+    if WRITE_LSE:
+        lse = tl.where(seen, m + tl.log(tl.where(seen, den, 1.0)), float("-inf"))
+        tl.store(lse_ptr + q_row * num_heads + head, lse, mask=row_valid)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -896,6 +1076,7 @@ def paged_attention_triton(
             "IDS_AHEAD": config.ids_ahead,
             "GUARD_LOOPS": not unguarded_loops,
             "DIAG": diag,
+            **_merge_constexprs(fused and config.merge_reads == "batched", problem, config, parts),
         },
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -905,6 +1086,41 @@ def paged_attention_triton(
             part_out.view(T, Hq, parts, D), part_lse.view(T, Hq, parts), out, lse, pdl=pdl
         )
     return out, lse
+
+
+def _merge_constexprs(
+    batched: bool, problem: AttentionProblem, config: AttentionConfig, parts: int
+) -> dict[str, int | bool]:
+    """The batched merge's compile-time sizes (all 1 / False for the serial merge, so its
+    builds are the v8 ones): real rows of a tile (``block_q * group`` rounded up to a power
+    of two, at most ``block_m``), partitions padded to a power of two, and partitions per
+    output read, sized so the reads in flight fill about ``_MERGE_READ_REGS`` registers per
+    thread (one read when all fit, else two chunks of half that)."""
+    if not batched:
+        return {
+            "MERGE_BATCHED": False,
+            "MERGE_ROWS": 1,
+            "MERGE_PARTS_PAD": 1,
+            "MERGE_CHUNK_PARTS": 1,
+        }
+    rows = min(config.block_m, _next_pow2(config.block_q * problem.group))
+    parts_pad = _next_pow2(parts)
+    per_part = rows * max(16, _next_pow2(problem.head_dim))  # float32 elements per partial
+    budget = _MERGE_READ_REGS * 32 * config.num_warps  # elements the program's threads hold
+    if parts_pad * per_part <= budget:
+        chunk = parts_pad
+    else:  # two chunks live at once (the one summed and the one prefetched)
+        chunk = min(parts_pad, _prev_pow2(max(1, budget // (2 * per_part))))
+    return {
+        "MERGE_BATCHED": True,
+        "MERGE_ROWS": rows,
+        "MERGE_PARTS_PAD": parts_pad,
+        "MERGE_CHUNK_PARTS": chunk,
+    }
+
+
+def _prev_pow2(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
 
 
 _ATTENTION_LAUNCHER = CachedLauncher(_paged_attention_kernel)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import kernels
+import kernels.attention as attention_module
 from kernels.attention import (
     AttentionConfig,
     SplitPolicy,
@@ -732,3 +733,142 @@ def test_diagnostic_names_are_checked(diag: str) -> None:
     )
     with pytest.raises(ValueError, match="diagnostic"):
         paged_attention_triton(*batch.args(), problem_of(batch), _diagnostic=diag)
+
+
+# The v9 batched fused merge (AttentionConfig.merge_reads, notes-kernels.md v9): partition
+# counts from 2 to 16 (powers of two and not), batches whose short sequences leave whole
+# partitions empty (LSE -inf), GQA groups 1 / 3 / 4 / 8.
+MERGE_LENS = [150, 1, 9, 64]
+
+
+def merge_cfg(batch, parts: int, merge_reads: str, **overrides) -> AttentionConfig:
+    """A fused split config over 16-token tiles (so short batches still split)."""
+    base = replace(choose_config(problem_of(batch), batch.query.dtype, sm_count=4), tile_n=16)
+    return replace(
+        with_partitions(base, parts), fused_merge=True, merge_reads=merge_reads, **overrides
+    )
+
+
+def run_merge(batch, cfg: AttentionConfig, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of one launch into a NaN-filled output (unwritten elements show)."""
+    out = torch.full_like(batch.query, float("nan"))
+    o, lse = paged_attention_triton(
+        *batch.args(), problem_of(batch), return_lse=True, out=out, config=cfg, **kw
+    )
+    assert not torch.isnan(o).any()
+    return o, lse
+
+
+def assert_matches_dense(batch, o: torch.Tensor, lse: torch.Tensor, **kw) -> None:
+    ref, ref_lse = dense_attention(batch, **kw)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    if batch.query.dtype == torch.float32:
+        assert max_rel(o, ref) <= FP32_MAX_REL
+        assert (lse[seen].double() - ref_lse[seen]).abs().max() <= 1e-4
+    else:
+        assert rel_l2(o, ref) <= HALF_REL_L2
+        assert (lse[seen].double() - ref_lse[seen]).abs().max() <= 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (6, 2), (8, 2), (8, 1)])
+@pytest.mark.parametrize("parts", [3, 8])
+def test_batched_merge_matches_dense_and_serial(
+    dtype: torch.dtype, hq: int, hkv: int, parts: int
+) -> None:
+    """The batched merge gives the dense result (and LSE) and agrees with the serial merge
+    to float32 rounding (same math, another summation order)."""
+    batch = make_paged_batch(
+        MERGE_LENS, [1] * len(MERGE_LENS), num_q_heads=hq, num_kv_heads=hkv, head_dim=32,
+        block_size=8, dtype=dtype, seed=hq * 10 + parts,
+    )  # fmt: skip
+    o_b, lse_b = run_merge(batch, merge_cfg(batch, parts, "batched"))
+    o_s, lse_s = run_merge(batch, merge_cfg(batch, parts, "serial"))
+    assert_matches_dense(batch, o_b, lse_b)
+    tol = 2e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(o_b, o_s, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse_b, lse_s, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("parts", [2, 5, 7, 13, 16])
+@pytest.mark.parametrize("read_regs", [64, 0], ids=["one_read", "chunked"])
+def test_batched_merge_partition_counts_and_chunks(
+    parts: int, read_regs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every partition count, padded to a power of two, in one read of all partials or (a
+    budget of no registers) one partition per read with the next one prefetched."""
+    monkeypatch.setattr(attention_module, "_MERGE_READ_REGS", read_regs)
+    batch = make_paged_batch(
+        [250, 3, 33], [1, 1, 1], num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=8,
+        seed=parts,
+    )  # fmt: skip
+    cfg = merge_cfg(batch, parts, "batched")
+    sizes = attention_module._merge_constexprs(True, problem_of(batch), cfg, parts)
+    assert sizes["MERGE_PARTS_PAD"] == attention_module._next_pow2(parts)
+    assert (sizes["MERGE_CHUNK_PARTS"] == 1) == (read_regs == 0)
+    for _ in range(2):  # the counters are left at zero for the next call
+        o, lse = run_merge(batch, cfg)
+        assert_matches_dense(batch, o, lse)
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"sliding_window": 40}, {"causal": False}], ids=["causal", "window", "full"]
+)
+def test_batched_merge_prefill_tiles(options: dict) -> None:
+    """Split prefill tiles (several query tokens x group rows per tile) merge all their real
+    rows, with windows and without the causal mask."""
+    batch = make_paged_batch(
+        [90, 41, 7], [5, 3, 7], num_q_heads=6, num_kv_heads=2, head_dim=32, block_size=8, seed=8
+    )
+    cfg = merge_cfg(batch, 4, "batched")
+    assert cfg.block_q > 1
+    o, lse = run_merge(batch, cfg, **options)
+    assert_matches_dense(batch, o, lse, **options)
+
+
+def test_merge_sizes_for_the_split_decode_configs() -> None:
+    """The batched merge's compile-time sizes at the H200 split cases (Llama-3-8B heads,
+    head_dim 128): 4 real rows; B=4 x 16384 (8 partitions) in one read, B=1 x 32768 (32)
+    in chunks of 8; the serial merge compiles the v8 kernel (sizes 1)."""
+    problem = AttentionProblem(
+        num_q_tokens=1, num_q_heads=32, num_kv_heads=8, head_dim=128, num_blocks=10**6,
+        block_size=16, num_seqs=1, max_blocks=32768 // 16,
+    )  # fmt: skip
+    cfg = replace(choose_config(problem, torch.bfloat16, 132), merge_reads="batched")
+    assert (cfg.block_m, cfg.num_partitions) == (16, 33)
+    sizes = attention_module._merge_constexprs
+    assert sizes(True, problem, cfg, 32) == {
+        "MERGE_BATCHED": True, "MERGE_ROWS": 4, "MERGE_PARTS_PAD": 32, "MERGE_CHUNK_PARTS": 8,
+    }  # fmt: skip
+    assert sizes(True, problem, cfg, 8)["MERGE_CHUNK_PARTS"] == 8
+    assert sizes(False, problem, cfg, 32) == {
+        "MERGE_BATCHED": False, "MERGE_ROWS": 1, "MERGE_PARTS_PAD": 1, "MERGE_CHUNK_PARTS": 1,
+    }  # fmt: skip
+
+
+def test_merge_reads_is_checked() -> None:
+    assert AttentionConfig(block_m=16, block_q=1, tile_n=16).merge_reads == "serial"
+    with pytest.raises(ValueError, match="merge_reads"):
+        AttentionConfig(block_m=16, block_q=1, tile_n=16, merge_reads="parallel")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_gpu_batched_merge_long_splits(dtype: torch.dtype) -> None:
+    """bf16 / fp16 / fp32 at Llama-3-8B heads: one long decode (one read of 8, chunks of 32
+    and 33 -> 64 padded partitions), a ragged batch with empty partitions, against dense
+    attention and the serial merge; repeated launches reuse the counters."""
+    batch = make_paged_batch(
+        [9000, 3, 1200, 4096], [1, 1, 1, 1], num_q_heads=32, num_kv_heads=8, head_dim=128,
+        block_size=16, dtype=dtype, device="cuda", seed=77,
+    )  # fmt: skip
+    base = choose_config(problem_of(batch), dtype, 132)
+    for parts in (8, 32, 33, 40):
+        got = {}
+        for merge_reads in ("serial", "batched", "batched"):
+            cfg = replace(with_partitions(base, parts), fused_merge=True, merge_reads=merge_reads)
+            got[merge_reads] = run_merge(batch, cfg)
+        assert_matches_dense(batch, *got["batched"])
+        torch.testing.assert_close(got["batched"][0], got["serial"][0], rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(got["batched"][1], got["serial"][1], rtol=1e-5, atol=1e-5)
