@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -78,6 +78,24 @@ service-transports)
   done
   CUDA_VISIBLE_DEVICES=0 timeout 60 python3 benchmarks/diag_placement.py 2>&1 \
     | tee "$OUT/placement.log" | tail -3
+  ;;
+merge-kernels-service)
+  # The GPU tests of kernels and pools; the split path's two fused merges paired with SDPA
+  # (diag_merge.py names the winner), the kernel benchmark with the winner; the service
+  # benchmark over the Session stream with shared memory (fits a 7-minute device budget).
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 -m gpu \
+    tests/test_kernels_attention.py tests/test_kernels_io.py tests/test_kernels_fingerprints.py \
+    tests/test_workers_pool.py tests/test_workers_gpu.py > "$OUT/gpu-tests.log" 2>&1
+  tail -3 "$OUT/gpu-tests.log"
+  timeout 90 python3 benchmarks/diag_merge.py --out "$OUT/diag-merge.json" > "$OUT/diag-merge.log" 2>&1
+  tail -22 "$OUT/diag-merge.log"
+  winner=$(grep '^WINNER:' "$OUT/diag-merge.log" | tail -1 | sed 's/WINNER: *//')
+  timeout 120 python3 benchmarks/bench_kernels.py --out "$OUT/kernels" \
+    --merge-reads "${winner:-serial}" > "$OUT/bench-kernels.log" 2>&1
+  tail -30 "$OUT/bench-kernels.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 170 python3 benchmarks/bench_service.py --h200 --no-ray \
+    --transports session-shm --out "$OUT/service-h200.md" > "$OUT/bench-service.log" 2>&1
+  tail -12 "$OUT/service-h200.md"
   ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

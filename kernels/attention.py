@@ -13,9 +13,10 @@ KV heads cannot fill the GPU (long contexts, small batches), the KV range is spl
 partitions that write float32 partial results and their log-sum-exp. By default the last
 partition program of each tile to finish merges them (``AttentionConfig.fused_merge``): one
 launch per call. Otherwise :mod:`kernels.merge_states` merges them in a second launch (the
-same math as ``merge_attention_states``). The fused merge reads the partials either in
-dependent steps (``merge_reads="serial"``, the default) or all up front
-(``"batched"``: all LSEs in one load, the output reads issued back to back).
+same math as ``merge_attention_states``). The fused merge reads the partials either all up
+front (``merge_reads="batched"``, what ``choose_config`` picks: all LSEs in one load, the
+output reads issued back to back) or in dependent steps (``"serial"``, the v8 merge and the
+dataclass's default).
 
 Offsets that can pass 2**31 elements (block index times the pool's block stride, query and
 output rows) are computed in int64.
@@ -251,6 +252,10 @@ def choose_config(
         # 1.153x vs 1.115x, B=128 x 512 0.981x vs 0.975x, B=64 x 4096 0.985x vs 0.989x)
         # but cost 5.6 us at B=4 x 16384 split (graph replay 75.0 vs 69.4): notes, v7.
         early_ids=decode and parts == 1,
+        # The batched merge's independent reads beat the serial ones on the H200 (graph
+        # replay B=1 x 32768: 40.8 vs 42.3 us, B=4 x 16384: 69.0 vs 69.3; paired do_bench
+        # vs SDPA 0.990x and 1.017x against 0.634x (a host-bound mode) and 1.006x): notes, v9.
+        merge_reads="batched",
     )
 
 
