@@ -748,7 +748,15 @@ class Coordinator:
                         views, queries, seq_ids, return_lse, (plans, keys, values), spans
                     )
                 else:
-                    part = self._step_part(step, items, spans, return_lse)
+                    dtype = self._pool_dtype
+                    k_span, v_span, q_span = spans
+                    part = self._step_part(
+                        step,
+                        _rows(queries, dtype, q_span),
+                        _rows(keys, dtype, k_span),
+                        _rows(values, dtype, v_span),
+                        return_lse,
+                    )
                     parts = [(list(range(len(items))), part)]
                 outputs = await self._execute(layer, parts, hq)
                 if step is None:
@@ -861,21 +869,13 @@ class Coordinator:
                 step.num_queries[0],
                 batch.query.shape[2],
             )
-            dtype, hkv, d = self._pool_dtype, self.layout.num_kv_heads, self.layout.head_dim
-            part = _Part(
-                views=step.views,  # type: ignore[arg-type]
-                num_queries=step.num_queries,
-                seq_ids=list(step.snapshot.seq_ids),
-                query=batch.query.view(b * m, hq, d).to(dtype),
-                writes={
-                    step.worker_id: (
-                        step.slots,
-                        batch.key.view(b * n, hkv, d).to(dtype),
-                        batch.value.view(b * n, hkv, d).to(dtype),
-                    )
-                },
-                return_lse=return_lse,
-                plan=step.plan,
+            hkv, d = self.layout.num_kv_heads, self.layout.head_dim
+            part = self._step_part(
+                step,
+                batch.query.view(b * m, hq, d),
+                batch.key.view(b * n, hkv, d),
+                batch.value.view(b * n, hkv, d),
+                return_lse,
             )
             try:
                 (output,) = await self._execute(layer, [(list(range(b)), part)], hq)
@@ -936,22 +936,21 @@ class Coordinator:
     def _step_part(
         self,
         step: LayerStep,
-        items: Sequence[AppendAttendItem],
-        spans: _Spans,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         return_lse: bool,
     ) -> _Part:
         """The call's one part from a recorded step: its views, slots and kernel plan, with
-        this call's queries and new K/V."""
+        this call's queries ``[rows, Hq, D]`` and new K/V ``[tokens, Hkv, D]`` (sequence by
+        sequence, cast to the pool's dtype here)."""
         dtype = self._pool_dtype
-        k_span, v_span, q_span = spans
-        keys = _rows([it.key for it in items], dtype, k_span)
-        values = _rows([it.value for it in items], dtype, v_span)
         return _Part(
             views=step.views,  # type: ignore[arg-type]
             num_queries=step.num_queries,
             seq_ids=list(step.snapshot.seq_ids),
-            query=_rows([it.query for it in items], dtype, q_span),
-            writes={step.worker_id: (step.slots, keys, values)},
+            query=query.to(dtype),
+            writes={step.worker_id: (step.slots, key.to(dtype), value.to(dtype))},
             return_lse=return_lse,
             plan=step.plan,
         )
