@@ -285,7 +285,8 @@ class KVPool:
         slots = check_write(self._layout, self._num_blocks, layer, slot_mapping, key, value)
         if entry is not None:
             staged = self._on_device(*_write_inputs(slots, key, value), query)
-            self._remember_slots(metadata_key, entry, slot_mapping, staged[0])
+            # The key's other layers will find these slots kept.
+            self._keep_metadata(metadata_key, entry, slot_mapping, staged[0])
             self._write_on_device(layer, *staged[:3])
             return self._attend_on_device(layer, staged[3], *entry.tables(), options)
         indices = check_attend(self._layout, self._num_blocks, layer, query, *batch)
@@ -293,11 +294,7 @@ class KVPool:
         staged = self._on_device(
             *_write_inputs(slots, key, value), *_attend_inputs(query, *indices)
         )
-        self._remember_metadata(metadata_key, staged[4:], query.shape[0])
-        if metadata_key is not None:
-            self._remember_slots(
-                metadata_key, self._metadata.get(metadata_key), slot_mapping, staged[0]
-            )
+        self._remember_metadata(metadata_key, staged[4:], query.shape[0], slot_mapping, staged[0])
         self._write_on_device(layer, *staged[:3])
         return self._attend_on_device(layer, *staged[3:], options)
 
@@ -487,34 +484,37 @@ class KVPool:
             )
         return entry
 
-    def _remember_slots(
-        self,
-        metadata_key: int,
-        entry: CachedMetadata | None,
-        slot_mapping: object,
-        slots: torch.Tensor,
-    ) -> None:
-        """Keep a write's validated slots (`slots`, on the device: a view the next staged
-        copy overwrites, hence the copy) with the key's metadata, for its other layers."""
-        if entry is None:
-            return
-        source: list[int] | torch.Tensor | None
-        if type(slot_mapping) is list:
-            source = list(slot_mapping)
-        elif isinstance(slot_mapping, torch.Tensor):
-            source = slot_mapping.clone()
-        else:
-            return
-        self._metadata.put(metadata_key, replace(entry, slot_source=source, slots=slots.clone()))
-
     def _remember_metadata(
-        self, metadata_key: int | None, staged: Sequence[torch.Tensor], num_rows: int
+        self,
+        metadata_key: int | None,
+        staged: Sequence[torch.Tensor],
+        num_rows: int,
+        slot_mapping: object = None,
+        slots: torch.Tensor | None = None,
     ) -> None:
         """Keep validated index tensors (already on the device: views the next staged copy
-        overwrites, hence the copies) under `metadata_key`."""
+        overwrites, hence the copies) under `metadata_key`, with a write's slots as in
+        :meth:`_keep_metadata`."""
         if metadata_key is not None:
             tables, lens, starts = (t.clone() for t in staged)
-            self._metadata.put(metadata_key, CachedMetadata(tables, lens, starts, num_rows))
+            entry = CachedMetadata(tables, lens, starts, num_rows)
+            self._keep_metadata(metadata_key, entry, slot_mapping, slots)
+
+    def _keep_metadata(
+        self,
+        metadata_key: int | None,
+        entry: CachedMetadata,
+        slot_mapping: object = None,
+        slots: torch.Tensor | None = None,
+    ) -> None:
+        """Store `entry` under `metadata_key` (None: nothing is kept); with a write's
+        `slot_mapping` as passed and its validated device `slots` (a staged view, hence the
+        copy), those too, so the key's other layers skip validating and copying them."""
+        if metadata_key is None:
+            return
+        if slots is not None and (source := _slot_source(slot_mapping)) is not None:
+            entry = replace(entry, slot_source=source, slots=slots.clone())
+        self._metadata.put(metadata_key, entry)
 
     def _on_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """``tensors`` on the pool's device: host tensors of a GPU pool in one staged copy
@@ -631,6 +631,16 @@ class KVPool:
             # The torch reference whatever the pool's backend, its errors as they are.
             return kernels.paged_attention(*args, **kwargs, backend="torch", check_values=False)
         return self._kernel(kernels.paged_attention, *args, **kwargs)
+
+
+def _slot_source(slot_mapping: object) -> list[int] | torch.Tensor | None:
+    """A copy of a write's slot mapping as its caller passed it (a list or a tensor), to
+    recognise the same slots in a later call (CachedMetadata.same_slots); None otherwise."""
+    if type(slot_mapping) is list:
+        return list(slot_mapping)
+    if isinstance(slot_mapping, torch.Tensor):
+        return slot_mapping.clone()
+    return None
 
 
 def _write_inputs(
