@@ -809,13 +809,8 @@ class Coordinator:
         """The recorded step `batch` can repeat on `layer`, judged by what needs no lock:
         the same batch of sequences, its token and query row counts, tensors of the layout's
         shapes and float dtypes, every value finite. None: take the full path."""
-        step = self._steps.get(tenant, tuple(batch.seq_ids))
-        if (
-            step is None
-            or step.worker_id not in self._epochs
-            or type(layer) is not int
-            or not 0 <= layer < self.layout.num_layers
-        ):
+        step = self._recorded_step(tenant, batch.seq_ids)
+        if step is None or type(layer) is not int or not 0 <= layer < self.layout.num_layers:
             return None
         key, value, query = batch.key, batch.value, batch.query
         b, n, m = len(batch.seq_ids), step.snapshot.num_tokens, step.num_queries[0]
@@ -838,8 +833,7 @@ class Coordinator:
             and query.is_contiguous()
         ):
             return None
-        tensors = [key.view(-1), value.view(-1), query.view(-1)]
-        if not all(math.isfinite(s.item()) for s in _run_sums(tensors)):
+        if not _sums_finite([key.view(-1), value.view(-1), query.view(-1)]):
             return None
         return step
 
@@ -857,10 +851,8 @@ class Coordinator:
         async with self._locked(seq_ids):
             # Another call may have replaced the step or moved a sequence meanwhile, or the
             # step's worker may have gone.
-            if (
-                self._steps.get(tenant, tuple(seq_ids)) is not step
-                or step.worker_id not in self._epochs
-                or not self.block_manager.repeatable(step.snapshot, layer, batch.token_ids)
+            if self._recorded_step(tenant, seq_ids) is not step or not (
+                self.block_manager.repeatable(step.snapshot, layer, batch.token_ids)
             ):
                 return None
             b, n, m, hq = (
@@ -912,14 +904,22 @@ class Coordinator:
         self._flush_released()  # blocks evicted for these writes: poisoned first
         return plans
 
+    def _recorded_step(self, tenant: str, seq_ids: Sequence[str]) -> LayerStep | None:
+        """The step recorded for this batch (tenant, sequence ids in order), if its worker
+        is still one of the coordinator's."""
+        step = self._steps.get(tenant, tuple(seq_ids))
+        if step is None or step.worker_id not in self._epochs:
+            return None
+        return step
+
     def _reusable_step(
         self, tenant: str, layer: int, seq_ids: list[str], items: Sequence[AppendAttendItem]
     ) -> LayerStep | None:
         """The recorded step of this batch when this call is another layer of it: the same
         token ids and query rows per sequence, the worker still known, and the block
         manager confirming the write would be planned the same (`repeatable`)."""
-        step = self._steps.get(tenant, tuple(seq_ids))
-        if step is None or step.worker_id not in self._epochs:
+        step = self._recorded_step(tenant, seq_ids)
+        if step is None:
             return None
         n = step.snapshot.num_tokens
         m = step.num_queries[0]
@@ -1651,12 +1651,18 @@ def _check_finite(
     whose sum overflows) sends every tensor of `named()` through the exact check, which
     names the first culprit.
     """
-    # math.isfinite of the Python float: a fraction of what a torch.isfinite call costs.
-    if not tensors or all(math.isfinite(s.item()) for s in _run_sums(tensors)):
+    if not tensors or _sums_finite(tensors):
         return
     for name, t in named():
         if not bool(torch.isfinite(t).all()):
             raise InvalidRequest(f"{name} contains NaN or infinite values")
+
+
+def _sums_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """The fast pass of `_check_finite`: every run's sum is finite (so no element is NaN or
+    infinite; False may also mean finite values whose sum overflows)."""
+    # math.isfinite of the Python float: a fraction of what a torch.isfinite call costs.
+    return all(math.isfinite(s.item()) for s in _run_sums(tensors))
 
 
 def _run_sums(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
