@@ -25,9 +25,11 @@ import torch
 
 __all__ = [
     "copy_blocks_ref",
+    "fingerprint_rows",
     "gather_blocks_ref",
     "merge_attention_states_ref",
     "paged_attention_ref",
+    "record_fingerprints_ref",
     "scatter_blocks_ref",
     "write_kv_ref",
 ]
@@ -172,7 +174,7 @@ def record_fingerprints_ref(
     """
     slots = slot_mapping.long()
     spare = sums.shape[0] - block_size
-    both = torch.stack([_weighted_rows(key, weights), _weighted_rows(value, weights)], dim=-1)
+    both = torch.stack([fingerprint_rows(key, weights), fingerprint_rows(value, weights)], dim=-1)
     if layer is None:
         num_layers = sums.shape[1]
         pages, offsets = slots.div(block_size, rounding_mode="floor"), slots % block_size
@@ -183,8 +185,9 @@ def record_fingerprints_ref(
         sums[torch.where(slots >= 0, slots, spare), layer] = both
 
 
-def _weighted_rows(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``[n, Hkv, D]`` -> ``[n]`` float64: each row's sum of x * weights."""
+def fingerprint_rows(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``[..., Hkv, D]`` -> ``[...]`` float64: each row's sum of x * weights ``[Hkv, D]``
+    (what a slot's fingerprint is; workers.fingerprints recomputes it to check one)."""
     return (x.to(torch.float64) * weights).sum((-2, -1))
 
 

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 import kernels
+from kernels.reference import fingerprint_rows
 from workers.layout import KVLayout
 
 __all__ = ["BadSlot", "SlotFingerprints"]
@@ -74,7 +75,7 @@ class SlotFingerprints:
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., Hkv, D]`` -> ``[...]`` float64 fingerprints."""
-        return (x.to(torch.float64) * self._weights).sum((-2, -1))
+        return fingerprint_rows(x, self._weights)
 
     def record(
         self, layer: int | None, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
