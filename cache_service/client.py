@@ -1019,6 +1019,11 @@ def _id_rows(token_ids: Sequence[Sequence[int]] | torch.Tensor) -> list[list[int
         return token_ids.tolist()
     rows = []
     for i, row in enumerate(token_ids):
+        # A decode step's rows: lists of one int, used as they are (the request is
+        # encoded from them before the call returns; nothing keeps them).
+        if type(row) is list and len(row) == 1 and type(row[0]) is int:
+            rows.append(row)
+            continue
         if not isinstance(row, Sequence | torch.Tensor) or isinstance(row, str | bytes):
             raise ValueError(
                 f"token_ids[{i}] must be the row's token ids, got {type(row).__name__}"

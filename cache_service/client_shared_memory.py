@@ -56,6 +56,10 @@ _MIN_REGION = 4 * MiB
 # After a refused creation, no region is asked for this long (every call would pay a
 # failing round trip while a limit stays reached).
 _REFUSAL_PAUSE_S = 10.0
+# Views of a region kept for reuse (see _Mapped.view), and call layouts kept (see
+# SharedMemoryPath.stage): a few per decode step's shapes; the bounds guard odd callers.
+_MAX_VIEWS = 64
+_MAX_LAYOUTS = 64
 # The wire's byte order is little-endian; the views over the region use the host's.
 _USABLE_HOST = sys.byteorder == "little"
 
@@ -94,16 +98,27 @@ class _Mapped:
         self.region_id = region_id
         self.size = size
         self._bytes: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
+        # A decode step asks for the same few slices layer after layer: their views are
+        # made once (three torch calls each) and kept until the region is unmapped.
+        self._views: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
 
     def view(self, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
         """The region's bytes at `offset` as a tensor of `dtype` and `shape` (a view: it
         must not outlive the call that made it)."""
-        assert self._bytes is not None, "the region is unmapped"
-        n = _nbytes(dtype, shape)
-        return self._bytes[offset : offset + n].view(dtype).view(tuple(shape))
+        key = (offset, dtype, tuple(shape))
+        view = self._views.get(key)
+        if view is None:
+            assert self._bytes is not None, "the region is unmapped"
+            n = _nbytes(dtype, shape)
+            view = self._bytes[offset : offset + n].view(dtype).view(key[2])
+            if len(self._views) >= _MAX_VIEWS:  # odd callers: many shapes
+                self._views.clear()
+            self._views[key] = view
+        return view
 
     def close(self) -> None:
         """Unmap (views still alive keep the memory until they go)."""
+        self._views = {}
         self._bytes = None
         try:
             self._mm.close()
@@ -116,6 +131,67 @@ def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+class _Layout:
+    """Where one kind of call (its inputs' and outputs' dtypes and shapes) lies in a
+    region: computed once, and bound to the region in use (`place`) when it changes.
+
+    Attributes:
+        size: bytes the call needs; empty: some tensor has no elements.
+        out_specs: (dtype, shape) of each output.
+        region: the region the views and references below are of (None: not placed).
+        input_views: each input's slice of the region, as a tensor of its dtype and shape.
+        shared: each input as a `SharedTensor` of the region.
+        refs: each output's (region id, offset).
+    """
+
+    def __init__(
+        self,
+        in_specs: list[tuple[torch.dtype, tuple[int, ...]]],
+        out_specs: list[tuple[torch.dtype, tuple[int, ...]]],
+    ) -> None:
+        sizes = [_nbytes(d, s) for d, s in in_specs + out_specs]
+        self.empty = min(sizes) == 0
+        self.offsets = []
+        at = 0
+        for n in sizes:
+            self.offsets.append(at)
+            at += _aligned(n)
+        self.size = at
+        self.in_specs = in_specs
+        self.out_specs = out_specs
+        self.region: _Mapped | None = None
+        self.input_views: list[torch.Tensor] = []
+        self.shared: list[SharedTensor] = []
+        self.refs: list[SliceRef] = []
+
+    def place(self, region: _Mapped) -> None:
+        """Bind the views and references to `region` (one at least `size` bytes)."""
+        n = len(self.in_specs)
+        self.input_views = [
+            region.view(o, d, s) for (d, s), o in zip(self.in_specs, self.offsets, strict=False)
+        ]
+        self.shared = [
+            SharedTensor(d, s, region.region_id, o)
+            for (d, s), o in zip(self.in_specs, self.offsets, strict=False)
+        ]
+        self.refs = [(region.region_id, o) for o in self.offsets[n:]]
+        self.region = region
+
+
+def _layout(
+    inputs: Sequence[torch.Tensor], outputs: Sequence[tuple[torch.dtype, tuple[int, ...]]]
+) -> _Layout:
+    """The layout of a call with these inputs and outputs.
+
+    Raises:
+        TensorCodecError: an input's dtype cannot travel (the bytes path's error).
+    """
+    for t in inputs:
+        dtype_to_proto(t.dtype)
+    in_specs = [(t.dtype, tuple(t.shape)) for t in inputs]
+    return _Layout(in_specs, [(d, tuple(s)) for d, s in outputs])
 
 
 @dataclass
@@ -196,6 +272,8 @@ class SharedMemoryPath:
         self._off_for_good: str | None = None  # why, once the path is known unusable
         self._refused_size: int | None = None  # smallest size the server refused
         self._paused_until = 0.0
+        # (dtype, shape) of each input and output -> where they go in a region.
+        self._layouts: dict[tuple[Any, ...], _Layout] = {}
         if not _USABLE_HOST:  # pragma: no cover - no big-endian CI host
             self._off_for_good = "the host is big-endian; the wire's byte order is little"
 
@@ -234,31 +312,27 @@ class SharedMemoryPath:
             if self._required:
                 raise SharedMemoryUnavailable(self._off_for_good)
             return None
-        for t in inputs:
-            dtype_to_proto(t.dtype)  # the bytes path's error for a dtype that cannot travel
-        specs = [(t.dtype, tuple(t.shape)) for t in inputs] + [(d, tuple(s)) for d, s in outputs]
-        sizes = [_nbytes(d, s) for d, s in specs]
-        if min(sizes) == 0:
+        key = (*((t.dtype, t.shape) for t in inputs), *((d, tuple(s)) for d, s in outputs))
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = _layout(inputs, outputs)
+            if len(self._layouts) >= _MAX_LAYOUTS:
+                self._layouts.clear()
+            self._layouts[key] = layout
+        if layout.empty:
             return None  # nothing to share; the server refuses such calls anyway
         if not self._lock.acquire(blocking=False):
             return None
         try:
-            region = self._region_for(sum(_aligned(n) for n in sizes), timeout_s)
+            region = self._region_for(layout.size, timeout_s)
             if region is None:
                 self._lock.release()
                 return None
-            offsets = []
-            at = 0
-            for n in sizes:
-                offsets.append(at)
-                at += _aligned(n)
-            shared = []
-            for t, offset in zip(inputs, offsets[: len(inputs)], strict=True):
-                region.view(offset, t.dtype, t.shape).copy_(t)
-                shared.append(SharedTensor(t.dtype, tuple(t.shape), region.region_id, offset))
-            out_specs = specs[len(inputs) :]
-            refs = [(region.region_id, o) for o in offsets[len(inputs) :]]
-            return Staged(shared, refs, region, out_specs, self)
+            if layout.region is not region:
+                layout.place(region)
+            for view, t in zip(layout.input_views, inputs, strict=True):
+                view.copy_(t)
+            return Staged(layout.shared, layout.refs, region, layout.out_specs, self)
         except BaseException:
             self._lock.release()
             raise
@@ -325,11 +399,13 @@ class SharedMemoryPath:
         if self._region is not None:
             self._region.close()
             self._region = None
+            self._layouts.clear()  # their views hold the unmapped region's memory
 
     def _drop(self, release: bool) -> None:
         region, self._region = self._region, None
         if region is not None:
             region.close()
+            self._layouts.clear()  # their views hold the unmapped region's memory
             if release:
                 self._release_quietly(region.region_id)
 

@@ -109,6 +109,8 @@ def _tensor_meta(enum: int, shape: tuple[int, ...]) -> bytes:
     return _DTYPE + varint(enum) + (delimited(_SHAPE, len(dims)) + dims if dims else b"")
 
 
+# A client's calls name the same few slices of its region layer after layer.
+@functools.lru_cache(maxsize=256)
 def shared_slice(region_id: str, offset: int) -> bytes:
     """A `SharedSlice` message (what the protobuf API serializes: defaults left out).
 
@@ -131,6 +133,14 @@ def shared_tensor_field(
     Raises:
         TensorCodecError: ``dtype`` cannot travel. ValueError: offset outside uint64.
     """
+    return _shared_tensor_field(tag, dtype, tuple(shape), region_id, offset)
+
+
+# The same slices come back layer after layer (the client's inputs, the server's outputs).
+@functools.lru_cache(maxsize=256)
+def _shared_tensor_field(
+    tag: bytes, dtype: torch.dtype, shape: tuple[int, ...], region_id: str, offset: int
+) -> bytes:
     where = shared_slice(region_id, offset)
-    body = _tensor_meta(dtype_to_proto(dtype), tuple(shape)) + delimited(_SHARED, len(where))
+    body = _tensor_meta(dtype_to_proto(dtype), shape) + delimited(_SHARED, len(where))
     return delimited(tag, len(body) + len(where)) + body + where
