@@ -211,8 +211,39 @@ def test_a_larger_call_replaces_the_region(svc, monkeypatch: pytest.MonkeyPatch)
 
             ref, _ = dense_attention(q[i], torch.cat([k[i], k3[i]]), torch.cat([k[i], k3[i]]))
             assert torch.allclose(out[i].double(), ref, atol=1e-5)
+        # The first kind of call again: its kept layout moves to the new region.
+        q1 = torch.randn(2, 1, HQ, D)
+        out1 = client.append_attend_batch(1, ids, [[1], [2]], k, k, q1)
+        assert shm._region.region_id != small and shm.active
+        assert all(lay.region is shm._region for lay in shm._layouts.values() if lay.region)
+        for i in range(2):
+            ref, _ = dense_attention(q1[i], k[i], k[i])
+            assert torch.allclose(out1[i].double(), ref, atol=1e-5)
         for s in ids:
             client.free(s)
+
+
+def test_a_forgotten_region_drops_the_kept_layouts(svc) -> None:
+    with KVCacheClient(svc.address) as client:
+        ids = [client.create_sequence().seq_id]
+        k = torch.randn(1, 1, HKV, D)
+        client.append_attend_batch(0, ids, [[1]], k, k, torch.randn(1, 1, HQ, D))
+        shm = client._shm
+        assert shm is not None and shm._layouts
+        old = shm._region
+        # What the client does when the server answers NOT_FOUND for the region.
+        assert shm._lock.acquire(blocking=False)
+        shm.forget()
+        shm._lock.release()
+        assert not shm._layouts and old is not None and not old._views
+        q = torch.randn(1, 1, HQ, D)
+        out = client.append_attend_batch(1, ids, [[1]], k, k, q)  # a new region
+        assert shm._region is not old and shm.active
+        from workers_support import dense_attention
+
+        ref, _ = dense_attention(q[0], k[0], k[0])
+        assert torch.allclose(out[0].double(), ref, atol=1e-5)
+        client.free(ids[0])
 
 
 # ------------------------------------------------------------------------- fallbacks
