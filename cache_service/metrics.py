@@ -158,6 +158,8 @@ class ServiceMetrics:
             ["service", "method", "code"],
             registry=reg,
         )
+        # (method, code) -> the (duration, count) children of a session call's labels.
+        self._session_children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self.rpc_duration = Histogram(
             f"{p}_rpc_duration_seconds",
             "gRPC handling time in seconds, by service, method and final status code.",
@@ -233,9 +235,15 @@ class ServiceMetrics:
         method ``Session.<call>`` (e.g. ``Session.AppendAttendBatch``), its status code
         name, its handling time in seconds. (The stream itself is recorded as one
         ``Session`` RPC when it ends.)"""
-        key = (_SERVICE, method, code)
-        self.rpc_duration.labels(*key).observe(seconds)
-        self.rpc_requests.labels(*key).inc()
+        # One labels() lookup per (method, code) ever: it takes a lock and validates the
+        # labels, and a session records every layer's call.
+        children = self._session_children.get((method, code))
+        if children is None:
+            key = (_SERVICE, method, code)
+            children = (self.rpc_duration.labels(*key), self.rpc_requests.labels(*key))
+            self._session_children[(method, code)] = children
+        children[0].observe(seconds)
+        children[1].inc()
 
     # -- data plane ------------------------------------------------------------------------
 
