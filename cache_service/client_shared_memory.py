@@ -397,15 +397,17 @@ class SharedMemoryPath:
         """The server no longer has the region (NOT_FOUND naming it): unmap it without
         releasing; the next call makes a new one. Call while holding a `Staged`."""
         if self._region is not None:
+            # First the kept layouts: their views of the region would keep it mapped.
+            self._layouts.clear()
             self._region.close()
             self._region = None
-            self._layouts.clear()  # their views hold the unmapped region's memory
 
     def _drop(self, release: bool) -> None:
         region, self._region = self._region, None
         if region is not None:
+            # First the kept layouts: their views of the region would keep it mapped.
+            self._layouts.clear()
             region.close()
-            self._layouts.clear()  # their views hold the unmapped region's memory
             if release:
                 self._release_quietly(region.region_id)
 

@@ -236,6 +236,7 @@ def test_a_forgotten_region_drops_the_kept_layouts(svc) -> None:
         shm.forget()
         shm._lock.release()
         assert not shm._layouts and old is not None and not old._views
+        assert old._mm.closed  # no kept view holds the mapping
         q = torch.randn(1, 1, HQ, D)
         out = client.append_attend_batch(1, ids, [[1]], k, k, q)  # a new region
         assert shm._region is not old and shm.active
