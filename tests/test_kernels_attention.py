@@ -266,6 +266,37 @@ def test_split_matches_unsplit_and_writes_every_element(causal: bool) -> None:
         torch.testing.assert_close(lse, results[0][1], rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 30}, {"causal": False}])
+def test_partitions_follow_each_sequence_not_the_table(options: dict) -> None:
+    """Partitions split each tile's own KV range (read on the device), not the block
+    table's capacity: with a table far wider than every sequence the split still covers
+    each sequence exactly once (short sequences, ones shorter than a partition's tile
+    count, prefill rows)."""
+    lens = [130, 7, 64, 201, 16]
+    batch = make_paged_batch(
+        lens, [1, 2, 1, 12, 16], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+        seed=11, spare_columns=40,
+    )  # fmt: skip
+    problem = problem_of(batch)
+    base = replace(choose_config(problem, torch.float32, sm_count=4), tile_n=16)
+    ref, ref_lse = dense_attention(batch, **options)
+    got = []
+    for parts in (1, 5, 32):
+        out = torch.full_like(batch.query, float("nan"))
+        cfg = replace(with_partitions(base, parts), fused_merge=True, merge_reads="batched")
+        o, lse = paged_attention_triton(
+            *batch.args(), problem, return_lse=True, out=out, config=cfg, **options
+        )
+        assert not torch.isnan(o).any()
+        assert max_rel(o, ref) <= FP32_MAX_REL
+        got.append((o, lse))
+    for o, lse in got[1:]:
+        torch.testing.assert_close(o, got[0][0], rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(lse, got[0][1], rtol=2e-6, atol=2e-6)
+    seen = torch.isfinite(ref_lse)
+    torch.testing.assert_close(got[2][1][seen].double(), ref_lse[seen], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (6, 2), (8, 1)])
 def test_fused_merge_matches_the_merge_kernel(hq: int, hkv: int) -> None:
     """The last partition program's merge (group sizes 1, 3 and 8; decode and multi-row
@@ -645,6 +676,45 @@ def test_gpu_cached_launch_respects_specialization() -> None:
                     batch.query_start_loc, problem, out=out, config=cfg,
                 )  # fmt: skip
                 assert rel_l2(out, ref) <= HALF_REL_L2
+
+
+@pytest.mark.gpu
+def test_gpu_launch_plans_repeat_every_call_shape() -> None:
+    """The launcher's per-shape plans (kernels.attention._LaunchPlan): calls alternating
+    between shapes, split (fused merge) and unsplit, with and without ``out`` and LSE, on
+    two streams, each repeated so most go through a plan; every result against dense."""
+    shapes = ((61, [8192]), (62, [300, 4096, 17]), (63, [64] * 200))
+    batches = []
+    for seed, lens in shapes:
+        batches.append(
+            make_paged_batch(
+                lens,
+                [1] * len(lens),
+                num_q_heads=32,
+                num_kv_heads=8,
+                head_dim=128,
+                block_size=16,
+                dtype=torch.bfloat16,
+                device="cuda",
+                seed=seed,
+            )
+        )
+    refs = [dense_attention(b) for b in batches]
+    torch.cuda.synchronize()  # the inputs are ready before the side stream reads them
+    side = torch.cuda.Stream()
+    for _ in range(3):
+        for stream in (torch.cuda.current_stream(), side):
+            with torch.cuda.stream(stream):
+                for b, (ref, ref_lse) in zip(batches, refs, strict=True):
+                    out = torch.full_like(b.query, float("nan"))
+                    o1 = kernels.paged_attention(*b.args(), check_values=False)
+                    o2, lse = kernels.paged_attention(
+                        *b.args(), out=out, return_lse=True, check_values=False
+                    )
+                    torch.cuda.current_stream().synchronize()
+                    assert o2 is out
+                    assert rel_l2(o1, ref) <= HALF_REL_L2 and rel_l2(o2, ref) <= HALF_REL_L2
+                    assert (lse.double() - ref_lse).abs().max() <= 2e-2
 
 
 # Batches for the loop guards: tile-aligned decode lengths (no masked tile at all), ragged
