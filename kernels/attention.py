@@ -995,6 +995,7 @@ def paged_attention_triton(
     # A direct launcher means compiled kernels, so CUDA tensors (Triton rejects others).
     if _ATTENTION_LAUNCHER.direct:
         device_index = torch.cuda.current_device()
+        stream = current_stream_handle(device_index)  # where the JIT would launch
         # Everything the launch depends on except the tensors' addresses (validated
         # arguments: the caches share the query's dtype, ``out`` its shape and dtype).
         plan_key = (
@@ -1018,12 +1019,12 @@ def paged_attention_triton(
             return_lse,
             _diagnostic,
             device_index,
-            current_stream_handle(device_index),
+            stream,
         )
         plan = _PLANS.get(plan_key)
         if plan is not None:
             result = plan.launch(
-                query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out
+                stream, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out
             )
             if result is not None:
                 return result
@@ -1071,6 +1072,7 @@ class _LaunchPlan:
 
     def launch(
         self,
+        stream: int,
         query: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
@@ -1079,7 +1081,8 @@ class _LaunchPlan:
         query_start_loc: torch.Tensor,
         out: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Launch on the current stream; None (nothing launched) when the plan does not apply."""
+        """Launch on ``stream`` (the current one, a raw handle); None (nothing launched) when
+        the plan does not apply."""
         if torch.cuda.is_current_stream_capturing() or hooks_installed():
             return None
         q_ptr = query.data_ptr()
@@ -1105,7 +1108,7 @@ class _LaunchPlan:
             lse_ptr = o_ptr
         grid = self.grid
         self.run(
-            grid[0], grid[1], grid[2], current_stream_handle(query.get_device()), *self.head,
+            grid[0], grid[1], grid[2], stream, *self.head,
             q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, qsl_ptr, o_ptr, lse_ptr,
             *(self.part_ptrs or (o_ptr, o_ptr, o_ptr)), *self.tail,
         )  # fmt: skip
