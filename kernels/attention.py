@@ -53,13 +53,13 @@ _MAX_HEAD_DIM = 256
 _MERGE_CHUNK = tl.constexpr(4)
 # The fused merge's read strategies (AttentionConfig.merge_reads), the old one first.
 MERGE_READS = ("serial", "batched")
-# Registers per thread the batched merge may fill with output partials in flight: one
-# read of all partials when they fit, else two chunks of half this (one summed, one
-# prefetched). The split decode build must keep its residency: 3 programs per SM, bound by
-# its 70 KB of shared memory (the grid asks for 2). sm_90 build, bf16, head_dim 128,
-# group 4: serial 118 registers; batched 116 at 8 partitions (one read), 146 at 32
-# (chunks of 8; ptxas still issues most reads up front), 168 with one read of 32 (the
-# budget 128 that diag_merge.py also times); none spills (notes-kernels.md, v9).
+# Default registers per thread the batched merge may fill with output partials in flight
+# (AttentionConfig.merge_read_regs): one read of all partials when they fit, else two
+# chunks of half this (one summed, one prefetched). The split decode build must keep its
+# residency: 3 programs per SM, bound by its 70 KB of shared memory (the grid asks for 2).
+# sm_90 build, bf16, head_dim 128, group 4: serial 118 registers; batched 116 at 8
+# partitions (one read), 146 at 32 (chunks of 8; ptxas still issues most reads up front),
+# 168 with one read of 32 (budget 128); none spills (notes-kernels.md, v9).
 _MERGE_READ_REGS = 64
 
 # Diagnostic-only kernel variants (benchmarks/diag_fixed.py, notes-kernels.md v8), selected
@@ -118,6 +118,8 @@ class AttentionConfig:
             each read waiting for the previous one's math) or "batched" (the v9 merge: all
             LSEs in one load, then the output partials of the tile's real rows in
             independent, prefetched loads). No effect without a fused split.
+        merge_read_regs: registers per thread the batched merge may fill with partials in
+            flight: all partials in one read when they fit, else two chunks of half this.
     """
 
     block_m: int
@@ -130,6 +132,7 @@ class AttentionConfig:
     early_ids: bool = False
     ids_ahead: int = 1
     merge_reads: str = "serial"
+    merge_read_regs: int = _MERGE_READ_REGS
 
     def __post_init__(self) -> None:
         for name in ("block_m", "tile_n"):
@@ -140,6 +143,8 @@ class AttentionConfig:
             raise KernelArgumentError("AttentionConfig.block_q and num_partitions must be >= 1")
         if self.ids_ahead not in (1, 2):
             raise KernelArgumentError("AttentionConfig.ids_ahead must be 1 or 2")
+        if self.merge_read_regs < 0:
+            raise KernelArgumentError("AttentionConfig.merge_read_regs must be >= 0")
         if self.merge_reads not in MERGE_READS:
             raise KernelArgumentError(
                 f"AttentionConfig.merge_reads must be one of {MERGE_READS}, not {self.merge_reads!r}"
@@ -235,6 +240,11 @@ def choose_config(
         # Rounded down: a split that overshoots the target (B=4 x 16384: 9 partitions, 288
         # programs) measured slower than one just under it (8, 256 programs).
         parts = min(max(1, target // base), _cdiv(problem.max_kv_len, policy.min_partition_tokens))
+        # The batched merge pads the partition count to a power of two (its LSE read) and
+        # sizes its output reads by it: one just above a power of two (B=1: 33 of 264
+        # programs' worth) doubles the merge's padded lanes for 3% more programs.
+        if 8 * _prev_pow2(parts) >= 7 * parts:
+            parts = _prev_pow2(parts)
     if parts > 1 and dtype != torch.float32:
         # Three stages let the K/V loads run two tiles ahead of the block-id reads, which
         # `_attend_tiles` issues one tile ahead (B=1 x 32768: 41.5 us with 3 stages, 45.6
@@ -256,6 +266,9 @@ def choose_config(
         # replay B=1 x 32768: 40.8 vs 42.3 us, B=4 x 16384: 69.0 vs 69.3; paired do_bench
         # vs SDPA 0.990x and 1.017x against 0.634x (a host-bound mode) and 1.006x): notes, v9.
         merge_reads="batched",
+        # All 32 partials of B=1 x 32768 in one read (168 registers, still 3 programs per
+        # SM) instead of four chunks of 8: the merge tail is the split path's fixed cost.
+        merge_read_regs=128 if d_pad <= 128 else _MERGE_READ_REGS,
     )
 
 
@@ -608,7 +621,10 @@ def _paged_attention_kernel(
         t_begin = tile_lo + part * tiles_per_part
         t_end = tl.minimum(tile_hi, t_begin + tiles_per_part)
     else:
-        t_begin = tile_lo
+        # part is 0 (one partition), but as a runtime value: with a start the compiler can
+        # fold to 0 the unsplit sm_90 decode build takes 147 registers instead of 117, and
+        # three programs per SM instead of four.
+        t_begin = tile_lo + part
         t_end = tile_hi
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -1290,8 +1306,8 @@ def _merge_constexprs(
     """The batched merge's compile-time sizes (all 1 / False for the serial merge, so its
     builds are the v8 ones): real rows of a tile (``block_q * group`` rounded up to a power
     of two, at most ``block_m``), partitions padded to a power of two, and partitions per
-    output read, sized so the reads in flight fill about ``_MERGE_READ_REGS`` registers per
-    thread (one read when all fit, else two chunks of half that)."""
+    output read, sized so the reads in flight fill about ``config.merge_read_regs``
+    registers per thread (one read when all fit, else two chunks of half that)."""
     if not batched:
         return {
             "MERGE_BATCHED": False,
@@ -1302,7 +1318,7 @@ def _merge_constexprs(
     rows = min(config.block_m, _next_pow2(config.block_q * problem.group))
     parts_pad = _next_pow2(parts)
     per_part = rows * max(16, _next_pow2(problem.head_dim))  # float32 elements per partial
-    budget = _MERGE_READ_REGS * 32 * config.num_warps  # elements the program's threads hold
+    budget = config.merge_read_regs * 32 * config.num_warps  # elements the program's threads hold
     if parts_pad * per_part <= budget:
         chunk = parts_pad
     else:  # two chunks live at once (the one summed and the one prefetched)
