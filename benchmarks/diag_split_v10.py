@@ -97,7 +97,8 @@ def time_case(batch_size: int, kv_len: int, s: BenchSettings, default_only: bool
         add("default, counters not captured", base, "cached_counters")
         add("default, no merge (floor)", base, "no_merge")
         for parts in SPLIT_CASES[0][2] if batch_size == 1 else SPLIT_CASES[1][2]:
-            for regs in BUDGETS:
+            # Both budgets where they differ in build (32 and 33 partials), else the default.
+            for regs in BUDGETS if parts in (32, 33) else (base.merge_read_regs,):
                 cfg = variant(base, parts, regs)
                 if cfg != base:
                     add(f"P{parts} budget {regs}", cfg)

@@ -11,12 +11,36 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
 
 case $phase in
+kernels-v10)
+  # Kernel notes v10: the kernels' GPU tests (and the pool's, which call them); host time
+  # per call and the split cases' diagnostic, after and (with V9_TREE, a tree holding the
+  # v9 kernels/ package) before, in one call so the host and the GPU are the same.
+  timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark -n 8 \
+    tests/test_kernels_attention.py tests/test_kernels_io.py tests/test_kernels_validation.py \
+    tests/test_kernels_launch.py tests/test_kernels_fingerprints.py tests/test_workers_gpu.py \
+    2>&1 | tee "$OUT/gpu-tests.log" | tail -6
+  timeout 40 python3 benchmarks/host_time.py --label v10 --json "$OUT/host-v10.json"
+  if [ -n "${V9_TREE:-}" ]; then
+    PYTHONPATH=$V9_TREE:$PYTHONPATH timeout 40 python3 benchmarks/host_time.py --label v9 \
+      --json "$OUT/host-v9.json"
+  fi
+  timeout 110 python3 benchmarks/diag_split_v10.py --out "$OUT/v10.json"
+  if [ -n "${V9_TREE:-}" ]; then
+    PYTHONPATH=$V9_TREE:$PYTHONPATH timeout 50 python3 benchmarks/diag_split_v10.py \
+      --default-only --out "$OUT/v9.json"
+  fi
+  ;;
+kernels-table)
+  # The kernel benchmark's table alone (results/kernels-h200.md).
+  timeout 280 python3 benchmarks/bench_kernels.py --out "$OUT/kernels" 2>&1 \
+    | tee "$OUT/kernels.log" | tail -45
+  ;;
 tests-multigpu-workers)
   timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark -n 4 \
     tests/test_kernels_attention.py tests/test_kernels_io.py tests/test_kernels_validation.py \
