@@ -242,7 +242,8 @@ def choose_config(
         parts = min(max(1, target // base), _cdiv(problem.max_kv_len, policy.min_partition_tokens))
         # The batched merge pads the partition count to a power of two (its LSE read) and
         # sizes its output reads by it: one just above a power of two (B=1: 33 of 264
-        # programs' worth) doubles the merge's padded lanes for 3% more programs.
+        # programs' worth) doubles the merge's padded lanes for 3% more programs. H200,
+        # B=1 x 32768, graph replay: 33 partitions 41.6 us, 32 39.9 (notes, v10).
         if 8 * _prev_pow2(parts) >= 7 * parts:
             parts = _prev_pow2(parts)
     if parts > 1 and dtype != torch.float32:
@@ -267,7 +268,8 @@ def choose_config(
         # vs SDPA 0.990x and 1.017x against 0.634x (a host-bound mode) and 1.006x): notes, v9.
         merge_reads="batched",
         # All 32 partials of B=1 x 32768 in one read (168 registers, still 3 programs per
-        # SM) instead of four chunks of 8: the merge tail is the split path's fixed cost.
+        # SM) instead of four chunks of 8: graph replay 39.0 vs 39.9 us, paired do_bench vs
+        # SDPA 1.041x vs 1.008x (33 partitions, v9: 0.980x); notes, v10.
         merge_read_regs=128 if d_pad <= 128 else _MERGE_READ_REGS,
     )
 
@@ -613,10 +615,10 @@ def _paged_attention_kernel(
     tile_hi = tl.cdiv(kv_hi, TILE_N)
     if SPLIT:
         # Partitions split this tile's own KV range, read on the device, not the block
-        # table's capacity the launcher knows: a table wider than the sequence (a spare
-        # column: 257 tiles of capacity for 256 at B=4 x 16384) otherwise gives every
-        # program one tile more than an even split (33 instead of 32), and a sequence much
-        # shorter than its table leaves most partitions empty and the rest long.
+        # table's capacity the launcher knows: a sequence much shorter than its table
+        # would leave most partitions empty and the rest long. (An equal-length batch
+        # gains little: B=4 x 16384 with one spare table column went from 33-tile to
+        # 32-tile programs, 68.9 -> 68.7 us in graph replay; notes, v10.)
         tiles_per_part = tl.cdiv(tl.maximum(tile_hi - tile_lo, 0), num_parts)
         t_begin = tile_lo + part * tiles_per_part
         t_end = tl.minimum(tile_hi, t_begin + tiles_per_part)
