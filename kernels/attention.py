@@ -1046,7 +1046,7 @@ def paged_attention_triton(
             )
             if result is not None:
                 return result
-    return _launch_planned(
+    return _launch_and_plan(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, problem,
         scale=scale, causal=causal, sliding_window=sliding_window, softcap=softcap,
         return_lse=return_lse, out=out, config=config, diagnostic=_diagnostic,
@@ -1139,7 +1139,7 @@ _PLANS: dict[tuple, _LaunchPlan] = {}
 _MAX_PLANS = 256
 
 
-def _launch_planned(
+def _launch_and_plan(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
