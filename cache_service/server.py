@@ -768,6 +768,7 @@ def _pool_config(config: ServiceConfig, layout: KVLayout) -> Any:
         num_blocks=config.workers.blocks_per_worker,
         # Slot fingerprints exist for the online correctness check only.
         fingerprints=config.coordinator.correctness_check_fraction > 0,
+        cuda_graphs=config.workers.cuda_graphs,
     )
 
 

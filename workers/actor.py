@@ -207,7 +207,13 @@ class PoolWorker:
         batch = (query, block_tables, seq_lens, query_start_loc)
         options = _attend_options(causal, return_lse, scale, sliding_window, softcap)
         return self._on_pool(
-            epoch, self._pool.attend, layer, *batch, metadata_key=metadata_key, **options
+            epoch,
+            self._pool.attend,
+            layer,
+            *batch,
+            metadata_key=metadata_key,
+            to_host=True,
+            **options,
         )
 
     def write_and_attend(
@@ -241,6 +247,7 @@ class PoolWorker:
             *new,
             *batch,
             metadata_key=metadata_key,
+            to_host=True,
             **options,
         )
 

@@ -32,6 +32,7 @@ from workers.checks import (
     check_write,
 )
 from workers.config import PoolConfig
+from workers.decode_graphs import DecodeGraphs
 from workers.errors import InvalidWorkerRequest, PoolAllocationError
 from workers.fingerprints import BadSlot, SlotFingerprints
 from workers.layout import KVLayout
@@ -75,6 +76,8 @@ class KVPool:
         backend: kernels backend ("auto", "triton", "torch").
         fingerprints: keep per-slot fingerprints of what was written, for
             :meth:`reference_attend` (the online correctness check).
+        cuda_graphs: on CUDA with Triton kernels, replay the repeated per-layer calls of
+            decode steps as CUDA graphs (:mod:`workers.decode_graphs`).
 
     Raises:
         PoolAllocationError: the size is malformed or does not fit on the device.
@@ -89,6 +92,7 @@ class KVPool:
         debug: bool = False,
         backend: str = "auto",
         fingerprints: bool = False,
+        cuda_graphs: bool = True,
     ) -> None:
         # PoolConfig validates the size and the backend; keep one set of rules.
         config = PoolConfig(layout, num_blocks=num_blocks, debug=debug, backend=backend)
@@ -115,6 +119,11 @@ class KVPool:
         self._stager = HostStager(self._device) if self._device.type == "cuda" else None
         # The attention metadata of recent decode steps, validated and on the device.
         self._metadata = MetadataCache()
+        self._graphs = (
+            DecodeGraphs(self._device, self._graph_body, self._stager)
+            if cuda_graphs and self._device.type == "cuda" and backend != "torch"
+            else None
+        )
 
     @classmethod
     def from_config(cls, config: PoolConfig, device: str | torch.device | None = None) -> KVPool:
@@ -127,6 +136,7 @@ class KVPool:
             debug=config.debug,
             backend=config.backend,
             fingerprints=config.fingerprints,
+            cuda_graphs=config.cuda_graphs,
         )
 
     # -- shape -------------------------------------------------------------------------
@@ -213,6 +223,7 @@ class KVPool:
         sliding_window: int | None = None,
         softcap: float | None = None,
         metadata_key: int | None = None,
+        to_host: bool = False,
     ) -> AttendResult:
         """Paged attention of a batch of sequences over one layer (one kernel launch).
 
@@ -229,6 +240,8 @@ class KVPool:
                 passing the same content: validated and copied to the device once, then
                 reused (`workers.metadata_cache`). The caller must never name other
                 content with the same key. None: nothing is kept.
+            to_host: return the results on the host (in pinned memory, copied when the call
+                is done) rather than on the pool's device.
 
         Returns:
             out ``[T, Hq, D]`` (pool dtype, pool device); with ``return_lse`` also lse float32
@@ -243,11 +256,12 @@ class KVPool:
         entry = self._cached_metadata(metadata_key, query, *batch)
         if entry is not None:
             (q,) = self._on_device(query)
-            return self._attend_on_device(layer, q, *entry.tables(), options)
+            result = self._attend_on_device(layer, q, *entry.tables(), options)
+            return self._deliver(result, to_host)
         indices = check_attend(self._layout, self._num_blocks, layer, query, *batch)
         staged = self._on_device(*_attend_inputs(query, *indices))
         self._remember_metadata(metadata_key, staged[1:], query.shape[0])
-        return self._attend_on_device(layer, *staged, options)
+        return self._deliver(self._attend_on_device(layer, *staged, options), to_host)
 
     def write_and_attend(
         self,
@@ -266,11 +280,14 @@ class KVPool:
         sliding_window: int | None = None,
         softcap: float | None = None,
         metadata_key: int | None = None,
+        to_host: bool = False,
     ) -> AttendResult:
-        """:meth:`write` then :meth:`attend` on one layer: a model layer's step, two launches.
+        """:meth:`write` then :meth:`attend` on one layer: a model layer's step.
 
         Both halves are validated before the write, so a bad attention argument leaves the
-        pool unchanged. metadata_key: as in :meth:`attend`.
+        pool unchanged. metadata_key, to_host: as in :meth:`attend`. On CUDA the calls a
+        decode step repeats (another layer under a known key, with its slots) replay a
+        CUDA graph of the write and the attention (:mod:`workers.decode_graphs`).
         """
         options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
         check_layer(layer, self._layout.num_layers)
@@ -279,16 +296,26 @@ class KVPool:
         if entry is not None and entry.slots is not None and entry.same_slots(slot_mapping):
             # Another layer of the step: slots validated and on the device already.
             check_new_kv(self._layout, layer, entry.slots.shape[0], key, value)
+            if self._graphs is not None:
+                replayed = self._graphs.run(layer, entry, key, value, query, options)
+                if replayed is not None:
+                    out, lse = replayed
+                    result = (out, lse) if options.return_lse else out
+                    # A replay's results live in the graph's memory: copied out here.
+                    return self._deliver(result, to_host, owned=False)
             k, v, q = self._on_device(key, value, query)
             self._write_on_device(layer, entry.slots, k, v)
-            return self._attend_on_device(layer, q, *entry.tables(), options)
+            return self._deliver(
+                self._attend_on_device(layer, q, *entry.tables(), options), to_host
+            )
         slots = check_write(self._layout, self._num_blocks, layer, slot_mapping, key, value)
         if entry is not None:
             staged = self._on_device(*_write_inputs(slots, key, value), query)
             # The key's other layers will find these slots kept.
             self._keep_metadata(metadata_key, entry, slot_mapping, staged[0])
             self._write_on_device(layer, *staged[:3])
-            return self._attend_on_device(layer, staged[3], *entry.tables(), options)
+            result = self._attend_on_device(layer, staged[3], *entry.tables(), options)
+            return self._deliver(result, to_host)
         indices = check_attend(self._layout, self._num_blocks, layer, query, *batch)
         # Both halves' tensors reach the device in one staged copy.
         staged = self._on_device(
@@ -296,7 +323,7 @@ class KVPool:
         )
         self._remember_metadata(metadata_key, staged[4:], query.shape[0], slot_mapping, staged[0])
         self._write_on_device(layer, *staged[:3])
-        return self._attend_on_device(layer, *staged[3:], options)
+        return self._deliver(self._attend_on_device(layer, *staged[3:], options), to_host)
 
     def write_and_attend_pages(
         self,
@@ -515,6 +542,42 @@ class KVPool:
         if slots is not None and (source := _slot_source(slot_mapping)) is not None:
             entry = replace(entry, slot_source=source, slots=slots.clone())
         self._metadata.put(metadata_key, entry)
+
+    def _graph_body(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        options: AttendOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What a decode graph captures: the write, then the attention (device tensors)."""
+        self._write_on_device(layer, slots, key, value)
+        result = self._attend_on_device(
+            layer, query, block_tables, seq_lens, query_start_loc, options
+        )
+        return result if isinstance(result, tuple) else (result, None)
+
+    def _deliver(self, result: AttendResult, to_host: bool, *, owned: bool = True) -> AttendResult:
+        """An attention result as the caller gets it: on the host in pinned memory (one
+        copy each and one wait; `to_host`), else on the device, copied when not `owned`
+        (a graph's memory, which the next replay overwrites)."""
+        tensors = result if isinstance(result, tuple) else (result,)
+        if to_host and self._device.type == "cuda":
+            host = []
+            for t in tensors:
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                host.append(h)
+            torch.cuda.current_stream(self._device).synchronize()
+            tensors = tuple(host)
+        elif not owned:
+            tensors = tuple(t.clone() for t in tensors)
+        return tensors if isinstance(result, tuple) else tensors[0]  # type: ignore[return-value]
 
     def _on_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """``tensors`` on the pool's device: host tensors of a GPU pool in one staged copy

@@ -1,0 +1,158 @@
+"""CUDA-graph replay of decode steps (workers.decode_graphs): the bucketing rule on any
+machine; on a GPU, decode steps through graphs against the same steps run eagerly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.actor import PoolWorker
+from workers.config import PoolConfig
+from workers.decode_graphs import bucket_width
+from workers.layout import KVLayout
+from workers.pool import KVPool
+
+
+def test_bucket_width_rounds_up_by_at_most_an_eighth():
+    previous = 0
+    for width in range(1, 5000):
+        b = bucket_width(width)
+        assert b >= max(width, 16)
+        assert b >= previous  # monotone: a growing context never goes back a bucket
+        if width > 16:
+            assert b <= width * 1.125
+        previous = b
+    # Few distinct buckets: a context growing to 4096 blocks meets about 8 per doubling.
+    assert len({bucket_width(w) for w in range(1, 4097)}) <= 8 * 8 + 1
+
+
+# -- on a GPU ------------------------------------------------------------------------------
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16")
+HQ = 8
+# Three sequences' starting lengths: the run's contexts cross block boundaries and a
+# bucket (16 -> 18 blocks).
+START = (250, 240, 17)
+MAX_BLOCKS = 20
+
+
+def _tables(pool: KVPool) -> torch.Tensor:
+    """int32 [3, MAX_BLOCKS]: random distinct blocks of `pool` for the three sequences."""
+    gen = torch.Generator().manual_seed(0)
+    perm = torch.randperm(pool.num_blocks, generator=gen)[: len(START) * MAX_BLOCKS]
+    return perm.reshape(len(START), MAX_BLOCKS).int()
+
+
+def _decode_steps(pool: KVPool, steps: int, *, return_lse: bool, seed: int = 0):
+    """Run `steps` decode steps of 3 sequences (every layer per step, one metadata key per
+    step, as the coordinator calls a pool); the results per (step, layer) on the host."""
+    gen = torch.Generator().manual_seed(seed)
+    bs, n_seqs = LAYOUT.block_size, len(START)
+    lens = list(START)
+    tables_full = _tables(pool)
+    results = []
+    for step in range(steps):
+        lens = [n + 1 for n in lens]
+        width = max(-(-n // bs) for n in lens)
+        tables = tables_full[:, :width].contiguous()
+        slots = torch.tensor(
+            [int(tables_full[s, (n - 1) // bs]) * bs + (n - 1) % bs for s, n in enumerate(lens)]
+        )
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        qsl = torch.arange(n_seqs + 1, dtype=torch.int32)
+        key = 1000 + step
+        for layer in range(LAYOUT.num_layers):
+            k = torch.randn(n_seqs, 2, 64, generator=gen).half()
+            v = torch.randn(n_seqs, 2, 64, generator=gen).half()
+            q = torch.randn(n_seqs, HQ, 64, generator=gen).half()
+            r = pool.write_and_attend(
+                layer, slots, k, v, q, tables, seq_lens, qsl,
+                return_lse=return_lse, metadata_key=key,
+            )  # fmt: skip
+            r = r if isinstance(r, tuple) else (r,)
+            results.append(tuple(t.cpu() for t in r))
+    return results
+
+
+def _filled(graphs: bool, fingerprints: bool = False) -> KVPool:
+    """A pool holding START tokens of context per sequence (written, so fingerprinted)."""
+    pool = KVPool(LAYOUT, 96, "cuda", cuda_graphs=graphs, fingerprints=fingerprints)
+    gen = torch.Generator().manual_seed(1)
+    tables, bs = _tables(pool), LAYOUT.block_size
+    for s, n in enumerate(START):
+        slots = [int(tables[s, t // bs]) * bs + t % bs for t in range(n)]
+        kv = torch.randn(LAYOUT.num_layers, n, 2, 64, generator=gen).half()
+        pool.write(None, slots, kv, -kv)
+    return pool
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_decode_steps_through_graphs_equal_the_same_steps_run_eagerly(return_lse):
+    graphed, eager = _filled(True, fingerprints=True), _filled(False, fingerprints=True)
+    steps = 12
+    a = _decode_steps(graphed, steps, return_lse=return_lse)
+    b = _decode_steps(eager, steps, return_lse=return_lse)
+    graphs = graphed._graphs
+    assert graphs is not None and eager._graphs is None
+    # Layer 0 of a step is the first call under its key (the full path). The other layers:
+    # step 0 runs them eagerly (first sighting), step 1 captures, the rest replay, through
+    # the 16 -> 18 block bucket change (one more sighting and capture) as well.
+    others = LAYOUT.num_layers - 1
+    assert graphs.captures >= others
+    assert graphs.replays >= (steps - 4) * others
+    # The writes are copies: the pools hold the same bits.
+    assert torch.equal(graphed.data, eager.data)
+    for ra, rb in zip(a, b, strict=True):
+        assert ra[0].dtype == rb[0].dtype and ra[0].shape == rb[0].shape
+        # The padded table may pick another split of the keys: equal up to rounding.
+        torch.testing.assert_close(ra[0], rb[0], atol=2e-3, rtol=2e-3)
+        if return_lse:
+            torch.testing.assert_close(ra[1], rb[1], atol=1e-4, rtol=1e-4)
+    # Every slot read, the run's tokens (written by the graphs) included, matches its
+    # fingerprint.
+    lens = torch.tensor([n + steps for n in START], dtype=torch.int32)
+    q = torch.randn(len(START), HQ, 64).half()
+    qsl = torch.arange(len(START) + 1, dtype=torch.int32)
+    for layer in range(LAYOUT.num_layers):
+        _, _, bad = graphed.reference_attend(layer, q, _tables(graphed), lens, qsl)
+        assert bad == []
+
+
+@pytest.mark.gpu
+def test_a_replayed_result_is_the_callers_own():
+    pool = _filled(True)
+    results = _decode_steps(pool, 6, return_lse=False)
+    assert pool._graphs is not None and pool._graphs.replays > 0
+    # On the device (to_host False), a result is a copy, not the graph's buffer that the
+    # next replay overwrites: run more steps and compare with what was returned.
+    before = [r[0].clone() for r in results]
+    _decode_steps(pool, 2, return_lse=False, seed=9)
+    for r, saved in zip(results, before, strict=True):
+        assert torch.equal(r[0], saved)
+
+
+@pytest.mark.gpu
+def test_a_worker_returns_pinned_host_results_equal_to_the_pools():
+    worker = PoolWorker("w", PoolConfig(LAYOUT, num_blocks=96), "cuda")
+    epoch = worker.epoch()
+    worker.pool.data.copy_(
+        torch.randn(worker.pool.data.shape, generator=torch.Generator().manual_seed(1)).half()
+    )
+    gen = torch.Generator().manual_seed(2)
+    tables = torch.arange(6, dtype=torch.int32).reshape(3, 2)
+    lens = torch.tensor([20, 25, 32], dtype=torch.int32)
+    slots = torch.tensor(
+        [int(tables[s, (n - 1) // 16]) * 16 + (n - 1) % 16 for s, n in enumerate([20, 25, 32])]
+    )
+    qsl = torch.arange(4, dtype=torch.int32)
+    for step_key in (1, 2, 3, 4):
+        for layer in range(LAYOUT.num_layers):
+            k = torch.randn(3, 2, 64, generator=gen).half()
+            q = torch.randn(3, HQ, 64, generator=gen).half()
+            out = worker.write_and_attend(
+                epoch, layer, slots, k, k, q, tables, lens, qsl, metadata_key=step_key
+            )
+            assert out.device.type == "cpu" and out.is_pinned()
+            ref = worker.pool.attend(layer, q, tables, lens, qsl)
+            torch.testing.assert_close(out, ref.cpu(), atol=2e-3, rtol=2e-3)
