@@ -93,6 +93,7 @@ graphs-service)
   CUDA_VISIBLE_DEVICES=0 timeout 170 python3 benchmarks/bench_service.py --h200 --no-ray \
     --transports session-shm --out "$OUT/service-h200.md" > "$OUT/bench-service.log" 2>&1
   tail -14 "$OUT/service-h200.md"
+  timeout 60 python3 benchmarks/diag_grpc_floor.py --calls 2000 2>&1 | tee "$OUT/grpc-floor.log"
   ;;
 merge-kernels-service)
   # The GPU tests of kernels and pools; the split path's two fused merges paired with SDPA

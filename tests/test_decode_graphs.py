@@ -3,9 +3,13 @@ machine; on a GPU, decode steps through graphs against the same steps run eagerl
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
+from cache_service.config import SharedMemoryConfig
+from cache_service.shared_regions import SharedRegions
 from workers.actor import PoolWorker
 from workers.config import PoolConfig
 from workers.decode_graphs import bucket_width
@@ -156,3 +160,49 @@ def test_a_worker_returns_pinned_host_results_equal_to_the_pools():
             assert out.device.type == "cpu" and out.is_pinned()
             ref = worker.pool.attend(layer, q, tables, lens, qsl)
             torch.testing.assert_close(out, ref.cpu(), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.gpu
+def test_inputs_in_a_pinned_shared_region_reach_the_pool_without_staging(tmp_path):
+    regions = SharedRegions(SharedMemoryConfig(), directory=str(tmp_path), pin_for_cuda=True)
+    info = asyncio.run(regions.create("t", 1 << 20))
+    assert regions._regions[info.region_id].mapping.pinned
+    reader = regions.reader("t")
+    shapes = {"key": [3, 2, 64], "value": [3, 2, 64], "query": [3, HQ, 64]}
+    views, offset = {}, 0
+    for name, shape in shapes.items():
+        views[name] = reader(info.region_id, offset, torch.float16, shape, name)
+        offset += 64 * 1024
+    assert all(v.is_pinned() for v in views.values())
+    graphed, eager = _filled(True), _filled(False)
+    staged = []
+    real = graphed._stager.to_device
+    graphed._stager.to_device = lambda ts, **kw: staged.append(len(ts)) or real(ts, **kw)
+    gen = torch.Generator().manual_seed(3)
+    tables, bs = _tables(graphed), LAYOUT.block_size
+    lens = list(START)
+    steps = 5
+    for step in range(steps):
+        lens = [n + 1 for n in lens]
+        width = max(-(-n // bs) for n in lens)
+        slots = [int(tables[s, (n - 1) // bs]) * bs + (n - 1) % bs for s, n in enumerate(lens)]
+        args = (tables[:, :width].contiguous(), torch.tensor(lens, dtype=torch.int32))
+        qsl = torch.arange(4, dtype=torch.int32)
+        for layer in range(LAYOUT.num_layers):
+            for v in views.values():
+                v.copy_(torch.randn(v.shape, generator=gen).half())
+            k, v, q = views["key"], views["value"], views["query"]
+            a = graphed.write_and_attend(
+                layer, slots, k, v, q, *args, qsl, metadata_key=step, to_host=True
+            )
+            b = eager.write_and_attend(
+                layer, slots, k.clone(), v.clone(), q.clone(), *args, qsl, metadata_key=step
+            )
+            torch.testing.assert_close(a, b.cpu(), atol=2e-3, rtol=2e-3)
+    assert torch.equal(graphed.data, eager.data)
+    # Only the first layer of each step (its full path, with host slots) was staged.
+    assert len(staged) == steps
+    assert graphed._graphs.replays >= (steps - 3) * (LAYOUT.num_layers - 1)
+    views.clear()
+    reader.close()
+    regions.close()

@@ -143,6 +143,7 @@ class DecodeGraphs:
         value: torch.Tensor,
         query: torch.Tensor,
         options: AttendOptions,
+        pinned: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """One layer's write-and-attend through its graph.
 
@@ -152,6 +153,9 @@ class DecodeGraphs:
             key, value: ``[n, Hkv, D]`` new K/V (pool dtype, validated against the slots).
             query: ``[T, Hq, D]`` (pool dtype, validated against the metadata).
             options: the attention options.
+            pinned: key, value and query are in page-locked host memory: copied from there
+                asynchronously (the caller waits for the copies before it lets the memory
+                go), not staged.
 
         Returns:
             ``(out [T, Hq, D], lse [T, Hq] float32 or None)``: tensors in the graph's memory
@@ -179,7 +183,7 @@ class DecodeGraphs:
                 self._classes.move_to_end(signature)
                 replay = cls.graphs.get(layer)
                 if replay is not None:
-                    self._load(cls, entry, key, value, query)
+                    self._load(cls, entry, key, value, query, pinned)
                     graph, out, lse = replay
                     graph.replay()
                     self.replays += 1
@@ -193,7 +197,7 @@ class DecodeGraphs:
                 return None
             if cls is None:
                 cls = self._new_class(signature, entry, key, value, query)
-            self._load(cls, entry, key, value, query)
+            self._load(cls, entry, key, value, query, pinned)
             result = self._run_body(cls, layer, options)  # this call's own work
             try:
                 cls.graphs[layer] = self._capture(cls, layer, options)
@@ -244,6 +248,7 @@ class DecodeGraphs:
         key: torch.Tensor,
         value: torch.Tensor,
         query: torch.Tensor,
+        pinned: bool,
     ) -> None:
         """Copy the call's tensors (and, for a new step, its metadata) into the buffers."""
         if cls.loaded is not entry:
@@ -254,7 +259,10 @@ class DecodeGraphs:
             cls.query_start_loc.copy_(entry.query_start_loc)
             cls.loaded = entry
         tensors = (key, value, query)
-        if self._stager is not None and all(t.device.type == "cpu" for t in tensors):
+        # Pageable host memory goes through the stager's pinned buffer (one copy on the
+        # CPU, one transfer); pinned host memory (a registered shared region) is copied
+        # directly, asynchronously (the pool waits before returning), as are device tensors.
+        if not pinned and self._stager is not None and all(t.device.type == "cpu" for t in tensors):
             self._stager.to_device(tensors, into=cls.inputs)
         else:
             for dst, src in zip((cls.key, cls.value, cls.query), tensors, strict=True):

@@ -296,18 +296,18 @@ class KVPool:
         if entry is not None and entry.slots is not None and entry.same_slots(slot_mapping):
             # Another layer of the step: slots validated and on the device already.
             check_new_kv(self._layout, layer, entry.slots.shape[0], key, value)
+            pinned = self._pinned_host(key, value, query)
             if self._graphs is not None:
-                replayed = self._graphs.run(layer, entry, key, value, query, options)
+                replayed = self._graphs.run(layer, entry, key, value, query, options, pinned)
                 if replayed is not None:
                     out, lse = replayed
                     result = (out, lse) if options.return_lse else out
                     # A replay's results live in the graph's memory: copied out here.
-                    return self._deliver(result, to_host, owned=False)
-            k, v, q = self._on_device(key, value, query)
+                    return self._deliver(result, to_host, owned=False, wait=pinned)
+            k, v, q = self._on_device(key, value, query, pinned=pinned)
             self._write_on_device(layer, entry.slots, k, v)
-            return self._deliver(
-                self._attend_on_device(layer, q, *entry.tables(), options), to_host
-            )
+            result = self._attend_on_device(layer, q, *entry.tables(), options)
+            return self._deliver(result, to_host, wait=pinned)
         slots = check_write(self._layout, self._num_blocks, layer, slot_mapping, key, value)
         if entry is not None:
             staged = self._on_device(*_write_inputs(slots, key, value), query)
@@ -562,10 +562,14 @@ class KVPool:
         )
         return result if isinstance(result, tuple) else (result, None)
 
-    def _deliver(self, result: AttendResult, to_host: bool, *, owned: bool = True) -> AttendResult:
+    def _deliver(
+        self, result: AttendResult, to_host: bool, *, owned: bool = True, wait: bool = False
+    ) -> AttendResult:
         """An attention result as the caller gets it: on the host in pinned memory (one
         copy each and one wait; `to_host`), else on the device, copied when not `owned`
-        (a graph's memory, which the next replay overwrites)."""
+        (a graph's memory, which the next replay overwrites). `wait`: the call's inputs
+        are still being copied out of the caller's pinned memory (`_pinned_host`), so the
+        call does not return before the device is done with them."""
         tensors = result if isinstance(result, tuple) else (result,)
         if to_host and self._device.type == "cuda":
             host = []
@@ -575,13 +579,28 @@ class KVPool:
                 host.append(h)
             torch.cuda.current_stream(self._device).synchronize()
             tensors = tuple(host)
-        elif not owned:
-            tensors = tuple(t.clone() for t in tensors)
+        else:
+            if not owned:
+                tensors = tuple(t.clone() for t in tensors)
+            if wait:
+                torch.cuda.current_stream(self._device).synchronize()
         return tensors if isinstance(result, tuple) else tensors[0]  # type: ignore[return-value]
 
-    def _on_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    def _pinned_host(self, *tensors: torch.Tensor) -> bool:
+        """Whether a GPU pool's inputs all lie in the caller's page-locked host memory (a
+        shared region the server registered with CUDA): then they go to the device by DMA
+        straight from there, with no staging copy on the CPU, and the call must not
+        return before those copies are done (`_deliver`'s wait)."""
+        return self._stager is not None and all(
+            t.device.type == "cpu" and t.is_pinned() for t in tensors
+        )
+
+    def _on_device(self, *tensors: torch.Tensor, pinned: bool = False) -> list[torch.Tensor]:
         """``tensors`` on the pool's device: host tensors of a GPU pool in one staged copy
-        (views valid until the next staged request; only kernels of this call read them)."""
+        (views valid until the next staged request; only kernels of this call read them),
+        or with `pinned` (see `_pinned_host`) each by an asynchronous copy."""
+        if pinned:
+            return [t.to(self._device, non_blocking=True) for t in tensors]
         if self._stager is not None and all(t.device.type == "cpu" for t in tensors):
             return self._stager.to_device(tensors)
         return [t.to(self._device) for t in tensors]
