@@ -18,9 +18,9 @@ __all__ = ["pin", "unpin"]
 log = logging.getLogger("kvcache.cuda_pinning")
 
 
-def _ok(code: object) -> bool:
-    """Whether a cudart return code is cudaSuccess (0)."""
-    return int(getattr(code, "value", code)) == 0  # type: ignore[call-overload]
+def _number(code: object) -> int:
+    """A cudart return code as its number (the binding's enum names only some)."""
+    return int(getattr(code, "value", code))  # type: ignore[call-overload]
 
 
 def pin(buffer: torch.Tensor) -> bool:
@@ -38,8 +38,13 @@ def pin(buffer: torch.Tensor) -> bool:
     except Exception:  # pragma: no cover - a torch without the binding
         log.warning("cudaHostRegister is unavailable; shared regions stay pageable")
         return False
-    if not _ok(code):
-        log.warning("cudaHostRegister refused a shared region (%s); it stays pageable", code)
+    if _number(code) != 0:
+        # e.g. a region on a disk file system: Linux pins only memory-backed file pages
+        # (tmpfs such as /dev/shm) for long.
+        log.warning(
+            "cudaHostRegister refused a shared region (CUDA error %d); it stays pageable",
+            _number(code),
+        )
         return False
     return True
 
@@ -51,5 +56,5 @@ def unpin(buffer: torch.Tensor) -> None:
     except Exception:  # pragma: no cover - CUDA gone at shutdown
         log.warning("cudaHostUnregister failed", exc_info=True)
         return
-    if not _ok(code):
-        log.warning("cudaHostUnregister refused a shared region (%s)", code)
+    if _number(code) != 0:
+        log.warning("cudaHostUnregister refused a shared region (CUDA error %d)", _number(code))

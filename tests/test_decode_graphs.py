@@ -163,8 +163,9 @@ def test_a_worker_returns_pinned_host_results_equal_to_the_pools():
 
 
 @pytest.mark.gpu
-def test_inputs_in_a_pinned_shared_region_reach_the_pool_without_staging(tmp_path):
-    regions = SharedRegions(SharedMemoryConfig(), directory=str(tmp_path), pin_for_cuda=True)
+def test_inputs_in_a_pinned_shared_region_reach_the_pool_without_staging():
+    # The service's directory (/dev/shm: memory-backed pages, which CUDA can lock).
+    regions = SharedRegions(SharedMemoryConfig(), pin_for_cuda=True)
     info = asyncio.run(regions.create("t", 1 << 20))
     assert regions._regions[info.region_id].mapping.pinned
     reader = regions.reader("t")
