@@ -238,6 +238,8 @@ class _Part:
     # The kernel plan of exactly these views and query rows, when known (a recorded
     # step's); _run_parts fills it in when it plans this part alone.
     plan: AttentionPlan | None = None
+    # Host memory for the output when the part runs alone (run_attention's `out`).
+    out: torch.Tensor | None = None
     future: asyncio.Future[AttentionResult] = field(init=False)
 
 
@@ -782,10 +784,19 @@ class Coordinator:
         return _reassemble(len(items), parts, outputs, [q.dtype for q in queries])
 
     async def append_attend_stacked(
-        self, tenant: str, layer: int, batch: StackedAppendAttend, return_lse: bool = False
+        self,
+        tenant: str,
+        layer: int,
+        batch: StackedAppendAttend,
+        return_lse: bool = False,
+        out: torch.Tensor | None = None,
     ) -> AttentionResult:
         """`append_attend` of a stacked batch, as one result: out ``[b * m, Hq, D]`` in the
         query's dtype (lse ``[b * m, Hq]`` float32), sequence by sequence.
+
+        out: host memory ``[b * m, Hq, D]`` (the query's dtype) the result may be written
+        to directly (a worker in this process writes it there on the short path below;
+        the result is then `out`); it may hold partial output if the call fails.
 
         The other layers of a decode step (see layer_steps) take a short path: with the
         batch's tensors already stacked, the shape checks are a few comparisons instead of
@@ -795,7 +806,7 @@ class Coordinator:
         """
         step = self._stacked_step(tenant, layer, batch)
         if step is not None:
-            result = await self._repeat_step(tenant, layer, step, batch, return_lse)
+            result = await self._repeat_step(tenant, layer, step, batch, return_lse, out)
             if result is not None:
                 return result
         (result,) = await self.append_attend(
@@ -844,9 +855,11 @@ class Coordinator:
         step: LayerStep,
         batch: StackedAppendAttend,
         return_lse: bool,
+        out: torch.Tensor | None = None,
     ) -> AttentionResult | None:
         """Run `batch` on `layer` through `step` (checked by `_stacked_step`); None, having
-        changed nothing, when under the locks the step no longer applies."""
+        changed nothing, when under the locks the step no longer applies. out: as in
+        `append_attend_stacked`."""
         seq_ids = batch.seq_ids
         async with self._locked(seq_ids):
             # Another call may have replaced the step or moved a sequence meanwhile, or the
@@ -868,6 +881,7 @@ class Coordinator:
                 batch.key.view(b * n, hkv, d),
                 batch.value.view(b * n, hkv, d),
                 return_lse,
+                out,
             )
             try:
                 (output,) = await self._execute(layer, [(list(range(b)), part)], hq)
@@ -940,10 +954,12 @@ class Coordinator:
         key: torch.Tensor,
         value: torch.Tensor,
         return_lse: bool,
+        out: torch.Tensor | None = None,
     ) -> _Part:
         """The call's one part from a recorded step: its views, slots and kernel plan, with
         this call's queries ``[rows, Hq, D]`` and new K/V ``[tokens, Hkv, D]`` (sequence by
-        sequence, cast to the pool's dtype here)."""
+        sequence, cast to the pool's dtype here), and where its output may go (`out`, used
+        when in the pool's dtype)."""
         dtype = self._pool_dtype
         return _Part(
             views=step.views,  # type: ignore[arg-type]
@@ -953,6 +969,7 @@ class Coordinator:
             writes={step.worker_id: (step.slots, key.to(dtype), value.to(dtype))},
             return_lse=return_lse,
             plan=step.plan,
+            out=out if out is not None and out.dtype == dtype else None,
         )
 
     def _remember_step(
@@ -1362,7 +1379,14 @@ class Coordinator:
                 )
             )
             result = await run_attention(
-                plan, query, target, self._clients, epochs, writes=writes, return_lse=return_lse
+                plan,
+                query,
+                target,
+                self._clients,
+                epochs,
+                writes=writes,
+                return_lse=return_lse,
+                out=parts[0].out if len(parts) == 1 else None,
             )
             elapsed = time.perf_counter() - t0
             if self.metrics is not None:

@@ -387,7 +387,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             with outputs:
                 # Errors about one sequence name it as items[i]: row i of the batch.
                 result = await self._coord.append_attend_stacked(
-                    tenant, request.layer, batch, request.return_lse
+                    tenant, request.layer, batch, request.return_lse, outputs.output_view()
                 )
                 return _batch_reply(result, shape, outputs)
 

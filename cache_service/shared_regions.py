@@ -22,7 +22,11 @@ coordinator's checks of shapes and finiteness still ran, and no other tenant's r
 block is reachable.
 Outputs are range-checked before the coordinator runs (`check_writable`, which also keeps
 the region mapped until the call ends, even if it is released meanwhile) and written only
-after the call succeeded (`OutputSlot.write`), so a failed call writes nothing.
+after the call succeeded (`OutputSlot.write`), so a failed call writes nothing. On a server
+that pins its regions for CUDA, the other layers of a decode step (the coordinator's
+repeated-step path) have their output copied by the GPU straight into the slot
+(`OutputSlot.tensor`) instead: a call that fails after its kernels ran (rare: a worker lost
+mid-call) may leave output bytes there; a refused call still writes nothing.
 
 Regions no call used for `idle_timeout_s` are deleted by `reap_forever` (a client that died
 never releases its own); `close` deletes every region at server stop. Not thread-safe: the
@@ -164,14 +168,34 @@ class OutputSlot:
     Use as a context manager, or call `close`.
     """
 
-    __slots__ = ("_region", "nbytes", "offset", "region_id")
+    __slots__ = ("_region", "dtype", "nbytes", "offset", "region_id", "shape")
 
-    def __init__(self, region: _Region, offset: int, nbytes: int) -> None:
+    def __init__(
+        self,
+        region: _Region,
+        offset: int,
+        nbytes: int,
+        dtype: torch.dtype = torch.uint8,
+        shape: tuple[int, ...] | None = None,
+    ) -> None:
         self._region: _Region | None = region
         self.region_id = region.region_id
         self.offset = offset
         self.nbytes = nbytes
+        self.dtype = dtype
+        self.shape = (nbytes,) if shape is None else shape
         region.users += 1
+
+    def tensor(self) -> torch.Tensor | None:
+        """The slot as a host tensor of its dtype and shape, a view of the region (where it
+        has a tensor base: regions pinned for CUDA), to produce the output in place; None
+        elsewhere (then `write` copies it in)."""
+        region = self._region
+        base = None if region is None else region.mapping.base
+        if base is None or self.nbytes == 0:
+            return None
+        raw = base[self.offset : self.offset + self.nbytes]
+        return raw.view(self.dtype).view(self.shape)
 
     def write(self, tensor: torch.Tensor) -> None:
         """Write `tensor`'s raw little-endian, C-contiguous bytes (exactly `nbytes`; any
@@ -184,6 +208,15 @@ class OutputSlot:
         region = self._region
         if region is None:
             raise ValueError("the output slot is closed")
+        base = region.mapping.base
+        if (
+            base is not None
+            and tensor.device.type == "cpu"
+            and tensor.data_ptr() == base.data_ptr() + self.offset
+            and tensor.numel() * tensor.element_size() == self.nbytes
+            and tensor.is_contiguous()
+        ):
+            return  # produced in place (`tensor`)
         data = tensor_payload(tensor)
         if len(data) != self.nbytes:
             raise ValueError(f"{len(data)} output bytes for a slot of {self.nbytes}")
@@ -517,7 +550,9 @@ class SharedRegions:
         region = self._lookup(tenant, region_id, field)
         nbytes = math.prod(shape) * dtype.itemsize
         _check_range(region, offset, nbytes, dtype.itemsize, field)
-        return OutputSlot(region, offset, nbytes)
+        if offset % 16 or not _VIEWS_OK:  # views only of aligned slots in the wire's order
+            return OutputSlot(region, offset, nbytes)
+        return OutputSlot(region, offset, nbytes, dtype, tuple(shape))
 
     def _lookup(self, tenant: str, region_id: str, field: str) -> _Region:
         region = self._regions.get(region_id)

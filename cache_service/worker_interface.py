@@ -116,9 +116,12 @@ class WorkerClient(Protocol):
         softcap: float | None = None,
         sliding_window: int | None = None,
         metadata_key: int | None = None,
+        out: torch.Tensor | None = None,
     ) -> AttentionResult:
         """:meth:`write` then :meth:`attend` in one call, both validated before the write
-        (metadata_key as in :meth:`attend`)."""
+        (metadata_key as in :meth:`attend`). out: host memory for the output (its shape
+        and dtype); a worker in the caller's process copies the output there and returns
+        it, others ignore it."""
         ...
 
     async def write_and_attend_pages(

@@ -782,6 +782,13 @@ def test_zero_copy_reads_answer_like_the_bytes_path(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(
         server_mod, "SharedRegions", lambda *a, **k: real(*a, **{**k, "pin_for_cuda": True})
     )
+    import cache_service.shared_regions as regions_mod
+
+    copied = []  # outputs copied into a slot (not produced in place)
+    real_payload = regions_mod.tensor_payload
+    monkeypatch.setattr(
+        regions_mod, "tensor_payload", lambda t: copied.append(1) or real_payload(t)
+    )
     gen = torch.Generator().manual_seed(21)
     with ServiceHarness(service_config(), local_workers(1, 64)) as harness:
         assert _regions(harness)._pin_for_cuda
@@ -801,6 +808,9 @@ def test_zero_copy_reads_answer_like_the_bytes_path(monkeypatch: pytest.MonkeyPa
                     assert torch.equal(
                         got, plain.append_attend_batch(layer, twins, tokens, k, v, q)
                     )
+            # Only each step's first layer (the full path) copied its output into the slot;
+            # the other layers' outputs were produced in place by the worker.
+            assert len(copied) == 3
             # A non-finite input read through a view is refused and changes nothing.
             before = harness.stats()
             k, v = (torch.randn(3, 1, HKV, D, generator=gen) for _ in range(2))

@@ -234,9 +234,10 @@ class PoolWorker:
         sliding_window: int | None = None,
         softcap: float | None = None,
         metadata_key: int | None = None,
+        out: torch.Tensor | None = None,
     ) -> AttendResult:
         """:meth:`KVPool.write_and_attend` (one write launch, one attention launch) behind
-        the epoch fence; results on the host."""
+        the epoch fence; results on the host (the output in `out` when given)."""
         new = (slot_mapping, key, value)
         batch = (query, block_tables, seq_lens, query_start_loc)
         options = _attend_options(causal, return_lse, scale, sliding_window, softcap)
@@ -248,6 +249,7 @@ class PoolWorker:
             *batch,
             metadata_key=metadata_key,
             to_host=True,
+            out=out,
             **options,
         )
 

@@ -281,6 +281,7 @@ class KVPool:
         softcap: float | None = None,
         metadata_key: int | None = None,
         to_host: bool = False,
+        out: torch.Tensor | None = None,
     ) -> AttendResult:
         """:meth:`write` then :meth:`attend` on one layer: a model layer's step.
 
@@ -288,7 +289,19 @@ class KVPool:
         pool unchanged. metadata_key, to_host: as in :meth:`attend`. On CUDA the calls a
         decode step repeats (another layer under a known key, with its slots) replay a
         CUDA graph of the write and the attention (:mod:`workers.decode_graphs`).
+
+        out: with `to_host`, host memory of the output's shape and dtype to copy the output
+        into (e.g. a caller's shared-memory slot); the result is then `out`. Ignored when
+        it does not fit.
         """
+        if out is not None and not (
+            to_host
+            and out.device.type == "cpu"
+            and out.dtype == self._data.dtype
+            and out.shape == query.shape
+            and out.is_contiguous()
+        ):
+            out = None
         options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
         check_layer(layer, self._layout.num_layers)
         batch = (block_tables, seq_lens, query_start_loc)
@@ -300,14 +313,14 @@ class KVPool:
             if self._graphs is not None:
                 replayed = self._graphs.run(layer, entry, key, value, query, options, pinned)
                 if replayed is not None:
-                    out, lse = replayed
-                    result = (out, lse) if options.return_lse else out
+                    got, lse = replayed
+                    result = (got, lse) if options.return_lse else got
                     # A replay's results live in the graph's memory: copied out here.
-                    return self._deliver(result, to_host, owned=False, wait=pinned)
+                    return self._deliver(result, to_host, owned=False, wait=pinned, out=out)
             k, v, q = self._on_device(key, value, query, pinned=pinned)
             self._write_on_device(layer, entry.slots, k, v)
             result = self._attend_on_device(layer, q, *entry.tables(), options)
-            return self._deliver(result, to_host, wait=pinned)
+            return self._deliver(result, to_host, wait=pinned, out=out)
         slots = check_write(self._layout, self._num_blocks, layer, slot_mapping, key, value)
         if entry is not None:
             staged = self._on_device(*_write_inputs(slots, key, value), query)
@@ -315,7 +328,7 @@ class KVPool:
             self._keep_metadata(metadata_key, entry, slot_mapping, staged[0])
             self._write_on_device(layer, *staged[:3])
             result = self._attend_on_device(layer, staged[3], *entry.tables(), options)
-            return self._deliver(result, to_host)
+            return self._deliver(result, to_host, out=out)
         indices = check_attend(self._layout, self._num_blocks, layer, query, *batch)
         # Both halves' tensors reach the device in one staged copy.
         staged = self._on_device(
@@ -323,7 +336,7 @@ class KVPool:
         )
         self._remember_metadata(metadata_key, staged[4:], query.shape[0], slot_mapping, staged[0])
         self._write_on_device(layer, *staged[:3])
-        return self._deliver(self._attend_on_device(layer, *staged[3:], options), to_host)
+        return self._deliver(self._attend_on_device(layer, *staged[3:], options), to_host, out=out)
 
     def write_and_attend_pages(
         self,
@@ -563,17 +576,29 @@ class KVPool:
         return result if isinstance(result, tuple) else (result, None)
 
     def _deliver(
-        self, result: AttendResult, to_host: bool, *, owned: bool = True, wait: bool = False
+        self,
+        result: AttendResult,
+        to_host: bool,
+        *,
+        owned: bool = True,
+        wait: bool = False,
+        out: torch.Tensor | None = None,
     ) -> AttendResult:
         """An attention result as the caller gets it: on the host in pinned memory (one
-        copy each and one wait; `to_host`), else on the device, copied when not `owned`
-        (a graph's memory, which the next replay overwrites). `wait`: the call's inputs
-        are still being copied out of the caller's pinned memory (`_pinned_host`), so the
-        call does not return before the device is done with them."""
+        copy each and one wait; `to_host`; the output into `out` when given), else on the
+        device, copied when not `owned` (a graph's memory, which the next replay
+        overwrites). `wait`: the call's inputs are still being copied out of the caller's
+        pinned memory (`_pinned_host`), so the call does not return before the device is
+        done with them."""
         tensors = result if isinstance(result, tuple) else (result,)
+        if out is not None:
+            # The output straight into the caller's memory (write_and_attend checked it).
+            out.copy_(tensors[0], non_blocking=True)
+            tensors = (out, *tensors[1:])
+            owned = True
         if to_host and self._device.type == "cuda":
-            host = []
-            for t in tensors:
+            host = [] if out is None else [out]
+            for t in tensors[len(host) :]:
                 h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 h.copy_(t, non_blocking=True)
                 host.append(h)
