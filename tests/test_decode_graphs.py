@@ -169,7 +169,7 @@ def test_inputs_in_a_pinned_shared_region_reach_the_pool_without_staging():
     info = asyncio.run(regions.create("t", 1 << 20))
     assert regions._regions[info.region_id].mapping.pinned
     reader = regions.reader("t")
-    shapes = {"key": [3, 2, 64], "value": [3, 2, 64], "query": [3, HQ, 64]}
+    shapes = {"key": [3, 2, 64], "value": [3, 2, 64], "query": [3, HQ, 64], "out": [3, HQ, 64]}
     views, offset = {}, 0
     for name, shape in shapes.items():
         views[name] = reader(info.region_id, offset, torch.float16, shape, name)
@@ -190,12 +190,14 @@ def test_inputs_in_a_pinned_shared_region_reach_the_pool_without_staging():
         args = (tables[:, :width].contiguous(), torch.tensor(lens, dtype=torch.int32))
         qsl = torch.arange(4, dtype=torch.int32)
         for layer in range(LAYOUT.num_layers):
-            for v in views.values():
+            for v in views.values():  # new inputs (and a stale output to overwrite)
                 v.copy_(torch.randn(v.shape, generator=gen).half())
             k, v, q = views["key"], views["value"], views["query"]
             a = graphed.write_and_attend(
-                layer, slots, k, v, q, *args, qsl, metadata_key=step, to_host=True
-            )
+                layer, slots, k, v, q, *args, qsl, metadata_key=step, to_host=True,
+                out=views["out"],
+            )  # fmt: skip
+            assert a.data_ptr() == views["out"].data_ptr()  # produced in the region
             b = eager.write_and_attend(
                 layer, slots, k.clone(), v.clone(), q.clone(), *args, qsl, metadata_key=step
             )
