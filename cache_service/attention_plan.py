@@ -35,7 +35,7 @@ import functools
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -528,6 +528,7 @@ async def run_attention(
     softcap: float | None = None,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    check_finite: bool = False,
 ) -> AttentionResult:
     """Run one layer's step on every worker concurrently, then merge.
 
@@ -548,6 +549,9 @@ async def run_attention(
             where one worker writes and computes every row in order (nothing to merge),
             its write_and_attend is asked to copy its output there (a worker in this
             process does; the result is then that tensor), sparing a copy.
+        check_finite: the writing workers' write_and_attend refuse non-finite inputs
+            (workers.errors.NonFiniteInput); for plans where every row is written and read
+            by one worker (the caller checks that).
 
     Raises:
         AttentionPlanError: a worker has no client or epoch, ``query`` has the wrong
@@ -608,7 +612,9 @@ async def run_attention(
         if w in writes:
             wr = writes[w]
             # Only a call that names an output passes one (other clients need not know it).
-            into = {} if out is None else {"out": out}
+            into: dict[str, Any] = {} if out is None else {"out": out}
+            if check_finite:
+                into["check_finite"] = True
             return await clients[w].write_and_attend(
                 epochs[w], layer, wr.slot_mapping, wr.key, wr.value,
                 q, tables, lens, starts, return_lse=want_lse,

@@ -155,6 +155,7 @@ class _WorkerClientBase:
         sliding_window: int | None = None,
         metadata_key: int | None = None,
         out: torch.Tensor | None = None,
+        check_finite: bool = False,
     ) -> AttentionResult:
         new = (slot_mapping, key, value)
         batch = (query, block_tables, seq_lens, query_start_loc, causal, return_lse)
@@ -163,6 +164,8 @@ class _WorkerClientBase:
             options["metadata_key"] = metadata_key
         if out is not None and self._shares_memory:
             options["out"] = out
+        if check_finite:
+            options["check_finite"] = True
         result = await self._invoke(
             "write_and_attend", self._fenced(epoch), layer, *new, *batch, **options
         )

@@ -13,6 +13,7 @@ from cache_service.shared_regions import SharedRegions
 from workers.actor import PoolWorker
 from workers.config import PoolConfig
 from workers.decode_graphs import bucket_width
+from workers.errors import NonFiniteInput
 from workers.layout import KVLayout
 from workers.pool import KVPool
 
@@ -209,3 +210,38 @@ def test_inputs_in_a_pinned_shared_region_reach_the_pool_without_staging():
     views.clear()
     reader.close()
     regions.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["key", "query"])
+def test_a_checked_replay_refuses_non_finite_inputs_and_writes_nothing(where):
+    pool = _filled(True, fingerprints=True)
+    gen = torch.Generator().manual_seed(4)
+    tables, bs = _tables(pool), LAYOUT.block_size
+    qsl = torch.arange(4, dtype=torch.int32)
+    lens = list(START)
+    for step in range(4):  # step 2 captures, step 3 replays
+        lens = [n + 1 for n in lens]
+        width = max(-(-n // bs) for n in lens)
+        slots = [int(tables[s, (n - 1) // bs]) * bs + (n - 1) % bs for s, n in enumerate(lens)]
+        args = (tables[:, :width].contiguous(), torch.tensor(lens, dtype=torch.int32), qsl)
+        for layer in range(LAYOUT.num_layers):
+            k, v = (torch.randn(3, 2, 64, generator=gen).half() for _ in range(2))
+            q = torch.randn(3, HQ, 64, generator=gen).half()
+            if step == 3 and layer == 1:
+                data = pool.data.clone()
+                # (Masked slots' fingerprints land in a spare block past the pool's.)
+                sums = pool._fingerprints._sums[: pool.num_slots].clone()
+                bad = {"key": k, "query": q}[where]
+                bad[1, 0, 5] = float("nan")
+                with pytest.raises(NonFiniteInput, match="nothing was written"):
+                    pool.write_and_attend(
+                        layer, slots, k, v, q, *args, metadata_key=step, check_finite=True
+                    )
+                assert torch.equal(pool.data, data)
+                assert torch.equal(pool._fingerprints._sums[: pool.num_slots], sums)
+                bad[1, 0, 5] = 0.0  # the same call, repaired, goes through
+            pool.write_and_attend(
+                layer, slots, k, v, q, *args, metadata_key=step, check_finite=True
+            )
+    assert pool._graphs.replays > 0

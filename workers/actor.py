@@ -235,6 +235,7 @@ class PoolWorker:
         softcap: float | None = None,
         metadata_key: int | None = None,
         out: torch.Tensor | None = None,
+        check_finite: bool = False,
     ) -> AttendResult:
         """:meth:`KVPool.write_and_attend` (one write launch, one attention launch) behind
         the epoch fence; results on the host (the output in `out` when given)."""
@@ -250,6 +251,7 @@ class PoolWorker:
             metadata_key=metadata_key,
             to_host=True,
             out=out,
+            check_finite=check_finite,
             **options,
         )
 

@@ -41,8 +41,9 @@ __all__ = ["DecodeGraphs", "GraphBody", "bucket_width"]
 
 log = logging.getLogger(__name__)
 
-# body(layer, slots, key, value, query, block_tables, seq_lens, query_start_loc, options)
-# -> (out, lse or None): the pool's write then attention on device tensors.
+# body(layer, slots, key, value, query, block_tables, seq_lens, query_start_loc, options,
+# check_finite) -> (out, lse or None, finite flag or None): the pool's write (masked unless
+# every input is finite, with check_finite) then attention on device tensors.
 GraphBody = Callable[
     [
         int,
@@ -54,8 +55,9 @@ GraphBody = Callable[
         torch.Tensor,
         torch.Tensor,
         AttendOptions,
+        bool,
     ],
-    tuple[torch.Tensor, torch.Tensor | None],
+    tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
 ]
 
 # (class, layer) pairs remembered as seen once; past this many the memory starts afresh.
@@ -72,6 +74,10 @@ def bucket_width(width: int) -> int:
     return -(-width // step) * step
 
 
+# A graph's results: (out, lse or None, finite flag or None), in the graph's memory.
+_Outputs = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
 @dataclass
 class _Class:
     """The static buffers of one shape class and the graphs captured on them, by layer."""
@@ -85,9 +91,7 @@ class _Class:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     loaded: CachedMetadata | None = None  # whose metadata the buffers hold
-    graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = field(
-        default_factory=dict
-    )
+    graphs: dict[int, tuple[torch.cuda.CUDAGraph, _Outputs]] = field(default_factory=dict)
     failed: set[int] = field(default_factory=set)  # layers whose capture failed
 
 
@@ -144,7 +148,8 @@ class DecodeGraphs:
         query: torch.Tensor,
         options: AttendOptions,
         pinned: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        check_finite: bool = False,
+    ) -> _Outputs | None:
         """One layer's write-and-attend through its graph.
 
         Args:
@@ -156,12 +161,14 @@ class DecodeGraphs:
             pinned: key, value and query are in page-locked host memory: copied from there
                 asynchronously (the caller waits for the copies before it lets the memory
                 go), not staged.
+            check_finite: the body masks the write unless every input is finite (graphs
+                with and without the check are kept apart).
 
         Returns:
-            ``(out [T, Hq, D], lse [T, Hq] float32 or None)``: tensors in the graph's memory
-            when replayed (copy them out before the next call), fresh ones when this call
-            ran eagerly; None when the call should take the pool's usual path (a first
-            sighting, or a layer whose capture failed), nothing having been done.
+            ``(out [T, Hq, D], lse [T, Hq] float32 or None, finite flag or None)``: tensors
+            in the graph's memory when replayed (read them before the next call), fresh
+            ones when this call ran eagerly; None when the call should take the pool's
+            usual path (a first sighting, or a layer whose capture failed), nothing done.
         """
         if entry.slots is None:
             return None
@@ -176,6 +183,7 @@ class DecodeGraphs:
             tables.shape[0],
             bucket_width(tables.shape[1]),
             options,
+            check_finite,
         )
         with self._lock:
             cls = self._classes.get(signature)
@@ -184,10 +192,10 @@ class DecodeGraphs:
                 replay = cls.graphs.get(layer)
                 if replay is not None:
                     self._load(cls, entry, key, value, query, pinned)
-                    graph, out, lse = replay
+                    graph, outputs = replay
                     graph.replay()
                     self.replays += 1
-                    return out, lse
+                    return outputs
                 if layer in cls.failed:
                     return None
             if (signature, layer) not in self._seen:
@@ -198,9 +206,9 @@ class DecodeGraphs:
             if cls is None:
                 cls = self._new_class(signature, entry, key, value, query)
             self._load(cls, entry, key, value, query, pinned)
-            result = self._run_body(cls, layer, options)  # this call's own work
+            result = self._run_body(cls, layer, options, check_finite)  # this call's own work
             try:
-                cls.graphs[layer] = self._capture(cls, layer, options)
+                cls.graphs[layer] = self._capture(cls, layer, options, check_finite)
                 self.captures += 1
             except Exception:  # a capture is an optimisation: never fail the call for it
                 log.exception("capturing layer %d's write-and-attend failed", layer)
@@ -269,8 +277,8 @@ class DecodeGraphs:
                 dst.copy_(src, non_blocking=True)
 
     def _run_body(
-        self, cls: _Class, layer: int, options: AttendOptions
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, cls: _Class, layer: int, options: AttendOptions, check_finite: bool
+    ) -> _Outputs:
         return self._body(
             layer,
             cls.slots,
@@ -281,11 +289,12 @@ class DecodeGraphs:
             cls.seq_lens,
             cls.query_start_loc,
             options,
+            check_finite,
         )
 
     def _capture(
-        self, cls: _Class, layer: int, options: AttendOptions
-    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
+        self, cls: _Class, layer: int, options: AttendOptions, check_finite: bool
+    ) -> tuple[torch.cuda.CUDAGraph, _Outputs]:
         """A graph of the body on `cls`'s buffers (captured, not run)."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(self._device)
@@ -298,7 +307,7 @@ class DecodeGraphs:
         with torch.cuda.stream(self._stream):
             graph.capture_begin(pool=self._mempool)
             try:
-                out, lse = self._run_body(cls, layer, options)
+                outputs = self._run_body(cls, layer, options, check_finite)
             except BaseException:
                 try:
                     graph.capture_end()
@@ -307,4 +316,4 @@ class DecodeGraphs:
                 raise
             graph.capture_end()
         current.wait_stream(self._stream)
-        return graph, out, lse
+        return graph, outputs

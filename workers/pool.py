@@ -33,7 +33,7 @@ from workers.checks import (
 )
 from workers.config import PoolConfig
 from workers.decode_graphs import DecodeGraphs
-from workers.errors import InvalidWorkerRequest, PoolAllocationError
+from workers.errors import InvalidWorkerRequest, NonFiniteInput, PoolAllocationError
 from workers.fingerprints import BadSlot, SlotFingerprints
 from workers.layout import KVLayout
 from workers.metadata_cache import CachedMetadata, MetadataCache
@@ -282,6 +282,7 @@ class KVPool:
         metadata_key: int | None = None,
         to_host: bool = False,
         out: torch.Tensor | None = None,
+        check_finite: bool = False,
     ) -> AttendResult:
         """:meth:`write` then :meth:`attend` on one layer: a model layer's step.
 
@@ -293,6 +294,13 @@ class KVPool:
         out: with `to_host`, host memory of the output's shape and dtype to copy the output
         into (e.g. a caller's shared-memory slot); the result is then `out`. Ignored when
         it does not fit.
+        check_finite: refuse a NaN or infinity in key, value or query (NonFiniteInput,
+            nothing written). Checked on the pool's device, where the data goes anyway: the
+            write's slots are masked (negative: skipped) unless every value is finite, so
+            the check costs no extra wait (on CUDA, part of the decode graph).
+
+        Raises:
+            InvalidWorkerRequest: a malformed argument; NonFiniteInput (check_finite).
         """
         if out is not None and not (
             to_host
@@ -311,32 +319,39 @@ class KVPool:
             check_new_kv(self._layout, layer, entry.slots.shape[0], key, value)
             pinned = self._pinned_host(key, value, query)
             if self._graphs is not None:
-                replayed = self._graphs.run(layer, entry, key, value, query, options, pinned)
+                replayed = self._graphs.run(
+                    layer, entry, key, value, query, options, pinned, check_finite
+                )
                 if replayed is not None:
-                    got, lse = replayed
+                    got, lse, finite = replayed
                     result = (got, lse) if options.return_lse else got
                     # A replay's results live in the graph's memory: copied out here.
-                    return self._deliver(result, to_host, owned=False, wait=pinned, out=out)
+                    delivered = self._deliver(result, to_host, owned=False, wait=pinned, out=out)
+                    return _checked(delivered, finite)
             k, v, q = self._on_device(key, value, query, pinned=pinned)
-            self._write_on_device(layer, entry.slots, k, v)
+            slots, finite = self._guarded(entry.slots, k, v, q, check_finite)
+            self._write_on_device(layer, slots, k, v)
             result = self._attend_on_device(layer, q, *entry.tables(), options)
-            return self._deliver(result, to_host, wait=pinned, out=out)
+            return _checked(self._deliver(result, to_host, wait=pinned, out=out), finite)
         slots = check_write(self._layout, self._num_blocks, layer, slot_mapping, key, value)
         if entry is not None:
             staged = self._on_device(*_write_inputs(slots, key, value), query)
             # The key's other layers will find these slots kept.
             self._keep_metadata(metadata_key, entry, slot_mapping, staged[0])
-            self._write_on_device(layer, *staged[:3])
+            guarded, finite = self._guarded(*staged, check_finite)
+            self._write_on_device(layer, guarded, *staged[1:3])
             result = self._attend_on_device(layer, staged[3], *entry.tables(), options)
-            return self._deliver(result, to_host, out=out)
+            return _checked(self._deliver(result, to_host, out=out), finite)
         indices = check_attend(self._layout, self._num_blocks, layer, query, *batch)
         # Both halves' tensors reach the device in one staged copy.
         staged = self._on_device(
             *_write_inputs(slots, key, value), *_attend_inputs(query, *indices)
         )
         self._remember_metadata(metadata_key, staged[4:], query.shape[0], slot_mapping, staged[0])
-        self._write_on_device(layer, *staged[:3])
-        return self._deliver(self._attend_on_device(layer, *staged[3:], options), to_host, out=out)
+        guarded, finite = self._guarded(*staged[:4], check_finite)
+        self._write_on_device(layer, guarded, *staged[1:3])
+        result = self._attend_on_device(layer, *staged[3:], options)
+        return _checked(self._deliver(result, to_host, out=out), finite)
 
     def write_and_attend_pages(
         self,
@@ -567,13 +582,34 @@ class KVPool:
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
         options: AttendOptions,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What a decode graph captures: the write, then the attention (device tensors)."""
+        check_finite: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """What a decode graph captures: the write (guarded by `check_finite`), then the
+        attention (device tensors); returns (out, lse, finite flag)."""
+        slots, finite = self._guarded(slots, key, value, query, check_finite)
         self._write_on_device(layer, slots, key, value)
         result = self._attend_on_device(
             layer, query, block_tables, seq_lens, query_start_loc, options
         )
-        return result if isinstance(result, tuple) else (result, None)
+        out, lse = result if isinstance(result, tuple) else (result, None)
+        return out, lse, finite
+
+    @staticmethod
+    def _guarded(
+        slots: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query: torch.Tensor,
+        check_finite: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """With `check_finite`, the slots masked to -1 (skipped by the write) unless every
+        value of key, value and query is finite, and that flag (a 0-d bool tensor on the
+        device, read once the call's results are on the host); else the slots as given."""
+        if not check_finite or slots.numel() == 0:
+            return slots, None
+        finite = torch.isfinite(key).all() & torch.isfinite(value).all()
+        finite &= torch.isfinite(query).all()
+        return torch.where(finite, slots, -1), finite
 
     def _deliver(
         self,
@@ -738,6 +774,16 @@ class KVPool:
             # The torch reference whatever the pool's backend, its errors as they are.
             return kernels.paged_attention(*args, **kwargs, backend="torch", check_values=False)
         return self._kernel(kernels.paged_attention, *args, **kwargs)
+
+
+def _checked(result: AttendResult, finite: torch.Tensor | None) -> AttendResult:
+    """`result`, unless the call's finite flag (`KVPool._guarded`) says a value was not:
+    then NonFiniteInput (the write was masked). Read after the results, so no extra wait."""
+    if finite is not None and not bool(finite):
+        raise NonFiniteInput(
+            "the key, value or query holds NaN or infinite values; nothing was written"
+        )
+    return result
 
 
 def _slot_source(slot_mapping: object) -> list[int] | torch.Tensor | None:
