@@ -219,18 +219,29 @@ class DecodePool:
 
 
 def decode_pool(
-    setup: Setup, steps: int, name: str = "bench", fingerprints: bool = True
+    setup: Setup,
+    steps: int,
+    name: str = "bench",
+    fingerprints: bool = True,
+    cuda_graphs: bool = True,
 ) -> DecodePool:
     """A pool filled for `steps` decode steps of `setup` after its context.
 
     fingerprints: record slot fingerprints on every write, as the service's pools do by
     default (they serve its online correctness check), so the in-process baseline does
     the same pool work per call as the service.
+    cuda_graphs: replay repeated per-layer calls as CUDA graphs, as the service's pools do
+    by default (workers.decode_graphs).
     """
     lay = setup.layout
     bs, hkv, d = lay.block_size, lay.num_kv_heads, lay.head_dim
     per_seq = -(-(setup.context + steps + 4) // bs)
-    config = PoolConfig(lay, num_blocks=setup.batch * per_seq + 1, fingerprints=fingerprints)
+    config = PoolConfig(
+        lay,
+        num_blocks=setup.batch * per_seq + 1,
+        fingerprints=fingerprints,
+        cuda_graphs=cuda_graphs,
+    )
     worker = PoolWorker(name, config, setup.device)
     epoch = worker.epoch()
     dtype = lay.torch_dtype()

@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -102,6 +102,22 @@ service-transports)
   done
   CUDA_VISIBLE_DEVICES=0 timeout 60 python3 benchmarks/diag_placement.py 2>&1 \
     | tee "$OUT/placement.log" | tail -3
+  ;;
+graphs-service)
+  # The GPU tests of the pool (CUDA-graph replay included), the pool call's breakdown with
+  # and without graphs, one service call's breakdown, the service benchmark.
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 -m gpu \
+    tests/test_decode_graphs.py tests/test_workers_pool.py tests/test_workers_gpu.py \
+    tests/test_kernels_fingerprints.py > "$OUT/gpu-tests.log" 2>&1
+  tail -15 "$OUT/gpu-tests.log"
+  timeout 60 python3 benchmarks/pool_call_breakdown.py 2>&1 | tee "$OUT/pool-breakdown.log"
+  timeout 60 python3 benchmarks/pool_call_breakdown.py --no-graphs 2>&1 | tee -a "$OUT/pool-breakdown.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 90 python3 benchmarks/service_breakdown.py --device cuda \
+    --layers 32 --steps 10 2>&1 | tail -8 | tee "$OUT/service-breakdown.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 170 python3 benchmarks/bench_service.py --h200 --no-ray \
+    --transports session-shm --out "$OUT/service-h200.md" > "$OUT/bench-service.log" 2>&1
+  tail -14 "$OUT/service-h200.md"
+  timeout 60 python3 benchmarks/diag_grpc_floor.py --calls 2000 2>&1 | tee "$OUT/grpc-floor.log"
   ;;
 merge-kernels-service)
   # The GPU tests of kernels and pools; the split path's two fused merges paired with SDPA
