@@ -338,32 +338,19 @@ class KVPool:
             staged = self._on_device(*_write_inputs(slots, key, value), query)
             # The key's other layers will find these slots kept.
             self._keep_metadata(metadata_key, entry, slot_mapping, staged[0])
-            tables = entry.tables()
-        else:
-            indices = check_attend(self._layout, self._num_blocks, layer, query, *batch)
-            # Both halves' tensors reach the device in one staged copy.
-            staged = self._on_device(
-                *_write_inputs(slots, key, value), *_attend_inputs(query, *indices)
-            )
-            self._remember_metadata(
-                metadata_key, staged[4:], query.shape[0], slot_mapping, staged[0]
-            )
-            tables = (staged[4], staged[5], staged[6])
-        if self._graphs is not None:
-            # A shape the graphs know (e.g. coalesced rounds of several clients' decode
-            # steps, whose metadata is new each time) replays too, on this call's metadata.
-            meta = CachedMetadata(*tables, query.shape[0], slots=staged[0])
-            replayed = self._graphs.run(
-                layer, meta, *staged[1:4], options, check_finite=check_finite
-            )
-            if replayed is not None:
-                got, lse, finite = replayed
-                result = (got, lse) if options.return_lse else got
-                delivered = self._deliver(result, to_host, owned=False, out=out)
-                return _checked(delivered, finite)
+            guarded, finite = self._guarded(*staged, check_finite)
+            self._write_on_device(layer, guarded, *staged[1:3])
+            result = self._attend_on_device(layer, staged[3], *entry.tables(), options)
+            return _checked(self._deliver(result, to_host, out=out), finite)
+        indices = check_attend(self._layout, self._num_blocks, layer, query, *batch)
+        # Both halves' tensors reach the device in one staged copy.
+        staged = self._on_device(
+            *_write_inputs(slots, key, value), *_attend_inputs(query, *indices)
+        )
+        self._remember_metadata(metadata_key, staged[4:], query.shape[0], slot_mapping, staged[0])
         guarded, finite = self._guarded(*staged[:4], check_finite)
         self._write_on_device(layer, guarded, *staged[1:3])
-        result = self._attend_on_device(layer, staged[3], *tables, options)
+        result = self._attend_on_device(layer, *staged[3:], options)
         return _checked(self._deliver(result, to_host, out=out), finite)
 
     def write_and_attend_pages(
