@@ -113,7 +113,7 @@ class DecodeGraphs:
         device: torch.device,
         body: GraphBody,
         stager: HostStager | None,
-        max_classes: int = 8,
+        max_classes: int = 16,
     ) -> None:
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
