@@ -34,6 +34,7 @@ import logging
 import math
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -241,6 +242,8 @@ class _Part:
     plan: AttentionPlan | None = None
     # Host memory for the output when the part runs alone (run_attention's `out`).
     out: torch.Tensor | None = None
+    # The recorded step the part repeats (its views, slots and plan are the step's).
+    step: LayerStep | None = None
     # False: nobody has checked query / writes for NaN and infinities yet (the stacked
     # short path leaves that to the worker's device; see _run_parts).
     finite_checked: bool = True
@@ -415,6 +418,11 @@ class Coordinator:
         self._locks: dict[str, asyncio.Lock] = {}
         # Per client batch, what its latest append-and-attend planned (layer_steps).
         self._steps = LayerStepCache()
+        # Plans of rounds that coalesced the same recorded steps (see _round_plan), by the
+        # steps' ids; each entry holds its steps, so an id cannot be reused meanwhile.
+        self._round_plans: OrderedDict[
+            tuple[int, ...], tuple[tuple[LayerStep, ...], AttentionPlan]
+        ] = OrderedDict()
         self._batchers: dict[tuple[int | None, str, int], _Batcher] = {}
         self._background: set[asyncio.Task[None]] = set()
         # Per worker, the latest release_blocks call (see _flush_released); workers whose
@@ -980,6 +988,7 @@ class Coordinator:
             return_lse=return_lse,
             plan=step.plan,
             out=out if out is not None and out.dtype == dtype else None,
+            step=step,
         )
 
     def _remember_step(
@@ -1343,6 +1352,12 @@ class Coordinator:
         # One layer (the usual round): per-layer calls. Several (coalesce_layers): one call
         # over pages of every layer.
         layer = parts[0].layer if len(layers) == 1 else None
+        round_key = _round_key(parts) if layer is not None else None
+        if round_key is not None:
+            # One order for a set of steps, so the round's plan (and with it the worker's
+            # metadata key and its graphs) is the same every layer they coalesce again.
+            parts.sort(key=lambda p: id(p.step))
+            round_key = tuple(p.step for p in parts)  # type: ignore[misc]
         views = [v for p in parts for v in p.views]
         nq = [n for p in parts for n in p.num_queries]
         seq_ids = [s for p in parts for s in p.seq_ids]
@@ -1350,6 +1365,8 @@ class Coordinator:
         try:
             if len(parts) == 1 and parts[0].plan is not None:
                 plan = parts[0].plan
+            elif round_key is not None:
+                plan = self._round_plan(round_key, views, nq)
             else:
                 plan = plan_attention(views, nq, self.layout.block_size)
                 if len(parts) == 1:
@@ -1432,6 +1449,25 @@ class Coordinator:
             row += rows
             if not p.future.done():
                 p.future.set_result(AttentionResult(out, lse))
+
+    def _round_plan(
+        self, steps: tuple[LayerStep, ...], views: list[SequenceViewLike], nq: list[int]
+    ) -> AttentionPlan:
+        """The plan of a round coalescing exactly these recorded steps (in this order),
+        made once: concurrent clients in step with each other meet again on the next layer,
+        and their steps' views do not change between layers (layer_steps). Kept for the
+        most recent `_MAX_ROUND_PLANS` sets; a new step is a new object, so a stale plan
+        is never found again."""
+        key = tuple(id(s) for s in steps)
+        kept = self._round_plans.get(key)
+        if kept is not None:
+            self._round_plans.move_to_end(key)
+            return kept[1]
+        plan = plan_attention(views, nq, self.layout.block_size)
+        self._round_plans[key] = (steps, plan)
+        while len(self._round_plans) > _MAX_ROUND_PLANS:
+            self._round_plans.popitem(last=False)
+        return plan
 
     def _page_slots(self, slots: list[int], layer: int) -> list[int]:
         """Flat slots of one layer as slots of the pool's pages (page ``block * num_layers +
@@ -1694,6 +1730,21 @@ def _check_finite(
     for name, t in named():
         if not bool(torch.isfinite(t).all()):
             raise InvalidRequest(f"{name} contains NaN or infinite values")
+
+
+# Round plans kept (Coordinator._round_plan): a few per concurrent client is plenty.
+_MAX_ROUND_PLANS = 64
+
+
+def _round_key(parts: list[_Part]) -> tuple[LayerStep, ...] | None:
+    """The recorded steps of a round of several parts, each part repeating a different
+    one on the same layer; None for anything else (a lone part, a part without a step)."""
+    if len(parts) < 2:
+        return None
+    steps = tuple(p.step for p in parts)
+    if any(s is None for s in steps) or len({id(s) for s in steps}) != len(steps):
+        return None
+    return steps  # type: ignore[return-value]
 
 
 def _finite_parts(parts: list[_Part]) -> tuple[list[_Part], bool]:

@@ -577,3 +577,59 @@ def test_a_bad_batch_sharing_a_round_fails_alone_and_the_others_stay_exact() -> 
         coord.block_manager.check_integrity()
 
     run(scenario)
+
+
+def test_rounds_coalescing_the_same_steps_plan_once_and_stay_exact() -> None:
+    async def scenario(coord: Coordinator) -> None:
+        import asyncio
+
+        import cache_service.coordinator as coord_mod
+
+        groups = [[(await coord.create_sequence("t")).seq_id for _ in range(2)] for _ in range(3)]
+        models = [Model(g) for g in groups]
+        sets: list[frozenset[str]] = []  # the sequences of each coalesced round
+        real_run = coord._run_parts
+
+        async def counted(key: Any, parts: list[Any]) -> None:
+            if len(parts) > 1:
+                sets.append(frozenset(s for p in parts for s in p.seq_ids))
+            await real_run(key, parts)
+
+        coord._run_parts = counted  # type: ignore[method-assign]
+        planned = [0]
+        real_plan = coord_mod.plan_attention
+
+        def counting_plan(*args: Any, **kwargs: Any) -> Any:
+            planned[0] += 1
+            return real_plan(*args, **kwargs)
+
+        coord_mod.plan_attention = counting_plan  # type: ignore[assignment]
+        reused = 0  # rounds that found their set's plan
+        try:
+            for token in range(1, 4):
+                for model in models:  # layer 0: each batch's step is recorded
+                    items, q = model.items(token, 0)
+                    res = await coord.append_attend_stacked("t", 0, stacked(items))
+                    model.check([_Row(res.out[i : i + 1]) for i in range(2)], q)
+                planned[0] = 0
+                sets.clear()
+                for layer in range(1, DEEP.num_layers):
+                    calls = [model.items(token, layer) for model in models]
+                    results = await asyncio.gather(
+                        *(coord.append_attend_stacked("t", layer, stacked(it)) for it, _ in calls)
+                    )
+                    for model, (_, q), res in zip(models, calls, results, strict=True):
+                        model.check([_Row(res.out[i : i + 1]) for i in range(2)], q)
+                # One plan per distinct set of coalesced steps, not one per round.
+                assert planned[0] == len(set(sets))
+                reused += len(sets) - len(set(sets))
+        finally:
+            coord_mod.plan_attention = real_plan  # type: ignore[assignment]
+        assert reused > 0, "the same steps never coalesced twice"
+        coord.block_manager.check_integrity()
+
+    # More layers than LAYOUT's: the batcher settles after a layer or two.
+    run_coordinator(scenario, layout=DEEP)
+
+
+DEEP = KVLayout(num_layers=6, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype="float32")
