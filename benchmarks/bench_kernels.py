@@ -71,8 +71,9 @@ class BenchSettings:
     warmup_ms: float = 300.0
     rep_ms: float = 200.0
     rounds: int = 3  # ours and SDPA timed alternately, this many times each
-    # The fused merge's reads on the split path (AttentionConfig.merge_reads; --merge-reads).
-    merge_reads: str = "serial"
+    # The fused merge's reads on the split path (AttentionConfig.merge_reads; --merge-reads);
+    # None: choose_config's pick, what the public API runs.
+    merge_reads: str | None = None
 
 
 @dataclass(frozen=True)
@@ -133,10 +134,10 @@ def attention_bytes(batch: PagedBatch) -> int:
 
 
 def bench_config(batch: PagedBatch, s: BenchSettings) -> AttentionConfig:
-    """``choose_config``'s pick for ``batch`` with the run's fused-merge reads (which only
-    the split path uses)."""
+    """``choose_config``'s pick for ``batch``, with the run's fused-merge reads if given
+    (only the split path uses them)."""
     config = choose_config(problem_of(batch), s.dtype, num_sms(batch.query.device))
-    return replace(config, merge_reads=s.merge_reads)
+    return config if s.merge_reads is None else replace(config, merge_reads=s.merge_reads)
 
 
 def problem_of(batch: PagedBatch):
@@ -565,8 +566,12 @@ def render(results: dict, command: str) -> str:
         f"Python {dev['python']}",
         f"- date: {dev['date_utc']}",
         f"- copy ceiling: {ceiling:.0f} GB/s (device-to-device copy of 4 GiB, read + write)",
-        f"- fused merge reads on the split path: `{results['settings'].get('merge_reads', 'serial')}`"
-        " (`--merge-reads`; the public-API column runs the library default, `serial`)",
+        "- fused merge reads on the split path: "
+        + (
+            f"`{results['settings']['merge_reads']}` (`--merge-reads`)"
+            if results["settings"].get("merge_reads")
+            else "`choose_config`'s pick, as the public API (see the config in bench.json)"
+        ),
         "",
         "Times are medians of `triton.testing.do_bench` (L2 flushed before each run, 300 ms "
         "warm-up); ours and SDPA are timed alternately in 3 rounds and the median round is "
@@ -652,8 +657,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--merge-reads",
         choices=MERGE_READS,
-        default="serial",
-        help="the fused merge's reads on the split path (AttentionConfig.merge_reads)",
+        default=None,
+        help="the fused merge's reads on the split path (AttentionConfig.merge_reads; "
+        "default: choose_config's pick)",
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

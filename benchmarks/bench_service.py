@@ -43,6 +43,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -176,7 +177,12 @@ def through_service(
                 prof = cProfile.Profile() if profile is not None and key == "single" else None
                 if prof is not None:
                     prof.enable()  # the event loop's thread: gRPC handlers and coordinator
-                out[key] = await loop.run_in_executor(None, run, running.address, cfg)
+                before = _worker_rounds(running.metrics)
+                result = await loop.run_in_executor(None, run, running.address, cfg)
+                after = _worker_rounds(running.metrics)
+                calls = after[1] - before[1]
+                per_call = (after[0] - before[0]) / calls if calls else None
+                out[key] = replace(result, sequences_per_worker_call=per_call)
                 if prof is not None:
                     prof.disable()
                     text = io.StringIO()
@@ -187,6 +193,19 @@ def through_service(
             await running.stop()
 
     return asyncio.run(main())
+
+
+def _worker_rounds(metrics: Any) -> tuple[float, float]:
+    """(sequences, worker calls) so far, over every worker: the sum and count of the
+    service's worker batch-size histogram (warm-up included; differences matter)."""
+    total = count = 0.0
+    for family in metrics.worker_batch_size.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_sum"):
+                total += sample.value
+            elif sample.name.endswith("_count"):
+                count += sample.value
+    return total, count
 
 
 @dataclass
@@ -219,18 +238,29 @@ class DecodePool:
 
 
 def decode_pool(
-    setup: Setup, steps: int, name: str = "bench", fingerprints: bool = True
+    setup: Setup,
+    steps: int,
+    name: str = "bench",
+    fingerprints: bool = True,
+    cuda_graphs: bool = True,
 ) -> DecodePool:
     """A pool filled for `steps` decode steps of `setup` after its context.
 
     fingerprints: record slot fingerprints on every write, as the service's pools do by
     default (they serve its online correctness check), so the in-process baseline does
     the same pool work per call as the service.
+    cuda_graphs: replay repeated per-layer calls as CUDA graphs, as the service's pools do
+    by default (workers.decode_graphs).
     """
     lay = setup.layout
     bs, hkv, d = lay.block_size, lay.num_kv_heads, lay.head_dim
     per_seq = -(-(setup.context + steps + 4) // bs)
-    config = PoolConfig(lay, num_blocks=setup.batch * per_seq + 1, fingerprints=fingerprints)
+    config = PoolConfig(
+        lay,
+        num_blocks=setup.batch * per_seq + 1,
+        fingerprints=fingerprints,
+        cuda_graphs=cuda_graphs,
+    )
     worker = PoolWorker(name, config, setup.device)
     epoch = worker.epoch()
     dtype = lay.torch_dtype()
@@ -329,15 +359,22 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         f"## Concurrency: {setup.concurrent_clients} clients of batch {setup.concurrent_batch} "
         f"versus one client of batch {setup.concurrent_batch}",
         "",
-        "| path | one client tokens/s | concurrent tokens/s | ratio | concurrent p50 ms | p99 ms |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| path | one client tokens/s | concurrent tokens/s | ratio | concurrent p50 ms | p99 ms "
+        "| sequences per worker call: one / concurrent |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+
+    def per_round(r: BenchResult) -> str:
+        n = r.sequences_per_worker_call
+        return "-" if n is None else f"{n:.2f}"
+
     for label, res in results.items():
         one, many = res["one_small"], res["concurrent"]
         ratio = many.tokens_per_s / one.tokens_per_s if one.tokens_per_s else 0.0
         lines.append(
             f"| service, {label} | {one.tokens_per_s:.1f} | {many.tokens_per_s:.1f} | "
-            f"{ratio:.2f}x | {many.p50_ms:.3f} | {many.p99_ms:.3f} |"
+            f"{ratio:.2f}x | {many.p50_ms:.3f} | {many.p99_ms:.3f} | "
+            f"{per_round(one)} / {per_round(many)} |"
         )
     if setup.name == "h200":
         lines += ["", "## Targets (issue 5)", ""]

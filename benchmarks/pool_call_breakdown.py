@@ -9,6 +9,8 @@ The service benchmark's baseline (batch 32 decode at context 2048, Llama-3-8B he
 * ``staging``: packing the request's host tensors into one pinned buffer and its copy;
 * ``write launch`` / ``attention launch``: the kernels' Python launch paths (validation,
   config, the launch; not their GPU time);
+* ``graph run``: with CUDA graphs (the default), a repeated call's copy into the graph's
+  buffers and its replay (such a call has no write or attention launch of its own);
 * ``to host``: the results' copy to the host, which waits for the kernels;
 * ``other``: the rest of the call (epoch fence, argument plumbing).
 
@@ -31,10 +33,10 @@ from typing import Any
 import torch
 from bench_service import H200, decode_pool
 
-import workers.actor as actor_mod
+import workers.decode_graphs as graphs_mod
 import workers.pool as pool_mod
 
-STAGES = ("checks", "staging", "write launch", "attention launch", "to host")
+STAGES = ("checks", "staging", "write launch", "attention launch", "graph run", "to host")
 
 
 def timed(record: dict[str, list[float]], stage: str, fn: Callable[..., Any]) -> Callable:
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-fingerprints", action="store_true", help="a pool without slot fingerprints"
     )
+    parser.add_argument("--no-graphs", action="store_true", help="no CUDA-graph replay")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -64,7 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     setup = H200
     lay = setup.layout
     pool_data = decode_pool(
-        setup, 2 + args.steps + 1, name="bd", fingerprints=not args.no_fingerprints
+        setup,
+        3 + args.steps + 1,
+        name="bd",
+        fingerprints=not args.no_fingerprints,
+        cuda_graphs=not args.no_graphs,
     )
     worker, epoch, tables, k, q, qsl = (
         pool_data.worker, pool_data.epoch, pool_data.tables, pool_data.key, pool_data.query,
@@ -78,18 +85,21 @@ def main(argv: list[str] | None = None) -> int:
     pool_cls._on_device = timed(record, "staging", pool_cls._on_device)
     pool_cls._write_on_device = timed(record, "write launch", pool_cls._write_on_device)
     pool_cls._attend_on_device = timed(record, "attention launch", pool_cls._attend_on_device)
-    actor_mod._to_host = timed(record, "to host", actor_mod._to_host)
+    pool_cls._deliver = timed(record, "to host", pool_cls._deliver)
+    graphs_cls = graphs_mod.DecodeGraphs
+    graphs_cls.run = timed(record, "graph run", graphs_cls.run)
 
     totals: list[float] = []
     gpu_ms: list[float] = []
     length = setup.context
-    for step in range(2 + args.steps):
+    # Three warm-up steps: the first runs each layer eagerly, the second captures its graph.
+    for step in range(3 + args.steps):
         slots, seq_lens = pool_data.step_args(length)
         # One metadata key per step unless --no-key: what the service's plan reuse sends.
         key = None if args.no_key else step
         for layer in range(lay.num_layers):
             call_args = (epoch, layer, slots, k, k, q, tables, seq_lens, qsl)
-            if step < 2:  # warm-up
+            if step < 3:  # warm-up
                 worker.write_and_attend(*call_args, metadata_key=key)
                 continue
             before = {stage: len(v) for stage, v in record.items()}
@@ -100,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 samples = record[stage][before.get(stage, 0) :]
                 record[f"call {stage}"].append(sum(samples))
         length += 1
-        if step == 2:
+        if step == 3:
             record.clear()
             totals.clear()
     # GPU time of the two kernels, without the host in between: events around the pool's

@@ -11,12 +11,36 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
 
 case $phase in
+kernels-v10)
+  # Kernel notes v10: the kernels' GPU tests (and the pool's, which call them); host time
+  # per call and the split cases' diagnostic, after and (with V9_TREE, a tree holding the
+  # v9 kernels/ package) before, in one call so the host and the GPU are the same.
+  timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark -n 8 \
+    tests/test_kernels_attention.py tests/test_kernels_io.py tests/test_kernels_validation.py \
+    tests/test_kernels_launch.py tests/test_kernels_fingerprints.py tests/test_workers_gpu.py \
+    2>&1 | tee "$OUT/gpu-tests.log" | tail -6
+  timeout 40 python3 benchmarks/host_time.py --label v10 --json "$OUT/host-v10.json"
+  if [ -n "${V9_TREE:-}" ]; then
+    PYTHONPATH=$V9_TREE:$PYTHONPATH timeout 40 python3 benchmarks/host_time.py --label v9 \
+      --json "$OUT/host-v9.json"
+  fi
+  timeout 110 python3 benchmarks/diag_split_v10.py --out "$OUT/v10.json"
+  if [ -n "${V9_TREE:-}" ]; then
+    PYTHONPATH=$V9_TREE:$PYTHONPATH timeout 50 python3 benchmarks/diag_split_v10.py \
+      --default-only --out "$OUT/v9.json"
+  fi
+  ;;
+kernels-table)
+  # The kernel benchmark's table alone (results/kernels-h200.md).
+  timeout 280 python3 benchmarks/bench_kernels.py --out "$OUT/kernels" 2>&1 \
+    | tee "$OUT/kernels.log" | tail -45
+  ;;
 tests-multigpu-workers)
   timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -p no:benchmark -n 4 \
     tests/test_kernels_attention.py tests/test_kernels_io.py tests/test_kernels_validation.py \
@@ -78,6 +102,22 @@ service-transports)
   done
   CUDA_VISIBLE_DEVICES=0 timeout 60 python3 benchmarks/diag_placement.py 2>&1 \
     | tee "$OUT/placement.log" | tail -3
+  ;;
+graphs-service)
+  # The GPU tests of the pool (CUDA-graph replay included), the pool call's breakdown with
+  # and without graphs, one service call's breakdown, the service benchmark.
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 -m gpu \
+    tests/test_decode_graphs.py tests/test_workers_pool.py tests/test_workers_gpu.py \
+    tests/test_kernels_fingerprints.py > "$OUT/gpu-tests.log" 2>&1
+  tail -15 "$OUT/gpu-tests.log"
+  timeout 60 python3 benchmarks/pool_call_breakdown.py 2>&1 | tee "$OUT/pool-breakdown.log"
+  timeout 60 python3 benchmarks/pool_call_breakdown.py --no-graphs 2>&1 | tee -a "$OUT/pool-breakdown.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 90 python3 benchmarks/service_breakdown.py --device cuda \
+    --layers 32 --steps 10 2>&1 | tail -8 | tee "$OUT/service-breakdown.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 170 python3 benchmarks/bench_service.py --h200 --no-ray \
+    --transports session-shm --out "$OUT/service-h200.md" > "$OUT/bench-service.log" 2>&1
+  tail -14 "$OUT/service-h200.md"
+  timeout 60 python3 benchmarks/diag_grpc_floor.py --calls 2000 2>&1 | tee "$OUT/grpc-floor.log"
   ;;
 merge-kernels-service)
   # The GPU tests of kernels and pools; the split path's two fused merges paired with SDPA

@@ -2,7 +2,10 @@
 
 One client process runs decode steps against a service whose pools live in this process;
 per call it reports the client's end-to-end time, the servicer handler's time, the worker
-call's time (thread hop + pool work), the metrics' mean and the server process's CPU time.
+call's time (thread hop + pool work), the metrics' mean and the server process's CPU time,
+and the call's timeline across both processes (perf_counter is one system-wide monotonic
+clock): the client's work before it sends, the request's transit into the servicer, the
+session call on the server, the reply's transit back, the client's work after it.
 ``--transport`` picks the client's (bench_service.TRANSPORTS; default Session stream with
 shared-memory tensors). ``--stub`` replaces
 the pool's write-and-attend by a zero-cost fake (what is left is the service's own cost).
@@ -23,9 +26,21 @@ from bench_service import TRANSPORTS
 
 
 def client_main(addr, batch, context, steps, hq, dtype, api, transport, conn):
+    from cache_service import call_stream
     from cache_service.client import AppendAttendItem, KVCacheClient
 
     torch.set_num_threads(1)
+    # When each call's message left and its reply arrived (the Session stream only).
+    sends: list[tuple[float, float]] = []
+    real_call = call_stream.CallStream.call
+
+    def timed_call(self, request, timeout_s):
+        t_send = time.perf_counter()
+        reply = real_call(self, request, timeout_s)
+        sends.append((t_send, time.perf_counter()))
+        return reply
+
+    call_stream.CallStream.call = timed_call
     (session, shm), _ = transport
     with KVCacheClient(
         addr, timeout_s=120, session=session, shared_memory="auto" if shm else False
@@ -55,18 +70,21 @@ def client_main(addr, batch, context, steps, hq, dtype, api, transport, conn):
                     ]
                     t0 = time.perf_counter()
                     client.append_attend(layer, items)
-                times.append(time.perf_counter() - t0)
+                times.append((t0, time.perf_counter()))
 
         for _ in range(3):
             step([])
         conn.send("ready")
         conn.recv()
         times = []
+        sends.clear()
         cpu0 = time.process_time()
         for _ in range(steps):
             step(times)
         # Every thread of the client process (gRPC's included), per call.
-        conn.send((times, (time.process_time() - cpu0) / len(times)))
+        client_cpu = (time.process_time() - cpu0) / len(times)
+        sends_kept = sends[-len(times) :] if len(sends) >= len(times) else []
+        conn.send((times, sends_kept, client_cpu))
         conn.recv()
         for s in seqs:
             s.free()
@@ -120,6 +138,18 @@ async def main(args):
                 handler_times.append(time.perf_counter() - t0)
 
     setattr(srv.KVCacheServicer, method, timed)
+    session_spans: list[tuple[float, float]] = []
+    real_session_call = srv.KVCacheServicer._session_call
+
+    async def timed_session_call(self, request, tenant):
+        t0 = time.perf_counter()
+        try:
+            return await real_session_call(self, request, tenant)
+        finally:
+            if rec["on"]:
+                session_spans.append((t0, time.perf_counter()))
+
+    srv.KVCacheServicer._session_call = timed_session_call
     from cache_service import worker_clients as wcm
 
     inv_times = []
@@ -198,7 +228,11 @@ async def main(args):
         cpu0 = time.process_time()
         wall0 = time.perf_counter()
         parent.send("go")
-        times, client_cpu = await loop.run_in_executor(None, parent.recv)
+        spans, sends, client_cpu = await loop.run_in_executor(None, parent.recv)
+        times = [end - start for start, end in spans]
+        regions = running.shared_regions
+        pinned = sum(r.mapping.pinned for r in regions._regions.values()) if regions else 0
+        held = len(regions._regions) if regions else 0
         if prof:
             prof.disable()
         rec["on"] = False
@@ -226,6 +260,29 @@ async def main(args):
         f"server process CPU: {server_cpu * 1e3:.3f} ms per call (all its threads; wall "
         f"{wall * 1e3:.3f} ms per call)"
     )
+    print(f"shared regions:     {held} held, {pinned} page-locked for CUDA")
+    if sends and len(session_spans) == len(spans):
+        # The call's timeline: client before the send, request transit, the server's
+        # session call, reply transit, client after the reply.
+        def med(xs):
+            return f"{statistics.median(xs) * 1e3:.3f} ms"
+
+        print("timeline (p50):")
+        print(
+            "  client, before send ", med([s[0] - c[0] for c, s in zip(spans, sends, strict=True)])
+        )
+        print(
+            "  request transit     ",
+            med([v[0] - s[0] for s, v in zip(sends, session_spans, strict=True)]),
+        )
+        print("  server session call ", med([v[1] - v[0] for v in session_spans]))
+        print(
+            "  reply transit       ",
+            med([s[1] - v[1] for s, v in zip(sends, session_spans, strict=True)]),
+        )
+        print(
+            "  client, after reply ", med([c[1] - s[1] for c, s in zip(spans, sends, strict=True)])
+        )
     if prof:
         prof.dump_stats(args.profile)
         st = pstats.Stats(prof)

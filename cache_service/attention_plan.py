@@ -35,7 +35,7 @@ import functools
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -527,6 +527,8 @@ async def run_attention(
     scale: float | None = None,
     softcap: float | None = None,
     sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    check_finite: bool = False,
 ) -> AttentionResult:
     """Run one layer's step on every worker concurrently, then merge.
 
@@ -543,6 +545,13 @@ async def run_attention(
         writes: new tokens per worker, written before that worker attends.
         return_lse: also return the merged LSE (asks every worker for it).
         scale, softcap, sliding_window: as in ``kernels.paged_attention``.
+        out: host memory ``[plan.num_rows, Hq, D]`` (the query's dtype) for the output:
+            where one worker writes and computes every row in order (nothing to merge),
+            its write_and_attend is asked to copy its output there (a worker in this
+            process does; the result is then that tensor), sparing a copy.
+        check_finite: the writing workers' write_and_attend refuse non-finite inputs
+            (workers.errors.NonFiniteInput); for plans where every row is written and read
+            by one worker (the caller checks that).
 
     Raises:
         AttentionPlanError: a worker has no client or epoch, ``query`` has the wrong
@@ -560,6 +569,15 @@ async def run_attention(
         if w not in clients or w not in epochs:
             _fail(f"worker {w!r} of the plan has no client or no epoch")
     want_lse = return_lse or plan.needs_merge
+    if out is not None and not (
+        len(plan.batches) == 1
+        and not plan.needs_merge
+        and plan.batches[0].covers_in_order(plan.num_rows)
+        and plan.batches[0].worker_id in writes
+        and out.shape == query.shape
+        and out.dtype == query.dtype
+    ):
+        out = None
     options = {"causal": plan.causal, "scale": scale, "softcap": softcap}
     if sliding_window is not None:
         options["sliding_window"] = sliding_window
@@ -593,10 +611,14 @@ async def run_attention(
             )
         if w in writes:
             wr = writes[w]
+            # Only a call that names an output passes one (other clients need not know it).
+            into: dict[str, Any] = {} if out is None else {"out": out}
+            if check_finite:
+                into["check_finite"] = True
             return await clients[w].write_and_attend(
                 epochs[w], layer, wr.slot_mapping, wr.key, wr.value,
                 q, tables, lens, starts, return_lse=want_lse,
-                metadata_key=batch.metadata_key, **options,
+                metadata_key=batch.metadata_key, **options, **into,
             )  # fmt: skip
         return await clients[w].attend(
             epochs[w], layer, q, tables, lens, starts, return_lse=want_lse,

@@ -81,6 +81,9 @@ class BenchResult:
         wall_seconds: wall time of the timed steps, all clients together.
         steps: timed steps per client; layers: calls per step.
         tokens: decode tokens produced over all clients (steps * batch * clients).
+        sequences_per_worker_call: sequences per coordinator -> worker call, mean (above
+            the batch size when calls were coalesced; None: not measured, only a caller
+            with the server's metrics can).
     """
 
     config: BenchConfig
@@ -88,6 +91,7 @@ class BenchResult:
     call_seconds: list[float] = field(default_factory=list)
     wall_seconds: float = 0.0
     tokens: int = 0
+    sequences_per_worker_call: float | None = None
 
     @property
     def p50_ms(self) -> float:

@@ -127,6 +127,8 @@ class WorkersConfig:
         ray_num_cpus: CPUs given to an embedded Ray (None: Ray's default).
         max_restarts: how often Ray restarts a worker that died (-1: always). A restarted
             worker comes back empty, with a new epoch; the coordinator registers it again.
+        cuda_graphs: CUDA pools replay a decode step's per-layer write-and-attend as a CUDA
+            graph once it repeats (workers.decode_graphs): one launch instead of three.
     """
 
     num_workers: int = 2
@@ -138,10 +140,15 @@ class WorkersConfig:
     name_prefix: str = "kvcache-worker-"
     ray_num_cpus: int | None = None
     max_restarts: int = -1
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("workers.num_workers", self.num_workers)
         _positive_int("workers.blocks_per_worker", self.blocks_per_worker)
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError(
+                f"workers.cuda_graphs must be true or false, got {self.cuda_graphs!r}"
+            )
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"workers.device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.ray_num_cpus is not None:

@@ -34,6 +34,7 @@ import logging
 import math
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -75,6 +76,7 @@ from cache_service.store import MetadataStore, StoreError
 from cache_service.tensor_codec import joined_view
 from cache_service.worker_interface import AttentionResult, WorkerClient
 from workers.errors import (
+    NonFiniteInput,
     StaleCoordinatorError,
     StaleEpochError,
     WorkerError,
@@ -238,6 +240,13 @@ class _Part:
     # The kernel plan of exactly these views and query rows, when known (a recorded
     # step's); _run_parts fills it in when it plans this part alone.
     plan: AttentionPlan | None = None
+    # Host memory for the output when the part runs alone (run_attention's `out`).
+    out: torch.Tensor | None = None
+    # The recorded step the part repeats (its views, slots and plan are the step's).
+    step: LayerStep | None = None
+    # False: nobody has checked query / writes for NaN and infinities yet (the stacked
+    # short path leaves that to the worker's device; see _run_parts).
+    finite_checked: bool = True
     future: asyncio.Future[AttentionResult] = field(init=False)
 
 
@@ -409,6 +418,11 @@ class Coordinator:
         self._locks: dict[str, asyncio.Lock] = {}
         # Per client batch, what its latest append-and-attend planned (layer_steps).
         self._steps = LayerStepCache()
+        # Plans of rounds that coalesced the same recorded steps (see _round_plan), by the
+        # steps' ids; each entry holds its steps, so an id cannot be reused meanwhile.
+        self._round_plans: OrderedDict[
+            tuple[int, ...], tuple[tuple[LayerStep, ...], AttentionPlan]
+        ] = OrderedDict()
         self._batchers: dict[tuple[int | None, str, int], _Batcher] = {}
         self._background: set[asyncio.Task[None]] = set()
         # Per worker, the latest release_blocks call (see _flush_released); workers whose
@@ -782,10 +796,19 @@ class Coordinator:
         return _reassemble(len(items), parts, outputs, [q.dtype for q in queries])
 
     async def append_attend_stacked(
-        self, tenant: str, layer: int, batch: StackedAppendAttend, return_lse: bool = False
+        self,
+        tenant: str,
+        layer: int,
+        batch: StackedAppendAttend,
+        return_lse: bool = False,
+        out: torch.Tensor | None = None,
     ) -> AttentionResult:
         """`append_attend` of a stacked batch, as one result: out ``[b * m, Hq, D]`` in the
         query's dtype (lse ``[b * m, Hq]`` float32), sequence by sequence.
+
+        out: host memory ``[b * m, Hq, D]`` (the query's dtype) the result may be written
+        to directly (a worker in this process writes it there on the short path below;
+        the result is then `out`); it may hold partial output if the call fails.
 
         The other layers of a decode step (see layer_steps) take a short path: with the
         batch's tensors already stacked, the shape checks are a few comparisons instead of
@@ -795,7 +818,7 @@ class Coordinator:
         """
         step = self._stacked_step(tenant, layer, batch)
         if step is not None:
-            result = await self._repeat_step(tenant, layer, step, batch, return_lse)
+            result = await self._repeat_step(tenant, layer, step, batch, return_lse, out)
             if result is not None:
                 return result
         (result,) = await self.append_attend(
@@ -808,7 +831,9 @@ class Coordinator:
     ) -> LayerStep | None:
         """The recorded step `batch` can repeat on `layer`, judged by what needs no lock:
         the same batch of sequences, its token and query row counts, tensors of the layout's
-        shapes and float dtypes, every value finite. None: take the full path."""
+        shapes and float dtypes. None: take the full path. Whether every value is finite
+        is left to the round (`_run_parts`): the worker's device checks it where the data
+        goes anyway, or the coordinator when the round is shared."""
         step = self._recorded_step(tenant, batch.seq_ids)
         if step is None or type(layer) is not int or not 0 <= layer < self.layout.num_layers:
             return None
@@ -833,8 +858,6 @@ class Coordinator:
             and query.is_contiguous()
         ):
             return None
-        if not _sums_finite([key.view(-1), value.view(-1), query.view(-1)]):
-            return None
         return step
 
     async def _repeat_step(
@@ -844,9 +867,11 @@ class Coordinator:
         step: LayerStep,
         batch: StackedAppendAttend,
         return_lse: bool,
+        out: torch.Tensor | None = None,
     ) -> AttentionResult | None:
         """Run `batch` on `layer` through `step` (checked by `_stacked_step`); None, having
-        changed nothing, when under the locks the step no longer applies."""
+        changed nothing, when under the locks the step no longer applies. out: as in
+        `append_attend_stacked`."""
         seq_ids = batch.seq_ids
         async with self._locked(seq_ids):
             # Another call may have replaced the step or moved a sequence meanwhile, or the
@@ -868,10 +893,17 @@ class Coordinator:
                 batch.key.view(b * n, hkv, d),
                 batch.value.view(b * n, hkv, d),
                 return_lse,
+                out,
             )
+            part.finite_checked = False
             try:
                 (output,) = await self._execute(layer, [(list(range(b)), part)], hq)
                 self.block_manager.commit_writes(tenant, layer, [(s, n) for s in seq_ids])
+            except NonFiniteInput:
+                # Refused before anything was written; the full path's check names the
+                # sequence and tensor.
+                self._cancel_writes(tenant, seq_ids)
+                return None
             except BaseException:
                 self._cancel_writes(tenant, seq_ids)
                 raise
@@ -940,10 +972,12 @@ class Coordinator:
         key: torch.Tensor,
         value: torch.Tensor,
         return_lse: bool,
+        out: torch.Tensor | None = None,
     ) -> _Part:
         """The call's one part from a recorded step: its views, slots and kernel plan, with
         this call's queries ``[rows, Hq, D]`` and new K/V ``[tokens, Hkv, D]`` (sequence by
-        sequence, cast to the pool's dtype here)."""
+        sequence, cast to the pool's dtype here), and where its output may go (`out`, used
+        when in the pool's dtype)."""
         dtype = self._pool_dtype
         return _Part(
             views=step.views,  # type: ignore[arg-type]
@@ -953,6 +987,8 @@ class Coordinator:
             writes={step.worker_id: (step.slots, key.to(dtype), value.to(dtype))},
             return_lse=return_lse,
             plan=step.plan,
+            out=out if out is not None and out.dtype == dtype else None,
+            step=step,
         )
 
     def _remember_step(
@@ -1309,10 +1345,19 @@ class Coordinator:
     async def _run_parts(self, key: tuple[int | None, str, int], parts: list[_Part]) -> None:
         """One worker round for several parts: one plan, one call per worker, results split
         back to each part's future."""
+        parts, check_on_device = _finite_parts(parts)
+        if not parts:
+            return
         layers = {p.layer for p in parts}
         # One layer (the usual round): per-layer calls. Several (coalesce_layers): one call
         # over pages of every layer.
         layer = parts[0].layer if len(layers) == 1 else None
+        round_key = _round_key(parts) if layer is not None else None
+        if round_key is not None:
+            # One order for a set of steps, so the round's plan (and with it the worker's
+            # metadata key and its graphs) is the same every layer they coalesce again.
+            parts.sort(key=lambda p: id(p.step))
+            round_key = tuple(p.step for p in parts)  # type: ignore[misc]
         views = [v for p in parts for v in p.views]
         nq = [n for p in parts for n in p.num_queries]
         seq_ids = [s for p in parts for s in p.seq_ids]
@@ -1320,6 +1365,8 @@ class Coordinator:
         try:
             if len(parts) == 1 and parts[0].plan is not None:
                 plan = parts[0].plan
+            elif round_key is not None:
+                plan = self._round_plan(round_key, views, nq)
             else:
                 plan = plan_attention(views, nq, self.layout.block_size)
                 if len(parts) == 1:
@@ -1362,7 +1409,15 @@ class Coordinator:
                 )
             )
             result = await run_attention(
-                plan, query, target, self._clients, epochs, writes=writes, return_lse=return_lse
+                plan,
+                query,
+                target,
+                self._clients,
+                epochs,
+                writes=writes,
+                return_lse=return_lse,
+                out=parts[0].out if len(parts) == 1 else None,
+                check_finite=check_on_device,
             )
             elapsed = time.perf_counter() - t0
             if self.metrics is not None:
@@ -1394,6 +1449,25 @@ class Coordinator:
             row += rows
             if not p.future.done():
                 p.future.set_result(AttentionResult(out, lse))
+
+    def _round_plan(
+        self, steps: tuple[LayerStep, ...], views: list[SequenceViewLike], nq: list[int]
+    ) -> AttentionPlan:
+        """The plan of a round coalescing exactly these recorded steps (in this order),
+        made once: concurrent clients in step with each other meet again on the next layer,
+        and their steps' views do not change between layers (layer_steps). Kept for the
+        most recent `_MAX_ROUND_PLANS` sets; a new step is a new object, so a stale plan
+        is never found again."""
+        key = tuple(id(s) for s in steps)
+        kept = self._round_plans.get(key)
+        if kept is not None:
+            self._round_plans.move_to_end(key)
+            return kept[1]
+        plan = plan_attention(views, nq, self.layout.block_size)
+        self._round_plans[key] = (steps, plan)
+        while len(self._round_plans) > _MAX_ROUND_PLANS:
+            self._round_plans.popitem(last=False)
+        return plan
 
     def _page_slots(self, slots: list[int], layer: int) -> list[int]:
         """Flat slots of one layer as slots of the pool's pages (page ``block * num_layers +
@@ -1656,6 +1730,54 @@ def _check_finite(
     for name, t in named():
         if not bool(torch.isfinite(t).all()):
             raise InvalidRequest(f"{name} contains NaN or infinite values")
+
+
+# Round plans kept (Coordinator._round_plan): a few per concurrent client is plenty.
+_MAX_ROUND_PLANS = 64
+
+
+def _round_key(parts: list[_Part]) -> tuple[LayerStep, ...] | None:
+    """The recorded steps of a round of several parts, each part repeating a different
+    one on the same layer; None for anything else (a lone part, a part without a step)."""
+    if len(parts) < 2:
+        return None
+    steps = tuple(p.step for p in parts)
+    if any(s is None for s in steps) or len({id(s) for s in steps}) != len(steps):
+        return None
+    return steps  # type: ignore[return-value]
+
+
+def _finite_parts(parts: list[_Part]) -> tuple[list[_Part], bool]:
+    """The parts of a round that may run, and whether the worker must check their values.
+
+    A part nobody checked for NaN and infinities (`_Part.finite_checked` False) running
+    alone through its recorded plan (one worker writes and reads every row) is checked by
+    that worker on its device, for free (KVPool.write_and_attend's check_finite). In any
+    other round the check runs here, part by part, so one caller's bad values fail only
+    that caller (NonFiniteInput on its future; the short path then takes the full path,
+    which names the culprit) and the others' round goes on.
+    """
+    unchecked = [p for p in parts if not p.finite_checked]
+    if not unchecked:
+        return parts, False
+    if len(parts) == 1:
+        part = parts[0]
+        plan = part.plan
+        if (
+            plan is not None
+            and len(plan.batches) == 1
+            and set(part.writes) == {plan.batches[0].worker_id}
+        ):
+            return parts, True
+    for part in unchecked:
+        tensors = [part.query] + [t for _, k, v in part.writes.values() for t in (k, v)]
+        if _sums_finite([t.reshape(-1) for t in tensors]):
+            part.finite_checked = True
+        elif not part.future.done():
+            part.future.set_exception(
+                NonFiniteInput("a key, value or query holds NaN or infinite values")
+            )
+    return [p for p in parts if p.finite_checked], False
 
 
 def _sums_finite(tensors: Sequence[torch.Tensor]) -> bool:

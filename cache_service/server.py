@@ -56,11 +56,10 @@ from cache_service.session_codec import (
     session_message,
 )
 from cache_service.shared_outputs import SharedOutputs, shared_outputs
-from cache_service.shared_regions import SharedRegions
+from cache_service.shared_regions import RegionReader, SharedRegions
 from cache_service.status_mapping import status_for
 from cache_service.store import MetadataStore, StoreConfig
 from cache_service.tensor_codec import (
-    SharedReader,
     TensorCodecError,
     check_shape,
     dtype_from_name,
@@ -214,9 +213,10 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             shared_regions = SharedRegions(SharedMemoryConfig(enabled=False))
         self._regions = shared_regions
 
-    def _shared_reader(self, tenant: str) -> SharedReader:
-        """Reads the tenant's `Tensor.shared` payloads (copies; see SharedRegions.read)."""
-        return functools.partial(self._regions.read, tenant)
+    def _shared_reader(self, tenant: str) -> RegionReader:
+        """Reads the tenant's `Tensor.shared` payloads for one call (copies, or views held
+        until the reader is closed: SharedRegions.reader)."""
+        return self._regions.reader(tenant)
 
     # -- info ------------------------------------------------------------------------------
 
@@ -379,26 +379,28 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         self, request: pb.AppendAttendBatchRequest, tenant: str
     ) -> bytes:
         """An AppendAttendBatch call (unary or in a session): the encoded reply."""
-        batch = decode_append_attend_batch(request, self._coord.layout, self._shared_reader(tenant))
-        shape = batch.query.shape
-        # Output ranges are checked before the coordinator changes anything.
-        outputs = shared_outputs(self._regions, tenant, request, shape, batch.query.dtype)
-        with outputs:
-            # Errors about one sequence name it as items[i]: row i of the batch.
-            result = await self._coord.append_attend_stacked(
-                tenant, request.layer, batch, request.return_lse
-            )
-            return _batch_reply(result, shape, outputs)
+        with self._shared_reader(tenant) as shared:
+            batch = decode_append_attend_batch(request, self._coord.layout, shared)
+            shape = batch.query.shape
+            # Output ranges are checked before the coordinator changes anything.
+            outputs = shared_outputs(self._regions, tenant, request, shape, batch.query.dtype)
+            with outputs:
+                # Errors about one sequence name it as items[i]: row i of the batch.
+                result = await self._coord.append_attend_stacked(
+                    tenant, request.layer, batch, request.return_lse, outputs.output_view()
+                )
+                return _batch_reply(result, shape, outputs)
 
     async def _attend_batch(self, request: pb.AttendBatchRequest, tenant: str) -> bytes:
         """An AttendBatch call (unary or in a session): the encoded reply."""
-        items, shape = decode_attend_batch(request, self._coord.layout, self._shared_reader(tenant))
-        outputs = shared_outputs(self._regions, tenant, request, shape, items[0].query.dtype)
-        with outputs:
-            (result,) = await self._coord.attend(
-                tenant, request.layer, items, request.return_lse, stacked=True
-            )
-            return _batch_reply(result, shape, outputs)
+        with self._shared_reader(tenant) as shared:
+            items, shape = decode_attend_batch(request, self._coord.layout, shared)
+            outputs = shared_outputs(self._regions, tenant, request, shape, items[0].query.dtype)
+            with outputs:
+                (result,) = await self._coord.attend(
+                    tenant, request.layer, items, request.return_lse, stacked=True
+                )
+                return _batch_reply(result, shape, outputs)
 
     # -- session ---------------------------------------------------------------------------
 
@@ -768,6 +770,7 @@ def _pool_config(config: ServiceConfig, layout: KVLayout) -> Any:
         num_blocks=config.workers.blocks_per_worker,
         # Slot fingerprints exist for the online correctness check only.
         fingerprints=config.coordinator.correctness_check_fraction > 0,
+        cuda_graphs=config.workers.cuda_graphs,
     )
 
 
@@ -929,7 +932,11 @@ async def start_service(
             ],
         )
         # Every region's file is deleted at stop (or if the start fails from here on).
-        regions = SharedRegions(config.shared_memory, on_change=metrics.set_shared_memory)
+        # Pools on CUDA in this process copy request tensors straight out of pinned regions.
+        pin = config.workers.in_process and config.workers.device == "cuda"
+        regions = SharedRegions(
+            config.shared_memory, on_change=metrics.set_shared_memory, pin_for_cuda=pin
+        )
         cleanups.append(regions.close)
         servicer = KVCacheServicer(
             coordinator,

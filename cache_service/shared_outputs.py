@@ -31,6 +31,16 @@ class SharedOutputs:
         self.out = out
         self.lse = lse
 
+    def output_view(self) -> torch.Tensor | None:
+        """The output slot as a host tensor ``[rows, Hq, D]`` (rows = batch * m) to write
+        the output into directly, where the region allows views (`OutputSlot.tensor`);
+        None otherwise. `reply` then skips the copy of an output already there."""
+        view = None if self.out is None else self.out.tensor()
+        if view is None or view.ndim != 4:
+            return None
+        b, m, hq, d = view.shape
+        return view.view(b * m, hq, d)
+
     def reply(self, out: torch.Tensor, lse: torch.Tensor | None) -> bytes:
         """Write the outputs into their slots and return the encoded batch reply.
 

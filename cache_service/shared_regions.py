@@ -12,9 +12,21 @@ cannot be probed across tenants.
 
 Inputs are copied out of the region when a request is decoded (`read`): the client could
 change the bytes while the coordinator works, so the coordinator never sees a live view.
+The exception is a server whose pools are CUDA pools in its own process (`pin_for_cuda`):
+there each region is page-locked for CUDA when it is created (cache_service.cuda_pinning),
+and a call reads its inputs as views of the region (`reader`), which the pool copies to
+the GPU by DMA; the view is the copy that is avoided, and the region stays mapped until
+the call ends. What a client changes in its region during its own call can then change
+what is written to its own sequences (as sending other values would), nothing else: the
+coordinator's checks of shapes and finiteness still ran, and no other tenant's region or
+block is reachable.
 Outputs are range-checked before the coordinator runs (`check_writable`, which also keeps
 the region mapped until the call ends, even if it is released meanwhile) and written only
-after the call succeeded (`OutputSlot.write`), so a failed call writes nothing.
+after the call succeeded (`OutputSlot.write`), so a failed call writes nothing. On a server
+that pins its regions for CUDA, the other layers of a decode step (the coordinator's
+repeated-step path) have their output copied by the GPU straight into the slot
+(`OutputSlot.tensor`) instead: a call that fails after its kernels ran (rare: a worker lost
+mid-call) may leave output bytes there; a refused call still writes nothing.
 
 Regions no call used for `idle_timeout_s` are deleted by `reap_forever` (a client that died
 never releases its own); `close` deletes every region at server stop. Not thread-safe: the
@@ -30,6 +42,7 @@ import math
 import mmap
 import os
 import secrets
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from cache_service.config import SharedMemoryConfig
+from cache_service.cuda_pinning import pin, unpin
 from cache_service.errors import (
     InvalidRequest,
     SharedMemoryDisabled,
@@ -46,11 +60,13 @@ from cache_service.errors import (
 )
 from cache_service.tensor_codec import tensor_from_bytes, tensor_payload
 
-__all__ = ["OutputSlot", "RegionInfo", "SharedRegions", "default_directory"]
+__all__ = ["OutputSlot", "RegionInfo", "RegionReader", "SharedRegions", "default_directory"]
 
 log = logging.getLogger("kvcache.shared_regions")
 
 _FILE_PREFIX = "kvcache-"
+# Views read the region's bytes in place: the wire's order (little-endian) must be the host's.
+_VIEWS_OK = sys.byteorder == "little"
 # The reaper looks this often (at most): a region is deleted between idle_timeout_s and
 # idle_timeout_s + this after its last use.
 _MAX_REAP_INTERVAL_S = 30.0
@@ -79,20 +95,56 @@ class RegionInfo:
     size_bytes: int
 
 
-class _Region:
-    """One mapped file. `users` counts the output slots of calls in flight: a release or
-    the reaper never unmaps a region under them (see `SharedRegions._drop`)."""
+class _Mapping:
+    """A region's file as mapped: the mmap and, where the server pins regions for CUDA, a
+    uint8 tensor over all of it (the base of zero-copy views) and whether CUDA accepted
+    the registration."""
 
-    __slots__ = ("last_used", "mm", "path", "region_id", "released", "size", "tenant", "users")
+    __slots__ = ("base", "mm", "pinned")
+
+    def __init__(self, mm: mmap.mmap, pin_for_cuda: bool) -> None:
+        self.mm = mm
+        self.base: torch.Tensor | None = None
+        self.pinned = False
+        if pin_for_cuda:
+            self.base = torch.frombuffer(mm, dtype=torch.uint8)
+            self.pinned = pin(self.base)
+
+    def close(self) -> None:
+        """Unregister and unmap; raises BufferError while views of the mapping exist."""
+        if self.pinned:
+            unpin(self.base)  # type: ignore[arg-type]
+            self.pinned = False
+        self.base = None
+        self.mm.close()
+
+
+class _Region:
+    """One mapped file. `users` counts the output slots and zero-copy readers of calls in
+    flight: a release or the reaper never unmaps a region under them (see
+    `SharedRegions._drop`)."""
+
+    __slots__ = (
+        "last_used",
+        "mapping",
+        "mm",
+        "path",
+        "region_id",
+        "released",
+        "size",
+        "tenant",
+        "users",
+    )
 
     def __init__(
-        self, region_id: str, tenant: str, path: str, size: int, mm: mmap.mmap, now: float
+        self, region_id: str, tenant: str, path: str, size: int, mapping: _Mapping, now: float
     ) -> None:
         self.region_id = region_id
         self.tenant = tenant
         self.path = path
         self.size = size
-        self.mm = mm
+        self.mapping = mapping
+        self.mm = mapping.mm
         self.last_used = now
         self.users = 0
         self.released = False
@@ -100,7 +152,7 @@ class _Region:
     def unmap_if_unused(self) -> None:
         if self.released and self.users == 0 and not self.mm.closed:
             try:
-                self.mm.close()
+                self.mapping.close()
             except BufferError:  # pragma: no cover - no view outlives a read or write
                 log.warning("shared region still has views; left to the GC", extra=self._log())
 
@@ -116,14 +168,34 @@ class OutputSlot:
     Use as a context manager, or call `close`.
     """
 
-    __slots__ = ("_region", "nbytes", "offset", "region_id")
+    __slots__ = ("_region", "dtype", "nbytes", "offset", "region_id", "shape")
 
-    def __init__(self, region: _Region, offset: int, nbytes: int) -> None:
+    def __init__(
+        self,
+        region: _Region,
+        offset: int,
+        nbytes: int,
+        dtype: torch.dtype = torch.uint8,
+        shape: tuple[int, ...] | None = None,
+    ) -> None:
         self._region: _Region | None = region
         self.region_id = region.region_id
         self.offset = offset
         self.nbytes = nbytes
+        self.dtype = dtype
+        self.shape = (nbytes,) if shape is None else shape
         region.users += 1
+
+    def tensor(self) -> torch.Tensor | None:
+        """The slot as a host tensor of its dtype and shape, a view of the region (where it
+        has a tensor base: regions pinned for CUDA), to produce the output in place; None
+        elsewhere (then `write` copies it in)."""
+        region = self._region
+        base = None if region is None else region.mapping.base
+        if base is None or self.nbytes == 0:
+            return None
+        raw = base[self.offset : self.offset + self.nbytes]
+        return raw.view(self.dtype).view(self.shape)
 
     def write(self, tensor: torch.Tensor) -> None:
         """Write `tensor`'s raw little-endian, C-contiguous bytes (exactly `nbytes`; any
@@ -136,6 +208,15 @@ class OutputSlot:
         region = self._region
         if region is None:
             raise ValueError("the output slot is closed")
+        base = region.mapping.base
+        if (
+            base is not None
+            and tensor.device.type == "cpu"
+            and tensor.data_ptr() == base.data_ptr() + self.offset
+            and tensor.numel() * tensor.element_size() == self.nbytes
+            and tensor.is_contiguous()
+        ):
+            return  # produced in place (`tensor`)
         data = tensor_payload(tensor)
         if len(data) != self.nbytes:
             raise ValueError(f"{len(data)} output bytes for a slot of {self.nbytes}")
@@ -155,6 +236,47 @@ class OutputSlot:
         self.close()
 
 
+class RegionReader:
+    """The shared-memory inputs of one call (a `tensor_codec.SharedReader`).
+
+    Copies by default; where the server pins its regions for CUDA (`zero_copy`), views
+    of the regions, each region held mapped (`users`) until `close`. Use it as a context
+    manager around the whole call, the coordinator's work included.
+    """
+
+    __slots__ = ("_held", "_regions", "_tenant", "_zero_copy")
+
+    def __init__(self, regions: SharedRegions, tenant: str, zero_copy: bool) -> None:
+        self._regions = regions
+        self._tenant = tenant
+        self._zero_copy = zero_copy
+        self._held: list[_Region] = []
+
+    def __call__(
+        self, region_id: str, offset: int, dtype: torch.dtype, shape: list[int], field: str
+    ) -> torch.Tensor:
+        if not self._zero_copy:
+            return self._regions.read(self._tenant, region_id, offset, dtype, shape, field)
+        tensor, region = self._regions.view(self._tenant, region_id, offset, dtype, shape, field)
+        if region is not None:
+            region.users += 1
+            self._held.append(region)
+        return tensor
+
+    def close(self) -> None:
+        """The call has ended: its regions may be unmapped (idempotent)."""
+        held, self._held = self._held, []
+        for region in held:
+            region.users -= 1
+            region.unmap_if_unused()
+
+    def __enter__(self) -> RegionReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class SharedRegions:
     """The server's shared-memory regions, by id, each owned by one tenant.
 
@@ -164,6 +286,8 @@ class SharedRegions:
         on_change: called with (regions, bytes) after every change of either, e.g. the
             metrics gauges' setter.
         clock: monotonic seconds (tests pass a fake one to age regions).
+        pin_for_cuda: page-lock every region for CUDA and let calls read their inputs as
+            views (`reader`): for a server whose pools are CUDA pools in its process.
     """
 
     def __init__(
@@ -173,8 +297,10 @@ class SharedRegions:
         directory: str | None = None,
         on_change: Callable[[int, int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pin_for_cuda: bool = False,
     ) -> None:
         self._config = config
+        self._pin_for_cuda = pin_for_cuda
         self.directory = directory if directory is not None else default_directory()
         self._on_change = on_change
         self._clock = clock
@@ -219,7 +345,7 @@ class SharedRegions:
         made = asyncio.get_running_loop().run_in_executor(None, self._new_file, size_bytes)
         try:
             # Shielded: a cancelled call still learns of the file, to delete it.
-            path, mm = await asyncio.shield(made)
+            path, mapping = await asyncio.shield(made)
         except BaseException:
             self._per_tenant_dec(tenant)
             self._pending_bytes -= size_bytes
@@ -227,7 +353,9 @@ class SharedRegions:
             raise
         self._pending_bytes -= size_bytes
         region_id = secrets.token_hex(16)
-        self._regions[region_id] = _Region(region_id, tenant, path, size_bytes, mm, self._clock())
+        self._regions[region_id] = _Region(
+            region_id, tenant, path, size_bytes, mapping, self._clock()
+        )
         self._bytes += size_bytes
         self._report()
         log.debug("shared region created", extra={"region": region_id, "bytes": size_bytes})
@@ -271,9 +399,9 @@ class SharedRegions:
         else:
             del self._per_tenant[tenant]
 
-    def _new_file(self, size: int) -> tuple[str, mmap.mmap]:
-        """A new file of `size` bytes under the directory, mapped; nothing left behind on
-        failure."""
+    def _new_file(self, size: int) -> tuple[str, _Mapping]:
+        """A new file of `size` bytes under the directory, mapped (and pinned for CUDA when
+        configured); nothing left behind on failure."""
         path = os.path.join(self.directory, _FILE_PREFIX + secrets.token_hex(16))
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
         flags |= getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -282,7 +410,8 @@ class SharedRegions:
             os.fchmod(fd, 0o600)  # exactly 0600 whatever the umask (it can only remove bits)
             os.ftruncate(fd, size)
             _reserve(fd, size, self.directory)
-            return path, mmap.mmap(fd, size)  # MAP_SHARED, read-write; keeps its own fd
+            # MAP_SHARED, read-write; keeps its own fd.
+            return path, _Mapping(mmap.mmap(fd, size), self._pin_for_cuda)
         except BaseException:
             _unlink(path)
             raise
@@ -370,6 +499,38 @@ class SharedRegions:
         with memoryview(region.mm) as whole, whole[offset : offset + nbytes] as part:
             return tensor_from_bytes(part, dtype, shape, field)  # copies: the one copy
 
+    def reader(self, tenant: str) -> RegionReader:
+        """The reader of one call's shared inputs (`tensor_codec.SharedReader`): copies
+        (`read`), or views where the server pins its regions for CUDA; close it (or use
+        it as a context manager) when the call ends."""
+        return RegionReader(self, tenant, self._pin_for_cuda)
+
+    def view(
+        self,
+        tenant: str,
+        region_id: str,
+        offset: int,
+        dtype: torch.dtype,
+        shape: Sequence[int],
+        field: str,
+    ) -> tuple[torch.Tensor, _Region | None]:
+        """`read` without the copy where the region has a tensor base (pinned for CUDA):
+        a view of `dtype` and `shape` at `offset`, and the region, which the caller must
+        keep mapped (`users`) while it uses the view; elsewhere `read`'s copy and None.
+
+        Raises:
+            as `read`.
+        """
+        region = self._lookup(tenant, region_id, f"{field}.shared")
+        base = region.mapping.base
+        if base is None or not _VIEWS_OK:
+            return self.read(tenant, region_id, offset, dtype, shape, field), None
+        nbytes = math.prod(shape) * dtype.itemsize
+        _check_range(region, offset, nbytes, dtype.itemsize, f"{field}.shared")
+        if nbytes == 0:
+            return torch.empty(tuple(shape), dtype=dtype), None
+        return base[offset : offset + nbytes].view(dtype).view(tuple(shape)), region
+
     def check_writable(
         self,
         tenant: str,
@@ -389,7 +550,9 @@ class SharedRegions:
         region = self._lookup(tenant, region_id, field)
         nbytes = math.prod(shape) * dtype.itemsize
         _check_range(region, offset, nbytes, dtype.itemsize, field)
-        return OutputSlot(region, offset, nbytes)
+        if offset % 16 or not _VIEWS_OK:  # views only of aligned slots in the wire's order
+            return OutputSlot(region, offset, nbytes)
+        return OutputSlot(region, offset, nbytes, dtype, tuple(shape))
 
     def _lookup(self, tenant: str, region_id: str, field: str) -> _Region:
         region = self._regions.get(region_id)
@@ -445,12 +608,12 @@ def _reserve(fd: int, size: int, directory: str) -> None:
         # A file system without fallocate: the file stays sparse (as on macOS).
 
 
-def _discard_file(made: asyncio.Future[tuple[str, mmap.mmap]]) -> None:
+def _discard_file(made: asyncio.Future[tuple[str, _Mapping]]) -> None:
     """Delete the file a creation made for a call that was cancelled meanwhile."""
     if made.cancelled() or made.exception() is not None:
         return
-    path, mm = made.result()
-    mm.close()
+    path, mapping = made.result()
+    mapping.close()
     _unlink(path)
 
 

@@ -60,6 +60,9 @@ class _WorkerClientBase:
     # The coordinator generation this client claimed its worker with (claim()); None:
     # unfenced. Sent with every data call inside the epoch argument (_fenced).
     _generation: int | None = None
+    # Whether the worker runs in this process, so a host tensor passed as `out` is the
+    # caller's memory (a remote worker would only receive a copy: `out` is not sent).
+    _shares_memory = False
 
     @property
     def worker_id(self) -> str:
@@ -151,12 +154,18 @@ class _WorkerClientBase:
         softcap: float | None = None,
         sliding_window: int | None = None,
         metadata_key: int | None = None,
+        out: torch.Tensor | None = None,
+        check_finite: bool = False,
     ) -> AttentionResult:
         new = (slot_mapping, key, value)
         batch = (query, block_tables, seq_lens, query_start_loc, causal, return_lse)
         options = {"scale": scale, "softcap": softcap, "sliding_window": sliding_window}
         if metadata_key is not None:
             options["metadata_key"] = metadata_key
+        if out is not None and self._shares_memory:
+            options["out"] = out
+        if check_finite:
+            options["check_finite"] = True
         result = await self._invoke(
             "write_and_attend", self._fenced(epoch), layer, *new, *batch, **options
         )
@@ -337,6 +346,7 @@ class LocalWorkerClient(_WorkerClientBase):
     _INLINE_METHODS = frozenset(
         {"write_and_attend", "attend", "write_and_attend_pages", "attend_pages"}
     )
+    _shares_memory = True
 
     def __init__(
         self,

@@ -116,9 +116,15 @@ class WorkerClient(Protocol):
         softcap: float | None = None,
         sliding_window: int | None = None,
         metadata_key: int | None = None,
+        out: torch.Tensor | None = None,
+        check_finite: bool = False,
     ) -> AttentionResult:
         """:meth:`write` then :meth:`attend` in one call, both validated before the write
-        (metadata_key as in :meth:`attend`)."""
+        (metadata_key as in :meth:`attend`). out: host memory for the output (its shape
+        and dtype); a worker in the caller's process copies the output there and returns
+        it, others ignore it. check_finite: the worker refuses a NaN or infinity in key,
+        value or query with workers.errors.NonFiniteInput, writing nothing (checked on its
+        device, where the data goes anyway)."""
         ...
 
     async def write_and_attend_pages(

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from kernels.launch import CachedLauncher, current_stream_handle
+from kernels.launch import CachedLauncher, DirectLaunch, current_stream_handle, hooks_installed
 from kernels.merge_states import merge_partitions, pdl_supported
 from kernels.validation import AttentionProblem, KernelArgumentError
 
@@ -53,13 +53,13 @@ _MAX_HEAD_DIM = 256
 _MERGE_CHUNK = tl.constexpr(4)
 # The fused merge's read strategies (AttentionConfig.merge_reads), the old one first.
 MERGE_READS = ("serial", "batched")
-# Registers per thread the batched merge may fill with output partials in flight: one
-# read of all partials when they fit, else two chunks of half this (one summed, one
-# prefetched). The split decode build must keep its residency: 3 programs per SM, bound by
-# its 70 KB of shared memory (the grid asks for 2). sm_90 build, bf16, head_dim 128,
-# group 4: serial 118 registers; batched 116 at 8 partitions (one read), 146 at 32
-# (chunks of 8; ptxas still issues most reads up front), 168 with one read of 32 (the
-# budget 128 that diag_merge.py also times); none spills (notes-kernels.md, v9).
+# Default registers per thread the batched merge may fill with output partials in flight
+# (AttentionConfig.merge_read_regs): one read of all partials when they fit, else two
+# chunks of half this (one summed, one prefetched). The split decode build must keep its
+# residency: 3 programs per SM, bound by its 70 KB of shared memory (the grid asks for 2).
+# sm_90 build, bf16, head_dim 128, group 4: serial 118 registers; batched 116 at 8
+# partitions (one read), 146 at 32 (chunks of 8; ptxas still issues most reads up front),
+# 168 with one read of 32 (budget 128); none spills (notes-kernels.md, v9).
 _MERGE_READ_REGS = 64
 
 # Diagnostic-only kernel variants (benchmarks/diag_fixed.py, notes-kernels.md v8), selected
@@ -118,6 +118,8 @@ class AttentionConfig:
             each read waiting for the previous one's math) or "batched" (the v9 merge: all
             LSEs in one load, then the output partials of the tile's real rows in
             independent, prefetched loads). No effect without a fused split.
+        merge_read_regs: registers per thread the batched merge may fill with partials in
+            flight: all partials in one read when they fit, else two chunks of half this.
     """
 
     block_m: int
@@ -130,6 +132,7 @@ class AttentionConfig:
     early_ids: bool = False
     ids_ahead: int = 1
     merge_reads: str = "serial"
+    merge_read_regs: int = _MERGE_READ_REGS
 
     def __post_init__(self) -> None:
         for name in ("block_m", "tile_n"):
@@ -140,6 +143,8 @@ class AttentionConfig:
             raise KernelArgumentError("AttentionConfig.block_q and num_partitions must be >= 1")
         if self.ids_ahead not in (1, 2):
             raise KernelArgumentError("AttentionConfig.ids_ahead must be 1 or 2")
+        if self.merge_read_regs < 0:
+            raise KernelArgumentError("AttentionConfig.merge_read_regs must be >= 0")
         if self.merge_reads not in MERGE_READS:
             raise KernelArgumentError(
                 f"AttentionConfig.merge_reads must be one of {MERGE_READS}, not {self.merge_reads!r}"
@@ -235,6 +240,12 @@ def choose_config(
         # Rounded down: a split that overshoots the target (B=4 x 16384: 9 partitions, 288
         # programs) measured slower than one just under it (8, 256 programs).
         parts = min(max(1, target // base), _cdiv(problem.max_kv_len, policy.min_partition_tokens))
+        # The batched merge pads the partition count to a power of two (its LSE read) and
+        # sizes its output reads by it: one just above a power of two (B=1: 33 of 264
+        # programs' worth) doubles the merge's padded lanes for 3% more programs. H200,
+        # B=1 x 32768, graph replay: 33 partitions 41.6 us, 32 39.9 (notes, v10).
+        if 8 * _prev_pow2(parts) >= 7 * parts:
+            parts = _prev_pow2(parts)
     if parts > 1 and dtype != torch.float32:
         # Three stages let the K/V loads run two tiles ahead of the block-id reads, which
         # `_attend_tiles` issues one tile ahead (B=1 x 32768: 41.5 us with 3 stages, 45.6
@@ -256,6 +267,10 @@ def choose_config(
         # replay B=1 x 32768: 40.8 vs 42.3 us, B=4 x 16384: 69.0 vs 69.3; paired do_bench
         # vs SDPA 0.990x and 1.017x against 0.634x (a host-bound mode) and 1.006x): notes, v9.
         merge_reads="batched",
+        # All 32 partials of B=1 x 32768 in one read (168 registers, still 3 programs per
+        # SM) instead of four chunks of 8: graph replay 39.0 vs 39.9 us, paired do_bench vs
+        # SDPA 1.041x vs 1.008x (33 partitions, v9: 0.980x); notes, v10.
+        merge_read_regs=128 if d_pad <= 128 else _MERGE_READ_REGS,
     )
 
 
@@ -496,7 +511,6 @@ def _paged_attention_kernel(
     counter_ptr,
     num_seqs,
     grid_q,
-    tiles_per_part,
     num_parts,
     stride_qt,
     stride_qh,
@@ -546,17 +560,16 @@ def _paged_attention_kernel(
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_valid = dims < HEAD_DIM
     if EARLY_IDS:
-        # Decode without a window (the launcher checks): slot pid_q holds query token pid_q
-        # and this partition starts at tile part * tiles_per_part whatever the sequence, so
-        # the query and the first tiles' block ids (of the guessed sequence's table row)
-        # are read before the lookup resolves, in the same round trip as its loads.
+        # Unsplit decode without a window (the launcher checks): slot pid_q holds query
+        # token pid_q and the program starts at tile 0 whatever the sequence, so the query
+        # and the first tiles' block ids (of the guessed sequence's table row) are read
+        # before the lookup resolves, in the same round trip as its loads.
         guess = _guess_sequence(pid_q, num_seqs, grid_q)
-        t_first = part * tiles_per_part
         guess_row = block_tables_ptr + guess.to(tl.int64) * stride_bts
-        ids0 = _tile_ids(guess_row, t_first, max_blocks * BLOCK_SIZE, TILE_N, BLOCK_SIZE)
+        ids0 = _tile_ids(guess_row, 0, max_blocks * BLOCK_SIZE, TILE_N, BLOCK_SIZE)
         ids1 = ids0
         if IDS_AHEAD == 2:
-            ids1 = _tile_ids(guess_row, t_first + 1, max_blocks * BLOCK_SIZE, TILE_N, BLOCK_SIZE)
+            ids1 = _tile_ids(guess_row, 1, max_blocks * BLOCK_SIZE, TILE_N, BLOCK_SIZE)
         q = tl.load(
             q_ptr + pid_q.to(tl.int64) * stride_qt + head[:, None] * stride_qh + dims[None, :],
             mask=(rows < GROUP)[:, None] & dim_valid[None, :],
@@ -600,8 +613,21 @@ def _paged_attention_kernel(
         kv_lo = tl.maximum(seq_len - n_q + q_lo - window + 1, 0)
     tile_lo = kv_lo // TILE_N
     tile_hi = tl.cdiv(kv_hi, TILE_N)
-    t_begin = tile_lo + part * tiles_per_part
-    t_end = tl.minimum(tile_hi, t_begin + tiles_per_part)
+    if SPLIT:
+        # Partitions split this tile's own KV range, read on the device, not the block
+        # table's capacity the launcher knows: a sequence much shorter than its table
+        # would leave most partitions empty and the rest long. (An equal-length batch
+        # gains little: B=4 x 16384 with one spare table column went from 33-tile to
+        # 32-tile programs, 68.9 -> 68.7 us in graph replay; notes, v10.)
+        tiles_per_part = tl.cdiv(tl.maximum(tile_hi - tile_lo, 0), num_parts)
+        t_begin = tile_lo + part * tiles_per_part
+        t_end = tl.minimum(tile_hi, t_begin + tiles_per_part)
+    else:
+        # part is 0 (one partition), but as a runtime value: with a start the compiler can
+        # fold to 0 the unsplit sm_90 decode build takes 147 registers instead of 117, and
+        # three programs per SM instead of four.
+        t_begin = tile_lo + part
+        t_end = tile_hi
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -983,12 +1009,164 @@ def paged_attention_triton(
         ``(out, lse)``: out ``[T, Hq, D]`` in the query's dtype; lse float32 ``[T, Hq]``
         (natural log) when ``return_lse``, else None.
     """
+    plan_key = None
+    # A direct launcher means compiled kernels, so CUDA tensors (Triton rejects others).
+    if _ATTENTION_LAUNCHER.direct:
+        device_index = torch.cuda.current_device()
+        stream = current_stream_handle(device_index)  # where the JIT would launch
+        # Everything the launch depends on except the tensors' addresses (validated
+        # arguments: the caches share the query's dtype, ``out`` its shape and dtype).
+        plan_key = (
+            problem,
+            config,
+            query.dtype,
+            query.stride(),
+            key_cache.stride(0),
+            value_cache.stride(0),
+            block_tables.dtype,
+            block_tables.stride(),
+            seq_lens.dtype,
+            seq_lens.stride(),
+            query_start_loc.dtype,
+            query_start_loc.stride(),
+            None if out is None else out.stride(),
+            scale,
+            causal,
+            sliding_window,
+            softcap,
+            return_lse,
+            _diagnostic,
+            device_index,
+            stream,
+        )
+        plan = _PLANS.get(plan_key)
+        if plan is not None:
+            result = plan.launch(
+                stream, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out
+            )
+            if result is not None:
+                return result
+    return _launch_and_plan(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, problem,
+        scale=scale, causal=causal, sliding_window=sliding_window, softcap=softcap,
+        return_lse=return_lse, out=out, config=config, diagnostic=_diagnostic,
+        plan_key=plan_key,
+    )  # fmt: skip
+
+
+class _LaunchPlan:
+    """The launch of one call shape with everything but the tensors' addresses worked out:
+    grid, scalar arguments, compile-time constants, the compiled kernel, the split path's
+    buffers (this stream's; kept alive here).
+
+    Valid for calls whose plan key matches (see :func:`paged_attention_triton`) and whose
+    tensors all start on 16-byte boundaries, as they did when the kernel was compiled
+    (Triton specializes pointers on that); :meth:`launch` declines other calls, calls
+    under CUDA-graph capture (which need buffers the graph owns) and calls a launch hook
+    must see.
+    """
+
+    __slots__ = ("buffers", "grid", "head", "lse_shape", "out_shape", "part_ptrs", "run", "tail")
+
+    def __init__(
+        self,
+        launch: DirectLaunch,
+        grid: tuple[int, int, int],
+        tail: tuple,
+        out_shape: tuple[int, int, int],
+        return_lse: bool,
+        buffers: tuple[torch.Tensor, ...],
+    ) -> None:
+        self.run = launch.run
+        self.head = launch.head
+        self.grid = grid
+        self.tail = tail
+        self.out_shape = out_shape
+        self.lse_shape = out_shape[:2] if return_lse else None
+        self.buffers = buffers
+        # Partial outputs, their LSEs and the merge counters; None unsplit (the kernel never
+        # reads them then, the output's address stands in).
+        self.part_ptrs = tuple(b.data_ptr() for b in buffers) if buffers else None
+
+    def launch(
+        self,
+        stream: int,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        out: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Launch on ``stream`` (the current one, a raw handle); None (nothing launched) when
+        the plan does not apply."""
+        if torch.cuda.is_current_stream_capturing() or hooks_installed():
+            return None
+        q_ptr = query.data_ptr()
+        k_ptr = key_cache.data_ptr()
+        v_ptr = value_cache.data_ptr()
+        bt_ptr = block_tables.data_ptr()
+        sl_ptr = seq_lens.data_ptr()
+        qsl_ptr = query_start_loc.data_ptr()
+        if out is not None:
+            o_ptr = out.data_ptr()
+            if (q_ptr | k_ptr | v_ptr | bt_ptr | sl_ptr | qsl_ptr | o_ptr) & 15:
+                return None
+        elif (q_ptr | k_ptr | v_ptr | bt_ptr | sl_ptr | qsl_ptr) & 15:
+            return None
+        else:
+            out = query.new_empty(self.out_shape)  # the caching allocator aligns it
+            o_ptr = out.data_ptr()
+        if self.lse_shape is not None:
+            lse = query.new_empty(self.lse_shape, dtype=torch.float32)
+            lse_ptr = lse.data_ptr()
+        else:
+            lse = None
+            lse_ptr = o_ptr
+        grid = self.grid
+        self.run(
+            grid[0], grid[1], grid[2], stream, *self.head,
+            q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, qsl_ptr, o_ptr, lse_ptr,
+            *(self.part_ptrs or (o_ptr, o_ptr, o_ptr)), *self.tail,
+        )  # fmt: skip
+        return out, lse
+
+
+# Plans by call shape (see paged_attention_triton). A service sees a few shapes per model;
+# the bound only caps what unusual callers (a table width per step) can pin, buffers included.
+_PLANS: dict[tuple, _LaunchPlan] = {}
+_MAX_PLANS = 256
+
+
+def _launch_and_plan(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    problem: AttentionProblem,
+    *,
+    scale: float | None,
+    causal: bool,
+    sliding_window: int | None,
+    softcap: float | None,
+    return_lse: bool,
+    out: torch.Tensor | None,
+    config: AttentionConfig | None,
+    diagnostic: str,
+    plan_key: tuple | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The full launch (every call under the interpreter or graph capture, and the first
+    of each call shape); keeps a plan under ``plan_key`` when the call allows one."""
     if problem.head_dim > _MAX_HEAD_DIM:
         raise KernelArgumentError(
             f"head_dim {problem.head_dim} is larger than the Triton kernel's {_MAX_HEAD_DIM}"
         )
     T, Hq, D = problem.num_q_tokens, problem.num_q_heads, problem.head_dim
     device = query.device
+    out_given = out is not None
     if out is None:
         out = torch.empty(T, Hq, D, dtype=query.dtype, device=device)
     lse = torch.empty(T, Hq, dtype=torch.float32, device=device) if return_lse else None
@@ -1001,94 +1179,125 @@ def paged_attention_triton(
             f"AttentionConfig.block_m={config.block_m} cannot hold block_q={config.block_q} "
             f"tokens x {problem.group} heads"
         )
+    # Partitions split each tile's own KV range on the device; at least one tile of the
+    # table's capacity each, so none is empty for a sequence that fills its table.
     max_tiles = _cdiv(problem.max_kv_len, config.tile_n)
-    tiles_per_part = max(1, _cdiv(max_tiles, config.num_partitions))
-    parts = max(1, _cdiv(max_tiles, tiles_per_part)) if config.num_partitions > 1 else 1
-    if parts == 1:
-        tiles_per_part = max(max_tiles, 1)
+    parts = max(1, min(config.num_partitions, max_tiles))
 
     scale = D**-0.5 if scale is None else float(scale)
     use_softcap = softcap is not None
     qk_scale = scale if use_softcap else scale * _LOG2E
-    seq_lens = seq_lens.contiguous()
-    query_start_loc = query_start_loc.contiguous()
+    plannable = plan_key is not None
+    if not (seq_lens.is_contiguous() and query_start_loc.is_contiguous()):
+        seq_lens = seq_lens.contiguous()
+        query_start_loc = query_start_loc.contiguous()
+        plannable = False  # a plan launches the caller's tensors as they are
     if block_tables.stride(1) != 1:  # the kernel walks a row with unit stride
         block_tables = block_tables.contiguous()
+        plannable = False
 
-    diag, unguarded_loops, cached_counters = _parse_diagnostic(_diagnostic)
+    diag, unguarded_loops, cached_counters = _parse_diagnostic(diagnostic)
     split = parts > 1
     grid_q = num_q_programs(T, problem.num_seqs, config.block_q)
     fused = split and config.fused_merge
     if split:
-        part_out, part_lse = _partials(device, T * Hq * parts, D)
+        part_out, part_lse, counters = _split_buffers(
+            device, T * Hq * parts, D, grid_q * problem.num_kv_heads if fused else 0,
+            cached_counters,
+        )  # fmt: skip
+        if not fused:
+            counters = out
+        plannable = plannable and fused  # the separate merge is a second launch
     else:
-        part_out = part_lse = out  # never dereferenced
-    n_counters = grid_q * problem.num_kv_heads
-    counters = _merge_counters(device, n_counters, cached_counters) if fused else out
+        part_out = part_lse = counters = out  # never dereferenced
     lse_arg = lse if lse is not None else out  # never dereferenced without WRITE_LSE
     # Programmatic dependent launch lets the merge kernel's launch overlap this kernel's tail.
     pdl = split and not fused and pdl_supported(device)
 
-    _ATTENTION_LAUNCHER(
-        (grid_q, problem.num_kv_heads, parts),
-        (
-            query,
-            key_cache,
-            value_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            out,
-            lse_arg,
-            part_out,
-            part_lse,
-            counters,
-            problem.num_seqs,
-            grid_q,
-            tiles_per_part,
-            parts,
-            query.stride(0),
-            query.stride(1),
-            key_cache.stride(0),
-            value_cache.stride(0),
-            block_tables.stride(0),
-            block_tables.shape[1],
-            out.stride(0),
-            out.stride(1),
-            qk_scale,
-            float(softcap) if use_softcap else 1.0,
-            int(sliding_window) if sliding_window is not None else 0,
+    grid = (grid_q, problem.num_kv_heads, parts)
+    scalars = (
+        problem.num_seqs,
+        grid_q,
+        parts,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        value_cache.stride(0),
+        block_tables.stride(0),
+        block_tables.shape[1],
+        out.stride(0),
+        out.stride(1),
+        qk_scale,
+        float(softcap) if use_softcap else 1.0,
+        int(sliding_window) if sliding_window is not None else 0,
+    )
+    constexprs = {
+        "HEAD_DIM": D,
+        "HEAD_DIM_PAD": max(16, _next_pow2(D)),
+        "BLOCK_SIZE": problem.block_size,
+        "GROUP": problem.group,
+        "BLOCK_M": config.block_m,
+        "BLOCK_Q": config.block_q,
+        "TILE_N": config.tile_n,
+        "CAUSAL": bool(causal),
+        "USE_WINDOW": sliding_window is not None,
+        "USE_SOFTCAP": use_softcap,
+        "SPLIT": split,
+        "FUSED_MERGE": fused,
+        "WRITE_LSE": return_lse,
+        "DOT_PRECISION": _dot_precision(query.dtype),
+        "LAUNCH_DEPENDENTS": pdl,
+        # The early reads rely on slot == query token and on the program starting at tile
+        # 0, which hold for unsplit one-token tiles without a window.
+        "EARLY_IDS": (
+            config.early_ids and config.block_q == 1 and sliding_window is None and not split
         ),
-        {
-            "HEAD_DIM": D,
-            "HEAD_DIM_PAD": max(16, _next_pow2(D)),
-            "BLOCK_SIZE": problem.block_size,
-            "GROUP": problem.group,
-            "BLOCK_M": config.block_m,
-            "BLOCK_Q": config.block_q,
-            "TILE_N": config.tile_n,
-            "CAUSAL": bool(causal),
-            "USE_WINDOW": sliding_window is not None,
-            "USE_SOFTCAP": use_softcap,
-            "SPLIT": split,
-            "FUSED_MERGE": fused,
-            "WRITE_LSE": return_lse,
-            "DOT_PRECISION": _dot_precision(query.dtype),
-            "LAUNCH_DEPENDENTS": pdl,
-            # The early reads rely on slot == query token and on partitions starting at a
-            # fixed tile, which hold for one-token tiles without a window.
-            "EARLY_IDS": config.early_ids and config.block_q == 1 and sliding_window is None,
-            "IDS_AHEAD": config.ids_ahead,
-            "GUARD_LOOPS": not unguarded_loops,
-            "DIAG": diag,
-            **_merge_constexprs(fused and config.merge_reads == "batched", problem, config, parts),
-        },
+        "IDS_AHEAD": config.ids_ahead,
+        "GUARD_LOOPS": not unguarded_loops,
+        "DIAG": diag,
+        **_merge_constexprs(fused and config.merge_reads == "batched", problem, config, parts),
+    }
+    tensors = (
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        out,
+        lse_arg,
+        part_out,
+        part_lse,
+        counters,
+    )
+    launch = _ATTENTION_LAUNCHER(
+        grid,
+        (*tensors, *scalars),
+        constexprs,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     if split and not fused:
         merge_partitions(
             part_out.view(T, Hq, parts, D), part_lse.view(T, Hq, parts), out, lse, pdl=pdl
+        )
+    if (
+        plannable
+        and launch is not None
+        and not any(t.data_ptr() % 16 for t in tensors)
+        # Under capture the buffers are the graph's own: never reused outside it.
+        and not torch.cuda.is_current_stream_capturing()
+        and (out_given or out.stride() == (Hq * D, D, 1))
+    ):
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[plan_key] = _LaunchPlan(
+            launch,
+            grid,
+            (*scalars, *constexprs.values()),
+            (T, Hq, D),
+            return_lse,
+            (part_out, part_lse, counters) if split else (),
         )
     return out, lse
 
@@ -1099,8 +1308,8 @@ def _merge_constexprs(
     """The batched merge's compile-time sizes (all 1 / False for the serial merge, so its
     builds are the v8 ones): real rows of a tile (``block_q * group`` rounded up to a power
     of two, at most ``block_m``), partitions padded to a power of two, and partitions per
-    output read, sized so the reads in flight fill about ``_MERGE_READ_REGS`` registers per
-    thread (one read when all fit, else two chunks of half that)."""
+    output read, sized so the reads in flight fill about ``config.merge_read_regs``
+    registers per thread (one read when all fit, else two chunks of half that)."""
     if not batched:
         return {
             "MERGE_BATCHED": False,
@@ -1111,7 +1320,7 @@ def _merge_constexprs(
     rows = min(config.block_m, _next_pow2(config.block_q * problem.group))
     parts_pad = _next_pow2(parts)
     per_part = rows * max(16, _next_pow2(problem.head_dim))  # float32 elements per partial
-    budget = _MERGE_READ_REGS * 32 * config.num_warps  # elements the program's threads hold
+    budget = config.merge_read_regs * 32 * config.num_warps  # elements the program's threads hold
     if parts_pad * per_part <= budget:
         chunk = parts_pad
     else:  # two chunks live at once (the one summed and the one prefetched)
@@ -1130,63 +1339,69 @@ def _prev_pow2(x: int) -> int:
 
 _ATTENTION_LAUNCHER = CachedLauncher(_paged_attention_kernel)
 
-_PARTIALS: dict[tuple[torch.device, int], torch.Tensor] = {}
-_PARTIAL_LSES: dict[tuple[torch.device, int], torch.Tensor] = {}
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+# Per (device, stream): the split path's float32 partials (outputs, then LSEs) and its
+# zeroed int32 merge counters, one lookup for both.
+_SPLIT_BUFFERS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _stream_buffer(
-    cache: dict[tuple[torch.device, int], torch.Tensor],
-    device: torch.device,
-    numel: int,
-    dtype: torch.dtype,
-    *,
-    zeroed: bool = False,
-    fresh_in_capture: bool = True,
-) -> torch.Tensor:
-    """The first ``numel`` elements of a buffer kept per (device, stream), grown on demand.
+def _split_buffers(
+    device: torch.device, rows: int, head_dim: int, n_counters: int, cached_in_capture: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(part_out [rows * head_dim], part_lse [rows], counters [n_counters])``: float32
+    partial outputs and LSEs, and zeroed int32 arrival counters for the fused merge.
 
-    Launches on one stream run in order, so a call's kernels cannot overwrite what the
-    previous call's kernels still read; separate streams get separate buffers because their
-    launches may overlap. Under CUDA-graph capture the buffer is a fresh allocation the
-    graph owns. ``zeroed``: allocate with zeros (users that must find it zeroed leave it so).
-    ``fresh_in_capture=False`` (diagnostics) uses one buffer per device, eager and under
-    capture alike (the capture stream differs from the eager one): an eager call must have
-    created it before capture, or the capture records its allocation (and zero-fill).
+    Kept per (device, stream) and grown on demand: launches on one stream run in order, so
+    a call's kernels cannot overwrite what the previous call's kernels still read; separate
+    streams get separate buffers because their launches may overlap. The kernel leaves
+    every counter it used at zero again, so one counter buffer serves every call on a
+    stream. Under CUDA-graph capture the buffers are fresh allocations the graph owns (the
+    counters' zero-fill then runs with every replay), unless ``cached_in_capture``
+    (diagnostic only: the counters stay the per-device eager buffer, unsafe if two captured
+    graphs or streams use it at once).
     """
-    alloc = torch.zeros if zeroed else torch.empty
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if capturing and fresh_in_capture:
-        return alloc(max(numel, 1), dtype=dtype, device=device)[:numel]
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (device, current_stream_handle(index) if fresh_in_capture else -1)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        partials = torch.empty(max(rows * (head_dim + 1), 1), dtype=torch.float32, device=device)
+        counters = None
+        if not cached_in_capture:
+            counters = torch.zeros(max(n_counters, 1), dtype=torch.int32, device=device)
     else:
-        key = (device, 0)
-    buf = cache.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = alloc(max(numel, 1024), dtype=dtype, device=device)
-        cache[key] = buf
-    return buf[:numel]
-
-
-def _partials(device: torch.device, rows: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 buffers for ``rows`` partial outputs ``[rows * head_dim]`` and LSEs ``[rows]``
-    (per stream, see :func:`_stream_buffer`)."""
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            key = (device, current_stream_handle(index))
+        else:
+            key = (device, 0)
+        partials, counters = _split_buffers_at(key, device, rows * (head_dim + 1), n_counters)
+    if cached_in_capture:
+        # One per-device counter buffer, eager and under capture alike (an eager call
+        # creates it before capture, or the capture records its allocation).
+        counters = _split_buffers_at((device, -1), device, 0, n_counters)[1]
     return (
-        _stream_buffer(_PARTIALS, device, rows * head_dim, torch.float32),
-        _stream_buffer(_PARTIAL_LSES, device, rows, torch.float32),
+        partials[: rows * head_dim],
+        partials[rows * head_dim : rows * (head_dim + 1)],
+        counters[:n_counters],
     )
 
 
-def _merge_counters(device: torch.device, n: int, cached_in_capture: bool = False) -> torch.Tensor:
-    """Zeroed int32 arrival counters for the fused merge (per stream, see
-    :func:`_stream_buffer`). The kernel leaves every counter it used at zero again, so one
-    buffer serves every call on a stream. Under graph capture a fresh zeroed buffer is
-    captured (a fill kernel per replay) unless ``cached_in_capture`` (diagnostic only)."""
-    return _stream_buffer(
-        _COUNTERS, device, n, torch.int32, zeroed=True, fresh_in_capture=not cached_in_capture
-    )
+def _split_buffers_at(
+    key: tuple[torch.device, int], device: torch.device, numel: int, n_counters: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (partials, counters) pair under ``key``, each grown to at least its size."""
+    pair = _SPLIT_BUFFERS.get(key)
+    if pair is None or pair[0].numel() < numel or pair[1].numel() < n_counters:
+        old_p, old_c = pair if pair is not None else (None, None)
+        partials = (
+            old_p
+            if old_p is not None and old_p.numel() >= numel
+            else torch.empty(max(numel, 1024), dtype=torch.float32, device=device)
+        )
+        counters = (
+            old_c
+            if old_c is not None and old_c.numel() >= n_counters
+            else torch.zeros(max(n_counters, 1024), dtype=torch.int32, device=device)
+        )
+        pair = (partials, counters)
+        _SPLIT_BUFFERS[key] = pair
+    return pair
 
 
 def _parse_diagnostic(names: str) -> tuple[int, bool, bool]:

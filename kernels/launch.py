@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CachedLauncher", "current_stream_handle"]
+__all__ = ["CachedLauncher", "DirectLaunch", "current_stream_handle", "hooks_installed"]
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
@@ -57,7 +57,7 @@ except ImportError:  # an older Triton without knobs: every launch through the J
     _knobs = None
 
 
-def _hooks_installed() -> bool:
+def hooks_installed() -> bool:
     """Whether a launch hook (a profiler's) wants to see every launch.
 
     Triton 3.6 keeps the hooks in a chain object that is never None; an empty chain means
@@ -80,7 +80,7 @@ class CachedLauncher:
 
     def __init__(self, fn: Any) -> None:
         self._fn = fn
-        self._compiled: dict[tuple[Any, ...], Any] = {}
+        self._compiled: dict[tuple[Any, ...], DirectLaunch] = {}
         self._direct = not self.interpreted()
 
     @staticmethod
@@ -90,13 +90,19 @@ class CachedLauncher:
             return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
         return bool(_knobs.runtime.interpret)
 
+    @property
+    def direct(self) -> bool:
+        """Whether calls may skip the JIT (compiled kernels, no interpreter): only then may a
+        caller keep a :class:`DirectLaunch` of a compiled kernel."""
+        return self._direct
+
     def __call__(
         self,
         grid: tuple[int, int, int],
         args: Sequence[Any],
         constexprs: Mapping[str, Any],
         **options: Any,
-    ) -> None:
+    ) -> DirectLaunch | None:
         """Launch on the current CUDA device and stream.
 
         Args:
@@ -104,39 +110,71 @@ class CachedLauncher:
             args: runtime arguments, in parameter order.
             constexprs: compile-time parameters by name (all of them).
             options: launch options (``num_warps``, ``num_stages``, ``launch_pdl``...).
+
+        Returns:
+            The compiled kernel this call ran, ready to be launched again directly with
+            arguments of the same specialization; None when the call went through the JIT
+            without one (interpreter, a launch hook, an unknown interface).
         """
-        if not self._direct or _hooks_installed():
+        if not self._direct or hooks_installed():
             self._fn[grid](*args, **constexprs, **options)
-            return
+            return None
         device = torch.cuda.current_device()
         # Constexpr names are fixed per call site, so their values suffice in the key.
         key = (device, *map(_arg_key, args), *constexprs.values(), *options.items())
-        kernel = self._compiled.get(key)
-        if kernel is None:
+        launch = self._compiled.get(key)
+        if launch is None:
             kernel = self._fn[grid](*args, **constexprs, **options)
             if hasattr(kernel, "result"):  # an asynchronous compile's future
                 kernel = kernel.result()
             if not all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
                 self._direct = False  # not the compiled-kernel interface this was built on
-                return
+                return None
             names = list(self._fn.arg_names)
             if names[len(args) :] != list(constexprs):
                 raise TypeError(
                     f"{self._fn.__name__}: pass runtime arguments positionally and the "
                     f"constexprs {names[len(args) :]} by keyword, in order"
                 )
-            self._compiled[key] = kernel
-            return
-        kernel.run(
-            grid[0],
-            grid[1],
-            grid[2],
-            current_stream_handle(device),
-            kernel.function,
-            kernel.packed_metadata,
-            None,
-            None,
-            None,
-            *args,
-            *constexprs.values(),
-        )
+            launch = DirectLaunch(kernel)
+            self._compiled[key] = launch
+            return launch
+        launch.run(*grid, current_stream_handle(device), *launch.head, *args, *constexprs.values())
+        return launch
+
+
+class DirectLaunch:
+    """One compiled kernel, launched without the JIT.
+
+    ``run(grid_x, grid_y, grid_z, stream, *head, *args, *constexpr_values)`` launches it:
+    ``args`` are the runtime arguments in parameter order (tensors, or their ``data_ptr()``
+    as ints, which skips the launcher's per-pointer ``data_ptr`` call and device-pointer
+    query), then every constexpr's value. The caller must pass arguments of the
+    specialization the kernel was compiled for (see :class:`CachedLauncher`).
+    """
+
+    __slots__ = ("head", "run")
+
+    def __init__(self, kernel: Any) -> None:
+        runner = kernel.run
+        # The compiled function, its launch metadata and three unused hook slots.
+        self.run = runner
+        self.head = (kernel.function, kernel.packed_metadata, None, None, None)
+        if (
+            callable(getattr(runner, "launch", None))
+            and getattr(runner, "global_scratch_size", None) == 0
+            and getattr(runner, "profile_scratch_size", None) == 0
+            and hasattr(runner, "launch_cooperative_grid")
+            and hasattr(runner, "launch_pdl")
+        ):
+            # Triton's CUDA launcher object only allocates scratch memory (none here) and
+            # passes its flags on to its C launch: call that directly, one Python frame less.
+            self.run = runner.launch
+            self.head = (
+                kernel.function,
+                runner.launch_cooperative_grid,
+                runner.launch_pdl,
+                None,  # global scratch
+                None,  # profile scratch
+                *self.head[1:],
+            )

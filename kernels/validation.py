@@ -142,9 +142,81 @@ def check_paged_attention_args(
 ) -> AttentionProblem:
     """Validate the arguments of :func:`kernels.paged_attention`; return the problem's sizes.
 
+    The metadata checks (everything but ``check_values``) are a function of the arguments'
+    types, shapes, strides, dtypes and devices and of the scalar options; their outcome is
+    remembered per such signature, so a decode loop repeating one call shape pays them
+    once. The value checks run on every call that asks for them.
+
     Raises:
         KernelArgumentError: naming the first malformed argument.
     """
+    try:
+        key = (
+            _tensor_signature(query),
+            _tensor_signature(key_cache),
+            _tensor_signature(value_cache),
+            _tensor_signature(block_tables),
+            _tensor_signature(seq_lens),
+            _tensor_signature(query_start_loc),
+            None if out is None else _tensor_signature(out),
+            # Types too: True == 1 as a key, but a bool is rejected where an int passes.
+            type(scale),
+            scale,
+            type(sliding_window),
+            sliding_window,
+            type(softcap),
+            softcap,
+        )
+        problem = _PASSED_SIGNATURES.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable options: check in full
+        key = problem = None
+    if problem is None:
+        problem = _check_attention_metadata(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale=scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            out=out,
+        )
+        if key is not None:
+            if len(_PASSED_SIGNATURES) >= _MAX_SIGNATURES:
+                _PASSED_SIGNATURES.clear()
+            _PASSED_SIGNATURES[key] = problem
+    if check_values:
+        _check_attention_values(problem, block_tables, seq_lens, query_start_loc)
+    return problem
+
+
+def _tensor_signature(t: torch.Tensor) -> tuple:
+    """What the metadata checks read of a tensor argument."""
+    return (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+# Signatures (see check_paged_attention_args) whose metadata checks passed, with their
+# problem sizes. Bounded: unusual callers (a new table width every call) only refill it.
+_PASSED_SIGNATURES: dict[tuple, AttentionProblem] = {}
+_MAX_SIGNATURES = 256
+
+
+def _check_attention_metadata(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    out: torch.Tensor | None,
+) -> AttentionProblem:
+    """The metadata checks of :func:`check_paged_attention_args` (no device reads)."""
     _require_tensor("query", query)
     _require_dim("query", query, 3, "[num_q_tokens, num_q_heads, head_dim]")
     _check_cache_pair(key_cache, value_cache)
@@ -218,7 +290,7 @@ def check_paged_attention_args(
         if out.numel() > 0 and out.stride(2) != 1:
             _fail(f"out must be contiguous in head_dim, got strides {tuple(out.stride())}")
 
-    problem = AttentionProblem(
+    return AttentionProblem(
         num_q_tokens=num_q_tokens,
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,
@@ -228,9 +300,6 @@ def check_paged_attention_args(
         num_seqs=num_seqs,
         max_blocks=max_blocks,
     )
-    if check_values:
-        _check_attention_values(problem, block_tables, seq_lens, query_start_loc)
-    return problem
 
 
 def _check_attention_values(

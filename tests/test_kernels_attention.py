@@ -266,6 +266,37 @@ def test_split_matches_unsplit_and_writes_every_element(causal: bool) -> None:
         torch.testing.assert_close(lse, results[0][1], rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 30}, {"causal": False}])
+def test_partitions_follow_each_sequence_not_the_table(options: dict) -> None:
+    """Partitions split each tile's own KV range (read on the device), not the block
+    table's capacity: with a table far wider than every sequence the split still covers
+    each sequence exactly once (short sequences, ones shorter than a partition's tile
+    count, prefill rows)."""
+    lens = [130, 7, 64, 201, 16]
+    batch = make_paged_batch(
+        lens, [1, 2, 1, 12, 16], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+        seed=11, spare_columns=40,
+    )  # fmt: skip
+    problem = problem_of(batch)
+    base = replace(choose_config(problem, torch.float32, sm_count=4), tile_n=16)
+    ref, ref_lse = dense_attention(batch, **options)
+    got = []
+    for parts in (1, 5, 32):
+        out = torch.full_like(batch.query, float("nan"))
+        cfg = replace(with_partitions(base, parts), fused_merge=True, merge_reads="batched")
+        o, lse = paged_attention_triton(
+            *batch.args(), problem, return_lse=True, out=out, config=cfg, **options
+        )
+        assert not torch.isnan(o).any()
+        assert max_rel(o, ref) <= FP32_MAX_REL
+        got.append((o, lse))
+    for o, lse in got[1:]:
+        torch.testing.assert_close(o, got[0][0], rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(lse, got[0][1], rtol=2e-6, atol=2e-6)
+    seen = torch.isfinite(ref_lse)
+    torch.testing.assert_close(got[2][1][seen].double(), ref_lse[seen], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (6, 2), (8, 1)])
 def test_fused_merge_matches_the_merge_kernel(hq: int, hkv: int) -> None:
     """The last partition program's merge (group sizes 1, 3 and 8; decode and multi-row
@@ -449,7 +480,8 @@ class TestHeuristics:
         cfg = choose_config(self.problem(batch, batch, 16384), torch.bfloat16, sm_count=132)
         base = batch * 8
         programs = base * cfg.num_partitions
-        assert cfg.num_partitions > 1 and 2 * 132 - base < programs <= 2 * 132
+        # Just under the target, or a power of two of partitions within 1/8 below that.
+        assert cfg.num_partitions > 1 and 7 * (2 * 132 - base) < 8 * programs <= 8 * 2 * 132
         assert cfg.num_stages == 3 and cfg.fused_merge  # one launch per call
 
     def test_early_ids_only_for_unsplit_decode(self) -> None:
@@ -647,6 +679,45 @@ def test_gpu_cached_launch_respects_specialization() -> None:
                 assert rel_l2(out, ref) <= HALF_REL_L2
 
 
+@pytest.mark.gpu
+def test_gpu_launch_plans_repeat_every_call_shape() -> None:
+    """The launcher's per-shape plans (kernels.attention._LaunchPlan): calls alternating
+    between shapes, split (fused merge) and unsplit, with and without ``out`` and LSE, on
+    two streams, each repeated so most go through a plan; every result against dense."""
+    shapes = ((61, [8192]), (62, [300, 4096, 17]), (63, [64] * 200))
+    batches = []
+    for seed, lens in shapes:
+        batches.append(
+            make_paged_batch(
+                lens,
+                [1] * len(lens),
+                num_q_heads=32,
+                num_kv_heads=8,
+                head_dim=128,
+                block_size=16,
+                dtype=torch.bfloat16,
+                device="cuda",
+                seed=seed,
+            )
+        )
+    refs = [dense_attention(b) for b in batches]
+    torch.cuda.synchronize()  # the inputs are ready before the side stream reads them
+    side = torch.cuda.Stream()
+    for _ in range(3):
+        for stream in (torch.cuda.current_stream(), side):
+            with torch.cuda.stream(stream):
+                for b, (ref, ref_lse) in zip(batches, refs, strict=True):
+                    out = torch.full_like(b.query, float("nan"))
+                    o1 = kernels.paged_attention(*b.args(), check_values=False)
+                    o2, lse = kernels.paged_attention(
+                        *b.args(), out=out, return_lse=True, check_values=False
+                    )
+                    torch.cuda.current_stream().synchronize()
+                    assert o2 is out
+                    assert rel_l2(o1, ref) <= HALF_REL_L2 and rel_l2(o2, ref) <= HALF_REL_L2
+                    assert (lse.double() - ref_lse).abs().max() <= 2e-2
+
+
 # Batches for the loop guards: tile-aligned decode lengths (no masked tile at all), ragged
 # ones, and prefill rows (causal diagonal inside the last tiles).
 GUARD_BATCHES = {
@@ -793,17 +864,14 @@ def test_batched_merge_matches_dense_and_serial(
 
 @pytest.mark.parametrize("parts", [2, 5, 7, 13, 16])
 @pytest.mark.parametrize("read_regs", [64, 0], ids=["one_read", "chunked"])
-def test_batched_merge_partition_counts_and_chunks(
-    parts: int, read_regs: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_batched_merge_partition_counts_and_chunks(parts: int, read_regs: int) -> None:
     """Every partition count, padded to a power of two, in one read of all partials or (a
     budget of no registers) one partition per read with the next one prefetched."""
-    monkeypatch.setattr(attention_module, "_MERGE_READ_REGS", read_regs)
     batch = make_paged_batch(
         [250, 3, 33], [1, 1, 1], num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=8,
         seed=parts,
     )  # fmt: skip
-    cfg = merge_cfg(batch, parts, "batched")
+    cfg = merge_cfg(batch, parts, "batched", merge_read_regs=read_regs)
     sizes = attention_module._merge_constexprs(True, problem_of(batch), cfg, parts)
     assert sizes["MERGE_PARTS_PAD"] == attention_module._next_pow2(parts)
     assert (sizes["MERGE_CHUNK_PARTS"] == 1) == (read_regs == 0)
@@ -829,19 +897,23 @@ def test_batched_merge_prefill_tiles(options: dict) -> None:
 
 def test_merge_sizes_for_the_split_decode_configs() -> None:
     """The batched merge's compile-time sizes at the H200 split cases (Llama-3-8B heads,
-    head_dim 128): 4 real rows; B=4 x 16384 (8 partitions) in one read, B=1 x 32768 (32)
-    in chunks of 8; the serial merge compiles the v8 kernel (sizes 1)."""
+    head_dim 128): 4 real rows; B=1 x 32768 in 32 partitions (33 rounded down to a power of
+    two), read at once under choose_config's budget of 128 registers, in chunks of 8 under
+    the default 64; B=4 x 16384 (8 partitions) in one read; the serial merge compiles the
+    v8 kernel (sizes 1)."""
     problem = AttentionProblem(
         num_q_tokens=1, num_q_heads=32, num_kv_heads=8, head_dim=128, num_blocks=10**6,
-        block_size=16, num_seqs=1, max_blocks=32768 // 16,
+        block_size=16, num_seqs=1, max_blocks=32768 // 16 + 1,
     )  # fmt: skip
-    cfg = replace(choose_config(problem, torch.bfloat16, 132), merge_reads="batched")
-    assert (cfg.block_m, cfg.num_partitions) == (16, 33)
+    cfg = choose_config(problem, torch.bfloat16, 132)
+    assert (cfg.block_m, cfg.num_partitions, cfg.merge_reads) == (16, 32, "batched")
     sizes = attention_module._merge_constexprs
     assert sizes(True, problem, cfg, 32) == {
-        "MERGE_BATCHED": True, "MERGE_ROWS": 4, "MERGE_PARTS_PAD": 32, "MERGE_CHUNK_PARTS": 8,
+        "MERGE_BATCHED": True, "MERGE_ROWS": 4, "MERGE_PARTS_PAD": 32, "MERGE_CHUNK_PARTS": 32,
     }  # fmt: skip
-    assert sizes(True, problem, cfg, 8)["MERGE_CHUNK_PARTS"] == 8
+    low = replace(cfg, merge_read_regs=64)
+    assert sizes(True, problem, low, 32)["MERGE_CHUNK_PARTS"] == 8
+    assert sizes(True, problem, low, 8)["MERGE_CHUNK_PARTS"] == 8
     assert sizes(False, problem, cfg, 32) == {
         "MERGE_BATCHED": False, "MERGE_ROWS": 1, "MERGE_PARTS_PAD": 1, "MERGE_CHUNK_PARTS": 1,
     }  # fmt: skip

@@ -93,6 +93,33 @@ def test_paged_attention_rejects(backend: str, changes: Callable, words: str) ->
     assert torch.equal(out, sentinel) and torch.equal(b.key_cache, cache_before)
 
 
+@pytest.mark.parametrize("check_values", [True, False])
+def test_remembered_signature_still_rejects(check_values: bool) -> None:
+    """The metadata checks remember a passing call's signature; a later call that differs
+    only where the signature does not look (index values) is still value-checked, and one
+    that differs in an option's type (True == 1 as a key) is checked in full."""
+    b = batch()
+    out = torch.zeros_like(b.query)
+    for _ in range(2):  # the second call hits the remembered signature
+        kernels.paged_attention(
+            *b.args(), scale=1, sliding_window=1, out=out, check_values=check_values
+        )
+    if check_values:
+        with pytest.raises(KernelArgumentError, match="block_tables row 1"):
+            kernels.paged_attention(
+                *b.args()[:3], _tables_with(b, 1, 0, 10**6), *b.args()[4:], scale=1,
+                sliding_window=1, out=out,
+            )  # fmt: skip
+    with pytest.raises(KernelArgumentError, match="scale"):
+        kernels.paged_attention(*b.args(), scale=True, sliding_window=1, out=out)
+    with pytest.raises(KernelArgumentError, match="sliding_window"):
+        kernels.paged_attention(*b.args(), scale=1, sliding_window=True, out=out)
+    with pytest.raises(KernelArgumentError, match=re.escape("query must be a torch.Tensor")):
+        kernels.paged_attention(b.query.tolist(), *b.args()[1:], check_values=check_values)
+    with pytest.raises(KernelArgumentError, match="scale"):
+        kernels.paged_attention(*b.args(), scale=[1.0], check_values=check_values)
+
+
 def test_backend_names() -> None:
     b = batch()
     with pytest.raises(KernelArgumentError, match="backend must be"):

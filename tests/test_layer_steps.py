@@ -532,3 +532,104 @@ def test_a_worker_lost_between_two_layers_fails_the_stacked_call_and_keeps_the_b
         assert coord._stacked_step("t", 1, stacked(items)) is None
 
     run(scenario)
+
+
+def test_a_bad_batch_sharing_a_round_fails_alone_and_the_others_stay_exact() -> None:
+    # The short path leaves the finite check to the round: a lone recorded step's worker
+    # checks on its device; a round shared by several calls is checked part by part here,
+    # so one caller's NaN fails only that caller.
+    async def scenario(coord: Coordinator) -> None:
+        import asyncio
+
+        groups = [[(await coord.create_sequence("t")).seq_id for _ in range(2)] for _ in range(3)]
+        models = [Model(g) for g in groups]
+        rounds: list[int] = []  # parts per worker round
+        real = coord._run_parts
+
+        async def counted(key: Any, parts: list[Any]) -> None:
+            rounds.append(len(parts))
+            await real(key, parts)
+
+        coord._run_parts = counted  # type: ignore[method-assign]
+        for model in models:  # layer 0 records each batch's step
+            items, q = model.items(1, 0)
+            res = await coord.append_attend_stacked("t", 0, stacked(items))
+            model.check([_Row(res.out[i : i + 1]) for i in range(2)], q)
+        rounds.clear()
+        batches = []
+        for model in models:
+            items, q = model.items(1, 1)
+            batches.append((stacked(items), q))
+        bad = spoil(batches[1][0], "inf key")
+        before = coord.block_manager.sequence_info("t", groups[1][0]).written
+        results = await asyncio.gather(
+            coord.append_attend_stacked("t", 1, batches[0][0]),
+            coord.append_attend_stacked("t", 1, bad),
+            coord.append_attend_stacked("t", 1, batches[2][0]),
+            return_exceptions=True,
+        )
+        assert max(rounds) >= 2, rounds  # the second and third calls shared a round
+        assert isinstance(results[1], InvalidRequest)
+        assert "items[1].key contains NaN or infinite values" in str(results[1])
+        assert coord.block_manager.sequence_info("t", groups[1][0]).written == before
+        for i in (0, 2):
+            models[i].check([_Row(results[i].out[j : j + 1]) for j in range(2)], batches[i][1])
+        coord.block_manager.check_integrity()
+
+    run(scenario)
+
+
+def test_rounds_coalescing_the_same_steps_plan_once_and_stay_exact() -> None:
+    async def scenario(coord: Coordinator) -> None:
+        import asyncio
+
+        import cache_service.coordinator as coord_mod
+
+        groups = [[(await coord.create_sequence("t")).seq_id for _ in range(2)] for _ in range(3)]
+        models = [Model(g) for g in groups]
+        sets: list[frozenset[str]] = []  # the sequences of each coalesced round
+        real_run = coord._run_parts
+
+        async def counted(key: Any, parts: list[Any]) -> None:
+            if len(parts) > 1:
+                sets.append(frozenset(s for p in parts for s in p.seq_ids))
+            await real_run(key, parts)
+
+        coord._run_parts = counted  # type: ignore[method-assign]
+        planned = [0]
+        real_plan = coord_mod.plan_attention
+
+        def counting_plan(*args: Any, **kwargs: Any) -> Any:
+            planned[0] += 1
+            return real_plan(*args, **kwargs)
+
+        coord_mod.plan_attention = counting_plan  # type: ignore[assignment]
+        reused = 0  # rounds that found their set's plan
+        try:
+            for token in range(1, 4):
+                for model in models:  # layer 0: each batch's step is recorded
+                    items, q = model.items(token, 0)
+                    res = await coord.append_attend_stacked("t", 0, stacked(items))
+                    model.check([_Row(res.out[i : i + 1]) for i in range(2)], q)
+                planned[0] = 0
+                sets.clear()
+                for layer in range(1, DEEP.num_layers):
+                    calls = [model.items(token, layer) for model in models]
+                    results = await asyncio.gather(
+                        *(coord.append_attend_stacked("t", layer, stacked(it)) for it, _ in calls)
+                    )
+                    for model, (_, q), res in zip(models, calls, results, strict=True):
+                        model.check([_Row(res.out[i : i + 1]) for i in range(2)], q)
+                # One plan per distinct set of coalesced steps, not one per round.
+                assert planned[0] == len(set(sets))
+                reused += len(sets) - len(set(sets))
+        finally:
+            coord_mod.plan_attention = real_plan  # type: ignore[assignment]
+        assert reused > 0, "the same steps never coalesced twice"
+        coord.block_manager.check_integrity()
+
+    # More layers than LAYOUT's: the batcher settles after a layer or two.
+    run_coordinator(scenario, layout=DEEP)
+
+
+DEEP = KVLayout(num_layers=6, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype="float32")

@@ -29,6 +29,7 @@ from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service._proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from cache_service.client import (
     FailedPreconditionError,
+    InvalidArgumentError,
     KVCacheClient,
     SharedMemoryUnavailable,
 )
@@ -773,3 +774,86 @@ def test_default_directory_falls_back_to_the_temporary_one(monkeypatch) -> None:
     assert default_directory() in ("/dev/shm", __import__("tempfile").gettempdir())
     monkeypatch.setattr(os.path, "isdir", lambda p: False)
     assert default_directory() == __import__("tempfile").gettempdir()
+
+
+# -- zero-copy reads (servers whose pools are CUDA pools in their process) ------------------
+
+
+def test_a_zero_copy_reader_gives_views_and_holds_their_region(tmp_path: Path) -> None:
+    # On a machine without CUDA the registration is refused (logged) and the views are
+    # of pageable memory: the reader's bookkeeping is the same.
+    regions = SharedRegions(SharedMemoryConfig(), directory=str(tmp_path), pin_for_cuda=True)
+    info = _create(regions, "t", 1024)
+    region = regions._regions[info.region_id]
+    with open(info.path, "r+b") as f, mmap.mmap(f.fileno(), 1024) as mm:
+        mm[1000:1024] = bytes(range(24))
+        reader = regions.reader("t")
+        view = reader(info.region_id, 1000, torch.float16, [12], "key")
+        assert view.view(torch.uint8).tolist() == list(range(24))
+        mm[1000:1002] = b"\xff\xff"
+        assert view.view(torch.uint8)[:2].tolist() == [255, 255]  # a view, not a copy
+        # Bad slices fail as the copying read fails, and hold nothing.
+        with pytest.raises(InvalidRequest, match=r"key\.shared: 26 bytes at offset 1000"):
+            reader(info.region_id, 1000, torch.float16, [13], "key")
+        with pytest.raises(SharedRegionNotFound, match="not found"):
+            regions.reader("other")(info.region_id, 0, torch.float32, [1], "key")
+        assert region.users == 1
+        regions.release("t", info.region_id)  # released mid-call: stays mapped for the call
+        assert not os.path.exists(info.path) and not region.mm.closed
+        del view
+        reader.close()
+        assert region.users == 0 and region.mm.closed
+        reader.close()  # idempotent
+    regions.close()
+
+
+def test_zero_copy_reads_answer_like_the_bytes_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    import cache_service.server as server_mod
+
+    real = server_mod.SharedRegions
+    monkeypatch.setattr(
+        server_mod, "SharedRegions", lambda *a, **k: real(*a, **{**k, "pin_for_cuda": True})
+    )
+    import cache_service.shared_regions as regions_mod
+
+    copied = []  # outputs copied into a slot (not produced in place)
+    real_payload = regions_mod.tensor_payload
+    monkeypatch.setattr(
+        regions_mod, "tensor_payload", lambda t: copied.append(1) or real_payload(t)
+    )
+    gen = torch.Generator().manual_seed(21)
+    with ServiceHarness(service_config(), local_workers(1, 64)) as harness:
+        assert _regions(harness)._pin_for_cuda
+        with (
+            KVCacheClient(harness.address) as shm,
+            KVCacheClient(harness.address, shared_memory=False) as plain,
+        ):
+            ids = [shm.create_sequence().seq_id for _ in range(3)]
+            twins = [plain.create_sequence().seq_id for _ in range(3)]
+            for _ in range(3):
+                tokens = torch.randint(0, 50000, (3, 1), generator=gen)
+                for layer in range(NL):
+                    k, v = (torch.randn(3, 1, HKV, D, generator=gen) for _ in range(2))
+                    q = torch.randn(3, 1, HQ, D, generator=gen)
+                    got = shm.append_attend_batch(layer, ids, tokens, k, v, q)
+                    assert shm.shared_memory_active
+                    assert torch.equal(
+                        got, plain.append_attend_batch(layer, twins, tokens, k, v, q)
+                    )
+            # Only each step's first layer (the full path) copied its output into the slot;
+            # the other layers' outputs were produced in place by the worker.
+            assert len(copied) == 3
+            # A non-finite input read through a view is refused and changes nothing.
+            before = harness.stats()
+            k, v = (torch.randn(3, 1, HKV, D, generator=gen) for _ in range(2))
+            k[1, 0, 0, 0] = float("nan")
+            with pytest.raises(InvalidArgumentError, match=r"items\[1\]\.key .*(NaN|finite)"):
+                shm.append_attend_batch(0, ids, [[5]] * 3, k, v, torch.randn(3, 1, HQ, D))
+            assert harness.stats() == before
+            region = next(iter(_regions(harness)._regions.values()))
+            assert region.users == 0  # every call let its region go
+            for s in ids:
+                shm.free(s)
+            for s in twins:
+                plain.free(s)
+        harness.check_integrity()

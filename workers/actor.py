@@ -207,7 +207,13 @@ class PoolWorker:
         batch = (query, block_tables, seq_lens, query_start_loc)
         options = _attend_options(causal, return_lse, scale, sliding_window, softcap)
         return self._on_pool(
-            epoch, self._pool.attend, layer, *batch, metadata_key=metadata_key, **options
+            epoch,
+            self._pool.attend,
+            layer,
+            *batch,
+            metadata_key=metadata_key,
+            to_host=True,
+            **options,
         )
 
     def write_and_attend(
@@ -228,9 +234,11 @@ class PoolWorker:
         sliding_window: int | None = None,
         softcap: float | None = None,
         metadata_key: int | None = None,
+        out: torch.Tensor | None = None,
+        check_finite: bool = False,
     ) -> AttendResult:
         """:meth:`KVPool.write_and_attend` (one write launch, one attention launch) behind
-        the epoch fence; results on the host."""
+        the epoch fence; results on the host (the output in `out` when given)."""
         new = (slot_mapping, key, value)
         batch = (query, block_tables, seq_lens, query_start_loc)
         options = _attend_options(causal, return_lse, scale, sliding_window, softcap)
@@ -241,6 +249,9 @@ class PoolWorker:
             *new,
             *batch,
             metadata_key=metadata_key,
+            to_host=True,
+            out=out,
+            check_finite=check_finite,
             **options,
         )
 

@@ -32,6 +32,8 @@ class PoolConfig:
         fingerprints: keep a fingerprint of every written slot so the online correctness
             check can tell a block whose contents changed after the write (costs one small
             reduction per write and 8 bytes per slot, layer and K/V).
+        cuda_graphs: on CUDA, replay a decode step's per-layer write-and-attend as a CUDA
+            graph once it repeats (:mod:`workers.decode_graphs`).
 
     Raises:
         PoolAllocationError: the size is malformed.
@@ -44,6 +46,7 @@ class PoolConfig:
     debug: bool = False
     backend: str = "auto"
     fingerprints: bool = False
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):

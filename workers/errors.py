@@ -70,6 +70,11 @@ class InvalidWorkerRequest(WorkerError, ValueError):
     names it. Nothing was written."""
 
 
+class NonFiniteInput(InvalidWorkerRequest):
+    """A write-and-attend asked to check its inputs (``check_finite``) met a NaN or an
+    infinity in its key, value or query; nothing was written."""
+
+
 class PoolAllocationError(WorkerError):
     """The pool does not fit on its device, or its size is malformed."""
 

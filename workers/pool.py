@@ -32,7 +32,8 @@ from workers.checks import (
     check_write,
 )
 from workers.config import PoolConfig
-from workers.errors import InvalidWorkerRequest, PoolAllocationError
+from workers.decode_graphs import DecodeGraphs
+from workers.errors import InvalidWorkerRequest, NonFiniteInput, PoolAllocationError
 from workers.fingerprints import BadSlot, SlotFingerprints
 from workers.layout import KVLayout
 from workers.metadata_cache import CachedMetadata, MetadataCache
@@ -75,6 +76,8 @@ class KVPool:
         backend: kernels backend ("auto", "triton", "torch").
         fingerprints: keep per-slot fingerprints of what was written, for
             :meth:`reference_attend` (the online correctness check).
+        cuda_graphs: on CUDA with Triton kernels, replay the repeated per-layer calls of
+            decode steps as CUDA graphs (:mod:`workers.decode_graphs`).
 
     Raises:
         PoolAllocationError: the size is malformed or does not fit on the device.
@@ -89,6 +92,7 @@ class KVPool:
         debug: bool = False,
         backend: str = "auto",
         fingerprints: bool = False,
+        cuda_graphs: bool = True,
     ) -> None:
         # PoolConfig validates the size and the backend; keep one set of rules.
         config = PoolConfig(layout, num_blocks=num_blocks, debug=debug, backend=backend)
@@ -115,6 +119,11 @@ class KVPool:
         self._stager = HostStager(self._device) if self._device.type == "cuda" else None
         # The attention metadata of recent decode steps, validated and on the device.
         self._metadata = MetadataCache()
+        self._graphs = (
+            DecodeGraphs(self._device, self._graph_body, self._stager)
+            if cuda_graphs and self._device.type == "cuda" and backend != "torch"
+            else None
+        )
 
     @classmethod
     def from_config(cls, config: PoolConfig, device: str | torch.device | None = None) -> KVPool:
@@ -127,6 +136,7 @@ class KVPool:
             debug=config.debug,
             backend=config.backend,
             fingerprints=config.fingerprints,
+            cuda_graphs=config.cuda_graphs,
         )
 
     # -- shape -------------------------------------------------------------------------
@@ -213,6 +223,7 @@ class KVPool:
         sliding_window: int | None = None,
         softcap: float | None = None,
         metadata_key: int | None = None,
+        to_host: bool = False,
     ) -> AttendResult:
         """Paged attention of a batch of sequences over one layer (one kernel launch).
 
@@ -229,6 +240,8 @@ class KVPool:
                 passing the same content: validated and copied to the device once, then
                 reused (`workers.metadata_cache`). The caller must never name other
                 content with the same key. None: nothing is kept.
+            to_host: return the results on the host (in pinned memory, copied when the call
+                is done) rather than on the pool's device.
 
         Returns:
             out ``[T, Hq, D]`` (pool dtype, pool device); with ``return_lse`` also lse float32
@@ -243,11 +256,12 @@ class KVPool:
         entry = self._cached_metadata(metadata_key, query, *batch)
         if entry is not None:
             (q,) = self._on_device(query)
-            return self._attend_on_device(layer, q, *entry.tables(), options)
+            result = self._attend_on_device(layer, q, *entry.tables(), options)
+            return self._deliver(result, to_host)
         indices = check_attend(self._layout, self._num_blocks, layer, query, *batch)
         staged = self._on_device(*_attend_inputs(query, *indices))
         self._remember_metadata(metadata_key, staged[1:], query.shape[0])
-        return self._attend_on_device(layer, *staged, options)
+        return self._deliver(self._attend_on_device(layer, *staged, options), to_host)
 
     def write_and_attend(
         self,
@@ -266,12 +280,36 @@ class KVPool:
         sliding_window: int | None = None,
         softcap: float | None = None,
         metadata_key: int | None = None,
+        to_host: bool = False,
+        out: torch.Tensor | None = None,
+        check_finite: bool = False,
     ) -> AttendResult:
-        """:meth:`write` then :meth:`attend` on one layer: a model layer's step, two launches.
+        """:meth:`write` then :meth:`attend` on one layer: a model layer's step.
 
         Both halves are validated before the write, so a bad attention argument leaves the
-        pool unchanged. metadata_key: as in :meth:`attend`.
+        pool unchanged. metadata_key, to_host: as in :meth:`attend`. On CUDA the calls a
+        decode step repeats (another layer under a known key, with its slots) replay a
+        CUDA graph of the write and the attention (:mod:`workers.decode_graphs`).
+
+        out: with `to_host`, host memory of the output's shape and dtype to copy the output
+        into (e.g. a caller's shared-memory slot); the result is then `out`. Ignored when
+        it does not fit.
+        check_finite: refuse a NaN or infinity in key, value or query (NonFiniteInput,
+            nothing written). Checked on the pool's device, where the data goes anyway: the
+            write's slots are masked (negative: skipped) unless every value is finite, so
+            the check costs no extra wait (on CUDA, part of the decode graph).
+
+        Raises:
+            InvalidWorkerRequest: a malformed argument; NonFiniteInput (check_finite).
         """
+        if out is not None and not (
+            to_host
+            and out.device.type == "cpu"
+            and out.dtype == self._data.dtype
+            and out.shape == query.shape
+            and out.is_contiguous()
+        ):
+            out = None
         options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
         check_layer(layer, self._layout.num_layers)
         batch = (block_tables, seq_lens, query_start_loc)
@@ -279,24 +317,41 @@ class KVPool:
         if entry is not None and entry.slots is not None and entry.same_slots(slot_mapping):
             # Another layer of the step: slots validated and on the device already.
             check_new_kv(self._layout, layer, entry.slots.shape[0], key, value)
-            k, v, q = self._on_device(key, value, query)
-            self._write_on_device(layer, entry.slots, k, v)
-            return self._attend_on_device(layer, q, *entry.tables(), options)
+            pinned = self._pinned_host(key, value, query)
+            if self._graphs is not None:
+                replayed = self._graphs.run(
+                    layer, entry, key, value, query, options, pinned, check_finite
+                )
+                if replayed is not None:
+                    got, lse, finite = replayed
+                    result = (got, lse) if options.return_lse else got
+                    # A replay's results live in the graph's memory: copied out here.
+                    delivered = self._deliver(result, to_host, owned=False, wait=pinned, out=out)
+                    return _checked(delivered, finite)
+            k, v, q = self._on_device(key, value, query, pinned=pinned)
+            slots, finite = self._guarded(entry.slots, k, v, q, check_finite)
+            self._write_on_device(layer, slots, k, v)
+            result = self._attend_on_device(layer, q, *entry.tables(), options)
+            return _checked(self._deliver(result, to_host, wait=pinned, out=out), finite)
         slots = check_write(self._layout, self._num_blocks, layer, slot_mapping, key, value)
         if entry is not None:
             staged = self._on_device(*_write_inputs(slots, key, value), query)
             # The key's other layers will find these slots kept.
             self._keep_metadata(metadata_key, entry, slot_mapping, staged[0])
-            self._write_on_device(layer, *staged[:3])
-            return self._attend_on_device(layer, staged[3], *entry.tables(), options)
+            guarded, finite = self._guarded(*staged, check_finite)
+            self._write_on_device(layer, guarded, *staged[1:3])
+            result = self._attend_on_device(layer, staged[3], *entry.tables(), options)
+            return _checked(self._deliver(result, to_host, out=out), finite)
         indices = check_attend(self._layout, self._num_blocks, layer, query, *batch)
         # Both halves' tensors reach the device in one staged copy.
         staged = self._on_device(
             *_write_inputs(slots, key, value), *_attend_inputs(query, *indices)
         )
         self._remember_metadata(metadata_key, staged[4:], query.shape[0], slot_mapping, staged[0])
-        self._write_on_device(layer, *staged[:3])
-        return self._attend_on_device(layer, *staged[3:], options)
+        guarded, finite = self._guarded(*staged[:4], check_finite)
+        self._write_on_device(layer, guarded, *staged[1:3])
+        result = self._attend_on_device(layer, *staged[3:], options)
+        return _checked(self._deliver(result, to_host, out=out), finite)
 
     def write_and_attend_pages(
         self,
@@ -516,9 +571,97 @@ class KVPool:
             entry = replace(entry, slot_source=source, slots=slots.clone())
         self._metadata.put(metadata_key, entry)
 
-    def _on_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    def _graph_body(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        options: AttendOptions,
+        check_finite: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """What a decode graph captures: the write (guarded by `check_finite`), then the
+        attention (device tensors); returns (out, lse, finite flag)."""
+        slots, finite = self._guarded(slots, key, value, query, check_finite)
+        self._write_on_device(layer, slots, key, value)
+        result = self._attend_on_device(
+            layer, query, block_tables, seq_lens, query_start_loc, options
+        )
+        out, lse = result if isinstance(result, tuple) else (result, None)
+        return out, lse, finite
+
+    @staticmethod
+    def _guarded(
+        slots: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query: torch.Tensor,
+        check_finite: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """With `check_finite`, the slots masked to -1 (skipped by the write) unless every
+        value of key, value and query is finite, and that flag (a 0-d bool tensor on the
+        device, read once the call's results are on the host); else the slots as given."""
+        if not check_finite or slots.numel() == 0:
+            return slots, None
+        finite = torch.isfinite(key).all() & torch.isfinite(value).all()
+        finite &= torch.isfinite(query).all()
+        return torch.where(finite, slots, -1), finite
+
+    def _deliver(
+        self,
+        result: AttendResult,
+        to_host: bool,
+        *,
+        owned: bool = True,
+        wait: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> AttendResult:
+        """An attention result as the caller gets it: on the host in pinned memory (one
+        copy each and one wait; `to_host`; the output into `out` when given), else on the
+        device, copied when not `owned` (a graph's memory, which the next replay
+        overwrites). `wait`: the call's inputs are still being copied out of the caller's
+        pinned memory (`_pinned_host`), so the call does not return before the device is
+        done with them."""
+        tensors = result if isinstance(result, tuple) else (result,)
+        if out is not None:
+            # The output straight into the caller's memory (write_and_attend checked it).
+            out.copy_(tensors[0], non_blocking=True)
+            tensors = (out, *tensors[1:])
+            owned = True
+        if to_host and self._device.type == "cuda":
+            host = [] if out is None else [out]
+            for t in tensors[len(host) :]:
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                host.append(h)
+            torch.cuda.current_stream(self._device).synchronize()
+            tensors = tuple(host)
+        else:
+            if not owned:
+                tensors = tuple(t.clone() for t in tensors)
+            if wait:
+                torch.cuda.current_stream(self._device).synchronize()
+        return tensors if isinstance(result, tuple) else tensors[0]  # type: ignore[return-value]
+
+    def _pinned_host(self, *tensors: torch.Tensor) -> bool:
+        """Whether a GPU pool's inputs all lie in the caller's page-locked host memory (a
+        shared region the server registered with CUDA): then they go to the device by DMA
+        straight from there, with no staging copy on the CPU, and the call must not
+        return before those copies are done (`_deliver`'s wait)."""
+        return self._stager is not None and all(
+            t.device.type == "cpu" and t.is_pinned() for t in tensors
+        )
+
+    def _on_device(self, *tensors: torch.Tensor, pinned: bool = False) -> list[torch.Tensor]:
         """``tensors`` on the pool's device: host tensors of a GPU pool in one staged copy
-        (views valid until the next staged request; only kernels of this call read them)."""
+        (views valid until the next staged request; only kernels of this call read them),
+        or with `pinned` (see `_pinned_host`) each by an asynchronous copy."""
+        if pinned:
+            return [t.to(self._device, non_blocking=True) for t in tensors]
         if self._stager is not None and all(t.device.type == "cpu" for t in tensors):
             return self._stager.to_device(tensors)
         return [t.to(self._device) for t in tensors]
@@ -631,6 +774,16 @@ class KVPool:
             # The torch reference whatever the pool's backend, its errors as they are.
             return kernels.paged_attention(*args, **kwargs, backend="torch", check_values=False)
         return self._kernel(kernels.paged_attention, *args, **kwargs)
+
+
+def _checked(result: AttendResult, finite: torch.Tensor | None) -> AttendResult:
+    """`result`, unless the call's finite flag (`KVPool._guarded`) says a value was not:
+    then NonFiniteInput (the write was masked). Read after the results, so no extra wait."""
+    if finite is not None and not bool(finite):
+        raise NonFiniteInput(
+            "the key, value or query holds NaN or infinite values; nothing was written"
+        )
+    return result
 
 
 def _slot_source(slot_mapping: object) -> list[int] | torch.Tensor | None:

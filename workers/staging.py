@@ -18,13 +18,24 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["HostStager"]
+__all__ = ["HostStager", "packed_offsets"]
 
 _ALIGN = 256  # bytes; kernels want 16-byte aligned rows, allocators give 256
 
 
 def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
+
+
+def packed_offsets(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """Byte offsets of ``tensors`` packed one after another (each start aligned to 256
+    bytes), and the total bytes: the layout :meth:`HostStager.to_device` sends."""
+    offsets = []
+    total = 0
+    for t in tensors:
+        offsets.append(total)
+        total += _round_up(t.numel() * t.element_size(), _ALIGN)
+    return offsets, total
 
 
 class HostStager:
@@ -61,35 +72,40 @@ class HostStager:
         self._dev = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
         self._typed: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def to_device(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def to_device(
+        self, tensors: Sequence[torch.Tensor], into: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """Contiguous device copies of ``tensors`` (same shapes and dtypes), in one copy.
 
         Args:
             tensors: host tensors of any dtype and shape (need not be contiguous).
+            into: a uint8 device buffer of at least the packed size
+                (:func:`packed_offsets`) to copy into instead of the stager's own, e.g. the
+                static inputs of a CUDA graph; then the views are into it and stay valid.
 
         Returns:
-            Views into the device buffer, one per input, valid until the next call.
+            Views into the device buffer, one per input (into the stager's own: valid until
+            the next call).
         """
-        offsets = []
-        total = 0
-        for t in tensors:
-            offsets.append(total)
-            total += _round_up(t.numel() * t.element_size(), _ALIGN)
-        if total > self._max_bytes:
+        offsets, total = packed_offsets(tensors)
+        if total > self._max_bytes and into is None:
             return [t.to(self._device) for t in tensors]
         with self._lock:
             if total > self._host.numel():
-                self._grow(min(_round_up(total * 2, 1 << 20), self._max_bytes))
+                self._grow(min(_round_up(total * 2, 1 << 20), max(total, self._max_bytes)))
             elif self._copied is not None:
                 self._copied.synchronize()  # the last copy has left the pinned buffer
+            dest = self._dev if into is None else into
             out = []
             for t, off in zip(tensors, offsets, strict=True):
                 host, dev = self._views(t.dtype)
                 start = off // t.element_size()
                 end = start + t.numel()
                 host[start:end].view(t.shape).copy_(t)
+                if into is not None:
+                    dev = into[: end * t.element_size()].view(t.dtype)
                 out.append(dev[start:end].view(t.shape))
-            self._dev[:total].copy_(self._host[:total], non_blocking=True)
+            dest[:total].copy_(self._host[:total], non_blocking=True)
             if self._copied is None:
                 self._copied = torch.cuda.Event()
             self._copied.record(torch.cuda.current_stream(self._device))

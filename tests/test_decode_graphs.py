@@ -1,0 +1,247 @@
+"""CUDA-graph replay of decode steps (workers.decode_graphs): the bucketing rule on any
+machine; on a GPU, decode steps through graphs against the same steps run eagerly."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from cache_service.config import SharedMemoryConfig
+from cache_service.shared_regions import SharedRegions
+from workers.actor import PoolWorker
+from workers.config import PoolConfig
+from workers.decode_graphs import bucket_width
+from workers.errors import NonFiniteInput
+from workers.layout import KVLayout
+from workers.pool import KVPool
+
+
+def test_bucket_width_rounds_up_by_at_most_an_eighth():
+    previous = 0
+    for width in range(1, 5000):
+        b = bucket_width(width)
+        assert b >= max(width, 16)
+        assert b >= previous  # monotone: a growing context never goes back a bucket
+        if width > 16:
+            assert b <= width * 1.125
+        previous = b
+    # Few distinct buckets: a context growing to 4096 blocks meets about 8 per doubling.
+    assert len({bucket_width(w) for w in range(1, 4097)}) <= 8 * 8 + 1
+
+
+# -- on a GPU ------------------------------------------------------------------------------
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16")
+HQ = 8
+# Three sequences' starting lengths: the run's contexts cross block boundaries and a
+# bucket (16 -> 18 blocks).
+START = (250, 240, 17)
+MAX_BLOCKS = 20
+
+
+def _tables(pool: KVPool) -> torch.Tensor:
+    """int32 [3, MAX_BLOCKS]: random distinct blocks of `pool` for the three sequences."""
+    gen = torch.Generator().manual_seed(0)
+    perm = torch.randperm(pool.num_blocks, generator=gen)[: len(START) * MAX_BLOCKS]
+    return perm.reshape(len(START), MAX_BLOCKS).int()
+
+
+def _decode_steps(pool: KVPool, steps: int, *, return_lse: bool, seed: int = 0):
+    """Run `steps` decode steps of 3 sequences (every layer per step, one metadata key per
+    step, as the coordinator calls a pool); the results per (step, layer) on the host."""
+    gen = torch.Generator().manual_seed(seed)
+    bs, n_seqs = LAYOUT.block_size, len(START)
+    lens = list(START)
+    tables_full = _tables(pool)
+    results = []
+    for step in range(steps):
+        lens = [n + 1 for n in lens]
+        width = max(-(-n // bs) for n in lens)
+        tables = tables_full[:, :width].contiguous()
+        slots = torch.tensor(
+            [int(tables_full[s, (n - 1) // bs]) * bs + (n - 1) % bs for s, n in enumerate(lens)]
+        )
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        qsl = torch.arange(n_seqs + 1, dtype=torch.int32)
+        key = 1000 + step
+        for layer in range(LAYOUT.num_layers):
+            k = torch.randn(n_seqs, 2, 64, generator=gen).half()
+            v = torch.randn(n_seqs, 2, 64, generator=gen).half()
+            q = torch.randn(n_seqs, HQ, 64, generator=gen).half()
+            r = pool.write_and_attend(
+                layer, slots, k, v, q, tables, seq_lens, qsl,
+                return_lse=return_lse, metadata_key=key,
+            )  # fmt: skip
+            r = r if isinstance(r, tuple) else (r,)
+            results.append(tuple(t.cpu() for t in r))
+    return results
+
+
+def _filled(graphs: bool, fingerprints: bool = False) -> KVPool:
+    """A pool holding START tokens of context per sequence (written, so fingerprinted)."""
+    pool = KVPool(LAYOUT, 96, "cuda", cuda_graphs=graphs, fingerprints=fingerprints)
+    gen = torch.Generator().manual_seed(1)
+    tables, bs = _tables(pool), LAYOUT.block_size
+    for s, n in enumerate(START):
+        slots = [int(tables[s, t // bs]) * bs + t % bs for t in range(n)]
+        kv = torch.randn(LAYOUT.num_layers, n, 2, 64, generator=gen).half()
+        pool.write(None, slots, kv, -kv)
+    return pool
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_decode_steps_through_graphs_equal_the_same_steps_run_eagerly(return_lse):
+    graphed, eager = _filled(True, fingerprints=True), _filled(False, fingerprints=True)
+    steps = 12
+    a = _decode_steps(graphed, steps, return_lse=return_lse)
+    b = _decode_steps(eager, steps, return_lse=return_lse)
+    graphs = graphed._graphs
+    assert graphs is not None and eager._graphs is None
+    # Layer 0 of a step is the first call under its key (the full path). The other layers:
+    # step 0 runs them eagerly (first sighting), step 1 captures, the rest replay, through
+    # the 16 -> 18 block bucket change (one more sighting and capture) as well.
+    others = LAYOUT.num_layers - 1
+    assert graphs.captures >= others
+    assert graphs.replays >= (steps - 4) * others
+    # The writes are copies: the pools hold the same bits.
+    assert torch.equal(graphed.data, eager.data)
+    for ra, rb in zip(a, b, strict=True):
+        assert ra[0].dtype == rb[0].dtype and ra[0].shape == rb[0].shape
+        # The padded table may pick another split of the keys: equal up to rounding.
+        torch.testing.assert_close(ra[0], rb[0], atol=2e-3, rtol=2e-3)
+        if return_lse:
+            torch.testing.assert_close(ra[1], rb[1], atol=1e-4, rtol=1e-4)
+    # Every slot read, the run's tokens (written by the graphs) included, matches its
+    # fingerprint.
+    lens = torch.tensor([n + steps for n in START], dtype=torch.int32)
+    q = torch.randn(len(START), HQ, 64).half()
+    qsl = torch.arange(len(START) + 1, dtype=torch.int32)
+    for layer in range(LAYOUT.num_layers):
+        _, _, bad = graphed.reference_attend(layer, q, _tables(graphed), lens, qsl)
+        assert bad == []
+
+
+@pytest.mark.gpu
+def test_a_replayed_result_is_the_callers_own():
+    pool = _filled(True)
+    results = _decode_steps(pool, 6, return_lse=False)
+    assert pool._graphs is not None and pool._graphs.replays > 0
+    # On the device (to_host False), a result is a copy, not the graph's buffer that the
+    # next replay overwrites: run more steps and compare with what was returned.
+    before = [r[0].clone() for r in results]
+    _decode_steps(pool, 2, return_lse=False, seed=9)
+    for r, saved in zip(results, before, strict=True):
+        assert torch.equal(r[0], saved)
+
+
+@pytest.mark.gpu
+def test_a_worker_returns_pinned_host_results_equal_to_the_pools():
+    worker = PoolWorker("w", PoolConfig(LAYOUT, num_blocks=96), "cuda")
+    epoch = worker.epoch()
+    worker.pool.data.copy_(
+        torch.randn(worker.pool.data.shape, generator=torch.Generator().manual_seed(1)).half()
+    )
+    gen = torch.Generator().manual_seed(2)
+    tables = torch.arange(6, dtype=torch.int32).reshape(3, 2)
+    lens = torch.tensor([20, 25, 32], dtype=torch.int32)
+    slots = torch.tensor(
+        [int(tables[s, (n - 1) // 16]) * 16 + (n - 1) % 16 for s, n in enumerate([20, 25, 32])]
+    )
+    qsl = torch.arange(4, dtype=torch.int32)
+    for step_key in (1, 2, 3, 4):
+        for layer in range(LAYOUT.num_layers):
+            k = torch.randn(3, 2, 64, generator=gen).half()
+            q = torch.randn(3, HQ, 64, generator=gen).half()
+            out = worker.write_and_attend(
+                epoch, layer, slots, k, k, q, tables, lens, qsl, metadata_key=step_key
+            )
+            assert out.device.type == "cpu" and out.is_pinned()
+            ref = worker.pool.attend(layer, q, tables, lens, qsl)
+            torch.testing.assert_close(out, ref.cpu(), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.gpu
+def test_inputs_in_a_pinned_shared_region_reach_the_pool_without_staging():
+    # The service's directory (/dev/shm: memory-backed pages, which CUDA can lock).
+    regions = SharedRegions(SharedMemoryConfig(), pin_for_cuda=True)
+    info = asyncio.run(regions.create("t", 1 << 20))
+    assert regions._regions[info.region_id].mapping.pinned
+    reader = regions.reader("t")
+    shapes = {"key": [3, 2, 64], "value": [3, 2, 64], "query": [3, HQ, 64], "out": [3, HQ, 64]}
+    views, offset = {}, 0
+    for name, shape in shapes.items():
+        views[name] = reader(info.region_id, offset, torch.float16, shape, name)
+        offset += 64 * 1024
+    assert all(v.is_pinned() for v in views.values())
+    graphed, eager = _filled(True), _filled(False)
+    staged = []
+    real = graphed._stager.to_device
+    graphed._stager.to_device = lambda ts, **kw: staged.append(len(ts)) or real(ts, **kw)
+    gen = torch.Generator().manual_seed(3)
+    tables, bs = _tables(graphed), LAYOUT.block_size
+    lens = list(START)
+    steps = 5
+    for step in range(steps):
+        lens = [n + 1 for n in lens]
+        width = max(-(-n // bs) for n in lens)
+        slots = [int(tables[s, (n - 1) // bs]) * bs + (n - 1) % bs for s, n in enumerate(lens)]
+        args = (tables[:, :width].contiguous(), torch.tensor(lens, dtype=torch.int32))
+        qsl = torch.arange(4, dtype=torch.int32)
+        for layer in range(LAYOUT.num_layers):
+            for v in views.values():  # new inputs (and a stale output to overwrite)
+                v.copy_(torch.randn(v.shape, generator=gen).half())
+            k, v, q = views["key"], views["value"], views["query"]
+            a = graphed.write_and_attend(
+                layer, slots, k, v, q, *args, qsl, metadata_key=step, to_host=True,
+                out=views["out"],
+            )  # fmt: skip
+            assert a.data_ptr() == views["out"].data_ptr()  # produced in the region
+            b = eager.write_and_attend(
+                layer, slots, k.clone(), v.clone(), q.clone(), *args, qsl, metadata_key=step
+            )
+            torch.testing.assert_close(a, b.cpu(), atol=2e-3, rtol=2e-3)
+    assert torch.equal(graphed.data, eager.data)
+    # Only the first layer of each step (its full path, with host slots) was staged.
+    assert len(staged) == steps
+    assert graphed._graphs.replays >= (steps - 3) * (LAYOUT.num_layers - 1)
+    views.clear()
+    reader.close()
+    regions.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["key", "query"])
+def test_a_checked_replay_refuses_non_finite_inputs_and_writes_nothing(where):
+    pool = _filled(True, fingerprints=True)
+    gen = torch.Generator().manual_seed(4)
+    tables, bs = _tables(pool), LAYOUT.block_size
+    qsl = torch.arange(4, dtype=torch.int32)
+    lens = list(START)
+    for step in range(4):  # step 2 captures, step 3 replays
+        lens = [n + 1 for n in lens]
+        width = max(-(-n // bs) for n in lens)
+        slots = [int(tables[s, (n - 1) // bs]) * bs + (n - 1) % bs for s, n in enumerate(lens)]
+        args = (tables[:, :width].contiguous(), torch.tensor(lens, dtype=torch.int32), qsl)
+        for layer in range(LAYOUT.num_layers):
+            k, v = (torch.randn(3, 2, 64, generator=gen).half() for _ in range(2))
+            q = torch.randn(3, HQ, 64, generator=gen).half()
+            if step == 3 and layer == 1:
+                data = pool.data.clone()
+                # (Masked slots' fingerprints land in a spare block past the pool's.)
+                sums = pool._fingerprints._sums[: pool.num_slots].clone()
+                bad = {"key": k, "query": q}[where]
+                bad[1, 0, 5] = float("nan")
+                with pytest.raises(NonFiniteInput, match="nothing was written"):
+                    pool.write_and_attend(
+                        layer, slots, k, v, q, *args, metadata_key=step, check_finite=True
+                    )
+                assert torch.equal(pool.data, data)
+                assert torch.equal(pool._fingerprints._sums[: pool.num_slots], sums)
+                bad[1, 0, 5] = 0.0  # the same call, repaired, goes through
+            pool.write_and_attend(
+                layer, slots, k, v, q, *args, metadata_key=step, check_finite=True
+            )
+    assert pool._graphs.replays > 0
