@@ -149,6 +149,11 @@ class _Region:
         self.users = 0
         self.released = False
 
+    def let_go(self) -> None:
+        """One user (an output slot or a reader of a call) is done with the region."""
+        self.users -= 1
+        self.unmap_if_unused()
+
     def unmap_if_unused(self) -> None:
         if self.released and self.users == 0 and not self.mm.closed:
             try:
@@ -226,8 +231,7 @@ class OutputSlot:
         """Stop using the region (idempotent)."""
         region, self._region = self._region, None
         if region is not None:
-            region.users -= 1
-            region.unmap_if_unused()
+            region.let_go()
 
     def __enter__(self) -> OutputSlot:
         return self
@@ -267,8 +271,7 @@ class RegionReader:
         """The call has ended: its regions may be unmapped (idempotent)."""
         held, self._held = self._held, []
         for region in held:
-            region.users -= 1
-            region.unmap_if_unused()
+            region.let_go()
 
     def __enter__(self) -> RegionReader:
         return self
