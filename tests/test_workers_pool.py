@@ -19,6 +19,7 @@ from workers.actor import PoolWorker
 from workers.config import PoolConfig
 from workers.errors import (
     InvalidWorkerRequest,
+    NonFiniteInput,
     PoolAllocationError,
     StaleEpochError,
     WorkerUnavailable,
@@ -557,3 +558,28 @@ def test_a_page_id_outside_every_layer_is_refused_and_writes_nothing():
     with pytest.raises(InvalidWorkerRequest, match="slot_mapping"):
         pool.write_and_attend_pages(too_far, k, v, q, pages.int(), lens, qsl)
     assert torch.equal(pool.data, before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_checked_write_refuses_non_finite_values_and_leaves_out_and_the_pool_alone(device):
+    pool = filled_pool(device=device, fingerprints=True)
+    slots, k, v, q, tables, lens, qsl = _decode_args(pool, seed=6)
+    out = torch.full((3, 4, 16), 7.0)
+    for key in (None, 21, 21):  # the full path, then the key's kept metadata
+        data = pool.data.clone()
+        bad = q.clone()
+        bad[1, 2, 3] = float("inf")
+        with pytest.raises(NonFiniteInput, match="nothing was written"):
+            pool.write_and_attend(
+                0, slots, k, v, bad, tables, lens, qsl,
+                metadata_key=key, to_host=True, out=out, check_finite=True,
+            )  # fmt: skip
+        assert torch.equal(pool.data, data)
+        assert torch.equal(out, torch.full((3, 4, 16), 7.0))  # the caller's memory as it was
+    got = pool.write_and_attend(
+        0, slots, k, v, q, tables, lens, qsl, metadata_key=21, to_host=True, out=out,
+        check_finite=True,
+    )  # fmt: skip
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(out, filled_pool(device=device).write_and_attend(
+        0, slots, k, v, q, tables, lens, qsl).cpu())  # fmt: skip

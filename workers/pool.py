@@ -326,13 +326,14 @@ class KVPool:
                     got, lse, finite = replayed
                     result = (got, lse) if options.return_lse else got
                     # A replay's results live in the graph's memory: copied out here.
-                    delivered = self._deliver(result, to_host, owned=False, wait=pinned, out=out)
-                    return _checked(delivered, finite)
+                    return self._deliver(
+                        result, to_host, owned=False, wait=pinned, out=out, finite=finite
+                    )
             k, v, q = self._on_device(key, value, query, pinned=pinned)
             slots, finite = self._guarded(entry.slots, k, v, q, check_finite)
             self._write_on_device(layer, slots, k, v)
             result = self._attend_on_device(layer, q, *entry.tables(), options)
-            return _checked(self._deliver(result, to_host, wait=pinned, out=out), finite)
+            return self._deliver(result, to_host, wait=pinned, out=out, finite=finite)
         slots = check_write(self._layout, self._num_blocks, layer, slot_mapping, key, value)
         if entry is not None:
             staged = self._on_device(*_write_inputs(slots, key, value), query)
@@ -341,7 +342,7 @@ class KVPool:
             guarded, finite = self._guarded(*staged, check_finite)
             self._write_on_device(layer, guarded, *staged[1:3])
             result = self._attend_on_device(layer, staged[3], *entry.tables(), options)
-            return _checked(self._deliver(result, to_host, out=out), finite)
+            return self._deliver(result, to_host, out=out, finite=finite)
         indices = check_attend(self._layout, self._num_blocks, layer, query, *batch)
         # Both halves' tensors reach the device in one staged copy.
         staged = self._on_device(
@@ -351,7 +352,7 @@ class KVPool:
         guarded, finite = self._guarded(*staged[:4], check_finite)
         self._write_on_device(layer, guarded, *staged[1:3])
         result = self._attend_on_device(layer, *staged[3:], options)
-        return _checked(self._deliver(result, to_host, out=out), finite)
+        return self._deliver(result, to_host, out=out, finite=finite)
 
     def write_and_attend_pages(
         self,
@@ -619,14 +620,20 @@ class KVPool:
         owned: bool = True,
         wait: bool = False,
         out: torch.Tensor | None = None,
+        finite: torch.Tensor | None = None,
     ) -> AttendResult:
         """An attention result as the caller gets it: on the host in pinned memory (one
         copy each and one wait; `to_host`; the output into `out` when given), else on the
         device, copied when not `owned` (a graph's memory, which the next replay
         overwrites). `wait`: the call's inputs are still being copied out of the caller's
         pinned memory (`_pinned_host`), so the call does not return before the device is
-        done with them."""
+        done with them. `finite`: the call's flag from `_guarded`; False raises
+        NonFiniteInput, read before anything reaches `out` (a refused call leaves the
+        caller's memory as it was)."""
         tensors = result if isinstance(result, tuple) else (result,)
+        if finite is not None and out is not None:
+            _refuse_non_finite(finite)  # waits for the flag before `out` is touched
+            finite = None
         if out is not None:
             # The output straight into the caller's memory (write_and_attend checked it).
             out.copy_(tensors[0], non_blocking=True)
@@ -645,6 +652,8 @@ class KVPool:
                 tensors = tuple(t.clone() for t in tensors)
             if wait:
                 torch.cuda.current_stream(self._device).synchronize()
+        if finite is not None:
+            _refuse_non_finite(finite)
         return tensors if isinstance(result, tuple) else tensors[0]  # type: ignore[return-value]
 
     def _pinned_host(self, *tensors: torch.Tensor) -> bool:
@@ -776,14 +785,13 @@ class KVPool:
         return self._kernel(kernels.paged_attention, *args, **kwargs)
 
 
-def _checked(result: AttendResult, finite: torch.Tensor | None) -> AttendResult:
-    """`result`, unless the call's finite flag (`KVPool._guarded`) says a value was not:
-    then NonFiniteInput (the write was masked). Read after the results, so no extra wait."""
-    if finite is not None and not bool(finite):
+def _refuse_non_finite(finite: torch.Tensor) -> None:
+    """NonFiniteInput unless the call's flag (`KVPool._guarded`) says every value was
+    finite (reading it waits for the device; the write was masked otherwise)."""
+    if not bool(finite):
         raise NonFiniteInput(
             "the key, value or query holds NaN or infinite values; nothing was written"
         )
-    return result
 
 
 def _slot_source(slot_mapping: object) -> list[int] | torch.Tensor | None:
