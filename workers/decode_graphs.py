@@ -305,7 +305,9 @@ class DecodeGraphs:
         # capture_begin / capture_end rather than torch.cuda.graph(): that one also runs
         # gc.collect() and empties the allocator's cache, milliseconds on a busy server.
         with torch.cuda.stream(self._stream):
-            graph.capture_begin(pool=self._mempool)
+            # Thread-local: another thread's CUDA call meanwhile (a shared region being
+            # page-locked, say) neither breaks the capture nor is refused by it.
+            graph.capture_begin(pool=self._mempool, capture_error_mode="thread_local")
             try:
                 outputs = self._run_body(cls, layer, options, check_finite)
             except BaseException:
