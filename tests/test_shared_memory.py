@@ -843,13 +843,47 @@ def test_zero_copy_reads_answer_like_the_bytes_path(monkeypatch: pytest.MonkeyPa
             # Only each step's first layer (the full path) copied its output into the slot;
             # the other layers' outputs were produced in place by the worker.
             assert len(copied) == 3
-            # A non-finite input read through a view is refused and changes nothing.
-            before = harness.stats()
-            k, v = (torch.randn(3, 1, HKV, D, generator=gen) for _ in range(2))
-            k[1, 0, 0, 0] = float("nan")
-            with pytest.raises(InvalidArgumentError, match=r"items\[1\]\.key .*(NaN|finite)"):
-                shm.append_attend_batch(0, ids, [[5]] * 3, k, v, torch.randn(3, 1, HQ, D))
-            assert harness.stats() == before
+            # A non-finite input read through a view is refused and changes nothing: on the
+            # first layer (the full path) and on a later one (the short path, where the
+            # worker checks and the output would be produced in place).
+            slots: list[tuple[str, int, int]] = []
+            real_outputs = server_mod.shared_outputs
+
+            def recorded(*args: Any) -> Any:
+                outputs = real_outputs(*args)
+                slots.append((outputs.out.region_id, outputs.out.offset, outputs.out.nbytes))
+                return outputs
+
+            monkeypatch.setattr(server_mod, "shared_outputs", recorded)
+            import workers.pool as pool_mod
+
+            refused = []  # refusals by the worker's own check (the short path)
+            real_refuse = pool_mod._refuse_non_finite
+
+            def counted(finite: Any) -> None:
+                try:
+                    real_refuse(finite)
+                except Exception:
+                    refused.append(1)
+                    raise
+
+            monkeypatch.setattr(pool_mod, "_refuse_non_finite", counted)
+            mm = next(iter(_regions(harness)._regions.values())).mm
+            for layer in range(NL):
+                before = harness.stats()
+                k, v = (torch.randn(3, 1, HKV, D, generator=gen) for _ in range(2))
+                q = torch.randn(3, 1, HQ, D, generator=gen)
+                bad = k.clone()
+                bad[1, 0, 0, 0] = float("nan")
+                _, at, size = slots[-1] if slots else ("", 0, 0)
+                last_output = bytes(mm[at : at + size])
+                with pytest.raises(InvalidArgumentError, match=r"items\[1\]\.key .*(NaN|fin)"):
+                    shm.append_attend_batch(layer, ids, [[5]] * 3, bad, v, q)
+                assert harness.stats() == before
+                assert slots[-1][1:] == (at, size) or not size
+                assert bytes(mm[at : at + size]) == last_output  # the slot as it was
+                shm.append_attend_batch(layer, ids, [[5]] * 3, k, v, q)  # the good call
+            assert len(refused) == NL - 1  # every layer after the first tried the short path
             region = next(iter(_regions(harness)._regions.values()))
             assert region.users == 0  # every call let its region go
             for s in ids:
