@@ -9,9 +9,11 @@ A graph bakes in addresses and launch configurations, hence:
 
 * graphs belong to a *shape class*: the tensors' shapes and dtypes, the attention options
   and the block-table width rounded up to a bucket (`bucket_width`: a growing context
-  crosses a bucket every few hundred tokens, not every block). A class owns the static
-  buffers its graphs read; a call copies its key, value and query into them (one
-  host-to-device copy) and, when the step changed, its metadata (device copies);
+  crosses a bucket every few hundred tokens, not every block), and whether the write is
+  guarded by a finite check (KVPool.write_and_attend's check_finite). A class owns the
+  static buffers its graphs read; a call copies its key, value and query into them (one
+  transfer through the stager, or a DMA per tensor from page-locked host memory) and, when
+  the step changed, its metadata (device copies);
 * nothing a kernel does may depend on a host decision per call: the paged-attention
   launcher picks its configuration from shapes alone (``check_values=False``), and a
   padded block table's entries past a sequence's length are never read.
