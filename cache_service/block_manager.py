@@ -648,6 +648,29 @@ class BlockManager:
         for seq, new in checked:
             self._apply_commit(seq, layer, new)
 
+    def commit_repeated(self, snapshot: WriteSnapshot, layer: int) -> None:
+        """`commit_writes` of the snapshot's writes on `layer` (snapshot.num_tokens per
+        sequence), for a caller that had `repeatable(snapshot, layer, ...)` answer True
+        and held the sequences' locks since: what `repeatable` checked (the same live
+        sequences, `layer` written exactly up to the snapshot's starts, those positions
+        reserved) still holds, so no sequence is looked up or checked again but that
+        `layer` still stands at its start. All or nothing.
+
+        Raises:
+            InvalidRequest: a sequence's `layer` is no longer at the snapshot's start (the
+                caller broke the contract); nothing was committed.
+        """
+        pairs = list(zip(snapshot.seqs, snapshot.starts, strict=True))
+        for i, (seq, start) in enumerate(pairs):
+            if seq.written[layer] != start:
+                raise InvalidRequest(
+                    f"layer {layer} of {snapshot.seq_ids[i]!r} stands at {seq.written[layer]}, "
+                    f"not at the snapshot's {start}: check repeatable() under the same locks"
+                )
+        n = snapshot.num_tokens
+        for seq, start in pairs:
+            self._apply_commit(seq, layer, start + n)
+
     def _committed_length(self, seq: Sequence, layer: int | None, num_tokens: object) -> int:
         """written(layer) after committing `num_tokens` more, checked against the reserved
         positions."""

@@ -873,7 +873,7 @@ class Coordinator:
         changed nothing, when under the locks the step no longer applies. out: as in
         `append_attend_stacked`."""
         seq_ids = batch.seq_ids
-        async with self._locked(seq_ids):
+        async with self._locked_in_order(step.lock_order):
             # Another call may have replaced the step or moved a sequence meanwhile, or the
             # step's worker may have gone.
             if self._recorded_step(tenant, seq_ids) is not step or not (
@@ -898,7 +898,8 @@ class Coordinator:
             part.finite_checked = False
             try:
                 (output,) = await self._execute(layer, [(list(range(b)), part)], hq)
-                self.block_manager.commit_writes(tenant, layer, [(s, n) for s in seq_ids])
+                # `repeatable` said yes under these locks: the short commit.
+                self.block_manager.commit_repeated(step.snapshot, layer)
             except NonFiniteInput:
                 # Refused before anything was written; the full path's check names the
                 # sequence and tensor.
@@ -1179,14 +1180,18 @@ class Coordinator:
 
     # -- internals: locking ----------------------------------------------------------------
 
+    def _locked(self, seq_ids: Sequence[str]) -> contextlib.AbstractAsyncContextManager[None]:
+        # Sorted, so two calls locking overlapping sets cannot deadlock.
+        return self._locked_in_order(sorted(set(seq_ids)))
+
     @contextlib.asynccontextmanager
-    async def _locked(self, seq_ids: Sequence[str]):  # type: ignore[no-untyped-def]
+    async def _locked_in_order(self, order: Sequence[str]):  # type: ignore[no-untyped-def]
+        """The locks of `order` (distinct sequence ids, sorted: see `_locked`)."""
         # Acquired one by one and released in reverse order, also when an acquire is
         # cancelled: what an AsyncExitStack of the locks does, at a fraction of its cost.
         held: list[asyncio.Lock] = []
         try:
-            # Sorted, so two calls locking overlapping sets cannot deadlock.
-            for seq_id in sorted(set(seq_ids)):
+            for seq_id in order:
                 lock = self._locks.get(seq_id)
                 if lock is None:
                     lock = self._locks[seq_id] = asyncio.Lock()

@@ -15,7 +15,7 @@ ids), except `plan`, which the first run fills in.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cache_service.attention_plan import AttentionPlan, OneWorkerView
 from cache_service.block_manager import WriteSnapshot
@@ -36,6 +36,8 @@ class LayerStep:
         views: per sequence, what attention reads after the write (seq_len = start + n).
         slots: flat slots of the new tokens, sequence by sequence (n per sequence).
         plan: the kernel batch for exactly these views and query rows, once computed.
+        lock_order: the batch's sequence ids, distinct and sorted: the order the
+            coordinator takes their locks in, worked out once for every layer.
     """
 
     snapshot: WriteSnapshot
@@ -44,6 +46,10 @@ class LayerStep:
     views: list[OneWorkerView]
     slots: list[int]
     plan: AttentionPlan | None = None
+    lock_order: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.lock_order = tuple(sorted(set(self.snapshot.seq_ids)))
 
 
 class LayerStepCache:

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_service.block_manager import BlockManager, BlockManagerConfig
+from cache_service.block_manager import BlockManager, BlockManagerConfig, WriteSnapshot
 from cache_service.control_types import (
     BlockCopy,
     CancelledWrite,
@@ -395,6 +395,19 @@ class DurableBlockManager:
             "commit_writes",
             lambda: self._manager.commit_writes(tenant, layer, items),
             lambda: {"tenant": tenant, "layer": layer, "writes": [list(w) for w in items]},
+        )
+
+    def commit_repeated(self, snapshot: WriteSnapshot, layer: int) -> None:
+        """BlockManager.commit_repeated, logged as the `commit_writes` it is equivalent to
+        (recovery replays that)."""
+        self._run(
+            "commit_writes",
+            lambda: self._manager.commit_repeated(snapshot, layer),
+            lambda: {
+                "tenant": snapshot.tenant,
+                "layer": layer,
+                "writes": [[s, snapshot.num_tokens] for s in snapshot.seq_ids],
+            },
         )
 
     def pin(self, tenant: str, token_ids: SequenceABC[int]) -> int:

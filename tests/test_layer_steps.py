@@ -633,3 +633,53 @@ def test_rounds_coalescing_the_same_steps_plan_once_and_stay_exact() -> None:
 
 
 DEEP = KVLayout(num_layers=6, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype="float32")
+
+
+def test_commit_repeated_commits_as_commit_writes_does_and_refuses_a_moved_layer() -> None:
+    short, full = manager(), manager()
+    for m in (short, full):
+        for i in range(3):
+            m.create_sequence("t", seq_id=f"s{i}")
+    seqs = [f"s{i}" for i in range(3)]
+    for token in range(6):  # crosses a block boundary
+        tokens = [100 + token + i for i in range(3)]
+        _, snap = first_layer(short, seqs, tokens)
+        first_layer(full, seqs, tokens)
+        for layer in range(1, LAYERS):
+            assert short.repeatable(snap, layer, tokens)
+            short.commit_repeated(snap, layer)
+            full.commit_writes("t", layer, [(s, 1) for s in seqs])
+            assert short.to_records() == full.to_records()
+    # Committed once, a layer has moved past the snapshot: refused, nothing committed.
+    before = short.to_records()
+    with pytest.raises(InvalidRequest, match="not at the snapshot's"):
+        short.commit_repeated(snap, 1)
+    assert short.to_records() == before
+    short.check_integrity()
+
+
+def test_a_repeated_commit_is_logged_and_recovered(tmp_path: Any) -> None:
+    from cache_service.recovery import DurableBlockManager, recover
+    from cache_service.store import MetadataStore, StoreConfig
+
+    config = BlockManagerConfig(block_size=BS, num_layers=LAYERS, layout_fingerprint="fp")
+    path = str(tmp_path / "steps.db")
+    store = MetadataStore(StoreConfig(path))
+    store.begin_generation()
+    durable = DurableBlockManager(BlockManager(config), store)
+    durable.add_worker("w0", 32, epoch="e")
+    seqs = [durable.create_sequence("t").seq_id for _ in range(2)]
+    plans = durable.prepare_writes("t", 0, [(s, [7]) for s in seqs])
+    for s, plan in zip(seqs, plans, strict=True):
+        durable.block_ids("t", s, -(-(plan.start + 1) // BS))
+    durable.commit_writes("t", 0, [(s, 1) for s in seqs])
+    snap = durable.snapshot_writes("t", seqs, plans)
+    for layer in range(1, LAYERS):
+        assert durable.repeatable(snap, layer, [7, 7])
+        durable.commit_repeated(snap, layer)
+    records = durable.to_records()
+    store.close()
+    store = MetadataStore(StoreConfig(path))
+    store.begin_generation()
+    assert recover(store, config).manager.to_records() == records
+    store.close()
