@@ -95,23 +95,45 @@ class RegionInfo:
     size_bytes: int
 
 
+# Views kept per region (`_Mapping.view`): a client's calls of one kind read the same few
+# slices every time; past this many distinct ones the cache starts afresh.
+_MAX_VIEWS = 64
+
+
 class _Mapping:
     """A region's file as mapped: the mmap and, where the server pins regions for CUDA, a
-    uint8 tensor over all of it (the base of zero-copy views) and whether CUDA accepted
-    the registration."""
+    uint8 tensor over all of it (the base of zero-copy views), whether CUDA accepted the
+    registration, and the views handed out so far (reused: same bytes, same tensor)."""
 
-    __slots__ = ("base", "mm", "pinned")
+    __slots__ = ("base", "mm", "pinned", "views")
 
     def __init__(self, mm: mmap.mmap, pin_for_cuda: bool) -> None:
         self.mm = mm
         self.base: torch.Tensor | None = None
         self.pinned = False
+        self.views: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
         if pin_for_cuda:
             self.base = torch.frombuffer(mm, dtype=torch.uint8)
             self.pinned = pin(self.base)
 
+    def view(
+        self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """A tensor over bytes [offset, offset + nbytes) of the base (range checked by the
+        caller), made once per (offset, dtype, shape)."""
+        key = (offset, dtype, shape)
+        view = self.views.get(key)
+        if view is None:
+            if len(self.views) >= _MAX_VIEWS:
+                self.views.clear()
+            base = self.base
+            assert base is not None  # only regions with a base hand out views
+            view = self.views[key] = base[offset : offset + nbytes].view(dtype).view(shape)
+        return view
+
     def close(self) -> None:
         """Unregister and unmap; raises BufferError while views of the mapping exist."""
+        self.views.clear()
         if self.pinned:
             unpin(self.base)  # type: ignore[arg-type]
             self.pinned = False
@@ -196,11 +218,9 @@ class OutputSlot:
         has a tensor base: regions pinned for CUDA), to produce the output in place; None
         elsewhere (then `write` copies it in)."""
         region = self._region
-        base = None if region is None else region.mapping.base
-        if base is None or self.nbytes == 0:
+        if region is None or region.mapping.base is None or self.nbytes == 0:
             return None
-        raw = base[self.offset : self.offset + self.nbytes]
-        return raw.view(self.dtype).view(self.shape)
+        return region.mapping.view(self.offset, self.nbytes, self.dtype, self.shape)
 
     def write(self, tensor: torch.Tensor) -> None:
         """Write `tensor`'s raw little-endian, C-contiguous bytes (exactly `nbytes`; any
@@ -532,7 +552,7 @@ class SharedRegions:
         _check_range(region, offset, nbytes, dtype.itemsize, f"{field}.shared")
         if nbytes == 0:
             return torch.empty(tuple(shape), dtype=dtype), None
-        return base[offset : offset + nbytes].view(dtype).view(tuple(shape)), region
+        return region.mapping.view(offset, nbytes, dtype, tuple(shape)), region
 
     def check_writable(
         self,

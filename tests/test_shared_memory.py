@@ -792,12 +792,14 @@ def test_a_zero_copy_reader_gives_views_and_holds_their_region(tmp_path: Path) -
         assert view.view(torch.uint8).tolist() == list(range(24))
         mm[1000:1002] = b"\xff\xff"
         assert view.view(torch.uint8)[:2].tolist() == [255, 255]  # a view, not a copy
+        # The same slice read again is the same tensor (views are kept per region).
+        assert reader(info.region_id, 1000, torch.float16, [12], "key") is view
         # Bad slices fail as the copying read fails, and hold nothing.
         with pytest.raises(InvalidRequest, match=r"key\.shared: 26 bytes at offset 1000"):
             reader(info.region_id, 1000, torch.float16, [13], "key")
         with pytest.raises(SharedRegionNotFound, match="not found"):
             regions.reader("other")(info.region_id, 0, torch.float32, [1], "key")
-        assert region.users == 1
+        assert region.users == 2  # each read holds the region until the reader closes
         regions.release("t", info.region_id)  # released mid-call: stays mapped for the call
         assert not os.path.exists(info.path) and not region.mm.closed
         del view
