@@ -120,7 +120,7 @@ class KVPool:
         # The attention metadata of recent decode steps, validated and on the device.
         self._metadata = MetadataCache()
         self._graphs = (
-            DecodeGraphs(self._device, self._graph_body, self._stager)
+            DecodeGraphs(self._device, self._write_and_attend_on_device, self._stager)
             if cuda_graphs and self._device.type == "cuda" and backend != "torch"
             else None
         )
@@ -323,36 +323,32 @@ class KVPool:
                     layer, entry, key, value, query, options, pinned, check_finite
                 )
                 if replayed is not None:
-                    got, lse, finite = replayed
-                    result = (got, lse) if options.return_lse else got
                     # A replay's results live in the graph's memory: copied out here.
-                    return self._deliver(
-                        result, to_host, owned=False, wait=pinned, out=out, finite=finite
+                    return self._finish(
+                        replayed, options, to_host, owned=False, wait=pinned, out=out
                     )
             k, v, q = self._on_device(key, value, query, pinned=pinned)
-            slots, finite = self._guarded(entry.slots, k, v, q, check_finite)
-            self._write_on_device(layer, slots, k, v)
-            result = self._attend_on_device(layer, q, *entry.tables(), options)
-            return self._deliver(result, to_host, wait=pinned, out=out, finite=finite)
+            done = self._write_and_attend_on_device(
+                layer, entry.slots, k, v, q, *entry.tables(), options, check_finite
+            )
+            return self._finish(done, options, to_host, wait=pinned, out=out)
         slots = check_write(self._layout, self._num_blocks, layer, slot_mapping, key, value)
         if entry is not None:
             staged = self._on_device(*_write_inputs(slots, key, value), query)
             # The key's other layers will find these slots kept.
             self._keep_metadata(metadata_key, entry, slot_mapping, staged[0])
-            guarded, finite = self._guarded(*staged, check_finite)
-            self._write_on_device(layer, guarded, *staged[1:3])
-            result = self._attend_on_device(layer, staged[3], *entry.tables(), options)
-            return self._deliver(result, to_host, out=out, finite=finite)
+            done = self._write_and_attend_on_device(
+                layer, *staged, *entry.tables(), options, check_finite
+            )
+            return self._finish(done, options, to_host, out=out)
         indices = check_attend(self._layout, self._num_blocks, layer, query, *batch)
         # Both halves' tensors reach the device in one staged copy.
         staged = self._on_device(
             *_write_inputs(slots, key, value), *_attend_inputs(query, *indices)
         )
         self._remember_metadata(metadata_key, staged[4:], query.shape[0], slot_mapping, staged[0])
-        guarded, finite = self._guarded(*staged[:4], check_finite)
-        self._write_on_device(layer, guarded, *staged[1:3])
-        result = self._attend_on_device(layer, *staged[3:], options)
-        return self._deliver(result, to_host, out=out, finite=finite)
+        done = self._write_and_attend_on_device(layer, *staged, options, check_finite)
+        return self._finish(done, options, to_host, out=out)
 
     def write_and_attend_pages(
         self,
@@ -572,7 +568,7 @@ class KVPool:
             entry = replace(entry, slot_source=source, slots=slots.clone())
         self._metadata.put(metadata_key, entry)
 
-    def _graph_body(
+    def _write_and_attend_on_device(
         self,
         layer: int,
         slots: torch.Tensor,
@@ -585,8 +581,9 @@ class KVPool:
         options: AttendOptions,
         check_finite: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """What a decode graph captures: the write (guarded by `check_finite`), then the
-        attention (device tensors); returns (out, lse, finite flag)."""
+        """The write (guarded by `check_finite`), then the attention, on validated device
+        tensors: what every write_and_attend path runs, and what a decode graph captures.
+        Returns (out, lse or None, finite flag or None)."""
         slots, finite = self._guarded(slots, key, value, query, check_finite)
         self._write_on_device(layer, slots, key, value)
         result = self._attend_on_device(
@@ -611,6 +608,21 @@ class KVPool:
         finite = torch.isfinite(key).all() & torch.isfinite(value).all()
         finite &= torch.isfinite(query).all()
         return torch.where(finite, slots, -1), finite
+
+    def _finish(
+        self,
+        done: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+        options: AttendOptions,
+        to_host: bool,
+        *,
+        owned: bool = True,
+        wait: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> AttendResult:
+        """`_deliver` of `_write_and_attend_on_device`'s (out, lse, finite flag)."""
+        got, lse, finite = done
+        result = (got, lse) if options.return_lse else got
+        return self._deliver(result, to_host, owned=owned, wait=wait, out=out, finite=finite)
 
     def _deliver(
         self,
