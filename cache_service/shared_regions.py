@@ -516,11 +516,8 @@ class SharedRegions:
             InvalidRequest: the offset is not a multiple of the element size, or the bytes
                 do not lie within the region.
         """
-        region = self._lookup(tenant, region_id, f"{field}.shared")
-        nbytes = math.prod(shape) * dtype.itemsize
-        _check_range(region, offset, nbytes, dtype.itemsize, f"{field}.shared")
-        with memoryview(region.mm) as whole, whole[offset : offset + nbytes] as part:
-            return tensor_from_bytes(part, dtype, shape, field)  # copies: the one copy
+        region, nbytes = self._slice(tenant, region_id, offset, dtype, shape, f"{field}.shared")
+        return _copy_out(region, offset, nbytes, dtype, shape, field)
 
     def reader(self, tenant: str) -> RegionReader:
         """The reader of one call's shared inputs (`tensor_codec.SharedReader`): copies
@@ -544,12 +541,9 @@ class SharedRegions:
         Raises:
             as `read`.
         """
-        region = self._lookup(tenant, region_id, f"{field}.shared")
-        base = region.mapping.base
-        if base is None or not _VIEWS_OK:
-            return self.read(tenant, region_id, offset, dtype, shape, field), None
-        nbytes = math.prod(shape) * dtype.itemsize
-        _check_range(region, offset, nbytes, dtype.itemsize, f"{field}.shared")
+        region, nbytes = self._slice(tenant, region_id, offset, dtype, shape, f"{field}.shared")
+        if region.mapping.base is None or not _VIEWS_OK:
+            return _copy_out(region, offset, nbytes, dtype, shape, field), None
         if nbytes == 0:
             return torch.empty(tuple(shape), dtype=dtype), None
         return region.mapping.view(offset, nbytes, dtype, tuple(shape)), region
@@ -570,12 +564,26 @@ class SharedRegions:
             SharedRegionNotFound / InvalidRequest: as `read`, naming `field` (e.g.
             "output_to").
         """
-        region = self._lookup(tenant, region_id, field)
-        nbytes = math.prod(shape) * dtype.itemsize
-        _check_range(region, offset, nbytes, dtype.itemsize, field)
+        region, nbytes = self._slice(tenant, region_id, offset, dtype, shape, field)
         if offset % 16 or not _VIEWS_OK:  # views only of aligned slots in the wire's order
             return OutputSlot(region, offset, nbytes)
         return OutputSlot(region, offset, nbytes, dtype, tuple(shape))
+
+    def _slice(
+        self,
+        tenant: str,
+        region_id: str,
+        offset: int,
+        dtype: torch.dtype,
+        shape: Sequence[int],
+        field: str,
+    ) -> tuple[_Region, int]:
+        """The tenant's region and the byte count of the slice of `dtype` and `shape` at
+        `offset`, checked to lie within it (raises what `read` documents, naming `field`)."""
+        region = self._lookup(tenant, region_id, field)
+        nbytes = math.prod(shape) * dtype.itemsize
+        _check_range(region, offset, nbytes, dtype.itemsize, field)
+        return region, nbytes
 
     def _lookup(self, tenant: str, region_id: str, field: str) -> _Region:
         region = self._regions.get(region_id)
@@ -591,6 +599,19 @@ class SharedRegions:
     def _report(self) -> None:
         if self._on_change is not None:
             self._on_change(len(self._regions), self._bytes)
+
+
+def _copy_out(
+    region: _Region,
+    offset: int,
+    nbytes: int,
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    field: str,
+) -> torch.Tensor:
+    """A new CPU tensor holding a copy of the region's checked slice (the one copy)."""
+    with memoryview(region.mm) as whole, whole[offset : offset + nbytes] as part:
+        return tensor_from_bytes(part, dtype, shape, field)
 
 
 def _check_range(region: _Region, offset: int, nbytes: int, itemsize: int, field: str) -> None:
