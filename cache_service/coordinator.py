@@ -1357,12 +1357,7 @@ class Coordinator:
         # One layer (the usual round): per-layer calls. Several (coalesce_layers): one call
         # over pages of every layer.
         layer = parts[0].layer if len(layers) == 1 else None
-        round_key = _round_key(parts) if layer is not None else None
-        if round_key is not None:
-            # One order for a set of steps, so the round's plan (and with it the worker's
-            # metadata key and its graphs) is the same every layer they coalesce again.
-            parts.sort(key=lambda p: id(p.step))
-            round_key = tuple(p.step for p in parts)  # type: ignore[misc]
+        round_key = _round_steps(parts) if layer is not None else None
         views = [v for p in parts for v in p.views]
         nq = [n for p in parts for n in p.num_queries]
         seq_ids = [s for p in parts for s in p.seq_ids]
@@ -1741,15 +1736,17 @@ def _check_finite(
 _MAX_ROUND_PLANS = 64
 
 
-def _round_key(parts: list[_Part]) -> tuple[LayerStep, ...] | None:
+def _round_steps(parts: list[_Part]) -> tuple[LayerStep, ...] | None:
     """The recorded steps of a round of several parts, each part repeating a different
-    one on the same layer; None for anything else (a lone part, a part without a step)."""
-    if len(parts) < 2:
+    one, with `parts` put in the one order of that set of steps (so the round's plan, and
+    with it the worker's metadata key and graphs, is the same every layer they coalesce
+    again); None, `parts` untouched, for anything else (a lone part, one without a step)."""
+    if len(parts) < 2 or any(p.step is None for p in parts):
         return None
-    steps = tuple(p.step for p in parts)
-    if any(s is None for s in steps) or len({id(s) for s in steps}) != len(steps):
+    if len({id(p.step) for p in parts}) != len(parts):
         return None
-    return steps  # type: ignore[return-value]
+    parts.sort(key=lambda p: id(p.step))
+    return tuple(p.step for p in parts)  # type: ignore[misc]
 
 
 def _finite_parts(parts: list[_Part]) -> tuple[list[_Part], bool]:
