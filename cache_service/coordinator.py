@@ -977,8 +977,8 @@ class Coordinator:
     ) -> _Part:
         """The call's one part from a recorded step: its views, slots and kernel plan, with
         this call's queries ``[rows, Hq, D]`` and new K/V ``[tokens, Hkv, D]`` (sequence by
-        sequence, cast to the pool's dtype here), and where its output may go (`out`, used
-        when in the pool's dtype)."""
+        sequence, cast to the pool's dtype here), and where its output may go (`out`;
+        run_attention uses it only where it fits the plan and the pool's dtype)."""
         dtype = self._pool_dtype
         return _Part(
             views=step.views,  # type: ignore[arg-type]
@@ -988,7 +988,7 @@ class Coordinator:
             writes={step.worker_id: (step.slots, key.to(dtype), value.to(dtype))},
             return_lse=return_lse,
             plan=step.plan,
-            out=out if out is not None and out.dtype == dtype else None,
+            out=out,
             step=step,
         )
 
