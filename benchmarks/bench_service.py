@@ -101,7 +101,9 @@ H200 = Setup(
 )
 
 
-def service_config(setup: Setup, *, ray: bool, window_ms: float) -> ServiceConfig:
+def service_config(
+    setup: Setup, *, ray: bool, window_ms: float, cuda_graphs: bool = True
+) -> ServiceConfig:
     lay = setup.layout
     return ServiceConfig().with_overrides(
         {
@@ -116,6 +118,7 @@ def service_config(setup: Setup, *, ray: bool, window_ms: float) -> ServiceConfi
             "workers.blocks_per_worker": setup.blocks,
             "workers.device": setup.device,
             "workers.in_process": not ray,
+            "workers.cuda_graphs": cuda_graphs,
             "workers.ray_num_cpus": 2 if setup.device == "cpu" else None,
             "coordinator.batch_window_ms": window_ms,
             "coordinator.health_check_interval_s": 0,
@@ -133,6 +136,11 @@ TRANSPORTS = {
 }
 
 
+# The service runs: one client of the main batch, one client of the concurrency batch, the
+# concurrent clients (--phases picks some).
+PHASES = ("single", "one_small", "concurrent")
+
+
 def through_service(
     setup: Setup,
     *,
@@ -141,17 +149,23 @@ def through_service(
     api: str = "batch",
     profile: Path | None = None,
     transport: str = "session-shm",
+    cuda_graphs: bool = True,
+    phases: tuple[str, ...] = PHASES,
 ) -> dict[str, BenchResult]:
     """Start a service, run the single-client and the concurrency benchmarks, stop it.
 
     profile: write a cProfile of the server's event-loop thread during the single-client
-    run here (it slows that run; for finding costs, not for the figures)."""
+    run here (it slows that run; for finding costs, not for the figures).
+    cuda_graphs: the service's CUDA pools replay repeated layers as graphs (workers.cuda_graphs).
+    phases: which of PHASES to run."""
     dtype = setup.layout.dtype
     (session, shm), _ = TRANSPORTS[transport]
     wire = {"api": api, "session": session, "shared_memory": shm}
 
     async def main() -> dict[str, BenchResult]:
-        running = await start_service(service_config(setup, ray=ray, window_ms=window_ms))
+        running = await start_service(
+            service_config(setup, ray=ray, window_ms=window_ms, cuda_graphs=cuda_graphs)
+        )
         loop = asyncio.get_running_loop()
         try:
             out = {}
@@ -171,7 +185,7 @@ def through_service(
             ):  # fmt: skip
                 # Clients in their own processes: a client sharing the server's GIL would
                 # slow both and inflate the figures.
-                if profile is not None and key != "single":
+                if (profile is not None and key != "single") or key not in phases:
                     continue
                 run = functools.partial(run_decode_bench, processes=True)
                 prof = cProfile.Profile() if profile is not None and key == "single" else None
@@ -338,6 +352,8 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         f"{args.batch_window_ms} ms",
         f"- client call: {API_TEXT[args.api]}; transports (rows): "
         + "; ".join(TRANSPORTS[t][1] for t in args.transports.split(",")),
+        f"- the service's CUDA pools replay repeated layers as CUDA graphs: "
+        f"{'no' if args.no_graphs else 'yes'}; runs: {args.phases}",
         "- each client runs in its own process (loopback gRPC); one worker; the server's "
         "process holds the coordinator (and, for the first row, the pools)",
         "",
@@ -345,10 +361,15 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         "",
         "| path | p50 ms | p99 ms | steps/s | tokens/s | p50 overhead over in-process ms |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
-        f"| in-process `PoolWorker.write_and_attend` (no RPC) | {fmt_ms(b50)} | {fmt_ms(b99)} | "
-        f"{base_steps:.2f} | {base_steps * setup.batch:.1f} | - |",
     ]
+    if base_times:
+        lines.append(
+            f"| in-process `PoolWorker.write_and_attend` (no RPC) | {fmt_ms(b50)} | "
+            f"{fmt_ms(b99)} | {base_steps:.2f} | {base_steps * setup.batch:.1f} | - |"
+        )
     for label, res in results.items():
+        if "single" not in res:
+            continue
         r = res["single"]
         lines.append(
             f"| service, {label} | {r.p50_ms:.3f} | {r.p99_ms:.3f} | {r.steps_per_s:.2f} | "
@@ -369,6 +390,8 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         return "-" if n is None else f"{n:.2f}"
 
     for label, res in results.items():
+        if "one_small" not in res or "concurrent" not in res:
+            continue
         one, many = res["one_small"], res["concurrent"]
         ratio = many.tokens_per_s / one.tokens_per_s if one.tokens_per_s else 0.0
         lines.append(
@@ -379,6 +402,8 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
     if setup.name == "h200":
         lines += ["", "## Targets (issue 5)", ""]
         for label, res in results.items():
+            if any(phase not in res for phase in PHASES):
+                continue
             r, one, many = res["single"], res["one_small"], res["concurrent"]
             ratio = many.tokens_per_s / max(one.tokens_per_s, 1e-9)
             lines += [
@@ -406,7 +431,18 @@ def main(argv: list[str] | None = None) -> int:
         default="session-shm,unary",
         help=f"comma-separated client transports, of {', '.join(TRANSPORTS)}",
     )
+    parser.add_argument(
+        "--no-graphs", action="store_true", help="the service's pools without CUDA graphs"
+    )
+    parser.add_argument(
+        "--phases",
+        default=",".join(PHASES),
+        help=f"comma-separated service runs, of {', '.join(PHASES)}",
+    )
     args = parser.parse_args(argv)
+    phases = tuple(args.phases.split(","))
+    if any(p not in PHASES for p in phases):
+        parser.error(f"--phases: choose among {list(PHASES)}, got {args.phases!r}")
     setup = H200 if args.h200 else CPU
     if args.steps:
         setup = replace(setup, steps=args.steps, concurrent_steps=args.steps)
@@ -425,7 +461,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown transport(s) {unknown}; choose among {list(TRANSPORTS)}")
     for transport in transports:
         results[f"pools in the server process, {TRANSPORTS[transport][1]}"] = through_service(
-            setup, ray=False, window_ms=args.batch_window_ms, api=args.api, transport=transport
+            setup,
+            ray=False,
+            window_ms=args.batch_window_ms,
+            api=args.api,
+            transport=transport,
+            cuda_graphs=not args.no_graphs,
+            phases=phases,
         )
     if args.profile:
         # A shorter context: filling 8 GiB again would cost more than the profile tells.
@@ -440,10 +482,17 @@ def main(argv: list[str] | None = None) -> int:
         )
     if not args.no_ray:
         results[f"Ray {setup.device} worker, {TRANSPORTS[transports[0]][1]}"] = through_service(
-            setup, ray=True, window_ms=args.batch_window_ms, api=args.api, transport=transports[0]
+            setup,
+            ray=True,
+            window_ms=args.batch_window_ms,
+            api=args.api,
+            transport=transports[0],
+            cuda_graphs=not args.no_graphs,
+            phases=phases,
         )
-    # After the service stopped, so the baseline has the device to itself.
-    base = in_process(setup)
+    # After the service stopped, so the baseline has the device to itself (it is the single
+    # client's reference, not needed without that run).
+    base = in_process(setup) if "single" in phases else ([], 1.0)
     text = report(setup, results, base, args)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -102,6 +102,36 @@ service-transports)
   done
   CUDA_VISIBLE_DEVICES=0 timeout 60 python3 benchmarks/diag_placement.py 2>&1 \
     | tee "$OUT/placement.log" | tail -3
+  ;;
+profile-concurrency)
+  # The service benchmark; its concurrency runs again without CUDA graphs (A/B in one
+  # call); py-spy profiles (every thread, every process) of the single and the concurrent
+  # runs. PYSPY: the py-spy binary.
+  CUDA_VISIBLE_DEVICES=0 timeout 170 python3 benchmarks/bench_service.py --h200 --no-ray \
+    --transports session-shm --out "$OUT/service-h200.md" > "$OUT/bench-service.log" 2>&1
+  tail -14 "$OUT/service-h200.md"
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/bench_service.py --h200 --no-ray \
+    --transports session-shm --phases one_small,concurrent --no-graphs \
+    --out "$OUT/service-no-graphs.md" > "$OUT/bench-no-graphs.log" 2>&1
+  tail -4 "$OUT/service-no-graphs.md"
+  for run in single concurrent; do
+    CUDA_VISIBLE_DEVICES=0 timeout 150 "$PYSPY" record --nonblocking --threads --subprocesses \
+      -r 1000 -f raw -o "$OUT/spy-$run.raw" -- python3 benchmarks/bench_service.py --h200 \
+      --no-ray --transports session-shm --phases $run --steps 20 \
+      --out "$OUT/service-spy-$run.md" > "$OUT/spy-$run.log" 2>&1
+    tail -4 "$OUT/service-spy-$run.md"
+  done
+  ;;
+profile-server)
+  # One client's timeline at batch 32 (service_breakdown), then py-spy on the server's
+  # process alone (idle samples kept: wall time) through a single-client run.
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/service_breakdown.py --device cuda \
+    --layers 32 --steps 20 2>&1 | tail -14 | tee "$OUT/service-breakdown.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 "$PYSPY" record --nonblocking --threads --idle \
+    -r 2000 -f raw -o "$OUT/spy-single.raw" -- python3 benchmarks/bench_service.py --h200 \
+    --no-ray --transports session-shm --phases single --steps 40 \
+    --out "$OUT/service-spy-single.md" > "$OUT/spy-single.log" 2>&1
+  tail -3 "$OUT/spy-single.log"; grep "service," "$OUT/service-spy-single.md"
   ;;
 graphs-service)
   # The GPU tests of the pool (CUDA-graph replay included), the pool call's breakdown with
