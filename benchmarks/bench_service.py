@@ -127,12 +127,25 @@ def service_config(
     )
 
 
-# Client transports (--transports): (Session stream, shared memory), and how rows name them.
+@dataclass(frozen=True)
+class Transport:
+    """How a benchmark client sends its batch calls (KVCacheClient's options)."""
+
+    session: bool  # as messages of one Session (else unary RPCs)
+    shared_memory: bool  # tensors through a shared-memory region (else bytes)
+    local_session: bool  # the Session over the server's local socket (else gRPC)
+    label: str  # how report rows name it
+
+
+# Client transports (--transports).
 TRANSPORTS = {
-    "session-shm": ((True, True), "Session stream, shared-memory tensors"),
-    "session": ((True, False), "Session stream, tensor bytes"),
-    "unary-shm": ((False, True), "unary RPCs, shared-memory tensors"),
-    "unary": ((False, False), "unary RPCs, tensor bytes"),
+    "session-shm": Transport(True, True, False, "Session stream, shared-memory tensors"),
+    "local-shm": Transport(
+        True, True, True, "local session (Unix socket, no gRPC), shared-memory tensors"
+    ),
+    "session": Transport(True, False, False, "Session stream, tensor bytes"),
+    "unary-shm": Transport(False, True, False, "unary RPCs, shared-memory tensors"),
+    "unary": Transport(False, False, False, "unary RPCs, tensor bytes"),
 }
 
 
@@ -159,8 +172,13 @@ def through_service(
     cuda_graphs: the service's CUDA pools replay repeated layers as graphs (workers.cuda_graphs).
     phases: which of PHASES to run."""
     dtype = setup.layout.dtype
-    (session, shm), _ = TRANSPORTS[transport]
-    wire = {"api": api, "session": session, "shared_memory": shm}
+    t = TRANSPORTS[transport]
+    wire = {
+        "api": api,
+        "session": t.session,
+        "shared_memory": t.shared_memory,
+        "local_session": t.local_session,
+    }
 
     async def main() -> dict[str, BenchResult]:
         running = await start_service(
@@ -351,7 +369,7 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         f"of {lay.num_layers} append-and-attend calls (3 warm-up steps); batching window "
         f"{args.batch_window_ms} ms",
         f"- client call: {API_TEXT[args.api]}; transports (rows): "
-        + "; ".join(TRANSPORTS[t][1] for t in args.transports.split(",")),
+        + "; ".join(TRANSPORTS[t].label for t in args.transports.split(",")),
         f"- the service's CUDA pools replay repeated layers as CUDA graphs: "
         f"{'no' if args.no_graphs else 'yes'}; runs: {args.phases}",
         "- each client runs in its own process (loopback gRPC); one worker; the server's "
@@ -460,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown transport(s) {unknown}; choose among {list(TRANSPORTS)}")
     for transport in transports:
-        results[f"pools in the server process, {TRANSPORTS[transport][1]}"] = through_service(
+        results[f"pools in the server process, {TRANSPORTS[transport].label}"] = through_service(
             setup,
             ray=False,
             window_ms=args.batch_window_ms,
@@ -481,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
             transport=transports[0],
         )
     if not args.no_ray:
-        results[f"Ray {setup.device} worker, {TRANSPORTS[transports[0]][1]}"] = through_service(
+        results[f"Ray {setup.device} worker, {TRANSPORTS[transports[0]].label}"] = through_service(
             setup,
             ray=True,
             window_ms=args.batch_window_ms,

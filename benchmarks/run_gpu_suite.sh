@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -121,6 +121,30 @@ profile-concurrency)
       --out "$OUT/service-spy-$run.md" > "$OUT/spy-$run.log" 2>&1
     tail -4 "$OUT/service-spy-$run.md"
   done
+  ;;
+local-sessions)
+  # The service benchmark over a local session (Unix socket) and over the gRPC stream, both
+  # with shared-memory tensors; one call's timeline over each.
+  CUDA_VISIBLE_DEVICES=0 timeout 330 python3 benchmarks/bench_service.py --h200 --no-ray \
+    --transports local-shm,session-shm --out "$OUT/service-h200.md" > "$OUT/bench-service.log" 2>&1
+  tail -16 "$OUT/service-h200.md"
+  for t in local-shm session-shm; do
+    CUDA_VISIBLE_DEVICES=0 timeout 100 python3 benchmarks/service_breakdown.py --device cuda \
+      --layers 32 --steps 20 --transport $t 2>&1 | tail -14 | tee "$OUT/breakdown-$t.log"
+  done
+  ;;
+profile-local-concurrency)
+  # py-spy of the server's process through the concurrency runs over local sessions; then
+  # those runs again with a shorter batching window.
+  CUDA_VISIBLE_DEVICES=0 timeout 150 "$PYSPY" record --nonblocking --threads -r 500 -f raw \
+    -o "$OUT/spy-concurrent.raw" -- python3 benchmarks/bench_service.py --h200 --no-ray \
+    --transports local-shm --phases one_small,concurrent \
+    --out "$OUT/service-spy.md" > "$OUT/spy.log" 2>&1
+  tail -4 "$OUT/service-spy.md"
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/bench_service.py --h200 --no-ray \
+    --transports local-shm --phases one_small,concurrent --batch-window-ms 0.2 \
+    --out "$OUT/service-window.md" > "$OUT/window.log" 2>&1
+  tail -4 "$OUT/service-window.md"
   ;;
 profile-server)
   # One client's timeline at batch 32 (service_breakdown), then py-spy on the server's

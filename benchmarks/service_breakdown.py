@@ -26,13 +26,14 @@ from bench_service import TRANSPORTS
 
 
 def client_main(addr, batch, context, steps, hq, dtype, api, transport, conn):
-    from cache_service import call_stream
+    from cache_service import call_stream, local_session_stream
     from cache_service.client import AppendAttendItem, KVCacheClient
 
     torch.set_num_threads(1)
     # When each call's message left and its reply arrived (the Session stream only).
     sends: list[tuple[float, float]] = []
     real_call = call_stream.CallStream.call
+    real_local_call = local_session_stream.LocalSessionStream.call
 
     def timed_call(self, request, timeout_s):
         t_send = time.perf_counter()
@@ -40,10 +41,20 @@ def client_main(addr, batch, context, steps, hq, dtype, api, transport, conn):
         sends.append((t_send, time.perf_counter()))
         return reply
 
+    def timed_local_call(self, request, timeout_s):
+        t_send = time.perf_counter()
+        reply = real_local_call(self, request, timeout_s)
+        sends.append((t_send, time.perf_counter()))
+        return reply
+
     call_stream.CallStream.call = timed_call
-    (session, shm), _ = transport
+    local_session_stream.LocalSessionStream.call = timed_local_call
     with KVCacheClient(
-        addr, timeout_s=120, session=session, shared_memory="auto" if shm else False
+        addr,
+        timeout_s=120,
+        session=transport.session,
+        shared_memory="auto" if transport.shared_memory else False,
+        local_session=transport.local_session,
     ) as client:
         lay = client.info().layout
         gen = torch.Generator().manual_seed(0)
@@ -119,7 +130,7 @@ async def main(args):
 
         wp.KVPool.write_and_attend = fake
     handler_times = []
-    (session, _), _ = TRANSPORTS[args.transport]
+    session = TRANSPORTS[args.transport].session
     # The handler body both the unary RPC and the session call run; the metric the call
     # is recorded under.
     method = "_append_attend_batch" if args.api == "batch" else "AppendAttend"

@@ -45,6 +45,8 @@ class BenchConfig:
             unary RPC each); see `KVCacheClient`.
         shared_memory: the batch calls' tensors through a shared-memory region when the
             client can map it (else as bytes in the messages).
+        local_session: the session's messages over the server's local socket (required:
+            a client that cannot use it fails) instead of the gRPC stream.
     """
 
     batch: int = 8
@@ -58,6 +60,7 @@ class BenchConfig:
     api: str = "batch"
     session: bool = True
     shared_memory: bool = True
+    local_session: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch", "context", "steps", "clients", "num_q_heads"):
@@ -143,6 +146,7 @@ def _client_run(
             timeout_s=cfg.timeout_s,
             session=cfg.session,
             shared_memory="auto" if cfg.shared_memory else False,
+            local_session=cfg.local_session and cfg.session,
         ) as client:
             layout = client.info().layout
             gen = torch.Generator().manual_seed(seed)

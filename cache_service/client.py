@@ -20,6 +20,9 @@ A client on the server's host sends the batch calls' tensors (`append_attend_bat
 `attend_batch`) through a shared-memory region instead of the message when it can
 (``shared_memory="auto"``, the default; `client_shared_memory`): only small messages then
 cross gRPC. Elsewhere, or when the server turned it off, the calls send bytes as before.
+Such a client also sends its session calls over the server's local socket rather than
+the gRPC stream when the server offers one (``local_session="auto"``, the default;
+`local_session_stream`): same messages and replies, without gRPC's threads.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import functools
 import itertools
 import random
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +44,11 @@ from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service._proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from cache_service.call_stream import CallStream, StreamBroken
 from cache_service.client_shared_memory import SharedMemoryPath, SharedMemoryUnavailable, Staged
+from cache_service.local_session_stream import (
+    LocalSessionStream,
+    LocalSessionUnavailable,
+    LocalSessionUnreachable,
+)
 from cache_service.request_codec import (
     encode_append_attend,
     encode_append_attend_batch,
@@ -70,6 +79,7 @@ __all__ = [
     "InvalidArgumentError",
     "KVCacheClient",
     "KVCacheError",
+    "LocalSessionUnavailable",
     "NotFoundError",
     "PermissionDeniedError",
     "ResourceExhaustedError",
@@ -207,6 +217,8 @@ class ServiceInfo:
         max_message_bytes: the largest message the server accepts, bytes.
         server_version: the server package's version.
         fingerprint: the layout's fingerprint (exports carry it).
+        local_session_socket: the server's local session socket ("" when it offers
+            none); see `KVCacheClient`'s local_session.
     """
 
     layout: Any
@@ -216,6 +228,7 @@ class ServiceInfo:
     max_message_bytes: int
     server_version: str
     fingerprint: str
+    local_session_socket: str = ""
 
 
 @dataclass(frozen=True)
@@ -398,6 +411,12 @@ class KVCacheClient:
             first one; `call_stream`) instead of one unary RPC each: what a model
             executor calling once per layer wants. A call that finds the stream busy with
             another thread's call, or a server without sessions, uses the unary RPC.
+        local_session: where the session's messages go. "auto" (default): over the
+            server's local socket (GetInfo's local_session_socket) when it offers one
+            and this process can connect to it (same host, same user), else over the
+            gRPC stream; decided on the first batch call, and again after the socket
+            went away. False: always gRPC. True: the local socket, raising
+            `LocalSessionUnavailable` where "auto" would use gRPC. Needs `session`.
     """
 
     def __init__(
@@ -412,9 +431,14 @@ class KVCacheClient:
         max_attempts: int = 4,
         shared_memory: bool | str = "auto",
         session: bool = True,
+        local_session: bool | str = "auto",
     ) -> None:
         if shared_memory not in (True, False, "auto"):
             raise ValueError(f"shared_memory must be True, False or 'auto', got {shared_memory!r}")
+        if local_session not in (True, False, "auto"):
+            raise ValueError(f"local_session must be True, False or 'auto', got {local_session!r}")
+        if local_session is True and not session:
+            raise ValueError("local_session=True needs session=True (it carries the session)")
         if not (isinstance(timeout_s, int | float) and timeout_s > 0):
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
         if max_attempts < 1:
@@ -457,6 +481,13 @@ class KVCacheClient:
             else None
         )
         self._call_ids = itertools.count(1)
+        # The local session: mode, whether it was decided (resolved and connected, or
+        # found unusable), and the stream when in use.
+        self._local_mode: bool | str = local_session if session else False
+        self._local_decided = not self._local_mode
+        self._local: LocalSessionStream | None = None
+        self._local_lock = threading.Lock()
+        self._max_message = max_message_bytes
         self._layout: Any = None
         self._shm = (
             SharedMemoryPath(
@@ -481,9 +512,16 @@ class KVCacheClient:
         channel."""
         if self._session is not None:
             self._session.close()
+        if self._local is not None:
+            self._local.close()
         if self._shm is not None:
             self._shm.close()
         self._channel.close()
+
+    @property
+    def local_session_active(self) -> bool:
+        """Whether the session calls currently go over the server's local socket."""
+        return self._local is not None
 
     @property
     def shared_memory_active(self) -> bool:
@@ -547,12 +585,25 @@ class KVCacheClient:
         its encoded request: a message of the session stream when there is one and it is
         free, else the unary `method`. Returns the parsed reply; raises what `_call` does.
         """
-        stream = self._session
+        stream: CallStream | LocalSessionStream | None = self._session
         if stream is not None:
             budget = self.timeout_s if timeout_s is None else float(timeout_s)
+            if not self._local_decided:
+                self._choose_local(budget)
             call_id = next(self._call_ids)
+            message = session_message(call_id, field, request)
             try:
-                raw = stream.call(session_message(call_id, field, request), budget)
+                local = self._local
+                if local is not None:
+                    try:
+                        raw = local.call(message, budget)
+                    except LocalSessionUnreachable:
+                        # The socket went away (a restarted server has a new one): nothing
+                        # was sent. Look again on the next call; this one takes gRPC.
+                        self._forget_local(local)
+                        raw = stream.call(message, budget)
+                else:
+                    raw = stream.call(message, budget)
             except StreamBroken as exc:
                 if exc.code == grpc.StatusCode.UNIMPLEMENTED:
                     # A server without sessions: nothing ran; unary calls from now on.
@@ -567,6 +618,47 @@ class KVCacheClient:
             if raw is not None:
                 return _session_result(raw, call_id, field)
         return self._call(method, request, timeout_s=timeout_s, retry=retry)
+
+    def _choose_local(self, budget: float) -> None:
+        """Decide where the session's messages go (see `local_session`): connect to the
+        server's local socket if it offers one and it can be reached, else use gRPC."""
+        with self._local_lock:
+            if self._local_decided:
+                return
+            info = self._call(self._stub.GetInfo, pb.GetInfoRequest(), timeout_s=budget, retry=True)
+            path = info.local_session_socket
+            required = self._local_mode is True
+            if not path:
+                if required:
+                    raise LocalSessionUnavailable(
+                        "the server offers no local session (a TLS server, another version, "
+                        "or server.local_sessions is false)"
+                    )
+                self._local_decided = True
+                return
+            authorization = dict(self._metadata).get("authorization", "")
+            stream = LocalSessionStream(path, authorization, self._max_message)
+            try:
+                stream.connect(budget)
+            except LocalSessionUnreachable as exc:
+                if required:
+                    raise LocalSessionUnavailable(str(exc)) from None
+            except StreamBroken as exc:
+                # Refused (too many sessions, shutting down, credentials): in "auto" the
+                # gRPC stream takes the calls and reports its own status if it fails too.
+                if required:
+                    raise _ERRORS.get(exc.code, InternalError)(exc.code, exc.details) from None
+            else:
+                self._local = stream
+            self._local_decided = True
+
+    def _forget_local(self, stream: LocalSessionStream) -> None:
+        """Stop using `stream` (its socket is gone); the next batch call decides again."""
+        with self._local_lock:
+            if self._local is stream:
+                self._local = None
+                self._local_decided = False
+            stream.close()
 
     # -- service ---------------------------------------------------------------------------
 
@@ -595,6 +687,7 @@ class KVCacheClient:
             max_message_bytes=r.max_message_bytes,
             server_version=r.server_version,
             fingerprint=lay.fingerprint,
+            local_session_socket=r.local_session_socket,
         )
 
     def stats(self, *, timeout_s: float | None = None) -> ServiceStats:

@@ -177,6 +177,12 @@ class ServerConfig:
         shutdown_grace_s: seconds in-flight calls get to finish at shutdown.
         max_in_flight_per_client: calls one client connection may have in flight; more are
             refused with RESOURCE_EXHAUSTED (cache_service.inflight). 0: no limit.
+        local_sessions: also serve Session messages over a Unix domain socket on this
+            host (cache_service.local_sessions): a same-host client's per-layer calls then
+            skip gRPC's threads on both sides. Only the server's user can connect;
+            authentication is the same. Not offered by a TLS server.
+        local_session_dir: where the socket's private directory is made (default: the
+            system's temporary directory).
         torch_threads: torch intra-op CPU threads in the server process. None (default):
             torch's own choice when the pools run in-process on the CPU (their attention
             uses them), else 1: the coordinator's tensor work is small copies and checks,
@@ -190,6 +196,8 @@ class ServerConfig:
     stream_chunk_bytes: int = 2 * MiB
     shutdown_grace_s: float = 10.0
     max_in_flight_per_client: int = 128
+    local_sessions: bool = True
+    local_session_dir: str | None = None
     torch_threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -198,6 +206,17 @@ class ServerConfig:
         if not self.host:
             raise ConfigError("server.host must not be empty")
         _port("server.port", self.port)
+        if not isinstance(self.local_sessions, bool):
+            raise ConfigError(
+                f"server.local_sessions must be true or false, got {self.local_sessions!r}"
+            )
+        if self.local_session_dir is not None and not (
+            isinstance(self.local_session_dir, str) and self.local_session_dir
+        ):
+            raise ConfigError(
+                "server.local_session_dir must be a directory path or null, got "
+                f"{self.local_session_dir!r}"
+            )
         _positive_int("server.max_message_bytes", self.max_message_bytes)
         _positive_int("server.stream_chunk_bytes", self.stream_chunk_bytes)
         if self.stream_chunk_bytes > self.max_message_bytes // 2:

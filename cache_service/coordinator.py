@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import sys
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
@@ -63,6 +62,7 @@ from cache_service.control_types import (
     WritePlan,
 )
 from cache_service.correctness_check import CorrectnessChecker
+from cache_service.eager_tasks import start_eagerly
 from cache_service.errors import (
     CacheError,
     InvalidRequest,
@@ -98,7 +98,6 @@ __all__ = [
 log = logging.getLogger("kvcache.coordinator")
 
 _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
-_EAGER_TASKS = sys.version_info >= (3, 12)  # asyncio.Task(..., eager_start=True)
 
 
 # ------------------------------------------------------------------------------ values
@@ -256,20 +255,6 @@ _SHARED_WEIGHT = 0.5
 _SHARED_THRESHOLD = 0.25
 
 
-def _start_eagerly(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-    """A task for `coro`, run at once up to its first suspension where Python has eager
-    tasks (3.12+), else scheduled as usual.
-
-    An in-process GPU pool answers a batch without suspending (its call runs inline on the
-    loop), so eagerly the whole worker round is done before the caller awaits its result:
-    two event-loop turns fewer per call (the task's first step, then the caller's wake-up).
-    """
-    loop = asyncio.get_running_loop()
-    if _EAGER_TASKS:
-        return asyncio.Task(coro, loop=loop, eager_start=True)  # type: ignore[call-arg]
-    return loop.create_task(coro)
-
-
 class _Batcher:
     """Coalesces parts for one (layer, worker, num_q_heads) into one worker call (for one
     (worker, num_q_heads) and every layer with CoordinatorConfig.coalesce_layers).
@@ -359,7 +344,7 @@ class _Batcher:
         self._contended = False
         self._shared += _SHARED_WEIGHT * (sample - self._shared)
         self._in_flight += 1
-        task = _start_eagerly(self._run(self._key, parts))
+        task = start_eagerly(self._run(self._key, parts))
         self._tasks.add(task)
         task.add_done_callback(self._batch_done)
 

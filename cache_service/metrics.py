@@ -217,6 +217,12 @@ class ServiceMetrics:
             "Shared-memory regions held for same-host clients' tensors (all tenants).",
             registry=reg,
         )
+        self.local_sessions = Gauge(
+            f"{p}_local_sessions",
+            "Local sessions open: same-host clients sending Session calls over the server's "
+            "Unix domain socket instead of gRPC.",
+            registry=reg,
+        )
         self.shared_memory_bytes = Gauge(
             f"{p}_shared_memory_bytes",
             "Bytes of the shared-memory regions held (all tenants; in /dev/shm, i.e. memory).",
@@ -338,6 +344,11 @@ class ServiceMetrics:
         _check_count("nbytes", nbytes)
         self.shared_memory_regions.set(regions)
         self.shared_memory_bytes.set(nbytes)
+
+    def set_local_sessions(self, sessions: int) -> None:
+        """Report the local sessions open (>= 0; `LocalSessions` calls this on changes)."""
+        _check_count("sessions", sessions)
+        self.local_sessions.set(sessions)
 
     # -- control-plane state ---------------------------------------------------------------
 

@@ -42,6 +42,7 @@ from cache_service.control_types import TenantQuota
 from cache_service.coordinator import Coordinator
 from cache_service.errors import InvalidRequest
 from cache_service.inflight import InFlightLimiter, InFlightLimitInterceptor
+from cache_service.local_sessions import Authenticate, LocalSessions
 from cache_service.request_decode import (
     decode_append_attend,
     decode_append_attend_batch,
@@ -212,6 +213,9 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         if shared_regions is None:
             shared_regions = SharedRegions(SharedMemoryConfig(enabled=False))
         self._regions = shared_regions
+        # The local sessions' socket (start_service sets it once they serve); GetInfo
+        # tells clients, which on this host may then send their session calls there.
+        self.local_session_socket = ""
 
     def _shared_reader(self, tenant: str) -> RegionReader:
         """Reads the tenant's `Tensor.shared` payloads for one call (copies, or views held
@@ -243,6 +247,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             capacity_tokens=total * layout.block_size,
             max_message_bytes=self._max_message,
             server_version=self._version,
+            local_session_socket=self.local_session_socket,
         )
 
     @_rpc
@@ -713,6 +718,7 @@ class RunningService:
     metrics: Any
     metrics_http: Any = None
     shared_regions: SharedRegions | None = None
+    local_sessions: LocalSessions | None = None
     _servicer: KVCacheServicer | None = None
     _health: Any = None
     _cleanups: list[Callable[[], Any]] = field(default_factory=list)
@@ -739,7 +745,10 @@ class RunningService:
             await self._health.enter_graceful_shutdown()
         if self._servicer is not None:
             self._servicer.end_sessions()
-        await self.server.stop(grace)
+        if self.local_sessions is not None:
+            await asyncio.gather(self.server.stop(grace), self.local_sessions.close(grace))
+        else:
+            await self.server.stop(grace)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -846,6 +855,20 @@ def _launch_or_attach(launch: Any, embedded: bool) -> list[Any]:
         return launcher.attach_workers(launch.namespace, launch.name_prefix)
 
 
+def _local_session_auth(auth: AuthInterceptor | None) -> Authenticate:
+    """How a local session's hello is authenticated: as a gRPC Session stream with that
+    authorization metadata would be (without authentication, everyone is accepted)."""
+    if auth is None:
+        return lambda authorization: (None, grpc.StatusCode.OK, "")
+    method = f"/{SERVICE_NAME}/Session"
+
+    def decide(authorization: str) -> tuple[Any, grpc.StatusCode, str]:
+        metadata = (("authorization", authorization),) if authorization else ()
+        return auth.decide(method, metadata)
+
+    return decide
+
+
 async def _probe_workers(coordinator: Coordinator, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
@@ -914,8 +937,9 @@ async def start_service(
         metrics.bind_stats(coordinator.stats, loop=asyncio.get_running_loop())
 
         interceptors: list[grpc.aio.ServerInterceptor] = [metrics.rpc_interceptor()]
-        if table is not None:
-            interceptors.append(AuthInterceptor(table, METHOD_PERMISSIONS))
+        auth = AuthInterceptor(table, METHOD_PERMISSIONS) if table is not None else None
+        if auth is not None:
+            interceptors.append(auth)
         if config.server.max_in_flight_per_client > 0:  # after auth: counts know the tenant
             limiter = InFlightLimiter(config.server.max_in_flight_per_client)
             interceptors.append(InFlightLimitInterceptor(limiter, f"/{SERVICE_NAME}/"))
@@ -960,6 +984,17 @@ async def start_service(
         if port == 0:
             raise RuntimeError(f"could not bind {address} (in use, or not a local address)")
         await server.start()
+        local = None
+        if config.server.local_sessions and tls is None:
+            local = LocalSessions(
+                servicer._session_call,
+                _local_session_auth(auth),
+                DEFAULT_TENANT,
+                limit,
+                on_change=metrics.set_local_sessions,
+            )
+            servicer.local_session_socket = await local.start(config.server.local_session_dir)
+            cleanups.insert(0, functools.partial(local.close, 0.0))
         serving = health_pb2.HealthCheckResponse.SERVING
         await health_servicer.set("", serving)
         await health_servicer.set(SERVICE_NAME, serving)
@@ -985,6 +1020,7 @@ async def start_service(
         metrics=metrics,
         metrics_http=metrics_http,
         shared_regions=regions,
+        local_sessions=local,
         _servicer=servicer,
         _health=health_servicer,
         _cleanups=cleanups,
@@ -1007,6 +1043,7 @@ async def start_service(
             "auth": table is not None,
             "metrics": running.metrics_http.url if running.metrics_http else None,
             "shared_memory": regions.directory if regions.enabled else None,
+            "local_sessions": local.path if local is not None else None,
         },
     )
     return running

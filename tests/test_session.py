@@ -1,7 +1,8 @@
 """The `Session` stream over a real port: batch calls as messages of one stream give what
 their unary RPCs give (outputs equal to dense attention, the same errors), a failed call
 leaves the stream open and the state unchanged, deadlines, old servers, concurrent threads
-and shutdown are handled."""
+and shutdown are handled. Tests taking `transport` run over the gRPC stream and over a
+local session (the same messages on the server's Unix socket; test_local_sessions)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,20 @@ from cache_service.session_codec import APPEND_ATTEND_BATCH, session_message
 
 D, HKV, NL = LAYOUT.head_dim, LAYOUT.num_kv_heads, LAYOUT.num_layers
 SERVICE = "kvcache.v1.KVCache"
+
+
+# How a test's client carries its session: KVCacheClient's local_session.
+TRANSPORTS = {"grpc": False, "local": True}
+
+
+@pytest.fixture(params=sorted(TRANSPORTS))
+def transport(request) -> str:
+    return request.param
+
+
+def session_of(client: KVCacheClient, transport: str) -> object:
+    """The object carrying the client's session calls now."""
+    return client._local if transport == "local" else client._session
 
 
 @pytest.fixture(scope="module")
@@ -77,16 +92,22 @@ def decode_steps(client: KVCacheClient, n_seqs: int, steps: int, seed: int) -> N
 
 
 @pytest.mark.parametrize("shared_memory", [False, "auto"])
-def test_session_calls_equal_dense_attention_and_use_one_stream(svc, shared_memory) -> None:
+def test_session_calls_equal_dense_attention_and_use_one_stream(
+    svc, shared_memory, transport
+) -> None:
     before = counts(svc)
-    with KVCacheClient(svc.address, shared_memory=shared_memory) as client:
+    local_before = svc.service.local_sessions.calls
+    with KVCacheClient(
+        svc.address, shared_memory=shared_memory, local_session=TRANSPORTS[transport]
+    ) as client:
         decode_steps(client, n_seqs=3, steps=6, seed=1)
+        assert client.local_session_active is (transport == "local")
 
     def grew(key: tuple[str, str]) -> float:
         return after.get(key, 0) - before.get(key, 0)
 
     # The stream is recorded when the server sees it end, a moment after the client closed.
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + (10 if transport == "grpc" else 0.2)
     while True:
         after = counts(svc)
         if grew(("Session", "OK")) + grew(("Session", "CANCELLED")) or time.monotonic() > deadline:
@@ -96,18 +117,28 @@ def test_session_calls_equal_dense_attention_and_use_one_stream(svc, shared_memo
     assert grew(("Session.AppendAttendBatch", "OK")) == 6 * NL
     assert grew(("Session.AttendBatch", "OK")) == 6 * NL
     assert grew(("AppendAttendBatch", "OK")) == 0  # nothing went unary
-    assert grew(("Session", "OK")) + grew(("Session", "CANCELLED")) == 1  # one stream
+    streams = grew(("Session", "OK")) + grew(("Session", "CANCELLED"))
+    local_calls = svc.service.local_sessions.calls - local_before
+    if transport == "grpc":
+        assert (streams, local_calls) == (1, 0)  # one stream
+    else:
+        assert (streams, local_calls) == (0, 2 * 6 * NL)  # every call on the socket
     svc.check_integrity()
 
 
-def test_a_failed_call_answers_its_status_keeps_the_stream_and_changes_nothing(svc) -> None:
-    with KVCacheClient(svc.address, shared_memory=False) as client:
+def test_a_failed_call_answers_its_status_keeps_the_stream_and_changes_nothing(
+    svc, transport
+) -> None:
+    with KVCacheClient(
+        svc.address, shared_memory=False, local_session=TRANSPORTS[transport]
+    ) as client:
         ids = [client.create_sequence().seq_id for _ in range(2)]
         k = torch.randn(2, 1, HKV, D)
         q = torch.randn(2, 1, HQ, D)
         client.append_attend_batch(0, ids, [[1], [2]], k, k, q)
         before = svc.stats()
-        stream = client._session
+        stream = session_of(client, transport)
+        assert stream is not None
         with pytest.raises(NotFoundError, match="nope"):
             client.append_attend_batch(0, [ids[0], "nope"], [[3], [3]], k, k, q)
         with pytest.raises(InvalidArgumentError, match="layer"):
@@ -120,7 +151,7 @@ def test_a_failed_call_answers_its_status_keeps_the_stream_and_changes_nothing(s
             client.attend_batch(1, ids, q)  # layer 1 not written yet
         assert svc.stats() == before
         svc.check_integrity()
-        assert client._session is stream
+        assert session_of(client, transport) is stream
         out = client.append_attend_batch(1, ids, [[1], [2]], k, k, q)  # still serving
         assert out.shape == (2, 1, HQ, D)
         for s in ids:
@@ -153,19 +184,23 @@ def test_raw_session_messages_echo_their_call_ids_and_refuse_an_empty_call(svc) 
         channel.close()
 
 
-def test_a_call_past_its_deadline_fails_and_the_next_opens_a_new_stream() -> None:
+def test_a_call_past_its_deadline_fails_and_the_next_opens_a_new_stream(transport) -> None:
     hold = threading.Event()
     workers = [Recording(w, hold_first=hold) for w in local_workers(1, 64)]
     with ServiceHarness(service_config(), workers) as svc:
-        with KVCacheClient(svc.address, shared_memory=False) as client:
+        with KVCacheClient(
+            svc.address, shared_memory=False, local_session=TRANSPORTS[transport]
+        ) as client:
             ids = [client.create_sequence().seq_id]
             k = torch.randn(1, 1, HKV, D)
             q = torch.randn(1, 1, HQ, D)
             with pytest.raises(DeadlineExceededError, match="no reply within"):
                 client.append_attend_batch(0, ids, [[5]], k, k, q, timeout_s=0.3)
             hold.set()
-            first = client._session._responses
-            assert first is None  # the late stream was dropped
+            if transport == "grpc":
+                assert client._session._responses is None  # the late stream was dropped
+            else:
+                assert client._local._sock is None  # the late connection was dropped
             # The cancelled call is not written (the coordinator rolled it back or never
             # committed it); the next call writes position 0 afresh.
             deadline = time.monotonic() + 10
@@ -178,7 +213,7 @@ def test_a_call_past_its_deadline_fails_and_the_next_opens_a_new_stream() -> Non
 
 
 def test_a_server_without_sessions_gets_unary_calls(svc) -> None:
-    with KVCacheClient(svc.address, shared_memory=False) as client:
+    with KVCacheClient(svc.address, shared_memory=False, local_session=False) as client:
         # What an older server answers: UNIMPLEMENTED for the Session method.
         client._session = CallStream(client._channel.stream_stream(f"/{SERVICE}/NoSuchSession"))
         ids = [client.create_sequence().seq_id]
@@ -192,9 +227,9 @@ def test_a_server_without_sessions_gets_unary_calls(svc) -> None:
         client.free(ids[0])
 
 
-def test_threads_sharing_a_client_never_wait_for_each_others_calls(svc) -> None:
+def test_threads_sharing_a_client_never_wait_for_each_others_calls(svc, transport) -> None:
     errors: list[BaseException] = []
-    with KVCacheClient(svc.address) as client:
+    with KVCacheClient(svc.address, local_session=TRANSPORTS[transport]) as client:
 
         def run(seed: int) -> None:
             try:
@@ -211,9 +246,11 @@ def test_threads_sharing_a_client_never_wait_for_each_others_calls(svc) -> None:
     svc.check_integrity()
 
 
-def test_shutdown_ends_idle_sessions_with_unavailable_without_waiting_for_the_grace() -> None:
+def test_shutdown_ends_idle_sessions_with_unavailable_without_waiting_for_the_grace(
+    transport,
+) -> None:
     svc = ServiceHarness(service_config(**{"server.shutdown_grace_s": 30.0}), local_workers(1, 32))
-    client = KVCacheClient(svc.address, shared_memory=False)
+    client = KVCacheClient(svc.address, shared_memory=False, local_session=TRANSPORTS[transport])
     try:
         ids = [client.create_sequence().seq_id]
         k = torch.randn(1, 1, HKV, D)

@@ -83,20 +83,22 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("layout", "workers", "total_blocks", "capacity_tokens", "max_message_bytes", "server_version")
+    __slots__ = ("layout", "workers", "total_blocks", "capacity_tokens", "max_message_bytes", "server_version", "local_session_socket")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SESSION_SOCKET_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     total_blocks: int
     capacity_tokens: int
     max_message_bytes: int
     server_version: str
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., total_blocks: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...
+    local_session_socket: str
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., total_blocks: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., local_session_socket: _Optional[str] = ...) -> None: ...
 
 class CreateSequenceRequest(_message.Message):
     __slots__ = ("prompt_token_ids",)
@@ -349,6 +351,12 @@ class SessionResponse(_message.Message):
     attend_batch: AttendBatchResponse
     error: CallError
     def __init__(self, call_id: _Optional[int] = ..., append_attend_batch: _Optional[_Union[AppendAttendBatchResponse, _Mapping]] = ..., attend_batch: _Optional[_Union[AttendBatchResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
+
+class LocalSessionHello(_message.Message):
+    __slots__ = ("authorization",)
+    AUTHORIZATION_FIELD_NUMBER: _ClassVar[int]
+    authorization: str
+    def __init__(self, authorization: _Optional[str] = ...) -> None: ...
 
 class ExportBlocksRequest(_message.Message):
     __slots__ = ("seq_id", "chunk_bytes")
