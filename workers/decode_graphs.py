@@ -179,13 +179,15 @@ class DecodeGraphs:
         if entry.slots is None:
             return None
         tables = entry.block_tables
+        # Shapes as torch.Size: tuples (hashed and compared as the ints they hold), not
+        # converted per call.
         signature = (
-            tuple(key.shape),
+            key.shape,
             key.dtype,
             value.dtype,
-            tuple(query.shape),
+            query.shape,
             query.dtype,
-            tuple(entry.slots.shape),
+            entry.slots.shape,
             tables.shape[0],
             bucket_width(tables.shape[1]),
             options,

@@ -525,11 +525,11 @@ class KVPool:
         if entry is None:
             return None
         check_query(self._layout, query)
-        given = tuple(
-            tuple(t.shape) if isinstance(t, torch.Tensor) else None
-            for t in (block_tables, seq_lens, query_start_loc)
-        )
-        if query.shape[0] != entry.num_rows or given != tuple(map(tuple, entry.shapes())):
+        # Compared as torch.Size (a tuple: equal to the tuples they hold); tuples for the
+        # message only.
+        given = (_shape(block_tables), _shape(seq_lens), _shape(query_start_loc))
+        if query.shape[0] != entry.num_rows or given != entry.shapes():
+            given = tuple(None if s is None else tuple(s) for s in given)
             raise InvalidWorkerRequest(
                 f"metadata_key {metadata_key} names metadata of {entry.num_rows} query rows "
                 f"and index shapes {[list(x) for x in entry.shapes()]}; this call has "
@@ -794,6 +794,11 @@ class KVPool:
             # The torch reference whatever the pool's backend, its errors as they are.
             return kernels.paged_attention(*args, **kwargs, backend="torch", check_values=False)
         return self._kernel(kernels.paged_attention, *args, **kwargs)
+
+
+def _shape(t: object) -> torch.Size | None:
+    """A tensor's shape; None for anything else (a list of ints, say)."""
+    return t.shape if isinstance(t, torch.Tensor) else None
 
 
 def _is_pinned_host(t: torch.Tensor) -> bool:
