@@ -645,7 +645,12 @@ class KVPool:
         caller's memory as it was)."""
         tensors = result if isinstance(result, tuple) else (result,)
         if finite is not None and out is not None:
-            _refuse_non_finite(finite)  # waits for the flag before `out` is touched
+            # Waits for the flag before `out` is touched; the copy into `out` then waits
+            # again. Kept as two: the flag is known only once the call's kernels ran, and
+            # the copy may start only after it is. One wait would mean copying the output
+            # elsewhere (pinned staging) and then into `out` on the CPU: a host copy of
+            # the whole output for one wait, no clear gain.
+            _refuse_non_finite(finite)
             finite = None
         if out is not None:
             # The output straight into the caller's memory (write_and_attend checked it).
