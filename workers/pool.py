@@ -529,11 +529,11 @@ class KVPool:
         # message only.
         given = (_shape(block_tables), _shape(seq_lens), _shape(query_start_loc))
         if query.shape[0] != entry.num_rows or given != entry.shapes():
-            given = tuple(None if s is None else tuple(s) for s in given)
+            shown = tuple(None if s is None else tuple(s) for s in given)
             raise InvalidWorkerRequest(
                 f"metadata_key {metadata_key} names metadata of {entry.num_rows} query rows "
                 f"and index shapes {[list(x) for x in entry.shapes()]}; this call has "
-                f"{query.shape[0]} rows and {given}: a key must name one content"
+                f"{query.shape[0]} rows and {shown}: a key must name one content"
             )
         return entry
 
