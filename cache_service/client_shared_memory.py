@@ -48,8 +48,11 @@ from cache_service.tensor_codec import (
 __all__ = ["SharedMemoryPath", "SharedMemoryUnavailable", "Staged"]
 
 MiB = 1 << 20
-# Each tensor starts on a cache line (and so on any element size).
-_ALIGN = 64
+# Each tensor starts on a 256-byte boundary (a cache line, any element size): the rule by
+# which a GPU pool packs a call's key, value and query into its CUDA graphs' input buffer
+# (workers.staging.packed_offsets), so a server's pool reading them from the region finds
+# them laid out alike and loads the three with one copy (any layout is accepted).
+_ALIGN = 256
 # Smallest region asked for: a decode step's tensors fit many times over, so the region is
 # not remade as the batch grows a little.
 _MIN_REGION = 4 * MiB

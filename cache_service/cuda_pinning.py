@@ -5,6 +5,10 @@ A region registered with ``cudaHostRegister`` is pinned memory to CUDA: a host-t
 copy from it is one asynchronous DMA, where pageable memory costs a staging copy on the
 CPU first (about 40-80 us per 400 KB request on the H200 host). Registering pins every page
 of the region (milliseconds for hundreds of MB): done once, when the region is created.
+
+Every registration is also recorded in `workers.pinned_ranges.REGISTERED` (added after it
+succeeded, removed before it is undone), so a pool tells a view of the region is pinned
+without asking the driver per call (``Tensor.is_pinned()``).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from workers.pinned_ranges import REGISTERED
 
 __all__ = ["pin", "unpin"]
 
@@ -46,11 +52,15 @@ def pin(buffer: torch.Tensor) -> bool:
             _number(code),
         )
         return False
+    REGISTERED.add(buffer.data_ptr(), buffer.numel())
     return True
 
 
 def unpin(buffer: torch.Tensor) -> None:
     """Undo :func:`pin` (before the memory is unmapped); failures are logged."""
+    # Forgotten first: from here on a pool asks the driver, which still says pinned until
+    # the unregistration below, never the other way round.
+    REGISTERED.remove(buffer.data_ptr())
     try:
         code = torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
     except Exception:  # pragma: no cover - CUDA gone at shutdown

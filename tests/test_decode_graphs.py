@@ -4,18 +4,24 @@ machine; on a GPU, decode steps through graphs against the same steps run eagerl
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import torch
+from service_support import ServiceHarness, service_config
 
+from cache_service import client_shared_memory
+from cache_service.client import KVCacheClient
 from cache_service.config import SharedMemoryConfig
 from cache_service.shared_regions import SharedRegions
+from cache_service.worker_clients import LocalWorkerClient
 from workers.actor import PoolWorker
 from workers.config import PoolConfig
-from workers.decode_graphs import bucket_width
+from workers.decode_graphs import _packed_span, bucket_width
 from workers.errors import NonFiniteInput
 from workers.layout import KVLayout
 from workers.pool import KVPool
+from workers.staging import packed_offsets
 
 
 def test_bucket_width_rounds_up_by_at_most_an_eighth():
@@ -29,6 +35,83 @@ def test_bucket_width_rounds_up_by_at_most_an_eighth():
         previous = b
     # Few distinct buckets: a context growing to 4096 blocks meets about 8 per doubling.
     assert len({bucket_width(w) for w in range(1, 4097)}) <= 8 * 8 + 1
+
+
+# key and value [3, 1, 24] float16: 144 bytes, which the graphs' packing (256-byte
+# starts) and the client's former layout (64-byte starts: value at 192) place apart.
+KV_SHAPE, Q_SHAPE = [3, 1, 24], [3, 4, 24]
+PACKED = [0, 256, 512]  # byte starts of key, value, query as the graphs pack them
+SPAN = 512 + 3 * 4 * 24 * 2  # the key's first byte to the query's last
+
+
+def _laid_out(starts: list[int], size: int = 8192) -> tuple[torch.Tensor, ...]:
+    """float16 key, value (KV_SHAPE) and query (Q_SHAPE) at byte `starts` of one uint8
+    buffer of `size` bytes, filled with distinct values."""
+    buffer = torch.arange(size, dtype=torch.int32).to(torch.uint8)
+    return tuple(
+        buffer[at : at + 2 * math.prod(shape)].view(torch.float16).view(shape)
+        for at, shape in zip(starts, (KV_SHAPE, KV_SHAPE, Q_SHAPE), strict=True)
+    )
+
+
+def _packed(starts: list[int], size: int = 8192) -> torch.Tensor | None:
+    """`_packed_span` of `_laid_out(starts, size)` for the graphs' class of these shapes."""
+    return _packed_span(_laid_out(starts, size), tuple(PACKED), SPAN)
+
+
+def test_the_test_layout_is_the_graphs_packing():
+    offsets, _ = packed_offsets(_laid_out(PACKED))
+    assert offsets == PACKED
+
+
+@pytest.mark.parametrize("base", [0, 64, 4096])
+def test_inputs_laid_out_as_the_buffers_are_one_span_of_their_bytes(base):
+    tensors = _laid_out([base + at for at in PACKED])
+    span = _packed_span(tensors, tuple(PACKED), SPAN)
+    assert span is not None and span.dtype == torch.uint8 and span.shape == (SPAN,)
+    assert span.data_ptr() == tensors[0].data_ptr()  # a view: no copy
+    # Where the buffers' views read, the span holds each tensor's bytes (compared as
+    # bytes: some are NaN as float16).
+    for t, at in zip(tensors, PACKED, strict=True):
+        raw = t.view(torch.uint8).reshape(-1)
+        assert torch.equal(span[at : at + raw.numel()], raw)
+
+
+def test_inputs_laid_out_otherwise_are_copied_one_by_one():
+    assert _packed([0, 192, 384]) is None  # the client's former layout (64-byte starts)
+    assert _packed([256, 0, 512]) is None  # the right distances, the order swapped
+    assert _packed([0, 512, 1024]) is None  # apart
+    # Separate allocations, however they happen to lie.
+    apart = tuple(t.clone() for t in _laid_out(PACKED))
+    assert _packed_span(apart, tuple(PACKED), SPAN) is None
+    # Not contiguous: a transposed query of the same shape.
+    k, v, q = _laid_out(PACKED)
+    q_t = q.view(24, 4, 3).permute(2, 1, 0)
+    assert q_t.shape == q.shape and _packed_span((k, v, q_t), tuple(PACKED), SPAN) is None
+    # A lazy negation (a copy would apply it, a byte copy would not).
+    assert _packed_span((k, v, torch._neg_view(q)), tuple(PACKED), SPAN) is None
+    # The span must lie within the storage: a query ending at the storage's end is fine,
+    # a byte more is not.
+    assert _packed(PACKED, size=SPAN) is not None
+    assert _packed_span(_laid_out(PACKED, size=SPAN), tuple(PACKED), SPAN + 1) is None
+    # Not on the host.
+    meta = tuple(t.to("meta") for t in _laid_out(PACKED))
+    assert _packed_span(meta, tuple(PACKED), SPAN) is None
+
+
+def test_the_clients_shared_region_lays_inputs_out_as_the_graphs_pack_them():
+    # Whatever the sizes, the client's offsets of key, value and query (its request
+    # order) are the graphs' packed offsets, so a pool loads the three in one copy.
+    for batch, hkv, d, dtype in [
+        (3, 2, 64, torch.float16),
+        (1, 1, 8, torch.float32),
+        (32, 8, 128, torch.bfloat16),
+        (5, 3, 24, torch.float16),
+    ]:
+        k = torch.zeros(batch, 1, hkv, d, dtype=dtype)
+        q = torch.zeros(batch, 1, 4 * hkv, d, dtype=dtype)
+        layout = client_shared_memory._layout([k, k, q], [(dtype, tuple(q.shape))])
+        assert layout.offsets[:3] == packed_offsets([k, k, q])[0]
 
 
 # -- on a GPU ------------------------------------------------------------------------------
@@ -164,17 +247,21 @@ def test_a_worker_returns_pinned_host_results_equal_to_the_pools():
 
 
 @pytest.mark.gpu
-def test_inputs_in_a_pinned_shared_region_reach_the_pool_without_staging():
+@pytest.mark.parametrize("layout", ["packed", "spread"])
+def test_inputs_in_a_pinned_shared_region_reach_the_pool_without_staging(layout):
     # The service's directory (/dev/shm: memory-backed pages, which CUDA can lock).
     regions = SharedRegions(SharedMemoryConfig(), pin_for_cuda=True)
     info = asyncio.run(regions.create("t", 1 << 20))
     assert regions._regions[info.region_id].mapping.pinned
     reader = regions.reader("t")
     shapes = {"key": [3, 2, 64], "value": [3, 2, 64], "query": [3, HQ, 64], "out": [3, HQ, 64]}
-    views, offset = {}, 0
-    for name, shape in shapes.items():
-        views[name] = reader(info.region_id, offset, torch.float16, shape, name)
-        offset += 64 * 1024
+    # "packed": key, value and query as the graphs' buffers hold them (as the client lays
+    # them out): one copy loads the three. "spread": 64 KiB apart, a copy each.
+    starts = _packed_starts(shapes) if layout == "packed" else [i << 16 for i in range(4)]
+    views = {
+        name: reader(info.region_id, at, torch.float16, shape, name)
+        for (name, shape), at in zip(shapes.items(), starts, strict=True)
+    }
     assert all(v.is_pinned() for v in views.values())
     graphed, eager = _filled(True), _filled(False)
     staged = []
@@ -206,10 +293,21 @@ def test_inputs_in_a_pinned_shared_region_reach_the_pool_without_staging():
     assert torch.equal(graphed.data, eager.data)
     # Only the first layer of each step (its full path, with host slots) was staged.
     assert len(staged) == steps
-    assert graphed._graphs.replays >= (steps - 3) * (LAYOUT.num_layers - 1)
+    graphs = graphed._graphs
+    assert graphs.replays >= (steps - 3) * (LAYOUT.num_layers - 1)
+    # Every load into the buffers (each replay, and each capture's own run) read the region.
+    loads = graphs.replays + graphs.captures
+    assert graphs.packed_loads == (loads if layout == "packed" else 0)
     views.clear()
     reader.close()
     regions.close()
+
+
+def _packed_starts(shapes: dict[str, list[int]]) -> list[int]:
+    """Byte offsets of float16 tensors of `shapes` packed as the graphs pack them."""
+    tensors = [torch.empty(shape, dtype=torch.float16) for shape in shapes.values()]
+    offsets, _ = packed_offsets(tensors)
+    return offsets
 
 
 @pytest.mark.gpu
@@ -245,3 +343,38 @@ def test_a_checked_replay_refuses_non_finite_inputs_and_writes_nothing(where):
                 layer, slots, k, v, q, *args, metadata_key=step, check_finite=True
             )
     assert pool._graphs.replays > 0
+
+
+@pytest.mark.gpu
+def test_a_clients_shared_region_reaches_the_graphs_in_one_copy():
+    # The service with a CUDA pool in its process pins its regions; the client lays key,
+    # value and query out as the graphs pack them (384-byte keys: the client's former
+    # 64-byte starts did not), so every replay of a shared-memory call loads in one copy.
+    layout = KVLayout(num_layers=3, num_kv_heads=1, head_dim=64, block_size=16, dtype="float16")
+    worker = LocalWorkerClient("w0", PoolConfig(layout, num_blocks=64), "cuda")
+    config = service_config(layout, **{"workers.device": "cuda"})
+    gen = torch.Generator().manual_seed(5)
+    with ServiceHarness(config, [worker]) as harness:
+        assert harness.service.shared_regions._pin_for_cuda
+        graphs = worker.worker.pool._graphs
+        assert graphs is not None
+        with (
+            KVCacheClient(harness.address) as shm,
+            KVCacheClient(harness.address, shared_memory=False) as plain,
+        ):
+            ids = [shm.create_sequence().seq_id for _ in range(3)]
+            twins = [plain.create_sequence().seq_id for _ in range(3)]
+            one_copy = []  # per shared-memory call: (replayed, loaded in one copy)
+            for _ in range(6):
+                tokens = torch.randint(0, 50000, (3, 1), generator=gen)
+                for layer in range(layout.num_layers):
+                    k, v = (torch.randn(3, 1, 1, 64, generator=gen).half() for _ in range(2))
+                    q = torch.randn(3, 1, 4, 64, generator=gen).half()
+                    replays, packed = graphs.replays, graphs.packed_loads
+                    got = shm.append_attend_batch(layer, ids, tokens, k, v, q)
+                    assert shm.shared_memory_active
+                    one_copy.append((graphs.replays > replays, graphs.packed_loads > packed))
+                    want = plain.append_attend_batch(layer, twins, tokens, k, v, q)
+                    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+            replayed = [packed for hit, packed in one_copy if hit]
+            assert replayed and all(replayed)

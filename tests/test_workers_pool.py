@@ -477,6 +477,56 @@ def test_a_call_that_does_not_fit_its_keys_metadata_is_refused_and_writes_nothin
     assert torch.equal(pool.data, before)
 
 
+def test_a_metadata_mismatch_names_both_shapes():
+    pool = filled_pool(seed=5)
+    slots, k, v, q, tables, lens, qsl = _decode_args(pool, seed=6)
+    pool.write_and_attend(0, slots, k, v, q, tables, lens, qsl, metadata_key=5)
+    wide = torch.cat([tables, tables[:, :1]], dim=1)
+    with pytest.raises(InvalidWorkerRequest) as info:
+        pool.attend(1, q, wide, lens.tolist(), qsl, metadata_key=5)
+    assert str(info.value) == (
+        "metadata_key 5 names metadata of 3 query rows and index shapes [[3, 3], [3], [4]]; "
+        "this call has 3 rows and ((3, 4), None, (4,)): a key must name one content"
+    )
+    # Lists where tensors were passed at first: the same shapes, nothing to compare.
+    with pytest.raises(InvalidWorkerRequest, match=r"3 rows and \(None, None, None\)"):
+        pool.attend(1, q, tables.tolist(), lens.tolist(), qsl.tolist(), metadata_key=5)
+
+
+NEW_KV = torch.zeros(2, 2, 16)
+NEW_KV_CASES = [
+    (NEW_KV, NEW_KV, None),
+    (torch.nn.Parameter(NEW_KV), NEW_KV, None),  # a tensor subclass is a tensor
+    (
+        NEW_KV[:1],
+        NEW_KV,
+        "key must be [2, 2, 16] (slot_mapping has 2 entries), got shape (1, 2, 16)",
+    ),
+    (
+        NEW_KV,
+        NEW_KV[:1],
+        "value must be [2, 2, 16] (slot_mapping has 2 entries), got shape (1, 2, 16)",
+    ),
+    (NEW_KV[None], NEW_KV, "key must be [2, 2, 16] for this layout, got shape (1, 2, 2, 16)"),
+    (NEW_KV[:, :1], NEW_KV, "key must be [2, 2, 16] for this layout, got shape (2, 1, 16)"),
+    (NEW_KV, NEW_KV.double(), "value dtype torch.float64 differs from the pool's float32"),
+    (NEW_KV.tolist(), NEW_KV, "key must be a torch.Tensor, got list"),
+    (NEW_KV, None, "value must be a torch.Tensor, got NoneType"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "message"), NEW_KV_CASES)
+def test_new_kv_of_one_layer_is_accepted_or_refused_with_its_message(key, value, message):
+    from workers.checks import check_new_kv
+
+    if message is None:
+        check_new_kv(LAYOUT, 1, 2, key, value)
+        return
+    with pytest.raises(InvalidWorkerRequest) as info:
+        check_new_kv(LAYOUT, 1, 2, key, value)
+    assert str(info.value) == message
+
+
 def test_the_metadata_cache_keeps_the_most_recent_keys():
     from workers.metadata_cache import CachedMetadata, MetadataCache
 

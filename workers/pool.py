@@ -37,6 +37,7 @@ from workers.errors import InvalidWorkerRequest, NonFiniteInput, PoolAllocationE
 from workers.fingerprints import BadSlot, SlotFingerprints
 from workers.layout import KVLayout
 from workers.metadata_cache import CachedMetadata, MetadataCache
+from workers.pinned_ranges import REGISTERED
 from workers.sizing import free_device_bytes, resolve_num_blocks
 from workers.staging import HostStager
 
@@ -524,15 +525,15 @@ class KVPool:
         if entry is None:
             return None
         check_query(self._layout, query)
-        given = tuple(
-            tuple(t.shape) if isinstance(t, torch.Tensor) else None
-            for t in (block_tables, seq_lens, query_start_loc)
-        )
-        if query.shape[0] != entry.num_rows or given != tuple(map(tuple, entry.shapes())):
+        # Compared as torch.Size (a tuple: equal to the tuples they hold); tuples for the
+        # message only.
+        given = (_shape(block_tables), _shape(seq_lens), _shape(query_start_loc))
+        if query.shape[0] != entry.num_rows or given != entry.shapes():
+            shown = tuple(None if s is None else tuple(s) for s in given)
             raise InvalidWorkerRequest(
                 f"metadata_key {metadata_key} names metadata of {entry.num_rows} query rows "
                 f"and index shapes {[list(x) for x in entry.shapes()]}; this call has "
-                f"{query.shape[0]} rows and {given}: a key must name one content"
+                f"{query.shape[0]} rows and {shown}: a key must name one content"
             )
         return entry
 
@@ -644,7 +645,12 @@ class KVPool:
         caller's memory as it was)."""
         tensors = result if isinstance(result, tuple) else (result,)
         if finite is not None and out is not None:
-            _refuse_non_finite(finite)  # waits for the flag before `out` is touched
+            # Waits for the flag before `out` is touched; the copy into `out` then waits
+            # again. Kept as two: the flag is known only once the call's kernels ran, and
+            # the copy may start only after it is. One wait would mean copying the output
+            # elsewhere (pinned staging) and then into `out` on the CPU: a host copy of
+            # the whole output for one wait, no clear gain.
+            _refuse_non_finite(finite)
             finite = None
         if out is not None:
             # The output straight into the caller's memory (write_and_attend checked it).
@@ -673,9 +679,7 @@ class KVPool:
         shared region the server registered with CUDA): then they go to the device by DMA
         straight from there, with no staging copy on the CPU, and the call must not
         return before those copies are done (`_deliver`'s wait)."""
-        return self._stager is not None and all(
-            t.device.type == "cpu" and t.is_pinned() for t in tensors
-        )
+        return self._stager is not None and all(_is_pinned_host(t) for t in tensors)
 
     def _on_device(self, *tensors: torch.Tensor, pinned: bool = False) -> list[torch.Tensor]:
         """``tensors`` on the pool's device: host tensors of a GPU pool in one staged copy
@@ -795,6 +799,26 @@ class KVPool:
             # The torch reference whatever the pool's backend, its errors as they are.
             return kernels.paged_attention(*args, **kwargs, backend="torch", check_values=False)
         return self._kernel(kernels.paged_attention, *args, **kwargs)
+
+
+def _shape(t: object) -> torch.Size | None:
+    """A tensor's shape; None for anything else (a list of ints, say)."""
+    return t.shape if isinstance(t, torch.Tensor) else None
+
+
+def _is_pinned_host(t: torch.Tensor) -> bool:
+    """``t.device.type == "cpu" and t.is_pinned()``, answered from the registrations the
+    process made itself (`workers.pinned_ranges.REGISTERED`: the shared regions) when
+    `t`'s bytes lie in one, without the driver call ``is_pinned()`` makes (about 5 us);
+    other tensors are asked as before. A registered range is exact (its owner removes it
+    before unregistering), and a wrong answer would only cost speed (see that module)."""
+    if not t.is_cpu:
+        return False
+    nbytes = t.nbytes
+    # Contiguous: its bytes are [data_ptr, data_ptr + nbytes). (Empty: asked as before.)
+    if nbytes and t.is_contiguous() and REGISTERED.covers(t.data_ptr(), nbytes):
+        return True
+    return t.is_pinned()
 
 
 def _refuse_non_finite(finite: torch.Tensor) -> None:

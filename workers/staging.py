@@ -29,7 +29,11 @@ def _round_up(n: int, k: int) -> int:
 
 def packed_offsets(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
     """Byte offsets of ``tensors`` packed one after another (each start aligned to 256
-    bytes), and the total bytes: the layout :meth:`HostStager.to_device` sends."""
+    bytes), and the total bytes: the layout :meth:`HostStager.to_device` sends.
+
+    A client's shared region (cache_service.client_shared_memory) lays a call's tensors
+    out by the same rule, so decode graphs load them from there in one copy
+    (workers.decode_graphs); a test holds the two in step."""
     offsets = []
     total = 0
     for t in tensors:
