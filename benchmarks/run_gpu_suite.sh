@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -145,6 +145,23 @@ profile-local-concurrency)
     --transports local-shm --phases one_small,concurrent --batch-window-ms 0.2 \
     --out "$OUT/service-window.md" > "$OUT/window.log" 2>&1
   tail -4 "$OUT/service-window.md"
+  ;;
+final-local-sessions)
+  # GPU tests of the changed kernels, pools, decode graphs and pinned regions; the decode
+  # kernel table without FlexAttention; the service benchmark over a local session and
+  # over the gRPC stream.
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 -m gpu \
+    tests/test_decode_graphs.py tests/test_pinned_ranges.py tests/test_workers_gpu.py \
+    tests/test_shared_memory.py tests/test_workers_pool.py tests/test_kernels_attention.py \
+    tests/test_kernels_io.py tests/test_kernels_fingerprints.py tests/test_kernels_launch.py \
+    > "$OUT/gpu-tests.log" 2>&1
+  tail -8 "$OUT/gpu-tests.log"
+  timeout 90 python3 benchmarks/bench_kernels.py --no-flex --only decode,write_kv \
+    --out "$OUT/kernels" > "$OUT/kernels.log" 2>&1
+  tail -22 "$OUT/kernels.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/bench_service.py --h200 --no-ray \
+    --transports local-shm,session-shm --out "$OUT/service-h200.md" > "$OUT/bench-service.log" 2>&1
+  tail -16 "$OUT/service-h200.md"
   ;;
 profile-server)
   # One client's timeline at batch 32 (service_breakdown), then py-spy on the server's

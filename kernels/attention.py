@@ -496,7 +496,11 @@ def _masked_tiles(
     )  # fmt: skip
 
 
-@triton.jit
+# Counts that change with the batch (sequences, query programs) are not specialized on:
+# Triton would otherwise compile a variant per (== 1, % 16) class of each, and a server
+# coalescing 8, 16, 24, ... sequences meets them while serving, each compile a stall of
+# around a second. They bound loops and index the grid; no address alignment rests on them.
+@triton.jit(do_not_specialize=["num_seqs", "grid_q"])
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,

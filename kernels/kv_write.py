@@ -31,7 +31,9 @@ def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
-@triton.jit
+# The token count changes with every batch; it only bounds the mask, so it is not
+# specialized on (a compile per (== 1, % 16) class would land while serving).
+@triton.jit(do_not_specialize=["num_tokens"])
 def _write_kv_kernel(
     key_ptr,
     value_ptr,

@@ -20,7 +20,9 @@ from kernels.launch import CachedLauncher
 __all__ = ["record_fingerprints_triton"]
 
 
-@triton.jit
+# The layer and the spare row are values, not alignments: specializing on them (layer 1,
+# layers 0 and 16) would compile variants per layer while serving.
+@triton.jit(do_not_specialize=["layer", "spare_row"])
 def _fingerprint_kernel(
     key_ptr,
     value_ptr,

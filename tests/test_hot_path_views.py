@@ -97,8 +97,21 @@ def test_mixed_view_kinds_build_one_table() -> None:
     _, general = _views(5, [1, 2])
     plan = plan_attention([fast, general], [1, 2], BS)
     _, tables, lens, starts = plan.batches[0].kernel_args(torch.randn(3, HQ, D))
-    assert tables.tolist() == [[7, 8, 9], [1, 2, 0]]
+    # Zero-padded to 16 columns: one kernel specialization whatever the longest row.
+    assert tables.tolist() == [[7, 8, 9] + [0] * 13, [1, 2] + [0] * 14]
     assert lens.tolist() == [9, 5] and starts.tolist() == [0, 1, 3]
+
+
+def test_block_tables_are_padded_to_a_multiple_of_16_columns() -> None:
+    for longest in (1, 15, 16, 17, 33):
+        view, _ = _views(longest * BS, list(range(longest)))
+        short, _ = _views(BS, [longest])
+        plan = plan_attention([view, short], [1, 1], BS)
+        _, tables, _, _ = plan.batches[0].kernel_args(torch.randn(2, HQ, D))
+        width = -(-longest // 16) * 16
+        assert tables.shape == (2, width), longest
+        assert tables[0].tolist() == list(range(longest)) + [0] * (width - longest)
+        assert tables[1].tolist() == [longest] + [0] * (width - 1)
 
 
 # -- the coordinator ---------------------------------------------------------------------
