@@ -119,6 +119,8 @@ def service_config(
             "workers.device": setup.device,
             "workers.in_process": not ray,
             "workers.cuda_graphs": cuda_graphs,
+            # The model's query heads: the pools compile the decode kernels before serving.
+            "workers.warm_up_query_heads": [setup.num_q_heads],
             "workers.ray_num_cpus": 2 if setup.device == "cpu" else None,
             "coordinator.batch_window_ms": window_ms,
             "coordinator.health_check_interval_s": 0,

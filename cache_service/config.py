@@ -129,6 +129,10 @@ class WorkersConfig:
             worker comes back empty, with a new epoch; the coordinator registers it again.
         cuda_graphs: CUDA pools replay a decode step's per-layer write-and-attend as a CUDA
             graph once it repeats (workers.decode_graphs): one launch instead of three.
+        warm_up_query_heads: the query head counts of the models served (e.g. [32]): CUDA
+            pools compile their decode kernels for them at start, about a second per
+            variant the first time on a host (Triton caches them on disk), instead of
+            while serving. Empty (default): compiled on first use.
     """
 
     num_workers: int = 2
@@ -141,6 +145,7 @@ class WorkersConfig:
     ray_num_cpus: int | None = None
     max_restarts: int = -1
     cuda_graphs: bool = True
+    warm_up_query_heads: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _positive_int("workers.num_workers", self.num_workers)
@@ -148,6 +153,13 @@ class WorkersConfig:
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(
                 f"workers.cuda_graphs must be true or false, got {self.cuda_graphs!r}"
+            )
+        if not isinstance(self.warm_up_query_heads, tuple) or any(
+            isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in self.warm_up_query_heads
+        ):
+            raise ConfigError(
+                "workers.warm_up_query_heads must be a list of positive integers, got "
+                f"{self.warm_up_query_heads!r}"
             )
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"workers.device must be 'cpu' or 'cuda', got {self.device!r}")
@@ -379,6 +391,13 @@ class ServiceConfig:
             )
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"log_format must be 'text' or 'json', got {self.log_format!r}")
+        hkv = self.layout.num_kv_heads
+        odd = [h for h in self.workers.warm_up_query_heads if h % hkv]
+        if odd:
+            raise ConfigError(
+                f"workers.warm_up_query_heads must be multiples of layout.num_kv_heads ({hkv}), "
+                f"got {odd}"
+            )
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> ServiceConfig:
         """A copy with dotted keys replaced, e.g. {"server.port": 0, "auth_file": "t.yaml"}.
@@ -455,6 +474,10 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{key} must be a string, got {value!r}")
         return value
+    if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return tuple(_convert(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
     raise ConfigError(f"{key}: unsupported type {hint!r}")  # pragma: no cover - a code bug
 
 

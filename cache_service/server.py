@@ -780,6 +780,8 @@ def _pool_config(config: ServiceConfig, layout: KVLayout) -> Any:
         # Slot fingerprints exist for the online correctness check only.
         fingerprints=config.coordinator.correctness_check_fraction > 0,
         cuda_graphs=config.workers.cuda_graphs,
+        warm_up_query_heads=config.workers.warm_up_query_heads,
+        warm_up_max_batch=config.coordinator.max_batch_items,
     )
 
 

@@ -100,7 +100,7 @@ class PoolWorker:
             torch.set_num_threads(torch_threads)
         self._worker_id = worker_id
         self._config = config
-        self._pool = KVPool.from_config(config, device)
+        self._pool = KVPool.serving(config, device)
         self._epoch = new_epoch()
         self._started = time.monotonic()
         self._calls = 0

@@ -34,6 +34,11 @@ class PoolConfig:
             reduction per write and 8 bytes per slot, layer and K/V).
         cuda_graphs: on CUDA, replay a decode step's per-layer write-and-attend as a CUDA
             graph once it repeats (:mod:`workers.decode_graphs`).
+        warm_up_query_heads: on CUDA, compile the decode kernels for these query head
+            counts when the pool is made (`KVPool.warm_up`), so serving meets no compile
+            (each about a second); empty: compile on first use.
+        warm_up_max_batch: the most sequences one call will carry (the coordinator's
+            max_batch_items), for the warm-up.
 
     Raises:
         PoolAllocationError: the size is malformed.
@@ -47,6 +52,8 @@ class PoolConfig:
     backend: str = "auto"
     fingerprints: bool = False
     cuda_graphs: bool = True
+    warm_up_query_heads: tuple[int, ...] = ()
+    warm_up_max_batch: int = 256
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
@@ -79,4 +86,22 @@ class PoolConfig:
         if self.backend not in KERNEL_BACKENDS:
             raise ValueError(
                 f"PoolConfig.backend must be one of {KERNEL_BACKENDS}, got {self.backend!r}"
+            )
+        heads = self.warm_up_query_heads
+        if not isinstance(heads, tuple) or any(
+            isinstance(h, bool) or not isinstance(h, int) or h < 1 or h % self.layout.num_kv_heads
+            for h in heads
+        ):
+            raise ValueError(
+                "PoolConfig.warm_up_query_heads must be a tuple of positive multiples of the "
+                f"layout's {self.layout.num_kv_heads} KV heads, got {heads!r}"
+            )
+        if (
+            isinstance(self.warm_up_max_batch, bool)
+            or not isinstance(self.warm_up_max_batch, int)
+            or self.warm_up_max_batch < 1
+        ):
+            raise ValueError(
+                f"PoolConfig.warm_up_max_batch must be a positive int, got "
+                f"{self.warm_up_max_batch!r}"
             )

@@ -68,12 +68,13 @@ _MAX_SEEN = 4096
 
 
 def bucket_width(width: int) -> int:
-    """A block-table width rounded up to one of 8 steps per doubling (at most 12.5% more
-    than `width`; at least 16), so graphs keyed by it survive many steps of a growing
-    context."""
+    """A block-table width rounded up to one of 8 steps per doubling, and to a multiple of
+    16 (at most 12.5% more than `width` from 128 on; at least 16), so graphs keyed by it
+    survive many steps of a growing context, and the kernels see one specialization of the
+    width (as in the coordinator's padded plans; workers.kernel_warmup)."""
     if width <= 16:
         return 16
-    step = 1 << (width.bit_length() - 4)
+    step = max(16, 1 << (width.bit_length() - 4))
     return -(-width // step) * step
 
 

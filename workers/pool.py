@@ -21,6 +21,7 @@ from typing import TypeVar
 import torch
 
 import kernels
+from kernels.attention import num_sms
 from workers.checks import (
     AttendOptions,
     check_attend,
@@ -35,6 +36,7 @@ from workers.config import PoolConfig
 from workers.decode_graphs import DecodeGraphs
 from workers.errors import InvalidWorkerRequest, NonFiniteInput, PoolAllocationError
 from workers.fingerprints import BadSlot, SlotFingerprints
+from workers.kernel_warmup import decode_warm_up_launches, dummy_decode_inputs
 from workers.layout import KVLayout
 from workers.metadata_cache import CachedMetadata, MetadataCache
 from workers.pinned_ranges import REGISTERED
@@ -139,6 +141,15 @@ class KVPool:
             fingerprints=config.fingerprints,
             cuda_graphs=config.cuda_graphs,
         )
+
+    @classmethod
+    def serving(cls, config: PoolConfig, device: str | torch.device | None = None) -> KVPool:
+        """`from_config`, then the warm-up the config asks for (`warm_up`): the pool a
+        worker serves from."""
+        pool = cls.from_config(config, device)
+        if config.warm_up_query_heads:
+            pool.warm_up(config.warm_up_query_heads, config.warm_up_max_batch)
+        return pool
 
     # -- shape -------------------------------------------------------------------------
 
@@ -263,6 +274,46 @@ class KVPool:
         staged = self._on_device(*_attend_inputs(query, *indices))
         self._remember_metadata(metadata_key, staged[1:], query.shape[0])
         return self._deliver(self._attend_on_device(layer, *staged, options), to_host)
+
+    def warm_up(self, num_q_heads: Sequence[int], max_batch: int) -> int:
+        """Compile, before serving, the kernel variants that decode calls will need: one
+        attention launch per distinct launch configuration (`workers.kernel_warmup`) for
+        each query head count, over block 0, and masked writes (per layer and by pages)
+        that touch no slot. A CUDA pool running Triton kernels only; elsewhere nothing is
+        compiled and nothing runs.
+
+        Args:
+            num_q_heads: the query head counts callers will use (each a multiple of the
+                layout's KV heads).
+            max_batch: the most sequences one call will carry.
+
+        Returns:
+            The attention launches made (0 where nothing is compiled).
+
+        Raises:
+            ValueError: a head count that is not a positive multiple of the KV heads.
+        """
+        if self._device.type != "cuda" or self._backend == "torch":
+            return 0
+        lay = self._layout
+        sm_count = num_sms(self._device)
+        plans = [
+            launch
+            for hq in num_q_heads
+            for launch in decode_warm_up_launches(lay, hq, max_batch, sm_count)
+        ]
+        options = AttendOptions()
+        for launch in plans:
+            self._attend_on_device(0, *dummy_decode_inputs(launch, lay, self._device), options)
+        # Slot -1 is skipped by the write (and lands in the fingerprints' spare row).
+        nowhere = torch.full((1,), -1, dtype=torch.int64, device=self._device)
+        kv = torch.zeros(
+            (1, lay.num_kv_heads, lay.head_dim), dtype=self._data.dtype, device=self._device
+        )
+        self._write_on_device(0, nowhere, kv, kv)
+        self._write_pages_on_device(nowhere, kv, kv)
+        torch.cuda.synchronize(self._device)
+        return len(plans)
 
     def write_and_attend(
         self,
