@@ -45,8 +45,9 @@ class BenchConfig:
             unary RPC each); see `KVCacheClient`.
         shared_memory: the batch calls' tensors through a shared-memory region when the
             client can map it (else as bytes in the messages).
-        local_session: the session's messages over the server's local socket (required:
-            a client that cannot use it fails) instead of the gRPC stream.
+        local_session: where the session's messages go (KVCacheClient's local_session):
+            "auto" (default) the server's local socket when this process can reach it,
+            True that socket or fail, False the gRPC stream.
     """
 
     batch: int = 8
@@ -60,7 +61,7 @@ class BenchConfig:
     api: str = "batch"
     session: bool = True
     shared_memory: bool = True
-    local_session: bool = False
+    local_session: bool | str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("batch", "context", "steps", "clients", "num_q_heads"):
@@ -71,6 +72,10 @@ class BenchConfig:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
         if self.dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"dtype must be float16, bfloat16 or float32, got {self.dtype!r}")
+        if self.local_session not in (True, False, "auto"):
+            raise ValueError(
+                f"local_session must be True, False or 'auto', got {self.local_session!r}"
+            )
         if self.api not in ("batch", "items"):
             raise ValueError(f"api must be batch or items, got {self.api!r}")
 
@@ -146,7 +151,7 @@ def _client_run(
             timeout_s=cfg.timeout_s,
             session=cfg.session,
             shared_memory="auto" if cfg.shared_memory else False,
-            local_session=cfg.local_session and cfg.session,
+            local_session=cfg.local_session if cfg.session else False,
         ) as client:
             layout = client.info().layout
             gen = torch.Generator().manual_seed(seed)

@@ -290,7 +290,12 @@ def _info(args: argparse.Namespace) -> int:
         f"[bold]{args.target}[/bold] server {info.server_version}: layout L={lay.num_layers} "
         f"Hkv={lay.num_kv_heads} D={lay.head_dim} block={lay.block_size} {lay.dtype} "
         f"(fingerprint {info.fingerprint}); capacity {info.total_blocks} blocks = "
-        f"{info.capacity_tokens} tokens; max message {info.max_message_bytes >> 20} MiB"
+        f"{info.capacity_tokens} tokens; max message {info.max_message_bytes >> 20} MiB; "
+        + (
+            f"local sessions at {info.local_session_socket}"
+            if info.local_session_socket
+            else "no local sessions"
+        )
     )
     t = Table(title="Workers")
     for col in ("worker", "device", "blocks", "epoch", "up"):
