@@ -195,6 +195,11 @@ class ServerConfig:
             authentication is the same. Not offered by a TLS server.
         local_session_dir: where the socket's private directory is made (default: the
             system's temporary directory).
+        gc_freeze: once serving, move every object that exists to the collector's
+            permanent generation (`gc.freeze`; undone at stop): full collections then walk
+            only what was made since, not the hundreds of thousands of long-lived objects of
+            torch, Triton and gRPC. Without it a full collection stalled the event loop for
+            92-107 ms on the 2-core VM (benchmarks/results/service-cpu.md, seventh session).
         torch_threads: torch intra-op CPU threads in the server process. None (default):
             torch's own choice when the pools run in-process on the CPU (their attention
             uses them), else 1: the coordinator's tensor work is small copies and checks,
@@ -210,6 +215,7 @@ class ServerConfig:
     max_in_flight_per_client: int = 128
     local_sessions: bool = True
     local_session_dir: str | None = None
+    gc_freeze: bool = True
     torch_threads: int | None = None
 
     def __post_init__(self) -> None:
@@ -218,6 +224,8 @@ class ServerConfig:
         if not self.host:
             raise ConfigError("server.host must not be empty")
         _port("server.port", self.port)
+        if not isinstance(self.gc_freeze, bool):
+            raise ConfigError(f"server.gc_freeze must be true or false, got {self.gc_freeze!r}")
         if not isinstance(self.local_sessions, bool):
             raise ConfigError(
                 f"server.local_sessions must be true or false, got {self.local_sessions!r}"

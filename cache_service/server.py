@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import importlib.metadata
 import json
 import logging
@@ -724,6 +725,7 @@ class RunningService:
     _cleanups: list[Callable[[], Any]] = field(default_factory=list)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stopped: bool = False
+    _froze: bool = False
 
     @property
     def address(self) -> str:
@@ -755,6 +757,8 @@ class RunningService:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.coordinator.close()
+        if self._froze:
+            _release_freeze()
         if self.metrics_http is not None:
             self.metrics_http.stop()
         for cleanup in self._cleanups:
@@ -855,6 +859,30 @@ def _launch_or_attach(launch: Any, embedded: bool) -> list[Any]:
         # A cluster's detached workers outlive a coordinator: a restarted one attaches.
         log.info("attaching to running workers", extra={"prefix": launch.name_prefix})
         return launcher.attach_workers(launch.namespace, launch.name_prefix)
+
+
+# Services of this process that froze the collector's objects (server.gc_freeze): the
+# first freezes, the last to stop unfreezes (several may run at once in one process).
+_freezes = 0
+
+
+def _hold_freeze() -> None:
+    """Collect, then freeze what is left (`gc.freeze`): from here on full collections walk
+    only the objects made since. Garbage is collected first, so nothing dead is frozen."""
+    global _freezes
+    if _freezes == 0:
+        gc.collect()
+        gc.freeze()
+    _freezes += 1
+
+
+def _release_freeze() -> None:
+    """One freezing service stopped; the last one hands the frozen objects back to the
+    collector (garbage among them is collected as usual from then on)."""
+    global _freezes
+    _freezes -= 1
+    if _freezes == 0:
+        gc.unfreeze()
 
 
 def _local_session_auth(auth: AuthInterceptor | None) -> Authenticate:
@@ -1035,6 +1063,9 @@ async def start_service(
         )
     if regions.enabled:
         running._tasks.append(asyncio.get_running_loop().create_task(regions.reap_forever()))
+    if config.server.gc_freeze:
+        _hold_freeze()
+        running._froze = True
     log.info(
         "serving",
         extra={

@@ -47,6 +47,9 @@ def service_config(layout: KVLayout = LAYOUT, **overrides: Any) -> ServiceConfig
         "layout.dtype": layout.dtype,
         "coordinator.health_check_interval_s": 0,
         "server.shutdown_grace_s": 5.0,
+        # Dozens of services start in one test process: no full collection at each start
+        # (test_server_gc covers the freeze).
+        "server.gc_freeze": False,
     }
     base.update(overrides)
     return ServiceConfig().with_overrides(base)
