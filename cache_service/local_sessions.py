@@ -179,12 +179,15 @@ class LocalSessions:
             self._on_change(self.open_sessions)
 
 
-class _Connection(asyncio.Protocol):
-    """One client's local session: a hello, then calls answered one at a time.
+# Messages received and not yet answered past which a connection's socket is not read
+# until half of them are: a client sending ahead is then held back by the socket's buffer
+# rather than by memory here. A client waits for each reply, so reading normally stays on
+# (pausing and resuming around every call would cost two epoll changes a call).
+_MAX_QUEUED = 16
 
-    While a call is in flight the socket is not read (pause_reading), so a client that
-    sends ahead is held back by the socket's buffer rather than by memory here.
-    """
+
+class _Connection(asyncio.Protocol):
+    """One client's local session: a hello, then calls answered one at a time, in order."""
 
     def __init__(self, owner: LocalSessions) -> None:
         self._owner = owner
@@ -192,6 +195,7 @@ class _Connection(asyncio.Protocol):
         self._queue: collections.deque[bytes] = collections.deque()
         self._transport: asyncio.Transport | None = None
         self._closing = False
+        self._paused = False
         self.accepted = False
         self.busy = False
         self.principal: Principal | None = None
@@ -212,6 +216,9 @@ class _Connection(asyncio.Protocol):
         except FrameError as exc:
             self._refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             return
+        if len(self._queue) >= _MAX_QUEUED and self._transport is not None:
+            self._transport.pause_reading()
+            self._paused = True
         self._next()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -233,8 +240,6 @@ class _Connection(asyncio.Protocol):
                 self._hello(message)
                 continue
             self.busy = True
-            if self._transport is not None:
-                self._transport.pause_reading()
             task = start_eagerly(self._call(message))
             task.add_done_callback(self._call_done)
             return
@@ -288,8 +293,9 @@ class _Connection(asyncio.Protocol):
         if self._owner._draining:
             self.close()
             return
-        if self._transport is not None:
+        if self._paused and len(self._queue) <= _MAX_QUEUED // 2 and self._transport is not None:
             self._transport.resume_reading()
+            self._paused = False
         self._next()
 
     # -- output ----------------------------------------------------------------------------

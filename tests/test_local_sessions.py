@@ -164,6 +164,18 @@ def test_raw_messages_are_answered_in_order_with_their_call_ids(svc) -> None:
         assert "query.dtype" in replies[1].error.message
 
 
+def test_a_client_sending_far_ahead_gets_every_reply_in_order(svc) -> None:
+    """More messages at once than the server queues before it stops reading the socket:
+    it reads on as it answers, and every call is answered once, in order."""
+    with _Raw(svc.service.local_sessions.path) as raw:
+        assert raw.hello().code == 0
+        raw.send(
+            b"".join(frame(pb.SessionRequest(call_id=i).SerializeToString()) for i in range(1, 101))
+        )
+        ids = [pb.SessionResponse.FromString(raw.read()).call_id for _ in range(100)]
+        assert ids == list(range(1, 101))
+
+
 @pytest.mark.parametrize(
     ("first", "code", "text"),
     [
