@@ -194,7 +194,9 @@ class ServerConfig:
             skip gRPC's threads on both sides. Only the server's user can connect;
             authentication is the same. Not offered by a TLS server.
         local_session_dir: where the socket's private directory is made (default: the
-            system's temporary directory).
+            system's temporary directory). A directory named here must exist and be
+            writable, else the server does not start; with the default, a server that
+            cannot make its socket logs a warning and serves without local sessions.
         gc_freeze: once serving, move every object that exists to the collector's
             permanent generation (`gc.freeze`; undone at stop): full collections then walk
             only what was made since, not the hundreds of thousands of long-lived objects of

@@ -1023,8 +1023,15 @@ async def start_service(
                 limit,
                 on_change=metrics.set_local_sessions,
             )
-            servicer.local_session_socket = await local.start(config.server.local_session_dir)
-            cleanups.insert(0, functools.partial(local.close, 0.0))
+            try:
+                servicer.local_session_socket = await local.start(config.server.local_session_dir)
+                cleanups.insert(0, functools.partial(local.close, 0.0))
+            except (OSError, ValueError) as exc:
+                if config.server.local_session_dir is not None:
+                    raise  # a directory asked for by name must work
+                # An optimization for same-host clients: serve without it rather than not.
+                log.warning("local sessions off: %s", exc)
+                local = None
         serving = health_pb2.HealthCheckResponse.SERVING
         await health_servicer.set("", serving)
         await health_servicer.set(SERVICE_NAME, serving)

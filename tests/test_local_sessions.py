@@ -376,3 +376,29 @@ def test_the_socket_directory_must_give_a_short_enough_path(tmp_path) -> None:
     with pytest.raises(ValueError, match="longer than a Unix socket allows"):
         asyncio.run(start(str(deep)))
     assert os.listdir(deep) == []  # nothing left behind
+
+
+def test_a_named_socket_directory_that_cannot_be_used_fails_the_start(tmp_path) -> None:
+    config = service_config(**{"server.local_session_dir": str(tmp_path / "missing")})
+    with pytest.raises(FileNotFoundError):
+        ServiceHarness(config, local_workers(1, 16))
+
+
+def test_without_a_usable_temporary_directory_the_server_serves_over_grpc(
+    monkeypatch, tmp_path
+) -> None:
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    with ServiceHarness(service_config(), local_workers(1, 16)) as h:
+        assert h.service.local_sessions is None
+        k, q = _batch(1)
+        with KVCacheClient(h.address) as client:
+            assert client.info().local_session_socket == ""
+            s = client.create_sequence().seq_id
+            client.append_attend_batch(0, [s], [[1]], k, k, q)
+            assert not client.local_session_active
+            client.free(s)
