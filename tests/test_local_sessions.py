@@ -402,3 +402,52 @@ def test_without_a_usable_temporary_directory_the_server_serves_over_grpc(
             client.append_attend_batch(0, [s], [[1]], k, k, q)
             assert not client.local_session_active
             client.free(s)
+
+
+class _Sessions:
+    """A LocalSessions on its own event-loop thread, answering every call with an echo."""
+
+    def __init__(self, parent: str, max_sessions: int) -> None:
+        from cache_service.local_sessions import LocalSessions
+
+        async def serve_call(request: pb.SessionRequest, tenant: str) -> bytes:
+            return pb.SessionResponse(call_id=request.call_id).SerializeToString()
+
+        def accept(authorization: str):
+            return None, grpc.StatusCode.OK, ""
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.sessions = LocalSessions(serve_call, accept, "default", 1 << 20, max_sessions)
+        self.path = self.run(self.sessions.start(parent))
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    def close(self) -> None:
+        self.run(self.sessions.close(1.0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def test_sessions_past_the_limit_and_while_draining_are_refused(tmp_path) -> None:
+    s = _Sessions(str(tmp_path), max_sessions=1)
+    try:
+        with _Raw(s.path) as first, _Raw(s.path) as second:
+            assert first.hello().code == 0
+            refused = second.hello()
+            assert refused.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            assert "too many local sessions open (1)" in refused.message
+            assert second.closed()
+            first.send(frame(pb.SessionRequest(call_id=7).SerializeToString()))
+            assert pb.SessionResponse.FromString(first.read()).call_id == 7
+            s.loop.call_soon_threadsafe(s.sessions.end)  # shutting down
+            assert first.closed()  # idle: closed at once
+        with _Raw(s.path) as late:
+            answer = late.hello()
+            assert answer.code == grpc.StatusCode.UNAVAILABLE.value[0]
+            assert "shutting down" in answer.message
+    finally:
+        s.close()
+    assert not os.path.exists(s.path)
