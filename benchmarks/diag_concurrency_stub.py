@@ -27,7 +27,7 @@ from cache_service.config import ServiceConfig
 from cache_service.server import start_service
 
 
-def _stub_pools() -> None:
+def stub_pools() -> None:
     """Replace the pools' write-and-attend (per layer and by pages) by zeros."""
     import workers.pool as wp
 
@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--no-gc-freeze", action="store_true", help="server.gc_freeze false")
     parser.add_argument("--profile", help="cProfile of the concurrent run's server, to this file")
     args = parser.parse_args()
-    _stub_pools()
+    stub_pools()
     asyncio.run(_main(args))
 
 

@@ -268,7 +268,9 @@ class CoordinatorConfig:
             no worker call in flight goes at once (a lone caller pays no window); once
             other requests arrive while one gathers or is in flight, the window applies
             again. Requests arriving while a call is in flight always gather into the next
-            call. 0 still merges requests that arrive in the same event-loop turn.
+            call. A window ends early once as many requests wait as the largest of the
+            last rounds that gathered (clients calling in step wait for each other, not for
+            the clock). 0 still merges requests that arrive in the same event-loop turn.
         max_batch_items: a worker call is sent at once when it holds this many sequences.
         worker_timeout_s: a worker call taking longer counts as a lost worker.
         health_check_interval_s: how often idle workers are probed for a restart (a new

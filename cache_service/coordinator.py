@@ -29,6 +29,7 @@ each control-plane step is atomic; worker calls are awaited without holding the 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -253,6 +254,8 @@ class _Part:
 # batches are shared, and the estimate at or above which a lone part waits for the window.
 _SHARED_WEIGHT = 0.5
 _SHARED_THRESHOLD = 0.25
+# Batches whose part counts say how many parts "everyone" is (see _Batcher).
+_RECENT_BATCHES = 8
 
 
 class _Batcher:
@@ -271,6 +274,12 @@ class _Batcher:
     `_SHARED_THRESHOLD` is a lone caller: its batch leaves at once instead of waiting for a
     window nobody would use. Otherwise it opens the window as above. One shared batch
     brings the window back; two or three unshared ones in a row drop it again.
+
+    A window also ends early once everyone is there: when as many parts are pending as the
+    largest of the last `_RECENT_BATCHES` batches that gathered (left at the end of their
+    window, or so), the batch leaves as soon as nothing is in flight. Clients that call in
+    step (a model's layers, one call each per round) then wait for each other, not for the
+    clock; one that falls behind still only holds the others for one window.
 
     call_later: the timer (delay in seconds, callback) -> handle with ``cancel()``; default
     the running loop's ``call_later`` (tests pass a fake clock).
@@ -297,6 +306,8 @@ class _Batcher:
         self._tasks: set[asyncio.Task[None]] = set()
         self._shared = 0.0  # moving estimate: how often recent batches were shared
         self._contended = False  # a part arrived while another was gathering / in flight
+        # Parts of the recent batches that gathered (see the class docstring).
+        self._gathered: collections.deque[int] = collections.deque(maxlen=_RECENT_BATCHES)
 
     @property
     def windowed(self) -> bool:
@@ -312,8 +323,14 @@ class _Batcher:
         self._items += len(part.seq_ids)
         if self._items >= self._max_items or (idle and not self.windowed):
             self._flush()
+        elif self._in_flight == 0 and self._everyone_here():
+            self._flush(gathered=True)
         elif self._timer is None and not self._due:
             self._start_window()
+
+    def _everyone_here(self) -> bool:
+        """As many parts pending as the largest recent batch that gathered (two or more)."""
+        return bool(self._gathered) and len(self._pending) >= max(self._gathered) > 1
 
     def _start_window(self) -> None:
         if self._call_later is not None:
@@ -328,9 +345,11 @@ class _Batcher:
         self._timer = None
         self._due = True
         if self._in_flight == 0:
-            self._flush()
+            self._flush(gathered=True)
 
-    def _flush(self) -> None:
+    def _flush(self, gathered: bool = False) -> None:
+        """Send the pending parts as one batch. gathered: they had their window (or
+        everyone arrived), so their count says how many parts a round has."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -338,6 +357,8 @@ class _Batcher:
         parts, self._pending, self._items = self._pending, [], 0
         if not parts:
             return
+        if gathered:
+            self._gathered.append(len(parts))
         # The sample of the batch that leaves now: were other parts arriving while it
         # gathered, or while the batch before it was on the worker?
         sample = 1.0 if self._contended else 0.0
@@ -351,8 +372,8 @@ class _Batcher:
     def _batch_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         self._in_flight -= 1
-        if self._due and self._in_flight == 0:
-            self._flush()
+        if self._in_flight == 0 and (self._due or self._everyone_here()):
+            self._flush(gathered=True)
 
 
 # ------------------------------------------------------------------------------ coordinator

@@ -176,6 +176,47 @@ def test_lone_traffic_after_shared_batches_drops_the_window_again() -> None:
     asyncio.run(scenario())
 
 
+def test_once_everyone_of_the_last_rounds_is_there_the_batch_leaves_without_the_window():
+    async def scenario() -> None:
+        batcher, worker, clock = make()
+        batcher.submit(part("warm"))  # lone: leaves at once
+        await settle()
+        for name in ("a1", "b1", "c1"):  # three clients arrive while it is in flight
+            batcher.submit(part(name))
+        await worker.finish(0)
+        clock.pass_window()  # the first round of three waits for its window
+        await settle()
+        assert worker.batches[-1] == ["a1", "b1", "c1"]
+        await worker.finish(1)
+        # The next round: three parts again, no window needed.
+        for name in ("a2", "b2", "c2"):
+            batcher.submit(part(name))
+        await settle()
+        assert worker.batches[-1] == ["a2", "b2", "c2"]
+        assert clock.armed() == []
+        # Arriving while that round is on the worker: they leave when it is back.
+        for name in ("a3", "b3", "c3"):
+            batcher.submit(part(name))
+        await settle()
+        assert worker.batches[-1] == ["a2", "b2", "c2"]
+        await worker.finish(2)
+        await settle()
+        assert worker.batches[-1] == ["a3", "b3", "c3"]
+        await worker.finish(3)
+        # One client fell behind: the two others wait for the window, as before.
+        batcher.submit(part("a4"))
+        batcher.submit(part("b4"))
+        await settle()
+        assert worker.batches[-1] == ["a3", "b3", "c3"]
+        assert len(clock.armed()) == 1
+        clock.pass_window()
+        await settle()
+        assert worker.batches[-1] == ["a4", "b4"]
+        await worker.finish(4)
+
+    asyncio.run(scenario())
+
+
 def test_a_full_batch_leaves_at_once_even_with_one_in_flight() -> None:
     async def scenario() -> None:
         batcher, worker, clock = make(window_s=3600.0, max_items=3)

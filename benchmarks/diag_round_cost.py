@@ -1,0 +1,136 @@
+"""The servicer's and coordinator's CPU per part of a coalesced round (a diagnostic).
+
+In one process, without sockets or clients: `--clients` groups of 8 sequences each make
+their decode step's append-and-attend session call for every layer at the same moment
+(`asyncio.gather` on the servicer's `_session_call`), so the coordinator coalesces them
+into rounds as it does for concurrent clients. Tensors come from shared-memory regions
+(views, as on a GPU server with `--pinned`: regions marked page-locked); the pools'
+write-and-attend is a zero-cost stub. Prints wall and CPU time per part; `--profile`
+prints the hottest functions. Compare `--clients 1` (solo calls) with `--clients 8`.
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/diag_round_cost.py --clients 8 --pinned
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import mmap
+import pstats
+import time
+from typing import Any
+
+import torch
+from diag_concurrency_stub import stub_pools
+
+from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
+from cache_service.config import ServiceConfig
+from cache_service.request_codec import SharedTensor, encode_append_attend_batch
+from cache_service.session_codec import APPEND_ATTEND_BATCH, session_message
+
+BATCH, LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 8, 32, 8, 32, 128
+_K, _V, _Q, _OUT = 0, 1 << 20, 2 << 20, 3 << 20  # offsets in each client's region
+
+
+async def _main(args: argparse.Namespace) -> None:
+    from cache_service import server as srv
+
+    if args.pinned:
+        # What a GPU server does for its in-process CUDA pools: calls read views.
+        plain = srv.SharedRegions
+        srv.SharedRegions = lambda *a, **k: plain(*a, **{**k, "pin_for_cuda": True})
+    config = ServiceConfig().with_overrides(
+        {
+            "server.port": 0,
+            "server.local_sessions": False,
+            "metrics.enabled": True,
+            "metrics.port": 0,
+            "layout.num_layers": LAYERS,
+            "layout.num_kv_heads": KV_HEADS,
+            "layout.head_dim": HEAD_DIM,
+            "layout.dtype": "bfloat16",
+            "workers.num_workers": 1,
+            "workers.blocks_per_worker": 64 * BATCH * args.clients,
+            "workers.in_process": True,
+            "coordinator.correctness_check_fraction": 0.0,
+            "coordinator.health_check_interval_s": 0,
+            "log_level": "WARNING",
+        }
+    )
+    running = await srv.start_service(config)
+    servicer, coord = running._servicer, running.coordinator
+    clients: list[tuple[list[str], str, torch.Tensor, torch.Tensor, Any]] = []
+    try:
+        for _ in range(args.clients):
+            seq_ids = [(await coord.create_sequence("default", [])).seq_id for _ in range(BATCH)]
+            info = await running.shared_regions.create("default", 4 << 20)
+            with open(info.path, "r+b") as f:
+                mem = mmap.mmap(f.fileno(), info.size_bytes)
+            region = torch.frombuffer(mem, dtype=torch.uint8)
+            kv = torch.randn(BATCH, 1, KV_HEADS, HEAD_DIM).bfloat16()
+            q = torch.randn(BATCH, 1, Q_HEADS, HEAD_DIM).bfloat16()
+            for offset, t in ((_K, kv), (_V, kv), (_Q, q)):
+                region[offset : offset + t.numel() * 2].view(torch.bfloat16).copy_(t.view(-1))
+            clients.append((seq_ids, info.region_id, kv, q, mem))
+
+        def shared(t: torch.Tensor, region_id: str, offset: int) -> SharedTensor:
+            return SharedTensor(t.dtype, tuple(t.shape), region_id, offset)
+
+        prof = cProfile.Profile() if args.profile else None
+        call_id = parts = 0
+        t0 = cpu0 = 0.0
+        for step in range(args.warmup + args.steps):
+            if step == args.warmup:
+                t0, cpu0 = time.perf_counter(), time.process_time()
+                if prof is not None:
+                    prof.enable()
+            for layer in range(LAYERS):
+                requests = []
+                for seq_ids, rid, kv, q, _ in clients:
+                    call_id += 1
+                    body = encode_append_attend_batch(
+                        layer, seq_ids, [[step]] * BATCH, shared(kv, rid, _K),
+                        shared(kv, rid, _V), shared(q, rid, _Q), False, output_to=(rid, _OUT),
+                    )  # fmt: skip
+                    message = session_message(call_id, APPEND_ATTEND_BATCH, body)
+                    requests.append(pb.SessionRequest.FromString(message))
+                replies = await asyncio.gather(
+                    *(servicer._session_call(r, "default") for r in requests)
+                )
+                for reply in replies:
+                    kind = pb.SessionResponse.FromString(reply).WhichOneof("result")
+                    if kind == "error":
+                        raise RuntimeError(pb.SessionResponse.FromString(reply).error.message)
+                if step >= args.warmup:
+                    parts += len(requests)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        if prof is not None:
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        print(
+            f"clients={args.clients}: {wall / parts * 1e6:.0f} us wall and "
+            f"{cpu / parts * 1e6:.0f} us CPU per part ({parts} parts; pinned views: "
+            f"{args.pinned})"
+        )
+    finally:
+        await running.stop()
+        for *_, mem in clients:
+            mem.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--pinned", action="store_true", help="regions as a GPU server pins them")
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    stub_pools()
+    asyncio.run(_main(args))
+
+
+if __name__ == "__main__":
+    main()
