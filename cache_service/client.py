@@ -55,7 +55,12 @@ from cache_service.request_codec import (
     encode_attend,
     encode_attend_batch,
 )
-from cache_service.session_codec import APPEND_ATTEND_BATCH, ATTEND_BATCH, session_message
+from cache_service.session_codec import (
+    APPEND_ATTEND_BATCH,
+    ATTEND_BATCH,
+    session_message,
+    status_from_number,
+)
 from cache_service.tensor_codec import (
     dtype_from_proto,
     dtype_to_proto,
@@ -163,7 +168,6 @@ _ERRORS: dict[grpc.StatusCode, type[KVCacheError]] = {
 }
 
 
-_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 # SessionResponse.result of each session call's reply.
 _SESSION_REPLY = {APPEND_ATTEND_BATCH: "append_attend_batch", ATTEND_BATCH: "attend_batch"}
 
@@ -174,7 +178,7 @@ def _session_result(raw: bytes, call_id: int, field: int) -> Any:
     reply = pb.SessionResponse.FromString(raw)
     which = reply.WhichOneof("result")
     if which == "error":
-        code = _STATUS_BY_NUMBER.get(reply.error.code, grpc.StatusCode.UNKNOWN)
+        code = status_from_number(reply.error.code)
         raise _ERRORS.get(code, InternalError)(code, reply.error.message or code.name)
     if reply.call_id != call_id or which != _SESSION_REPLY[field]:
         raise InternalError(

@@ -24,6 +24,7 @@ import grpc
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service.call_stream import StreamBroken
 from cache_service.local_frames import FrameBuffer, FrameError, frame
+from cache_service.session_codec import status_from_number
 
 __all__ = ["LocalSessionStream", "LocalSessionUnavailable", "LocalSessionUnreachable"]
 
@@ -84,7 +85,9 @@ class LocalSessionStream:
                 _exchange(sock, frames, frame(hello.SerializeToString()), timeout_s)
             )
             if answer.code != grpc.StatusCode.OK.value[0]:
-                raise StreamBroken(_status(answer.code), answer.message or "session refused")
+                raise StreamBroken(
+                    status_from_number(answer.code), answer.message or "session refused"
+                )
         except BaseException:
             sock.close()
             raise
@@ -164,10 +167,3 @@ def _exchange(sock: socket.socket, frames: FrameBuffer, data: bytes, timeout_s: 
         raise StreamBroken(
             grpc.StatusCode.UNAVAILABLE, f"the local session failed: {exc.strerror or exc}"
         ) from None
-
-
-def _status(code: int) -> grpc.StatusCode:
-    for status in grpc.StatusCode:
-        if status.value[0] == code:
-            return status
-    return grpc.StatusCode.UNKNOWN

@@ -13,7 +13,13 @@ import grpc
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service.wire_format import delimited, varint
 
-__all__ = ["APPEND_ATTEND_BATCH", "ATTEND_BATCH", "session_error", "session_message"]
+__all__ = [
+    "APPEND_ATTEND_BATCH",
+    "ATTEND_BATCH",
+    "session_error",
+    "session_message",
+    "status_from_number",
+]
 
 # Field numbers of the calls in SessionRequest.call and SessionResponse.result.
 APPEND_ATTEND_BATCH = 2
@@ -21,6 +27,15 @@ ATTEND_BATCH = 3
 _ERROR_TAG = b"\x22"  # SessionResponse.error = 4, length-delimited
 _CALL_ID_TAG = b"\x08"  # call_id = 1, varint
 _TAGS = {APPEND_ATTEND_BATCH: b"\x12", ATTEND_BATCH: b"\x1a"}
+
+
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_from_number(code: int) -> grpc.StatusCode:
+    """The gRPC status whose number is `code` (a `CallError.code`); UNKNOWN for a number
+    gRPC does not define."""
+    return _STATUS_BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
 
 
 def session_message(call_id: int, field: int, inner: bytes) -> bytes:
