@@ -43,6 +43,7 @@ import torch
 import kernels
 from cache_service.control_types import Segment
 from cache_service.worker_interface import AttentionResult, WorkerClient
+from workers.kernel_warmup import padded_table_width
 
 __all__ = [
     "AttentionPlan",
@@ -224,20 +225,14 @@ class WorkerBatch:
         return tables, seq_lens, starts
 
 
-# Block tables are padded to a multiple of this many columns: the kernels specialize on
-# the table's width and row stride being divisible by 16, and a width that follows the
-# longest sequence would switch between the two variants (a compile each, while serving)
-# as contexts grow. The extra columns are zeros, never read past a sequence's length.
-_TABLE_WIDTH_MULTIPLE = 16
-
-
 def _block_table(rows: list[tuple[int, ...] | np.ndarray]) -> np.ndarray:
-    """int32 ``[len(rows), w]``, w the longest row rounded up to a multiple of
-    `_TABLE_WIDTH_MULTIPLE`, each row zero-padded: one array for the whole batch. Arrays
+    """int32 ``[len(rows), w]``, w the longest row padded as the kernels want it
+    (`workers.kernel_warmup.padded_table_width`), each row zero-padded: one array for the
+    whole batch. Arrays
     (from :class:`OneWorkerView`) are copied in with numpy; tuples go through one flat list
     (numpy parses nested lists slowly)."""
     lengths = [len(r) for r in rows]
-    width = -(-max(lengths) // _TABLE_WIDTH_MULTIPLE) * _TABLE_WIDTH_MULTIPLE
+    width = padded_table_width(max(lengths))
     if all(type(r) is np.ndarray for r in rows):
         if min(lengths) == width:
             table = np.concatenate(rows).reshape(len(rows), width)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.checks import AttendOptions
+from workers.kernel_warmup import TABLE_WIDTH_MULTIPLE
 from workers.metadata_cache import CachedMetadata
 from workers.staging import HostStager, packed_offsets
 
@@ -72,9 +73,9 @@ def bucket_width(width: int) -> int:
     16 (at most 12.5% more than `width` from 128 on; at least 16), so graphs keyed by it
     survive many steps of a growing context, and the kernels see one specialization of the
     width (as in the coordinator's padded plans; workers.kernel_warmup)."""
-    if width <= 16:
-        return 16
-    step = max(16, 1 << (width.bit_length() - 4))
+    if width <= TABLE_WIDTH_MULTIPLE:
+        return TABLE_WIDTH_MULTIPLE
+    step = max(TABLE_WIDTH_MULTIPLE, 1 << (width.bit_length() - 4))
     return -(-width // step) * step
 
 

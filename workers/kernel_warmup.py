@@ -21,15 +21,31 @@ from kernels.attention import AttentionConfig, choose_config
 from kernels.validation import AttentionProblem
 from workers.layout import KVLayout
 
-__all__ = ["WarmUpLaunch", "decode_warm_up_launches"]
+__all__ = [
+    "TABLE_WIDTH_MULTIPLE",
+    "WarmUpLaunch",
+    "decode_warm_up_launches",
+    "dummy_decode_inputs",
+    "padded_table_width",
+    "table_width",
+]
 
 # The longest context tried, tokens (the split count stops changing long before: it is
 # capped by the programs per SM).
 _MAX_CONTEXT_TOKENS = 1 << 17
 # Block tables reach the kernels padded to a multiple of this many columns (the
-# coordinator's plans, the decode graphs' buckets), and the launch configuration follows
-# the table's width: the widths tried.
+# coordinator's plans, the decode graphs' buckets; `padded_table_width`): the kernels
+# specialize on the table's width and row stride being divisible by 16, and a width that
+# followed the longest sequence would switch between the two variants (a compile each,
+# while serving) as contexts grow. The extra columns are zeros, never read past a
+# sequence's length. The launch configuration follows the width: the widths warmed.
 TABLE_WIDTH_MULTIPLE = 16
+
+
+def padded_table_width(blocks: int) -> int:
+    """Columns of a block table whose longest row holds `blocks` block ids: `blocks`
+    rounded up to a multiple of `TABLE_WIDTH_MULTIPLE` (0 stays 0)."""
+    return -(-blocks // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
 
 
 @dataclass(frozen=True)
@@ -104,8 +120,7 @@ def table_width(context: int, block_size: int) -> int:
     """Columns of a warm-up launch's block table: the context's blocks rounded up to
     `TABLE_WIDTH_MULTIPLE`, as served tables are padded, so the launch compiles the
     variant serving uses."""
-    blocks = -(-context // block_size)
-    return -(-blocks // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
+    return padded_table_width(-(-context // block_size))
 
 
 def dummy_decode_inputs(
