@@ -213,9 +213,9 @@ def through_service(
                 prof = cProfile.Profile() if profile is not None and key == "single" else None
                 if prof is not None:
                     prof.enable()  # the event loop's thread: gRPC handlers and coordinator
-                before = _worker_rounds(running.metrics)
+                before = worker_rounds(running.metrics)
                 result = await loop.run_in_executor(None, run, running.address, cfg)
-                after = _worker_rounds(running.metrics)
+                after = worker_rounds(running.metrics)
                 calls = after[1] - before[1]
                 per_call = (after[0] - before[0]) / calls if calls else None
                 out[key] = replace(result, sequences_per_worker_call=per_call)
@@ -231,7 +231,7 @@ def through_service(
     return asyncio.run(main())
 
 
-def _worker_rounds(metrics: Any) -> tuple[float, float]:
+def worker_rounds(metrics: Any) -> tuple[float, float]:
     """(sequences, worker calls) so far, over every worker: the sum and count of the
     service's worker batch-size histogram (warm-up included; differences matter)."""
     total = count = 0.0
@@ -377,7 +377,8 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         f"- the service's CUDA pools replay repeated layers as CUDA graphs: "
         f"{'no' if args.no_graphs else 'yes'}; runs: {args.phases}",
         "- each client runs in its own process (loopback gRPC); one worker; the server's "
-        "process holds the coordinator (and, for the first row, the pools)",
+        "process holds the coordinator, and the pools in the rows that say so (a Ray row's "
+        "pool is in a Ray actor on the same device)",
         "",
         "## One client: per-layer append-and-attend",
         "",
@@ -445,6 +446,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-window-ms", type=float, default=0.5)
     parser.add_argument("--steps", type=int, help="timed steps (default: the setup's)")
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray worker run")
+    parser.add_argument(
+        "--no-in-process", action="store_true",
+        help="skip the runs with the pools in the server's process (the Ray run alone)",
+    )  # fmt: skip
     parser.add_argument("--api", choices=tuple(API_TEXT), default="batch", help="client call")
     parser.add_argument(
         "--profile", type=Path, help="also run once under cProfile, the server's stats here"
@@ -482,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [t for t in transports if t not in TRANSPORTS]
     if unknown:
         parser.error(f"unknown transport(s) {unknown}; choose among {list(TRANSPORTS)}")
-    for transport in transports:
+    for transport in [] if args.no_in_process else transports:
         results[f"pools in the server process, {TRANSPORTS[transport].label}"] = through_service(
             setup,
             ray=False,

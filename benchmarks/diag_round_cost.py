@@ -5,8 +5,10 @@ their decode step's append-and-attend session call for every layer at the same m
 (`asyncio.gather` on the servicer's `_session_call`), so the coordinator coalesces them
 into rounds as it does for concurrent clients. Tensors come from shared-memory regions
 (views, as on a GPU server with `--pinned`: regions marked page-locked); the pools'
-write-and-attend is a zero-cost stub. Prints wall and CPU time per part; `--profile`
-prints the hottest functions. Compare `--clients 1` (solo calls) with `--clients 8`.
+write-and-attend is a zero-cost stub, or with `--device cuda` the real CUDA pools (short
+contexts: the GPU's share stays small). Prints wall and CPU time per part, and the
+sequences per worker call; `--profile` prints the hottest functions. Compare `--clients 1`
+(solo calls) with `--clients 8`.
 
     PYTHONPATH=.:benchmarks python3 benchmarks/diag_round_cost.py --clients 8 --pinned
 """
@@ -22,6 +24,7 @@ import time
 from typing import Any
 
 import torch
+from bench_service import worker_rounds
 from diag_concurrency_stub import stub_pools
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
@@ -53,6 +56,7 @@ async def _main(args: argparse.Namespace) -> None:
             "workers.num_workers": 1,
             "workers.blocks_per_worker": 64 * BATCH * args.clients,
             "workers.in_process": True,
+            "workers.device": args.device,
             "coordinator.correctness_check_fraction": 0.0,
             "coordinator.health_check_interval_s": 0,
             "log_level": "WARNING",
@@ -104,14 +108,18 @@ async def _main(args: argparse.Namespace) -> None:
                         raise RuntimeError(pb.SessionResponse.FromString(reply).error.message)
                 if step >= args.warmup:
                     parts += len(requests)
+            if step == args.warmup - 1:
+                before = worker_rounds(running.metrics)
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        after = worker_rounds(running.metrics)
+        per_call = (after[0] - before[0]) / max(after[1] - before[1], 1)
         if prof is not None:
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(30)
         print(
             f"clients={args.clients}: {wall / parts * 1e6:.0f} us wall and "
-            f"{cpu / parts * 1e6:.0f} us CPU per part ({parts} parts; pinned views: "
-            f"{args.pinned})"
+            f"{cpu / parts * 1e6:.0f} us CPU per part ({parts} parts; {per_call:.1f} "
+            f"sequences per worker call; pinned views: {args.pinned}; pools: {args.device})"
         )
     finally:
         await running.stop()
@@ -126,9 +134,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--pinned", action="store_true", help="regions as a GPU server pins them")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="cpu: stubbed pools; cuda: the real CUDA pools",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
-    stub_pools()
+    if args.device == "cpu":
+        stub_pools()
     asyncio.run(_main(args))
 
 

@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-service | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-service | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -173,6 +173,76 @@ warm-up-service)
   CUDA_VISIBLE_DEVICES=0 timeout 420 python3 benchmarks/bench_service.py --h200 --no-ray \
     --transports local-shm,session-shm --out "$OUT/service-h200.md" > "$OUT/bench-service.log" 2>&1
   tail -16 "$OUT/service-h200.md"
+  ;;
+warm-up-profile)
+  # The GPU tests of the kernel warm-up and the decode graphs; the service benchmark over a
+  # local session (every run) and over the gRPC stream (one client of batch 32), pools
+  # warmed and the collector frozen; py-spy of the server's process (wall time, idle kept)
+  # through the concurrency runs over local sessions. PYSPY: the py-spy binary.
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 4 -m gpu \
+    tests/test_kernel_warmup.py tests/test_decode_graphs.py > "$OUT/gpu-tests.log" 2>&1
+  tail -4 "$OUT/gpu-tests.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/bench_service.py --h200 --no-ray \
+    --transports local-shm --out "$OUT/service-local.md" > "$OUT/bench-local.log" 2>&1
+  tail -12 "$OUT/service-local.md"
+  CUDA_VISIBLE_DEVICES=0 timeout 90 python3 benchmarks/bench_service.py --h200 --no-ray \
+    --transports session-shm --phases single --out "$OUT/service-grpc.md" > "$OUT/bench-grpc.log" 2>&1
+  grep "service," "$OUT/service-grpc.md"
+  CUDA_VISIBLE_DEVICES=0 timeout 150 "$PYSPY" record --nonblocking --threads --idle -r 1000 \
+    -f raw -o "$OUT/spy-concurrent.raw" -- python3 benchmarks/bench_service.py --h200 --no-ray \
+    --transports local-shm --phases one_small,concurrent \
+    --out "$OUT/service-spy.md" > "$OUT/spy.log" 2>&1
+  tail -4 "$OUT/service-spy.md"
+  ;;
+batching-callers)
+  # The servicer's and coordinator's CPU per part of coalesced rounds on this host (stubbed
+  # pools, then the real CUDA pools); the concurrency runs over local sessions with the
+  # batcher's expected callers, at three batching windows, and over the gRPC stream.
+  for c in 1 8; do
+    timeout 60 python3 benchmarks/diag_round_cost.py --clients $c --pinned 2>&1 | tail -1
+  done
+  timeout 90 python3 benchmarks/diag_round_cost.py --clients 8 --pinned --device cuda 2>&1 | tail -1
+  for w in 0.5 0.2 0; do
+    CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/bench_service.py --h200 --no-ray \
+      --transports local-shm --phases one_small,concurrent --batch-window-ms $w \
+      --out "$OUT/service-window-$w.md" > "$OUT/window-$w.log" 2>&1
+    echo "window $w ms:"; grep "service," "$OUT/service-window-$w.md"
+  done
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/bench_service.py --h200 --no-ray \
+    --transports session-shm --phases one_small,concurrent \
+    --out "$OUT/service-grpc.md" > "$OUT/grpc.log" 2>&1
+  grep "service," "$OUT/service-grpc.md"
+  ;;
+batch-trace)
+  # How the batcher forms rounds in the concurrency runs, over a local session and over
+  # the gRPC stream (diag_batch_trace.py: every part's arrival, every batch's departure).
+  for t in local-shm session-shm; do
+    CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/diag_batch_trace.py \
+      --trace "$OUT/trace-$t.jsonl" -- --h200 --no-ray --transports $t \
+      --phases one_small,concurrent --out "$OUT/service-$t.md" > "$OUT/trace-$t.log" 2>&1
+    grep "service," "$OUT/service-$t.md"; tail -5 "$OUT/trace-$t.log"
+  done
+  ;;
+final-callers)
+  # The service benchmark with the batcher's expected callers: pools in the server's
+  # process over a local session and over the gRPC stream; then the pool behind a Ray actor
+  # (the same GPU), over a local session to the coordinator.
+  CUDA_VISIBLE_DEVICES=0 timeout 330 python3 benchmarks/bench_service.py --h200 --no-ray \
+    --transports local-shm,session-shm --out "$OUT/service-h200.md" > "$OUT/bench-service.log" 2>&1
+  tail -16 "$OUT/service-h200.md"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/bench_service.py --h200 --no-in-process \
+    --transports local-shm --out "$OUT/service-h200-ray.md" > "$OUT/bench-ray.log" 2>&1
+  tail -12 "$OUT/service-h200-ray.md"; tail -3 "$OUT/bench-ray.log"
+  ;;
+joined-check)
+  # The concurrency runs again after the round's joined finite check (one pass over a
+  # shared round's inputs instead of three per part): over a local session, over gRPC.
+  for t in local-shm session-shm; do
+    CUDA_VISIBLE_DEVICES=0 timeout 95 python3 benchmarks/bench_service.py --h200 --no-ray \
+      --transports $t --phases one_small,concurrent --out "$OUT/service-$t.md" \
+      > "$OUT/bench-$t.log" 2>&1
+    grep "service," "$OUT/service-$t.md"
+  done
   ;;
 profile-server)
   # One client's timeline at batch 32 (service_breakdown), then py-spy on the server's

@@ -29,7 +29,6 @@ each control-plane step is atomic; worker calls are awaited without holding the 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import math
@@ -254,8 +253,8 @@ class _Part:
 # batches are shared, and the estimate at or above which a lone part waits for the window.
 _SHARED_WEIGHT = 0.5
 _SHARED_THRESHOLD = 0.25
-# Batches whose part counts say how many parts "everyone" is (see _Batcher).
-_RECENT_BATCHES = 8
+# Batches whose callers the next batch expects (see _Batcher).
+_RECENT_BATCHES = 4
 
 
 class _Batcher:
@@ -275,11 +274,15 @@ class _Batcher:
     window nobody would use. Otherwise it opens the window as above. One shared batch
     brings the window back; two or three unshared ones in a row drop it again.
 
-    A window also ends early once everyone is there: when as many parts are pending as the
-    largest of the last `_RECENT_BATCHES` batches that gathered (left at the end of their
-    window, or so), the batch leaves as soon as nothing is in flight. Clients that call in
-    step (a model's layers, one call each per round) then wait for each other, not for the
-    clock; one that falls behind still only holds the others for one window.
+    A window also ends early once everyone is there. The batcher knows its callers (a part's
+    caller is the first sequence it names: a client's batch) and expects those of its last
+    `_RECENT_BATCHES` batches; when every expected caller has a part pending, the batch
+    leaves as soon as nothing is in flight. Clients that call in step (a model's layers,
+    one call each per round) then wait for each other, not for the clock, and groups of
+    them that drifted apart merge again: a group's batch waits for the others, who come
+    once they had their replies. A batch that waited its whole window stops expecting the
+    callers it missed that were not in the batch before it either (out of step, or gone),
+    so a caller that leaves holds the others for two windows at most.
 
     call_later: the timer (delay in seconds, callback) -> handle with ``cancel()``; default
     the running loop's ``call_later`` (tests pass a fake clock).
@@ -306,8 +309,14 @@ class _Batcher:
         self._tasks: set[asyncio.Task[None]] = set()
         self._shared = 0.0  # moving estimate: how often recent batches were shared
         self._contended = False  # a part arrived while another was gathering / in flight
-        # Parts of the recent batches that gathered (see the class docstring).
-        self._gathered: collections.deque[int] = collections.deque(maxlen=_RECENT_BATCHES)
+        # Callers of recent batches (caller -> number of the last batch it was in), expected
+        # in the next one; how many of them have a part pending; the pending parts' callers
+        # (see the class docstring).
+        self._batches_sent = 0
+        self._last_seen: dict[str | int, int] = {}
+        self._expected: set[str | int] = set()
+        self._pending_expected = 0
+        self._pending_callers: set[str | int] = set()
 
     @property
     def windowed(self) -> bool:
@@ -321,16 +330,21 @@ class _Batcher:
             self._contended = True
         self._pending.append(part)
         self._items += len(part.seq_ids)
+        caller = _caller(part)
+        if caller not in self._pending_callers:
+            self._pending_callers.add(caller)
+            self._pending_expected += caller in self._expected
         if self._items >= self._max_items or (idle and not self.windowed):
             self._flush()
         elif self._in_flight == 0 and self._everyone_here():
-            self._flush(gathered=True)
+            self._flush()
         elif self._timer is None and not self._due:
             self._start_window()
 
     def _everyone_here(self) -> bool:
-        """As many parts pending as the largest recent batch that gathered (two or more)."""
-        return bool(self._gathered) and len(self._pending) >= max(self._gathered) > 1
+        """Every caller expected (two or more) has a part pending."""
+        expected = len(self._expected)
+        return expected > 1 and self._pending_expected == expected
 
     def _start_window(self) -> None:
         if self._call_later is not None:
@@ -345,20 +359,20 @@ class _Batcher:
         self._timer = None
         self._due = True
         if self._in_flight == 0:
-            self._flush(gathered=True)
+            self._flush()
 
-    def _flush(self, gathered: bool = False) -> None:
-        """Send the pending parts as one batch. gathered: they had their window (or
-        everyone arrived), so their count says how many parts a round has."""
+    def _flush(self) -> None:
+        """Send the pending parts as one batch."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._due = False
+        waited_window, self._due = self._due, False
         parts, self._pending, self._items = self._pending, [], 0
+        callers, self._pending_callers = self._pending_callers, set()
+        self._pending_expected = 0
         if not parts:
             return
-        if gathered:
-            self._gathered.append(len(parts))
+        self._expect_after(callers, waited_window)
         # The sample of the batch that leaves now: were other parts arriving while it
         # gathered, or while the batch before it was on the worker?
         sample = 1.0 if self._contended else 0.0
@@ -369,11 +383,30 @@ class _Batcher:
         self._tasks.add(task)
         task.add_done_callback(self._batch_done)
 
+    def _expect_after(self, callers: set[str | int], waited_window: bool) -> None:
+        """Update the expected callers once a batch of `callers` left (see the class
+        docstring); `waited_window`: it left because its window had passed."""
+        self._batches_sent += 1
+        number = self._batches_sent
+        for caller in callers:
+            self._last_seen[caller] = number
+        # After a whole window, the absent callers of the batch before this one are still
+        # in step (they had their reply later); those absent longer are not.
+        oldest = number - 1 if waited_window else number - _RECENT_BATCHES + 1
+        self._last_seen = {c: n for c, n in self._last_seen.items() if n >= oldest}
+        self._expected = set(self._last_seen)
+
     def _batch_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         self._in_flight -= 1
         if self._in_flight == 0 and (self._due or self._everyone_here()):
-            self._flush(gathered=True)
+            self._flush()
+
+
+def _caller(part: _Part) -> str | int:
+    """Who sent `part`, for the batcher: the first sequence it names (a client's batch of
+    sequences travels together from step to step)."""
+    return part.seq_ids[0] if part.seq_ids else id(part)
 
 
 # ------------------------------------------------------------------------------ coordinator

@@ -179,40 +179,131 @@ def test_lone_traffic_after_shared_batches_drops_the_window_again() -> None:
 def test_once_everyone_of_the_last_rounds_is_there_the_batch_leaves_without_the_window():
     async def scenario() -> None:
         batcher, worker, clock = make()
-        batcher.submit(part("warm"))  # lone: leaves at once
+        batcher.submit(part("a"))  # lone: leaves at once
         await settle()
-        for name in ("a1", "b1", "c1"):  # three clients arrive while it is in flight
+        for name in ("b", "c"):  # two more clients arrive while it is in flight
             batcher.submit(part(name))
         await worker.finish(0)
-        clock.pass_window()  # the first round of three waits for its window
+        clock.pass_window()  # they wait for their window
         await settle()
-        assert worker.batches[-1] == ["a1", "b1", "c1"]
+        assert worker.batches[-1] == ["b", "c"]
         await worker.finish(1)
-        # The next round: three parts again, no window needed.
-        for name in ("a2", "b2", "c2"):
+        # The next round: the three callers of the last two batches, no window needed.
+        for name in ("a", "b", "c"):
             batcher.submit(part(name))
         await settle()
-        assert worker.batches[-1] == ["a2", "b2", "c2"]
+        assert worker.batches[-1] == ["a", "b", "c"]
         assert clock.armed() == []
         # Arriving while that round is on the worker: they leave when it is back.
-        for name in ("a3", "b3", "c3"):
+        for name in ("a", "b", "c"):
             batcher.submit(part(name))
         await settle()
-        assert worker.batches[-1] == ["a2", "b2", "c2"]
+        assert len(worker.batches) == 3
         await worker.finish(2)
         await settle()
-        assert worker.batches[-1] == ["a3", "b3", "c3"]
+        assert len(worker.batches) == 4 and clock.armed() == []
         await worker.finish(3)
         # One client fell behind: the two others wait for the window, as before.
-        batcher.submit(part("a4"))
-        batcher.submit(part("b4"))
+        batcher.submit(part("a"))
+        batcher.submit(part("b"))
         await settle()
-        assert worker.batches[-1] == ["a3", "b3", "c3"]
+        assert len(worker.batches) == 4
         assert len(clock.armed()) == 1
         clock.pass_window()
         await settle()
-        assert worker.batches[-1] == ["a4", "b4"]
+        assert worker.batches[-1] == ["a", "b"]
         await worker.finish(4)
+
+    asyncio.run(scenario())
+
+
+def test_a_caller_that_leaves_holds_the_others_for_two_windows_at_most() -> None:
+    async def scenario() -> None:
+        batcher, worker, clock = make()
+        batcher.submit(part("a"))
+        await settle()
+        for name in ("b", "c"):
+            batcher.submit(part(name))
+        await worker.finish(0)
+        clock.pass_window()
+        await settle()
+        await worker.finish(1)
+        # "c" is gone: "a" and "b" wait for it through two windows, then no longer.
+        windows = 0
+        for _ in range(4):
+            batcher.submit(part("a"))
+            batcher.submit(part("b"))
+            await settle()
+            if clock.armed():
+                windows += 1
+                clock.pass_window()
+                await settle()
+            assert worker.batches[-1] == ["a", "b"]
+            await worker.finish(len(worker.batches) - 1)
+        assert windows == 2
+        # Without "c", "a" and "b" leave without a window; "c", back, waits for its own...
+        batcher.submit(part("a"))
+        batcher.submit(part("b"))
+        await settle()
+        assert worker.batches[-1] == ["a", "b"] and clock.armed() == []
+        batcher.submit(part("c"))
+        await worker.finish(len(worker.batches) - 1)
+        clock.pass_window()
+        await settle()
+        assert worker.batches[-1] == ["c"]
+        await worker.finish(len(worker.batches) - 1)
+        # ...and is expected again: the three are one round.
+        for name in ("c", "a", "b"):
+            batcher.submit(part(name))
+        await settle()
+        assert worker.batches[-1] == ["c", "a", "b"] and clock.armed() == []
+        await worker.finish(len(worker.batches) - 1)
+
+    asyncio.run(scenario())
+
+
+def test_two_groups_of_callers_that_drifted_apart_merge_into_one_batch() -> None:
+    async def scenario() -> None:
+        batcher, worker, clock = make()
+        batcher.submit(part("a"))
+        await settle()
+        for name in ("b", "c", "d"):
+            batcher.submit(part(name))
+        await worker.finish(0)
+        clock.pass_window()
+        await settle()
+        assert worker.batches[-1] == ["b", "c", "d"]
+        await worker.finish(1)
+        for name in ("a", "b", "c", "d"):
+            batcher.submit(part(name))
+        await settle()
+        assert worker.batches[-1] == ["a", "b", "c", "d"]
+        # "c" and "d" come late: "a" and "b" leave after their window...
+        batcher.submit(part("a"))
+        batcher.submit(part("b"))
+        await worker.finish(2)
+        clock.pass_window()
+        await settle()
+        assert worker.batches[-1] == ["a", "b"]
+        # ...and "c" and "d", arriving while that batch is on the worker, after theirs.
+        batcher.submit(part("c"))
+        batcher.submit(part("d"))
+        clock.pass_window()
+        await worker.finish(3)
+        await settle()
+        assert worker.batches[-1] == ["c", "d"]
+        # "a" and "b" are back before "c" and "d": they wait for them (all four are still
+        # expected) rather than leave as a group of two again; no window passes.
+        batcher.submit(part("a"))
+        batcher.submit(part("b"))
+        await worker.finish(4)
+        await settle()
+        assert len(worker.batches) == 5
+        batcher.submit(part("c"))
+        batcher.submit(part("d"))
+        await settle()
+        assert worker.batches[-1] == ["a", "b", "c", "d"]
+        await worker.finish(5)
 
     asyncio.run(scenario())
 
