@@ -1389,9 +1389,7 @@ class Coordinator:
     async def _run_parts(self, key: tuple[int | None, str, int], parts: list[_Part]) -> None:
         """One worker round for several parts: one plan, one call per worker, results split
         back to each part's future."""
-        parts, check_on_device = _finite_parts(parts)
-        if not parts:
-            return
+        check_on_device = _checked_on_device(parts)
         layers = {p.layer for p in parts}
         # One layer (the usual round): per-layer calls. Several (coalesce_layers): one call
         # over pages of every layer.
@@ -1425,6 +1423,12 @@ class Coordinator:
                 )
                 for w, ws in merged.items()
             }
+            if not check_on_device and not _joined_finite(parts, query, writes.values()):
+                # Someone's values are not finite: find whose, fail those, run the rest.
+                survivors = _finite_parts(parts)
+                if survivors:
+                    await self._run_parts(key, survivors)
+                return
             workers = {b.worker_id for b in plan.batches} | set(writes)
             missing = [w for w in workers if w not in self._epochs]
             if missing:
@@ -1788,29 +1792,48 @@ def _round_steps(parts: list[_Part]) -> tuple[LayerStep, ...] | None:
     return tuple(p.step for p in parts)  # type: ignore[misc]
 
 
-def _finite_parts(parts: list[_Part]) -> tuple[list[_Part], bool]:
-    """The parts of a round that may run, and whether the worker must check their values.
+def _checked_on_device(parts: list[_Part]) -> bool:
+    """Whether the worker checks this round's values for NaN and infinities on its device.
 
-    A part nobody checked for NaN and infinities (`_Part.finite_checked` False) running
-    alone through its recorded plan (one worker writes and reads every row) is checked by
-    that worker on its device, for free (KVPool.write_and_attend's check_finite). In any
-    other round the check runs here, part by part, so one caller's bad values fail only
-    that caller (NonFiniteInput on its future; the short path then takes the full path,
-    which names the culprit) and the others' round goes on.
+    A part nobody checked yet (`_Part.finite_checked` False) running alone through its
+    recorded plan (one worker writes and reads every row) is checked by that worker, for
+    free (KVPool.write_and_attend's check_finite). Any other round is checked here
+    (`_joined_finite`, then `_finite_parts`), so that one caller's bad values fail only
+    that caller and the others' round goes on.
     """
-    unchecked = [p for p in parts if not p.finite_checked]
-    if not unchecked:
-        return parts, False
-    if len(parts) == 1:
-        part = parts[0]
-        plan = part.plan
-        if (
-            plan is not None
-            and len(plan.batches) == 1
-            and set(part.writes) == {plan.batches[0].worker_id}
-        ):
-            return parts, True
-    for part in unchecked:
+    if len(parts) != 1 or parts[0].finite_checked:
+        return False
+    plan = parts[0].plan
+    return (
+        plan is not None
+        and len(plan.batches) == 1
+        and set(parts[0].writes) == {plan.batches[0].worker_id}
+    )
+
+
+def _joined_finite(
+    parts: list[_Part], query: torch.Tensor, writes: Iterable[WorkerWrite]
+) -> bool:
+    """Whether every part of a round is known to hold finite values: checked before, or
+    (one pass over the round's joined query, keys and values instead of three per part)
+    all of the round's values sum to a finite number. False: look part by part."""
+    if all(p.finite_checked for p in parts):
+        return True
+    joined = [query, *(t for w in writes for t in (w.key, w.value))]
+    if not _sums_finite([t.reshape(-1) for t in joined]):
+        return False
+    for p in parts:
+        p.finite_checked = True
+    return True
+
+
+def _finite_parts(parts: list[_Part]) -> list[_Part]:
+    """The parts of a round whose values are finite, each checked on its own; the others
+    get NonFiniteInput on their futures (the short path then takes the full path, which
+    names the culprit)."""
+    for part in parts:
+        if part.finite_checked:
+            continue
         tensors = [part.query] + [t for _, k, v in part.writes.values() for t in (k, v)]
         if _sums_finite([t.reshape(-1) for t in tensors]):
             part.finite_checked = True
@@ -1818,7 +1841,7 @@ def _finite_parts(parts: list[_Part]) -> tuple[list[_Part], bool]:
             part.future.set_exception(
                 NonFiniteInput("a key, value or query holds NaN or infinite values")
             )
-    return [p for p in parts if p.finite_checked], False
+    return [p for p in parts if p.finite_checked]
 
 
 def _sums_finite(tensors: Sequence[torch.Tensor]) -> bool:

@@ -9,6 +9,7 @@ layer plan from scratch.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -451,6 +452,54 @@ def test_what_the_short_path_refuses_gets_the_full_paths_error(how: str, message
         res = await coord.append_attend_stacked("t", 1, stacked(items))
         assert taken[0] == 1
         model.check([_Row(res.out[i : i + 1]) for i in range(B)], q)
+
+    run(scenario)
+
+
+def test_a_nan_in_a_shared_round_fails_only_its_caller(monkeypatch) -> None:
+    # Three clients' short-path calls for one layer: the first goes to the worker alone,
+    # the other two gather into one round. One of those holds a NaN: the round's joined
+    # check finds it, that caller alone gets the full path's error and keeps nothing, and
+    # the others' outputs equal dense attention.
+    import cache_service.coordinator as coordinator_module
+
+    looked_at: list[int] = []  # the parts of each round checked part by part
+    real = coordinator_module._finite_parts
+
+    def finite_parts(parts: list[Any]) -> list[Any]:
+        looked_at.append(len(parts))
+        return real(parts)
+
+    monkeypatch.setattr(coordinator_module, "_finite_parts", finite_parts)
+
+    async def scenario(coord: Coordinator) -> None:
+        models = [Model([(await coord.create_sequence("t")).seq_id for _ in range(B)])
+                  for _ in range(3)]  # fmt: skip
+        for n, m in enumerate(models):
+            m.gen.manual_seed(n)
+            items, q = m.items(0, 0)
+            res = await coord.append_attend_stacked("t", 0, stacked(items))
+            m.check([_Row(res.out[i : i + 1]) for i in range(B)], q)
+        batches, queries = [], []
+        for m in models:
+            items, q = m.items(0, 1)
+            batches.append(stacked(items))
+            queries.append(q)
+        batches[2] = spoil(batches[2], "nan query")
+        before = {s: coord.block_manager.sequence_info("t", s).written for s in models[2].seqs}
+        taken = short_paths(coord)
+        results = await asyncio.gather(
+            *(coord.append_attend_stacked("t", 1, b) for b in batches), return_exceptions=True
+        )
+        assert looked_at == [2]  # the shared round, once its joined check failed
+        assert isinstance(results[2], InvalidRequest)
+        assert "items[2].query contains NaN or infinite values" in str(results[2])
+        assert taken[0] == 2
+        for m, res, q in zip(models[:2], results[:2], queries[:2], strict=True):
+            m.check([_Row(res.out[i : i + 1]) for i in range(B)], q)
+        after = {s: coord.block_manager.sequence_info("t", s).written for s in models[2].seqs}
+        assert after == before
+        coord.block_manager.check_integrity()
 
     run(scenario)
 
