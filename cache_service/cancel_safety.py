@@ -32,13 +32,26 @@ async def run_to_completion(aw: Awaitable[_T]) -> _T:
             `aw` has finished (its own result or error is then dropped).
     """
     task = asyncio.ensure_future(aw)
+    if task.done():  # e.g. a round that ran while the call was submitted: nothing to wait
+        return task.result()
+    loop = asyncio.get_running_loop()
     interrupted = False
     while not task.done():
+        # A waiter of our own: cancelling this task cancels the waiter, never `task` (what
+        # asyncio.wait does, with less to build for a single awaitable).
+        waiter = loop.create_future()
+
+        def wake(_: object, waiter: asyncio.Future[None] = waiter) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        task.add_done_callback(wake)
         try:
-            # wait() never cancels what it waits for, unlike a plain await.
-            await asyncio.wait({task})
+            await waiter
         except asyncio.CancelledError:
             interrupted = True
+        finally:
+            task.remove_done_callback(wake)
     if interrupted:
         if not task.cancelled():
             task.exception()  # retrieved: no "exception was never retrieved" warning

@@ -1348,12 +1348,15 @@ class Coordinator:
         for _, part in parts:
             part.future = loop.create_future()
             part.layer = layer
-            workers = set(part.writes)
-            for v in part.views:
-                if type(v) is OneWorkerView:
-                    workers.add(v.worker_id)
-                else:
-                    workers.update(seg.worker_id for seg in v.segments)
+            if part.step is not None:  # a recorded step lives on one worker
+                workers = {part.step.worker_id}
+            else:
+                workers = set(part.writes)
+                for v in part.views:
+                    if type(v) is OneWorkerView:
+                        workers.add(v.worker_id)
+                    else:
+                        workers.update(seg.worker_id for seg in v.segments)
             if len(workers) == 1:
                 (worker_id,) = workers
                 self._batcher(layer, worker_id, hq).submit(part)
@@ -1811,9 +1814,7 @@ def _checked_on_device(parts: list[_Part]) -> bool:
     )
 
 
-def _joined_finite(
-    parts: list[_Part], query: torch.Tensor, writes: Iterable[WorkerWrite]
-) -> bool:
+def _joined_finite(parts: list[_Part], query: torch.Tensor, writes: Iterable[WorkerWrite]) -> bool:
     """Whether every part of a round is known to hold finite values: checked before, or
     (one pass over the round's joined query, keys and values instead of three per part)
     all of the round's values sum to a finite number. False: look part by part."""
