@@ -41,6 +41,7 @@ import platform
 import pstats
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from typing import Any
 import torch
 
 from cache_service.bench import BenchConfig, BenchResult, percentile, run_decode_bench
-from cache_service.config import ServiceConfig
+from cache_service.config import CoordinatorConfig, ServiceConfig
 from cache_service.server import start_service
 from workers.actor import PoolWorker
 from workers.config import PoolConfig
@@ -104,8 +105,14 @@ H200 = Setup(
 
 
 def service_config(
-    setup: Setup, *, ray: bool, window_ms: float, cuda_graphs: bool = True
+    setup: Setup,
+    *,
+    ray: bool,
+    window_ms: float,
+    cuda_graphs: bool = True,
+    overrides: Mapping[str, Any] | None = None,
 ) -> ServiceConfig:
+    """The service of `setup`; `overrides`: further dotted keys (None values: defaults)."""
     lay = setup.layout
     return ServiceConfig().with_overrides(
         {
@@ -127,6 +134,7 @@ def service_config(
             "coordinator.batch_window_ms": window_ms,
             "coordinator.health_check_interval_s": 0,
             "log_level": "WARNING",
+            **(overrides or {}),
         }
     )
 
@@ -168,13 +176,15 @@ def through_service(
     transport: str = "session-shm",
     cuda_graphs: bool = True,
     phases: tuple[str, ...] = PHASES,
+    overrides: Mapping[str, Any] | None = None,
 ) -> dict[str, BenchResult]:
     """Start a service, run the single-client and the concurrency benchmarks, stop it.
 
     profile: write a cProfile of the server's event-loop thread during the single-client
     run here (it slows that run; for finding costs, not for the figures).
     cuda_graphs: the service's CUDA pools replay repeated layers as graphs (workers.cuda_graphs).
-    phases: which of PHASES to run."""
+    phases: which of PHASES to run.
+    overrides: further service configuration (`service_config`)."""
     dtype = setup.layout.dtype
     t = TRANSPORTS[transport]
     wire = {
@@ -186,7 +196,9 @@ def through_service(
 
     async def main() -> dict[str, BenchResult]:
         running = await start_service(
-            service_config(setup, ray=ray, window_ms=window_ms, cuda_graphs=cuda_graphs)
+            service_config(
+                setup, ray=ray, window_ms=window_ms, cuda_graphs=cuda_graphs, overrides=overrides
+            )
         )
         loop = asyncio.get_running_loop()
         try:
@@ -374,6 +386,14 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         f"{args.batch_window_ms} ms",
         f"- client call: {API_TEXT[args.api]}; transports (rows): "
         + "; ".join(TRANSPORTS[t].label for t in args.transports.split(",")),
+        "- online correctness check: "
+        + (
+            f"the service's default, {CoordinatorConfig().correctness_check_fraction} of "
+            "worker rounds"
+            if args.correctness_check_fraction is None
+            else f"{args.correctness_check_fraction} of worker rounds"
+        )
+        + " (a checked round answers once its reference is computed)",
         f"- the service's CUDA pools replay repeated layers as CUDA graphs: "
         f"{'no' if args.no_graphs else 'yes'}; runs: {args.phases}",
         "- each client runs in its own process (loopback gRPC); one worker; the server's "
@@ -463,6 +483,13 @@ def main(argv: list[str] | None = None) -> int:
         "--no-graphs", action="store_true", help="the service's pools without CUDA graphs"
     )
     parser.add_argument(
+        "--correctness-check-fraction",
+        type=float,
+        help="coordinator.correctness_check_fraction (default: the service's, "
+        f"{CoordinatorConfig().correctness_check_fraction}): the share of worker rounds "
+        "recomputed with the reference before they answer",
+    )
+    parser.add_argument(
         "--phases",
         default=",".join(PHASES),
         help=f"comma-separated service runs, of {', '.join(PHASES)}",
@@ -480,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     if setup.device == "cpu":
         torch.set_num_threads(1)
     results: dict[str, dict[str, BenchResult]] = {}
+    overrides = {"coordinator.correctness_check_fraction": args.correctness_check_fraction}
     # First the pools in the coordinator's process (workers.in_process: the deployment for
     # one GPU per coordinator), over each client transport, then the same GPU behind a Ray
     # actor (the first transport).
@@ -496,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
             transport=transport,
             cuda_graphs=not args.no_graphs,
             phases=phases,
+            overrides=overrides,
         )
     if args.profile:
         # A shorter context: filling 8 GiB again would cost more than the profile tells.
@@ -507,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
             api=args.api,
             profile=args.profile,
             transport=transports[0],
+            overrides=overrides,
         )
     if not args.no_ray:
         results[f"Ray {setup.device} worker, {TRANSPORTS[transports[0]].label}"] = through_service(
@@ -517,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
             transport=transports[0],
             cuda_graphs=not args.no_graphs,
             phases=phases,
+            overrides=overrides,
         )
     # After the service stopped, so the baseline has the device to itself (it is the single
     # client's reference, not needed without that run).

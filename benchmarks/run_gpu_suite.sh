@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-service | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-service | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -242,6 +242,18 @@ joined-check)
       --transports $t --phases one_small,concurrent --out "$OUT/service-$t.md" \
       > "$OUT/bench-$t.log" 2>&1
     grep "service," "$OUT/service-$t.md"
+  done
+  ;;
+tail-check)
+  # Whether one client's p99 at batch 32 is the online correctness check (by default 1% of
+  # worker rounds answer only once their reference is computed): the single-client run
+  # with the service's default and without the check, alternating, over a local session.
+  for f in default 0 default 0; do
+    extra=""; [ "$f" = 0 ] && extra="--correctness-check-fraction 0"
+    CUDA_VISIBLE_DEVICES=0 timeout 100 python3 benchmarks/bench_service.py --h200 --no-ray \
+      --transports local-shm --phases single --steps 30 $extra \
+      --out "$OUT/service-check-$f.md" > /dev/null 2>&1
+    echo "check $f:"; grep "service," "$OUT/service-check-$f.md"
   done
   ;;
 profile-server)
