@@ -8,9 +8,11 @@ workers also compare every slot they read with the fingerprint taken when it was
 (``workers.fingerprints``), which catches blocks whose contents changed after the write:
 kernel and reference read the same blocks, so only the fingerprints can see that.
 
-A mismatch is counted (``ServiceMetrics.add_correctness_mismatch(worker, layer)``) and
-logged with the sequences and layer; the call itself is answered as computed (the check
-reports, it does not repair). The check runs before the call returns, while its sequences
+Every check that ran is timed (``kvcache_correctness_check_seconds``: its count is the
+number of checks, its sum the latency they added). A mismatch is counted
+(``ServiceMetrics.add_correctness_mismatch(worker, layer)``) and logged with the sequences
+and layer; the call itself is answered as computed (the check reports, it does not
+repair). The check runs before the call returns, while its sequences
 are locked, so their blocks cannot be freed and reused under it; it adds latency to sampled
 calls only. A failing check (worker gone, ...) is logged and never fails the call.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -174,6 +177,7 @@ class CorrectnessChecker:
         Returns:
             The outcome, or None when the check could not run (logged; never raises).
         """
+        start = time.perf_counter()
         try:
             outcome = await self._recompute(plan, query, layer, clients, epochs, served)
         except Exception as exc:  # the check reports; it must never fail the call
@@ -185,6 +189,8 @@ class CorrectnessChecker:
             )
             return None
         self.checks += 1
+        if self.metrics is not None:
+            self.metrics.observe_correctness_check(time.perf_counter() - start)
         if not outcome.ok:
             self._report(outcome, layer, seq_ids, num_queries)
         return outcome

@@ -76,6 +76,16 @@ def _check_worker_id(worker_id: str) -> None:
         raise ValueError(f"worker_id must be a non-empty string, got {worker_id!r}")
 
 
+def _check_seconds(seconds: object) -> None:
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, int | float)
+        or not math.isfinite(seconds)
+        or seconds < 0
+    ):
+        raise ValueError(f"seconds must be a finite number >= 0, got {seconds!r}")
+
+
 def _check_count(name: str, n: int) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"{name} must be a non-negative int, got {n!r}")
@@ -200,6 +210,13 @@ class ServiceMetrics:
             ["worker"],
             registry=reg,
         )
+        self.correctness_check_duration = Histogram(
+            f"{p}_correctness_check_seconds",
+            "Time of one online correctness check (the reference recomputation and the "
+            "comparison), seconds; the checked round answers its callers only afterwards.",
+            buckets=WORKER_CALL_BUCKETS,
+            registry=reg,
+        )
         self.worker_up = Gauge(
             f"{p}_worker_up",
             "1 while the worker is reachable and serving, else 0.",
@@ -263,13 +280,7 @@ class ServiceMetrics:
         """
         _check_worker_id(worker_id)
         _check_positive_int("layer_batch_size", layer_batch_size)
-        if (
-            isinstance(seconds, bool)
-            or not isinstance(seconds, int | float)
-            or not math.isfinite(seconds)
-            or seconds < 0
-        ):
-            raise ValueError(f"seconds must be a finite number >= 0, got {seconds!r}")
+        _check_seconds(seconds)
         self.worker_call_duration.labels(worker_id).observe(seconds)
         self.worker_batch_size.labels(worker_id).observe(layer_batch_size)
 
@@ -297,6 +308,12 @@ class ServiceMetrics:
         _check_worker_id(worker_id)
         _check_count("layer", layer)
         self.correctness_mismatches.labels(worker_id).inc()
+
+    def observe_correctness_check(self, seconds: float) -> None:
+        """Record one online correctness check that ran: its wall time, seconds (finite,
+        >= 0). The histogram's count is the number of checks."""
+        _check_seconds(seconds)
+        self.correctness_check_duration.observe(seconds)
 
     def set_worker_state(self, worker_id: str, up: bool, epoch: str) -> None:
         """Report a worker's liveness and epoch; a changed epoch counts as one restart.

@@ -87,6 +87,12 @@ def test_clean_traffic_is_checked_and_never_mismatches(svc, client):
     assert checker.checks >= 3 * LAYOUT.num_layers + 4 * LAYOUT.num_layers
     assert checker.mismatches == 0 and checker.errors == 0
     assert mismatches(svc, "w0") == 0 and mismatches(svc, "w1") == 0
+    # Each check is timed in the exported histogram: its count is the number of checks.
+    metrics = svc.service.metrics
+    timed = metrics.registry.get_sample_value(f"{metrics.prefix}_correctness_check_seconds_count")
+    assert timed == checker.checks
+    total = metrics.registry.get_sample_value(f"{metrics.prefix}_correctness_check_seconds_sum")
+    assert total is not None and total > 0
 
 
 def test_a_corrupted_block_raises_the_counter_and_logs_sequence_and_layer(svc, client, caplog):

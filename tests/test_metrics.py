@@ -132,6 +132,19 @@ def test_worker_state_counts_epoch_changes_as_restarts() -> None:
     assert value(m, "kvcache_worker_restarts_total", worker="w0") == 0
 
 
+def test_correctness_checks_are_timed_and_bad_durations_change_nothing() -> None:
+    m = ServiceMetrics()
+    assert value(m, "kvcache_correctness_check_seconds_count") == 0
+    m.observe_correctness_check(0.004)
+    m.observe_correctness_check(0.020)
+    assert value(m, "kvcache_correctness_check_seconds_count") == 2
+    assert value(m, "kvcache_correctness_check_seconds_sum") == pytest.approx(0.024)
+    for bad in (-1.0, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(ValueError, match="seconds"):
+            m.observe_correctness_check(bad)  # type: ignore[arg-type]
+    assert value(m, "kvcache_correctness_check_seconds_count") == 2
+
+
 @pytest.mark.parametrize(
     ("args", "match"),
     [(("", True, "e"), "worker_id"), (("w", 1, "e"), "up"), (("w", True, ""), "epoch")],
