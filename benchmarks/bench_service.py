@@ -226,11 +226,19 @@ def through_service(
                 if prof is not None:
                     prof.enable()  # the event loop's thread: gRPC handlers and coordinator
                 before = worker_rounds(running.metrics)
+                checks_before = correctness_checks(running.metrics)
                 result = await loop.run_in_executor(None, run, running.address, cfg)
                 after = worker_rounds(running.metrics)
+                checks_after = correctness_checks(running.metrics)
                 calls = after[1] - before[1]
                 per_call = (after[0] - before[0]) / calls if calls else None
-                out[key] = replace(result, sequences_per_worker_call=per_call)
+                checked = (
+                    round(checks_after[0] - checks_before[0]),
+                    checks_after[1] - checks_before[1],
+                )
+                out[key] = replace(
+                    result, sequences_per_worker_call=per_call, correctness_checks=checked
+                )
                 if prof is not None:
                     prof.disable()
                     text = io.StringIO()
@@ -241,6 +249,19 @@ def through_service(
             await running.stop()
 
     return asyncio.run(main())
+
+
+def correctness_checks(metrics: Any) -> tuple[float, float]:
+    """(checks, seconds) of the online correctness check so far: the count and sum of the
+    service's kvcache_correctness_check_seconds histogram (differences matter)."""
+    count = total = 0.0
+    for family in metrics.correctness_check_duration.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_count"):
+                count += sample.value
+            elif sample.name.endswith("_sum"):
+                total += sample.value
+    return count, total
 
 
 def worker_rounds(metrics: Any) -> tuple[float, float]:
@@ -361,6 +382,15 @@ API_TEXT = {
 }
 
 
+def held_back(r: BenchResult) -> str:
+    """The run's correctness-checked rounds and their mean check time (warm-up included):
+    each held its callers back that long."""
+    if r.correctness_checks is None:
+        return "-"
+    n, seconds = r.correctness_checks
+    return f"{n} ({seconds / n * 1e3:.1f})" if n else "0"
+
+
 def fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
 
@@ -402,13 +432,14 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         "",
         "## One client: per-layer append-and-attend",
         "",
-        "| path | p50 ms | p99 ms | steps/s | tokens/s | p50 overhead over in-process ms |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| path | p50 ms | p99 ms | steps/s | tokens/s | p50 overhead over in-process ms "
+        "| rounds held back by the correctness check (ms each) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     if base_times:
         lines.append(
             f"| in-process `PoolWorker.write_and_attend` (no RPC) | {fmt_ms(b50)} | "
-            f"{fmt_ms(b99)} | {base_steps:.2f} | {base_steps * setup.batch:.1f} | - |"
+            f"{fmt_ms(b99)} | {base_steps:.2f} | {base_steps * setup.batch:.1f} | - | - |"
         )
     for label, res in results.items():
         if "single" not in res:
@@ -416,7 +447,7 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         r = res["single"]
         lines.append(
             f"| service, {label} | {r.p50_ms:.3f} | {r.p99_ms:.3f} | {r.steps_per_s:.2f} | "
-            f"{r.tokens_per_s:.1f} | {r.p50_ms - b50 * 1e3:.3f} |"
+            f"{r.tokens_per_s:.1f} | {r.p50_ms - b50 * 1e3:.3f} | {held_back(r)} |"
         )
     lines += [
         "",

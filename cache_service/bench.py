@@ -92,6 +92,9 @@ class BenchResult:
         sequences_per_worker_call: sequences per coordinator -> worker call, mean (above
             the batch size when calls were coalesced; None: not measured, only a caller
             with the server's metrics can).
+        correctness_checks: (rounds the online correctness check held back, their total
+            check time in seconds) over the run, warm-up included (None: not measured;
+            as above).
     """
 
     config: BenchConfig
@@ -100,6 +103,7 @@ class BenchResult:
     wall_seconds: float = 0.0
     tokens: int = 0
     sequences_per_worker_call: float | None = None
+    correctness_checks: tuple[int, float] | None = None
 
     @property
     def p50_ms(self) -> float:
