@@ -251,30 +251,29 @@ def through_service(
     return asyncio.run(main())
 
 
-def correctness_checks(metrics: Any) -> tuple[float, float]:
-    """(checks, seconds) of the online correctness check so far: the count and sum of the
-    service's kvcache_correctness_check_seconds histogram (differences matter)."""
-    count = total = 0.0
-    for family in metrics.correctness_check_duration.collect():
-        for sample in family.samples:
-            if sample.name.endswith("_count"):
-                count += sample.value
-            elif sample.name.endswith("_sum"):
-                total += sample.value
-    return count, total
-
-
-def worker_rounds(metrics: Any) -> tuple[float, float]:
-    """(sequences, worker calls) so far, over every worker: the sum and count of the
-    service's worker batch-size histogram (warm-up included; differences matter)."""
+def histogram_totals(histogram: Any) -> tuple[float, float]:
+    """(sum, count) of a prometheus_client histogram over all its label sets so far
+    (differences between two reads matter)."""
     total = count = 0.0
-    for family in metrics.worker_batch_size.collect():
+    for family in histogram.collect():
         for sample in family.samples:
             if sample.name.endswith("_sum"):
                 total += sample.value
             elif sample.name.endswith("_count"):
                 count += sample.value
     return total, count
+
+
+def correctness_checks(metrics: Any) -> tuple[float, float]:
+    """(checks, seconds) of the service's online correctness check so far."""
+    seconds, checks = histogram_totals(metrics.correctness_check_duration)
+    return checks, seconds
+
+
+def worker_rounds(metrics: Any) -> tuple[float, float]:
+    """(sequences, worker calls) so far, over every worker, from the service's worker
+    batch-size histogram (warm-up included)."""
+    return histogram_totals(metrics.worker_batch_size)
 
 
 @dataclass
