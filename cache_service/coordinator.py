@@ -239,7 +239,9 @@ class _Part:
     # The kernel plan of exactly these views and query rows, when known (a recorded
     # step's); _run_parts fills it in when it plans this part alone.
     plan: AttentionPlan | None = None
-    # Host memory for the output when the part runs alone (run_attention's `out`).
+    # Host memory for the part's output (the caller's shared-memory slot): the worker's
+    # when the part runs alone (run_attention's `out`), else the round's rows are copied
+    # there once it is back.
     out: torch.Tensor | None = None
     # The recorded step the part repeats (its views, slots and plan are the step's).
     step: LayerStep | None = None
@@ -1493,8 +1495,21 @@ class Coordinator:
             out = result.out[row : row + rows]
             lse = None if result.lse is None else result.lse[row : row + rows]
             row += rows
-            if not p.future.done():
-                p.future.set_result(AttentionResult(out, lse))
+            if p.future.done():
+                continue
+            target = p.out
+            if (
+                target is not None
+                and target is not out
+                and target.shape == out.shape
+                and target.dtype == out.dtype
+            ):
+                # Rows of a shared round: copied into the caller's output slot here, where
+                # a torch copy costs less than the reply's write of a slice (which skips
+                # an output already in place).
+                target.copy_(out)
+                out = target
+            p.future.set_result(AttentionResult(out, lse))
 
     def _round_plan(
         self, steps: tuple[LayerStep, ...], views: list[SequenceViewLike], nq: list[int]

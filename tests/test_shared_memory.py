@@ -893,3 +893,66 @@ def test_zero_copy_reads_answer_like_the_bytes_path(monkeypatch: pytest.MonkeyPa
             for s in twins:
                 plain.free(s)
         harness.check_integrity()
+
+
+def test_shared_rounds_copy_each_callers_rows_into_its_slot(monkeypatch) -> None:
+    # Clients calling in step share worker rounds; each caller's rows go straight into its
+    # own output slot (no reply-side copy on the short path) and equal dense attention.
+    import cache_service.server as server_mod
+    import cache_service.shared_regions as regions_mod
+
+    real = server_mod.SharedRegions
+    monkeypatch.setattr(
+        server_mod, "SharedRegions", lambda *a, **k: real(*a, **{**k, "pin_for_cuda": True})
+    )
+    copied = []  # outputs the reply had to copy into a slot
+    real_payload = regions_mod.tensor_payload
+    monkeypatch.setattr(
+        regions_mod, "tensor_payload", lambda t: copied.append(1) or real_payload(t)
+    )
+    clients, batch, steps = 3, 2, 3
+    config = service_config(**{"coordinator.batch_window_ms": 200.0})
+    with ServiceHarness(config, local_workers(1, 64)) as harness:
+        rounds = []
+        coord = harness.coordinator
+        real_run = coord._run_parts
+
+        async def run_parts(key: Any, parts: list[Any]) -> None:
+            rounds.append(len(parts))
+            await real_run(key, parts)
+
+        coord._run_parts = run_parts  # type: ignore[method-assign]
+        in_step = threading.Barrier(clients)
+        errors: list[BaseException] = []
+
+        def client(seed: int) -> None:
+            gen = torch.Generator().manual_seed(seed)
+            try:
+                with KVCacheClient(harness.address) as c:
+                    mirrors = [Mirror(c.create_sequence().seq_id, NL) for _ in range(batch)]
+                    ids = [m.seq_id for m in mirrors]
+                    for step in range(steps):
+                        for layer in range(NL):
+                            k, v = (torch.randn(batch, 1, HKV, D, generator=gen) for _ in "kv")
+                            q = torch.randn(batch, 1, HQ, D, generator=gen)
+                            in_step.wait(timeout=30)
+                            got = c.append_attend_batch(layer, ids, [[step]] * batch, k, v, q)
+                            assert c.shared_memory_active
+                            for i, m in enumerate(mirrors):
+                                m.add(layer, k[i], v[i])
+                                ref, _ = m.reference(layer, q[i])
+                                assert torch.allclose(got[i].double(), ref, atol=1e-5)
+            except BaseException as exc:  # reported below, with the barrier broken
+                errors.append(exc)
+                in_step.abort()
+
+        threads = [threading.Thread(target=client, args=(s,)) for s in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        harness.call(coord.block_manager.check_integrity)
+    assert max(rounds) > 1  # some rounds were shared
+    # Only each step's first layer (the full path) copied its output in the reply.
+    assert len(copied) == clients * steps
