@@ -279,7 +279,9 @@ class CoordinatorConfig:
         correctness_check_fraction: share of worker rounds (attend / append-and-attend)
             recomputed by the torch reference and compared, in [0, 1]; 0 disables the
             online correctness check (cache_service.correctness_check). Rounds that merged
-            calls of several layers are not sampled.
+            calls of several layers are not sampled. A checked round answers its callers
+            only once the reference is computed (kvcache_correctness_check_seconds shows
+            how long): at the default 0.01 those rounds are about the callers' p99.
         coalesce_layers: merge concurrent calls for different layers of one worker into
             one worker call as well (one launch of each kernel over pages of every layer,
             `KVPool.write_and_attend_pages`), not only calls for the same layer: clients
