@@ -51,6 +51,7 @@ from cache_service.attention_plan import (
     run_attention,
 )
 from cache_service.block_manager import BlockManager, BlockManagerConfig
+from cache_service.call_origin import current_origin
 from cache_service.cancel_safety import run_to_completion
 from cache_service.config import CoordinatorConfig
 from cache_service.control_types import (
@@ -245,6 +246,9 @@ class _Part:
     out: torch.Tensor | None = None
     # The recorded step the part repeats (its views, slots and plan are the step's).
     step: LayerStep | None = None
+    # The client connection the call came on (call_origin), for the batcher; None: none
+    # named (the batcher then goes by the first sequence).
+    origin: int | None = None
     # False: nobody has checked query / writes for NaN and infinities yet (the stacked
     # short path leaves that to the worker's device; see _run_parts).
     finite_checked: bool = True
@@ -276,15 +280,18 @@ class _Batcher:
     window nobody would use. Otherwise it opens the window as above. One shared batch
     brings the window back; two or three unshared ones in a row drop it again.
 
-    A window also ends early once everyone is there. The batcher knows its callers (a part's
-    caller is the first sequence it names: a client's batch) and expects those of its last
-    `_RECENT_BATCHES` batches; when every expected caller has a part pending, the batch
-    leaves as soon as nothing is in flight. Clients that call in step (a model's layers,
-    one call each per round) then wait for each other, not for the clock, and groups of
-    them that drifted apart merge again: a group's batch waits for the others, who come
-    once they had their replies. A batch that waited its whole window stops expecting the
-    callers it missed that were not in the batch before it either (out of step, or gone),
-    so a caller that leaves holds the others for two windows at most.
+    A window also ends early once everyone is there. The batcher knows its callers (a
+    part's caller is the client connection it came on, `call_origin`, else the first
+    sequence it names) and how many parts each sent in its last batch, and expects the
+    callers of its last `_RECENT_BATCHES` batches. Once every expected caller has that many
+    parts pending, the batch leaves as soon as nothing is in flight. Clients that call in
+    step (a model's layers, one call each per round) then wait for each other, not for the
+    clock, and groups of them that drifted apart merge again: a group's batch waits for the
+    others, who come as soon as they had their replies. A client alternating between
+    batches of sequences is one caller with one part per round; threads sharing one
+    connection are one caller with several. A batch that waited its whole window stops
+    expecting the callers it missed that were not in the batch before it either (out of
+    step, or gone), so a caller that leaves holds the others for two windows at most.
 
     call_later: the timer (delay in seconds, callback) -> handle with ``cancel()``; default
     the running loop's ``call_later`` (tests pass a fake clock).
@@ -311,14 +318,16 @@ class _Batcher:
         self._tasks: set[asyncio.Task[None]] = set()
         self._shared = 0.0  # moving estimate: how often recent batches were shared
         self._contended = False  # a part arrived while another was gathering / in flight
-        # Callers of recent batches (caller -> number of the last batch it was in), expected
-        # in the next one; how many of them have a part pending; the pending parts' callers
+        # Callers of recent batches: caller -> (number of the last batch it was in, its
+        # parts there); the parts the next batch expects of each, in all; the pending
+        # parts of each caller; how many expected callers have all their parts pending
         # (see the class docstring).
         self._batches_sent = 0
-        self._last_seen: dict[str | int, int] = {}
-        self._expected: set[str | int] = set()
-        self._pending_expected = 0
-        self._pending_callers: set[str | int] = set()
+        self._last_seen: dict[str | int, tuple[int, int]] = {}
+        self._expected: dict[str | int, int] = {}
+        self._expected_parts = 0
+        self._pending_counts: dict[str | int, int] = {}
+        self._satisfied = 0
 
     @property
     def windowed(self) -> bool:
@@ -333,9 +342,10 @@ class _Batcher:
         self._pending.append(part)
         self._items += len(part.seq_ids)
         caller = _caller(part)
-        if caller not in self._pending_callers:
-            self._pending_callers.add(caller)
-            self._pending_expected += caller in self._expected
+        count = self._pending_counts.get(caller, 0) + 1
+        self._pending_counts[caller] = count
+        if count == self._expected.get(caller):
+            self._satisfied += 1
         if self._items >= self._max_items or (idle and not self.windowed):
             self._flush()
         elif self._in_flight == 0 and self._everyone_here():
@@ -344,9 +354,8 @@ class _Batcher:
             self._start_window()
 
     def _everyone_here(self) -> bool:
-        """Every caller expected (two or more) has a part pending."""
-        expected = len(self._expected)
-        return expected > 1 and self._pending_expected == expected
+        """Every caller expected has its parts pending (two or more parts expected)."""
+        return self._expected_parts > 1 and self._satisfied == len(self._expected)
 
     def _start_window(self) -> None:
         if self._call_later is not None:
@@ -370,11 +379,11 @@ class _Batcher:
             self._timer = None
         waited_window, self._due = self._due, False
         parts, self._pending, self._items = self._pending, [], 0
-        callers, self._pending_callers = self._pending_callers, set()
-        self._pending_expected = 0
+        counts, self._pending_counts = self._pending_counts, {}
+        self._satisfied = 0
         if not parts:
             return
-        self._expect_after(callers, waited_window)
+        self._expect_after(counts, waited_window)
         # The sample of the batch that leaves now: were other parts arriving while it
         # gathered, or while the batch before it was on the worker?
         sample = 1.0 if self._contended else 0.0
@@ -385,18 +394,19 @@ class _Batcher:
         self._tasks.add(task)
         task.add_done_callback(self._batch_done)
 
-    def _expect_after(self, callers: set[str | int], waited_window: bool) -> None:
-        """Update the expected callers once a batch of `callers` left (see the class
-        docstring); `waited_window`: it left because its window had passed."""
+    def _expect_after(self, counts: dict[str | int, int], waited_window: bool) -> None:
+        """Update the expected callers once a batch left with `counts` parts of each caller
+        (see the class docstring); `waited_window`: it left because its window passed."""
         self._batches_sent += 1
         number = self._batches_sent
-        for caller in callers:
-            self._last_seen[caller] = number
+        for caller, parts in counts.items():
+            self._last_seen[caller] = (number, parts)
         # After a whole window, the absent callers of the batch before this one are still
         # in step (they had their reply later); those absent longer are not.
         oldest = number - 1 if waited_window else number - _RECENT_BATCHES + 1
-        self._last_seen = {c: n for c, n in self._last_seen.items() if n >= oldest}
-        self._expected = set(self._last_seen)
+        self._last_seen = {c: seen for c, seen in self._last_seen.items() if seen[0] >= oldest}
+        self._expected = {c: parts for c, (_, parts) in self._last_seen.items()}
+        self._expected_parts = sum(self._expected.values())
 
     def _batch_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -406,8 +416,11 @@ class _Batcher:
 
 
 def _caller(part: _Part) -> str | int:
-    """Who sent `part`, for the batcher: the first sequence it names (a client's batch of
-    sequences travels together from step to step)."""
+    """Who sent `part`, for the batcher: its client connection where the call named one,
+    else the first sequence it names (a client's batch of sequences travels together from
+    step to step)."""
+    if part.origin is not None:
+        return part.origin
     return part.seq_ids[0] if part.seq_ids else id(part)
 
 
@@ -1347,9 +1360,11 @@ class Coordinator:
         """Run every part (coalescing single-worker ones); results in part order."""
         loop = asyncio.get_running_loop()
         waits = []
+        origin = current_origin()
         for _, part in parts:
             part.future = loop.create_future()
             part.layer = layer
+            part.origin = origin
             if part.step is not None:  # a recorded step lives on one worker
                 workers = {part.step.worker_id}
             else:

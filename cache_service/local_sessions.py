@@ -32,6 +32,7 @@ from google.protobuf.message import DecodeError
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service.auth import Principal, principal_scope
+from cache_service.call_origin import origin_scope
 from cache_service.eager_tasks import start_eagerly
 from cache_service.local_frames import FrameBuffer, FrameError, frame
 from cache_service.session_codec import session_error
@@ -274,8 +275,9 @@ class _Connection(asyncio.Protocol):
             )
             self.close()
             return
-        # Handlers below look up the caller (stats visibility, say) in this context.
-        with principal_scope(self.principal):
+        # Handlers below look up the caller (stats visibility, say) in this context, and
+        # the batcher counts this connection's calls as one client's (call_origin).
+        with principal_scope(self.principal), origin_scope(id(self)):
             reply = await self._owner._serve_call(request, self.tenant)
         self._owner.calls += 1
         self._write(reply)

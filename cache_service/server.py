@@ -38,6 +38,7 @@ from cache_service.auth import (
     current_principal,
     load_token_table,
 )
+from cache_service.call_origin import origin_scope
 from cache_service.config import ServiceConfig, SharedMemoryConfig
 from cache_service.control_types import TenantQuota
 from cache_service.coordinator import Coordinator
@@ -420,10 +421,13 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         # Idle between calls: end_sessions() may cancel the stream then, never mid-call.
         self._idle_sessions.add(task)
+        origin = id(context)  # the batcher counts this stream's calls as one client's
         try:
             async for request in request_iterator:
                 self._idle_sessions.discard(task)
-                yield await self._session_call(request, tenant)
+                with origin_scope(origin):
+                    reply = await self._session_call(request, tenant)
+                yield reply
                 if self._draining:
                     break
                 self._idle_sessions.add(task)

@@ -76,7 +76,7 @@ class Worker:
             await asyncio.sleep(0)
 
 
-def part(*seq_ids: str) -> _Part:
+def part(*seq_ids: str, origin: int | None = None) -> _Part:
     return _Part(
         views=[],
         num_queries=[1] * len(seq_ids),
@@ -84,6 +84,7 @@ def part(*seq_ids: str) -> _Part:
         query=torch.empty(0),
         writes={},
         return_lse=False,
+        origin=origin,
     )
 
 
@@ -304,6 +305,58 @@ def test_two_groups_of_callers_that_drifted_apart_merge_into_one_batch() -> None
         await settle()
         assert worker.batches[-1] == ["a", "b", "c", "d"]
         await worker.finish(5)
+
+    asyncio.run(scenario())
+
+
+def test_a_client_alternating_between_two_batches_is_one_caller() -> None:
+    # Two clients, each alternating between two batches of sequences (each call waits for
+    # the one before): by sequence they would be four callers, two of them never pending;
+    # by connection they are two, both there every round.
+    async def scenario() -> None:
+        batcher, worker, clock = make()
+        batcher.submit(part("a1", origin=1))  # lone: leaves at once
+        await settle()
+        batcher.submit(part("b1", origin=2))
+        await worker.finish(0)
+        clock.pass_window()
+        await settle()
+        await worker.finish(1)
+        for round_ in range(4):
+            suffix = "2" if round_ % 2 == 0 else "1"
+            batcher.submit(part("a" + suffix, origin=1))
+            batcher.submit(part("b" + suffix, origin=2))
+            await settle()
+            assert worker.batches[-1] == ["a" + suffix, "b" + suffix]
+            assert clock.armed() == []
+            await worker.finish(len(worker.batches) - 1)
+
+    asyncio.run(scenario())
+
+
+def test_threads_sharing_one_connection_are_one_caller_with_several_parts() -> None:
+    async def scenario() -> None:
+        batcher, worker, clock = make()
+        batcher.submit(part("w", origin=7))  # lone: leaves at once
+        await settle()
+        for name in ("t0", "t1", "t2"):  # three threads of that connection meanwhile
+            batcher.submit(part(name, origin=7))
+        await worker.finish(0)
+        clock.pass_window()
+        await settle()
+        assert worker.batches[-1] == ["t0", "t1", "t2"]
+        await worker.finish(1)
+        # The connection sent three parts last round: two pending are not everyone...
+        batcher.submit(part("t0", origin=7))
+        batcher.submit(part("t1", origin=7))
+        await settle()
+        assert len(worker.batches) == 2 and len(clock.armed()) == 1
+        # ...the third is, and the batch leaves without its window.
+        batcher.submit(part("t2", origin=7))
+        await settle()
+        assert worker.batches[-1] == ["t0", "t1", "t2"] and len(worker.batches) == 3
+        assert clock.armed() == []
+        await worker.finish(2)
 
     asyncio.run(scenario())
 

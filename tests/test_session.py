@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -210,6 +211,38 @@ def test_a_call_past_its_deadline_fails_and_the_next_opens_a_new_stream(transpor
             out = client.append_attend_batch(0, ids, [[5]], k, k, q)
             assert out.shape == (1, 1, HQ, D)
             svc.check_integrity()
+
+
+def test_a_sessions_calls_name_its_connection_to_the_batcher(svc, transport) -> None:
+    # The batcher counts a client's parts by its connection (call_origin): every call of
+    # one session names the same origin, two clients' sessions different ones, and a
+    # unary call none (the batcher then goes by the first sequence).
+    import cache_service.coordinator as coordinator_module
+
+    seen: list[tuple[str, int | None]] = []
+    real = coordinator_module._Batcher.submit
+
+    def spy(self: Any, part: Any) -> None:
+        seen.append((part.seq_ids[0], part.origin))
+        real(self, part)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(coordinator_module._Batcher, "submit", spy)
+        with (
+            KVCacheClient(svc.address, local_session=TRANSPORTS[transport]) as first,
+            KVCacheClient(svc.address, local_session=TRANSPORTS[transport]) as second,
+            KVCacheClient(svc.address, session=False) as unary,
+        ):
+            for client in (first, second, unary):
+                decode_steps(client, 2, 2, seed=5)
+    by_seq: dict[str, set[int | None]] = {}
+    for seq, origin in seen:
+        by_seq.setdefault(seq, set()).add(origin)
+    origins = [by_seq[s] for s in dict.fromkeys(seq for seq, _ in seen)]
+    assert len(origins) == 3  # one batch of sequences per client
+    (a,), (b,), (c,) = origins
+    assert isinstance(a, int) and isinstance(b, int) and a != b
+    assert c is None
 
 
 def test_a_server_without_sessions_gets_unary_calls(svc) -> None:
