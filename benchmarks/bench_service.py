@@ -36,6 +36,7 @@ import cProfile
 import datetime
 import functools
 import io
+import itertools
 import os
 import platform
 import pstats
@@ -177,8 +178,12 @@ def through_service(
     cuda_graphs: bool = True,
     phases: tuple[str, ...] = PHASES,
     overrides: Mapping[str, Any] | None = None,
+    pairs: int = 1,
 ) -> dict[str, BenchResult]:
     """Start a service, run the single-client and the concurrency benchmarks, stop it.
+
+    Results by phase; with `pairs` > 1 the one-client and concurrent runs alternate that
+    many times, the later pairs' results under "one_small@2", "concurrent@2", ...
 
     profile: write a cProfile of the server's event-loop thread during the single-client
     run here (it slows that run; for finding costs, not for the figures).
@@ -203,7 +208,7 @@ def through_service(
         loop = asyncio.get_running_loop()
         try:
             out = {}
-            for key, cfg in (
+            runs = (
                 ("single", BenchConfig(batch=setup.batch, context=setup.context,
                                        steps=setup.steps, num_q_heads=setup.num_q_heads,
                                        dtype=dtype, **wire)),
@@ -216,10 +221,15 @@ def through_service(
                                            clients=setup.concurrent_clients,
                                            num_q_heads=setup.num_q_heads, dtype=dtype,
                                            **wire)),
-            ):  # fmt: skip
+            )  # fmt: skip
+            # Alternating the one-client and concurrent runs spreads a drift of the host's
+            # speed over both sides of each pair's ratio.
+            runs += tuple((f"{key}@{n}", cfg) for n in range(2, pairs + 1) for key, cfg in runs[1:])
+            for key, cfg in runs:
+                phase = key.split("@")[0]
                 # Clients in their own processes: a client sharing the server's GIL would
                 # slow both and inflate the figures.
-                if (profile is not None and key != "single") or key not in phases:
+                if (profile is not None and phase != "single") or phase not in phases:
                     continue
                 run = functools.partial(run_decode_bench, processes=True)
                 prof = cProfile.Profile() if profile is not None and key == "single" else None
@@ -381,6 +391,27 @@ API_TEXT = {
 }
 
 
+def concurrency_pairs(res: dict[str, BenchResult]) -> list[tuple[float, BenchResult, BenchResult]]:
+    """(ratio, one client, concurrent) of each alternating pair of runs, in run order."""
+    out = []
+    for n in itertools.count(1):
+        suffix = "" if n == 1 else f"@{n}"
+        one, many = res.get(f"one_small{suffix}"), res.get(f"concurrent{suffix}")
+        if one is None or many is None:
+            return out
+        ratio = many.tokens_per_s / one.tokens_per_s if one.tokens_per_s else 0.0
+        out.append((ratio, one, many))
+    return out
+
+
+def median_pair(
+    pairs: list[tuple[float, BenchResult, BenchResult]],
+) -> tuple[float, BenchResult, BenchResult]:
+    """The pair of the lower median ratio (of two, the smaller)."""
+    ranked = sorted(pairs, key=lambda p: p[0])
+    return ranked[(len(ranked) - 1) // 2]
+
+
 def held_back(r: BenchResult) -> str:
     """The run's correctness-checked rounds and their mean check time (warm-up included):
     each held its callers back that long."""
@@ -452,11 +483,12 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         "",
         f"## Concurrency: {setup.concurrent_clients} clients of batch {setup.concurrent_batch} "
         f"versus one client of batch {setup.concurrent_batch} ({setup.concurrent_steps} timed "
-        "steps each)",
+        f"steps each; {args.pairs} alternating pair(s) of runs, the row is the pair of the "
+        "lower median ratio)",
         "",
         "| path | one client tokens/s | concurrent tokens/s | ratio | concurrent p50 ms | p99 ms "
-        "| sequences per worker call: one / concurrent |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| sequences per worker call: one / concurrent | every pair's ratio |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
 
     def per_round(r: BenchResult) -> str:
@@ -464,22 +496,23 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         return "-" if n is None else f"{n:.2f}"
 
     for label, res in results.items():
-        if "one_small" not in res or "concurrent" not in res:
+        pairs = concurrency_pairs(res)
+        if not pairs:
             continue
-        one, many = res["one_small"], res["concurrent"]
-        ratio = many.tokens_per_s / one.tokens_per_s if one.tokens_per_s else 0.0
+        ratio, one, many = median_pair(pairs)
+        every = ", ".join(f"{r:.2f}x" for r, _, _ in pairs)
         lines.append(
             f"| service, {label} | {one.tokens_per_s:.1f} | {many.tokens_per_s:.1f} | "
             f"{ratio:.2f}x | {many.p50_ms:.3f} | {many.p99_ms:.3f} | "
-            f"{per_round(one)} / {per_round(many)} |"
+            f"{per_round(one)} / {per_round(many)} | {every} |"
         )
     if setup.name == "h200":
         lines += ["", "## Targets (issue 5)", ""]
         for label, res in results.items():
             if any(phase not in res for phase in PHASES):
                 continue
-            r, one, many = res["single"], res["one_small"], res["concurrent"]
-            ratio = many.tokens_per_s / max(one.tokens_per_s, 1e-9)
+            r = res["single"]
+            ratio, _, _ = median_pair(concurrency_pairs(res))
             lines += [
                 f"- {label}: per-layer append-and-attend p50 at batch 32 <= 1.5 ms: "
                 f"{r.p50_ms:.3f} ms ({'met' if r.p50_ms <= 1.5 else 'NOT met'}); 8 concurrent "
@@ -513,6 +546,13 @@ def main(argv: list[str] | None = None) -> int:
         "--no-graphs", action="store_true", help="the service's pools without CUDA graphs"
     )
     parser.add_argument(
+        "--pairs",
+        type=int,
+        default=1,
+        help="alternate the one-client and concurrent runs this many times in one service; "
+        "the report's ratio is the lower median of the pairs'",
+    )
+    parser.add_argument(
         "--correctness-check-fraction",
         type=float,
         help="coordinator.correctness_check_fraction (default: the service's, "
@@ -525,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated service runs, of {', '.join(PHASES)}",
     )
     args = parser.parse_args(argv)
+    if args.pairs < 1:
+        parser.error(f"--pairs must be at least 1, got {args.pairs}")
     phases = tuple(args.phases.split(","))
     if any(p not in PHASES for p in phases):
         parser.error(f"--phases: choose among {list(PHASES)}, got {args.phases!r}")
@@ -555,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
             cuda_graphs=not args.no_graphs,
             phases=phases,
             overrides=overrides,
+            pairs=args.pairs,
         )
     if args.profile:
         # A shorter context: filling 8 GiB again would cost more than the profile tells.
@@ -578,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
             cuda_graphs=not args.no_graphs,
             phases=phases,
             overrides=overrides,
+            pairs=args.pairs,
         )
     # After the service stopped, so the baseline has the device to itself (it is the single
     # client's reference, not needed without that run).

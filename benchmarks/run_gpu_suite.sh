@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-service | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-service | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -255,6 +255,15 @@ tail-check)
       --out "$OUT/service-check-$f.md" > /dev/null 2>&1
     echo "check $f:"; grep "service," "$OUT/service-check-$f.md"
   done
+  ;;
+callers-pairs)
+  # The service benchmark after the eighth session's last changes (connection callers, the
+  # shared rounds' slot copy), the concurrency ratio as the lower of 2 alternating
+  # pairs per transport.
+  CUDA_VISIBLE_DEVICES=0 timeout 560 python3 benchmarks/bench_service.py --h200 --no-ray \
+    --transports local-shm,session-shm --pairs 2 --out "$OUT/service-h200.md" \
+    > "$OUT/bench-service.log" 2>&1
+  tail -16 "$OUT/service-h200.md"
   ;;
 profile-server)
   # One client's timeline at batch 32 (service_breakdown), then py-spy on the server's
