@@ -453,6 +453,11 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
             if args.correctness_check_fraction is None
             else f"{args.correctness_check_fraction} of worker rounds"
         )
+        + (
+            ""
+            if args.correctness_check_sequences is None
+            else f", at most {args.correctness_check_sequences} sequences each"
+        )
         + " (a checked round answers once its reference is computed)",
         f"- the service's CUDA pools replay repeated layers as CUDA graphs: "
         f"{'no' if args.no_graphs else 'yes'}; runs: {args.phases}",
@@ -560,6 +565,11 @@ def main(argv: list[str] | None = None) -> int:
         "recomputed with the reference before they answer",
     )
     parser.add_argument(
+        "--correctness-check-sequences",
+        type=int,
+        help="coordinator.correctness_check_sequences (default: every sequence of a checked round)",
+    )
+    parser.add_argument(
         "--phases",
         default=",".join(PHASES),
         help=f"comma-separated service runs, of {', '.join(PHASES)}",
@@ -579,7 +589,10 @@ def main(argv: list[str] | None = None) -> int:
     if setup.device == "cpu":
         torch.set_num_threads(1)
     results: dict[str, dict[str, BenchResult]] = {}
-    overrides = {"coordinator.correctness_check_fraction": args.correctness_check_fraction}
+    overrides = {
+        "coordinator.correctness_check_fraction": args.correctness_check_fraction,
+        "coordinator.correctness_check_sequences": args.correctness_check_sequences,
+    }
     # First the pools in the coordinator's process (workers.in_process: the deployment for
     # one GPU per coordinator), over each client transport, then the same GPU behind a Ray
     # actor (the first transport).

@@ -247,9 +247,11 @@ joined-check)
 tail-check)
   # Whether one client's p99 at batch 32 is the online correctness check (by default 1% of
   # worker rounds answer only once their reference is computed): the single-client run
-  # with the service's default and without the check, alternating, over a local session.
-  for f in default 0 default 0; do
+  # with the service's default, without the check, and with checks of 2 sequences each,
+  # alternating, over a local session.
+  for f in default 0 seq2 default 0 seq2; do
     extra=""; [ "$f" = 0 ] && extra="--correctness-check-fraction 0"
+    [ "$f" = seq2 ] && extra="--correctness-check-sequences 2"
     CUDA_VISIBLE_DEVICES=0 timeout 100 python3 benchmarks/bench_service.py --h200 --no-ray \
       --transports local-shm --phases single --steps 30 $extra \
       --out "$OUT/service-check-$f.md" > /dev/null 2>&1

@@ -268,9 +268,9 @@ class CoordinatorConfig:
             no worker call in flight goes at once (a lone caller pays no window); once
             other requests arrive while one gathers or is in flight, the window applies
             again. Requests arriving while a call is in flight always gather into the next
-            call. A window ends early once as many requests wait as the largest of the
-            last rounds that gathered (clients calling in step wait for each other, not for
-            the clock). 0 still merges requests that arrive in the same event-loop turn.
+            call. A window ends early once every client of the last rounds has its
+            requests waiting (clients calling in step wait for each other, not for the
+            clock). 0 still merges requests that arrive in the same event-loop turn.
         max_batch_items: a worker call is sent at once when it holds this many sequences.
         worker_timeout_s: a worker call taking longer counts as a lost worker.
         health_check_interval_s: how often idle workers are probed for a restart (a new
@@ -282,6 +282,10 @@ class CoordinatorConfig:
             calls of several layers are not sampled. A checked round answers its callers
             only once the reference is computed (kvcache_correctness_check_seconds shows
             how long): at the default 0.01 those rounds are about the callers' p99.
+        correctness_check_sequences: check at most this many sequences of a sampled round,
+            drawn at random (None: all of them). Bounds what a check costs its round, at
+            the price of coverage per check; rounds whose sequences span several workers
+            are checked whole.
         coalesce_layers: merge concurrent calls for different layers of one worker into
             one worker call as well (one launch of each kernel over pages of every layer,
             `KVPool.write_and_attend_pages`), not only calls for the same layer: clients
@@ -294,6 +298,7 @@ class CoordinatorConfig:
     health_check_interval_s: float = 5.0
     tenant_quota_blocks: int | None = None
     correctness_check_fraction: float = 0.01
+    correctness_check_sequences: int | None = None
     coalesce_layers: bool = True
 
     def __post_init__(self) -> None:
@@ -307,6 +312,10 @@ class CoordinatorConfig:
         if self.tenant_quota_blocks is not None:
             _positive_int("coordinator.tenant_quota_blocks", self.tenant_quota_blocks)
         _non_negative("coordinator.correctness_check_fraction", self.correctness_check_fraction)
+        if self.correctness_check_sequences is not None:
+            _positive_int(
+                "coordinator.correctness_check_sequences", self.correctness_check_sequences
+            )
         if not isinstance(self.coalesce_layers, bool):
             raise ConfigError(
                 f"coordinator.coalesce_layers must be true or false, got {self.coalesce_layers!r}"

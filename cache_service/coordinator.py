@@ -491,7 +491,14 @@ class Coordinator:
         fraction = self.config.correctness_check_fraction
         # The online correctness check (cache_service.correctness_check); None when off.
         self.correctness = (
-            CorrectnessChecker(fraction, self._pool_dtype, metrics) if fraction > 0 else None
+            CorrectnessChecker(
+                fraction,
+                self._pool_dtype,
+                metrics,
+                sequences=self.config.correctness_check_sequences,
+            )
+            if fraction > 0
+            else None
         )
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from cache_service.attention_plan import AttentionPlan, merge_partials
+from cache_service.attention_plan import AttentionPlan, WorkerBatch, merge_partials
 from cache_service.worker_interface import AttentionResult
 
 __all__ = [
@@ -127,6 +127,10 @@ class CorrectnessChecker:
         pool_dtype: the pools' dtype (sets the tolerance).
         metrics: a ServiceMetrics (or None).
         seed: seed of the sampler (None: from the OS).
+        sequences: check at most this many of a round's sequences, drawn at random (None:
+            all). Bounds a check's cost, so the latency it adds to its round, at the price
+            of coverage per check. Rounds whose sequences span several workers (partial
+            outputs to merge) are checked whole.
 
     Attributes:
         checks: rounds checked so far; mismatches: rounds that failed their check;
@@ -137,6 +141,7 @@ class CorrectnessChecker:
     pool_dtype: torch.dtype
     metrics: Any = None
     seed: int | None = None
+    sequences: int | None = None
     checks: int = 0
     mismatches: int = 0
     errors: int = 0
@@ -147,6 +152,12 @@ class CorrectnessChecker:
             isinstance(self.fraction, int | float) and 0.0 <= self.fraction <= 1.0
         ):
             raise ValueError(f"fraction must be a number in [0, 1], got {self.fraction!r}")
+        if self.sequences is not None and (
+            isinstance(self.sequences, bool)
+            or not isinstance(self.sequences, int)
+            or self.sequences < 1
+        ):
+            raise ValueError(f"sequences must be a positive int or None, got {self.sequences!r}")
         tolerance_for(self.pool_dtype)
         self._rng = random.Random(self.seed)
 
@@ -205,6 +216,10 @@ class CorrectnessChecker:
         served: AttentionResult,
     ) -> CheckOutcome:
         want_lse = plan.needs_merge
+        if self.sequences is not None and not plan.needs_merge:
+            return await self._recompute_some(
+                self.sequences, plan, query, layer, clients, epochs, served
+            )
 
         async def one(batch: Any) -> tuple[AttentionResult, list[Any]]:
             q, tables, lens, starts = batch.kernel_args(query)
@@ -235,6 +250,49 @@ class CorrectnessChecker:
             if slots or rows.intersection(bad_rows):
                 blamed.append(batch.worker_id)
         return CheckOutcome(max_err, bad_rows, bad_slots, blamed)
+
+    async def _recompute_some(
+        self,
+        count: int,
+        plan: AttentionPlan,
+        query: torch.Tensor,
+        layer: int,
+        clients: Mapping[str, Any],
+        epochs: Mapping[str, str],
+        served: AttentionResult,
+    ) -> CheckOutcome:
+        """`_recompute` for `count` of the round's sequences, drawn at random: each of their
+        workers recomputes their rows alone (a plan without merges: every sequence is one
+        entry of one worker's batch, its rows its own)."""
+        entries = [(b.worker_id, e) for b in plan.batches for e in b.entries]
+        chosen = self._rng.sample(entries, min(count, len(entries)))
+        by_worker: dict[str, list[Any]] = {}
+        for worker_id, entry in chosen:
+            by_worker.setdefault(worker_id, []).append(entry)
+        batches = [WorkerBatch(w, tuple(es)) for w, es in by_worker.items()]
+
+        async def one(batch: WorkerBatch) -> tuple[AttentionResult, list[Any]]:
+            q, tables, lens, starts = batch.kernel_args(query)
+            return await clients[batch.worker_id].reference_attend(
+                epochs[batch.worker_id], layer, q, tables, lens, starts, causal=plan.causal,
+            )  # fmt: skip
+
+        answers = await asyncio.gather(*(one(b) for b in batches))
+        max_err, bad_rows = 0.0, []
+        bad_slots: dict[str, list[tuple[int, int, int, int]]] = {}
+        blamed: list[str] = []
+        for batch, (result, slots) in zip(batches, answers, strict=True):
+            rows = batch.rows()
+            err, bad = compare_outputs(served.out[rows], result.out, self.pool_dtype)
+            max_err = max(max_err, err)
+            bad_rows += [rows[i] for i in bad]
+            if slots:
+                bad_slots[batch.worker_id] = [
+                    (batch.entries[s.entry].sequence, s.block, s.offset, s.kind) for s in slots
+                ]
+            if slots or bad:
+                blamed.append(batch.worker_id)
+        return CheckOutcome(max_err, sorted(bad_rows), bad_slots, blamed)
 
     def _report(
         self,

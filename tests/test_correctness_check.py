@@ -6,12 +6,14 @@ layer. Blocks are corrupted on purpose by writing into a pool behind the service
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
 from service_support import LAYOUT, Mirror, ServiceHarness, service_config
 
 from cache_service.client import AppendAttendItem, AttendItem, KVCacheClient
+from cache_service.config import ConfigError
 from cache_service.correctness_check import CorrectnessChecker, compare_outputs, tolerance_for
 from cache_service.worker_clients import LocalWorkerClient
 from workers.config import PoolConfig
@@ -191,6 +193,52 @@ def test_a_wrong_kernel_output_is_caught_by_the_reference_path():
         assert svc.coordinator.correctness.mismatches == 1
 
 
+def test_checking_some_sequences_recomputes_only_those_and_still_catches_corruption():
+    config = service_config(
+        **{
+            "coordinator.correctness_check_fraction": 1.0,
+            "coordinator.correctness_check_sequences": 1,
+        }
+    )
+    with (
+        ServiceHarness(config, fingerprinted_workers(1, num_blocks=16)) as svc,
+        KVCacheClient(svc.address, timeout_s=20) as client,
+    ):
+        mirrors = []
+        for i in range(3):
+            m = Mirror(client.create_sequence().seq_id, LAYOUT.num_layers)
+            fill(client, m, list(range(10 * i, 10 * i + 6)))
+            mirrors.append(m)
+        recomputed: list[int] = []  # sequences per reference call
+        w0 = worker(svc, "w0")
+        real = w0.reference_attend
+
+        async def spy(epoch: str, layer: int, q: Any, tables: Any, lens: Any, *a: Any, **k: Any):
+            recomputed.append(int(lens.shape[0]))
+            return await real(epoch, layer, q, tables, lens, *a, **k)
+
+        w0.reference_attend = spy  # type: ignore[method-assign]
+        checker = svc.coordinator.correctness
+        before = checker.checks
+        for _ in range(4):  # rounds of three sequences, one of them checked each time
+            q = rand(1, HQ, D)
+            for layer in range(LAYOUT.num_layers):
+                outs = client.attend(layer, [AttendItem(m.seq_id, q) for m in mirrors])
+                for m, out in zip(mirrors, outs, strict=True):
+                    assert torch.allclose(out.double(), m.reference(layer, q)[0], atol=1e-5)
+        assert checker.checks - before == 4 * LAYOUT.num_layers
+        assert recomputed and set(recomputed) == {1}
+        assert checker.mismatches == 0
+
+        # A corrupted slot of the only sequence of a round is found as before.
+        layer = 1
+        victim = mirrors[0]
+        (worker_id, block), *_ = blocks_of(svc, victim.seq_id, layer)
+        worker(svc, worker_id).worker.pool.data[block, layer, 1, :, 2, :] = 1e3
+        client.attend(layer, [AttendItem(victim.seq_id, rand(1, HQ, D))])
+        assert checker.mismatches == 1 and mismatches(svc, worker_id) == 1
+
+
 def test_fraction_zero_disables_the_check_and_sampling_follows_the_fraction():
     assert service_config().coordinator.correctness_check_fraction == 0.01
     off = service_config(**{"coordinator.correctness_check_fraction": 0.0})
@@ -201,6 +249,11 @@ def test_fraction_zero_disables_the_check_and_sampling_follows_the_fraction():
     assert 850 < hits < 1150
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         CorrectnessChecker(1.5, torch.float32)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="sequences must be a positive int"):
+            CorrectnessChecker(0.5, torch.float32, sequences=bad)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="correctness_check_sequences"):
+            service_config(**{"coordinator.correctness_check_sequences": bad})
 
 
 def test_compare_outputs_tolerance_follows_the_dtype():
