@@ -221,20 +221,12 @@ class CorrectnessChecker:
                 self.sequences, plan, query, layer, clients, epochs, served
             )
 
-        async def one(batch: Any) -> tuple[AttentionResult, list[Any]]:
-            q, tables, lens, starts = batch.kernel_args(query)
-            return await clients[batch.worker_id].reference_attend(
-                epochs[batch.worker_id],
-                layer,
-                q,
-                tables,
-                lens,
-                starts,
-                causal=plan.causal,
-                return_lse=want_lse,
+        answers = await asyncio.gather(
+            *(
+                _reference(b, query, layer, clients, epochs, plan.causal, want_lse)
+                for b in plan.batches
             )
-
-        answers = await asyncio.gather(*(one(b) for b in plan.batches))
+        )
         partials = {b.worker_id: res for b, (res, _) in zip(plan.batches, answers, strict=True)}
         reference = merge_partials(plan, partials)
         max_err, bad_rows = compare_outputs(served.out, reference.out, self.pool_dtype)
@@ -244,9 +236,7 @@ class CorrectnessChecker:
         for batch, (_, slots) in zip(plan.batches, answers, strict=True):
             rows = set(batch.rows())
             if slots:
-                bad_slots[batch.worker_id] = [
-                    (batch.entries[s.entry].sequence, s.block, s.offset, s.kind) for s in slots
-                ]
+                bad_slots[batch.worker_id] = _slot_report(batch, slots)
             if slots or rows.intersection(bad_rows):
                 blamed.append(batch.worker_id)
         return CheckOutcome(max_err, bad_rows, bad_slots, blamed)
@@ -271,13 +261,9 @@ class CorrectnessChecker:
             by_worker.setdefault(worker_id, []).append(entry)
         batches = [WorkerBatch(w, tuple(es)) for w, es in by_worker.items()]
 
-        async def one(batch: WorkerBatch) -> tuple[AttentionResult, list[Any]]:
-            q, tables, lens, starts = batch.kernel_args(query)
-            return await clients[batch.worker_id].reference_attend(
-                epochs[batch.worker_id], layer, q, tables, lens, starts, causal=plan.causal,
-            )  # fmt: skip
-
-        answers = await asyncio.gather(*(one(b) for b in batches))
+        answers = await asyncio.gather(
+            *(_reference(b, query, layer, clients, epochs, plan.causal) for b in batches)
+        )
         max_err, bad_rows = 0.0, []
         bad_slots: dict[str, list[tuple[int, int, int, int]]] = {}
         blamed: list[str] = []
@@ -287,9 +273,7 @@ class CorrectnessChecker:
             max_err = max(max_err, err)
             bad_rows += [rows[i] for i in bad]
             if slots:
-                bad_slots[batch.worker_id] = [
-                    (batch.entries[s.entry].sequence, s.block, s.offset, s.kind) for s in slots
-                ]
+                bad_slots[batch.worker_id] = _slot_report(batch, slots)
             if slots or bad:
                 blamed.append(batch.worker_id)
         return CheckOutcome(max_err, sorted(bad_rows), bad_slots, blamed)
@@ -325,3 +309,27 @@ class CorrectnessChecker:
                 "bad_slots": {w: s[:8] for w, s in outcome.bad_slots.items()},
             },
         )
+
+
+async def _reference(
+    batch: WorkerBatch,
+    query: torch.Tensor,
+    layer: int,
+    clients: Mapping[str, Any],
+    epochs: Mapping[str, str],
+    causal: bool,
+    return_lse: bool = False,
+) -> tuple[AttentionResult, list[Any]]:
+    """`batch`'s worker recomputes its rows of `query` with the torch reference: (its
+    result, the slots whose fingerprints no longer match)."""
+    q, tables, lens, starts = batch.kernel_args(query)
+    return await clients[batch.worker_id].reference_attend(
+        epochs[batch.worker_id], layer, q, tables, lens, starts,
+        causal=causal, return_lse=return_lse,
+    )  # fmt: skip
+
+
+def _slot_report(batch: WorkerBatch, slots: Sequence[Any]) -> list[tuple[int, int, int, int]]:
+    """The changed slots a worker reported, as ``(sequence index in the round, block,
+    offset, kind 0=K 1=V)``."""
+    return [(batch.entries[s.entry].sequence, s.block, s.offset, s.kind) for s in slots]
