@@ -6,8 +6,10 @@ pair. Once a client has its reply it waits its think time (`--think-us`, plus up
 `--jitter-us` at random: its own work and the transit), then sends its next call. The loop spends
 `--part-us` of CPU on each arriving part (what the servicer and coordinator do before the
 batcher) and `--reply-us` on each reply; a round blocks the loop for `--round-us` plus
-`--round-part-us` per part (an in-process pool's worker call runs inline). The same runs
-with one client give the reference.
+`--round-part-us` per part (an in-process pool's worker call runs inline), or with
+`--async-worker` takes that long without holding the loop (a worker in another process,
+e.g. a Ray actor: the next round gathers meanwhile). The same runs with one client give
+the reference.
 
 Prints, for one client and for all of them: calls per second, parts per round, why rounds
 left, and the ratio of the two throughputs. The defaults are near what the H200 host's
@@ -55,7 +57,11 @@ async def _run(clients: int, args: argparse.Namespace) -> tuple[float, list[int]
 
     async def worker_call(key: Any, parts: list[_Part]) -> None:
         rounds.append(len(parts))
-        _spin((args.round_us + args.round_part_us * len(parts)) * 1e-6)
+        seconds = (args.round_us + args.round_part_us * len(parts)) * 1e-6
+        if args.async_worker:
+            await asyncio.sleep(seconds)
+        else:
+            _spin(seconds)
         for p in parts:
             p.future.set_result(None)
 
@@ -110,6 +116,9 @@ def main() -> None:
     parser.add_argument("--reply-us", type=float, default=60.0)
     parser.add_argument("--round-us", type=float, default=300.0)
     parser.add_argument("--round-part-us", type=float, default=40.0)
+    parser.add_argument(
+        "--async-worker", action="store_true", help="rounds run off the loop (another process)"
+    )
     args = parser.parse_args()
     diag_batch_trace.instrument()
     one, _ = asyncio.run(_run(1, args))

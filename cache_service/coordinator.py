@@ -292,6 +292,10 @@ class _Batcher:
     connection are one caller with several. A batch that waited its whole window stops
     expecting the callers it missed that were not in the batch before it either (out of
     step, or gone), so a caller that leaves holds the others for two windows at most.
+    A batch whose window passed while the batch before it was on the worker waits one more
+    window when that batch's callers are expected: they come straight back with their next
+    parts, and one worker call serves everyone instead of two groups taking turns (with a
+    worker in another process, each turn costs a whole worker call).
 
     call_later: the timer (delay in seconds, callback) -> handle with ``cancel()``; default
     the running loop's ``call_later`` (tests pass a fake clock).
@@ -328,6 +332,10 @@ class _Batcher:
         self._expected_parts = 0
         self._pending_counts: dict[str | int, int] = {}
         self._satisfied = 0
+        # The callers of each batch in flight; whether the pending batch's window was
+        # extended once already for callers coming back from the worker.
+        self._flying: dict[asyncio.Task[None], frozenset[str | int]] = {}
+        self._extended = False
 
     @property
     def windowed(self) -> bool:
@@ -378,6 +386,7 @@ class _Batcher:
             self._timer.cancel()
             self._timer = None
         waited_window, self._due = self._due, False
+        self._extended = False
         parts, self._pending, self._items = self._pending, [], 0
         counts, self._pending_counts = self._pending_counts, {}
         self._satisfied = 0
@@ -392,6 +401,7 @@ class _Batcher:
         self._in_flight += 1
         task = start_eagerly(self._run(self._key, parts))
         self._tasks.add(task)
+        self._flying[task] = frozenset(counts)
         task.add_done_callback(self._batch_done)
 
     def _expect_after(self, counts: dict[str | int, int], waited_window: bool) -> None:
@@ -410,9 +420,22 @@ class _Batcher:
 
     def _batch_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
+        returning = self._flying.pop(task, frozenset())
         self._in_flight -= 1
-        if self._in_flight == 0 and (self._due or self._everyone_here()):
+        if self._in_flight != 0:
+            return
+        if self._everyone_here():
             self._flush()
+        elif self._due:
+            if not self._extended and any(c in self._expected for c in returning):
+                # Its window passed while the worker was busy, and the callers just answered
+                # are expected: they come straight back, so wait one more window for them
+                # (one worker call for all instead of two groups taking turns).
+                self._extended = True
+                self._due = False
+                self._start_window()
+            else:
+                self._flush()
 
 
 def _caller(part: _Part) -> str | int:

@@ -263,48 +263,72 @@ def test_a_caller_that_leaves_holds_the_others_for_two_windows_at_most() -> None
     asyncio.run(scenario())
 
 
+async def _split_into_two_groups(batcher: _Batcher, worker: Worker, clock: FakeClock) -> None:
+    """Callers a, b, c, d seen together, then "a" and "b" on the worker (after their
+    window) while "c" and "d" wait, their window passed."""
+    batcher.submit(part("a"))
+    await settle()
+    for name in ("b", "c", "d"):
+        batcher.submit(part(name))
+    await worker.finish(0)
+    clock.pass_window()
+    await settle()
+    assert worker.batches[-1] == ["b", "c", "d"]
+    await worker.finish(1)
+    for name in ("a", "b", "c", "d"):
+        batcher.submit(part(name))
+    await settle()
+    assert worker.batches[-1] == ["a", "b", "c", "d"]
+    # "c" and "d" come late: "a" and "b" leave after their window...
+    batcher.submit(part("a"))
+    batcher.submit(part("b"))
+    await worker.finish(2)
+    clock.pass_window()
+    await settle()
+    assert worker.batches[-1] == ["a", "b"]
+    # ...and "c" and "d" arrive while that batch is on the worker; their window passes.
+    batcher.submit(part("c"))
+    batcher.submit(part("d"))
+    clock.pass_window()
+    await settle()
+    assert len(worker.batches) == 4
+
+
 def test_two_groups_of_callers_that_drifted_apart_merge_into_one_batch() -> None:
     async def scenario() -> None:
         batcher, worker, clock = make()
+        await _split_into_two_groups(batcher, worker, clock)
+        # "a" and "b" come back: "c" and "d" wait one more window for them instead of
+        # taking their own turn on the worker, and all four leave together at once.
+        await worker.finish(3)
+        await settle()
+        assert len(worker.batches) == 4 and len(clock.armed()) == 1
         batcher.submit(part("a"))
+        batcher.submit(part("b"))
         await settle()
-        for name in ("b", "c", "d"):
-            batcher.submit(part(name))
-        await worker.finish(0)
-        clock.pass_window()
-        await settle()
-        assert worker.batches[-1] == ["b", "c", "d"]
-        await worker.finish(1)
+        assert worker.batches[-1] == ["c", "d", "a", "b"]
+        assert clock.armed() == []
+        await worker.finish(4)
+        # From then on the four call in step: one batch a round, no window.
         for name in ("a", "b", "c", "d"):
             batcher.submit(part(name))
         await settle()
-        assert worker.batches[-1] == ["a", "b", "c", "d"]
-        # "c" and "d" come late: "a" and "b" leave after their window...
-        batcher.submit(part("a"))
-        batcher.submit(part("b"))
-        await worker.finish(2)
-        clock.pass_window()
-        await settle()
-        assert worker.batches[-1] == ["a", "b"]
-        # ...and "c" and "d", arriving while that batch is on the worker, after theirs.
-        batcher.submit(part("c"))
-        batcher.submit(part("d"))
-        clock.pass_window()
+        assert worker.batches[-1] == ["a", "b", "c", "d"] and clock.armed() == []
+        await worker.finish(5)
+
+    asyncio.run(scenario())
+
+
+def test_the_extra_window_for_returning_callers_is_given_once() -> None:
+    async def scenario() -> None:
+        batcher, worker, clock = make()
+        await _split_into_two_groups(batcher, worker, clock)
         await worker.finish(3)
         await settle()
+        clock.pass_window()  # "a" and "b" do not come back in time: "c" and "d" go alone
+        await settle()
         assert worker.batches[-1] == ["c", "d"]
-        # "a" and "b" are back before "c" and "d": they wait for them (all four are still
-        # expected) rather than leave as a group of two again; no window passes.
-        batcher.submit(part("a"))
-        batcher.submit(part("b"))
         await worker.finish(4)
-        await settle()
-        assert len(worker.batches) == 5
-        batcher.submit(part("c"))
-        batcher.submit(part("d"))
-        await settle()
-        assert worker.batches[-1] == ["a", "b", "c", "d"]
-        await worker.finish(5)
 
     asyncio.run(scenario())
 
