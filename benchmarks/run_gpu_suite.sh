@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-service | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -160,17 +160,6 @@ final-local-sessions)
     --out "$OUT/kernels" > "$OUT/kernels.log" 2>&1
   tail -22 "$OUT/kernels.log"
   CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/bench_service.py --h200 --no-ray \
-    --transports local-shm,session-shm --out "$OUT/service-h200.md" > "$OUT/bench-service.log" 2>&1
-  tail -16 "$OUT/service-h200.md"
-  ;;
-warm-up-service)
-  # The GPU tests of the kernel warm-up and the decode graphs (not yet run on a GPU when
-  # written), then the service benchmark over a local session and over the gRPC stream,
-  # its pools warmed for 32 query heads and its process's collector frozen.
-  timeout 120 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 4 -m gpu \
-    tests/test_kernel_warmup.py tests/test_decode_graphs.py > "$OUT/gpu-tests.log" 2>&1
-  tail -6 "$OUT/gpu-tests.log"
-  CUDA_VISIBLE_DEVICES=0 timeout 420 python3 benchmarks/bench_service.py --h200 --no-ray \
     --transports local-shm,session-shm --out "$OUT/service-h200.md" > "$OUT/bench-service.log" 2>&1
   tail -16 "$OUT/service-h200.md"
   ;;
