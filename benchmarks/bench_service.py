@@ -179,6 +179,7 @@ def through_service(
     phases: tuple[str, ...] = PHASES,
     overrides: Mapping[str, Any] | None = None,
     pairs: int = 1,
+    worker_calls: dict[str, int] | None = None,
 ) -> dict[str, BenchResult]:
     """Start a service, run the single-client and the concurrency benchmarks, stop it.
 
@@ -189,7 +190,9 @@ def through_service(
     run here (it slows that run; for finding costs, not for the figures).
     cuda_graphs: the service's CUDA pools replay repeated layers as graphs (workers.cuda_graphs).
     phases: which of PHASES to run.
-    overrides: further service configuration (`service_config`)."""
+    overrides: further service configuration (`service_config`).
+    worker_calls: filled with the per-layer worker calls of Ray workers (warm-up included)
+        that went over the worker channel ("channel") and through Ray ("ray")."""
     dtype = setup.layout.dtype
     t = TRANSPORTS[transport]
     wire = {
@@ -254,6 +257,10 @@ def through_service(
                     text = io.StringIO()
                     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(45)
                     profile.write_text(text.getvalue())
+            if worker_calls is not None:
+                clients = list(running.coordinator._clients.values())
+                worker_calls["channel"] = sum(getattr(c, "channel_calls", 0) for c in clients)
+                worker_calls["ray"] = sum(getattr(c, "ray_data_calls", 0) for c in clients)
             return out
         finally:
             await running.stop()
@@ -426,7 +433,8 @@ def fmt_ms(seconds: float) -> str:
 
 
 def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple[list[float], float],
-           args: argparse.Namespace) -> str:  # fmt: skip
+           args: argparse.Namespace,
+           worker_calls: Mapping[str, Mapping[str, int]] | None = None) -> str:  # fmt: skip
     lay = setup.layout
     base_times, base_wall = base
     b50, b99 = percentile(base_times, 50), percentile(base_times, 99)
@@ -464,6 +472,11 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         "- each client runs in its own process (loopback gRPC); one worker; the server's "
         "process holds the coordinator, and the pools in the rows that say so (a Ray row's "
         "pool is in a Ray actor on the same device)",
+        *(
+            f"- {label}: per-layer worker calls over the worker channel / through Ray: "
+            f"{calls['channel']} / {calls['ray']}"
+            for label, calls in (worker_calls or {}).items()
+        ),
         "",
         "## One client: per-layer append-and-attend",
         "",
@@ -534,6 +547,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-window-ms", type=float, default=0.5)
     parser.add_argument("--steps", type=int, help="timed steps (default: the setup's)")
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray worker run")
+    parser.add_argument(
+        "--ray-without-channel",
+        action="store_true",
+        help="also run the Ray worker with workers.channel_arena_bytes=0 (every call through Ray)",
+    )
     parser.add_argument(
         "--no-in-process", action="store_true",
         help="skip the runs with the pools in the server's process (the Ray run alone)",
@@ -624,8 +642,14 @@ def main(argv: list[str] | None = None) -> int:
             transport=transports[0],
             overrides=overrides,
         )
-    if not args.no_ray:
-        results[f"Ray {setup.device} worker, {TRANSPORTS[transports[0]].label}"] = through_service(
+    worker_calls: dict[str, dict[str, int]] = {}
+    ray_rows = [] if args.no_ray else [("", 32 << 20)]
+    if args.ray_without_channel:
+        ray_rows.append((" without its channel (every call through Ray)", 0))
+    for suffix, arena in ray_rows:
+        label = f"Ray {setup.device} worker{suffix}, {TRANSPORTS[transports[0]].label}"
+        worker_calls[label] = {}
+        results[label] = through_service(
             setup,
             ray=True,
             window_ms=args.batch_window_ms,
@@ -633,13 +657,14 @@ def main(argv: list[str] | None = None) -> int:
             transport=transports[0],
             cuda_graphs=not args.no_graphs,
             phases=phases,
-            overrides=overrides,
+            overrides={**overrides, "workers.channel_arena_bytes": arena},
             pairs=args.pairs,
+            worker_calls=worker_calls[label],
         )
     # After the service stopped, so the baseline has the device to itself (it is the single
     # client's reference, not needed without that run).
     base = in_process(setup) if "single" in phases else ([], 1.0)
-    text = report(setup, results, base, args)
+    text = report(setup, results, base, args, worker_calls)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)

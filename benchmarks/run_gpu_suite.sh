@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -263,6 +263,18 @@ ray-pairs)
     --no-in-process --transports local-shm --pairs 2 --out "$OUT/service-h200-ray.md" \
     > "$OUT/bench-ray.log" 2>&1
   tail -12 "$OUT/service-h200-ray.md"
+  ;;
+ray-channel)
+  # The worker channel (a Ray worker's per-layer calls over a Unix socket and shared memory,
+  # not through Ray): its GPU test and the Ray actor tests on the GPU, then the service with
+  # its pool behind a Ray actor, with the channel and without it (every call through Ray).
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_workers_gpu.py -k "channel or one_worker_per_gpu" 2>&1 | tee "$OUT/gpu-tests.log" \
+    | tail -4
+  CUDA_VISIBLE_DEVICES=0 timeout 400 python3 benchmarks/bench_service.py --h200 \
+    --no-in-process --transports local-shm --ray-without-channel \
+    --out "$OUT/service-h200-ray.md" > "$OUT/bench-ray.log" 2>&1
+  tail -14 "$OUT/service-h200-ray.md"; grep "worker calls" "$OUT/service-h200-ray.md"
   ;;
 profile-server)
   # One client's timeline at batch 32 (service_breakdown), then py-spy on the server's

@@ -133,6 +133,12 @@ class WorkersConfig:
             pools compile their decode kernels for them at start, about a second per
             variant the first time on a host (Triton caches them on disk), instead of
             while serving. Empty (default): compiled on first use.
+        channel_arena_bytes: shared memory of each worker channel, bytes: a Ray worker on
+            the coordinator's node gets its per-layer data calls over a Unix socket with
+            the tensors in this much shared memory (cache_service.worker_channel), a
+            fraction of a Ray call's cost; a call whose tensors do not fit goes through
+            Ray. 0: every call through Ray.
+        channel_connections: worker channels per worker (calls in flight on it at once).
     """
 
     num_workers: int = 2
@@ -146,9 +152,21 @@ class WorkersConfig:
     max_restarts: int = -1
     cuda_graphs: bool = True
     warm_up_query_heads: tuple[int, ...] = ()
+    channel_arena_bytes: int = 32 << 20
+    channel_connections: int = 2
 
     def __post_init__(self) -> None:
         _positive_int("workers.num_workers", self.num_workers)
+        _positive_int("workers.channel_connections", self.channel_connections)
+        if (
+            isinstance(self.channel_arena_bytes, bool)
+            or not isinstance(self.channel_arena_bytes, int)
+            or (self.channel_arena_bytes != 0 and self.channel_arena_bytes < 1 << 16)
+        ):
+            raise ConfigError(
+                "workers.channel_arena_bytes must be 0 (no channel) or at least 65536, got "
+                f"{self.channel_arena_bytes!r}"
+            )
         _positive_int("workers.blocks_per_worker", self.blocks_per_worker)
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(

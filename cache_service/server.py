@@ -817,6 +817,7 @@ async def _start_workers(
 
     import ray
 
+    from cache_service.worker_channel import ChannelOptions
     from cache_service.worker_clients import RayWorkerClient
     from workers import launcher
 
@@ -835,15 +836,22 @@ async def _start_workers(
     # Blocks the event loop while Ray starts: nothing is served yet, and ray.init wants the
     # main thread (it installs signal handlers there).
     handles = _launch_or_attach(launch, embedded)
+    channel = None
+    if wc.channel_arena_bytes:
+        channel = ChannelOptions(
+            arena_bytes=wc.channel_arena_bytes,
+            connections=wc.channel_connections,
+        )
     clients = [
         RayWorkerClient(
             launcher.worker_name(wc.name_prefix, i),
             h,
             call_timeout_s=config.coordinator.worker_timeout_s,
+            channel=channel,
         )
         for i, h in enumerate(handles)
     ]
-    cleanups: list[Callable[[], Any]] = []
+    cleanups: list[Callable[[], Any]] = [c.close for c in clients]
     if embedded:
         cleanups.append(lambda: launcher.shutdown_workers(wc.namespace, wc.name_prefix))
         if started_ray:

@@ -13,7 +13,7 @@ cannot be probed across tenants.
 Inputs are copied out of the region when a request is decoded (`read`): the client could
 change the bytes while the coordinator works, so the coordinator never sees a live view.
 The exception is a server whose pools are CUDA pools in its own process (`pin_for_cuda`):
-there each region is page-locked for CUDA when it is created (cache_service.cuda_pinning),
+there each region is page-locked for CUDA when it is created (workers.cuda_pinning),
 and a call reads its inputs as views of the region (`reader`), which the pool copies to
 the GPU by DMA; the view is the copy that is avoided, and the region stays mapped until
 the call ends. What a client changes in its region during its own call can then change
@@ -36,7 +36,6 @@ servicer and the reaper use it from the event loop only.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import math
 import mmap
@@ -51,7 +50,6 @@ from dataclasses import dataclass
 import torch
 
 from cache_service.config import SharedMemoryConfig
-from cache_service.cuda_pinning import pin, unpin
 from cache_service.errors import (
     InvalidRequest,
     SharedMemoryDisabled,
@@ -59,6 +57,8 @@ from cache_service.errors import (
     SharedRegionNotFound,
 )
 from cache_service.tensor_codec import tensor_from_bytes, tensor_payload
+from workers.cuda_pinning import pin, unpin
+from workers.shared_files import NoRoom, create_mapped, unlink_quietly
 
 __all__ = ["OutputSlot", "RegionInfo", "RegionReader", "SharedRegions", "default_directory"]
 
@@ -425,21 +425,20 @@ class SharedRegions:
     def _new_file(self, size: int) -> tuple[str, _Mapping]:
         """A new file of `size` bytes under the directory, mapped (and pinned for CUDA when
         configured); nothing left behind on failure."""
-        path = os.path.join(self.directory, _FILE_PREFIX + secrets.token_hex(16))
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
-        flags |= getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(path, flags, 0o600)
         try:
-            os.fchmod(fd, 0o600)  # exactly 0600 whatever the umask (it can only remove bits)
-            os.ftruncate(fd, size)
-            _reserve(fd, size, self.directory)
-            # MAP_SHARED, read-write; keeps its own fd.
-            return path, _Mapping(mmap.mmap(fd, size), self._pin_for_cuda)
+            path, mm = create_mapped(self.directory, _FILE_PREFIX, size)
+        except NoRoom:
+            raise SharedMemoryLimit(
+                f"no room for {size} bytes in {self.directory} (the file system holding the "
+                "shared regions is full: enlarge it, e.g. docker --shm-size, or lower "
+                "shared_memory.max_total_bytes)"
+            ) from None
+        try:
+            return path, _Mapping(mm, self._pin_for_cuda)
         except BaseException:
-            _unlink(path)
+            mm.close()
+            unlink_quietly(path)
             raise
-        finally:
-            os.close(fd)
 
     def release(self, tenant: str, region_id: str) -> None:
         """Delete `tenant`'s region: the file is unlinked at once, the mapping closed once
@@ -457,7 +456,7 @@ class SharedRegions:
         self._per_tenant_dec(region.tenant)
         self._bytes -= region.size
         region.released = True
-        _unlink(region.path)
+        unlink_quietly(region.path)
         region.unmap_if_unused()
 
     def reap_idle(self) -> int:
@@ -631,38 +630,10 @@ def _check_range(region: _Region, offset: int, nbytes: int, itemsize: int, field
         )
 
 
-def _reserve(fd: int, size: int, directory: str) -> None:
-    """Allocate the file's blocks now. A tmpfs file that is only truncated is sparse: when
-    /dev/shm fills up (a container's default is 64 MiB), touching a page beyond its room
-    kills the toucher with SIGBUS. Reserving turns that into an error at creation."""
-    fallocate = getattr(os, "posix_fallocate", None)
-    if fallocate is None:  # pragma: no cover - not on Linux
-        return
-    try:
-        fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise SharedMemoryLimit(
-                f"no room for {size} bytes in {directory} (the file system holding the "
-                "shared regions is full: enlarge it, e.g. docker --shm-size, or lower "
-                "shared_memory.max_total_bytes)"
-            ) from None
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
-        # A file system without fallocate: the file stays sparse (as on macOS).
-
-
 def _discard_file(made: asyncio.Future[tuple[str, _Mapping]]) -> None:
     """Delete the file a creation made for a call that was cancelled meanwhile."""
     if made.cancelled() or made.exception() is not None:
         return
     path, mapping = made.result()
     mapping.close()
-    _unlink(path)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:  # removed by hand: nothing left to delete
-        pass
+    unlink_quietly(path)

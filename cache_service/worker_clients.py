@@ -2,6 +2,10 @@
 
 * :class:`RayWorkerClient` - a ``workers.actor.PoolWorker`` Ray actor handle; calls are
   ``await handle.method.remote(...)`` and Ray errors become ``workers.errors`` exceptions.
+  With channel options, the per-layer data calls to a worker on this node go over a
+  worker channel instead (``cache_service.worker_channel``: a Unix socket and shared
+  memory, a fraction of a Ray call's cost); everything else, and every call the channel
+  declines, goes through Ray.
 * :class:`LocalWorkerClient` - a ``PoolWorker`` in this process (the embedded default and
   the coordinator's tests), run on one private thread so calls are serialised like an
   actor's and the event loop is not blocked.
@@ -24,6 +28,7 @@ from typing import Any
 
 import torch
 
+from cache_service.worker_channel import CHANNEL_METHODS, ChannelOptions, ChannelPool
 from cache_service.worker_interface import AttentionResult, WorkerClient
 from workers.actor import PoolWorker
 from workers.config import PoolConfig
@@ -60,9 +65,9 @@ class _WorkerClientBase:
     # The coordinator generation this client claimed its worker with (claim()); None:
     # unfenced. Sent with every data call inside the epoch argument (_fenced).
     _generation: int | None = None
-    # Whether the worker runs in this process, so a host tensor passed as `out` is the
-    # caller's memory (a remote worker would only receive a copy: `out` is not sent).
-    _shares_memory = False
+    # Whether the client can deliver an output into the caller's host tensor `out` (a
+    # worker in this process; a Ray worker over its channel). Otherwise `out` is not sent.
+    _accepts_out = False
 
     @property
     def worker_id(self) -> str:
@@ -162,7 +167,7 @@ class _WorkerClientBase:
         options = {"scale": scale, "softcap": softcap, "sliding_window": sliding_window}
         if metadata_key is not None:
             options["metadata_key"] = metadata_key
-        if out is not None and self._shares_memory:
+        if out is not None and self._accepts_out:
             options["out"] = out
         if check_finite:
             options["check_finite"] = True
@@ -261,19 +266,60 @@ class RayWorkerClient(_WorkerClientBase):
         worker_id: the worker's id (its actor name).
         handle: the actor handle (``workers.launcher.launch_workers`` / ``attach_workers``).
         call_timeout_s: a call taking longer raises WorkerUnavailable (None: wait forever).
+        channel: reach the worker's per-layer data calls over worker channels when it runs
+            on this node (None: every call through Ray).
     """
 
-    def __init__(self, worker_id: str, handle: Any, *, call_timeout_s: float | None = None):
+    # `out` is delivered by the channel, and dropped from a call that goes through Ray.
+    _accepts_out = True
+
+    def __init__(
+        self,
+        worker_id: str,
+        handle: Any,
+        *,
+        call_timeout_s: float | None = None,
+        channel: ChannelOptions | None = None,
+    ):
         self._worker_id = worker_id
         self._handle = handle
         self._timeout = call_timeout_s
+        self._channels: ChannelPool | None = None
+        self._ray_data_calls = 0
+        if channel is not None:
+            self._channels = ChannelPool(
+                worker_id, channel, self._channel_address, _local_node(), call_timeout_s
+            )
 
     @classmethod
-    async def connect(cls, handle: Any, *, call_timeout_s: float | None = None) -> RayWorkerClient:
+    async def connect(
+        cls,
+        handle: Any,
+        *,
+        call_timeout_s: float | None = None,
+        channel: ChannelOptions | None = None,
+    ) -> RayWorkerClient:
         """A client for ``handle``, learning the worker id from the worker itself."""
-        client = cls("?", handle, call_timeout_s=call_timeout_s)
-        client._worker_id = (await client.describe()).worker_id
-        return client
+        worker_id = (await cls("?", handle, call_timeout_s=call_timeout_s).describe()).worker_id
+        return cls(worker_id, handle, call_timeout_s=call_timeout_s, channel=channel)
+
+    @property
+    def channel_calls(self) -> int:
+        """Per-layer data calls the worker channel answered so far."""
+        return 0 if self._channels is None else self._channels.calls
+
+    @property
+    def ray_data_calls(self) -> int:
+        """Per-layer data calls that went through Ray (no channel, or the channel declined)."""
+        return self._ray_data_calls
+
+    def close(self) -> None:
+        """Close the worker channels (the actor is left running)."""
+        if self._channels is not None:
+            self._channels.close()
+
+    async def _channel_address(self) -> Any:
+        return await self.resolve(self._handle.channel_address.remote())
 
     @property
     def handle(self) -> Any:
@@ -289,6 +335,13 @@ class RayWorkerClient(_WorkerClientBase):
         return getattr(self._handle, method).remote(*args, **kwargs)
 
     async def _invoke(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        out = kwargs.pop("out", None)
+        if self._channels is not None and method in CHANNEL_METHODS:
+            done, value = await self._channels.call(method, args, kwargs, out)
+            if done:
+                return value
+        if method in CHANNEL_METHODS:
+            self._ray_data_calls += 1
         return await self.resolve(self.submit(method, *args, **kwargs))
 
     async def resolve(self, ref: Any) -> Any:
@@ -346,7 +399,7 @@ class LocalWorkerClient(_WorkerClientBase):
     _INLINE_METHODS = frozenset(
         {"write_and_attend", "attend", "write_and_attend_pages", "attend_pages"}
     )
-    _shares_memory = True
+    _accepts_out = True
 
     def __init__(
         self,
@@ -414,6 +467,18 @@ class LocalWorkerClient(_WorkerClientBase):
             return await asyncio.get_running_loop().run_in_executor(self._executor, call)
         finally:
             self._queued[0] -= 1
+
+
+def _local_node() -> str | None:
+    """This process's Ray node id (None when Ray is not initialised here)."""
+    import ray  # Ray only where Ray actors are used
+
+    if not ray.is_initialized():
+        return None
+    try:
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # a Ray client connection (ray://) has no node of its own
+        return None
 
 
 async def transfer_blocks(

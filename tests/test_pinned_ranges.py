@@ -1,5 +1,5 @@
 """The registry of page-locked host ranges (workers.pinned_ranges): its range logic and
-thread safety on any machine, that cache_service.cuda_pinning keeps it (with a fake CUDA
+thread safety on any machine, that workers.cuda_pinning keeps it (with a fake CUDA
 runtime), and the pool's pinned test answering from it; on a GPU, against the driver."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import workers.pool as pool_mod
-from cache_service import cuda_pinning
+from workers import cuda_pinning
 from workers.pinned_ranges import REGISTERED, PinnedRanges
 
 

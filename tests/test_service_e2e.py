@@ -181,6 +181,10 @@ def test_clients_sharing_a_prefix_over_ray_workers(svc) -> None:
     assert all(w.used == 0 for w in stats.workers.values()), stats.workers
     assert stats.prefix_hit_tokens["default"] == 16 * (len(results["cached"]) - 1)
     assert stats.cow_copies >= 4
+    # The per-layer calls reached the workers (on this node) over their worker channels.
+    clients = svc.coordinator._clients.values()
+    calls = [(c.channel_calls, c.ray_data_calls) for c in clients]
+    assert sum(c for c, _ in calls) > 0 and all(r == 0 for _, r in calls), calls
 
 
 def test_export_import_and_all_layer_append_through_ray(svc) -> None:

@@ -280,3 +280,70 @@ def test_one_page_addressed_launch_serves_sequences_of_different_layers(dtype):
     )
     assert out.is_cuda and not torch.isnan(out).any()
     assert rel_err(out.cpu(), torch.cat(refs)) < TOLERANCE[dtype]
+
+
+def test_decode_steps_over_the_worker_channel_equal_ray_calls(gpu_ray):
+    # A CUDA worker reached over its channel (same node): the arena is page-locked on the
+    # worker's side, a decode step's key, value and query reach a replayed graph in one
+    # copy, and every layer's output equals the same call through Ray, bit for bit.
+    ray, namespace = gpu_ray
+    from cache_service.worker_channel import ChannelOptions
+    from workers.launcher import LaunchConfig, launch_workers, shutdown_workers
+
+    layout = llama_layout("bfloat16")
+    prefix = "channel-gpu-"
+    (handle,) = launch_workers(
+        LaunchConfig(
+            PoolConfig(layout, num_blocks=600),
+            num_workers=1,
+            namespace=namespace,
+            name_prefix=prefix,
+        )
+    )
+
+    async def scenario():
+        fast = await RayWorkerClient.connect(handle, channel=ChannelOptions(8 << 20))
+        slow = await RayWorkerClient.connect(handle)
+        epoch = (await slow.describe()).epoch
+        gen = torch.Generator().manual_seed(5)
+        seqs, bs = 8, layout.block_size
+        tables = torch.arange(seqs * 64).reshape(seqs, 64).int()
+        lengths = [5, 17, 100, 300, 640, 1, 33, 900]
+        for s, n in enumerate(lengths):  # the contexts, through Ray
+            slots = [int(tables[s, i // bs]) * bs + i % bs for i in range(n)]
+            kv = torch.randn(n, 8, 128, generator=gen).to(torch.bfloat16)
+            await slow.write(epoch, None, slots, kv.repeat(2, 1, 1, 1), kv.repeat(2, 1, 1, 1))
+        for step in range(4):
+            slots = torch.tensor(
+                [int(tables[s, n // bs]) * bs + n % bs for s, n in enumerate(lengths)]
+            )
+            lens = torch.tensor([n + 1 for n in lengths], dtype=torch.int32)
+            qsl = torch.arange(seqs + 1, dtype=torch.int32)
+            for layer in range(layout.num_layers):
+                k = torch.randn(seqs, 8, 128, generator=gen).to(torch.bfloat16)
+                q = torch.randn(seqs, 32, 128, generator=gen).to(torch.bfloat16)
+                out = torch.empty_like(q)
+                got = await fast.write_and_attend(
+                    epoch, layer, slots, k, k, q, tables, lens, qsl, metadata_key=step, out=out
+                )
+                want = await slow.attend(epoch, layer, q, tables, lens, qsl)
+                assert got.out is out and torch.equal(out, want.out), (step, layer)
+            lengths = [n + 1 for n in lengths]
+        assert fast.channel_calls == 8 and fast.ray_data_calls == 0
+        pinned = await asyncio.to_thread(
+            ray.get,
+            handle.__ray_call__.remote(
+                lambda w: (
+                    w._channel is not None,
+                    w.pool._graphs.replays,
+                    w.pool._graphs.packed_loads,
+                )
+            ),
+        )
+        assert pinned[0] and pinned[1] > 0 and pinned[2] > 0, pinned
+        fast.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        shutdown_workers(namespace, prefix)

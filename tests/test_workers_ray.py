@@ -19,6 +19,7 @@ from workers_support import Segment, SequenceView, dense_attention, rel_err
 ray = pytest.importorskip("ray")
 
 from cache_service.attention_plan import plan_attention, run_attention  # noqa: E402
+from cache_service.worker_channel import ChannelOptions  # noqa: E402
 from cache_service.worker_clients import RayWorkerClient, transfer_blocks  # noqa: E402
 from workers.config import PoolConfig  # noqa: E402
 from workers.errors import (  # noqa: E402
@@ -188,16 +189,56 @@ def test_a_call_past_its_timeout_reports_the_worker_unavailable(clients):
         loop.run_until_complete(impatient.health())
 
 
-def test_killed_workers_are_detected(cluster):
+def test_the_worker_channel_gives_the_results_and_errors_of_ray_calls(clients):
+    """Per-layer calls over the worker channel (same node): the same outputs, LSEs and
+    refusals as the same calls through Ray, and a refused call changes nothing."""
+    loop, handles = clients
+    c1 = handles[1]
+
+    async def scenario():
+        fast = await RayWorkerClient.connect(c1.handle, channel=ChannelOptions(1 << 20))
+        epoch = (await c1.describe()).epoch
+        g = torch.Generator().manual_seed(3)
+        k, v = torch.randn(7, 2, 16, generator=g), torch.randn(7, 2, 16, generator=g)
+        q = torch.randn(7, 4, 16, generator=g)
+        slots = [40 + i for i in range(7)]  # blocks 10 and 11
+        tables, lens, starts = [[10, 11]], [7], [0, 7]
+        out = torch.empty_like(q)
+        got = await fast.write_and_attend(epoch, 1, slots, k, v, q, tables, lens, starts, out=out)
+        assert got.out is out and fast.channel_calls == 1
+        want, want_lse = dense_attention(q, k, v)
+        assert rel_err(out, want) < 1e-5
+        slow = await c1.attend(epoch, 1, q, tables, lens, starts, return_lse=True)
+        quick = await fast.attend(epoch, 1, q, tables, lens, starts, return_lse=True)
+        assert torch.equal(slow.out, quick.out) and torch.equal(slow.lse, quick.lse)
+        assert rel_err(quick.lse, want_lse) < 1e-5
+        before = await c1.export_blocks(epoch, [10, 11])
+        with pytest.raises(InvalidWorkerRequest, match="slot_mapping holds slot 128"):
+            await fast.write(epoch, 0, [0, 128], k[:2], v[:2])
+        with pytest.raises(StaleEpochError):
+            await fast.write("0" * 16, 1, slots, k * 0, v * 0)
+        assert torch.equal(await c1.export_blocks(epoch, [10, 11]), before)
+        assert fast.channel_calls == 2  # the refusals were answered by the worker too
+        fast.close()
+
+    loop.run_until_complete(scenario())
+
+
+@pytest.mark.parametrize("channel", [None, ChannelOptions(1 << 20)], ids=["ray", "channel"])
+def test_killed_workers_are_detected(cluster, channel):
     """A restarted worker has a new epoch and an empty pool, and refuses the old epoch; a
-    worker that stays dead reports WorkerUnavailable."""
-    prefix = "crash-"
+    worker that stays dead reports WorkerUnavailable. With the worker channel, its broken
+    connection hands the call to Ray, which tells which of the two happened."""
+    prefix = "crash-" if channel is None else "crash-channel-"
     handles = launch_workers(_config(prefix, num_workers=2, max_restarts=1))
 
     async def scenario():
-        restarting, dying = [await RayWorkerClient.connect(h) for h in handles]
+        restarting, dying = [await RayWorkerClient.connect(h, channel=channel) for h in handles]
         old = (await restarting.describe()).epoch
         await restarting.write(old, 0, [5], torch.ones(1, 2, 16), torch.ones(1, 2, 16))
+        dead_epoch = (await dying.describe()).epoch
+        await dying.write(dead_epoch, 0, [5], torch.ones(1, 2, 16), torch.ones(1, 2, 16))
+        assert restarting.channel_calls == dying.channel_calls == (channel is not None)
         dead_epoch = (await dying.describe()).epoch
         ray.kill(restarting.handle, no_restart=False)
         ray.kill(dying.handle, no_restart=True)
@@ -215,8 +256,13 @@ def test_killed_workers_are_detected(cluster):
         with pytest.raises(StaleEpochError):
             await restarting.attend(old, 0, torch.zeros(1, 2, 16), [[1]], [2], [0, 1])
         assert (await restarting.export_blocks(new, [1])).abs().sum() == 0  # empty pool
-        with pytest.raises(WorkerUnavailable, match="crash-1"):
+        await restarting.write(new, 0, [5], torch.ones(1, 2, 16), torch.ones(1, 2, 16))
+        # Over a new channel to the restarted worker.
+        assert restarting.channel_calls == (2 if channel is not None else 0)
+        with pytest.raises(WorkerUnavailable, match=f"{prefix}1"):
             await dying.attend(dead_epoch, 0, torch.zeros(1, 2, 16), [[1]], [2], [0, 1])
+        restarting.close()
+        dying.close()
 
     try:
         asyncio.run(scenario())

@@ -18,13 +18,20 @@ tensors. The class is plain Python so it also runs in-process
 actor class, which packs its tensor results with :mod:`workers.transport` (raw bytes as
 numpy arrays: out-of-band, zero-copy through Ray's object store instead of torch's in-band
 pickling); callers see plain torch tensors. ``RayWorkerClient`` packs the tensors it sends
-the same way; tensors that arrive unpacked work too. Ray runs an actor's calls one at a
-time, which serialises pool updates.
+the same way; tensors that arrive unpacked work too.
+
+The per-layer data calls can also arrive over the worker channel
+(:meth:`PoolWorker.channel_address`, :mod:`workers.channel_server`): a Unix socket and an
+arena in shared memory, for a caller on the same node, where a Ray call would cost
+milliseconds. Ray runs an actor's calls one at a time and the channel runs its calls on
+threads of its own, so every data call takes the worker's lock: pool updates stay
+serialised whichever way they came.
 """
 
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -32,12 +39,13 @@ from typing import Any, TypeVar
 import ray
 import torch
 
+from workers.channel_server import ChannelAddress, ChannelServer
 from workers.config import PoolConfig
 from workers.description import FencedEpoch, WorkerDescription, WorkerHealth
 from workers.errors import StaleCoordinatorError, StaleEpochError
 from workers.fingerprints import BadSlot
 from workers.pool import AttendResult, IndexLike, KVPool
-from workers.transport import pack_result, unpack
+from workers.transport import pack_result, unpack, unpack_result
 
 __all__ = ["PoolWorker", "PoolWorkerActor", "new_epoch"]
 
@@ -110,6 +118,10 @@ class PoolWorker:
         # has a new epoch, which already refuses every caller until it re-registers (and
         # re-claims) the worker.
         self._generation: int | None = None
+        # Held by every data call and claim: calls arrive on Ray's thread and on the
+        # channel's threads.
+        self._lock = threading.Lock()
+        self._channel: ChannelServer | None = None
 
     @property
     def pool(self) -> KVPool:
@@ -148,8 +160,9 @@ class PoolWorker:
         Raises:
             StaleCoordinatorError: a higher generation already claimed the worker.
         """
-        self._check_generation(generation)
-        self._generation = generation
+        with self._lock:
+            self._check_generation(generation)
+            self._generation = generation
         return self.describe()
 
     def health(self) -> WorkerHealth:
@@ -173,6 +186,25 @@ class PoolWorker:
             failed_calls=self._failed,
             device_free_bytes=free,
         )
+
+    def channel_address(self) -> ChannelAddress:
+        """Where this worker's channel listens, starting it on the first call: a caller on
+        the same node sends its per-layer data calls there instead of through Ray
+        (``cache_service.worker_channel``)."""
+        if self._channel is None:
+            self._channel = ChannelServer(
+                self._channel_call,
+                pin_for_cuda=self._pool.device.type == "cuda",
+                node_id=_ray_node_id(),
+                name=self._worker_id,
+            )
+        return self._channel.address()
+
+    def close_channel(self) -> None:
+        """Stop the channel (its connections end; callers go back to Ray calls)."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
 
     # -- data (epoch first) -------------------------------------------------------------
 
@@ -356,11 +388,22 @@ class PoolWorker:
         kwargs = {k: unpack(v) for k, v in kwargs.items()}
         return self._run(epoch, lambda: _to_host(op(*args, **kwargs)), readonly=readonly)
 
+    def _channel_call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A data method called by the channel: its result with plain tensors."""
+        return unpack_result(getattr(self, method)(*args, **kwargs))
+
     def _check_generation(self, generation: int) -> None:
         if self._generation is not None and generation < self._generation:
             raise StaleCoordinatorError(self._worker_id, generation, self._generation)
 
     def _run(self, epoch: str | FencedEpoch, op: Callable[[], _T], *, readonly: bool = False) -> _T:
+        with self._lock:
+            result = self._fenced_run(epoch, op)
+        if self._pack_results:
+            return pack_result(result, readonly=readonly)
+        return result
+
+    def _fenced_run(self, epoch: str | FencedEpoch, op: Callable[[], _T]) -> _T:
         self._calls += 1
         try:
             # The data methods' epoch argument doubles as the generation carrier (so no
@@ -376,13 +419,17 @@ class PoolWorker:
             if generation is not None:
                 # A call from a newer coordinator fences the older ones as a claim does.
                 self._generation = generation
-            result = op()
+            return op()
         except Exception:
             self._failed += 1
             raise
-        if self._pack_results:
-            return pack_result(result, readonly=readonly)
-        return result
+
+
+def _ray_node_id() -> str | None:
+    """The Ray node of this process (None outside Ray)."""
+    if not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().get_node_id()
 
 
 class RemotePoolWorker(PoolWorker):

@@ -5,7 +5,7 @@ Why: ``Tensor.is_pinned()`` asks the CUDA driver every time (torch looks for a d
 a primary context, then calls cudaPointerGetAttributes): about 5 us per tensor on the
 H200 host, three tensors per decode-graph replay. The inputs on that path are views into
 a few long-lived shared regions that the server registered with ``cudaHostRegister``
-(cache_service.cuda_pinning). The owner of each registration tells this registry:
+(workers.cuda_pinning). The owner of each registration tells this registry:
 `PinnedRanges.add` right after cudaHostRegister succeeded, `PinnedRanges.remove` right
 before cudaHostUnregister. So the registry is exact for the memory it holds, and never
 needs invalidating by guesswork (an address range learned from ``is_pinned()`` answers
@@ -84,5 +84,5 @@ class PinnedRanges:
         self._snapshot = (starts, tuple(self._ends[s] for s in starts))
 
 
-# The process's registrations (cache_service.cuda_pinning keeps it up to date).
+# The process's registrations (workers.cuda_pinning keeps it up to date).
 REGISTERED = PinnedRanges()

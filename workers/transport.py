@@ -23,7 +23,15 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["PackedTensor", "pack", "pack_result", "unpack"]
+__all__ = [
+    "PackedTensor",
+    "dtype_name",
+    "dtype_named",
+    "pack",
+    "pack_result",
+    "unpack",
+    "unpack_result",
+]
 
 _DTYPES: dict[str, torch.dtype] = {
     str(dt).removeprefix("torch."): dt
@@ -40,6 +48,30 @@ _DTYPES: dict[str, torch.dtype] = {
         torch.bool,
     )
 }
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``dtype``'s name as messages carry it ("bfloat16", "int32", ...).
+
+    Raises:
+        TypeError: a dtype no message carries.
+    """
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise TypeError(f"tensors of dtype {dtype} cannot be sent to a worker")
+    return name
+
+
+def dtype_named(name: str) -> torch.dtype:
+    """The dtype :func:`dtype_name` named ``name``.
+
+    Raises:
+        TypeError: not such a name.
+    """
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        raise TypeError(f"no tensor dtype is named {name!r}")
+    return dtype
 
 
 class PackedTensor:
@@ -76,9 +108,7 @@ def pack(t: torch.Tensor, *, readonly: bool = False) -> PackedTensor:
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"pack expects a torch.Tensor, got {type(t).__name__}")
-    name = str(t.dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise TypeError(f"pack does not support dtype {t.dtype}")
+    name = dtype_name(t.dtype)
     flat = t.detach().to("cpu").contiguous().reshape(-1)
     data = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
     return PackedTensor(data, name, tuple(t.shape), readonly)
@@ -99,6 +129,14 @@ def unpack(obj: Any) -> Any:
     if isinstance(obj, PackedTensor):
         return _rebuild(obj.data, obj.dtype, obj.shape, obj.readonly)
     return obj
+
+
+def unpack_result(value: Any) -> Any:
+    """The inverse of :func:`pack_result` in the process that packed: every PackedTensor
+    (itself, or the items of a tuple/list) as its torch tensor."""
+    if type(value) in (tuple, list):
+        return type(value)(unpack_result(v) for v in value)
+    return unpack(value)
 
 
 def _rebuild(data: np.ndarray, dtype: str, shape: tuple[int, ...], readonly: bool) -> torch.Tensor:

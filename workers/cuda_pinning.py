@@ -1,5 +1,6 @@
-"""Page-locking host memory the server did not allocate (a client's shared-memory region)
-for CUDA, so a GPU pool in the server's process copies request tensors straight out of it.
+"""Page-locking host memory torch did not allocate (a client's shared-memory region, a
+worker channel's arena) for CUDA, so a GPU pool in the same process copies request tensors
+straight out of it.
 
 A region registered with ``cudaHostRegister`` is pinned memory to CUDA: a host-to-device
 copy from it is one asynchronous DMA, where pageable memory costs a staging copy on the
@@ -42,13 +43,13 @@ def pin(buffer: torch.Tensor) -> bool:
     try:
         code = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
     except Exception:  # pragma: no cover - a torch without the binding
-        log.warning("cudaHostRegister is unavailable; shared regions stay pageable")
+        log.warning("cudaHostRegister is unavailable; shared memory stays pageable")
         return False
     if _number(code) != 0:
         # e.g. a region on a disk file system: Linux pins only memory-backed file pages
         # (tmpfs such as /dev/shm) for long.
         log.warning(
-            "cudaHostRegister refused a shared region (CUDA error %d); it stays pageable",
+            "cudaHostRegister refused a shared-memory file (CUDA error %d); it stays pageable",
             _number(code),
         )
         return False
@@ -67,4 +68,6 @@ def unpin(buffer: torch.Tensor) -> None:
         log.warning("cudaHostUnregister failed", exc_info=True)
         return
     if _number(code) != 0:
-        log.warning("cudaHostUnregister refused a shared region (CUDA error %d)", _number(code))
+        log.warning(
+            "cudaHostUnregister refused a shared-memory file (CUDA error %d)", _number(code)
+        )

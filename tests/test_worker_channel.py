@@ -1,0 +1,244 @@
+"""The worker channel with a real socket, real shared memory and a real PoolWorker (CPU
+pool) serving it on its own threads: results equal the worker's direct calls and dense
+attention, errors arrive as the worker raised them and leave the connection usable,
+bad hellos are refused, nothing is left in the arena directory, and the ChannelPool
+declines (so the caller uses Ray) when a connection breaks, the arena is too small or the
+worker is elsewhere. With real Ray actors: tests/test_workers_ray.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import socket
+
+import pytest
+import torch
+from workers_support import dense_attention, rel_err
+
+from cache_service.worker_channel import (
+    ChannelBroken,
+    ChannelOptions,
+    ChannelPool,
+    WorkerChannel,
+)
+from workers.actor import PoolWorker
+from workers.channel_server import ChannelAddress, Hello
+from workers.channel_wire import ArenaFull, frame
+from workers.config import PoolConfig
+from workers.errors import InvalidWorkerRequest, StaleEpochError, WorkerError, WorkerUnavailable
+from workers.layout import KVLayout
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32")
+NODE = "node-a"
+
+
+@pytest.fixture
+def worker():
+    w = PoolWorker("w0", PoolConfig(LAYOUT, num_blocks=16), "cpu")
+    yield w
+    w.close_channel()
+
+
+@pytest.fixture
+def arena_dir(tmp_path):
+    return str(tmp_path)
+
+
+def _step(n: int = 6, seed: int = 0):
+    """A sequence of n tokens in blocks 2 and 3: its slots, K/V and queries for all n."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(n, 2, 16, generator=g)
+    v = torch.randn(n, 2, 16, generator=g)
+    q = torch.randn(n, 4, 16, generator=g)
+    slots = [(2 + i // 4) * 4 + i % 4 for i in range(n)]
+    return slots, k, v, q, torch.tensor([[2, 3]], dtype=torch.int32), [n], [0, n]
+
+
+def _address(worker: PoolWorker) -> ChannelAddress:
+    a = worker.channel_address()
+    return ChannelAddress(NODE, a.socket_path, a.token)
+
+
+def test_write_and_attend_equals_the_direct_call_and_dense_attention(worker, arena_dir) -> None:
+    async def run():
+        chan = await WorkerChannel.connect(_address(worker), 1 << 20, arena_dir)
+        assert os.listdir(arena_dir) == []  # unlinked once the worker mapped it
+        epoch = worker.epoch()
+        slots, k, v, q, bt, lens, starts = _step()
+        out = torch.full_like(q, float("nan"))
+        ok, got = await chan.call(
+            "write_and_attend", (epoch, 1, slots, k, v, q, bt, lens, starts), {}, out
+        )
+        assert ok and got is out
+        want, _ = dense_attention(q, k, v)
+        assert rel_err(out, want) < 1e-5
+        direct = worker.write_and_attend(epoch, 1, slots, k, v, q, bt, lens, starts)
+        assert torch.equal(out, direct)
+        # LSE, and a result that is the caller's own memory (not a view of the arena).
+        ok, (o2, lse) = await chan.call(
+            "attend", (epoch, 1, q, bt, lens, starts, True, True), {"scale": None}
+        )
+        assert ok and torch.equal(o2, out)
+        _, want_lse = dense_attention(q, k, v)
+        assert rel_err(lse, want_lse) < 1e-5
+        before = o2.clone()
+        await chan.call("attend", (epoch, 1, q * 2, bt, lens, starts), {})
+        assert torch.equal(o2, before)
+        chan.close()
+
+    asyncio.run(run())
+
+
+def test_worker_errors_arrive_as_raised_and_the_connection_stays_usable(worker, arena_dir) -> None:
+    async def run():
+        chan = await WorkerChannel.connect(_address(worker), 1 << 20, arena_dir)
+        slots, k, v, *_ = _step()
+        epoch = worker.epoch()
+        ok, err = await chan.call("write", ("stale", 0, slots, k, v), {})
+        assert not ok and isinstance(err, StaleEpochError) and err.actual == epoch
+        ok, err = await chan.call("write", (epoch, 5, slots, k, v), {})
+        assert not ok and isinstance(err, InvalidWorkerRequest) and "layer" in str(err)
+        ok, err = await chan.call("export_blocks", (epoch, [0]), {})
+        assert not ok and "not served over the channel" in str(err)
+        ok, _ = await chan.call("write", (epoch, 0, slots, k, v), {})
+        assert ok
+        chan.close()
+
+    asyncio.run(run())
+
+
+def test_tensors_larger_than_the_arena_raise_arena_full_before_sending(worker, arena_dir) -> None:
+    async def run():
+        chan = await WorkerChannel.connect(_address(worker), 1 << 16, arena_dir)
+        big = torch.zeros(1 << 15)  # 128 KiB
+        with pytest.raises(ArenaFull):
+            await chan.call("write", (worker.epoch(), 0, [0], big, big), {})
+        assert worker.health().calls == 0  # nothing reached the worker
+        chan.close()
+
+    asyncio.run(run())
+
+
+def test_hellos_with_a_wrong_token_or_file_are_refused(worker, arena_dir, tmp_path) -> None:
+    address = _address(worker)
+
+    async def run():
+        with pytest.raises(ChannelBroken, match="wrong token"):
+            await WorkerChannel.connect(
+                ChannelAddress(NODE, address.socket_path, "0" * 32), 1 << 16, arena_dir
+            )
+        assert os.listdir(arena_dir) == []
+
+    asyncio.run(run())
+    # A hello naming a file of another size than it says, over a raw socket.
+    path = tmp_path / "wrong-size"
+    path.write_bytes(b"\0" * 4096)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(address.socket_path)
+    s.sendall(frame(pickle.dumps(Hello(address.token, str(path), 8192))))
+    reply = s.recv(1 << 16)
+    s.close()
+    ok, detail = pickle.loads(reply[4:])
+    assert not ok and "has 4096 bytes, the hello says 8192" in detail
+
+
+def _pool(worker: PoolWorker, arena_dir: str, **kwargs) -> ChannelPool:
+    async def address():
+        return _address(worker)
+
+    timeout_s = kwargs.pop("timeout_s", None)
+    options = ChannelOptions(
+        arena_bytes=kwargs.pop("arena_bytes", 1 << 20), directory=arena_dir, **kwargs
+    )
+    return ChannelPool("w0", options, address, NODE, timeout_s)
+
+
+def test_pool_runs_concurrent_calls_on_separate_connections(worker, arena_dir) -> None:
+    async def run():
+        pool = _pool(worker, arena_dir, connections=2)
+        slots, k, v, q, bt, lens, starts = _step()
+        epoch = worker.epoch()
+        await pool.call("write", (epoch, 0, slots, k, v), {})
+        results = await asyncio.gather(
+            *[pool.call("attend", (epoch, 0, q * (i + 1), bt, lens, starts), {}) for i in range(6)]
+        )
+        assert pool.open_channels == 2 and pool.calls == 7
+        for i, (done, out) in enumerate(results):
+            want, _ = dense_attention(q * (i + 1), k, v)
+            assert done and rel_err(out, want) < 1e-5
+        pool.close()
+
+    asyncio.run(run())
+
+
+def test_pool_raises_worker_errors_and_wraps_others(worker, arena_dir) -> None:
+    async def run():
+        pool = _pool(worker, arena_dir)
+        slots, k, v, *_ = _step()
+        with pytest.raises(StaleEpochError):
+            await pool.call("write", ("stale", 0, slots, k, v), {})
+        with pytest.raises(WorkerError, match="worker 'w0' failed: ChannelProtocolError"):
+            await pool.call("copy_blocks", (worker.epoch(), [0], [1]), {})
+        pool.close()
+
+    asyncio.run(run())
+
+
+def test_pool_declines_when_the_connection_breaks_and_reopens_later(worker, arena_dir) -> None:
+    async def run():
+        pool = _pool(worker, arena_dir, retry_after_s=0.0)
+        slots, k, v, *_ = _step()
+        epoch = worker.epoch()
+        assert (await pool.call("write", (epoch, 0, slots, k, v), {}))[0]
+        worker.close_channel()  # the worker side goes away (as when its process dies)
+        assert await pool.call("write", (epoch, 0, slots, k, v), {}) == (False, None)
+        assert pool.open_channels == 0
+        # A new server: the next call opens a channel to it.
+        assert (await pool.call("write", (epoch, 0, slots, k, v), {}))[0]
+        assert pool.open_channels == 1
+        pool.close()
+
+    asyncio.run(run())
+
+
+def test_pool_declines_calls_that_do_not_fit_and_workers_elsewhere(worker, arena_dir) -> None:
+    async def run():
+        pool = _pool(worker, arena_dir, arena_bytes=1 << 16)
+        big = torch.zeros(1 << 14, 2, 16)
+        assert await pool.call("write", (worker.epoch(), 0, [0], big, big), {}) == (False, None)
+        assert pool.open_channels == 1  # kept for calls that fit
+        pool.close()
+
+        async def elsewhere():
+            a = worker.channel_address()
+            return ChannelAddress("node-b", a.socket_path, a.token)
+
+        far = ChannelPool("w0", ChannelOptions(directory=arena_dir), elsewhere, NODE)
+        slots, k, v, *_ = _step()
+        assert await far.call("write", (worker.epoch(), 0, slots, k, v), {}) == (False, None)
+        assert far.open_channels == 0
+        # Not retried before retry_after_s (30 s): no second address lookup.
+        assert await far.call("write", (worker.epoch(), 0, slots, k, v), {}) == (False, None)
+        no_ray = ChannelPool("w0", ChannelOptions(directory=arena_dir), elsewhere, None)
+        assert await no_ray.call("write", (worker.epoch(), 0, slots, k, v), {}) == (False, None)
+
+    asyncio.run(run())
+
+
+def test_a_call_past_the_timeout_is_worker_unavailable_and_drops_the_channel(
+    worker, arena_dir
+) -> None:
+    async def run():
+        pool = _pool(worker, arena_dir, timeout_s=0.2)
+        slots, k, v, *_ = _step()
+        epoch = worker.epoch()
+        assert (await pool.call("write", (epoch, 0, slots, k, v), {}))[0]
+        with worker._lock:  # the worker is busy (another call holds it)
+            with pytest.raises(WorkerUnavailable, match=r"no answer within 0\.2 s"):
+                await pool.call("write", (epoch, 0, slots, k, v), {})
+        assert pool.open_channels == 0
+        assert (await pool.call("write", (epoch, 0, slots, k, v), {}))[0]
+        pool.close()
+
+    asyncio.run(run())

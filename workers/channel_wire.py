@@ -1,0 +1,212 @@
+"""The worker channel's messages: a data call and its reply as small pickles whose tensors
+lie in an arena both processes map. Pure (no I/O); the two ends are
+:mod:`workers.channel_server` (in the worker) and ``cache_service.worker_channel`` (in the
+coordinator).
+
+Why a channel beside Ray's own calls: an actor call carrying a decode step's tensors
+(about 400 KB for 32 sequences of Llama-3-8B) costs milliseconds (serialisation, the
+object store, several threads on each side), several times the step's work on the GPU.
+Over the channel the coordinator copies the tensors into the arena (page-locked for CUDA
+on the worker's side, so the pool copies them to the GPU by DMA) and the call itself is a
+few hundred bytes on a Unix socket.
+
+A message is its length (4 bytes, little-endian) and a pickle (protocol 5) of plain values
+in which every tensor was replaced by an :class:`ArenaTensor` naming its bytes in the
+arena. Pickles, because both ends are processes of one user that already exchange pickles
+through Ray (an actor call is one); the socket lives in a directory only that user can
+enter, and a connection must first present the token the worker handed out over Ray.
+
+* request: ``(method, args, kwargs, free_from)``; ``free_from`` is the first arena byte
+  the request does not use: the worker lays its results out from there.
+* reply: ``(True, value)`` or ``(False, exception)``.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from workers.transport import dtype_name, dtype_named
+
+__all__ = [
+    "ALIGN",
+    "HEADER",
+    "ArenaFull",
+    "ArenaLayout",
+    "ArenaTensor",
+    "ArenaViews",
+    "ChannelProtocolError",
+    "decode",
+    "encode",
+    "frame",
+    "view",
+]
+
+# Tensor starts in the arena: kernels want 16-byte aligned rows, and workers.staging lays a
+# call's tensors out at the same alignment, so a decode step's key, value and query placed
+# in turn sit exactly as a decode graph's input buffer wants them (one copy to the GPU).
+ALIGN = 256
+HEADER = struct.Struct("<I")
+
+
+class ArenaFull(Exception):
+    """The call's tensors do not fit in the arena (the caller sends it another way)."""
+
+
+class ChannelProtocolError(Exception):
+    """A message that does not follow the channel's format (a tensor outside the arena, an
+    unknown dtype, a frame of 4 GiB or more)."""
+
+
+class ArenaTensor(NamedTuple):
+    """A contiguous tensor at byte ``offset`` of the arena. (A named tuple: it pickles and
+    hashes as fast as a tuple.)"""
+
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    def nbytes(self) -> int:
+        """Its size, bytes (raises ChannelProtocolError for an unknown dtype)."""
+        n = _itemsize(self.dtype)
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def frame(payload: bytes) -> bytes:
+    """``payload`` as it goes on the socket: its length, then its bytes."""
+    if len(payload) > 0xFFFFFFFF:
+        raise ChannelProtocolError(f"a message of {len(payload)} bytes does not fit a frame")
+    return HEADER.pack(len(payload)) + payload
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _itemsize(name: str) -> int:
+    try:
+        return dtype_named(name).itemsize
+    except TypeError as exc:
+        raise ChannelProtocolError(str(exc)) from None
+
+
+class ArenaViews:
+    """Tensors over ``arena`` (uint8, 1-D), one per :class:`ArenaTensor`, made once and
+    reused: a decode loop names the same offsets, dtypes and shapes call after call, and a
+    view costs a few torch calls where a dictionary lookup costs a fraction of one."""
+
+    def __init__(self, arena: torch.Tensor, max_views: int = 256) -> None:
+        self.arena = arena
+        self.size = arena.numel()
+        self._views: dict[ArenaTensor, torch.Tensor] = {}
+        self._max = max_views
+
+    def __call__(self, ref: ArenaTensor) -> torch.Tensor:
+        """The tensor ``ref`` names (a view: it changes with the arena).
+
+        Raises:
+            ChannelProtocolError: ``ref`` lies outside the arena or names an unknown dtype.
+        """
+        t = self._views.get(ref)
+        if t is None:
+            t = view(self.arena, ref)
+            if len(self._views) >= self._max:
+                self._views.clear()
+            self._views[ref] = t
+        return t
+
+
+class ArenaLayout:
+    """Tensors placed one after another in an arena from byte ``start``, each start
+    aligned to :data:`ALIGN` bytes."""
+
+    def __init__(self, views: ArenaViews, start: int = 0) -> None:
+        self._views = views
+        self.end = _round_up(start)
+
+    def reserve(
+        self, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> tuple[ArenaTensor, torch.Tensor]:
+        """Room for a tensor of ``shape`` and ``dtype``: its reference and a view of it.
+
+        Raises:
+            ArenaFull: it does not fit.
+        """
+        ref = ArenaTensor(self.end, dtype_name(dtype), tuple(shape))
+        nbytes = ref.nbytes()
+        if self.end + nbytes > self._views.size:
+            raise ArenaFull(
+                f"{nbytes} bytes at offset {self.end} do not fit an arena of "
+                f"{self._views.size} bytes"
+            )
+        self.end = _round_up(self.end + nbytes)
+        return ref, self._views(ref)
+
+    def put(self, t: torch.Tensor) -> ArenaTensor:
+        """``t`` copied into the arena.
+
+        Raises:
+            ArenaFull: it does not fit.
+        """
+        ref, room = self.reserve(tuple(t.shape), t.dtype)
+        room.copy_(t)
+        return ref
+
+    def place(self, t: torch.Tensor) -> ArenaTensor:
+        """:meth:`put`, except that a tensor already in the arena (contiguous) is only named."""
+        return self.find(t) or self.put(t)
+
+    def find(self, t: torch.Tensor) -> ArenaTensor | None:
+        """The reference of ``t`` when it is a contiguous view of the arena, else None."""
+        if not t.is_cpu or not t.is_contiguous():
+            return None
+        offset = t.data_ptr() - self._views.arena.data_ptr()
+        if offset < 0 or offset + t.nbytes > self._views.size:
+            return None
+        return ArenaTensor(offset, dtype_name(t.dtype), tuple(t.shape))
+
+
+def view(arena: torch.Tensor, ref: ArenaTensor) -> torch.Tensor:
+    """The tensor ``ref`` names in ``arena`` (a view: it changes with the arena).
+
+    Raises:
+        ChannelProtocolError: ``ref`` lies outside the arena or names an unknown dtype.
+    """
+    nbytes = ref.nbytes()
+    if ref.offset < 0 or ref.offset + nbytes > arena.numel() or any(d < 0 for d in ref.shape):
+        raise ChannelProtocolError(
+            f"a tensor of {nbytes} bytes at offset {ref.offset} lies outside the arena of "
+            f"{arena.numel()} bytes"
+        )
+    raw = arena[ref.offset : ref.offset + nbytes]
+    return raw.view(dtype_named(ref.dtype)).view(ref.shape)
+
+
+def encode(value: Any, place: Callable[[torch.Tensor], ArenaTensor]) -> Any:
+    """``value`` with every tensor in it (itself, or inside tuples, lists and dict values,
+    at any depth) replaced by ``place(tensor)``."""
+    if isinstance(value, torch.Tensor):
+        return place(value)
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return kind(encode(v, place) for v in value)
+    if kind is dict:
+        return {k: encode(v, place) for k, v in value.items()}
+    return value
+
+
+def decode(value: Any, tensor_of: Callable[[ArenaTensor], torch.Tensor]) -> Any:
+    """The inverse of :func:`encode`: every ArenaTensor replaced by ``tensor_of(ref)``."""
+    if type(value) is ArenaTensor:
+        return tensor_of(value)
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return kind(decode(v, tensor_of) for v in value)
+    if kind is dict:
+        return {k: decode(v, tensor_of) for k, v in value.items()}
+    return value

@@ -1,0 +1,69 @@
+"""Files in a memory-backed directory (/dev/shm) that two processes of one user map: the
+creation rules both users of them follow (a client's shared region, a worker channel's
+arena).
+
+A file gets a random, unguessable name and mode 0600 (only processes of the creator's user
+can open it), is created exclusively and without following links, and has its blocks
+allocated at creation: a tmpfs file that is only truncated is sparse, and when the file
+system fills up (a container's /dev/shm is 64 MiB by default) touching a page beyond its
+room kills the toucher with SIGBUS. Allocating turns that into an error here.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import secrets
+
+__all__ = ["NoRoom", "create_mapped", "unlink_quietly"]
+
+
+class NoRoom(OSError):
+    """The file system has no room for the file (ENOSPC)."""
+
+
+def create_mapped(directory: str, prefix: str, size: int) -> tuple[str, mmap.mmap]:
+    """A new file of ``size`` bytes in ``directory``, named ``prefix`` + 32 random hex
+    digits, mapped read-write and shared; nothing is left behind on failure.
+
+    Raises:
+        NoRoom: the file system cannot hold ``size`` more bytes.
+        OSError: the file could not be created or mapped.
+    """
+    path = os.path.join(directory, prefix + secrets.token_hex(16))
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+    flags |= getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # exactly 0600 whatever the umask (it can only remove bits)
+        os.ftruncate(fd, size)
+        _allocate(fd, size, directory)
+        return path, mmap.mmap(fd, size)  # MAP_SHARED, read-write; keeps its own fd
+    except BaseException:
+        unlink_quietly(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def unlink_quietly(path: str) -> None:
+    """Remove ``path``; a file already gone is fine."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _allocate(fd: int, size: int, directory: str) -> None:
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None:  # pragma: no cover - not on Linux
+        return
+    try:
+        fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise NoRoom(errno.ENOSPC, f"no room for {size} bytes in {directory}") from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        # A file system without fallocate: the file stays sparse (as on macOS).
