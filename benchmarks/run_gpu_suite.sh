@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -275,6 +275,13 @@ ray-channel)
     --no-in-process --transports local-shm --ray-without-channel \
     --out "$OUT/service-h200-ray.md" > "$OUT/bench-ray.log" 2>&1
   tail -14 "$OUT/service-h200-ray.md"; grep "worker calls" "$OUT/service-h200-ray.md"
+  ;;
+channel-diag)
+  # Where a worker-channel call's time goes on this host (benchmarks/diag_channel.py): the
+  # call inside the actor, the channel's round trip, the server's answer and the call
+  # within it, a no-op call's round trip, and the same call through Ray.
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/diag_channel.py --h200 --calls 640 \
+    2>&1 | grep -v "WARNING\|INFO" | tee "$OUT/diag-channel.log"
   ;;
 profile-server)
   # One client's timeline at batch 32 (service_breakdown), then py-spy on the server's
