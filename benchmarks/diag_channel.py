@@ -14,10 +14,6 @@ path, per-call wall time over `--calls` calls of one layer after another:
   socket round trip and both ends' message handling alone;
 * `ray`: the same call through Ray (no channel).
 
-With ``PYSPY`` (a py-spy binary) and ``OUT`` (a directory) set, the channel calls run
-under py-spy twice at once, the actor and this process (raw stacks, idle samples kept,
-threads named): ``$OUT/spy-actor.raw`` and ``$OUT/spy-caller.raw``.
-
     PYTHONPATH=.:benchmarks python3 benchmarks/diag_channel.py            # CPU, small
     PYTHONPATH=.:benchmarks python3 benchmarks/diag_channel.py --h200     # Llama-3-8B
 """
@@ -26,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import subprocess
 import time
 import uuid
 from typing import Any
@@ -109,48 +103,26 @@ def _noop_server(worker: Any) -> Any:
     return worker.noop.address()
 
 
-def _spy(handle: Any) -> list[subprocess.Popen[bytes]]:
-    """py-spy on the actor and on this process, when PYSPY and OUT are set."""
-    spy, out = os.environ.get("PYSPY"), os.environ.get("OUT")
-    if not spy or not out:
-        return []
-    actor = ray.get(handle.__ray_call__.remote(lambda w: os.getpid()))
-    flags = ["--idle", "--threads", "--nonblocking", "-r", "1000", "-f", "raw"]
-    procs = [
-        subprocess.Popen(
-            [spy, "record", "--pid", str(pid), *flags, "-o", os.path.join(out, f"spy-{name}.raw")]
-        )
-        for name, pid in (("actor", actor), ("caller", os.getpid()))
-    ]
-    time.sleep(1.5)  # attached
-    return procs
-
-
 def _row(name: str, times: list[float]) -> str:
     ms = [t * 1e3 for t in times]
     return f"| {name} | {percentile(ms, 50):.3f} | {percentile(ms, 90):.3f} | {percentile(ms, 99):.3f} |"
 
 
 async def _client_side(handle: Any, epoch: str, x: dict[str, Any], layers: int, calls: int,
-                       arena: int, spin_s: float) -> dict[str, list[float]]:  # fmt: skip
-    options = ChannelOptions(arena, worker_spin_s=spin_s)
-    fast = await RayWorkerClient.connect(handle, channel=options)
+                       arena: int) -> dict[str, list[float]]:  # fmt: skip
+    fast = await RayWorkerClient.connect(handle, channel=ChannelOptions(arena))
     slow = await RayWorkerClient.connect(handle)
     out = torch.empty_like(x["query"])
     args = (x["slots"], x["key"], x["key"], x["query"], x["tables"], x["lens"], x["qsl"])
     timings: dict[str, list[float]] = {"channel": [], "ray": []}
     for name, client, n in (("channel", fast, calls), ("ray", slow, max(calls // 5, 20))):
-        spies = _spy(handle) if name == "channel" else []
         for i in range(n + 20):
             t0 = time.perf_counter()
             await client.write_and_attend(epoch, i % layers, *args, metadata_key=1, out=out)
             if i >= 20:
                 timings[name].append(time.perf_counter() - t0)
-        for spy in spies:
-            spy.send_signal(2)  # py-spy writes its samples on SIGINT
-            spy.wait(60)
     address = await asyncio.to_thread(ray.get, handle.__ray_call__.remote(_noop_server))
-    noop = await WorkerChannel.connect(address, arena, worker_spin_s=spin_s)
+    noop = await WorkerChannel.connect(address, arena)
     timings["noop"] = []
     for i in range(calls + 20):
         t0 = time.perf_counter()
@@ -166,11 +138,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--h200", action="store_true", help="Llama-3-8B layout, batch 32, 2048")
     parser.add_argument("--calls", type=int, default=500)
-    parser.add_argument(
-        "--spin-us", type=float, default=0.0, help="the worker thread's poll after each reply"
-    )
     args = parser.parse_args()
-    torch.set_num_threads(1)  # as the service's process (ServerConfig.torch_threads)
     cuda = torch.cuda.is_available()
     if args.h200:
         layout, q_heads, batch, context = KVLayout(32, 8, 128, 16, "bfloat16"), 32, 32, 2048
@@ -192,12 +160,10 @@ def main() -> None:
         )[20:]
         ray.get(handle.channel_address.remote())
         ray.get(handle.__ray_call__.remote(_instrument))
-        timings = asyncio.run(
-            _client_side(handle, epoch, x, layers, args.calls, 32 << 20, args.spin_us * 1e-6)
-        )
+        timings = asyncio.run(_client_side(handle, epoch, x, layers, args.calls, 32 << 20))
         server = ray.get(handle.__ray_call__.remote(lambda w: w.diag))
         print(f"device {'cuda' if cuda else 'cpu'}, batch {batch}, context {context}, "
-              f"{layers} layers, {args.calls} calls per path, worker spin {args.spin_us} us")  # fmt: skip
+              f"{layers} layers, {args.calls} calls per path")  # fmt: skip
         print("| path | p50 ms | p90 ms | p99 ms |\n| --- | ---: | ---: | ---: |")
         print(_row("in actor: PoolWorker.write_and_attend", in_actor))
         print(_row("channel: round trip from the caller", timings["channel"]))

@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-spin | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -280,28 +280,8 @@ channel-diag)
   # Where a worker-channel call's time goes on this host (benchmarks/diag_channel.py): the
   # call inside the actor, the channel's round trip, the server's answer and the call
   # within it, a no-op call's round trip, and the same call through Ray.
-  # With PYSPY set (a py-spy binary, e.g. carried in .kern), the channel calls are profiled.
-  CUDA_VISIBLE_DEVICES=0 PYSPY=${PYSPY:-} OUT=$OUT timeout 200 python3 \
-    benchmarks/diag_channel.py --h200 --calls ${CALLS:-640} 2>&1 | grep -v "WARNING\|INFO" \
-    | tee "$OUT/diag-channel.log"
-  ;;
-channel-spin)
-  # Whether the worker's channel thread polling for the next call (instead of sleeping in
-  # the kernel) pays on this host: diag_channel without and with 2 ms of polling, then one
-  # client at batch 32 with the pool in the server process and behind a Ray actor over its
-  # channel, and the Ray row again with the polling.
-  for spin in 0 2000; do
-    CUDA_VISIBLE_DEVICES=0 timeout 100 python3 benchmarks/diag_channel.py --h200 --calls 1000 \
-      --spin-us $spin 2>&1 | grep -v "WARNING\|INFO" | tee -a "$OUT/diag-channel.log" | tail -7
-  done
-  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/bench_service.py --h200 \
-    --transports local-shm --phases single --steps 20 --out "$OUT/service-single.md" \
-    > "$OUT/bench.log" 2>&1
-  grep "service,\|in-process" "$OUT/service-single.md"
-  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/bench_service.py --h200 --no-in-process \
-    --transports local-shm --phases single --steps 20 --set workers.channel_worker_spin_s=0.002 \
-    --out "$OUT/service-single-spin.md" >> "$OUT/bench.log" 2>&1
-  grep "service," "$OUT/service-single-spin.md"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/diag_channel.py --h200 --calls 640 \
+    2>&1 | grep -v "WARNING\|INFO" | tee "$OUT/diag-channel.log"
   ;;
 profile-server)
   # One client's timeline at batch 32 (service_breakdown), then py-spy on the server's

@@ -139,10 +139,6 @@ class WorkersConfig:
             fraction of a Ray call's cost; a call whose tensors do not fit goes through
             Ray. 0: every call through Ray.
         channel_connections: worker channels per worker (calls in flight on it at once).
-        channel_worker_spin_s: a worker's channel thread polls for the next call this long
-            after each reply before sleeping, seconds (0: it sleeps at once). On hosts
-            where waking a thread is slow, a decode loop's next layer then finds it awake;
-            it costs the worker's CPU while calls keep coming.
     """
 
     num_workers: int = 2
@@ -158,20 +154,10 @@ class WorkersConfig:
     warm_up_query_heads: tuple[int, ...] = ()
     channel_arena_bytes: int = 32 << 20
     channel_connections: int = 2
-    channel_worker_spin_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive_int("workers.num_workers", self.num_workers)
         _positive_int("workers.channel_connections", self.channel_connections)
-        if (
-            isinstance(self.channel_worker_spin_s, bool)
-            or not isinstance(self.channel_worker_spin_s, int | float)
-            or not 0 <= self.channel_worker_spin_s <= 0.01
-        ):
-            raise ConfigError(
-                "workers.channel_worker_spin_s must be between 0 and 0.01 seconds, got "
-                f"{self.channel_worker_spin_s!r}"
-            )
         if (
             isinstance(self.channel_arena_bytes, bool)
             or not isinstance(self.channel_arena_bytes, int)

@@ -841,7 +841,6 @@ async def _start_workers(
         channel = ChannelOptions(
             arena_bytes=wc.channel_arena_bytes,
             connections=wc.channel_connections,
-            worker_spin_s=wc.channel_worker_spin_s,
         )
     clients = [
         RayWorkerClient(

@@ -65,15 +65,12 @@ class ChannelOptions:
         directory: where arenas are created (None: /dev/shm where it exists).
         retry_after_s: after a channel could not be opened, calls go through Ray for this
             long before the next attempt.
-        worker_spin_s: the worker's thread polls for the next call this long after each
-            reply before sleeping (``workers.channel_server.Hello.spin_s``), seconds.
     """
 
     arena_bytes: int = 32 << 20
     connections: int = 2
     directory: str | None = None
     retry_after_s: float = 30.0
-    worker_spin_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.arena_bytes < 1 << 16:
@@ -144,16 +141,10 @@ class WorkerChannel:
 
     @classmethod
     async def connect(
-        cls,
-        address: ChannelAddress,
-        arena_bytes: int,
-        directory: str | None = None,
-        *,
-        worker_spin_s: float = 0.0,
+        cls, address: ChannelAddress, arena_bytes: int, directory: str | None = None
     ) -> WorkerChannel:
         """Create an arena of ``arena_bytes`` in ``directory`` (None: /dev/shm where it
-        exists), connect to ``address`` and hand the worker the arena (and how long its
-        thread polls for the next call, ``worker_spin_s``).
+        exists), connect to ``address`` and hand the worker the arena.
 
         Raises:
             OSError: the arena could not be created or the socket reached.
@@ -163,7 +154,7 @@ class WorkerChannel:
         try:
             loop = asyncio.get_running_loop()
             _, conn = await loop.create_unix_connection(_Connection, address.socket_path)
-            hello = Hello(address.token, path, arena_bytes, worker_spin_s)
+            hello = Hello(address.token, path, arena_bytes)
             try:
                 ok, detail = pickle.loads(await conn.exchange(pickle.dumps(hello)))
             except BaseException:
@@ -358,10 +349,7 @@ class ChannelPool:
                 f"the worker runs on node {address.node_id}, this process on {self._local_node}"
             )
         chan = await WorkerChannel.connect(
-            address,
-            self._options.arena_bytes,
-            self._options.directory,
-            worker_spin_s=self._options.worker_spin_s,
+            address, self._options.arena_bytes, self._options.directory
         )
         if self._closed:
             chan.close()

@@ -31,7 +31,6 @@ import socket
 import stat
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -65,9 +64,6 @@ CHANNEL_METHODS = frozenset(
     }
 )
 
-# The longest a connection's thread polls for its next request (Hello.spin_s).
-_MAX_SPIN_S = 0.01
-
 # Requests carry only small values (tensors are in the arena); a longer frame is an error.
 _MAX_REQUEST_BYTES = 64 << 20
 
@@ -96,16 +92,11 @@ class Hello:
         token: ChannelAddress.token.
         arena_path: the caller's arena file (it unlinks the file once the hello is answered).
         arena_bytes: the file's size.
-        spin_s: after each reply, poll for the next request this long before sleeping in
-            the kernel, seconds: on hosts where waking a sleeping thread costs tens of
-            microseconds, a decode loop's next call (a layer later) finds the thread awake.
-            Costs a CPU core while calls keep coming; 0: never.
     """
 
     token: str
     arena_path: str
     arena_bytes: int
-    spin_s: float = 0.0
 
 
 Call = Callable[[str, tuple[Any, ...], dict[str, Any]], Any]
@@ -188,11 +179,8 @@ class ChannelServer:
                 conn.sendall(frame(pickle.dumps((False, f"{type(exc).__name__}: {exc}"))))
                 return
             conn.sendall(frame(pickle.dumps((True, arena.pinned))))
-            spin_s = max(0.0, min(float(arena.spin_s), _MAX_SPIN_S))
             while (request := _read(conn)) is not None:
                 conn.sendall(frame(self._answer(arena.views, request)))
-                if spin_s:
-                    _await_readable(conn, spin_s)
         except (OSError, ChannelProtocolError) as exc:
             if not self._closed:
                 log.info("worker channel connection ended: %s", exc)
@@ -219,9 +207,7 @@ class ChannelServer:
                     f"{hello.arena_path} has {info.st_size} bytes, the hello says "
                     f"{hello.arena_bytes}"
                 )
-            arena = _Arena(mmap.mmap(fd, hello.arena_bytes), self._pin)
-            arena.spin_s = hello.spin_s
-            return arena
+            return _Arena(mmap.mmap(fd, hello.arena_bytes), self._pin)
         finally:
             os.close(fd)
 
@@ -246,7 +232,6 @@ class _Arena:
     for CUDA when asked (and accepted)."""
 
     def __init__(self, mm: mmap.mmap, pin_for_cuda: bool) -> None:
-        self.spin_s = 0.0
         self.mm = mm
         self.tensor = torch.frombuffer(mm, dtype=torch.uint8)
         self.pinned = pin(self.tensor) if pin_for_cuda else False
@@ -276,18 +261,6 @@ def _read(conn: socket.socket) -> bytes | None:
     if body is None:
         raise ChannelProtocolError("the connection closed inside a message")
     return body
-
-
-def _await_readable(conn: socket.socket, spin_s: float) -> None:
-    """Poll ``conn`` until it has bytes to read, is closed, or ``spin_s`` passed."""
-    deadline = time.perf_counter() + spin_s
-    flags = socket.MSG_PEEK | socket.MSG_DONTWAIT
-    while time.perf_counter() < deadline:
-        try:
-            conn.recv(1, flags)
-            return  # a byte, or b"" (closed): either way the blocking read answers now
-        except BlockingIOError:
-            continue
 
 
 def _read_exactly(conn: socket.socket, n: int) -> bytes | None:
