@@ -37,6 +37,7 @@ import datetime
 import functools
 import io
 import itertools
+import json
 import os
 import platform
 import pstats
@@ -588,6 +589,14 @@ def main(argv: list[str] | None = None) -> int:
         help="coordinator.correctness_check_sequences (default: every sequence of a checked round)",
     )
     parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a further service setting (dotted key, JSON value), e.g. "
+        "workers.channel_connections=1; repeatable",
+    )
+    parser.add_argument(
         "--phases",
         default=",".join(PHASES),
         help=f"comma-separated service runs, of {', '.join(PHASES)}",
@@ -611,6 +620,11 @@ def main(argv: list[str] | None = None) -> int:
         "coordinator.correctness_check_fraction": args.correctness_check_fraction,
         "coordinator.correctness_check_sequences": args.correctness_check_sequences,
     }
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set wants KEY=VALUE, got {item!r}")
+        overrides[key] = json.loads(value)
     # First the pools in the coordinator's process (workers.in_process: the deployment for
     # one GPU per coordinator), over each client transport, then the same GPU behind a Ray
     # actor (the first transport).
