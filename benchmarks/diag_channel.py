@@ -9,7 +9,8 @@ path, per-call wall time over `--calls` calls of one layer after another:
   inputs in page-locked memory as the channel's arena is;
 * `channel`: RayWorkerClient over the worker channel, and inside the actor for those
   calls the server's answer time (`_answer`: decoding, the call, encoding) and the call's
-  own (`_channel_call`);
+  own (`_channel_call`); with `--tcp`, over TCP with the tensors in the messages (the
+  path to a worker on another node, measured on one host);
 * `channel, no-op`: a second channel server in the actor whose call returns at once: the
   socket round trip and both ends' message handling alone;
 * `ray`: the same call through Ray (no channel).
@@ -93,13 +94,15 @@ def _instrument(worker: Any) -> None:
     server._call = timed_call
 
 
-def _noop_server(worker: Any) -> Any:
+def _noop_server(worker: Any, tcp: bool) -> Any:
     """Runs inside the actor: a second channel server whose call does nothing."""
     from workers.channel_server import ChannelServer
 
     worker.noop = ChannelServer(
         lambda m, a, k: a[5], pin_for_cuda=torch.cuda.is_available(), node_id=None, name="noop"
     )
+    if tcp:
+        return worker.noop.listen_tcp(ray.util.get_node_ip_address())
     return worker.noop.address()
 
 
@@ -109,8 +112,8 @@ def _row(name: str, times: list[float]) -> str:
 
 
 async def _client_side(handle: Any, epoch: str, x: dict[str, Any], layers: int, calls: int,
-                       arena: int) -> dict[str, list[float]]:  # fmt: skip
-    fast = await RayWorkerClient.connect(handle, channel=ChannelOptions(arena))
+                       arena: int, tcp: bool) -> dict[str, list[float]]:  # fmt: skip
+    fast = await RayWorkerClient.connect(handle, channel=ChannelOptions(arena, force_tcp=tcp))
     slow = await RayWorkerClient.connect(handle)
     out = torch.empty_like(x["query"])
     args = (x["slots"], x["key"], x["key"], x["query"], x["tables"], x["lens"], x["qsl"])
@@ -121,8 +124,8 @@ async def _client_side(handle: Any, epoch: str, x: dict[str, Any], layers: int, 
             await client.write_and_attend(epoch, i % layers, *args, metadata_key=1, out=out)
             if i >= 20:
                 timings[name].append(time.perf_counter() - t0)
-    address = await asyncio.to_thread(ray.get, handle.__ray_call__.remote(_noop_server))
-    noop = await WorkerChannel.connect(address, arena)
+    address = await asyncio.to_thread(ray.get, handle.__ray_call__.remote(_noop_server, tcp))
+    noop = await WorkerChannel.connect(address, arena, tcp=tcp)
     timings["noop"] = []
     for i in range(calls + 20):
         t0 = time.perf_counter()
@@ -138,6 +141,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--h200", action="store_true", help="Llama-3-8B layout, batch 32, 2048")
     parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--tcp", action="store_true", help="the channel over TCP")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if args.h200:
@@ -160,10 +164,13 @@ def main() -> None:
         )[20:]
         ray.get(handle.channel_address.remote())
         ray.get(handle.__ray_call__.remote(_instrument))
-        timings = asyncio.run(_client_side(handle, epoch, x, layers, args.calls, 32 << 20))
+        timings = asyncio.run(
+            _client_side(handle, epoch, x, layers, args.calls, 32 << 20, args.tcp)
+        )
         server = ray.get(handle.__ray_call__.remote(lambda w: w.diag))
         print(f"device {'cuda' if cuda else 'cpu'}, batch {batch}, context {context}, "
-              f"{layers} layers, {args.calls} calls per path")  # fmt: skip
+              f"{layers} layers, {args.calls} calls per path, channel over "
+              f"{'TCP' if args.tcp else 'a Unix socket and shared memory'}")  # fmt: skip
         print("| path | p50 ms | p90 ms | p99 ms |\n| --- | ---: | ---: | ---: |")
         print(_row("in actor: PoolWorker.write_and_attend", in_actor))
         print(_row("channel: round trip from the caller", timings["channel"]))

@@ -133,12 +133,16 @@ class WorkersConfig:
             pools compile their decode kernels for them at start, about a second per
             variant the first time on a host (Triton caches them on disk), instead of
             while serving. Empty (default): compiled on first use.
-        channel_arena_bytes: shared memory of each worker channel, bytes: a Ray worker on
-            the coordinator's node gets its per-layer data calls over a Unix socket with
-            the tensors in this much shared memory (cache_service.worker_channel), a
-            fraction of a Ray call's cost; a call whose tensors do not fit goes through
+        channel_arena_bytes: the arena of each worker channel, bytes: Ray workers get their
+            per-layer data calls straight from the coordinator (cache_service.
+            worker_channel), a fraction of a Ray call's cost: on the coordinator's node
+            over a Unix socket with the tensors in this much shared memory, on other nodes
+            over TCP (see channel_remote). A call whose tensors do not fit goes through
             Ray. 0: every call through Ray.
         channel_connections: worker channels per worker (calls in flight on it at once).
+        channel_remote: reach workers on other nodes over TCP (each such worker listens
+            on its node's address, on a free port, for holders of a token it hands out
+            over Ray); false: their calls go through Ray.
     """
 
     num_workers: int = 2
@@ -154,10 +158,15 @@ class WorkersConfig:
     warm_up_query_heads: tuple[int, ...] = ()
     channel_arena_bytes: int = 32 << 20
     channel_connections: int = 2
+    channel_remote: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("workers.num_workers", self.num_workers)
         _positive_int("workers.channel_connections", self.channel_connections)
+        if not isinstance(self.channel_remote, bool):
+            raise ConfigError(
+                f"workers.channel_remote must be true or false, got {self.channel_remote!r}"
+            )
         if (
             isinstance(self.channel_arena_bytes, bool)
             or not isinstance(self.channel_arena_bytes, int)

@@ -71,6 +71,10 @@ WORKER_CALL_BUCKETS = (
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
+# The ways a per-layer data call reaches its worker (kvcache_worker_data_calls_total).
+DATA_CALL_PATHS = ("in_process", "channel", "ray")
+
+
 def _check_worker_id(worker_id: str) -> None:
     if not isinstance(worker_id, str) or not worker_id:
         raise ValueError(f"worker_id must be a non-empty string, got {worker_id!r}")
@@ -217,6 +221,17 @@ class ServiceMetrics:
             buckets=WORKER_CALL_BUCKETS,
             registry=reg,
         )
+        self._data_call_children: dict[tuple[str, str], Any] = {}
+        self.worker_data_calls = Counter(
+            f"{p}_worker_data_calls",
+            "Per-layer data calls (writes, attention) to the workers, by worker and by path: "
+            "'in_process' (a pool in the coordinator's process), 'channel' (a Ray worker over "
+            "its worker channel: a Unix socket and shared memory on the same node, TCP from "
+            "another), 'ray' (a Ray actor call: the channel off or unavailable, or a call "
+            "too large for it).",
+            ["worker", "path"],
+            registry=reg,
+        )
         self.worker_up = Gauge(
             f"{p}_worker_up",
             "1 while the worker is reachable and serving, else 0.",
@@ -284,6 +299,19 @@ class ServiceMetrics:
         self.worker_call_duration.labels(worker_id).observe(seconds)
         self.worker_batch_size.labels(worker_id).observe(layer_batch_size)
 
+    def add_worker_data_call(self, worker_id: str, path: str) -> None:
+        """Count one per-layer data call to a worker, by the path it took ("in_process",
+        "channel" or "ray")."""
+        child = self._data_call_children.get((worker_id, path))
+        if child is None:
+            _check_worker_id(worker_id)
+            if path not in DATA_CALL_PATHS:
+                raise ValueError(f"path must be one of {DATA_CALL_PATHS}, got {path!r}")
+            child = self._data_call_children[(worker_id, path)] = self.worker_data_calls.labels(
+                worker_id, path
+            )
+        child.inc()
+
     def add_tokens_appended(self, n: int) -> None:
         """Count `n` tokens written into the cache (n >= 0)."""
         _check_count("n", n)
@@ -349,6 +377,12 @@ class ServiceMetrics:
             ):
                 try:
                     metric.remove(worker_id)
+                except KeyError:
+                    pass
+            for path in DATA_CALL_PATHS:
+                self._data_call_children.pop((worker_id, path), None)
+                try:
+                    self.worker_data_calls.remove(worker_id, path)
                 except KeyError:
                     pass
 

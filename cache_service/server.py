@@ -841,6 +841,7 @@ async def _start_workers(
         channel = ChannelOptions(
             arena_bytes=wc.channel_arena_bytes,
             connections=wc.channel_connections,
+            remote=wc.channel_remote,
         )
     clients = [
         RayWorkerClient(
@@ -960,10 +961,14 @@ async def start_service(
             ServerTLSConfig(config.tls.cert_file, config.tls.key_file, config.tls.client_ca_file)
         )
     cleanups: list[Callable[[], Any]] = []
-    if workers is None:
-        workers, cleanups = await _start_workers(config, layout)
     if metrics is None:
         metrics = ServiceMetrics(bytes_per_block=layout.bytes_per_block)
+    if workers is None:
+        workers, cleanups = await _start_workers(config, layout)
+    for w in workers:
+        observe = getattr(w, "observe_data_calls", None)
+        if observe is not None:  # the service's worker clients (a test's fakes may lack it)
+            observe(metrics.add_worker_data_call)
     try:
         # The write-ahead metadata store; a second coordinator on the same file fails here.
         store = MetadataStore(StoreConfig(config.store_path)) if config.store_path else None
@@ -998,10 +1003,15 @@ async def start_service(
             ],
         )
         # Every region's file is deleted at stop (or if the start fails from here on).
-        # Pools on CUDA in this process copy request tensors straight out of pinned regions.
+        # Pools on CUDA in this process copy request tensors straight out of pinned regions;
+        # worker channels copy them into their arenas: both read regions in place.
         pin = config.workers.in_process and config.workers.device == "cuda"
+        channels = not config.workers.in_process and config.workers.channel_arena_bytes > 0
         regions = SharedRegions(
-            config.shared_memory, on_change=metrics.set_shared_memory, pin_for_cuda=pin
+            config.shared_memory,
+            on_change=metrics.set_shared_memory,
+            pin_for_cuda=pin,
+            zero_copy=pin or channels,
         )
         cleanups.append(regions.close)
         servicer = KVCacheServicer(

@@ -12,11 +12,13 @@ cannot be probed across tenants.
 
 Inputs are copied out of the region when a request is decoded (`read`): the client could
 change the bytes while the coordinator works, so the coordinator never sees a live view.
-The exception is a server whose pools are CUDA pools in its own process (`pin_for_cuda`):
-there each region is page-locked for CUDA when it is created (workers.cuda_pinning),
-and a call reads its inputs as views of the region (`reader`), which the pool copies to
-the GPU by DMA; the view is the copy that is avoided, and the region stays mapped until
-the call ends. What a client changes in its region during its own call can then change
+The exceptions (`zero_copy`) are a server whose pools are CUDA pools in its own process
+(`pin_for_cuda`): there each region is page-locked for CUDA when it is created
+(workers.cuda_pinning), and a call reads its inputs as views of the region (`reader`),
+which the pool copies to the GPU by DMA; and a server whose Ray workers are reached over
+worker channels, where the views are copied into the channel's arena (the copy that
+remains), so a copy out of the region first would be a second one. The view is the copy
+that is avoided, and the region stays mapped until the call ends. What a client changes in its region during its own call can then change
 what is written to its own sequences (as sending other values would), nothing else: the
 coordinator's checks of shapes and finiteness still ran, and no other tenant's region or
 block is reachable.
@@ -101,19 +103,21 @@ _MAX_VIEWS = 64
 
 
 class _Mapping:
-    """A region's file as mapped: the mmap and, where the server pins regions for CUDA, a
-    uint8 tensor over all of it (the base of zero-copy views), whether CUDA accepted the
-    registration, and the views handed out so far (reused: same bytes, same tensor)."""
+    """A region's file as mapped: the mmap and, where the server reads regions in place
+    (`zero_copy`), a uint8 tensor over all of it (the base of zero-copy views), whether
+    CUDA accepted its registration (`pin_for_cuda`), and the views handed out so far
+    (reused: same bytes, same tensor)."""
 
     __slots__ = ("base", "mm", "pinned", "views")
 
-    def __init__(self, mm: mmap.mmap, pin_for_cuda: bool) -> None:
+    def __init__(self, mm: mmap.mmap, pin_for_cuda: bool, zero_copy: bool) -> None:
         self.mm = mm
         self.base: torch.Tensor | None = None
         self.pinned = False
         self.views: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
-        if pin_for_cuda:
+        if zero_copy or pin_for_cuda:
             self.base = torch.frombuffer(mm, dtype=torch.uint8)
+        if pin_for_cuda:
             self.pinned = pin(self.base)
 
     def view(
@@ -215,8 +219,8 @@ class OutputSlot:
 
     def tensor(self) -> torch.Tensor | None:
         """The slot as a host tensor of its dtype and shape, a view of the region (where it
-        has a tensor base: regions pinned for CUDA), to produce the output in place; None
-        elsewhere (then `write` copies it in)."""
+        has a tensor base: `zero_copy`), to produce the output in place; None elsewhere
+        (then `write` copies it in)."""
         region = self._region
         if region is None or region.mapping.base is None or self.nbytes == 0:
             return None
@@ -263,7 +267,7 @@ class OutputSlot:
 class RegionReader:
     """The shared-memory inputs of one call (a `tensor_codec.SharedReader`).
 
-    Copies by default; where the server pins its regions for CUDA (`zero_copy`), views
+    Copies by default; where the server reads regions in place (`zero_copy`), views
     of the regions, each region held mapped (`users`) until `close`. Use it as a context
     manager around the whole call, the coordinator's work included.
     """
@@ -311,6 +315,9 @@ class SharedRegions:
         clock: monotonic seconds (tests pass a fake one to age regions).
         pin_for_cuda: page-lock every region for CUDA and let calls read their inputs as
             views (`reader`): for a server whose pools are CUDA pools in its process.
+        zero_copy: let calls read their inputs as views, and produce outputs in place
+            (`OutputSlot.tensor`), without pinning: for a server whose workers copy the
+            views anyway (worker channels). Implied by `pin_for_cuda`.
     """
 
     def __init__(
@@ -321,9 +328,11 @@ class SharedRegions:
         on_change: Callable[[int, int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         pin_for_cuda: bool = False,
+        zero_copy: bool = False,
     ) -> None:
         self._config = config
         self._pin_for_cuda = pin_for_cuda
+        self._zero_copy = zero_copy or pin_for_cuda
         self.directory = directory if directory is not None else default_directory()
         self._on_change = on_change
         self._clock = clock
@@ -434,7 +443,7 @@ class SharedRegions:
                 "shared_memory.max_total_bytes)"
             ) from None
         try:
-            return path, _Mapping(mm, self._pin_for_cuda)
+            return path, _Mapping(mm, self._pin_for_cuda, self._zero_copy)
         except BaseException:
             mm.close()
             unlink_quietly(path)
@@ -520,9 +529,9 @@ class SharedRegions:
 
     def reader(self, tenant: str) -> RegionReader:
         """The reader of one call's shared inputs (`tensor_codec.SharedReader`): copies
-        (`read`), or views where the server pins its regions for CUDA; close it (or use
-        it as a context manager) when the call ends."""
-        return RegionReader(self, tenant, self._pin_for_cuda)
+        (`read`), or views where the server reads regions in place (`zero_copy`); close
+        it (or use it as a context manager) when the call ends."""
+        return RegionReader(self, tenant, self._zero_copy)
 
     def view(
         self,
@@ -533,7 +542,7 @@ class SharedRegions:
         shape: Sequence[int],
         field: str,
     ) -> tuple[torch.Tensor, _Region | None]:
-        """`read` without the copy where the region has a tensor base (pinned for CUDA):
+        """`read` without the copy where the region has a tensor base (`zero_copy`):
         a view of `dtype` and `shape` at `offset`, and the region, which the caller must
         keep mapped (`users`) while it uses the view; elsewhere `read`'s copy and None.
 

@@ -1,13 +1,14 @@
 """The coordinator's end of the worker channel (:mod:`workers.channel_wire`): a Ray
-worker's per-layer data calls over a Unix socket, their tensors in an arena of shared
-memory, instead of through Ray.
+worker's per-layer data calls sent straight to the worker instead of through Ray. A worker
+on the coordinator's node is reached over a Unix socket, the tensors in an arena of shared
+memory; a worker on another node over TCP, the tensors' bytes in the messages.
 
 :class:`WorkerChannel` is one connection with its arena: calls on it run one at a time.
 :class:`ChannelPool` keeps up to ``connections`` of them per worker, so the coordinator
 prepares one call while the worker runs another; ``RayWorkerClient`` asks it first for
 the methods the channel serves and makes a Ray call when it declines (no channel: the
-worker is on another node, the arena cannot be created, opening failed recently; or the
-call's tensors do not fit the arena).
+worker is on another node and TCP is off, the arena cannot be created, opening failed
+recently; or the call's tensors do not fit the arena).
 
 A connection that breaks mid-call leaves unknown whether the worker ran the call. The data
 calls served have the same effect run twice as once, so the pool declines the call and the
@@ -19,8 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import pickle
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -28,10 +31,9 @@ from typing import Any
 
 import torch
 
-from cache_service.local_frames import FrameBuffer, FrameError
 from cache_service.shared_regions import default_directory
-from workers.channel_server import CHANNEL_METHODS, ChannelAddress, Hello
-from workers.channel_wire import ArenaFull, ArenaLayout, ArenaViews, decode, encode, frame
+from workers.channel_server import CHANNEL_METHODS, ChannelAddress
+from workers.channel_wire import HEADER, ArenaFull, ArenaLayout, ArenaViews, decode, encode, frame
 from workers.errors import WorkerError, WorkerUnavailable
 from workers.shared_files import create_mapped, unlink_quietly
 
@@ -55,22 +57,29 @@ class ChannelBroken(ConnectionError):
 
 @dataclass(frozen=True)
 class ChannelOptions:
-    """How a coordinator reaches its same-node Ray workers over worker channels.
+    """How a coordinator reaches its Ray workers over worker channels.
 
     Attributes:
-        arena_bytes: shared memory per connection, bytes; a call whose tensors (inputs and
-            outputs) do not fit goes through Ray. 32 MiB holds a decode step of hundreds
-            of sequences of an 8B model.
+        arena_bytes: arena per connection, bytes (shared memory on the same node, private
+            memory on both ends over TCP); a call whose tensors (inputs and outputs) do not
+            fit goes through Ray. 32 MiB holds a decode step of hundreds of sequences of an
+            8B model.
         connections: connections per worker (calls in flight on one worker at once).
         directory: where arenas are created (None: /dev/shm where it exists).
         retry_after_s: after a channel could not be opened, calls go through Ray for this
             long before the next attempt.
+        remote: reach workers on other nodes over TCP (the worker listens on its node's
+            address once asked); False: their calls go through Ray.
+        force_tcp: TCP even to a worker on this node (diagnostics: the remote path's cost
+            measured on one host).
     """
 
     arena_bytes: int = 32 << 20
     connections: int = 2
     directory: str | None = None
     retry_after_s: float = 30.0
+    remote: bool = True
+    force_tcp: bool = False
 
     def __post_init__(self) -> None:
         if self.arena_bytes < 1 << 16:
@@ -80,11 +89,17 @@ class ChannelOptions:
 
 
 class _Connection(asyncio.Protocol):
-    """The socket: whole messages in, the one reply awaited at a time out."""
+    """The socket: whole frames in, the one reply awaited at a time out. A reply's payload
+    (private arenas) is copied into the arena at its offset before the reply is handed on.
 
-    def __init__(self) -> None:
+    Args:
+        arena: the bytes of a private arena (None: a shared one; replies carry no payload).
+    """
+
+    def __init__(self, arena: memoryview | None) -> None:
         self.transport: asyncio.Transport | None = None
-        self._frames = FrameBuffer(_MAX_REPLY_BYTES)
+        self._arena = arena
+        self._buf = bytearray()
         self._waiter: asyncio.Future[bytes] | None = None
         self._lost: ChannelBroken | None = None
 
@@ -92,18 +107,38 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        try:
-            messages = self._frames.feed(data)
-        except FrameError as exc:
-            self._fail(ChannelBroken(f"the worker sent a malformed reply: {exc}"))
-            return
-        for message in messages:
-            waiter = self._waiter
-            self._waiter = None
-            if waiter is None or waiter.done():
-                self._fail(ChannelBroken("the worker sent a reply nobody asked for"))
+        if not self._buf and len(data) >= HEADER.size:
+            # The common case, one whole frame without payload per read: no buffering.
+            n, payload, _ = HEADER.unpack_from(data)
+            if not payload and len(data) == HEADER.size + n:
+                self._deliver(data[HEADER.size :])
                 return
-            waiter.set_result(message)
+        self._buf += data
+        while len(self._buf) >= HEADER.size:
+            n, payload, offset = HEADER.unpack_from(self._buf)
+            end = HEADER.size + n + payload
+            if n > _MAX_REPLY_BYTES:
+                self._fail(ChannelBroken(f"the worker sent a reply of {n} bytes"))
+                return
+            if len(self._buf) < end:
+                return
+            if payload:
+                arena = self._arena
+                if arena is None or offset + payload > len(arena):
+                    self._fail(ChannelBroken("the worker sent a payload outside the arena"))
+                    return
+                arena[offset : offset + payload] = self._buf[HEADER.size + n : end]
+            message = bytes(self._buf[HEADER.size : HEADER.size + n])
+            del self._buf[:end]
+            self._deliver(message)
+
+    def _deliver(self, message: bytes) -> None:
+        waiter = self._waiter
+        self._waiter = None
+        if waiter is None or waiter.done():
+            self._fail(ChannelBroken("the worker sent a reply nobody asked for"))
+            return
+        waiter.set_result(message)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(ChannelBroken(f"the connection closed ({exc or 'by the worker'})"))
@@ -117,13 +152,19 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    def exchange(self, payload: bytes) -> asyncio.Future[bytes]:
-        """Send one message; the future is its reply."""
+    def exchange(self, message: bytes, payload: memoryview | None = None) -> asyncio.Future[bytes]:
+        """Send one message (and the payload, arena bytes from offset 0); the future is
+        its reply."""
         if self._lost is not None:
             raise self._lost
         assert self.transport is not None and self._waiter is None
         self._waiter = asyncio.get_running_loop().create_future()
-        self.transport.write(frame(payload))
+        if payload is None or not len(payload):
+            self.transport.write(frame(message))
+        else:
+            self.transport.write(frame(message, len(payload), 0))
+            # Not changed before the reply arrives, i.e. after the worker read all of it.
+            self.transport.write(payload)
         return self._waiter
 
 
@@ -133,39 +174,70 @@ class WorkerChannel:
     Use :meth:`connect`.
     """
 
-    def __init__(self, conn: _Connection, arena: torch.Tensor, pinned: bool) -> None:
+    def __init__(self, conn: _Connection, arena: torch.Tensor, shared: bool, pinned: bool) -> None:
         self._conn = conn
         self._views = ArenaViews(arena)
-        self.pinned = pinned  # whether the worker page-locked the arena for CUDA
+        self._bytes = None if shared else memoryview(arena.numpy())
+        self.shared = shared  # the arena is shared memory (else its bytes travel)
+        self.pinned = pinned  # whether the worker page-locked its arena for CUDA
         self.closed = False
 
     @classmethod
     async def connect(
-        cls, address: ChannelAddress, arena_bytes: int, directory: str | None = None
+        cls,
+        address: ChannelAddress,
+        arena_bytes: int,
+        directory: str | None = None,
+        *,
+        tcp: bool = False,
+        shared_memory: bool | None = None,
     ) -> WorkerChannel:
-        """Create an arena of ``arena_bytes`` in ``directory`` (None: /dev/shm where it
-        exists), connect to ``address`` and hand the worker the arena.
+        """Connect to the worker at ``address`` with an arena of ``arena_bytes``: over its
+        Unix socket, the arena a file in ``directory`` (None: /dev/shm where it exists)
+        that both map; or (``tcp``, or ``shared_memory=False``) with private arenas on both
+        sides, the tensors' bytes in the messages.
 
         Raises:
-            OSError: the arena could not be created or the socket reached.
+            OSError: the arena could not be created or the worker reached.
             ChannelBroken: the worker refused the connection (the message says why).
         """
-        path, mm = create_mapped(directory or default_directory(), "kvcache-arena-", arena_bytes)
+        shared = not tcp if shared_memory is None else shared_memory
+        if tcp and shared:
+            raise ValueError("a TCP connection cannot share memory")
+        if tcp and (address.tcp_host is None or address.tcp_port is None):
+            raise ConnectionRefusedError("the worker has no TCP listener")
+        loop = asyncio.get_running_loop()
+        path = None
+        if shared:
+            path, mm = create_mapped(
+                directory or default_directory(), "kvcache-arena-", arena_bytes
+            )
+            arena = torch.frombuffer(mm, dtype=torch.uint8)
+        else:
+            arena = torch.empty(arena_bytes, dtype=torch.uint8)
         try:
-            loop = asyncio.get_running_loop()
-            _, conn = await loop.create_unix_connection(_Connection, address.socket_path)
-            hello = Hello(address.token, path, arena_bytes)
+            conn = _Connection(None if shared else memoryview(arena.numpy()))
+            if tcp:
+                transport, _ = await loop.create_connection(
+                    lambda: conn, address.tcp_host, address.tcp_port
+                )
+                sock = transport.get_extra_info("socket")
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            else:
+                await loop.create_unix_connection(lambda: conn, address.socket_path)
+            hello = {"token": address.token, "arena_path": path, "arena_bytes": arena_bytes}
             try:
-                ok, detail = pickle.loads(await conn.exchange(pickle.dumps(hello)))
+                answer = json.loads(await conn.exchange(json.dumps(hello).encode()))
             except BaseException:
                 conn._fail(ChannelBroken("abandoned while connecting"))
                 raise
-            if not ok:
-                conn._fail(ChannelBroken(f"refused by the worker: {detail}"))
-                raise ChannelBroken(f"the worker refused the channel: {detail}")
+            if not answer.get("ok"):
+                conn._fail(ChannelBroken("refused by the worker"))
+                raise ChannelBroken(f"the worker refused the channel: {answer.get('error')}")
         finally:
-            unlink_quietly(path)  # both ends hold their mapping; nothing left in /dev/shm
-        return cls(conn, torch.frombuffer(mm, dtype=torch.uint8), bool(detail))
+            if path is not None:
+                unlink_quietly(path)  # both ends hold their mapping; nothing left in /dev/shm
+        return cls(conn, arena, shared, bool(answer.get("pinned")))
 
     def close(self) -> None:
         """Close the connection (the arena goes with the last reference to it)."""
@@ -196,12 +268,14 @@ class WorkerChannel:
         layout = ArenaLayout(self._views)
         wire_args = encode(args, layout.put)
         wire_kwargs = encode(kwargs, layout.put)
+        inputs_end = layout.end
         if out is not None:
             wire_kwargs["out"], _ = layout.reserve(tuple(out.shape), out.dtype)
         request = pickle.dumps(
             (method, wire_args, wire_kwargs, layout.end), protocol=pickle.HIGHEST_PROTOCOL
         )
-        ok, value = pickle.loads(await self._conn.exchange(request))
+        payload = None if self._bytes is None else self._bytes[:inputs_end]
+        ok, value = pickle.loads(await self._conn.exchange(request, payload))
         if not ok:
             return False, value
         return True, self._deliver(value, out)
@@ -228,8 +302,9 @@ class ChannelPool:
     Args:
         worker_id: for errors and logs.
         options: arena size, connections, retry interval.
-        address: fetches the worker's :class:`ChannelAddress` (a Ray call).
-        local_node: this process's Ray node id (None: channels are never used).
+        address: fetches the worker's :class:`ChannelAddress` (a Ray call), with a TCP
+            listener when called with True.
+        local_node: this process's Ray node id (None: not in a Ray node; only TCP).
         timeout_s: a call taking longer raises WorkerUnavailable (None: wait forever).
     """
 
@@ -237,7 +312,7 @@ class ChannelPool:
         self,
         worker_id: str,
         options: ChannelOptions,
-        address: Callable[[], Awaitable[ChannelAddress]],
+        address: Callable[[bool], Awaitable[ChannelAddress]],
         local_node: str | None,
         timeout_s: float | None = None,
     ) -> None:
@@ -314,7 +389,7 @@ class ChannelPool:
         self._wake_all()
 
     async def _take(self) -> WorkerChannel | None:
-        if self._closed or self._local_node is None:
+        if self._closed:
             return None
         if self._idle:
             return self._idle.pop()
@@ -343,14 +418,18 @@ class ChannelPool:
             raise
 
     async def _open(self) -> WorkerChannel:
-        address = await self._address()
-        if address.node_id is None or address.node_id != self._local_node:
-            raise ConnectionRefusedError(
-                f"the worker runs on node {address.node_id}, this process on {self._local_node}"
-            )
-        chan = await WorkerChannel.connect(
-            address, self._options.arena_bytes, self._options.directory
-        )
+        options = self._options
+        address = await self._address(options.force_tcp)
+        here = address.node_id is not None and address.node_id == self._local_node
+        tcp = options.force_tcp or not here
+        if tcp and not options.force_tcp:
+            if not options.remote:
+                raise ConnectionRefusedError(
+                    f"the worker runs on node {address.node_id}, this process on "
+                    f"{self._local_node}, and remote channels are off"
+                )
+            address = await self._address(True)
+        chan = await WorkerChannel.connect(address, options.arena_bytes, options.directory, tcp=tcp)
         if self._closed:
             chan.close()
             raise ConnectionAbortedError("the client closed meanwhile")
@@ -358,7 +437,8 @@ class ChannelPool:
             "worker channel open",
             extra={
                 "worker": self._worker_id,
-                "arena_bytes": self._options.arena_bytes,
+                "transport": f"tcp {address.tcp_host}:{address.tcp_port}" if tcp else "unix",
+                "arena_bytes": options.arena_bytes,
                 "pinned": chan.pinned,
             },
         )

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -68,10 +68,18 @@ class _WorkerClientBase:
     # Whether the client can deliver an output into the caller's host tensor `out` (a
     # worker in this process; a Ray worker over its channel). Otherwise `out` is not sent.
     _accepts_out = False
+    # Told (worker_id, path) at every per-layer data call (observe_data_calls).
+    _on_data_call: Callable[[str, str], None] | None = None
 
     @property
     def worker_id(self) -> str:
         return self._worker_id
+
+    def observe_data_calls(self, fn: Callable[[str, str], None] | None) -> None:
+        """Call ``fn(worker_id, path)`` at every per-layer data call (write, attention),
+        ``path`` the way it went: "in_process", "channel" or "ray" (the service counts
+        them: ``kvcache_worker_data_calls_total``). None: stop."""
+        self._on_data_call = fn
 
     @property
     def generation(self) -> int | None:
@@ -318,8 +326,8 @@ class RayWorkerClient(_WorkerClientBase):
         if self._channels is not None:
             self._channels.close()
 
-    async def _channel_address(self) -> Any:
-        return await self.resolve(self._handle.channel_address.remote())
+    async def _channel_address(self, tcp: bool) -> Any:
+        return await self.resolve(self._handle.channel_address.remote(tcp))
 
     @property
     def handle(self) -> Any:
@@ -336,12 +344,17 @@ class RayWorkerClient(_WorkerClientBase):
 
     async def _invoke(self, method: str, *args: Any, **kwargs: Any) -> Any:
         out = kwargs.pop("out", None)
-        if self._channels is not None and method in CHANNEL_METHODS:
+        if method not in CHANNEL_METHODS:
+            return await self.resolve(self.submit(method, *args, **kwargs))
+        if self._channels is not None:
             done, value = await self._channels.call(method, args, kwargs, out)
             if done:
+                if self._on_data_call is not None:
+                    self._on_data_call(self._worker_id, "channel")
                 return value
-        if method in CHANNEL_METHODS:
-            self._ray_data_calls += 1
+        self._ray_data_calls += 1
+        if self._on_data_call is not None:
+            self._on_data_call(self._worker_id, "ray")
         return await self.resolve(self.submit(method, *args, **kwargs))
 
     async def resolve(self, ref: Any) -> Any:
@@ -460,6 +473,8 @@ class LocalWorkerClient(_WorkerClientBase):
 
     async def _invoke(self, method: str, *args: Any, **kwargs: Any) -> Any:
         call = functools.partial(getattr(self.worker, method), *args, **kwargs)
+        if self._on_data_call is not None and method in CHANNEL_METHODS:
+            self._on_data_call(self._worker_id, "in_process")
         if self._inline and self._queued[0] == 0 and method in self._INLINE_METHODS:
             return call()
         self._queued[0] += 1

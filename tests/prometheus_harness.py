@@ -327,6 +327,7 @@ def exported_metric_names() -> set[str]:
     metrics.observe_worker_call("w0", 1, 0.001)
     metrics.add_correctness_mismatch("w0", 0)
     metrics.observe_correctness_check(0.002)
+    metrics.add_worker_data_call("w0", "channel")
     metrics.rpc_requests.labels("s", "m", "OK").inc()
     metrics.rpc_duration.labels("s", "m", "OK").observe(0.001)
     return {s.name for f in metrics.registry.collect() for s in f.samples}

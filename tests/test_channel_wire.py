@@ -121,8 +121,9 @@ def test_encode_decode_round_trip_through_pickle() -> None:
     assert torch.equal(back[5][0], b) and torch.equal(back[5][1][0], a)
 
 
-def test_frame_prefixes_the_length() -> None:
-    payload = b"abc" * 100
-    framed = frame(payload)
-    assert HEADER.unpack(framed[: HEADER.size]) == (300,)
-    assert framed[HEADER.size :] == payload
+def test_frame_prefixes_the_lengths_and_the_payload_offset() -> None:
+    message = b"abc" * 100
+    framed = frame(message)
+    assert HEADER.unpack(framed[: HEADER.size]) == (300, 0, 0)
+    assert framed[HEADER.size :] == message
+    assert HEADER.unpack(frame(message, 4096, 512)[: HEADER.size]) == (300, 4096, 512)

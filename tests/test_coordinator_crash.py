@@ -52,7 +52,10 @@ RAY = str(Path(sys.executable).parent / "ray")
 HEAD_IP = "127.0.0.4"
 L, HKV, D, BS, HQ = 2, 2, 16, 4, 4
 LAYOUT = {"num_layers": L, "num_kv_heads": HKV, "head_dim": D, "block_size": BS, "dtype": "float32"}
-SEQS, PROMPT, TOTAL = 3, 6, 20  # sequences per set, prompt tokens, tokens at the end
+# Sequences per set, prompt tokens, tokens at the end: enough decode steps left after the
+# kill condition holds that the traffic is still running when the kill lands (a decode
+# token takes about a millisecond per layer over the worker channel).
+SEQS, PROMPT, TOTAL = 3, 6, 80
 KILL_AFTER = 3  # decode tokens acknowledged on every sequence before the kill
 B_TOKENS = 1_000_000  # the reference set's token ids: no prefix shared with set A
 
@@ -63,7 +66,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_until(what: str, check: Callable[[], Any], timeout_s: float) -> Any:
+def wait_until(what: str, check: Callable[[], Any], timeout_s: float, poll_s: float = 0.2) -> Any:
     deadline = time.monotonic() + timeout_s
     last: Exception | None = None
     while time.monotonic() < deadline:
@@ -73,7 +76,7 @@ def wait_until(what: str, check: Callable[[], Any], timeout_s: float) -> Any:
                 return result
         except Exception as exc:  # not ready yet
             last = exc
-        time.sleep(0.2)
+        time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what} ({last})")
 
 
@@ -295,7 +298,9 @@ def test_coordinator_sigkill_midtraffic_recovers_bitwise(procs: Processes) -> No
     threads = [threading.Thread(target=traffic, args=(s,), daemon=True) for s in seqs]
     for t in threads:
         t.start()
-    wait_until("decode traffic", lambda: all(s.acked >= PROMPT + KILL_AFTER for s in seqs), 60)
+    wait_until(
+        "decode traffic", lambda: all(s.acked >= PROMPT + KILL_AFTER for s in seqs), 60, 0.005
+    )
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=10)
     for t in threads:

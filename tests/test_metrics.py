@@ -370,3 +370,18 @@ def test_bind_stats_rejects_bad_arguments() -> None:
         metrics.bind_stats(dict, timeout_s=0)
     with pytest.raises(ValueError, match="bytes_per_block"):
         ServiceMetrics(bytes_per_block=-1)
+
+
+def test_worker_data_calls_are_counted_by_path_and_removed_with_the_worker() -> None:
+    m = ServiceMetrics()
+    for path in ("channel", "channel", "ray", "in_process"):
+        m.add_worker_data_call("w0", path)
+    assert value(m, "kvcache_worker_data_calls_total", worker="w0", path="channel") == 2
+    assert value(m, "kvcache_worker_data_calls_total", worker="w0", path="ray") == 1
+    assert value(m, "kvcache_worker_data_calls_total", worker="w0", path="in_process") == 1
+    with pytest.raises(ValueError, match="worker_id"):
+        m.add_worker_data_call("", "ray")
+    with pytest.raises(ValueError, match="path must be one of"):
+        m.add_worker_data_call("w0", "carrier pigeon")
+    m.remove_worker("w0")
+    assert value(m, "kvcache_worker_data_calls_total", worker="w0", path="channel") is None

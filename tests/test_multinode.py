@@ -361,6 +361,14 @@ def test_two_node_cluster_loses_and_regains_a_node(cluster: Cluster) -> None:
             load.attend_checked(seq_id)
         on_second = [s for s, w in load.home.items() if w == w_second]
         on_head = [s for s, w in load.home.items() if w == w_head]
+        # Every data call went over a worker channel (the head's worker on the
+        # coordinator's node over its Unix socket, the second node's over TCP), none
+        # through Ray.
+        samples = scrape(metrics_url)
+        for w in (w_head, w_second):
+            calls = "kvcache_worker_data_calls_total"
+            assert samples[(calls, (("path", "channel"), ("worker", w)))] > 0, w
+            assert samples.get((calls, (("path", "ray"), ("worker", w))), 0) == 0, w
 
         # The second node dies (SIGKILL of its whole process group: a crash).
         cluster.kill("second", signal.SIGKILL)

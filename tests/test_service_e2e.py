@@ -185,6 +185,14 @@ def test_clients_sharing_a_prefix_over_ray_workers(svc) -> None:
     clients = svc.coordinator._clients.values()
     calls = [(c.channel_calls, c.ray_data_calls) for c in clients]
     assert sum(c for c, _ in calls) > 0 and all(r == 0 for _, r in calls), calls
+    # ... and the service counted them so (kvcache_worker_data_calls_total).
+    registry = svc.service.metrics.registry
+    for c in clients:
+        for path, n in (("channel", c.channel_calls), ("ray", c.ray_data_calls)):
+            got = registry.get_sample_value(
+                "kvcache_worker_data_calls_total", {"worker": c.worker_id, "path": path}
+            )
+            assert (got or 0) == n, (c.worker_id, path, got, n)
 
 
 def test_export_import_and_all_layer_append_through_ray(svc) -> None:

@@ -1,13 +1,17 @@
-"""The worker channel with a real socket, real shared memory and a real PoolWorker (CPU
-pool) serving it on its own threads: results equal the worker's direct calls and dense
-attention, errors arrive as the worker raised them and leave the connection usable,
-bad hellos are refused, nothing is left in the arena directory, and the ChannelPool
-declines (so the caller uses Ray) when a connection breaks, the arena is too small or the
-worker is elsewhere. With real Ray actors: tests/test_workers_ray.py."""
+"""The worker channel with real sockets (Unix and TCP), real shared memory and a real
+PoolWorker (CPU pool) serving it on its own threads, in each of its modes (a shared arena;
+private arenas whose bytes travel, over the Unix socket and over TCP): results equal the
+worker's direct calls and dense attention, errors arrive as the worker raised them and
+leave the connection usable, bad hellos are refused (and never unpickled), nothing is left
+in the arena directory, and the ChannelPool declines (so the caller uses Ray) when a
+connection breaks, the arena is too small or the worker is elsewhere with TCP off. With
+real Ray actors: tests/test_workers_ray.py."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import os
 import pickle
 import socket
@@ -23,8 +27,8 @@ from cache_service.worker_channel import (
     WorkerChannel,
 )
 from workers.actor import PoolWorker
-from workers.channel_server import ChannelAddress, Hello
-from workers.channel_wire import ArenaFull, frame
+from workers.channel_server import ChannelAddress
+from workers.channel_wire import HEADER, ArenaFull, frame
 from workers.config import PoolConfig
 from workers.errors import InvalidWorkerRequest, StaleEpochError, WorkerError, WorkerUnavailable
 from workers.layout import KVLayout
@@ -55,14 +59,31 @@ def _step(n: int = 6, seed: int = 0):
     return slots, k, v, q, torch.tensor([[2, 3]], dtype=torch.int32), [n], [0, n]
 
 
-def _address(worker: PoolWorker) -> ChannelAddress:
-    a = worker.channel_address()
-    return ChannelAddress(NODE, a.socket_path, a.token)
+def _address(worker: PoolWorker, tcp: bool = False) -> ChannelAddress:
+    a = worker.channel_address(tcp)
+    return ChannelAddress(NODE, a.socket_path, a.token, a.tcp_host, a.tcp_port)
 
 
-def test_write_and_attend_equals_the_direct_call_and_dense_attention(worker, arena_dir) -> None:
+MODES = {
+    "shared": {},
+    "private-unix": {"shared_memory": False},
+    "tcp": {"tcp": True},
+}
+
+
+async def _connect(worker: PoolWorker, mode: str, arena_bytes: int, arena_dir: str):
+    options = MODES[mode]
+    address = _address(worker, tcp=bool(options.get("tcp")))
+    return await WorkerChannel.connect(address, arena_bytes, arena_dir, **options)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_write_and_attend_equals_the_direct_call_and_dense_attention(
+    worker, arena_dir, mode
+) -> None:
     async def run():
-        chan = await WorkerChannel.connect(_address(worker), 1 << 20, arena_dir)
+        chan = await _connect(worker, mode, 1 << 20, arena_dir)
+        assert chan.shared == (mode == "shared")
         assert os.listdir(arena_dir) == []  # unlinked once the worker mapped it
         epoch = worker.epoch()
         slots, k, v, q, bt, lens, starts = _step()
@@ -90,9 +111,12 @@ def test_write_and_attend_equals_the_direct_call_and_dense_attention(worker, are
     asyncio.run(run())
 
 
-def test_worker_errors_arrive_as_raised_and_the_connection_stays_usable(worker, arena_dir) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_worker_errors_arrive_as_raised_and_the_connection_stays_usable(
+    worker, arena_dir, mode
+) -> None:
     async def run():
-        chan = await WorkerChannel.connect(_address(worker), 1 << 20, arena_dir)
+        chan = await _connect(worker, mode, 1 << 20, arena_dir)
         slots, k, v, *_ = _step()
         epoch = worker.epoch()
         ok, err = await chan.call("write", ("stale", 0, slots, k, v), {})
@@ -108,9 +132,12 @@ def test_worker_errors_arrive_as_raised_and_the_connection_stays_usable(worker, 
     asyncio.run(run())
 
 
-def test_tensors_larger_than_the_arena_raise_arena_full_before_sending(worker, arena_dir) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_tensors_larger_than_the_arena_raise_arena_full_before_sending(
+    worker, arena_dir, mode
+) -> None:
     async def run():
-        chan = await WorkerChannel.connect(_address(worker), 1 << 16, arena_dir)
+        chan = await _connect(worker, mode, 1 << 16, arena_dir)
         big = torch.zeros(1 << 15)  # 128 KiB
         with pytest.raises(ArenaFull):
             await chan.call("write", (worker.epoch(), 0, [0], big, big), {})
@@ -121,31 +148,47 @@ def test_tensors_larger_than_the_arena_raise_arena_full_before_sending(worker, a
 
 
 def test_hellos_with_a_wrong_token_or_file_are_refused(worker, arena_dir, tmp_path) -> None:
-    address = _address(worker)
+    address = _address(worker, tcp=True)
 
     async def run():
-        with pytest.raises(ChannelBroken, match="wrong token"):
-            await WorkerChannel.connect(
-                ChannelAddress(NODE, address.socket_path, "0" * 32), 1 << 16, arena_dir
-            )
+        wrong = dataclasses.replace(address, token="0" * 32)
+        for options in ({}, {"tcp": True}):
+            with pytest.raises(ChannelBroken, match="wrong token"):
+                await WorkerChannel.connect(wrong, 1 << 16, arena_dir, **options)
         assert os.listdir(arena_dir) == []
 
     asyncio.run(run())
-    # A hello naming a file of another size than it says, over a raw socket.
+
+    def raw_hello(payload: bytes, tcp: bool = False) -> dict:
+        if tcp:
+            s = socket.create_connection((address.tcp_host, address.tcp_port))
+        else:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(address.socket_path)
+        s.sendall(frame(payload))
+        reply = s.recv(1 << 16)
+        s.close()
+        return json.loads(reply[HEADER.size :])
+
+    # A file of another size than the hello says.
     path = tmp_path / "wrong-size"
     path.write_bytes(b"\0" * 4096)
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(address.socket_path)
-    s.sendall(frame(pickle.dumps(Hello(address.token, str(path), 8192))))
-    reply = s.recv(1 << 16)
-    s.close()
-    ok, detail = pickle.loads(reply[4:])
-    assert not ok and "has 4096 bytes, the hello says 8192" in detail
+    hello = {"token": address.token, "arena_path": str(path), "arena_bytes": 8192}
+    answer = raw_hello(json.dumps(hello).encode())
+    assert not answer["ok"] and "has 4096 bytes, the hello says 8192" in answer["error"]
+    # Shared memory over TCP, a pickle instead of JSON (never unpickled), an absurd arena.
+    hello["arena_bytes"] = 4096
+    answer = raw_hello(json.dumps(hello).encode(), tcp=True)
+    assert not answer["ok"] and "cannot share memory" in answer["error"]
+    assert not raw_hello(pickle.dumps(hello))["ok"]
+    huge = {"token": address.token, "arena_path": None, "arena_bytes": 1 << 40}
+    assert "private arena" in raw_hello(json.dumps(huge).encode(), tcp=True)["error"]
+    assert worker.health().calls == 0
 
 
 def _pool(worker: PoolWorker, arena_dir: str, **kwargs) -> ChannelPool:
-    async def address():
-        return _address(worker)
+    async def address(tcp: bool):
+        return _address(worker, tcp)
 
     timeout_s = kwargs.pop("timeout_s", None)
     options = ChannelOptions(
@@ -210,18 +253,26 @@ def test_pool_declines_calls_that_do_not_fit_and_workers_elsewhere(worker, arena
         assert pool.open_channels == 1  # kept for calls that fit
         pool.close()
 
-        async def elsewhere():
-            a = worker.channel_address()
-            return ChannelAddress("node-b", a.socket_path, a.token)
+        lookups = []
 
-        far = ChannelPool("w0", ChannelOptions(directory=arena_dir), elsewhere, NODE)
+        async def elsewhere(tcp: bool):
+            lookups.append(tcp)
+            a = worker.channel_address(tcp)
+            return ChannelAddress("node-b", a.socket_path, a.token, a.tcp_host, a.tcp_port)
+
         slots, k, v, *_ = _step()
+        off = ChannelOptions(directory=arena_dir, remote=False)
+        far = ChannelPool("w0", off, elsewhere, NODE)
         assert await far.call("write", (worker.epoch(), 0, slots, k, v), {}) == (False, None)
         assert far.open_channels == 0
         # Not retried before retry_after_s (30 s): no second address lookup.
         assert await far.call("write", (worker.epoch(), 0, slots, k, v), {}) == (False, None)
-        no_ray = ChannelPool("w0", ChannelOptions(directory=arena_dir), elsewhere, None)
-        assert await no_ray.call("write", (worker.epoch(), 0, slots, k, v), {}) == (False, None)
+        assert lookups == [False]
+        # With remote channels on (the default), a worker elsewhere is reached over TCP.
+        remote = ChannelPool("w0", ChannelOptions(directory=arena_dir), elsewhere, NODE)
+        done, _ = await remote.call("write", (worker.epoch(), 0, slots, k, v), {})
+        assert done and lookups == [False, False, True] and not remote._idle[0].shared
+        remote.close()
 
     asyncio.run(run())
 

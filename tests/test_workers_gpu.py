@@ -282,8 +282,10 @@ def test_one_page_addressed_launch_serves_sequences_of_different_layers(dtype):
     assert rel_err(out.cpu(), torch.cat(refs)) < TOLERANCE[dtype]
 
 
-def test_decode_steps_over_the_worker_channel_equal_ray_calls(gpu_ray):
-    # A CUDA worker reached over its channel (same node): the arena is page-locked on the
+@pytest.mark.parametrize("tcp", [False, True], ids=["shared-memory", "tcp"])
+def test_decode_steps_over_the_worker_channel_equal_ray_calls(gpu_ray, tcp):
+    # A CUDA worker reached over its channel (same node: a shared arena; or over TCP, as
+    # from another node: the worker's own pinned arena): the arena is page-locked on the
     # worker's side, a decode step's key, value and query reach a replayed graph in one
     # copy, and every layer's output equals the same call through Ray, bit for bit.
     ray, namespace = gpu_ray
@@ -291,7 +293,7 @@ def test_decode_steps_over_the_worker_channel_equal_ray_calls(gpu_ray):
     from workers.launcher import LaunchConfig, launch_workers, shutdown_workers
 
     layout = llama_layout("bfloat16")
-    prefix = "channel-gpu-"
+    prefix = f"channel-gpu-{'tcp' if tcp else 'shm'}-"
     (handle,) = launch_workers(
         LaunchConfig(
             PoolConfig(layout, num_blocks=600),
@@ -302,7 +304,8 @@ def test_decode_steps_over_the_worker_channel_equal_ray_calls(gpu_ray):
     )
 
     async def scenario():
-        fast = await RayWorkerClient.connect(handle, channel=ChannelOptions(8 << 20))
+        options = ChannelOptions(8 << 20, force_tcp=tcp)
+        fast = await RayWorkerClient.connect(handle, channel=options)
         slow = await RayWorkerClient.connect(handle)
         epoch = (await slow.describe()).epoch
         gen = torch.Generator().manual_seed(5)

@@ -189,14 +189,17 @@ def test_a_call_past_its_timeout_reports_the_worker_unavailable(clients):
         loop.run_until_complete(impatient.health())
 
 
-def test_the_worker_channel_gives_the_results_and_errors_of_ray_calls(clients):
-    """Per-layer calls over the worker channel (same node): the same outputs, LSEs and
-    refusals as the same calls through Ray, and a refused call changes nothing."""
+@pytest.mark.parametrize("tcp", [False, True], ids=["shared-memory", "tcp"])
+def test_the_worker_channel_gives_the_results_and_errors_of_ray_calls(clients, tcp):
+    """Per-layer calls over the worker channel (same node: shared memory; or over TCP, as
+    to a worker on another node): the same outputs, LSEs and refusals as the same calls
+    through Ray, and a refused call changes nothing."""
     loop, handles = clients
     c1 = handles[1]
 
     async def scenario():
-        fast = await RayWorkerClient.connect(c1.handle, channel=ChannelOptions(1 << 20))
+        options = ChannelOptions(1 << 20, force_tcp=tcp)
+        fast = await RayWorkerClient.connect(c1.handle, channel=options)
         epoch = (await c1.describe()).epoch
         g = torch.Generator().manual_seed(3)
         k, v = torch.randn(7, 2, 16, generator=g), torch.randn(7, 2, 16, generator=g)

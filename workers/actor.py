@@ -187,10 +187,11 @@ class PoolWorker:
             device_free_bytes=free,
         )
 
-    def channel_address(self) -> ChannelAddress:
+    def channel_address(self, tcp: bool = False) -> ChannelAddress:
         """Where this worker's channel listens, starting it on the first call: a caller on
         the same node sends its per-layer data calls there instead of through Ray
-        (``cache_service.worker_channel``)."""
+        (``cache_service.worker_channel``); with ``tcp``, callers on other nodes too (a
+        TCP listener on this node's address, opened on the first such request)."""
         if self._channel is None:
             self._channel = ChannelServer(
                 self._channel_call,
@@ -198,6 +199,8 @@ class PoolWorker:
                 node_id=_ray_node_id(),
                 name=self._worker_id,
             )
+        if tcp:
+            return self._channel.listen_tcp(_node_address())
         return self._channel.address()
 
     def close_channel(self) -> None:
@@ -423,6 +426,13 @@ class PoolWorker:
         except Exception:
             self._failed += 1
             raise
+
+
+def _node_address() -> str:
+    """This node's address as Ray knows it (loopback outside Ray)."""
+    if not ray.is_initialized():
+        return "127.0.0.1"
+    return ray.util.get_node_ip_address()
 
 
 def _ray_node_id() -> str | None:

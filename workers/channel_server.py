@@ -1,14 +1,17 @@
 """The worker's end of the worker channel (:mod:`workers.channel_wire`): a ``PoolWorker``'s
-per-layer data calls served over a Unix socket, their tensors in an arena the caller maps
-too.
+per-layer data calls served over a Unix socket (callers on this node, the tensors in an
+arena of shared memory) or over TCP (callers on other nodes, the tensors in the messages).
 
-One thread accepts connections; each connection gets a thread of its own and brings its
-own arena: in its first message (the hello) the caller names the worker's token (handed
-out over Ray, :meth:`ChannelServer.address`) and the /dev/shm file it created; the server
-checks the file (a regular file of this user, of the announced size), maps it and, for a
-CUDA pool, page-locks it (``workers.cuda_pinning``), so the pool reads the call's inputs
-and writes its outputs by DMA. Calls on one connection run one at a time, in order; the
-calls of all connections and of Ray run one at a time on the pool (the worker's lock).
+One thread accepts connections per listener; each connection gets a thread of its own and
+an arena of its own. Its first message, the hello (JSON, nothing is unpickled before it
+passed), names the worker's token (handed out over Ray, :meth:`ChannelServer.address`)
+and either the /dev/shm file the caller created (Unix socket only; the server checks it
+is a regular file of this user and of the announced size, and maps it) or the size of a
+private arena for tensors that travel in the messages. For a CUDA pool either arena is
+page-locked (``workers.cuda_pinning``, or a pinned allocation), so the pool reads the
+call's inputs and writes its outputs by DMA. Calls on one connection run one at a time,
+in order; the calls of all connections and of Ray run one at a time on the pool (the
+worker's lock).
 
 Only the per-layer data methods (:data:`CHANNEL_METHODS`) are served: their results are no
 larger than their inputs, and running one twice has the effect of running it once (the
@@ -21,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import hmac
+import json
 import logging
 import mmap
 import os
@@ -39,8 +43,10 @@ import torch
 
 from workers.channel_wire import (
     HEADER,
+    MAX_HELLO_BYTES,
     ArenaFull,
     ArenaLayout,
+    ArenaTensor,
     ArenaViews,
     ChannelProtocolError,
     decode,
@@ -49,7 +55,7 @@ from workers.channel_wire import (
 )
 from workers.cuda_pinning import pin, unpin
 
-__all__ = ["CHANNEL_METHODS", "ChannelAddress", "ChannelServer", "Hello"]
+__all__ = ["CHANNEL_METHODS", "MAX_PRIVATE_ARENA_BYTES", "ChannelAddress", "ChannelServer"]
 
 log = logging.getLogger("kvcache.channel")
 
@@ -64,8 +70,10 @@ CHANNEL_METHODS = frozenset(
     }
 )
 
-# Requests carry only small values (tensors are in the arena); a longer frame is an error.
-_MAX_REQUEST_BYTES = 64 << 20
+# Requests carry only small values besides their payload; a longer message is an error.
+_MAX_MESSAGE_BYTES = 64 << 20
+# The largest private arena (TCP connections) a hello may ask for.
+MAX_PRIVATE_ARENA_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -73,38 +81,25 @@ class ChannelAddress:
     """Where a worker's channel listens, as :meth:`ChannelServer.address` hands it out.
 
     Attributes:
-        node_id: the Ray node the worker runs on (None outside Ray): only a caller on the
-            same node can map the arena and reach the socket.
+        node_id: the Ray node the worker runs on (None outside Ray): a caller on the same
+            node uses the Unix socket and shared memory.
         socket_path: the Unix socket.
         token: the secret a connection's hello must name.
+        tcp_host, tcp_port: the TCP listener for callers on other nodes (None: none).
     """
 
     node_id: str | None
     socket_path: str
     token: str
-
-
-@dataclass(frozen=True)
-class Hello:
-    """A connection's first message.
-
-    Attributes:
-        token: ChannelAddress.token.
-        arena_path: the caller's arena file (it unlinks the file once the hello is answered).
-        arena_bytes: the file's size.
-    """
-
-    token: str
-    arena_path: str
-    arena_bytes: int
+    tcp_host: str | None = None
+    tcp_port: int | None = None
 
 
 Call = Callable[[str, tuple[Any, ...], dict[str, Any]], Any]
 
 
 class ChannelServer:
-    """Serves ``call(method, args, kwargs)`` (a PoolWorker's data methods, results unpacked)
-    to callers on this node.
+    """Serves ``call(method, args, kwargs)`` (a PoolWorker's data methods, results unpacked).
 
     Args:
         call: runs one data call (the worker serialises it with its other calls).
@@ -119,18 +114,33 @@ class ChannelServer:
         self._name = name
         self._dir = tempfile.mkdtemp(prefix="kvcache-channel-")  # mode 0700
         path = os.path.join(self._dir, "socket")
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(path)
-        self._listener.listen(16)
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        unix.bind(path)
+        unix.listen(16)
         self._address = ChannelAddress(node_id, path, secrets.token_hex(16))
+        self._listeners: list[socket.socket] = [unix]
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._closed = False
-        threading.Thread(target=self._accept_forever, name=f"kvchannel-{name}", daemon=True).start()
+        self._start_accepting(unix, tcp=False)
         atexit.register(self.close)
 
     def address(self) -> ChannelAddress:
         """Where to connect, with the token."""
+        return self._address
+
+    def listen_tcp(self, host: str) -> ChannelAddress:
+        """Also accept callers of other nodes on ``host`` (this node's address; a free
+        port); the address with the TCP listener. Once: later calls return it as it is."""
+        with self._lock:
+            if self._address.tcp_host is not None:
+                return self._address
+            tcp = socket.create_server((host, 0))
+            self._listeners.append(tcp)
+            port = tcp.getsockname()[1]
+            a = self._address
+            self._address = ChannelAddress(a.node_id, a.socket_path, a.token, host, port)
+        self._start_accepting(tcp, tcp=True)
         return self._address
 
     def close(self) -> None:
@@ -141,9 +151,10 @@ class ChannelServer:
                 return
             self._closed = True
             connections = list(self._connections)
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
+        for listener in self._listeners:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
         for conn in connections:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
@@ -151,10 +162,18 @@ class ChannelServer:
 
     # -- internals ----------------------------------------------------------------------
 
-    def _accept_forever(self) -> None:
+    def _start_accepting(self, listener: socket.socket, *, tcp: bool) -> None:
+        threading.Thread(
+            target=self._accept_forever,
+            args=(listener, tcp),
+            name=f"kvchannel-{self._name}-{'tcp' if tcp else 'unix'}",
+            daemon=True,
+        ).start()
+
+    def _accept_forever(self, listener: socket.socket, tcp: bool) -> None:
         while True:
             try:
-                conn, _ = self._listener.accept()
+                conn, _ = listener.accept()
             except OSError:
                 return  # closed
             with self._lock:
@@ -162,25 +181,34 @@ class ChannelServer:
                     conn.close()
                     return
                 self._connections.add(conn)
+            if tcp:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(
-                target=self._serve, args=(conn,), name=f"kvchannel-{self._name}-conn", daemon=True
+                target=self._serve,
+                args=(conn, tcp),
+                name=f"kvchannel-{self._name}-conn",
+                daemon=True,
             ).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, tcp: bool) -> None:
         arena: _Arena | None = None
         try:
-            hello = _read(conn)
-            if hello is None:
-                return
             try:
-                arena = self._open_arena(pickle.loads(hello))
-            except Exception as exc:
+                arena = self._open_arena(_read_hello(conn), tcp)
+            except (OSError, ValueError, ChannelProtocolError) as exc:
                 log.warning("worker channel refused a connection: %s", exc)
-                conn.sendall(frame(pickle.dumps((False, f"{type(exc).__name__}: {exc}"))))
+                with contextlib.suppress(OSError):
+                    conn.sendall(frame(json.dumps({"ok": False, "error": str(exc)}).encode()))
                 return
-            conn.sendall(frame(pickle.dumps((True, arena.pinned))))
-            while (request := _read(conn)) is not None:
-                conn.sendall(frame(self._answer(arena.views, request)))
+            conn.sendall(frame(json.dumps({"ok": True, "pinned": arena.pinned}).encode()))
+            while (request := _read_request(conn, arena)) is not None:
+                message, span = self._answer(arena.views, request)
+                if span is None or arena.shared:
+                    conn.sendall(frame(message))
+                else:
+                    lo, hi = span
+                    conn.sendall(frame(message, hi - lo, lo))
+                    conn.sendall(arena.bytes[lo:hi])
         except (OSError, ChannelProtocolError) as exc:
             if not self._closed:
                 log.info("worker channel connection ended: %s", exc)
@@ -191,79 +219,149 @@ class ChannelServer:
             if arena is not None:
                 arena.close()
 
-    def _open_arena(self, hello: object) -> _Arena:
-        if not isinstance(hello, Hello):
-            raise ChannelProtocolError("the first message is not a hello")
-        if not hmac.compare_digest(hello.token, self._address.token):
+    def _open_arena(self, hello: dict[str, Any], tcp: bool) -> _Arena:
+        token = hello.get("token")
+        if not isinstance(token, str) or not hmac.compare_digest(token, self._address.token):
             raise PermissionError("wrong token")
+        size = hello.get("arena_bytes")
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ChannelProtocolError(f"arena_bytes must be a positive integer, got {size!r}")
+        path = hello.get("arena_path")
+        if path is None:
+            if size > MAX_PRIVATE_ARENA_BYTES:
+                raise ChannelProtocolError(
+                    f"a private arena of {size} bytes (at most {MAX_PRIVATE_ARENA_BYTES})"
+                )
+            return _Arena.private(size, self._pin)
+        if tcp:
+            raise ChannelProtocolError("a TCP connection cannot share memory")
+        if not isinstance(path, str):
+            raise ChannelProtocolError(f"arena_path must be a string, got {path!r}")
         flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(hello.arena_path, flags)
+        fd = os.open(path, flags)
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
-                raise PermissionError(f"{hello.arena_path} is not a regular file of this user")
-            if info.st_size != hello.arena_bytes or hello.arena_bytes <= 0:
+                raise PermissionError(f"{path} is not a regular file of this user")
+            if info.st_size != size:
                 raise ChannelProtocolError(
-                    f"{hello.arena_path} has {info.st_size} bytes, the hello says "
-                    f"{hello.arena_bytes}"
+                    f"{path} has {info.st_size} bytes, the hello says {size}"
                 )
-            return _Arena(mmap.mmap(fd, hello.arena_bytes), self._pin)
+            return _Arena.shared_file(mmap.mmap(fd, size), self._pin)
         finally:
             os.close(fd)
 
-    def _answer(self, views: ArenaViews, request: bytes) -> bytes:
-        """The reply to one request (an error reply for a malformed one or a failed call)."""
+    def _answer(self, views: ArenaViews, request: bytes) -> tuple[bytes, tuple[int, int] | None]:
+        """The reply to one request (an error reply for a malformed one or a failed call)
+        and the span of the arena its tensors lie in (None: it names none)."""
         try:
             method, args, kwargs, free_from = pickle.loads(request)
             if method not in CHANNEL_METHODS:
                 raise ChannelProtocolError(f"{method!r} is not served over the channel")
             result = self._call(method, decode(tuple(args), views), decode(dict(kwargs), views))
         except Exception as exc:
-            return pickle.dumps((False, _sendable(exc)))
+            return pickle.dumps((False, _sendable(exc))), None
+        placed: list[ArenaTensor] = []
+        layout = ArenaLayout(views, free_from)
+
+        def place(t: torch.Tensor) -> ArenaTensor:
+            ref = layout.place(t)
+            placed.append(ref)
+            return ref
+
         try:
-            value = encode(result, ArenaLayout(views, free_from).place)
+            value = encode(result, place)
         except ArenaFull:
-            value = result  # rare (results are no larger than inputs): sent in the message
-        return pickle.dumps((True, value), protocol=pickle.HIGHEST_PROTOCOL)
+            # Rare (results are no larger than inputs): the tensors go in the message.
+            return pickle.dumps((True, result), protocol=pickle.HIGHEST_PROTOCOL), None
+        span = None
+        if placed:
+            span = (min(r.offset for r in placed), max(r.offset + r.nbytes() for r in placed))
+        return pickle.dumps((True, value), protocol=pickle.HIGHEST_PROTOCOL), span
 
 
 class _Arena:
-    """A connection's arena as mapped here: the mapping and a uint8 tensor over it, pinned
-    for CUDA when asked (and accepted)."""
+    """A connection's arena: a mapping of the caller's shared file, or private memory whose
+    bytes travel in the messages; page-locked for CUDA when asked (and possible)."""
 
-    def __init__(self, mm: mmap.mmap, pin_for_cuda: bool) -> None:
+    def __init__(self, tensor: torch.Tensor, mm: mmap.mmap | None, pinned: bool) -> None:
         self.mm = mm
-        self.tensor = torch.frombuffer(mm, dtype=torch.uint8)
-        self.pinned = pin(self.tensor) if pin_for_cuda else False
-        self.views = ArenaViews(self.tensor)
+        self.shared = mm is not None
+        self.tensor = tensor
+        self.pinned = pinned
+        self.views = ArenaViews(tensor)
+        self.bytes = memoryview(tensor.numpy())  # for the socket's reads and writes
+
+    @classmethod
+    def shared_file(cls, mm: mmap.mmap, pin_for_cuda: bool) -> _Arena:
+        tensor = torch.frombuffer(mm, dtype=torch.uint8)
+        return cls(tensor, mm, pin(tensor) if pin_for_cuda else False)
+
+    @classmethod
+    def private(cls, nbytes: int, pin_for_cuda: bool) -> _Arena:
+        pinned = pin_for_cuda and torch.cuda.is_available()
+        return cls(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned), None, pinned)
 
     def close(self) -> None:
-        if self.pinned:
+        if self.shared and self.pinned:
             unpin(self.tensor)
-            self.pinned = False
+        self.pinned = False
+        self.bytes.release()
         del self.tensor, self.views
-        try:
-            self.mm.close()
-        except BufferError:
-            # A view of it is still referenced somewhere: the mapping goes when that does.
-            log.warning("a worker channel's arena is still in use; left mapped")
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:
+                # A view of it is still referenced somewhere: the mapping goes when that does.
+                log.warning("a worker channel's arena is still in use; left mapped")
 
 
-def _read(conn: socket.socket) -> bytes | None:
-    """One message; None when the caller closed the connection between messages."""
+def _read_hello(conn: socket.socket) -> dict[str, Any]:
+    head = _read_exactly(conn, HEADER.size)
+    if head is None:
+        raise ChannelProtocolError("the connection closed before its hello")
+    n, payload, _ = HEADER.unpack(head)
+    if n > MAX_HELLO_BYTES or payload:
+        raise ChannelProtocolError(f"a hello of {n} bytes (+{payload}): not a hello")
+    body = _read_exactly(conn, n)
+    hello = json.loads(body or b"")
+    if not isinstance(hello, dict):
+        raise ChannelProtocolError("the hello is not a JSON object")
+    return hello
+
+
+def _read_request(conn: socket.socket, arena: _Arena) -> bytes | None:
+    """One request's message, its payload (if any) read into the arena at its offset; None
+    when the caller closed the connection between requests."""
     head = _read_exactly(conn, HEADER.size)
     if head is None:
         return None
-    (n,) = HEADER.unpack(head)
-    if n > _MAX_REQUEST_BYTES:
-        raise ChannelProtocolError(f"a request of {n} bytes (at most {_MAX_REQUEST_BYTES})")
-    body = _read_exactly(conn, n)
-    if body is None:
+    n, payload, offset = HEADER.unpack(head)
+    if n > _MAX_MESSAGE_BYTES:
+        raise ChannelProtocolError(f"a request of {n} bytes (at most {_MAX_MESSAGE_BYTES})")
+    message = _read_exactly(conn, n)
+    if message is None:
         raise ChannelProtocolError("the connection closed inside a message")
-    return body
+    if payload:
+        if arena.shared or offset + payload > len(arena.bytes):
+            raise ChannelProtocolError(
+                f"a payload of {payload} bytes at offset {offset} does not fit this arena"
+            )
+        _read_into(conn, arena.bytes[offset : offset + payload])
+    return message
+
+
+def _read_into(conn: socket.socket, target: memoryview) -> None:
+    got = 0
+    while got < len(target):
+        n = conn.recv_into(target[got:])
+        if not n:
+            raise ChannelProtocolError("the connection closed inside a payload")
+        got += n
 
 
 def _read_exactly(conn: socket.socket, n: int) -> bytes | None:
+    """``n`` bytes; None when the connection closed before the first of them."""
     if n == 0:
         return b""
     chunks = []

@@ -10,11 +10,17 @@ Over the channel the coordinator copies the tensors into the arena (page-locked 
 on the worker's side, so the pool copies them to the GPU by DMA) and the call itself is a
 few hundred bytes on a Unix socket.
 
-A message is its length (4 bytes, little-endian) and a pickle (protocol 5) of plain values
-in which every tensor was replaced by an :class:`ArenaTensor` naming its bytes in the
-arena. Pickles, because both ends are processes of one user that already exchange pickles
-through Ray (an actor call is one); the socket lives in a directory only that user can
-enter, and a connection must first present the token the worker handed out over Ray.
+The same messages also travel between nodes, over TCP (no shared memory there): each end
+then has an arena of its own, and a message carries the bytes of the tensors it names (its
+payload: a run of the sender's arena, received into the same offsets of the receiver's).
+
+A frame is a :data:`HEADER` (message bytes, payload bytes, payload offset in the arena;
+little-endian), the message, then the payload. The first message of a connection (the
+hello) and its answer are JSON; every later message is a pickle (protocol 5) of plain
+values in which every tensor was replaced by an :class:`ArenaTensor` naming its bytes in
+the arena. Pickles, because both ends are processes of one cluster that already exchange
+pickles through Ray (an actor call is one), and only once the hello named the token the
+worker handed out over Ray; nothing is unpickled before.
 
 * request: ``(method, args, kwargs, free_from)``; ``free_from`` is the first arena byte
   the request does not use: the worker lays its results out from there.
@@ -34,6 +40,7 @@ from workers.transport import dtype_name, dtype_named
 __all__ = [
     "ALIGN",
     "HEADER",
+    "MAX_HELLO_BYTES",
     "ArenaFull",
     "ArenaLayout",
     "ArenaTensor",
@@ -49,7 +56,8 @@ __all__ = [
 # call's tensors out at the same alignment, so a decode step's key, value and query placed
 # in turn sit exactly as a decode graph's input buffer wants them (one copy to the GPU).
 ALIGN = 256
-HEADER = struct.Struct("<I")
+HEADER = struct.Struct("<IIQ")  # message bytes, payload bytes, payload offset
+MAX_HELLO_BYTES = 4096
 
 
 class ArenaFull(Exception):
@@ -77,11 +85,13 @@ class ArenaTensor(NamedTuple):
         return n
 
 
-def frame(payload: bytes) -> bytes:
-    """``payload`` as it goes on the socket: its length, then its bytes."""
-    if len(payload) > 0xFFFFFFFF:
-        raise ChannelProtocolError(f"a message of {len(payload)} bytes does not fit a frame")
-    return HEADER.pack(len(payload)) + payload
+def frame(message: bytes, payload_bytes: int = 0, payload_offset: int = 0) -> bytes:
+    """``message`` as it goes on the socket: the header, then its bytes (the payload, when
+    there is one, is sent right after: ``payload_bytes`` of the arena from
+    ``payload_offset``)."""
+    if len(message) > 0xFFFFFFFF or payload_bytes > 0xFFFFFFFF:
+        raise ChannelProtocolError(f"a message of {len(message)} bytes does not fit a frame")
+    return HEADER.pack(len(message), payload_bytes, payload_offset) + message
 
 
 def _round_up(n: int) -> int:
