@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -282,6 +282,25 @@ channel-diag)
   # within it, a no-op call's round trip, and the same call through Ray.
   CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/diag_channel.py --h200 --calls 640 \
     2>&1 | grep -v "WARNING\|INFO" | tee "$OUT/diag-channel.log"
+  ;;
+channel-final)
+  # The worker channel with TCP and in-place region reads: its GPU tests (shared memory and
+  # TCP), diag_channel both ways, one client at batch 32 with the pool in the server process
+  # (the same host's reference), then the pool behind a Ray actor, 2 alternating pairs.
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_workers_gpu.py -k "channel or one_worker_per_gpu" 2>&1 | tee "$OUT/gpu-tests.log" \
+    | tail -3
+  for tcp in "" --tcp; do
+    CUDA_VISIBLE_DEVICES=0 timeout 80 python3 benchmarks/diag_channel.py --h200 --calls 1000 \
+      $tcp 2>&1 | grep -v "WARNING\|INFO" | tee -a "$OUT/diag-channel.log" | tail -8
+  done
+  CUDA_VISIBLE_DEVICES=0 timeout 100 python3 benchmarks/bench_service.py --h200 --no-ray \
+    --transports local-shm --phases single --steps 20 --out "$OUT/service-single.md" \
+    > "$OUT/bench.log" 2>&1
+  grep "service,\|in-process" "$OUT/service-single.md"
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/bench_service.py --h200 --no-in-process \
+    --transports local-shm --pairs 2 --out "$OUT/service-h200-ray.md" >> "$OUT/bench.log" 2>&1
+  tail -12 "$OUT/service-h200-ray.md"
   ;;
 profile-server)
   # One client's timeline at batch 32 (service_breakdown), then py-spy on the server's
