@@ -127,7 +127,8 @@ class _Connection(asyncio.Protocol):
                 if arena is None or offset + payload > len(arena):
                     self._fail(ChannelBroken("the worker sent a payload outside the arena"))
                     return
-                arena[offset : offset + payload] = self._buf[HEADER.size + n : end]
+                with memoryview(self._buf) as received:  # no copy before the arena's
+                    arena[offset : offset + payload] = received[HEADER.size + n : end]
             message = bytes(self._buf[HEADER.size : HEADER.size + n])
             del self._buf[:end]
             self._deliver(message)

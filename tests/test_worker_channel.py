@@ -293,3 +293,32 @@ def test_a_call_past_the_timeout_is_worker_unavailable_and_drops_the_channel(
         pool.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("mode", ["private-unix", "tcp"])
+def test_payloads_larger_than_the_socket_buffers_arrive_whole(worker, arena_dir, mode) -> None:
+    # A whole prompt written on every layer at once: megabytes of K/V in the request's
+    # payload and an attention output of a megabyte in the reply's, read in many pieces
+    # on both ends.
+    async def run():
+        chan = await _connect(worker, mode, 16 << 20, arena_dir)
+        epoch = worker.epoch()
+        g = torch.Generator().manual_seed(9)
+        n = 64  # tokens: 16 blocks of 4
+        k = torch.randn(LAYOUT.num_layers, n, 2, 16, generator=g)
+        v = torch.randn(LAYOUT.num_layers, n, 2, 16, generator=g)
+        pad = torch.randn(1 << 18, generator=g)  # a megabyte riding along, unused
+        ok, _ = await chan.call("write", (epoch, None, list(range(n)), k, v), {"_pad": pad})
+        assert not ok  # an unknown keyword: refused by the worker, after the payload arrived
+        ok, _ = await chan.call("write", (epoch, None, list(range(n)), k, v), {})
+        assert ok
+        # 64 sequences over the same 16 blocks, 64 query rows each: a 1 MiB output.
+        q = torch.randn(64 * n, 4, 16, generator=g)
+        tables, lens, starts = [list(range(16))] * 64, [n] * 64, list(range(0, 64 * n + 1, n))
+        ok, out = await chan.call("attend", (epoch, 1, q, tables, lens, starts, False), {})
+        assert ok and out.shape == q.shape, out
+        want, _ = dense_attention(q, k[1], v[1], causal=False)
+        assert rel_err(out, want) < 1e-5
+        chan.close()
+
+    asyncio.run(run())
