@@ -151,6 +151,7 @@ class ChannelServer:
                 return
             self._closed = True
             connections = list(self._connections)
+        atexit.unregister(self.close)  # which held this server alive until exit
         for listener in self._listeners:
             with contextlib.suppress(OSError):
                 listener.shutdown(socket.SHUT_RDWR)
