@@ -77,7 +77,7 @@ class ChannelOptions:
     arena_bytes: int = 32 << 20
     connections: int = 2
     directory: str | None = None
-    retry_after_s: float = 30.0
+    retry_after_s: float = 5.0
     remote: bool = True
     force_tcp: bool = False
 

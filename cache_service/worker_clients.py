@@ -2,10 +2,10 @@
 
 * :class:`RayWorkerClient` - a ``workers.actor.PoolWorker`` Ray actor handle; calls are
   ``await handle.method.remote(...)`` and Ray errors become ``workers.errors`` exceptions.
-  With channel options, the per-layer data calls to a worker on this node go over a
-  worker channel instead (``cache_service.worker_channel``: a Unix socket and shared
-  memory, a fraction of a Ray call's cost); everything else, and every call the channel
-  declines, goes through Ray.
+  With channel options, the per-layer data calls go over a worker channel instead
+  (``cache_service.worker_channel``: a Unix socket and shared memory on the worker's node,
+  TCP from another; a fraction of a Ray call's cost); everything else, and every call the
+  channel declines, goes through Ray.
 * :class:`LocalWorkerClient` - a ``PoolWorker`` in this process (the embedded default and
   the coordinator's tests), run on one private thread so calls are serialised like an
   actor's and the event loop is not blocked.
@@ -274,8 +274,8 @@ class RayWorkerClient(_WorkerClientBase):
         worker_id: the worker's id (its actor name).
         handle: the actor handle (``workers.launcher.launch_workers`` / ``attach_workers``).
         call_timeout_s: a call taking longer raises WorkerUnavailable (None: wait forever).
-        channel: reach the worker's per-layer data calls over worker channels when it runs
-            on this node (None: every call through Ray).
+        channel: send the worker's per-layer data calls over worker channels (None: every
+            call through Ray).
     """
 
     # `out` is delivered by the channel, and dropped from a call that goes through Ray.

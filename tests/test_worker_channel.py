@@ -265,7 +265,7 @@ def test_pool_declines_calls_that_do_not_fit_and_workers_elsewhere(worker, arena
         far = ChannelPool("w0", off, elsewhere, NODE)
         assert await far.call("write", (worker.epoch(), 0, slots, k, v), {}) == (False, None)
         assert far.open_channels == 0
-        # Not retried before retry_after_s (30 s): no second address lookup.
+        # Not retried before retry_after_s (5 s): no second address lookup.
         assert await far.call("write", (worker.epoch(), 0, slots, k, v), {}) == (False, None)
         assert lookups == [False]
         # With remote channels on (the default), a worker elsewhere is reached over TCP.
