@@ -398,6 +398,9 @@ class ChannelPool:
             self._count += 1
             try:
                 return await self._open()
+            except asyncio.CancelledError:
+                self._count -= 1
+                raise
             except Exception as exc:
                 self._count -= 1
                 self._retry_at = time.monotonic() + self._options.retry_after_s

@@ -322,3 +322,41 @@ def test_payloads_larger_than_the_socket_buffers_arrive_whole(worker, arena_dir,
         chan.close()
 
     asyncio.run(run())
+
+
+def test_cancelled_callers_leave_the_pool_consistent(worker, arena_dir) -> None:
+    async def run():
+        slots, k, v, *_ = _step()
+        epoch = worker.epoch()
+        # Cancelled while its channel is being opened: the slot is given back.
+        started = asyncio.Event()
+
+        async def slow_address(tcp: bool):
+            started.set()
+            await asyncio.sleep(10)
+            raise AssertionError("not reached")
+
+        slow = ChannelPool("w0", ChannelOptions(directory=arena_dir), slow_address, NODE)
+        task = asyncio.ensure_future(slow.call("write", (epoch, 0, slots, k, v), {}))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert slow.open_channels == 0
+        # Cancelled while waiting for the one connection: the call holding it and the calls
+        # after it still get it.
+        pool = _pool(worker, arena_dir, connections=1)
+        assert (await pool.call("write", (epoch, 0, slots, k, v), {}))[0]
+        with worker._lock:  # the worker is busy: the first call waits for it
+            first = asyncio.ensure_future(pool.call("write", (epoch, 0, slots, k, v), {}))
+            second = asyncio.ensure_future(pool.call("write", (epoch, 0, slots, k, v), {}))
+            await asyncio.sleep(0.05)
+            second.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await second
+        assert (await first)[0]
+        assert (await pool.call("write", (epoch, 0, slots, k, v), {}))[0]
+        assert pool.open_channels == 1 and pool.calls == 3
+        pool.close()
+
+    asyncio.run(run())
