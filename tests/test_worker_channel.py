@@ -28,7 +28,7 @@ from cache_service.worker_channel import (
 )
 from workers.actor import PoolWorker
 from workers.channel_server import ChannelAddress
-from workers.channel_wire import HEADER, ArenaFull, frame
+from workers.channel_wire import HEADER, ArenaFull, ArenaTensor, frame
 from workers.config import PoolConfig
 from workers.errors import InvalidWorkerRequest, StaleEpochError, WorkerError, WorkerUnavailable
 from workers.layout import KVLayout
@@ -360,3 +360,35 @@ def test_cancelled_callers_leave_the_pool_consistent(worker, arena_dir) -> None:
         pool.close()
 
     asyncio.run(run())
+
+
+def test_malformed_requests_get_an_error_or_end_the_connection(worker, arena_dir) -> None:
+    # After a valid hello, over a raw socket: a message that is not a pickle gets an error
+    # reply and the connection goes on; a tensor reference outside the arena too; a
+    # payload on a shared arena (whose bytes never travel) ends the connection.
+    address = _address(worker)
+    path = os.path.join(arena_dir, "arena")
+    with open(path, "wb") as f:
+        f.write(b"\0" * 65536)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(address.socket_path)
+    s.settimeout(10)
+
+    def exchange(message: bytes, payload: int = 0) -> bytes:
+        s.sendall(frame(message, payload) + b"\0" * payload)
+        head = s.recv(HEADER.size, socket.MSG_WAITALL)
+        if not head:
+            return b""
+        n, _, _ = HEADER.unpack(head)
+        return s.recv(n, socket.MSG_WAITALL)
+
+    hello = {"token": address.token, "arena_path": path, "arena_bytes": 65536}
+    assert json.loads(exchange(json.dumps(hello).encode()))["ok"]
+    ok, err = pickle.loads(exchange(b"not a pickle"))
+    assert not ok and type(err).__name__ == "UnpicklingError"
+    outside = ArenaTensor(65536 - 4, "float32", (4,))
+    ok, err = pickle.loads(exchange(pickle.dumps(("attend", ("e", 0, outside), {}, 0))))
+    assert not ok and "outside the arena" in str(err)
+    assert exchange(b"x", payload=16) == b""  # closed by the worker
+    s.close()
+    assert worker.health().calls == 0
