@@ -389,6 +389,9 @@ def test_malformed_requests_get_an_error_or_end_the_connection(worker, arena_dir
     outside = ArenaTensor(65536 - 4, "float32", (4,))
     ok, err = pickle.loads(exchange(pickle.dumps(("attend", ("e", 0, outside), {}, 0))))
     assert not ok and "outside the arena" in str(err)
-    assert exchange(b"x", payload=16) == b""  # closed by the worker
+    try:
+        assert exchange(b"x", payload=16) == b""  # closed by the worker
+    except ConnectionResetError:  # ... before all of it was sent
+        pass
     s.close()
     assert worker.health().calls == 0
