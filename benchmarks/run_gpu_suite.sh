@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | local-pairs | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -301,6 +301,14 @@ channel-final)
   CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/bench_service.py --h200 --no-in-process \
     --transports local-shm --pairs 2 --out "$OUT/service-h200-ray.md" >> "$OUT/bench.log" 2>&1
   tail -12 "$OUT/service-h200-ray.md"
+  ;;
+local-pairs)
+  # The pool in the server's process over a local session, 2 alternating concurrency
+  # pairs: the two targets on the session's last code (the in-process path did
+  # not change this session but for the data-call counter).
+  CUDA_VISIBLE_DEVICES=0 timeout 320 python3 benchmarks/bench_service.py --h200 --no-ray \
+    --transports local-shm --pairs 2 --out "$OUT/service-h200.md" > "$OUT/bench.log" 2>&1
+  tail -12 "$OUT/service-h200.md"
   ;;
 profile-server)
   # One client's timeline at batch 32 (service_breakdown), then py-spy on the server's
