@@ -298,11 +298,18 @@ def _info(args: argparse.Namespace) -> int:
         )
     )
     t = Table(title="Workers")
-    for col in ("worker", "device", "blocks", "epoch", "up"):
+    for col in ("worker", "device", "blocks", "epoch", "up", "calls reach it by"):
         t.add_column(col)
     for w in info.workers:
+        path = w.data_path
+        shown = f"[yellow]{path}[/yellow]" if path == "ray" else path or "-"
         t.add_row(
-            w.worker_id, w.device, str(w.num_blocks), w.epoch, "yes" if w.up else "[red]no[/red]"
+            w.worker_id,
+            w.device,
+            str(w.num_blocks),
+            w.epoch,
+            "yes" if w.up else "[red]no[/red]",
+            shown,
         )
     console.print(t)
     return 0

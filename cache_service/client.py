@@ -200,13 +200,16 @@ def _error_from_rpc(exc: grpc.RpcError) -> KVCacheError:
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """One worker pool: id, device ("cuda:0", "cpu"), blocks, epoch, whether it serves."""
+    """One worker pool: id, device ("cuda:0", "cpu"), blocks, epoch, whether it serves, and
+    how the coordinator's per-layer calls reach it (`data_path`: "in_process",
+    "channel_unix", "channel_tcp", "ray"; "" from a server that does not say)."""
 
     worker_id: str
     device: str
     num_blocks: int
     epoch: str
     up: bool
+    data_path: str = ""
 
 
 @dataclass(frozen=True)
@@ -681,7 +684,8 @@ class KVCacheClient:
         )
         self._layout = layout
         workers = tuple(
-            WorkerInfo(w.worker_id, w.device, w.num_blocks, w.epoch, w.up) for w in r.workers
+            WorkerInfo(w.worker_id, w.device, w.num_blocks, w.epoch, w.up, w.data_path)
+            for w in r.workers
         )
         return ServiceInfo(
             layout=layout,

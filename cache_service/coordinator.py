@@ -623,6 +623,12 @@ class Coordinator:
         """Every known worker, in registration order."""
         return list(self._states.values())
 
+    def data_path(self, worker_id: str) -> str:
+        """How per-layer calls reach the worker ("in_process", "channel_unix",
+        "channel_tcp", "ray"; "" where its client does not say)."""
+        client = self._clients.get(worker_id)
+        return str(getattr(client, "data_path", "")) if client is not None else ""
+
     def stats(self) -> Any:
         """The control plane's `CacheStats` snapshot."""
         return self.block_manager.stats()

@@ -242,6 +242,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                     num_blocks=w.num_blocks,
                     epoch=w.epoch,
                     up=w.up,
+                    data_path=self._coord.data_path(w.worker_id),
                 )
                 for w in workers
             ],

@@ -327,11 +327,18 @@ class ChannelPool:
         self._waiters: collections.deque[asyncio.Future[WorkerChannel | None]] = collections.deque()
         self._retry_at = 0.0
         self._closed = False
+        self._transport: str | None = None
         self.calls = 0  # calls the channel answered (the rest went through Ray)
 
     @property
     def open_channels(self) -> int:
         return self._count
+
+    @property
+    def transport(self) -> str | None:
+        """ "channel_unix" or "channel_tcp" while a channel is open and idle or in use, else
+        None."""
+        return self._transport if self._count else None
 
     async def call(
         self,
@@ -437,6 +444,7 @@ class ChannelPool:
         if self._closed:
             chan.close()
             raise ConnectionAbortedError("the client closed meanwhile")
+        self._transport = "channel_tcp" if tcp else "channel_unix"
         log.info(
             "worker channel open",
             extra={

@@ -312,6 +312,14 @@ class RayWorkerClient(_WorkerClientBase):
         return cls(worker_id, handle, call_timeout_s=call_timeout_s, channel=channel)
 
     @property
+    def data_path(self) -> str:
+        """How per-layer calls reach the worker now: "channel_unix" or "channel_tcp" while a
+        worker channel is open, else "ray"."""
+        if self._channels is None:
+            return "ray"
+        return self._channels.transport or "ray"
+
+    @property
     def channel_calls(self) -> int:
         """Per-layer data calls the worker channel answered so far."""
         return 0 if self._channels is None else self._channels.calls
@@ -413,6 +421,8 @@ class LocalWorkerClient(_WorkerClientBase):
         {"write_and_attend", "attend", "write_and_attend_pages", "attend_pages"}
     )
     _accepts_out = True
+    # How per-layer calls reach the worker (GetInfo's WorkerInfo.data_path).
+    data_path = "in_process"
 
     def __init__(
         self,

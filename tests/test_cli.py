@@ -61,6 +61,7 @@ def test_info_and_stats_against_a_server(capsys) -> None:
         assert main(["info", "--target", svc.address]) == 0
         out = capsys.readouterr().out
         assert "w0" in out and "w1" in out and "capacity 32 blocks" in out
+        assert out.count("in_process") == 2  # how the per-layer calls reach each worker
         # The console wraps long lines: compare without line breaks.
         assert f"local sessions at {svc.service.local_sessions.path}" in out.replace("\n", "")
         assert main(["stats", "--target", svc.address]) == 0

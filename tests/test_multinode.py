@@ -369,6 +369,8 @@ def test_two_node_cluster_loses_and_regains_a_node(cluster: Cluster) -> None:
             calls = "kvcache_worker_data_calls_total"
             assert samples[(calls, (("path", "channel"), ("worker", w)))] > 0, w
             assert samples.get((calls, (("path", "ray"), ("worker", w))), 0) == 0, w
+        paths = {w.worker_id: w.data_path for w in client.info().workers}
+        assert paths == {w_head: "channel_unix", w_second: "channel_tcp"}, paths
 
         # The second node dies (SIGKILL of its whole process group: a crash).
         cluster.kill("second", signal.SIGKILL)

@@ -185,6 +185,11 @@ def test_clients_sharing_a_prefix_over_ray_workers(svc) -> None:
     clients = svc.coordinator._clients.values()
     calls = [(c.channel_calls, c.ray_data_calls) for c in clients]
     assert sum(c for c, _ in calls) > 0 and all(r == 0 for _, r in calls), calls
+    # GetInfo says how each worker is reached: over its channel once one was opened.
+    with KVCacheClient(svc.address) as client:
+        paths = {w.worker_id: w.data_path for w in client.info().workers}
+    for c in clients:
+        assert paths[c.worker_id] == ("channel_unix" if c.channel_calls else "ray"), paths
     # ... and the service counted them so (kvcache_worker_data_calls_total).
     registry = svc.service.metrics.registry
     for c in clients:

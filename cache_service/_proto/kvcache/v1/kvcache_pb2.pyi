@@ -65,18 +65,20 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[_Union[DType, str]] = ..., fingerprint: _Optional[str] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "device", "num_blocks", "epoch", "up")
+    __slots__ = ("worker_id", "device", "num_blocks", "epoch", "up", "data_path")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
+    DATA_PATH_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     device: str
     num_blocks: int
     epoch: str
     up: bool
-    def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[str] = ..., up: _Optional[bool] = ...) -> None: ...
+    data_path: str
+    def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., num_blocks: _Optional[int] = ..., epoch: _Optional[str] = ..., up: _Optional[bool] = ..., data_path: _Optional[str] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
