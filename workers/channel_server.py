@@ -164,12 +164,13 @@ class ChannelServer:
     # -- internals ----------------------------------------------------------------------
 
     def _start_accepting(self, listener: socket.socket, *, tcp: bool) -> None:
-        threading.Thread(
-            target=self._accept_forever,
-            args=(listener, tcp),
-            name=f"kvchannel-{self._name}-{'tcp' if tcp else 'unix'}",
-            daemon=True,
-        ).start()
+        kind = "tcp" if tcp else "unix"
+        self._thread(self._accept_forever, (listener, tcp), kind)
+
+    def _thread(self, target: Callable[..., None], args: tuple[Any, ...], kind: str) -> None:
+        """Run ``target(*args)`` on a daemon thread of its own (named for py-spy and logs)."""
+        name = f"kvchannel-{self._name}-{kind}"
+        threading.Thread(target=target, args=args, name=name, daemon=True).start()
 
     def _accept_forever(self, listener: socket.socket, tcp: bool) -> None:
         while True:
@@ -184,12 +185,7 @@ class ChannelServer:
                 self._connections.add(conn)
             if tcp:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(
-                target=self._serve,
-                args=(conn, tcp),
-                name=f"kvchannel-{self._name}-conn",
-                daemon=True,
-            ).start()
+            self._thread(self._serve, (conn, tcp), "conn")
 
     def _serve(self, conn: socket.socket, tcp: bool) -> None:
         arena: _Arena | None = None
