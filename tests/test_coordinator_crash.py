@@ -166,11 +166,13 @@ class Processes:
         self.procs.append(proc)
         return proc
 
-    def log(self, name: str) -> str:
+    def log(self, name: str, tail: int | None = 4000) -> str:
+        """The process's log (its last `tail` characters; None: all of it)."""
         try:
-            return (self.tmp / f"{name}.log").read_text(errors="replace")[-4000:]
+            text = (self.tmp / f"{name}.log").read_text(errors="replace")
         except OSError:
             return ""
+        return text if tail is None else text[-tail:]
 
     def start_head(self) -> None:
         port = self.gcs.rsplit(":", 1)[1]
@@ -193,7 +195,11 @@ class Processes:
         }
         argv = [RAY, "start", "--head", "--block", "--disable-usage-stats"]
         self.spawn("head", argv + [f"--{k}={v}" for k, v in flags.items()])
-        wait_until("the Ray head", lambda: "Ray runtime started" in self.log("head"), 60)
+        # The whole log: what Ray prints after this line can be longer than a tail.
+        try:
+            wait_until("the Ray head", lambda: "Ray runtime started" in self.log("head", None), 60)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; its log ends:\n{self.log('head')}") from None
 
     def serve(self, name: str, config: Path) -> subprocess.Popen[bytes]:
         return self.spawn(name, [sys.executable, "-m", "cache_service.cli", "serve", "--config",
