@@ -14,7 +14,10 @@ import dataclasses
 import json
 import os
 import pickle
+import shutil
 import socket
+import tempfile
+import time
 
 import pytest
 import torch
@@ -27,7 +30,7 @@ from cache_service.worker_channel import (
     WorkerChannel,
 )
 from workers.actor import PoolWorker
-from workers.channel_server import ChannelAddress
+from workers.channel_server import ChannelAddress, ChannelServer
 from workers.channel_wire import HEADER, ArenaFull, ArenaTensor, frame
 from workers.config import PoolConfig
 from workers.errors import InvalidWorkerRequest, StaleEpochError, WorkerError, WorkerUnavailable
@@ -395,3 +398,26 @@ def test_malformed_requests_get_an_error_or_end_the_connection(worker, arena_dir
         pass
     s.close()
     assert worker.health().calls == 0
+
+
+def test_a_new_server_removes_the_socket_directories_of_dead_ones(worker) -> None:
+    # A worker killed outright leaves its socket's directory behind; the next server of the
+    # user removes it once it is a minute old, and leaves live servers' directories alone.
+    root = tempfile.gettempdir()
+    dead = tempfile.mkdtemp(prefix="kvcache-channel-")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(os.path.join(dead, "socket"))
+    s.close()  # the socket file stays, nobody listens
+    fresh = tempfile.mkdtemp(prefix="kvcache-channel-")  # a server starting right now
+    old = time.time() - 120
+    os.utime(dead, (old, old))
+    live = os.path.dirname(worker.channel_address().socket_path)
+    os.utime(live, (old, old))
+    other = ChannelServer(lambda *a: None, pin_for_cuda=False, node_id=None, name="other")
+    try:
+        left = set(os.listdir(root))
+        assert os.path.basename(dead) not in left
+        assert os.path.basename(fresh) in left and os.path.basename(live) in left
+    finally:
+        other.close()
+        shutil.rmtree(fresh, ignore_errors=True)

@@ -35,6 +35,7 @@ import socket
 import stat
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,11 @@ CHANNEL_METHODS = frozenset(
         "reference_attend",
     }
 )
+
+# Each server's socket lives in a directory of its own, "<temp dir>/<_DIR_PREFIX>xxxx";
+# one without a listening server and unchanged this long is removed by the next server.
+_DIR_PREFIX = "kvcache-channel-"
+_STALE_AFTER_S = 60.0
 
 # Requests carry only small values besides their payload; a longer message is an error.
 _MAX_MESSAGE_BYTES = 64 << 20
@@ -112,7 +118,8 @@ class ChannelServer:
         self._call = call
         self._pin = pin_for_cuda
         self._name = name
-        self._dir = tempfile.mkdtemp(prefix="kvcache-channel-")  # mode 0700
+        _remove_stale_sockets()
+        self._dir = tempfile.mkdtemp(prefix=_DIR_PREFIX)  # mode 0700
         path = os.path.join(self._dir, "socket")
         unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         unix.bind(path)
@@ -311,6 +318,36 @@ class _Arena:
             except BufferError:
                 # A view of it is still referenced somewhere: the mapping goes when that does.
                 log.warning("a worker channel's arena is still in use; left mapped")
+
+
+def _remove_stale_sockets() -> None:
+    """Remove the socket directories of this user's channel servers that are gone: a worker
+    killed outright (Ray kills actors with SIGKILL) never removes its own. A directory
+    whose socket refuses connections (or that has none) has no server; one that answers,
+    or was changed in the last minute (a server starting), is left alone."""
+    root = tempfile.gettempdir()
+    now = time.time()
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(_DIR_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        directory = os.path.join(root, name)
+        try:
+            info = os.stat(directory)
+            if info.st_uid != os.getuid() or now - info.st_mtime < _STALE_AFTER_S:
+                continue
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(os.path.join(directory, "socket"))
+                continue  # a live server
+            except (ConnectionRefusedError, FileNotFoundError):
+                pass
+            finally:
+                probe.close()
+        except OSError:
+            continue
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _read_hello(conn: socket.socket) -> dict[str, Any]:
