@@ -201,8 +201,9 @@ def _error_from_rpc(exc: grpc.RpcError) -> KVCacheError:
 @dataclass(frozen=True)
 class WorkerInfo:
     """One worker pool: id, device ("cuda:0", "cpu"), blocks, epoch, whether it serves, and
-    how the coordinator's per-layer calls reach it (`data_path`: "in_process",
-    "channel_unix", "channel_tcp", "ray"; "" from a server that does not say)."""
+    how the coordinator's per-layer calls reach it (`data_path`: "in_process"; for a Ray
+    worker the last call's "channel_unix", "channel_tcp" or "ray"; "" before the first, or
+    from a server that does not say)."""
 
     worker_id: str
     device: str

@@ -624,8 +624,9 @@ class Coordinator:
         return list(self._states.values())
 
     def data_path(self, worker_id: str) -> str:
-        """How per-layer calls reach the worker ("in_process", "channel_unix",
-        "channel_tcp", "ray"; "" where its client does not say)."""
+        """How per-layer calls reach the worker ("in_process"; for a Ray worker the last
+        call's "channel_unix", "channel_tcp" or "ray"; "" before the first, or where its
+        client does not say)."""
         client = self._clients.get(worker_id)
         return str(getattr(client, "data_path", "")) if client is not None else ""
 

@@ -294,6 +294,7 @@ class RayWorkerClient(_WorkerClientBase):
         self._timeout = call_timeout_s
         self._channels: ChannelPool | None = None
         self._ray_data_calls = 0
+        self._last_path = ""
         if channel is not None:
             self._channels = ChannelPool(
                 worker_id, channel, self._channel_address, _local_node(), call_timeout_s
@@ -313,11 +314,9 @@ class RayWorkerClient(_WorkerClientBase):
 
     @property
     def data_path(self) -> str:
-        """How per-layer calls reach the worker now: "channel_unix" or "channel_tcp" while a
-        worker channel is open, else "ray"."""
-        if self._channels is None:
-            return "ray"
-        return self._channels.transport or "ray"
+        """How the last per-layer call reached the worker: "channel_unix" or "channel_tcp"
+        (a worker channel), "ray" (a Ray actor call); "" before the first."""
+        return self._last_path
 
     @property
     def channel_calls(self) -> int:
@@ -357,10 +356,12 @@ class RayWorkerClient(_WorkerClientBase):
         if self._channels is not None:
             done, value = await self._channels.call(method, args, kwargs, out)
             if done:
+                self._last_path = self._channels.transport or "channel_unix"
                 if self._on_data_call is not None:
                     self._on_data_call(self._worker_id, "channel")
                 return value
         self._ray_data_calls += 1
+        self._last_path = "ray"
         if self._on_data_call is not None:
             self._on_data_call(self._worker_id, "ray")
         return await self.resolve(self.submit(method, *args, **kwargs))
