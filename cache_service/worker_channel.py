@@ -175,13 +175,16 @@ class WorkerChannel:
     Use :meth:`connect`.
     """
 
-    def __init__(self, conn: _Connection, arena: torch.Tensor, shared: bool, pinned: bool) -> None:
+    def __init__(
+        self, conn: _Connection, arena: torch.Tensor, shared: bool, pinned: bool, tcp: bool
+    ) -> None:
         self._conn = conn
         self._views = ArenaViews(arena)
         self._bytes = None if shared else memoryview(arena.numpy())
         self.shared = shared  # the arena is shared memory (else its bytes travel)
         self.pinned = pinned  # whether the worker page-locked its arena for CUDA
-        self.closed = False
+        # The data path it gives its calls (WorkerInfo.data_path).
+        self.path = "channel_tcp" if tcp else "channel_unix"
 
     @classmethod
     async def connect(
@@ -238,11 +241,10 @@ class WorkerChannel:
         finally:
             if path is not None:
                 unlink_quietly(path)  # both ends hold their mapping; nothing left in /dev/shm
-        return cls(conn, arena, shared, bool(answer.get("pinned")))
+        return cls(conn, arena, shared, bool(answer.get("pinned")), tcp)
 
     def close(self) -> None:
         """Close the connection (the arena goes with the last reference to it)."""
-        self.closed = True
         self._conn._fail(ChannelBroken("closed by the coordinator"))
 
     async def call(
@@ -327,18 +329,11 @@ class ChannelPool:
         self._waiters: collections.deque[asyncio.Future[WorkerChannel | None]] = collections.deque()
         self._retry_at = 0.0
         self._closed = False
-        self._transport: str | None = None
         self.calls = 0  # calls the channel answered (the rest went through Ray)
 
     @property
     def open_channels(self) -> int:
         return self._count
-
-    @property
-    def transport(self) -> str | None:
-        """ "channel_unix" or "channel_tcp" while a channel is open and idle or in use, else
-        None."""
-        return self._transport if self._count else None
 
     async def call(
         self,
@@ -346,9 +341,10 @@ class ChannelPool:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         out: torch.Tensor | None = None,
-    ) -> tuple[bool, Any]:
-        """``(True, result)`` when a channel ran the call; ``(False, None)`` when the caller
-        must make a Ray call instead (no channel, arena too small, connection broke).
+    ) -> tuple[str | None, Any]:
+        """``(path, result)`` when a channel ran the call (``path``: its
+        :attr:`WorkerChannel.path`); ``(None, None)`` when the caller must make a Ray call
+        instead (no channel, arena too small, connection broke).
 
         Raises:
             WorkerError: the worker's error (one that is not a WorkerError is wrapped).
@@ -356,20 +352,20 @@ class ChannelPool:
         """
         chan = await self._take()
         if chan is None:
-            return False, None
+            return None, None
         try:
             async with asyncio.timeout(self._timeout):
                 ok, value = await chan.call(method, args, kwargs, out)
         except ArenaFull:
             self._give(chan)
-            return False, None
+            return None, None
         except ChannelBroken as exc:
             self._drop(chan)
             log.warning(
                 "worker channel broke; the call goes through Ray",
                 extra={"worker": self._worker_id, "reason": str(exc)},
             )
-            return False, None
+            return None, None
         except TimeoutError:
             self._drop(chan)
             raise WorkerUnavailable(
@@ -383,7 +379,7 @@ class ChannelPool:
         self._give(chan)
         if ok:
             self.calls += 1
-            return True, value
+            return chan.path, value
         if isinstance(value, WorkerError):
             raise value
         raise WorkerError(f"worker {self._worker_id!r} failed: {value!r}")
@@ -444,7 +440,6 @@ class ChannelPool:
         if self._closed:
             chan.close()
             raise ConnectionAbortedError("the client closed meanwhile")
-        self._transport = "channel_tcp" if tcp else "channel_unix"
         log.info(
             "worker channel open",
             extra={

@@ -354,9 +354,9 @@ class RayWorkerClient(_WorkerClientBase):
         if method not in CHANNEL_METHODS:
             return await self.resolve(self.submit(method, *args, **kwargs))
         if self._channels is not None:
-            done, value = await self._channels.call(method, args, kwargs, out)
-            if done:
-                self._last_path = self._channels.transport or "channel_unix"
+            path, value = await self._channels.call(method, args, kwargs, out)
+            if path is not None:
+                self._last_path = path
                 if self._on_data_call is not None:
                     self._on_data_call(self._worker_id, "channel")
                 return value

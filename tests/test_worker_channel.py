@@ -238,7 +238,7 @@ def test_pool_declines_when_the_connection_breaks_and_reopens_later(worker, aren
         epoch = worker.epoch()
         assert (await pool.call("write", (epoch, 0, slots, k, v), {}))[0]
         worker.close_channel()  # the worker side goes away (as when its process dies)
-        assert await pool.call("write", (epoch, 0, slots, k, v), {}) == (False, None)
+        assert await pool.call("write", (epoch, 0, slots, k, v), {}) == (None, None)
         assert pool.open_channels == 0
         # A new server: the next call opens a channel to it.
         assert (await pool.call("write", (epoch, 0, slots, k, v), {}))[0]
@@ -252,7 +252,7 @@ def test_pool_declines_calls_that_do_not_fit_and_workers_elsewhere(worker, arena
     async def run():
         pool = _pool(worker, arena_dir, arena_bytes=1 << 16)
         big = torch.zeros(1 << 14, 2, 16)
-        assert await pool.call("write", (worker.epoch(), 0, [0], big, big), {}) == (False, None)
+        assert await pool.call("write", (worker.epoch(), 0, [0], big, big), {}) == (None, None)
         assert pool.open_channels == 1  # kept for calls that fit
         pool.close()
 
@@ -266,15 +266,16 @@ def test_pool_declines_calls_that_do_not_fit_and_workers_elsewhere(worker, arena
         slots, k, v, *_ = _step()
         off = ChannelOptions(directory=arena_dir, remote=False)
         far = ChannelPool("w0", off, elsewhere, NODE)
-        assert await far.call("write", (worker.epoch(), 0, slots, k, v), {}) == (False, None)
+        assert await far.call("write", (worker.epoch(), 0, slots, k, v), {}) == (None, None)
         assert far.open_channels == 0
         # Not retried before retry_after_s (5 s): no second address lookup.
-        assert await far.call("write", (worker.epoch(), 0, slots, k, v), {}) == (False, None)
+        assert await far.call("write", (worker.epoch(), 0, slots, k, v), {}) == (None, None)
         assert lookups == [False]
         # With remote channels on (the default), a worker elsewhere is reached over TCP.
         remote = ChannelPool("w0", ChannelOptions(directory=arena_dir), elsewhere, NODE)
         done, _ = await remote.call("write", (worker.epoch(), 0, slots, k, v), {})
-        assert done and lookups == [False, False, True] and not remote._idle[0].shared
+        assert done == "channel_tcp" and lookups == [False, False, True]
+        assert not remote._idle[0].shared
         remote.close()
 
     asyncio.run(run())
