@@ -22,10 +22,11 @@ the same way; tensors that arrive unpacked work too.
 
 The per-layer data calls can also arrive over the worker channel
 (:meth:`PoolWorker.channel_address`, :mod:`workers.channel_server`): a Unix socket and an
-arena in shared memory, for a caller on the same node, where a Ray call would cost
-milliseconds. Ray runs an actor's calls one at a time and the channel runs its calls on
-threads of its own, so every data call takes the worker's lock: pool updates stay
-serialised whichever way they came.
+arena in shared memory for a caller on the same node, TCP for one on another, where a Ray
+call would cost milliseconds. Their results stay plain tensors (packing is for Ray's trip).
+Ray runs an actor's calls one at a time and the channel runs its calls on threads of its
+own, so every data call takes the worker's lock: pool updates stay serialised whichever
+way they came.
 """
 
 from __future__ import annotations
@@ -45,11 +46,14 @@ from workers.description import FencedEpoch, WorkerDescription, WorkerHealth
 from workers.errors import StaleCoordinatorError, StaleEpochError
 from workers.fingerprints import BadSlot
 from workers.pool import AttendResult, IndexLike, KVPool
-from workers.transport import pack_result, unpack, unpack_result
+from workers.transport import pack_result, unpack
 
 __all__ = ["PoolWorker", "PoolWorkerActor", "new_epoch"]
 
 _T = TypeVar("_T")
+
+# Marks the channel's threads (PoolWorker._channel_call): their results are not packed.
+_channel_thread = threading.local()
 
 
 def new_epoch() -> str:
@@ -392,8 +396,10 @@ class PoolWorker:
         return self._run(epoch, lambda: _to_host(op(*args, **kwargs)), readonly=readonly)
 
     def _channel_call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A data method called by the channel: its result with plain tensors."""
-        return unpack_result(getattr(self, method)(*args, **kwargs))
+        """A data method called by the channel (on one of its threads, which run nothing
+        else): its result with plain tensors, never packed for Ray."""
+        _channel_thread.active = True
+        return getattr(self, method)(*args, **kwargs)
 
     def _check_generation(self, generation: int) -> None:
         if self._generation is not None and generation < self._generation:
@@ -402,7 +408,7 @@ class PoolWorker:
     def _run(self, epoch: str | FencedEpoch, op: Callable[[], _T], *, readonly: bool = False) -> _T:
         with self._lock:
             result = self._fenced_run(epoch, op)
-        if self._pack_results:
+        if self._pack_results and not getattr(_channel_thread, "active", False):
             return pack_result(result, readonly=readonly)
         return result
 

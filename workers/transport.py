@@ -30,7 +30,6 @@ __all__ = [
     "pack",
     "pack_result",
     "unpack",
-    "unpack_result",
 ]
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -129,14 +128,6 @@ def unpack(obj: Any) -> Any:
     if isinstance(obj, PackedTensor):
         return _rebuild(obj.data, obj.dtype, obj.shape, obj.readonly)
     return obj
-
-
-def unpack_result(value: Any) -> Any:
-    """The inverse of :func:`pack_result` in the process that packed: every PackedTensor
-    (itself, or the items of a tuple/list) as its torch tensor."""
-    if type(value) in (tuple, list):
-        return type(value)(unpack_result(v) for v in value)
-    return unpack(value)
 
 
 def _rebuild(data: np.ndarray, dtype: str, shape: tuple[int, ...], readonly: bool) -> torch.Tensor:
