@@ -228,9 +228,8 @@ class WorkerBatch:
 def _block_table(rows: list[tuple[int, ...] | np.ndarray]) -> np.ndarray:
     """int32 ``[len(rows), w]``, w the longest row padded as the kernels want it
     (`workers.kernel_warmup.padded_table_width`), each row zero-padded: one array for the
-    whole batch. Arrays
-    (from :class:`OneWorkerView`) are copied in with numpy; tuples go through one flat list
-    (numpy parses nested lists slowly)."""
+    whole batch. Arrays (from :class:`OneWorkerView`) are copied in with numpy; tuples go
+    through one flat list (numpy parses nested lists slowly)."""
     lengths = [len(r) for r in rows]
     width = padded_table_width(max(lengths))
     if all(type(r) is np.ndarray for r in rows):
