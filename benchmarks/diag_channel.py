@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import threading
 import time
 import uuid
 from typing import Any
@@ -55,18 +56,40 @@ def _inputs(layout: KVLayout, q_heads: int, batch: int, context: int) -> dict[st
     }
 
 
-def _in_actor(worker: Any, epoch: str, x: dict[str, Any], layers: int, calls: int) -> list[float]:
-    """Runs inside the actor: write_and_attend on page-locked copies of the inputs."""
+def _in_actor(
+    worker: Any,
+    epoch: str,
+    x: dict[str, Any],
+    layers: int,
+    calls: int,
+    pause_s: float = 0.0,
+    thread: bool = False,
+) -> list[float]:
+    """Runs inside the actor: write_and_attend on page-locked copies of the inputs, one call
+    after another, or `pause_s` of sleep between calls (as a decode loop's calls arrive),
+    on the actor's thread or (`thread`) on a new one (as the channel's calls run)."""
     pinned = {k: v.pin_memory() if torch.cuda.is_available() else v for k, v in x.items()}
     out = torch.empty_like(pinned["query"])
-    times = []
-    for i in range(calls):
-        t0 = time.perf_counter()
-        worker.write_and_attend(
-            epoch, i % layers, pinned["slots"], pinned["key"], pinned["key"], pinned["query"],
-            pinned["tables"], pinned["lens"], pinned["qsl"], metadata_key=1, out=out,
-        )  # fmt: skip
-        times.append(time.perf_counter() - t0)
+    times: list[float] = []
+
+    def loop() -> None:
+        for i in range(calls):
+            if pause_s:
+                time.sleep(pause_s)
+            t0 = time.perf_counter()
+            worker.write_and_attend(
+                epoch, i % layers, pinned["slots"], pinned["key"], pinned["key"],
+                pinned["query"], pinned["tables"], pinned["lens"], pinned["qsl"],
+                metadata_key=1, out=out,
+            )  # fmt: skip
+            times.append(time.perf_counter() - t0)
+
+    if thread:
+        runner = threading.Thread(target=loop)
+        runner.start()
+        runner.join()
+    else:
+        loop()
     return times
 
 
@@ -142,6 +165,9 @@ def main() -> None:
     parser.add_argument("--h200", action="store_true", help="Llama-3-8B layout, batch 32, 2048")
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--tcp", action="store_true", help="the channel over TCP")
+    parser.add_argument(
+        "--pause-ms", type=float, default=1.0, help="sleep between in-actor calls (second rows)"
+    )
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if args.h200:
@@ -159,9 +185,15 @@ def main() -> None:
         epoch = ray.get(handle.epoch.remote())
         x = _inputs(layout, q_heads, batch, context)
         layers = layout.num_layers
-        in_actor = ray.get(
-            handle.__ray_call__.remote(_in_actor, epoch, x, layers, args.calls + 20)
-        )[20:]
+        in_actor = {
+            (pause, thread): ray.get(
+                handle.__ray_call__.remote(
+                    _in_actor, epoch, x, layers, args.calls + 20, pause, thread
+                )
+            )[20:]
+            for pause in (0.0, args.pause_ms / 1e3)
+            for thread in (False, True)
+        }
         ray.get(handle.channel_address.remote())
         ray.get(handle.__ray_call__.remote(_instrument))
         timings = asyncio.run(
@@ -172,7 +204,10 @@ def main() -> None:
               f"{layers} layers, {args.calls} calls per path, channel over "
               f"{'TCP' if args.tcp else 'a Unix socket and shared memory'}")  # fmt: skip
         print("| path | p50 ms | p90 ms | p99 ms |\n| --- | ---: | ---: | ---: |")
-        print(_row("in actor: PoolWorker.write_and_attend", in_actor))
+        for (pause, thread), times in in_actor.items():
+            how = f"{pause * 1e3:g} ms apart" if pause else "back to back"
+            where = "a new thread" if thread else "the actor's thread"
+            print(_row(f"in actor: PoolWorker.write_and_attend, {how}, on {where}", times))
         print(_row("channel: round trip from the caller", timings["channel"]))
         print(_row("channel: server's answer (in the actor)", server["answer"][20:]))
         print(_row("channel: the call alone (in the actor)", server["call"][20:]))

@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | local-pairs | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | local-pairs | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -301,6 +301,22 @@ channel-final)
   CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/bench_service.py --h200 --no-in-process \
     --transports local-shm --pairs 2 --out "$OUT/service-h200-ray.md" >> "$OUT/bench.log" 2>&1
   tail -12 "$OUT/service-h200-ray.md"
+  ;;
+ray-breakdown)
+  # Where one per-layer call's time goes (service_breakdown.py, batch 32 at 2048, one client
+  # over a local session), the pool in the server's process against the pool behind a Ray
+  # actor over its worker channel, with the real pool and with a zero-cost one; then
+  # diag_channel with the in-actor call timed back to back and 1 ms apart, on the actor's
+  # thread and on a new one (is the channel's slower call the thread or the pause?).
+  for stub in "" --stub; do
+    for ray in "" --ray; do
+      echo "== breakdown ${ray:-in-process} ${stub:-real}"
+      CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/service_breakdown.py --device cuda \
+        --layers 32 --steps 20 --transport local-shm $ray $stub 2>&1 | grep -v "WARNING\|INFO"
+    done
+  done 2>&1 | tee "$OUT/breakdown.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/diag_channel.py --h200 --calls 1000 \
+    2>&1 | grep -v "WARNING\|INFO" | tee "$OUT/diag-channel.log"
   ;;
 local-pairs)
   # The pool in the server's process over a local session, 2 alternating concurrency

@@ -1,8 +1,10 @@
 """Where the time of one append-and-attend RPC goes (a diagnostic).
 
-One client process runs decode steps against a service whose pools live in this process;
-per call it reports the client's end-to-end time, the servicer handler's time, the worker
-call's time (thread hop + pool work), the metrics' mean and the server process's CPU time,
+One client process runs decode steps against a service whose pools live in this process
+(or, with ``--ray``, in a Ray actor reached over its worker channel); per call it reports
+the client's end-to-end time, the servicer handler's time, the worker call's time (thread
+hop + pool work; over the channel: the round trip, and inside the actor the server's answer
+and the call in it), the metrics' mean and the server process's CPU time,
 and the call's timeline across both processes (perf_counter is one system-wide monotonic
 clock): the client's work before it sends, the request's transit into the servicer, the
 session call on the server, the reply's transit back, the client's work after it.
@@ -105,7 +107,8 @@ async def main(args):
     from cache_service import server as srv
     from cache_service.config import ServiceConfig
 
-    if args.stub:
+    def stub_pool() -> None:
+        """The pool's write-and-attend as a zero-cost fake (in this process)."""
         import workers.pool as wp
 
         def fake(
@@ -129,6 +132,9 @@ async def main(args):
             return out
 
         wp.KVPool.write_and_attend = fake
+
+    if args.stub:
+        stub_pool()
     handler_times = []
     session = TRANSPORTS[args.transport].session
     # The handler body both the unary RPC and the session call run; the metric the call
@@ -175,6 +181,17 @@ async def main(args):
                 inv_times.append(time.perf_counter() - t0)
 
     wcm.LocalWorkerClient._invoke = inv
+    orig_ray_inv = wcm.RayWorkerClient._invoke
+
+    async def ray_inv(self, method, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return await orig_ray_inv(self, method, *a, **k)
+        finally:
+            if rec["on"] and method in ("write_and_attend", "write_and_attend_pages"):
+                inv_times.append(time.perf_counter() - t0)
+
+    wcm.RayWorkerClient._invoke = ray_inv
     cfg = ServiceConfig().with_overrides(
         {
             "server.port": 0,
@@ -190,7 +207,8 @@ async def main(args):
             * (-(-(args.context + 3 + args.steps + 2) // 16))
             + 64,
             "workers.device": args.device,
-            "workers.in_process": True,
+            "workers.in_process": not args.ray,
+            "workers.ray_num_cpus": 2 if args.device == "cpu" else None,
             "coordinator.batch_window_ms": 0.5,
             "coordinator.correctness_check_fraction": 0.0,
             "coordinator.health_check_interval_s": 0,
@@ -198,6 +216,18 @@ async def main(args):
         }
     )
     running = await srv.start_service(cfg)
+    loop = asyncio.get_running_loop()
+    handles = []
+    if args.ray:
+        import ray
+        from diag_channel import _instrument
+
+        handles = [c.handle for c in running.coordinator._clients.values()]
+        if args.stub:
+            for h in handles:
+                await loop.run_in_executor(
+                    None, ray.get, h.__ray_call__.remote(lambda w: stub_pool())
+                )
     loop = asyncio.get_running_loop()
     parent, child = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(
@@ -218,6 +248,8 @@ async def main(args):
     try:
         msg = await loop.run_in_executor(None, parent.recv)
         assert msg == "ready"
+        for h in handles:  # the channel is open by now (the warm-up steps)
+            await loop.run_in_executor(None, ray.get, h.__ray_call__.remote(_instrument))
         hist = running.metrics.rpc_duration
 
         def hsum():
@@ -250,6 +282,13 @@ async def main(args):
         server_cpu = (time.process_time() - cpu0) / len(handler_times)
         wall = (time.perf_counter() - wall0) / len(handler_times)
         s1, c1 = hsum()
+        in_actor = {"answer": [], "call": []}
+        for h in handles:
+            diag = await loop.run_in_executor(
+                None, ray.get, h.__ray_call__.remote(lambda w: w.diag)
+            )
+            for k in in_actor:
+                in_actor[k] += diag[k]
         parent.send("bye")
         await loop.run_in_executor(None, proc.join)
     finally:
@@ -266,6 +305,9 @@ async def main(args):
     print(f"client process CPU: {client_cpu * 1e3:.3f} ms per call (all its threads)")
     print("servicer handler:  ", ms(handler_times))
     print("worker invoke:     ", ms(inv_times))
+    if handles and in_actor["call"]:
+        print("  in the actor, the channel server's answer:", ms(in_actor["answer"]))
+        print("  in the actor, the call in it:             ", ms(in_actor["call"]))
     print(f"interceptor mean:   {(s1 - s0) / (c1 - c0) * 1e3:.3f} ms over {int(c1 - c0)} calls")
     print(
         f"server process CPU: {server_cpu * 1e3:.3f} ms per call (all its threads; wall "
@@ -316,6 +358,7 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--ray", action="store_true", help="the pool in a Ray actor (worker channel)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     asyncio.run(main(args))

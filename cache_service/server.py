@@ -1013,6 +1013,7 @@ async def start_service(
             on_change=metrics.set_shared_memory,
             pin_for_cuda=pin,
             zero_copy=pin or channels,
+            share_with_workers=channels,
         )
         cleanups.append(regions.close)
         servicer = KVCacheServicer(

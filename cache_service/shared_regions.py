@@ -18,7 +18,11 @@ The exceptions (`zero_copy`) are a server whose pools are CUDA pools in its own 
 which the pool copies to the GPU by DMA; and a server whose Ray workers are reached over
 worker channels, where the views are copied into the channel's arena (the copy that
 remains), so a copy out of the region first would be a second one. The view is the copy
-that is avoided, and the region stays mapped until the call ends. What a client changes in its region during its own call can then change
+that is avoided, and the region stays mapped until the call ends. A server whose worker
+channels may name region files to the workers (`share_with_workers`, channels over shared
+memory) records each region's mapping in `workers.shared_files.SHARED_FILES` while its file
+exists: a worker on this node then maps the file and reads the view's bytes where they lie
+(and writes an output produced in place there), with no copy at all. What a client changes in its region during its own call can then change
 what is written to its own sequences (as sending other values would), nothing else: the
 coordinator's checks of shapes and finiteness still ran, and no other tenant's region or
 block is reachable.
@@ -60,7 +64,7 @@ from cache_service.errors import (
 )
 from cache_service.tensor_codec import tensor_from_bytes, tensor_payload
 from workers.cuda_pinning import pin, unpin
-from workers.shared_files import NoRoom, create_mapped, unlink_quietly
+from workers.shared_files import SHARED_FILES, NoRoom, create_mapped, unlink_quietly
 
 __all__ = ["OutputSlot", "RegionInfo", "RegionReader", "SharedRegions", "default_directory"]
 
@@ -318,6 +322,10 @@ class SharedRegions:
         zero_copy: let calls read their inputs as views, and produce outputs in place
             (`OutputSlot.tensor`), without pinning: for a server whose workers copy the
             views anyway (worker channels). Implied by `pin_for_cuda`.
+        share_with_workers: record every region's mapping in
+            `workers.shared_files.SHARED_FILES` while its file exists, so worker channels
+            name the files to their workers instead of copying (channels over shared
+            memory). Implies `zero_copy`.
     """
 
     def __init__(
@@ -329,10 +337,12 @@ class SharedRegions:
         clock: Callable[[], float] = time.monotonic,
         pin_for_cuda: bool = False,
         zero_copy: bool = False,
+        share_with_workers: bool = False,
     ) -> None:
         self._config = config
         self._pin_for_cuda = pin_for_cuda
-        self._zero_copy = zero_copy or pin_for_cuda
+        self._share = share_with_workers
+        self._zero_copy = zero_copy or pin_for_cuda or share_with_workers
         self.directory = directory if directory is not None else default_directory()
         self._on_change = on_change
         self._clock = clock
@@ -443,11 +453,14 @@ class SharedRegions:
                 "shared_memory.max_total_bytes)"
             ) from None
         try:
-            return path, _Mapping(mm, self._pin_for_cuda, self._zero_copy)
+            mapping = _Mapping(mm, self._pin_for_cuda, self._zero_copy)
         except BaseException:
             mm.close()
             unlink_quietly(path)
             raise
+        if self._share and mapping.base is not None:
+            SHARED_FILES.add(mapping.base.data_ptr(), size, (path, size))
+        return path, mapping
 
     def release(self, tenant: str, region_id: str) -> None:
         """Delete `tenant`'s region: the file is unlinked at once, the mapping closed once
@@ -465,6 +478,11 @@ class SharedRegions:
         self._per_tenant_dec(region.tenant)
         self._bytes -= region.size
         region.released = True
+        base = region.mapping.base
+        if self._share and base is not None:
+            # Before the unlink: no worker is sent to a path that is gone (one already on
+            # its way finds it gone and the call is sent again with its tensors copied).
+            SHARED_FILES.remove(base.data_ptr())
         unlink_quietly(region.path)
         region.unmap_if_unused()
 

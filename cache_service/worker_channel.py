@@ -32,10 +32,22 @@ from typing import Any
 import torch
 
 from cache_service.shared_regions import default_directory
-from workers.channel_server import CHANNEL_METHODS, ChannelAddress
-from workers.channel_wire import HEADER, ArenaFull, ArenaLayout, ArenaViews, decode, encode, frame
+from workers.channel_server import CHANNEL_METHODS, MAX_FILES, ChannelAddress
+from workers.channel_wire import (
+    HEADER,
+    ArenaFull,
+    ArenaLayout,
+    ArenaTensor,
+    ArenaViews,
+    FileTensor,
+    SharedFileUnavailable,
+    decode,
+    encode,
+    frame,
+)
 from workers.errors import WorkerError, WorkerUnavailable
-from workers.shared_files import create_mapped, unlink_quietly
+from workers.shared_files import SHARED_FILES, create_mapped, unlink_quietly
+from workers.transport import dtype_name
 
 __all__ = [
     "CHANNEL_METHODS",
@@ -182,6 +194,13 @@ class WorkerChannel:
         self._views = ArenaViews(arena)
         self._bytes = None if shared else memoryview(arena.numpy())
         self.shared = shared  # the arena is shared memory (else its bytes travel)
+        # Shared files (workers.shared_files.SHARED_FILES) the worker mapped for this
+        # connection, by (path, size); those it could not map; SHARED_FILES.version when
+        # the files were last checked for deleted ones.
+        self._files: dict[tuple[str, int], int] = {}
+        self._next_file = 0
+        self._unmappable: set[tuple[str, int]] = set()
+        self._files_version = -1
         self.pinned = pinned  # whether the worker page-locked its arena for CUDA
         # The data path it gives its calls (WorkerInfo.data_path).
         self.path = "channel_tcp" if tcp else "channel_unix"
@@ -268,27 +287,109 @@ class WorkerChannel:
             ArenaFull: the call's tensors do not fit the arena (nothing was sent).
             ChannelBroken: the connection failed (whether the call ran is unknown).
         """
-        layout = ArenaLayout(self._views)
-        wire_args = encode(args, layout.put)
-        wire_kwargs = encode(kwargs, layout.put)
-        inputs_end = layout.end
-        if out is not None:
-            wire_kwargs["out"], _ = layout.reserve(tuple(out.shape), out.dtype)
-        request = pickle.dumps(
-            (method, wire_args, wire_kwargs, layout.end), protocol=pickle.HIGHEST_PROTOCOL
-        )
-        payload = None if self._bytes is None else self._bytes[:inputs_end]
-        ok, value = pickle.loads(await self._conn.exchange(request, payload))
-        if not ok:
+        share = self.shared
+        while True:
+            request, out_ref, payload, announced = self._request(method, args, kwargs, out, share)
+            ok, value = pickle.loads(await self._conn.exchange(request, payload))
+            if ok:
+                return True, self._deliver(value, out, out_ref)
+            if type(value) is SharedFileUnavailable and announced:
+                # Nothing ran: the worker could not map a file this request announced (it
+                # was deleted meanwhile) and unmapped the request's others; the call goes
+                # again with its tensors copied.
+                for key in announced:
+                    del self._files[key]
+                self._unmappable.update(announced)
+                share = False
+                continue
             return False, value
-        return True, self._deliver(value, out)
 
-    def _deliver(self, value: Any, out: torch.Tensor | None) -> Any:
-        """The reply's value with its arena tensors copied out (the first into `out`)."""
+    def _request(
+        self,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: torch.Tensor | None,
+        share: bool,
+    ) -> tuple[bytes, FileTensor | None, memoryview | None, list[tuple[str, int]]]:
+        """The request's message, the reference `out` travels as when it lies in a shared
+        file (else None), the payload (private arenas) and the files it announces; the
+        connection's files are updated only once the request is built.
+
+        Raises:
+            ArenaFull: the tensors do not fit the arena (nothing changed).
+        """
+        layout = ArenaLayout(self._views)
+        new: dict[tuple[str, int], int] = {}
+
+        def place(t: torch.Tensor) -> ArenaTensor | FileTensor:
+            return (share and self._in_file(t, new)) or layout.put(t)
+
+        gone = self._gone_files() if share else []
+        wire_args = encode(args, place)
+        wire_kwargs = encode(kwargs, place)
+        inputs_end = layout.end
+        out_ref = None
+        if out is not None:
+            out_ref = self._in_file(out, new) if share else None
+            if out_ref is not None:
+                wire_kwargs["out"] = out_ref
+            else:
+                wire_kwargs["out"], _ = layout.reserve(tuple(out.shape), out.dtype)
+        announce = tuple((number, *key) for key, number in new.items())
+        forget = tuple(self._files.pop(key) for key in gone)
+        request = pickle.dumps(
+            (method, wire_args, wire_kwargs, layout.end, announce, forget),
+            protocol=pickle.HIGHEST_PROTOCOL,
+        )
+        self._files.update(new)
+        self._next_file += len(new)
+        payload = None if self._bytes is None else self._bytes[:inputs_end]
+        return request, out_ref, payload, list(new)
+
+    def _in_file(self, t: torch.Tensor, new: dict[tuple[str, int], int]) -> FileTensor | None:
+        """``t``'s reference when it lies in a shared file the worker may map, else None;
+        a file new to this connection is numbered in ``new`` (announced by the request)."""
+        nbytes = t.nbytes
+        if not nbytes or not t.is_cpu or not t.is_contiguous():
+            return None
+        ptr = t.data_ptr()
+        found = SHARED_FILES.find(ptr, nbytes)
+        if found is None:
+            return None
+        start, key = found
+        assert key is not None  # every shared file is recorded with its (path, size)
+        number = self._files.get(key)
+        if number is None:
+            number = new.get(key)
+        if number is None:
+            if key in self._unmappable or len(self._files) + len(new) >= MAX_FILES:
+                return None
+            number = new[key] = self._next_file + len(new)
+        return FileTensor(number, ptr - start, dtype_name(t.dtype), tuple(t.shape))
+
+    def _gone_files(self) -> list[tuple[str, int]]:
+        """This connection's files deleted since the coordinator last looked (the request
+        tells the worker to unmap them)."""
+        version = SHARED_FILES.version
+        if version == self._files_version:
+            return []
+        self._files_version = version
+        live = SHARED_FILES.holds_value
+        self._unmappable = {key for key in self._unmappable if live(key)}
+        return [key for key in self._files if not live(key)]
+
+    def _deliver(self, value: Any, out: torch.Tensor | None, out_ref: FileTensor | None) -> Any:
+        """The reply's value with its arena tensors copied out (the first into `out`, unless
+        `out` travelled as a file reference: the worker wrote it in place)."""
         views = self._views
-        first = [out]
+        first = [None if out_ref is not None else out]
 
         def own(ref: Any) -> torch.Tensor:
+            if type(ref) is FileTensor:
+                if ref != out_ref:
+                    raise ChannelBroken(f"the worker named a shared file it was not given: {ref}")
+                return out  # type: ignore[return-value]
             t = views(ref)
             target = first[0]
             first[0] = None

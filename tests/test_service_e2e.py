@@ -4,6 +4,7 @@ every output equals dense attention, and after all frees no block is referenced.
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import uuid
@@ -13,7 +14,7 @@ import ray
 import torch
 from service_support import HQ, LAYOUT, Mirror, ServiceHarness, service_config
 
-from cache_service.client import AppendAttendItem, AttendItem, KVCacheClient
+from cache_service.client import AppendAttendItem, AttendItem, InvalidArgumentError, KVCacheClient
 from workers.ray_startup import start_local_ray
 
 D, HKV, NL = LAYOUT.head_dim, LAYOUT.num_kv_heads, LAYOUT.num_layers
@@ -224,4 +225,50 @@ def test_export_import_and_all_layer_append_through_ray(svc) -> None:
         assert svc.stats().prefix_hit_tokens["default"] >= 20
         client.free(src.seq_id)
         client.free(copy.seq_id)
+    svc.check_integrity()
+
+
+def _mapped_by(handle, path: str) -> bool:
+    """Whether the Ray worker's process maps `path` (its /proc/<pid>/maps)."""
+    pid = ray.get(handle.__ray_call__.remote(lambda w: os.getpid()))
+    with open(f"/proc/{pid}/maps") as maps:
+        return any(path in line for line in maps)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc (Linux)")
+def test_shared_memory_tensors_reach_the_ray_workers_in_place(svc) -> None:
+    # A same-host client's shared region: the workers map its file over their channels and
+    # read its key, value and query (and write its outputs) where they lie. Results equal
+    # the bytes path's, bit for bit; a non-finite input is still refused with nothing
+    # changed.
+    gen = torch.Generator().manual_seed(7)
+    with (
+        KVCacheClient(svc.address, timeout_s=60) as shm,
+        KVCacheClient(svc.address, timeout_s=60, shared_memory=False) as plain,
+    ):
+        ids = [shm.create_sequence().seq_id for _ in range(4)]
+        twins = [plain.create_sequence().seq_id for _ in range(4)]
+        for _ in range(3):
+            tokens = torch.randint(0, 50000, (4, 1), generator=gen)
+            for layer in range(NL):
+                k, v = (torch.randn(4, 1, HKV, D, generator=gen) for _ in range(2))
+                q = torch.randn(4, 1, HQ, D, generator=gen)
+                got = shm.append_attend_batch(layer, ids, tokens, k, v, q)
+                assert shm.shared_memory_active
+                assert torch.equal(got, plain.append_attend_batch(layer, twins, tokens, k, v, q))
+        regions = svc.service.shared_regions
+        (path,) = [r.path for r in regions._regions.values()]
+        handles = [c.handle for c in svc.coordinator._clients.values()]
+        assert any(_mapped_by(h, path) for h in handles)
+        before = svc.stats()
+        k, v = (torch.randn(4, 1, HKV, D, generator=gen) for _ in range(2))
+        k[2, 0, 0, 0] = float("inf")
+        q = torch.randn(4, 1, HQ, D, generator=gen)
+        with pytest.raises(InvalidArgumentError, match=r"items\[2\]\.key"):
+            shm.append_attend_batch(0, ids, [[5]] * 4, k, v, q)
+        assert svc.stats() == before
+        for s in ids:
+            shm.free(s)
+        for s in twins:
+            plain.free(s)
     svc.check_integrity()

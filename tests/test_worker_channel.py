@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import os
 import pickle
@@ -31,10 +32,18 @@ from cache_service.worker_channel import (
 )
 from workers.actor import PoolWorker
 from workers.channel_server import ChannelAddress, ChannelServer
-from workers.channel_wire import HEADER, ArenaFull, ArenaTensor, frame
+from workers.channel_wire import (
+    HEADER,
+    ArenaFull,
+    ArenaTensor,
+    FileTensor,
+    SharedFileUnavailable,
+    frame,
+)
 from workers.config import PoolConfig
 from workers.errors import InvalidWorkerRequest, StaleEpochError, WorkerError, WorkerUnavailable
 from workers.layout import KVLayout
+from workers.shared_files import SHARED_FILES, create_mapped
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32")
 NODE = "node-a"
@@ -178,7 +187,7 @@ def test_hellos_with_a_wrong_token_or_file_are_refused(worker, arena_dir, tmp_pa
     path.write_bytes(b"\0" * 4096)
     hello = {"token": address.token, "arena_path": str(path), "arena_bytes": 8192}
     answer = raw_hello(json.dumps(hello).encode())
-    assert not answer["ok"] and "has 4096 bytes, the hello says 8192" in answer["error"]
+    assert not answer["ok"] and "has 4096 bytes, not 8192" in answer["error"]
     # Shared memory over TCP, a pickle instead of JSON (never unpickled), an absurd arena.
     hello["arena_bytes"] = 4096
     answer = raw_hello(json.dumps(hello).encode(), tcp=True)
@@ -391,8 +400,20 @@ def test_malformed_requests_get_an_error_or_end_the_connection(worker, arena_dir
     ok, err = pickle.loads(exchange(b"not a pickle"))
     assert not ok and type(err).__name__ == "UnpicklingError"
     outside = ArenaTensor(65536 - 4, "float32", (4,))
-    ok, err = pickle.loads(exchange(pickle.dumps(("attend", ("e", 0, outside), {}, 0))))
+    ok, err = pickle.loads(exchange(pickle.dumps(("attend", ("e", 0, outside), {}, 0, (), ()))))
     assert not ok and "outside the arena" in str(err)
+    # A shared file never announced; one announced that is not there; one of another size.
+    in_file = FileTensor(3, 0, "float32", (4,))
+    ok, err = pickle.loads(exchange(pickle.dumps(("attend", (in_file,), {}, 0, (), ()))))
+    assert not ok and "shared file 3 was not announced" in str(err)
+    gone = ((0, os.path.join(arena_dir, "no-such-file"), 4096),)
+    ok, err = pickle.loads(exchange(pickle.dumps(("attend", (in_file,), {}, 0, gone, ()))))
+    assert not ok and type(err) is SharedFileUnavailable and "no-such-file" in str(err)
+    other_size = ((3, path, 4096),)
+    ok, err = pickle.loads(exchange(pickle.dumps(("attend", (in_file,), {}, 0, other_size, ()))))
+    assert not ok and type(err) is SharedFileUnavailable and "not 4096" in str(err)
+    ok, err = pickle.loads(exchange(pickle.dumps(("attend", (), {}, 0, "junk", ()))))
+    assert not ok and "malformed" in str(err)
     try:
         assert exchange(b"x", payload=16) == b""  # closed by the worker
     except ConnectionResetError:  # ... before all of it was sent
@@ -422,3 +443,125 @@ def test_a_new_server_removes_the_socket_directories_of_dead_ones(worker) -> Non
     finally:
         other.close()
         shutil.rmtree(fresh, ignore_errors=True)
+
+
+def _mappings_of(path: str) -> int:
+    """How many mappings of `path` this process holds (/proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        return sum(1 for line in maps if path in line)
+
+
+@pytest.fixture
+def shared_file(arena_dir):
+    """A file as a server's shared region is (mapped here and recorded in SHARED_FILES):
+    (path, uint8 tensor over it); forgotten and unmapped afterwards."""
+    made = []
+
+    def make(size: int = 1 << 16) -> tuple[str, torch.Tensor]:
+        path, mm = create_mapped(arena_dir, "kvcache-", size)
+        base = torch.frombuffer(mm, dtype=torch.uint8)
+        SHARED_FILES.add(base.data_ptr(), size, (path, size))
+        made.append((base, mm))
+        return path, base
+
+    yield make
+    for base, _ in made:
+        SHARED_FILES.remove(base.data_ptr())
+    maps = [mm for _, mm in made]
+    made.clear()
+    gc.collect()
+    for mm in maps:
+        mm.close()
+
+
+def _in(base: torch.Tensor, offset: int, t: torch.Tensor) -> torch.Tensor:
+    """`t` copied into `base` at byte `offset` (a view of base)."""
+    view = base[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
+    return view.copy_(t)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc (Linux)")
+def test_tensors_in_shared_files_are_read_and_written_where_they_lie(
+    worker, arena_dir, shared_file
+) -> None:
+    # Key, value, query and the output in a file the coordinator shares with its workers:
+    # the worker maps the file once (announced by the first request), reads the inputs and
+    # writes the output in place; a file deleted is unmapped by the worker at the next call.
+    async def run():
+        path, base = shared_file()
+        chan = await _connect(worker, "shared", 1 << 20, arena_dir)
+        epoch = worker.epoch()
+        slots, k, v, q, bt, lens, starts = _step()
+        k, v, q = _in(base, 0, k), _in(base, 4096, v), _in(base, 8192, q)
+        out = _in(base, 16384, torch.full_like(q, float("nan")))
+        assert _mappings_of(path) == 1
+        for layer in (0, 1):
+            ok, got = await chan.call(
+                "write_and_attend", (epoch, layer, slots, k, v, q, bt, lens, starts), {}, out
+            )
+            assert ok and got is out
+            assert _mappings_of(path) == 2  # the worker's, mapped once
+        want, _ = dense_attention(q, k, v)
+        assert rel_err(out, want) < 1e-5
+        assert torch.equal(out, worker.write_and_attend(epoch, 1, slots, k, v, q, bt, lens, starts))
+        # The file is deleted (as a released region is): the next call has the worker
+        # unmap it.
+        SHARED_FILES.remove(base.data_ptr())
+        os.unlink(path)
+        mine = [t.clone() for t in (k, v, q)]
+        ok, got = await chan.call("attend", (epoch, 1, mine[2], bt, lens, starts), {})
+        assert ok and torch.equal(got, out)
+        assert _mappings_of(path) == 1  # this process's own mapping only
+        chan.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc (Linux)")
+def test_a_shared_file_the_worker_cannot_map_is_copied_instead(
+    worker, arena_dir, shared_file
+) -> None:
+    # The file went between the coordinator's look and the worker's open: the call runs
+    # once, with its tensors copied, and the file is not named to that worker again.
+    async def run():
+        path, base = shared_file()
+        os.unlink(path)  # still recorded in SHARED_FILES
+        chan = await _connect(worker, "shared", 1 << 20, arena_dir)
+        epoch = worker.epoch()
+        slots, k, v, q, bt, lens, starts = _step()
+        k, v, q = _in(base, 0, k), _in(base, 4096, v), _in(base, 8192, q)
+        for layer in (0, 1):
+            calls = worker.health().calls
+            ok, got = await chan.call(
+                "write_and_attend", (epoch, layer, slots, k, v, q, bt, lens, starts), {}
+            )
+            assert ok and worker.health().calls == calls + 1
+            want, _ = dense_attention(q, k, v)
+            assert rel_err(got, want) < 1e-5
+        assert _mappings_of(path) == 1
+        chan.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("mode", ["private-unix", "tcp"])
+def test_channels_without_shared_memory_never_name_files(
+    worker, arena_dir, shared_file, mode
+) -> None:
+    async def run():
+        path, base = shared_file()
+        chan = await _connect(worker, mode, 1 << 20, arena_dir)
+        epoch = worker.epoch()
+        slots, k, v, q, bt, lens, starts = _step()
+        k, v, q = _in(base, 0, k), _in(base, 4096, v), _in(base, 8192, q)
+        out = _in(base, 16384, torch.zeros_like(q))
+        ok, got = await chan.call(
+            "write_and_attend", (epoch, 0, slots, k, v, q, bt, lens, starts), {}, out
+        )
+        assert ok and got is out
+        want, _ = dense_attention(q, k, v)
+        assert rel_err(out, want) < 1e-5
+        assert _mappings_of(path) == 1
+        chan.close()
+
+    asyncio.run(run())

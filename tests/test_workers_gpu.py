@@ -9,6 +9,7 @@ Run on the GPU machine (see ../shared/device/README.md) with Ray carried:
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import uuid
 
@@ -282,18 +283,44 @@ def test_one_page_addressed_launch_serves_sequences_of_different_layers(dtype):
     assert rel_err(out.cpu(), torch.cat(refs)) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("tcp", [False, True], ids=["shared-memory", "tcp"])
-def test_decode_steps_over_the_worker_channel_equal_ray_calls(gpu_ray, tcp):
+def _file_pinned_here(path: str) -> bool:
+    """Whether this process maps `path` and page-locked the mapping for CUDA."""
+    from workers.pinned_ranges import REGISTERED
+
+    with open("/proc/self/maps") as maps:
+        starts = [int(line.split("-")[0], 16) for line in maps if path in line]
+    return bool(starts) and all(REGISTERED.covers(start, 1) for start in starts)
+
+
+@pytest.mark.parametrize(
+    ("tcp", "in_file"),
+    [(False, False), (True, False), (False, True)],
+    ids=["shared-memory", "tcp", "shared-file"],
+)
+def test_decode_steps_over_the_worker_channel_equal_ray_calls(gpu_ray, tcp, in_file):
     # A CUDA worker reached over its channel (same node: a shared arena; or over TCP, as
     # from another node: the worker's own pinned arena): the arena is page-locked on the
     # worker's side, a decode step's key, value and query reach a replayed graph in one
-    # copy, and every layer's output equals the same call through Ray, bit for bit.
+    # copy, and every layer's output equals the same call through Ray, bit for bit. With
+    # `in_file`, key, query and output lie in a shared file (as a client's region does):
+    # the worker maps and page-locks it and reads and writes them there.
     ray, namespace = gpu_ray
     from cache_service.worker_channel import ChannelOptions
     from workers.launcher import LaunchConfig, launch_workers, shutdown_workers
+    from workers.shared_files import SHARED_FILES, create_mapped
 
     layout = llama_layout("bfloat16")
-    prefix = f"channel-gpu-{'tcp' if tcp else 'shm'}-"
+    prefix = f"channel-gpu-{'tcp' if tcp else 'file' if in_file else 'shm'}-"
+    path, mm = create_mapped("/dev/shm", "kvcache-test-", 4 << 20)
+    base = torch.frombuffer(mm, dtype=torch.uint8)
+    if in_file:
+        SHARED_FILES.add(base.data_ptr(), 4 << 20, (path, 4 << 20))
+
+    def placed(t: torch.Tensor, offset: int) -> torch.Tensor:
+        if not in_file:
+            return t
+        return base[offset : offset + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+
     (handle,) = launch_workers(
         LaunchConfig(
             PoolConfig(layout, num_blocks=600),
@@ -323,9 +350,9 @@ def test_decode_steps_over_the_worker_channel_equal_ray_calls(gpu_ray, tcp):
             lens = torch.tensor([n + 1 for n in lengths], dtype=torch.int32)
             qsl = torch.arange(seqs + 1, dtype=torch.int32)
             for layer in range(layout.num_layers):
-                k = torch.randn(seqs, 8, 128, generator=gen).to(torch.bfloat16)
-                q = torch.randn(seqs, 32, 128, generator=gen).to(torch.bfloat16)
-                out = torch.empty_like(q)
+                k = placed(torch.randn(seqs, 8, 128, generator=gen).to(torch.bfloat16), 0)
+                q = placed(torch.randn(seqs, 32, 128, generator=gen).to(torch.bfloat16), 1 << 16)
+                out = placed(torch.empty_like(q), 1 << 20)
                 got = await fast.write_and_attend(
                     epoch, layer, slots, k, k, q, tables, lens, qsl, metadata_key=step, out=out
                 )
@@ -340,13 +367,16 @@ def test_decode_steps_over_the_worker_channel_equal_ray_calls(gpu_ray, tcp):
                     w._channel is not None,
                     w.pool._graphs.replays,
                     w.pool._graphs.packed_loads,
+                    _file_pinned_here(path) if in_file else True,
                 )
             ),
         )
-        assert pinned[0] and pinned[1] > 0 and pinned[2] > 0, pinned
+        assert pinned[0] and pinned[1] > 0 and pinned[2] > 0 and pinned[3], pinned
         fast.close()
 
     try:
         asyncio.run(scenario())
     finally:
         shutdown_workers(namespace, prefix)
+        SHARED_FILES.remove(base.data_ptr())
+        os.unlink(path)

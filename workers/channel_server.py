@@ -50,13 +50,22 @@ from workers.channel_wire import (
     ArenaTensor,
     ArenaViews,
     ChannelProtocolError,
+    FileTensor,
+    SharedFileUnavailable,
     decode,
     encode,
     frame,
 )
 from workers.cuda_pinning import pin, unpin
+from workers.transport import dtype_name
 
-__all__ = ["CHANNEL_METHODS", "MAX_PRIVATE_ARENA_BYTES", "ChannelAddress", "ChannelServer"]
+__all__ = [
+    "CHANNEL_METHODS",
+    "MAX_FILES",
+    "MAX_PRIVATE_ARENA_BYTES",
+    "ChannelAddress",
+    "ChannelServer",
+]
 
 log = logging.getLogger("kvcache.channel")
 
@@ -80,6 +89,9 @@ _STALE_AFTER_S = 60.0
 _MAX_MESSAGE_BYTES = 64 << 20
 # The largest private arena (TCP connections) a hello may ask for.
 MAX_PRIVATE_ARENA_BYTES = 1 << 30
+# Shared files mapped per connection at most (a coordinator names fewer: its clients'
+# regions in use; it copies instead past its own limit).
+MAX_FILES = 64
 
 
 @dataclass(frozen=True)
@@ -206,7 +218,7 @@ class ChannelServer:
                 return
             conn.sendall(frame(json.dumps({"ok": True, "pinned": arena.pinned}).encode()))
             while (request := _read_request(conn, arena)) is not None:
-                message, span = self._answer(arena.views, request)
+                message, span = self._answer(arena, request)
                 if span is None or arena.shared:
                     conn.sendall(frame(message))
                 else:
@@ -241,36 +253,32 @@ class ChannelServer:
             raise ChannelProtocolError("a TCP connection cannot share memory")
         if not isinstance(path, str):
             raise ChannelProtocolError(f"arena_path must be a string, got {path!r}")
-        flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(path, flags)
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
-                raise PermissionError(f"{path} is not a regular file of this user")
-            if info.st_size != size:
-                raise ChannelProtocolError(
-                    f"{path} has {info.st_size} bytes, the hello says {size}"
-                )
-            return _Arena.shared_file(mmap.mmap(fd, size), self._pin)
-        finally:
-            os.close(fd)
+        return _Arena.shared_file(_map_file(path, size), self._pin)
 
-    def _answer(self, views: ArenaViews, request: bytes) -> tuple[bytes, tuple[int, int] | None]:
+    def _answer(self, arena: _Arena, request: bytes) -> tuple[bytes, tuple[int, int] | None]:
         """The reply to one request (an error reply for a malformed one or a failed call)
         and the span of the arena its tensors lie in (None: it names none)."""
         try:
-            method, args, kwargs, free_from = pickle.loads(request)
+            method, args, kwargs, free_from, files, forget = pickle.loads(request)
             if method not in CHANNEL_METHODS:
                 raise ChannelProtocolError(f"{method!r} is not served over the channel")
-            result = self._call(method, decode(tuple(args), views), decode(dict(kwargs), views))
+            arena.forget(forget)
+            arena.map_files(files, self._pin)
+            tensor_of = arena.tensor_of
+            result = self._call(
+                method, decode(tuple(args), tensor_of), decode(dict(kwargs), tensor_of)
+            )
         except Exception as exc:
             return pickle.dumps((False, _sendable(exc))), None
         placed: list[ArenaTensor] = []
-        layout = ArenaLayout(views, free_from)
+        layout = ArenaLayout(arena.views, free_from)
 
-        def place(t: torch.Tensor) -> ArenaTensor:
-            ref = layout.place(t)
-            placed.append(ref)
+        def place(t: torch.Tensor) -> ArenaTensor | FileTensor:
+            ref = layout.find(t) or arena.find_in_files(t)
+            if ref is None:
+                ref = layout.put(t)
+            if type(ref) is ArenaTensor:
+                placed.append(ref)
             return ref
 
         try:
@@ -295,6 +303,8 @@ class _Arena:
         self.pinned = pinned
         self.views = ArenaViews(tensor)
         self.bytes = memoryview(tensor.numpy())  # for the socket's reads and writes
+        # The coordinator's shared files this connection's requests named, by number.
+        self.files: dict[int, _SharedFile] = {}
 
     @classmethod
     def shared_file(cls, mm: mmap.mmap, pin_for_cuda: bool) -> _Arena:
@@ -306,7 +316,67 @@ class _Arena:
         pinned = pin_for_cuda and torch.cuda.is_available()
         return cls(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned), None, pinned)
 
+    def tensor_of(self, ref: ArenaTensor | FileTensor) -> torch.Tensor:
+        """The tensor a request's reference names (a view of the arena or of a file).
+
+        Raises:
+            ChannelProtocolError: it lies outside, or names a file not announced.
+        """
+        if type(ref) is ArenaTensor:
+            return self.views(ref)
+        file = self.files.get(ref.file)  # type: ignore[union-attr]
+        if file is None:
+            raise ChannelProtocolError(f"shared file {ref.file} was not announced")  # type: ignore[union-attr]
+        return file.views(ref)
+
+    def find_in_files(self, t: torch.Tensor) -> FileTensor | None:
+        """The reference of ``t`` when it is a contiguous view of a file mapped here (an
+        output produced in place), else None."""
+        for number, file in self.files.items():
+            offset = file.offset_of(t)
+            if offset is not None:
+                return FileTensor(number, offset, dtype_name(t.dtype), tuple(t.shape))
+        return None
+
+    def map_files(self, files: object, pin_for_cuda: bool) -> None:
+        """Map the files a request announces, ``(number, path, size)`` each: all of them,
+        or (an error) none.
+
+        Raises:
+            SharedFileUnavailable: one could not be mapped (it is gone, or not a regular
+                file of this user of that size).
+            ChannelProtocolError: a malformed announcement (a number in use, too many).
+        """
+        if not files:
+            return
+        if not isinstance(files, tuple | list) or len(self.files) + len(files) > MAX_FILES:
+            raise ChannelProtocolError(f"a malformed or oversized announcement of files: {files!r}")
+        mapped: list[int] = []
+        try:
+            for number, path, size in files:
+                if type(number) is not int or number in self.files:
+                    raise ChannelProtocolError(f"shared file number {number!r} is in use")
+                if not isinstance(path, str) or type(size) is not int or size <= 0:
+                    raise ChannelProtocolError(f"a malformed shared file: {path!r}, {size!r}")
+                try:
+                    self.files[number] = _SharedFile(_map_file(path, size), pin_for_cuda)
+                except (OSError, ValueError, ChannelProtocolError) as exc:
+                    raise SharedFileUnavailable(f"cannot map {path}: {exc}") from None
+                mapped.append(number)
+        except BaseException:
+            self.forget(mapped)
+            raise
+
+    def forget(self, numbers: object) -> None:
+        """Unmap the files numbered (the coordinator deleted them; unknown numbers are
+        fine)."""
+        for number in numbers or ():  # type: ignore[attr-defined]
+            file = self.files.pop(number, None)
+            if file is not None:
+                file.close()
+
     def close(self) -> None:
+        self.forget(list(self.files))
         if self.shared and self.pinned:
             unpin(self.tensor)
         self.pinned = False
@@ -318,6 +388,58 @@ class _Arena:
             except BufferError:
                 # A view of it is still referenced somewhere: the mapping goes when that does.
                 log.warning("a worker channel's arena is still in use; left mapped")
+
+
+class _SharedFile:
+    """A coordinator's shared file mapped in the worker (page-locked for CUDA when asked):
+    the tensors its requests name in it are views of it, read and written in place."""
+
+    def __init__(self, mm: mmap.mmap, pin_for_cuda: bool) -> None:
+        self.mm = mm
+        self.base = torch.frombuffer(mm, dtype=torch.uint8)
+        self.pinned = pin(self.base) if pin_for_cuda else False
+        self.views = ArenaViews(self.base, max_views=64)
+        self._start = self.base.data_ptr()
+
+    def offset_of(self, t: torch.Tensor) -> int | None:
+        """Where ``t`` starts in the file when it is a contiguous view of it, else None."""
+        if not t.is_cpu or not t.is_contiguous():
+            return None
+        offset = t.data_ptr() - self._start
+        if offset < 0 or offset + t.nbytes > self.views.size:
+            return None
+        return offset
+
+    def close(self) -> None:
+        if self.pinned:
+            unpin(self.base)
+            self.pinned = False
+        del self.base, self.views
+        try:
+            self.mm.close()
+        except BufferError:
+            log.warning("a shared file is still in use by the worker; left mapped")
+
+
+def _map_file(path: str, size: int) -> mmap.mmap:
+    """``path`` mapped read-write and shared, once checked: a regular file (links are not
+    followed) of this user, of exactly ``size`` bytes.
+
+    Raises:
+        OSError: it cannot be opened or mapped (PermissionError: not a file of this user).
+        ChannelProtocolError: its size is not ``size``.
+    """
+    flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise PermissionError(f"{path} is not a regular file of this user")
+        if info.st_size != size:
+            raise ChannelProtocolError(f"{path} has {info.st_size} bytes, not {size}")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
 
 
 def _remove_stale_sockets() -> None:

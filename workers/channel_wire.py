@@ -22,9 +22,18 @@ the arena. Pickles, because both ends are processes of one cluster that already 
 pickles through Ray (an actor call is one), and only once the hello named the token the
 worker handed out over Ray; nothing is unpickled before.
 
-* request: ``(method, args, kwargs, free_from)``; ``free_from`` is the first arena byte
-  the request does not use: the worker lays its results out from there.
+* request: ``(method, args, kwargs, free_from, files, forget)``; ``free_from`` is the
+  first arena byte the request does not use: the worker lays its results out from there.
+  ``files`` announces shared files the request's :class:`FileTensor` refs name for the
+  first time on this connection, as ``(number, path, size)``; ``forget`` numbers the
+  files the worker may unmap (the coordinator deleted them).
 * reply: ``(True, value)`` or ``(False, exception)``.
+
+Shared files (same node only): a tensor the coordinator holds in a client's shared region
+(a /dev/shm file both the client and the coordinator map) travels as a :class:`FileTensor`:
+the worker maps the file itself, once per connection, and reads the tensor where it lies,
+as the client wrote it; an output produced into such a region is written there by the
+worker. No copy into the arena and out again.
 """
 
 from __future__ import annotations
@@ -46,6 +55,8 @@ __all__ = [
     "ArenaTensor",
     "ArenaViews",
     "ChannelProtocolError",
+    "FileTensor",
+    "SharedFileUnavailable",
     "decode",
     "encode",
     "frame",
@@ -83,6 +94,30 @@ class ArenaTensor(NamedTuple):
         for d in self.shape:
             n *= d
         return n
+
+
+class FileTensor(NamedTuple):
+    """A contiguous tensor at byte ``offset`` of shared file number ``file`` (announced on
+    the connection: the request's ``files``)."""
+
+    file: int
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    def nbytes(self) -> int:
+        """Its size, bytes (raises ChannelProtocolError for an unknown dtype)."""
+        return ArenaTensor.nbytes(self)  # type: ignore[arg-type]
+
+
+class SharedFileUnavailable(ChannelProtocolError):
+    """The worker could not map a shared file a request named (it is gone, or not a file
+    of this user): nothing ran; the caller sends the call again with the tensors copied."""
+
+
+_REFS = (ArenaTensor, FileTensor)
+# Values encode and decode leave as they are without looking further.
+_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
 
 
 def frame(message: bytes, payload_bytes: int = 0, payload_offset: int = 0) -> bytes:
@@ -204,19 +239,26 @@ def encode(value: Any, place: Callable[[torch.Tensor], ArenaTensor]) -> Any:
         return place(value)
     kind = type(value)
     if kind is tuple or kind is list:
-        return kind(encode(v, place) for v in value)
+        for v in value:
+            if type(v) not in _SCALARS:
+                return kind(encode(v, place) for v in value)
+        return value  # nothing to replace (a slot mapping's ints): as it is
     if kind is dict:
         return {k: encode(v, place) for k, v in value.items()}
     return value
 
 
 def decode(value: Any, tensor_of: Callable[[ArenaTensor], torch.Tensor]) -> Any:
-    """The inverse of :func:`encode`: every ArenaTensor replaced by ``tensor_of(ref)``."""
-    if type(value) is ArenaTensor:
+    """The inverse of :func:`encode`: every ArenaTensor and FileTensor replaced by
+    ``tensor_of(ref)``."""
+    if type(value) in _REFS:
         return tensor_of(value)
     kind = type(value)
     if kind is tuple or kind is list:
-        return kind(decode(v, tensor_of) for v in value)
+        for v in value:
+            if type(v) not in _SCALARS:
+                return kind(decode(v, tensor_of) for v in value)
+        return value
     if kind is dict:
         return {k: decode(v, tensor_of) for k, v in value.items()}
     return value

@@ -24,64 +24,90 @@ from __future__ import annotations
 
 import bisect
 import threading
+from typing import Generic, TypeVar
 
-__all__ = ["REGISTERED", "PinnedRanges"]
+__all__ = ["REGISTERED", "AddressRanges", "PinnedRanges"]
+
+_V = TypeVar("_V")
 
 
-class PinnedRanges:
-    """Disjoint address ranges ``[start, start + nbytes)`` of page-locked host memory.
+class AddressRanges(Generic[_V]):
+    """Disjoint address ranges ``[start, start + nbytes)`` of host memory, each with a value
+    (what the range is: None for a bare pinned range, a file's path for a shared file).
 
     Thread-safe: changes take a lock and publish a new immutable snapshot, which readers
-    (`covers`) take with one attribute read, lock-free.
+    (`covers`, `find`) take with one attribute read, lock-free.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._ends: dict[int, int] = {}  # start address -> end address (exclusive)
-        # (starts sorted, ends in the same order): what `covers` reads.
-        self._snapshot: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+        self._ends: dict[int, tuple[int, _V | None]] = {}  # start -> (end exclusive, value)
+        # (starts sorted, (end, value) in the same order): what the readers read.
+        self._snapshot: tuple[tuple[int, ...], tuple[tuple[int, _V | None], ...]] = ((), ())
+        self._values: frozenset[_V | None] = frozenset()
+        self.version = 0  # changes with every change of the ranges held
 
     def __len__(self) -> int:
         """Ranges held."""
         return len(self._snapshot[0])
 
-    def add(self, start: int, nbytes: int) -> None:
-        """Record ``[start, start + nbytes)`` (addresses and bytes) as page-locked: call
-        after the registration succeeded.
+    def add(self, start: int, nbytes: int, value: _V | None = None) -> None:
+        """Record ``[start, start + nbytes)`` (addresses and bytes) with ``value``.
 
         A range overlapping one held is not recorded (CUDA refuses overlapping
-        registrations, so this is a caller's mistake; `covers` then keeps answering from
-        the ranges it has, and a tensor in the new one is asked about as a miss).
+        registrations and no two mappings share addresses, so this is a caller's mistake;
+        the readers then keep answering from the ranges they have, and a tensor in the new
+        one is a miss).
 
         Raises:
             ValueError: nbytes < 1 or start < 0.
         """
         if nbytes < 1 or start < 0:
-            raise ValueError(f"a pinned range needs start >= 0 and nbytes >= 1: {start}, {nbytes}")
+            raise ValueError(
+                f"an address range needs start >= 0 and nbytes >= 1: {start}, {nbytes}"
+            )
         end = start + nbytes
         with self._lock:
-            if any(s < end and start < e for s, e in self._ends.items()):
+            if any(s < end and start < e for s, (e, _) in self._ends.items()):
                 return
-            self._ends[start] = end
+            self._ends[start] = (end, value)
             self._publish()
 
     def remove(self, start: int) -> None:
-        """Forget the range starting at `start` (a no-op when none does): call before the
-        memory is unregistered, so the registry never names memory CUDA no longer pins."""
+        """Forget the range starting at `start` (a no-op when none does)."""
         with self._lock:
             if self._ends.pop(start, None) is not None:
                 self._publish()
 
     def covers(self, start: int, nbytes: int) -> bool:
         """Whether ``[start, start + nbytes)`` (nbytes >= 1) lies within one range held."""
+        return self.find(start, nbytes) is not None
+
+    def find(self, start: int, nbytes: int) -> tuple[int, _V | None] | None:
+        """(the range's start, its value) of the one range holding ``[start, start +
+        nbytes)`` (nbytes >= 1); None when no range holds all of it."""
         starts, ends = self._snapshot
         i = bisect.bisect_right(starts, start) - 1
-        return i >= 0 and start + nbytes <= ends[i]
+        if i < 0 or start + nbytes > ends[i][0]:
+            return None
+        return starts[i], ends[i][1]
+
+    def holds_value(self, value: _V) -> bool:
+        """Whether a range held has ``value``."""
+        return value in self._values
 
     def _publish(self) -> None:
         """A new snapshot of `_ends` (under the lock)."""
         starts = tuple(sorted(self._ends))
         self._snapshot = (starts, tuple(self._ends[s] for s in starts))
+        self._values = frozenset(v for _, v in self._ends.values())
+        self.version += 1
+
+
+class PinnedRanges(AddressRanges[None]):
+    """Host memory page-locked for CUDA by this process (see the module's docstring); the
+    owner of each registration adds its range right after cudaHostRegister succeeded and
+    removes it right before cudaHostUnregister."""
 
 
 # The process's registrations (workers.cuda_pinning keeps it up to date).
