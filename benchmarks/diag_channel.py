@@ -94,25 +94,39 @@ def _in_actor(
 
 
 def _instrument(worker: Any) -> None:
-    """Runs inside the actor: time the channel server's answers and calls."""
-    worker.diag = {"answer": [], "call": []}
-    server = worker._channel
-    answer, call = server._answer, worker._channel_call
+    """Runs inside the actor: time the channel server's answers and calls, and record when
+    each request was read and its answer began and ended (perf_counter: one clock for all
+    processes of the host, so service_breakdown lines them up with the caller's)."""
+    import workers.channel_server as channel_server
 
-    def timed_answer(views: Any, request: bytes) -> bytes:
+    worker.diag = {"answer": [], "call": [], "read": [], "answer_start": [], "answer_end": []}
+    diag = worker.diag
+    server = worker._channel
+    answer, call, read = server._answer, worker._channel_call, channel_server._read_request
+
+    def timed_read(conn: Any, arena: Any) -> Any:
+        request = read(conn, arena)
+        diag["read"].append(time.perf_counter())
+        return request
+
+    def timed_answer(arena: Any, request: bytes) -> Any:
         t0 = time.perf_counter()
         try:
-            return answer(views, request)
+            return answer(arena, request)
         finally:
-            worker.diag["answer"].append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            diag["answer"].append(t1 - t0)
+            diag["answer_start"].append(t0)
+            diag["answer_end"].append(t1)
 
     def timed_call(method: str, args: Any, kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
             return call(method, args, kwargs)
         finally:
-            worker.diag["call"].append(time.perf_counter() - t0)
+            diag["call"].append(time.perf_counter() - t0)
 
+    channel_server._read_request = timed_read
     server._answer = timed_answer
     server._call = timed_call
 

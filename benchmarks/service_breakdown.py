@@ -135,6 +135,12 @@ async def main(args):
 
     if args.stub:
         stub_pool()
+    if args.no_shared_files:
+        # The region files are not recorded for the workers: the channel copies the
+        # tensors into its arena and the output out of it (the path before files in place).
+        import workers.shared_files as shared_files
+
+        shared_files.SHARED_FILES.add = lambda *a, **k: None  # type: ignore[method-assign]
     handler_times = []
     session = TRANSPORTS[args.transport].session
     # The handler body both the unary RPC and the session call run; the metric the call
@@ -192,6 +198,42 @@ async def main(args):
                 inv_times.append(time.perf_counter() - t0)
 
     wcm.RayWorkerClient._invoke = ray_inv
+    # The channel's stages on the coordinator's side (perf_counter stamps per call).
+    from cache_service import worker_channel as wch
+
+    chan: dict[str, list[float]] = {"start": [], "built": [], "arrive": [], "resume": [], "end": []}
+    real_chan_call, real_request = wch.WorkerChannel.call, wch.WorkerChannel._request
+    real_received, real_deliver = wch._Connection.data_received, wch.WorkerChannel._deliver
+
+    async def chan_call(self, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return await real_chan_call(self, *a, **k)
+        finally:
+            if rec["on"]:
+                chan["start"].append(t0)
+                chan["end"].append(time.perf_counter())
+
+    def chan_request(self, *a, **k):
+        built = real_request(self, *a, **k)
+        if rec["on"]:
+            chan["built"].append(time.perf_counter())
+        return built
+
+    def chan_received(self, data):
+        if rec["on"]:
+            chan["arrive"].append(time.perf_counter())
+        return real_received(self, data)
+
+    def chan_deliver(self, *a):
+        if rec["on"]:
+            chan["resume"].append(time.perf_counter())
+        return real_deliver(self, *a)
+
+    wch.WorkerChannel.call = chan_call
+    wch.WorkerChannel._request = chan_request
+    wch._Connection.data_received = chan_received
+    wch.WorkerChannel._deliver = chan_deliver
     cfg = ServiceConfig().with_overrides(
         {
             "server.port": 0,
@@ -282,7 +324,7 @@ async def main(args):
         server_cpu = (time.process_time() - cpu0) / len(handler_times)
         wall = (time.perf_counter() - wall0) / len(handler_times)
         s1, c1 = hsum()
-        in_actor = {"answer": [], "call": []}
+        in_actor = {"answer": [], "call": [], "read": [], "answer_start": [], "answer_end": []}
         for h in handles:
             diag = await loop.run_in_executor(
                 None, ray.get, h.__ray_call__.remote(lambda w: w.diag)
@@ -308,6 +350,26 @@ async def main(args):
     if handles and in_actor["call"]:
         print("  in the actor, the channel server's answer:", ms(in_actor["answer"]))
         print("  in the actor, the call in it:             ", ms(in_actor["call"]))
+        # The channel's timeline, call by call (one worker, calls one at a time: the lists'
+        # last stamps belong to the last call, and so on back; the actor's lists also hold
+        # the warm-up calls after it was instrumented, its read stamps all but the first).
+        n = min(len(chan["start"]), len(in_actor["read"]))
+        if n and len(chan["built"]) == len(chan["arrive"]) == len(chan["start"]):
+            a = {k: v[-n:] for k, v in in_actor.items()}
+            c = {k: v[-n:] for k, v in chan.items()}
+            stages = [
+                ("request built (coordinator)", c["start"], c["built"]),
+                ("sent -> read by the worker", c["built"], a["read"]),
+                ("read -> answer begins", a["read"], a["answer_start"]),
+                ("the worker's answer", a["answer_start"], a["answer_end"]),
+                ("answer -> reply received", a["answer_end"], c["arrive"]),
+                ("received -> caller resumed", c["arrive"], c["resume"]),
+                ("result delivered", c["resume"], c["end"]),
+            ]
+            print("channel timeline (p50):")
+            for name, begin, end in stages:
+                spans = [e - b for b, e in zip(begin, end, strict=True)]
+                print(f"  {name:<28}", f"{statistics.median(spans) * 1e3:.3f} ms")
     print(f"interceptor mean:   {(s1 - s0) / (c1 - c0) * 1e3:.3f} ms over {int(c1 - c0)} calls")
     print(
         f"server process CPU: {server_cpu * 1e3:.3f} ms per call (all its threads; wall "
@@ -359,6 +421,11 @@ if __name__ == "__main__":
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--ray", action="store_true", help="the pool in a Ray actor (worker channel)")
+    ap.add_argument(
+        "--no-shared-files",
+        action="store_true",
+        help="with --ray: copy region tensors through the channel's arena (no files in place)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     asyncio.run(main(args))

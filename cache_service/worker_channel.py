@@ -380,15 +380,16 @@ class WorkerChannel:
         return [key for key in self._files if not live(key)]
 
     def _deliver(self, value: Any, out: torch.Tensor | None, out_ref: FileTensor | None) -> Any:
-        """The reply's value with its arena tensors copied out (the first into `out`, unless
-        `out` travelled as a file reference: the worker wrote it in place)."""
+        """The reply's value with its arena tensors copied out, the first into `out`; or
+        `out` itself where the reply names `out_ref` (the worker wrote it in place)."""
         views = self._views
-        first = [None if out_ref is not None else out]
+        first = [out]
 
         def own(ref: Any) -> torch.Tensor:
             if type(ref) is FileTensor:
                 if ref != out_ref:
                     raise ChannelBroken(f"the worker named a shared file it was not given: {ref}")
+                first[0] = None
                 return out  # type: ignore[return-value]
             t = views(ref)
             target = first[0]

@@ -236,11 +236,23 @@ def _mapped_by(handle, path: str) -> bool:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc (Linux)")
-def test_shared_memory_tensors_reach_the_ray_workers_in_place(svc) -> None:
+def test_shared_memory_tensors_reach_the_ray_workers_in_place(svc, monkeypatch) -> None:
     # A same-host client's shared region: the workers map its file over their channels and
     # read its key, value and query (and write its outputs) where they lie. Results equal
     # the bytes path's, bit for bit; a non-finite input is still refused with nothing
-    # changed.
+    # changed, its output slot included.
+    import cache_service.server as server_mod
+
+    slots: list[tuple[int, int]] = []
+    real_outputs = server_mod.shared_outputs
+
+    def recorded(*args):
+        outputs = real_outputs(*args)
+        if outputs.out is not None:  # the shared-memory client's calls
+            slots.append((outputs.out.offset, outputs.out.nbytes))
+        return outputs
+
+    monkeypatch.setattr(server_mod, "shared_outputs", recorded)
     gen = torch.Generator().manual_seed(7)
     with (
         KVCacheClient(svc.address, timeout_s=60) as shm,
@@ -261,12 +273,21 @@ def test_shared_memory_tensors_reach_the_ray_workers_in_place(svc) -> None:
         handles = [c.handle for c in svc.coordinator._clients.values()]
         assert any(_mapped_by(h, path) for h in handles)
         before = svc.stats()
-        k, v = (torch.randn(4, 1, HKV, D, generator=gen) for _ in range(2))
-        k[2, 0, 0, 0] = float("inf")
-        q = torch.randn(4, 1, HQ, D, generator=gen)
-        with pytest.raises(InvalidArgumentError, match=r"items\[2\]\.key"):
-            shm.append_attend_batch(0, ids, [[5]] * 4, k, v, q)
-        assert svc.stats() == before
+        mm = next(iter(regions._regions.values())).mm
+        for layer in (0, 1):  # the full path, then a repeated layer's short one
+            k, v = (torch.randn(4, 1, HKV, D, generator=gen) for _ in range(2))
+            q = torch.randn(4, 1, HQ, D, generator=gen)
+            bad = k.clone()
+            bad[2, 0, 0, 0] = float("inf")
+            at, size = slots[-1]
+            last_output = bytes(mm[at : at + size])
+            with pytest.raises(InvalidArgumentError, match=r"items\[2\]\.key"):
+                shm.append_attend_batch(layer, ids, [[5]] * 4, bad, v, q)
+            assert svc.stats() == before
+            assert slots[-1] == (at, size) and bytes(mm[at : at + size]) == last_output
+            shm.append_attend_batch(layer, ids, [[5]] * 4, k, v, q)
+            plain.append_attend_batch(layer, twins, [[5]] * 4, k, v, q)
+            before = svc.stats()
         for s in ids:
             shm.free(s)
         for s in twins:

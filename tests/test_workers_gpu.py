@@ -283,15 +283,6 @@ def test_one_page_addressed_launch_serves_sequences_of_different_layers(dtype):
     assert rel_err(out.cpu(), torch.cat(refs)) < TOLERANCE[dtype]
 
 
-def _file_pinned_here(path: str) -> bool:
-    """Whether this process maps `path` and page-locked the mapping for CUDA."""
-    from workers.pinned_ranges import REGISTERED
-
-    with open("/proc/self/maps") as maps:
-        starts = [int(line.split("-")[0], 16) for line in maps if path in line]
-    return bool(starts) and all(REGISTERED.covers(start, 1) for start in starts)
-
-
 @pytest.mark.parametrize(
     ("tcp", "in_file"),
     [(False, False), (True, False), (False, True)],
@@ -330,6 +321,15 @@ def test_decode_steps_over_the_worker_channel_equal_ray_calls(gpu_ray, tcp, in_f
         )
     )
 
+    def file_pinned_here(path: str) -> bool:
+        """Whether this process (the actor) maps `path` and page-locked the mapping for
+        CUDA. (Nested: Ray sends it by value; the actor cannot import this module.)"""
+        from workers.pinned_ranges import REGISTERED
+
+        with open("/proc/self/maps") as maps:
+            starts = [int(line.split("-")[0], 16) for line in maps if path in line]
+        return bool(starts) and all(REGISTERED.covers(start, 1) for start in starts)
+
     async def scenario():
         options = ChannelOptions(8 << 20, force_tcp=tcp)
         fast = await RayWorkerClient.connect(handle, channel=options)
@@ -367,7 +367,7 @@ def test_decode_steps_over_the_worker_channel_equal_ray_calls(gpu_ray, tcp, in_f
                     w._channel is not None,
                     w.pool._graphs.replays,
                     w.pool._graphs.packed_loads,
-                    _file_pinned_here(path) if in_file else True,
+                    file_pinned_here(path) if in_file else True,
                 )
             ),
         )
