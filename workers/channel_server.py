@@ -9,7 +9,11 @@ and either the /dev/shm file the caller created (Unix socket only; the server ch
 is a regular file of this user and of the announced size, and maps it) or the size of a
 private arena for tensors that travel in the messages. For a CUDA pool either arena is
 page-locked (``workers.cuda_pinning``, or a pinned allocation), so the pool reads the
-call's inputs and writes its outputs by DMA. Calls on one connection run one at a time,
+call's inputs and writes its outputs by DMA. On a shared arena's connection a request may
+also name tensors in the coordinator's shared files (its clients' regions, announced by
+path and size the first time): the connection maps each (the same checks as the arena's
+file), page-locks it for CUDA, and unmaps it when a request says the coordinator deleted
+it, or when the connection ends. Calls on one connection run one at a time,
 in order; the calls of all connections and of Ray run one at a time on the pool (the
 worker's lock).
 
