@@ -287,20 +287,19 @@ class WorkerChannel:
             ArenaFull: the call's tensors do not fit the arena (nothing was sent).
             ChannelBroken: the connection failed (whether the call ran is unknown).
         """
-        share = self.shared
         while True:
-            request, out_ref, payload, announced = self._request(method, args, kwargs, out, share)
+            request, out_ref, payload, announced = self._request(method, args, kwargs, out)
             ok, value = pickle.loads(await self._conn.exchange(request, payload))
             if ok:
                 return True, self._deliver(value, out, out_ref)
             if type(value) is SharedFileUnavailable and announced:
                 # Nothing ran: the worker could not map a file this request announced (it
-                # was deleted meanwhile) and unmapped the request's others; the call goes
-                # again with its tensors copied.
+                # was deleted meanwhile) and did not keep the request's others. The call
+                # goes again, that file's tensors copied (each round rules out one file).
                 for key in announced:
                     del self._files[key]
-                self._unmappable.update(announced)
-                share = False
+                failed = [key for key in announced if key[0] == value.path]
+                self._unmappable.update(failed or announced)
                 continue
             return False, value
 
@@ -310,7 +309,6 @@ class WorkerChannel:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         out: torch.Tensor | None,
-        share: bool,
     ) -> tuple[bytes, FileTensor | None, memoryview | None, list[tuple[str, int]]]:
         """The request's message, the reference `out` travels as when it lies in a shared
         file (else None), the payload (private arenas) and the files it announces; the
@@ -321,6 +319,7 @@ class WorkerChannel:
         """
         layout = ArenaLayout(self._views)
         new: dict[tuple[str, int], int] = {}
+        share = self.shared
 
         def place(t: torch.Tensor) -> ArenaTensor | FileTensor:
             return (share and self._in_file(t, new)) or layout.put(t)

@@ -521,15 +521,17 @@ def test_tensors_in_shared_files_are_read_and_written_where_they_lie(
 def test_a_shared_file_the_worker_cannot_map_is_copied_instead(
     worker, arena_dir, shared_file
 ) -> None:
-    # The file went between the coordinator's look and the worker's open: the call runs
-    # once, with its tensors copied, and the file is not named to that worker again.
+    # One file went between the coordinator's look and the worker's open: the call runs
+    # once, that file's tensors copied, and the file is not named to that worker again;
+    # another file the same request announced is still read in place.
     async def run():
         path, base = shared_file()
-        os.unlink(path)  # still recorded in SHARED_FILES
+        gone, gone_base = shared_file()
+        os.unlink(gone)  # still recorded in SHARED_FILES
         chan = await _connect(worker, "shared", 1 << 20, arena_dir)
         epoch = worker.epoch()
         slots, k, v, q, bt, lens, starts = _step()
-        k, v, q = _in(base, 0, k), _in(base, 4096, v), _in(base, 8192, q)
+        k, v, q = _in(base, 0, k), _in(base, 4096, v), _in(gone_base, 8192, q)
         for layer in (0, 1):
             calls = worker.health().calls
             ok, got = await chan.call(
@@ -538,12 +540,14 @@ def test_a_shared_file_the_worker_cannot_map_is_copied_instead(
             assert ok and worker.health().calls == calls + 1
             want, _ = dense_attention(q, k, v)
             assert rel_err(got, want) < 1e-5
-        assert _mappings_of(path) == 1
+        assert _mappings_of(gone) == 1  # this process's own mapping only
+        assert _mappings_of(path) == 2  # and the worker's
         chan.close()
 
     asyncio.run(run())
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc (Linux)")
 @pytest.mark.parametrize("mode", ["private-unix", "tcp"])
 def test_channels_without_shared_memory_never_name_files(
     worker, arena_dir, shared_file, mode
@@ -565,3 +569,28 @@ def test_channels_without_shared_memory_never_name_files(
         chan.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc (Linux)")
+def test_a_connection_without_shared_memory_cannot_name_files(worker, shared_file) -> None:
+    # Over TCP (a caller on another node) a request naming this node's files is refused,
+    # the file left unmapped, and the connection goes on.
+    path, _ = shared_file()
+    address = _address(worker, tcp=True)
+    s = socket.create_connection((address.tcp_host, address.tcp_port), timeout=10)
+
+    def exchange(message: bytes) -> bytes:
+        s.sendall(frame(message))
+        n, _, _ = HEADER.unpack(s.recv(HEADER.size, socket.MSG_WAITALL))
+        return s.recv(n, socket.MSG_WAITALL)
+
+    hello = {"token": address.token, "arena_bytes": 65536}
+    assert json.loads(exchange(json.dumps(hello).encode()))["ok"]
+    files = ((0, path, 1 << 16),)
+    ref = FileTensor(0, 0, "float32", (4,))
+    ok, err = pickle.loads(exchange(pickle.dumps(("attend", (ref,), {}, 0, files, ()))))
+    assert not ok and "without shared memory" in str(err)
+    assert _mappings_of(path) == 1
+    ok, err = pickle.loads(exchange(pickle.dumps(("attend", ("e",), {}, 0, (), ()))))
+    assert not ok and type(err).__name__ != "ChannelProtocolError"  # the call itself ran
+    s.close()

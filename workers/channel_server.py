@@ -353,6 +353,10 @@ class _Arena:
         """
         if not files:
             return
+        if not self.shared:
+            # Files are for callers on this node; a private arena's caller (TCP: another
+            # node) has no business naming this node's files.
+            raise ChannelProtocolError("shared files named on a connection without shared memory")
         if not isinstance(files, tuple | list) or len(self.files) + len(files) > MAX_FILES:
             raise ChannelProtocolError(f"a malformed or oversized announcement of files: {files!r}")
         mapped: list[int] = []
@@ -365,7 +369,7 @@ class _Arena:
                 try:
                     self.files[number] = _SharedFile(_map_file(path, size), pin_for_cuda)
                 except (OSError, ValueError, ChannelProtocolError) as exc:
-                    raise SharedFileUnavailable(f"cannot map {path}: {exc}") from None
+                    raise SharedFileUnavailable(path, str(exc)) from None
                 mapped.append(number)
         except BaseException:
             self.forget(mapped)

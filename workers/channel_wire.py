@@ -111,8 +111,20 @@ class FileTensor(NamedTuple):
 
 
 class SharedFileUnavailable(ChannelProtocolError):
-    """The worker could not map a shared file a request named (it is gone, or not a file
-    of this user): nothing ran; the caller sends the call again with the tensors copied."""
+    """The worker could not map a shared file a request announced (it is gone, or not a
+    file of this user): nothing ran, and the request's other files were not kept; the
+    caller sends the call again with that file's tensors copied.
+
+    Attributes:
+        path: the file.
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(path, reason)
+        self.path = path
+
+    def __str__(self) -> str:
+        return f"cannot map {self.args[0]}: {self.args[1]}"
 
 
 _REFS = (ArenaTensor, FileTensor)
