@@ -391,8 +391,9 @@ class PoolWorker:
         """``op(*args, **kwargs)`` (a pool method) on the unpacked arguments behind the epoch
         fence (and the generation fence when ``epoch`` is a FencedEpoch), its tensor results
         moved to the host."""
-        args = tuple(unpack(a) for a in args)
-        kwargs = {k: unpack(v) for k, v in kwargs.items()}
+        if not getattr(_channel_thread, "active", False):  # the channel sends plain tensors
+            args = tuple(unpack(a) for a in args)
+            kwargs = {k: unpack(v) for k, v in kwargs.items()}
         return self._run(epoch, lambda: _to_host(op(*args, **kwargs)), readonly=readonly)
 
     def _channel_call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
