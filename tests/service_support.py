@@ -220,3 +220,24 @@ class Recording:
             return await target(*args, **kwargs)
 
         return wrapped
+
+
+def decode_with_twins(
+    shm: Any, plain: Any, batch: int, steps: int, gen: torch.Generator
+) -> tuple[list[str], list[str]]:
+    """`steps` decode steps, layer by layer, of `batch` new sequences through `shm` (a
+    KVCacheClient with shared memory) and of as many twins through `plain` (one sending
+    bytes), asserting every layer's outputs equal bit for bit and that `shm` used its
+    region; the sequence ids of both, for the caller to go on with or free."""
+    ids = [shm.create_sequence().seq_id for _ in range(batch)]
+    twins = [plain.create_sequence().seq_id for _ in range(batch)]
+    d, hkv = LAYOUT.head_dim, LAYOUT.num_kv_heads
+    for _ in range(steps):
+        tokens = torch.randint(0, 50000, (batch, 1), generator=gen)
+        for layer in range(LAYOUT.num_layers):
+            k, v = (torch.randn(batch, 1, hkv, d, generator=gen) for _ in range(2))
+            q = torch.randn(batch, 1, HQ, d, generator=gen)
+            got = shm.append_attend_batch(layer, ids, tokens, k, v, q)
+            assert shm.shared_memory_active
+            assert torch.equal(got, plain.append_attend_batch(layer, twins, tokens, k, v, q))
+    return ids, twins

@@ -12,7 +12,7 @@ import uuid
 import pytest
 import ray
 import torch
-from service_support import HQ, LAYOUT, Mirror, ServiceHarness, service_config
+from service_support import HQ, LAYOUT, Mirror, ServiceHarness, decode_with_twins, service_config
 
 from cache_service.client import AppendAttendItem, AttendItem, InvalidArgumentError, KVCacheClient
 from workers.ray_startup import start_local_ray
@@ -258,16 +258,7 @@ def test_shared_memory_tensors_reach_the_ray_workers_in_place(svc, monkeypatch) 
         KVCacheClient(svc.address, timeout_s=60) as shm,
         KVCacheClient(svc.address, timeout_s=60, shared_memory=False) as plain,
     ):
-        ids = [shm.create_sequence().seq_id for _ in range(4)]
-        twins = [plain.create_sequence().seq_id for _ in range(4)]
-        for _ in range(3):
-            tokens = torch.randint(0, 50000, (4, 1), generator=gen)
-            for layer in range(NL):
-                k, v = (torch.randn(4, 1, HKV, D, generator=gen) for _ in range(2))
-                q = torch.randn(4, 1, HQ, D, generator=gen)
-                got = shm.append_attend_batch(layer, ids, tokens, k, v, q)
-                assert shm.shared_memory_active
-                assert torch.equal(got, plain.append_attend_batch(layer, twins, tokens, k, v, q))
+        ids, twins = decode_with_twins(shm, plain, 4, 3, gen)
         regions = svc.service.shared_regions
         (path,) = [r.path for r in regions._regions.values()]
         handles = [c.handle for c in svc.coordinator._clients.values()]

@@ -22,7 +22,15 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from service_support import HQ, LAYOUT, Mirror, ServiceHarness, local_workers, service_config
+from service_support import (
+    HQ,
+    LAYOUT,
+    Mirror,
+    ServiceHarness,
+    decode_with_twins,
+    local_workers,
+    service_config,
+)
 
 from cache_service import client_shared_memory
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
@@ -830,18 +838,7 @@ def test_zero_copy_reads_answer_like_the_bytes_path(monkeypatch: pytest.MonkeyPa
             KVCacheClient(harness.address) as shm,
             KVCacheClient(harness.address, shared_memory=False) as plain,
         ):
-            ids = [shm.create_sequence().seq_id for _ in range(3)]
-            twins = [plain.create_sequence().seq_id for _ in range(3)]
-            for _ in range(3):
-                tokens = torch.randint(0, 50000, (3, 1), generator=gen)
-                for layer in range(NL):
-                    k, v = (torch.randn(3, 1, HKV, D, generator=gen) for _ in range(2))
-                    q = torch.randn(3, 1, HQ, D, generator=gen)
-                    got = shm.append_attend_batch(layer, ids, tokens, k, v, q)
-                    assert shm.shared_memory_active
-                    assert torch.equal(
-                        got, plain.append_attend_batch(layer, twins, tokens, k, v, q)
-                    )
+            ids, twins = decode_with_twins(shm, plain, 3, 3, gen)
             # Only each step's first layer (the full path) copied its output into the slot;
             # the other layers' outputs were produced in place by the worker.
             assert len(copied) == 3
