@@ -292,13 +292,14 @@ class WorkerChannel:
             ok, value = pickle.loads(await self._conn.exchange(request, payload))
             if ok:
                 return True, self._deliver(value, out, out_ref)
-            if type(value) is SharedFileUnavailable and announced:
-                # Nothing ran: the worker could not map a file this request announced (it
-                # was deleted meanwhile) and did not keep the request's others. The call
-                # goes again, that file's tensors copied (each round rules out one file).
-                for key in announced:
+            failed = [key for key in self._files if key[0] == getattr(value, "path", None)]
+            if type(value) is SharedFileUnavailable and (failed or announced):
+                # Nothing ran: the worker could not map a file this request announced, or
+                # had unmapped one it named, deleted meanwhile; it did not keep the
+                # request's new files. The call goes again with that file's tensors copied
+                # (each round rules out one file at least).
+                for key in {*announced, *failed}:
                     del self._files[key]
-                failed = [key for key in announced if key[0] == value.path]
                 self._unmappable.update(failed or announced)
                 continue
             return False, value

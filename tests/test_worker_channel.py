@@ -594,3 +594,52 @@ def test_a_connection_without_shared_memory_cannot_name_files(worker, shared_fil
     ok, err = pickle.loads(exchange(pickle.dumps(("attend", ("e",), {}, 0, (), ()))))
     assert not ok and type(err).__name__ != "ChannelProtocolError"  # the call itself ran
     s.close()
+
+
+def _wait_for(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc (Linux)")
+def test_an_idle_connection_unmaps_deleted_files_and_a_late_request_is_copied(
+    worker, arena_dir, shared_file, monkeypatch
+) -> None:
+    # A file deleted while the connection is idle is unmapped by the worker without waiting
+    # for the coordinator's next request (its memory goes back). A request that still names
+    # it (built before the coordinator forgot the file) runs once, with its tensors copied.
+    import workers.channel_server as channel_server
+
+    monkeypatch.setattr(channel_server, "SWEEP_INTERVAL_S", 0.05)
+
+    async def run():
+        epoch = worker.epoch()
+        slots, k0, v0, q0, bt, lens, starts = _step()
+        chan = await _connect(worker, "shared", 1 << 20, arena_dir)
+        # Deleted and forgotten by the coordinator, as a released region is.
+        path, base = shared_file()
+        q = _in(base, 8192, q0)
+        ok, _ = await chan.call("attend", (epoch, 0, q, bt, lens, starts), {})
+        assert ok and _mappings_of(path) == 2
+        SHARED_FILES.remove(base.data_ptr())
+        os.unlink(path)
+        assert await asyncio.to_thread(_wait_for, lambda: _mappings_of(path) == 1)
+        # Deleted, but the coordinator still names it (the race the worker guards against).
+        path2, base2 = shared_file()
+        q2 = _in(base2, 8192, q0)
+        ok, _ = await chan.call("write", (epoch, 0, slots, k0, v0), {})
+        ok, first = await chan.call("attend", (epoch, 0, q2, bt, lens, starts), {})
+        assert ok and _mappings_of(path2) == 2
+        os.unlink(path2)  # still in SHARED_FILES
+        assert await asyncio.to_thread(_wait_for, lambda: _mappings_of(path2) == 1)
+        calls = worker.health().calls
+        ok, again = await chan.call("attend", (epoch, 0, q2, bt, lens, starts), {})
+        assert ok and torch.equal(again, first) and worker.health().calls == calls + 1
+        assert _mappings_of(path2) == 1  # copied, not mapped again
+        chan.close()
+
+    asyncio.run(run())

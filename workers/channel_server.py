@@ -13,7 +13,8 @@ call's inputs and writes its outputs by DMA. On a shared arena's connection a re
 also name tensors in the coordinator's shared files (its clients' regions, announced by
 path and size the first time): the connection maps each (the same checks as the arena's
 file), page-locks it for CUDA, and unmaps it when a request says the coordinator deleted
-it, or when the connection ends. Calls on one connection run one at a time,
+it, when an idle connection finds it deleted (every `SWEEP_INTERVAL_S`), or when the
+connection ends. Calls on one connection run one at a time,
 in order; the calls of all connections and of Ray run one at a time on the pool (the
 worker's lock).
 
@@ -34,6 +35,7 @@ import mmap
 import os
 import pickle
 import secrets
+import select
 import shutil
 import socket
 import stat
@@ -96,6 +98,8 @@ MAX_PRIVATE_ARENA_BYTES = 1 << 30
 # Shared files mapped per connection at most (a coordinator names fewer: its clients'
 # regions in use; it copies instead past its own limit).
 MAX_FILES = 64
+# How often an idle connection with shared files mapped looks for deleted ones, seconds.
+SWEEP_INTERVAL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -221,7 +225,14 @@ class ChannelServer:
                     conn.sendall(frame(json.dumps({"ok": False, "error": str(exc)}).encode()))
                 return
             conn.sendall(frame(json.dumps({"ok": True, "pinned": arena.pinned}).encode()))
-            while (request := _read_request(conn, arena)) is not None:
+            while True:
+                # With shared files mapped, an idle connection looks now and then for files
+                # deleted meanwhile and unmaps them: the coordinator's own notice comes with
+                # its next request on this connection, which may be long in coming.
+                while arena.files and not _readable(conn, SWEEP_INTERVAL_S):
+                    arena.unmap_deleted()
+                if (request := _read_request(conn, arena)) is None:
+                    break
                 message, span = self._answer(arena, request)
                 if span is None or arena.shared:
                     conn.sendall(frame(message))
@@ -307,8 +318,11 @@ class _Arena:
         self.pinned = pinned
         self.views = ArenaViews(tensor)
         self.bytes = memoryview(tensor.numpy())  # for the socket's reads and writes
-        # The coordinator's shared files this connection's requests named, by number.
+        # The coordinator's shared files this connection's requests named, by number; those
+        # unmapped here because they were deleted (number -> path) before the coordinator
+        # said so (a request still naming one gets SharedFileUnavailable: nothing runs).
         self.files: dict[int, _SharedFile] = {}
+        self.deleted: dict[int, str] = {}
 
     @classmethod
     def shared_file(cls, mm: mmap.mmap, pin_for_cuda: bool) -> _Arena:
@@ -330,6 +344,9 @@ class _Arena:
             return self.views(ref)
         file = self.files.get(ref.file)  # type: ignore[union-attr]
         if file is None:
+            path = self.deleted.get(ref.file)  # type: ignore[union-attr]
+            if path is not None:
+                raise SharedFileUnavailable(path, "deleted, and unmapped by the worker")
             raise ChannelProtocolError(f"shared file {ref.file} was not announced")  # type: ignore[union-attr]
         return file.views(ref)
 
@@ -367,7 +384,7 @@ class _Arena:
                 if not isinstance(path, str) or type(size) is not int or size <= 0:
                     raise ChannelProtocolError(f"a malformed shared file: {path!r}, {size!r}")
                 try:
-                    self.files[number] = _SharedFile(_map_file(path, size), pin_for_cuda)
+                    self.files[number] = _SharedFile(path, size, pin_for_cuda)
                 except (OSError, ValueError, ChannelProtocolError) as exc:
                     raise SharedFileUnavailable(path, str(exc)) from None
                 mapped.append(number)
@@ -379,8 +396,17 @@ class _Arena:
         """Unmap the files numbered (the coordinator deleted them; unknown numbers are
         fine)."""
         for number in numbers or ():  # type: ignore[attr-defined]
+            self.deleted.pop(number, None)
             file = self.files.pop(number, None)
             if file is not None:
+                file.close()
+
+    def unmap_deleted(self) -> None:
+        """Unmap the files deleted since they were mapped (their memory goes back now)."""
+        for number, file in list(self.files.items()):
+            if file.deleted():
+                del self.files[number]
+                self.deleted[number] = file.path
                 file.close()
 
     def close(self) -> None:
@@ -402,9 +428,10 @@ class _SharedFile:
     """A coordinator's shared file mapped in the worker (page-locked for CUDA when asked):
     the tensors its requests name in it are views of it, read and written in place."""
 
-    def __init__(self, mm: mmap.mmap, pin_for_cuda: bool) -> None:
-        self.mm = mm
-        self.base = torch.frombuffer(mm, dtype=torch.uint8)
+    def __init__(self, path: str, size: int, pin_for_cuda: bool) -> None:
+        self.path = path
+        self._fd, self.mm = _map_file_keeping_fd(path, size)
+        self.base = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.pinned = pin(self.base) if pin_for_cuda else False
         self.views = ArenaViews(self.base, max_views=64)
         self._start = self.base.data_ptr()
@@ -418,7 +445,15 @@ class _SharedFile:
             return None
         return offset
 
+    def deleted(self) -> bool:
+        """Whether the file was unlinked (no name left: only mappings keep it alive)."""
+        try:
+            return os.fstat(self._fd).st_nlink == 0
+        except OSError:
+            return True
+
     def close(self) -> None:
+        os.close(self._fd)
         if self.pinned:
             unpin(self.base)
             self.pinned = False
@@ -437,6 +472,13 @@ def _map_file(path: str, size: int) -> mmap.mmap:
         OSError: it cannot be opened or mapped (PermissionError: not a file of this user).
         ChannelProtocolError: its size is not ``size``.
     """
+    fd, mm = _map_file_keeping_fd(path, size)
+    os.close(fd)  # the mapping keeps the file
+    return mm
+
+
+def _map_file_keeping_fd(path: str, size: int) -> tuple[int, mmap.mmap]:
+    """:func:`_map_file`, and a descriptor of the file left open (the caller closes it)."""
     flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(path, flags)
     try:
@@ -445,9 +487,17 @@ def _map_file(path: str, size: int) -> mmap.mmap:
             raise PermissionError(f"{path} is not a regular file of this user")
         if info.st_size != size:
             raise ChannelProtocolError(f"{path} has {info.st_size} bytes, not {size}")
-        return mmap.mmap(fd, size)
-    finally:
+        return fd, mmap.mmap(fd, size)
+    except BaseException:
         os.close(fd)
+        raise
+
+
+def _readable(conn: socket.socket, timeout_s: float) -> bool:
+    """Whether ``conn`` has something to read (or was closed) within ``timeout_s``."""
+    poller = select.poll()  # not select(): a worker's descriptors may pass FD_SETSIZE
+    poller.register(conn, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000))
 
 
 def _remove_stale_sockets() -> None:
