@@ -325,7 +325,7 @@ class WorkerChannel:
         def place(t: torch.Tensor) -> ArenaTensor | FileTensor:
             return (share and self._in_file(t, new)) or layout.put(t)
 
-        gone = self._gone_files() if share else []
+        version, gone = self._gone_files() if share else (self._files_version, [])
         wire_args = encode(args, place)
         wire_kwargs = encode(kwargs, place)
         inputs_end = layout.end
@@ -342,8 +342,10 @@ class WorkerChannel:
             (method, wire_args, wire_kwargs, layout.end, announce, forget),
             protocol=pickle.HIGHEST_PROTOCOL,
         )
+        # Built: only now does the connection's record change (ArenaFull changes nothing).
         self._files.update(new)
         self._next_file += len(new)
+        self._files_version = version
         payload = None if self._bytes is None else self._bytes[:inputs_end]
         return request, out_ref, payload, list(new)
 
@@ -368,16 +370,15 @@ class WorkerChannel:
             number = new[key] = self._next_file + len(new)
         return FileTensor(number, ptr - start, dtype_name(t.dtype), tuple(t.shape))
 
-    def _gone_files(self) -> list[tuple[str, int]]:
-        """This connection's files deleted since the coordinator last looked (the request
-        tells the worker to unmap them)."""
+    def _gone_files(self) -> tuple[int, list[tuple[str, int]]]:
+        """SHARED_FILES.version now, and this connection's files deleted since the last
+        request looked (that request tells the worker to unmap them)."""
         version = SHARED_FILES.version
         if version == self._files_version:
-            return []
-        self._files_version = version
+            return version, []
         live = SHARED_FILES.holds_value
         self._unmappable = {key for key in self._unmappable if live(key)}
-        return [key for key in self._files if not live(key)]
+        return version, [key for key in self._files if not live(key)]
 
     def _deliver(self, value: Any, out: torch.Tensor | None, out_ref: FileTensor | None) -> Any:
         """The reply's value with its arena tensors copied out, the first into `out`; or

@@ -643,3 +643,33 @@ def test_an_idle_connection_unmaps_deleted_files_and_a_late_request_is_copied(
         chan.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc (Linux)")
+def test_a_call_that_does_not_fit_changes_nothing_the_next_one_relies_on(
+    worker, arena_dir, shared_file, monkeypatch
+) -> None:
+    # A call refused for the arena's size sends nothing: the next call still tells the
+    # worker about the file deleted before it (the idle sweep kept out of the way).
+    import workers.channel_server as channel_server
+
+    monkeypatch.setattr(channel_server, "SWEEP_INTERVAL_S", 60.0)
+
+    async def run():
+        epoch = worker.epoch()
+        q0, bt, lens, starts = _step()[3:]
+        chan = await _connect(worker, "shared", 1 << 16, arena_dir)
+        path, base = shared_file()
+        ok, _ = await chan.call("attend", (epoch, 0, _in(base, 0, q0), bt, lens, starts), {})
+        assert ok and _mappings_of(path) == 2
+        SHARED_FILES.remove(base.data_ptr())
+        os.unlink(path)
+        big = torch.zeros(1 << 15)  # 128 KiB: more than the arena
+        with pytest.raises(ArenaFull):
+            await chan.call("attend", (epoch, 0, big, bt, lens, starts), {})
+        assert _mappings_of(path) == 2
+        ok, _ = await chan.call("attend", (epoch, 0, q0, bt, lens, starts), {})
+        assert ok and _mappings_of(path) == 1
+        chan.close()
+
+    asyncio.run(run())
