@@ -301,6 +301,11 @@ class WorkerChannel:
                 for key in {*announced, *failed}:
                     del self._files[key]
                 self._unmappable.update(failed or announced)
+                log.warning(
+                    "a worker could not map a client's shared region; its tensors are copied "
+                    "on this connection from now on",
+                    extra={"reason": str(value)},
+                )
                 continue
             return False, value
 

@@ -519,7 +519,7 @@ def test_tensors_in_shared_files_are_read_and_written_where_they_lie(
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc (Linux)")
 def test_a_shared_file_the_worker_cannot_map_is_copied_instead(
-    worker, arena_dir, shared_file
+    worker, arena_dir, shared_file, caplog
 ) -> None:
     # One file went between the coordinator's look and the worker's open: the call runs
     # once, that file's tensors copied, and the file is not named to that worker again;
@@ -542,6 +542,8 @@ def test_a_shared_file_the_worker_cannot_map_is_copied_instead(
             assert rel_err(got, want) < 1e-5
         assert _mappings_of(gone) == 1  # this process's own mapping only
         assert _mappings_of(path) == 2  # and the worker's
+        warnings = [r for r in caplog.records if "could not map" in r.getMessage()]
+        assert len(warnings) == 1 and gone in warnings[0].reason  # once, saying which
         chan.close()
 
     asyncio.run(run())
