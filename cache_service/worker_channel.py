@@ -41,9 +41,9 @@ from workers.channel_wire import (
     ArenaViews,
     FileTensor,
     SharedFileUnavailable,
-    decode,
-    encode,
     frame,
+    join,
+    split,
 )
 from workers.errors import WorkerError, WorkerUnavailable
 from workers.shared_files import SHARED_FILES, create_mapped, unlink_quietly
@@ -165,9 +165,11 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    def exchange(self, message: bytes, payload: memoryview | None = None) -> asyncio.Future[bytes]:
-        """Send one message (and the payload, arena bytes from offset 0); the future is
-        its reply."""
+    def exchange(
+        self, message: bytes, payload: memoryview | None = None, offset: int = 0
+    ) -> asyncio.Future[bytes]:
+        """Send one message (and the payload: arena bytes that go to ``offset`` of the
+        worker's arena); the future is its reply."""
         if self._lost is not None:
             raise self._lost
         assert self.transport is not None and self._waiter is None
@@ -175,7 +177,7 @@ class _Connection(asyncio.Protocol):
         if payload is None or not len(payload):
             self.transport.write(frame(message))
         else:
-            self.transport.write(frame(message, len(payload), 0))
+            self.transport.write(frame(message, len(payload), offset))
             # Not changed before the reply arrives, i.e. after the worker read all of it.
             self.transport.write(payload)
         return self._waiter
@@ -289,9 +291,10 @@ class WorkerChannel:
         """
         while True:
             request, out_ref, payload, announced = self._request(method, args, kwargs, out)
-            ok, value = pickle.loads(await self._conn.exchange(request, payload))
+            reply = await self._conn.exchange(request, *payload)
+            ok, value = self._read_reply(reply, out, out_ref)
             if ok:
-                return True, self._deliver(value, out, out_ref)
+                return True, value
             failed = [key for key in self._files if key[0] == getattr(value, "path", None)]
             if type(value) is SharedFileUnavailable and (failed or announced):
                 # Nothing ran: the worker could not map a file this request announced, or
@@ -315,10 +318,11 @@ class WorkerChannel:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         out: torch.Tensor | None,
-    ) -> tuple[bytes, FileTensor | None, memoryview | None, list[tuple[str, int]]]:
+    ) -> tuple[bytes, FileTensor | None, tuple[memoryview, int] | tuple[()], list[tuple[str, int]]]:
         """The request's message, the reference `out` travels as when it lies in a shared
-        file (else None), the payload (private arenas) and the files it announces; the
-        connection's files are updated only once the request is built.
+        file (else None), the payload (private arenas: the inputs' bytes and their offset
+        in the arena; else empty) and the files it announces; the connection's files are
+        updated only once the request is built.
 
         Raises:
             ArenaFull: the tensors do not fit the arena (nothing changed).
@@ -331,27 +335,29 @@ class WorkerChannel:
             return (share and self._in_file(t, new)) or layout.put(t)
 
         version, gone = self._gone_files() if share else (self._files_version, [])
-        wire_args = encode(args, place)
-        wire_kwargs = encode(kwargs, place)
-        inputs_end = layout.end
         out_ref = None
         if out is not None:
+            # Named before the inputs are placed: where it is not in a shared file, its room
+            # is the arena's first (the inputs follow; only their bytes travel over TCP).
             out_ref = self._in_file(out, new) if share else None
-            if out_ref is not None:
-                wire_kwargs["out"] = out_ref
-            else:
-                wire_kwargs["out"], _ = layout.reserve(tuple(out.shape), out.dtype)
+            kwargs = {**kwargs, "out": out_ref or layout.reserve(tuple(out.shape), out.dtype)[0]}
+        inputs_start = layout.end
+        args, arg_refs = split(args, place)
+        kwargs, kwarg_refs = split(kwargs, place)
+        inputs_end = layout.end
         announce = tuple((number, *key) for key, number in new.items())
         forget = tuple(self._files.pop(key) for key in gone)
         request = pickle.dumps(
-            (method, wire_args, wire_kwargs, layout.end, announce, forget),
+            (method, layout.end, announce, forget, args, arg_refs, kwargs, kwarg_refs),
             protocol=pickle.HIGHEST_PROTOCOL,
         )
         # Built: only now does the connection's record change (ArenaFull changes nothing).
         self._files.update(new)
         self._next_file += len(new)
         self._files_version = version
-        payload = None if self._bytes is None else self._bytes[:inputs_end]
+        payload = (
+            () if self._bytes is None else (self._bytes[inputs_start:inputs_end], inputs_start)
+        )
         return request, out_ref, payload, list(new)
 
     def _in_file(self, t: torch.Tensor, new: dict[tuple[str, int], int]) -> FileTensor | None:
@@ -385,13 +391,20 @@ class WorkerChannel:
         self._unmappable = {key for key in self._unmappable if live(key)}
         return version, [key for key in self._files if not live(key)]
 
-    def _deliver(self, value: Any, out: torch.Tensor | None, out_ref: FileTensor | None) -> Any:
-        """The reply's value with its arena tensors copied out, the first into `out`; or
-        `out` itself where the reply names `out_ref` (the worker wrote it in place)."""
+    def _read_reply(
+        self, reply: bytes, out: torch.Tensor | None, out_ref: FileTensor | None
+    ) -> tuple[bool, Any]:
+        """The reply: ``(True, value)`` with the value's arena tensors copied out, the first
+        into `out`, or `out` itself where the reply names `out_ref` (the worker wrote it in
+        place); or ``(False, exception)``.
+
+        Raises:
+            ChannelBroken: the reply names a shared file the request did not give.
+        """
         views = self._views
         first = [out]
 
-        def own(ref: Any) -> torch.Tensor:
+        def own(ref: ArenaTensor | FileTensor) -> torch.Tensor:
             if type(ref) is FileTensor:
                 if ref != out_ref:
                     raise ChannelBroken(f"the worker named a shared file it was not given: {ref}")
@@ -404,7 +417,10 @@ class WorkerChannel:
                 return target.copy_(t)
             return t.clone()
 
-        return decode(value, own)
+        ok, *value = pickle.loads(reply)
+        if not ok:
+            return False, value[0]
+        return True, join(*value, own)
 
 
 class ChannelPool:

@@ -16,9 +16,10 @@ from workers.channel_wire import (
     ArenaTensor,
     ArenaViews,
     ChannelProtocolError,
-    decode,
-    encode,
+    FileTensor,
     frame,
+    join,
+    split,
     view,
 )
 from workers.staging import packed_offsets
@@ -107,18 +108,55 @@ def test_a_malformed_reference_is_refused(ref: ArenaTensor, message: str) -> Non
         view(views.arena, ref)
 
 
-def test_encode_decode_round_trip_through_pickle() -> None:
+def test_split_join_round_trip_through_pickle() -> None:
     views = _arena()
     layout = ArenaLayout(views)
     a, b = torch.randn(3, 4), torch.arange(5, dtype=torch.int64)
-    value = ("epoch", 7, [1, 2, 3], a, {"out": b, "scale": None}, (b, [a]))
-    wire = encode(value, layout.put)
-    assert all(isinstance(x, ArenaTensor) for x in (wire[3], wire[4]["out"], wire[5][0]))
-    back = decode(pickle.loads(pickle.dumps(wire)), views)
-    assert back[:3] == ("epoch", 7, [1, 2, 3])
-    assert torch.equal(back[3], a) and torch.equal(back[4]["out"], b)
-    assert back[4]["scale"] is None
-    assert torch.equal(back[5][0], b) and torch.equal(back[5][1][0], a)
+    in_file = FileTensor(2, 4096, "float16", (2, 8))
+    args = ("epoch", 7, [1, 2, 3], a, b, in_file, None)
+    kwargs = {"out": b, "scale": None, "nested": [a]}
+    placed: list[ArenaTensor] = []
+
+    def place(t: torch.Tensor) -> ArenaTensor:
+        placed.append(layout.put(t))
+        return placed[-1]
+
+    wire = pickle.dumps((split(args, place), split(kwargs, place), split(a, place)))
+    assert len(placed) == 4  # a, b, kwargs' out, the lone a; the nested one goes by value
+    # The references travel as plain tuples: no class of this module in the pickle.
+    assert b"channel_wire" not in wire and b"ArenaTensor" not in wire
+    named: list[object] = []
+
+    def tensor_of(ref: ArenaTensor | FileTensor) -> torch.Tensor:
+        named.append(ref)
+        return views(ref) if type(ref) is ArenaTensor else torch.zeros(2, 8).half()
+
+    args_w, kwargs_w, lone_w = pickle.loads(wire)
+    got_args, got_kwargs, got_lone = (join(*w, tensor_of) for w in (args_w, kwargs_w, lone_w))
+    assert named == [placed[0], placed[1], in_file, placed[2], placed[3]]
+    assert type(got_args) is tuple and got_args[:3] == ("epoch", 7, [1, 2, 3])
+    assert torch.equal(got_args[3], a) and torch.equal(got_args[4], b)
+    assert torch.equal(got_args[5], torch.zeros(2, 8).half()) and got_args[6] is None
+    assert torch.equal(got_kwargs["out"], b) and got_kwargs["scale"] is None
+    assert torch.equal(got_kwargs["nested"][0], a) and torch.equal(got_lone, a)
+    assert split((1, "x", None), place) == ((1, "x", None), ())
+    assert split(5, place) == (5, ())
+
+
+@pytest.mark.parametrize(
+    ("plain", "refs", "message"),
+    [
+        ((None,), ((0, "zz", 1),), "unknown tensor reference"),
+        ((None,), ((0, "a", 0, "float32"),), "unknown tensor reference"),
+        ((None,), ((3, "a", 0, "float32", (4,)),), "no item"),
+        ({"x": None}, (("y", "a", 0, "float32", (4,)),), "no key"),
+        (None, ((0, "a", 0, "float32", (4,)),), "malformed"),
+        ((None,), "junk", "malformed"),
+    ],
+)
+def test_join_refuses_malformed_references(plain: object, refs: object, message: str) -> None:
+    with pytest.raises(ChannelProtocolError, match=message):
+        join(plain, refs, lambda ref: torch.zeros(4))
 
 
 def test_frame_prefixes_the_lengths_and_the_payload_offset() -> None:

@@ -39,6 +39,7 @@ from workers.channel_wire import (
     FileTensor,
     SharedFileUnavailable,
     frame,
+    split,
 )
 from workers.config import PoolConfig
 from workers.errors import InvalidWorkerRequest, StaleEpochError, WorkerError, WorkerUnavailable
@@ -375,6 +376,12 @@ def test_cancelled_callers_leave_the_pool_consistent(worker, arena_dir) -> None:
     asyncio.run(run())
 
 
+def _raw_request(method: str, args: tuple, files: object, forget: object = ()) -> bytes:
+    """A request as WorkerChannel sends it (channel_wire's format), built by hand: the
+    references in `args` travel as they are, nothing placed."""
+    return pickle.dumps((method, 0, files, forget, *split(args, None), {}, ()))
+
+
 def test_malformed_requests_get_an_error_or_end_the_connection(worker, arena_dir) -> None:
     # After a valid hello, over a raw socket: a message that is not a pickle gets an error
     # reply and the connection goes on; a tensor reference outside the arena too; a
@@ -400,20 +407,28 @@ def test_malformed_requests_get_an_error_or_end_the_connection(worker, arena_dir
     ok, err = pickle.loads(exchange(b"not a pickle"))
     assert not ok and type(err).__name__ == "UnpicklingError"
     outside = ArenaTensor(65536 - 4, "float32", (4,))
-    ok, err = pickle.loads(exchange(pickle.dumps(("attend", ("e", 0, outside), {}, 0, (), ()))))
+    ok, err = pickle.loads(exchange(_raw_request("attend", ("e", 0, outside), ())))
     assert not ok and "outside the arena" in str(err)
     # A shared file never announced; one announced that is not there; one of another size.
     in_file = FileTensor(3, 0, "float32", (4,))
-    ok, err = pickle.loads(exchange(pickle.dumps(("attend", (in_file,), {}, 0, (), ()))))
+    ok, err = pickle.loads(exchange(_raw_request("attend", (in_file,), ())))
     assert not ok and "shared file 3 was not announced" in str(err)
     gone = ((0, os.path.join(arena_dir, "no-such-file"), 4096),)
-    ok, err = pickle.loads(exchange(pickle.dumps(("attend", (in_file,), {}, 0, gone, ()))))
+    ok, err = pickle.loads(exchange(_raw_request("attend", (in_file,), gone)))
     assert not ok and type(err) is SharedFileUnavailable and "no-such-file" in str(err)
     other_size = ((3, path, 4096),)
-    ok, err = pickle.loads(exchange(pickle.dumps(("attend", (in_file,), {}, 0, other_size, ()))))
+    ok, err = pickle.loads(exchange(_raw_request("attend", (in_file,), other_size)))
     assert not ok and type(err) is SharedFileUnavailable and "not 4096" in str(err)
-    ok, err = pickle.loads(exchange(pickle.dumps(("attend", (), {}, 0, "junk", ()))))
+    ok, err = pickle.loads(exchange(_raw_request("attend", (), "junk")))
     assert not ok and "malformed" in str(err)
+    # A reference of no known kind; arguments that are not a tuple; the old layout.
+    odd = pickle.dumps(("attend", 0, (), (), (None,), ((0, "zz", 1),), {}, ()))
+    ok, err = pickle.loads(exchange(odd))
+    assert not ok and "unknown tensor reference" in str(err)
+    ok, err = pickle.loads(exchange(pickle.dumps(("attend", 0, (), (), "e", (), {}, ()))))
+    assert not ok and "must be a tuple and a dict" in str(err)
+    ok, err = pickle.loads(exchange(pickle.dumps(("attend", ("e",), {}, 0, (), ()))))
+    assert not ok and type(err).__name__ == "ValueError"  # six items where eight belong
     try:
         assert exchange(b"x", payload=16) == b""  # closed by the worker
     except ConnectionResetError:  # ... before all of it was sent
@@ -590,10 +605,10 @@ def test_a_connection_without_shared_memory_cannot_name_files(worker, shared_fil
     assert json.loads(exchange(json.dumps(hello).encode()))["ok"]
     files = ((0, path, 1 << 16),)
     ref = FileTensor(0, 0, "float32", (4,))
-    ok, err = pickle.loads(exchange(pickle.dumps(("attend", (ref,), {}, 0, files, ()))))
+    ok, err = pickle.loads(exchange(_raw_request("attend", (ref,), files)))
     assert not ok and "without shared memory" in str(err)
     assert _mappings_of(path) == 1
-    ok, err = pickle.loads(exchange(pickle.dumps(("attend", ("e",), {}, 0, (), ()))))
+    ok, err = pickle.loads(exchange(_raw_request("attend", ("e",), ())))
     assert not ok and type(err).__name__ != "ChannelProtocolError"  # the call itself ran
     s.close()
 

@@ -58,9 +58,9 @@ from workers.channel_wire import (
     ChannelProtocolError,
     FileTensor,
     SharedFileUnavailable,
-    decode,
-    encode,
     frame,
+    join,
+    split,
 )
 from workers.cuda_pinning import pin, unpin
 from workers.transport import dtype_name
@@ -274,15 +274,19 @@ class ChannelServer:
         """The reply to one request (an error reply for a malformed one or a failed call)
         and the span of the arena its tensors lie in (None: it names none)."""
         try:
-            method, args, kwargs, free_from, files, forget = pickle.loads(request)
+            method, free_from, files, forget, args, arg_refs, kwargs, kwarg_refs = pickle.loads(
+                request
+            )
             if method not in CHANNEL_METHODS:
                 raise ChannelProtocolError(f"{method!r} is not served over the channel")
+            if type(args) is not tuple or type(kwargs) is not dict:
+                raise ChannelProtocolError("a request's arguments must be a tuple and a dict")
             arena.forget(forget)
             arena.map_files(files, self._pin)
             tensor_of = arena.tensor_of
-            result = self._call(
-                method, decode(tuple(args), tensor_of), decode(dict(kwargs), tensor_of)
-            )
+            args = join(args, arg_refs, tensor_of)
+            kwargs = join(kwargs, kwarg_refs, tensor_of)
+            result = self._call(method, args, kwargs)
         except Exception as exc:
             return pickle.dumps((False, _sendable(exc))), None
         placed: list[ArenaTensor] = []
@@ -297,14 +301,14 @@ class ChannelServer:
             return ref
 
         try:
-            value = encode(result, place)
+            value, refs = split(result, place)
         except ArenaFull:
             # Rare (results are no larger than inputs): the tensors go in the message.
-            return pickle.dumps((True, result), protocol=pickle.HIGHEST_PROTOCOL), None
+            return pickle.dumps((True, result, ()), protocol=pickle.HIGHEST_PROTOCOL), None
         span = None
         if placed:
             span = (min(r.offset for r in placed), max(r.offset + r.nbytes() for r in placed))
-        return pickle.dumps((True, value), protocol=pickle.HIGHEST_PROTOCOL), span
+        return pickle.dumps((True, value, refs), protocol=pickle.HIGHEST_PROTOCOL), span
 
 
 class _Arena:
