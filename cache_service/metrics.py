@@ -222,6 +222,7 @@ class ServiceMetrics:
             registry=reg,
         )
         self._data_call_children: dict[tuple[str, str], Any] = {}
+        self._worker_call_children: dict[str, tuple[Any, Any]] = {}
         self.worker_data_calls = Counter(
             f"{p}_worker_data_calls",
             "Per-layer data calls (writes, attention) to the workers, by worker and by path: "
@@ -293,11 +294,18 @@ class ServiceMetrics:
             layer_batch_size: requests coalesced into the call (>= 1).
             seconds: wall time of the call, seconds (finite, >= 0).
         """
-        _check_worker_id(worker_id)
         _check_positive_int("layer_batch_size", layer_batch_size)
         _check_seconds(seconds)
-        self.worker_call_duration.labels(worker_id).observe(seconds)
-        self.worker_batch_size.labels(worker_id).observe(layer_batch_size)
+        # Once per worker call: the labelled children are looked up once per worker.
+        children = self._worker_call_children.get(worker_id)
+        if children is None:
+            _check_worker_id(worker_id)
+            children = self._worker_call_children[worker_id] = (
+                self.worker_call_duration.labels(worker_id),
+                self.worker_batch_size.labels(worker_id),
+            )
+        children[0].observe(seconds)
+        children[1].observe(layer_batch_size)
 
     def add_worker_data_call(self, worker_id: str, path: str) -> None:
         """Count one per-layer data call to a worker, by the path it took ("in_process",
@@ -368,6 +376,7 @@ class ServiceMetrics:
         _check_worker_id(worker_id)
         with self._lock:
             self._epochs.pop(worker_id, None)
+            self._worker_call_children.pop(worker_id, None)
             for metric in (
                 self.worker_up,
                 self.worker_restarts,

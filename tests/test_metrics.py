@@ -385,3 +385,23 @@ def test_worker_data_calls_are_counted_by_path_and_removed_with_the_worker() -> 
         m.add_worker_data_call("w0", "carrier pigeon")
     m.remove_worker("w0")
     assert value(m, "kvcache_worker_data_calls_total", worker="w0", path="channel") is None
+
+
+def test_worker_call_series_removed_with_the_worker_start_afresh_when_it_calls_again() -> None:
+    # The labelled children are kept per worker for speed; a removed worker's must go too,
+    # or later calls would be observed into series no longer exported.
+    m = ServiceMetrics()
+    m.observe_worker_call("w0", 4, 0.002)
+    m.observe_worker_call("w0", 2, 0.001)
+    assert value(m, "kvcache_worker_call_duration_seconds_count", worker="w0") == 2
+    assert value(m, "kvcache_worker_batch_size_sum", worker="w0") == 6
+    m.remove_worker("w0")
+    assert value(m, "kvcache_worker_call_duration_seconds_count", worker="w0") is None
+    m.observe_worker_call("w0", 1, 0.003)
+    assert value(m, "kvcache_worker_call_duration_seconds_count", worker="w0") == 1
+    assert value(m, "kvcache_worker_batch_size_sum", worker="w0") == 1
+    for bad in ("", None):
+        with pytest.raises(ValueError, match="worker_id"):
+            m.observe_worker_call(bad, 1, 0.001)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="layer_batch_size"):
+        m.observe_worker_call("w0", 0, 0.001)
