@@ -299,6 +299,7 @@ def test_decode_steps_over_the_worker_channel_equal_ray_calls(gpu_ray, tcp, in_f
     from cache_service.worker_channel import ChannelOptions
     from workers.launcher import LaunchConfig, launch_workers, shutdown_workers
     from workers.shared_files import SHARED_FILES, create_mapped
+    from workers.staging import packed_offsets
 
     layout = llama_layout("bfloat16")
     prefix = f"channel-gpu-{'tcp' if tcp else 'file' if in_file else 'shm'}-"
@@ -350,11 +351,15 @@ def test_decode_steps_over_the_worker_channel_equal_ray_calls(gpu_ray, tcp, in_f
             lens = torch.tensor([n + 1 for n in lengths], dtype=torch.int32)
             qsl = torch.arange(seqs + 1, dtype=torch.int32)
             for layer in range(layout.num_layers):
-                k = placed(torch.randn(seqs, 8, 128, generator=gen).to(torch.bfloat16), 0)
-                q = placed(torch.randn(seqs, 32, 128, generator=gen).to(torch.bfloat16), 1 << 16)
+                k = torch.randn(seqs, 8, 128, generator=gen).to(torch.bfloat16)
+                q = torch.randn(seqs, 32, 128, generator=gen).to(torch.bfloat16)
+                # In the file as a client's region lays a call out (packed_offsets), so the
+                # graph loads the three from there in one copy.
+                (at_k, at_v, at_q), _ = packed_offsets((k, k, q))
+                k, v, q = placed(k, at_k), placed(k.clone(), at_v), placed(q, at_q)
                 out = placed(torch.empty_like(q), 1 << 20)
                 got = await fast.write_and_attend(
-                    epoch, layer, slots, k, k, q, tables, lens, qsl, metadata_key=step, out=out
+                    epoch, layer, slots, k, v, q, tables, lens, qsl, metadata_key=step, out=out
                 )
                 want = await slow.attend(epoch, layer, q, tables, lens, qsl)
                 assert got.out is out and torch.equal(out, want.out), (step, layer)
