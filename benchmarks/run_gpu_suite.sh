@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | local-pairs | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | local-pairs | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -317,6 +317,38 @@ ray-breakdown)
   done 2>&1 | tee "$OUT/breakdown.log"
   CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/diag_channel.py --h200 --calls 1000 \
     2>&1 | grep -v "WARNING\|INFO" | tee "$OUT/diag-channel.log"
+  ;;
+ray-profile)
+  # The channel's GPU tests (the shared-file case fixed after files-final); then where the
+  # Ray path's time goes on this host: the breakdown behind the Ray actor with py-spy on
+  # the server and the actor (needs .kern/py-spy carried), the same with the online
+  # correctness check on (slot fingerprints recorded), and the Ray row's one-client run.
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_workers_gpu.py -k "channel" 2>&1 | tee "$OUT/gpu-tests.log" | tail -3
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/service_breakdown.py --device cuda \
+    --layers 32 --steps 100 --transport local-shm --ray --py-spy .kern/py-spy \
+    --py-spy-out "$OUT" --py-spy-seconds 5 2>&1 | grep -v "WARNING\|INFO" \
+    | tee "$OUT/breakdown.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/service_breakdown.py --device cuda \
+    --layers 32 --steps 40 --transport local-shm --ray --check-fraction 0.01 2>&1 \
+    | grep -v "WARNING\|INFO" | tee "$OUT/breakdown-check.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/bench_service.py --h200 --no-in-process \
+    --transports local-shm --phases single --out "$OUT/service-ray-single.md" \
+    > "$OUT/bench.log" 2>&1
+  grep "service,\|in-process" "$OUT/service-ray-single.md"
+  ;;
+wire-final)
+  # Tensor references as plain tuples on the worker channel (channel_wire.split / join):
+  # the channel's GPU tests (shared arena, TCP, shared file), one call's breakdown behind
+  # the Ray actor, then the Ray row with 2 alternating concurrency pairs.
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_workers_gpu.py -k "channel" 2>&1 | tee "$OUT/gpu-tests.log" | tail -3
+  CUDA_VISIBLE_DEVICES=0 timeout 100 python3 benchmarks/service_breakdown.py --device cuda \
+    --layers 32 --steps 40 --transport local-shm --ray 2>&1 | grep -v "WARNING\|INFO" \
+    | tee "$OUT/breakdown.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 330 python3 benchmarks/bench_service.py --h200 --no-in-process \
+    --transports local-shm --pairs 2 --out "$OUT/service-h200-ray.md" > "$OUT/bench.log" 2>&1
+  tail -12 "$OUT/service-h200-ray.md"
   ;;
 files-final)
   # Tensors in a client's shared region reach the Ray worker in place (the worker maps the

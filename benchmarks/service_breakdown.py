@@ -103,6 +103,29 @@ def client_main(addr, batch, context, steps, hq, dtype, api, transport, conn):
             s.free()
 
 
+def start_py_spy(args, handles):
+    """py-spy sampling this process (the coordinator) and each Ray actor for
+    ``--py-spy-seconds`` from now, raw collapsed stacks under ``--py-spy-out``."""
+    import os
+    import subprocess
+
+    import ray
+
+    pids = {"server": os.getpid()}
+    for i, h in enumerate(handles):
+        pids[f"actor{i}"] = ray.get(h.__ray_call__.remote(lambda w: os.getpid()))
+    os.makedirs(args.py_spy_out, exist_ok=True)
+    spies = []
+    for name, pid in pids.items():
+        out = os.path.join(args.py_spy_out, f"{name}.txt")
+        command = [args.py_spy, "record", "--nonblocking", "-p", str(pid), "-r", "250"]
+        command += ["-d", str(args.py_spy_seconds), "-f", "raw", "-o", out]
+        spies.append(
+            subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        )
+    return spies
+
+
 async def main(args):
     from cache_service import server as srv
     from cache_service.config import ServiceConfig
@@ -252,7 +275,7 @@ async def main(args):
             "workers.in_process": not args.ray,
             "workers.ray_num_cpus": 2 if args.device == "cpu" else None,
             "coordinator.batch_window_ms": 0.5,
-            "coordinator.correctness_check_fraction": 0.0,
+            "coordinator.correctness_check_fraction": args.check_fraction,
             "coordinator.health_check_interval_s": 0,
             "log_level": "WARNING",
         }
@@ -310,10 +333,13 @@ async def main(args):
         rec["on"] = True
         if prof:
             prof.enable()
+        spies = start_py_spy(args, handles) if args.py_spy else []
         cpu0 = time.process_time()
         wall0 = time.perf_counter()
         parent.send("go")
         spans, sends, client_cpu = await loop.run_in_executor(None, parent.recv)
+        for spy in spies:
+            await loop.run_in_executor(None, spy.wait)
         times = [end - start for start, end in spans]
         regions = running.shared_regions
         pinned = sum(r.mapping.pinned for r in regions._regions.values()) if regions else 0
@@ -368,8 +394,8 @@ async def main(args):
             ]
             print("channel timeline (p50):")
             for name, begin, end in stages:
-                spans = [e - b for b, e in zip(begin, end, strict=True)]
-                print(f"  {name:<28}", f"{statistics.median(spans) * 1e3:.3f} ms")
+                lengths = [e - b for b, e in zip(begin, end, strict=True)]
+                print(f"  {name:<28}", f"{statistics.median(lengths) * 1e3:.3f} ms")
     print(f"interceptor mean:   {(s1 - s0) / (c1 - c0) * 1e3:.3f} ms over {int(c1 - c0)} calls")
     print(
         f"server process CPU: {server_cpu * 1e3:.3f} ms per call (all its threads; wall "
@@ -420,6 +446,15 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument(
+        "--check-fraction",
+        type=float,
+        default=0.0,
+        help="coordinator.correctness_check_fraction (default 0: no check, no fingerprints)",
+    )
+    ap.add_argument("--py-spy", help="path of a py-spy binary: sample the server and the actors")
+    ap.add_argument("--py-spy-out", default="py-spy", help="where --py-spy writes its stacks")
+    ap.add_argument("--py-spy-seconds", type=int, default=5)
     ap.add_argument("--ray", action="store_true", help="the pool in a Ray actor (worker channel)")
     ap.add_argument(
         "--no-shared-files",
