@@ -226,7 +226,7 @@ async def main(args):
 
     chan: dict[str, list[float]] = {"start": [], "built": [], "arrive": [], "resume": [], "end": []}
     real_chan_call, real_request = wch.WorkerChannel.call, wch.WorkerChannel._request
-    real_received, real_deliver = wch._Connection.data_received, wch.WorkerChannel._deliver
+    real_received, real_reply = wch._Connection.data_received, wch.WorkerChannel._read_reply
 
     async def chan_call(self, *a, **k):
         t0 = time.perf_counter()
@@ -248,15 +248,15 @@ async def main(args):
             chan["arrive"].append(time.perf_counter())
         return real_received(self, data)
 
-    def chan_deliver(self, *a):
+    def chan_reply(self, *a):
         if rec["on"]:
             chan["resume"].append(time.perf_counter())
-        return real_deliver(self, *a)
+        return real_reply(self, *a)
 
     wch.WorkerChannel.call = chan_call
     wch.WorkerChannel._request = chan_request
     wch._Connection.data_received = chan_received
-    wch.WorkerChannel._deliver = chan_deliver
+    wch.WorkerChannel._read_reply = chan_reply
     cfg = ServiceConfig().with_overrides(
         {
             "server.port": 0,
