@@ -72,6 +72,7 @@ from cache_service.errors import (
     SequenceLost,
 )
 from cache_service.layer_steps import LayerStep, LayerStepCache
+from cache_service.sequence_locks import SequenceLocks
 from cache_service.status_mapping import ServiceUnavailable, WorkerLost
 from cache_service.store import MetadataStore, StoreError
 from cache_service.tensor_codec import joined_view
@@ -492,7 +493,7 @@ class Coordinator:
             )
         )
         self._pool_dtype = layout.torch_dtype()
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks = SequenceLocks()
         # Per client batch, what its latest append-and-attend planned (layer_steps).
         self._steps = LayerStepCache()
         # Plans of rounds that coalesced the same recorded steps (see _round_plan), by the
@@ -661,9 +662,6 @@ class Coordinator:
             self.block_manager.free(tenant, seq_id)
             self._flush_released()
             self._steps.forget_sequence(seq_id)
-        lock = self._locks.get(seq_id)
-        if lock is not None and not lock.locked():
-            del self._locks[seq_id]
 
     async def pin(self, tenant: str, token_ids: Sequence[int]) -> int:
         """Pin the cached blocks of a prefix; returns the tokens pinned."""
@@ -1273,25 +1271,13 @@ class Coordinator:
 
     def _locked(self, seq_ids: Sequence[str]) -> contextlib.AbstractAsyncContextManager[None]:
         # Sorted, so two calls locking overlapping sets cannot deadlock.
-        return self._locked_in_order(sorted(set(seq_ids)))
+        return self._locks.holding(sorted(set(seq_ids)))
 
-    @contextlib.asynccontextmanager
-    async def _locked_in_order(self, order: Sequence[str]):  # type: ignore[no-untyped-def]
+    def _locked_in_order(
+        self, order: Sequence[str]
+    ) -> contextlib.AbstractAsyncContextManager[None]:
         """The locks of `order` (distinct sequence ids, sorted: see `_locked`)."""
-        # Acquired one by one and released in reverse order, also when an acquire is
-        # cancelled: what an AsyncExitStack of the locks does, at a fraction of its cost.
-        held: list[asyncio.Lock] = []
-        try:
-            for seq_id in order:
-                lock = self._locks.get(seq_id)
-                if lock is None:
-                    lock = self._locks[seq_id] = asyncio.Lock()
-                await lock.acquire()
-                held.append(lock)
-            yield
-        finally:
-            for lock in reversed(held):
-                lock.release()
+        return self._locks.holding(order)
 
     # -- internals: planning ---------------------------------------------------------------
 
