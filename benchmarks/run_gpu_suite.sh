@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | local-pairs | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | local-pairs | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -347,6 +347,13 @@ wire-final)
     --layers 32 --steps 40 --transport local-shm --ray 2>&1 | grep -v "WARNING\|INFO" \
     | tee "$OUT/breakdown.log"
   CUDA_VISIBLE_DEVICES=0 timeout 330 python3 benchmarks/bench_service.py --h200 --no-in-process \
+    --transports local-shm --pairs 2 --out "$OUT/service-h200-ray.md" > "$OUT/bench.log" 2>&1
+  tail -12 "$OUT/service-h200-ray.md"
+  ;;
+locks-final)
+  # The Ray row alone (2 alternating concurrency pairs) after the batch locks
+  # (cache_service.sequence_locks), on whatever time is left.
+  CUDA_VISIBLE_DEVICES=0 timeout 270 python3 benchmarks/bench_service.py --h200 --no-in-process \
     --transports local-shm --pairs 2 --out "$OUT/service-h200-ray.md" > "$OUT/bench.log" 2>&1
   tail -12 "$OUT/service-h200-ray.md"
   ;;
