@@ -1466,6 +1466,8 @@ class Coordinator:
                 )
                 for w, ws in merged.items()
             }
+            if not check_on_device:
+                check_on_device = _round_checked_on_device(parts, plan, writes, layer)
             if not check_on_device and not _joined_finite(parts, query, writes.values()):
                 # Someone's values are not finite: find whose, fail those, run the rest.
                 survivors = _finite_parts(parts)
@@ -1517,6 +1519,18 @@ class Coordinator:
                     # belong to other tenants' calls).
                     own = list(dict.fromkeys(p.seq_ids))
                     p.future.set_exception(WorkerLost(error.worker_id, own, error.reason))
+            return
+        except NonFiniteInput as exc:
+            if not (check_on_device and len(parts) > 1):
+                for p in parts:
+                    if not p.future.done():
+                        p.future.set_exception(exc)
+                return
+            # The worker refused the shared round, nothing written: find whose values are
+            # not finite (they fail), run the others' again.
+            survivors = _finite_parts(parts)
+            if survivors:
+                await self._run_parts(key, survivors)
             return
         except Exception as exc:  # plan / validation errors: every part fails the same way
             for p in parts:
@@ -1864,6 +1878,23 @@ def _checked_on_device(parts: list[_Part]) -> bool:
         plan is not None
         and len(plan.batches) == 1
         and set(parts[0].writes) == {plan.batches[0].worker_id}
+    )
+
+
+def _round_checked_on_device(
+    parts: list[_Part], plan: AttentionPlan, writes: Mapping[str, WorkerWrite], layer: int | None
+) -> bool:
+    """Whether the worker checks a shared round's values on its device (check_finite), as
+    it does a lone part's (`_checked_on_device`): one layer, one worker writing and reading
+    every row, and a part not checked yet. A round it refuses wrote nothing; `_run_parts`
+    then looks part by part (`_finite_parts`) and runs the finite ones again. Spares the
+    coordinator a pass over every value of the round (a float32 sum per run of tensors)."""
+    return (
+        layer is not None
+        and len(parts) > 1
+        and not all(p.finite_checked for p in parts)
+        and len(plan.batches) == 1
+        and set(writes) == {plan.batches[0].worker_id}
     )
 
 

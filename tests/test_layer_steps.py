@@ -458,19 +458,27 @@ def test_what_the_short_path_refuses_gets_the_full_paths_error(how: str, message
 
 def test_a_nan_in_a_shared_round_fails_only_its_caller(monkeypatch) -> None:
     # Three clients' short-path calls for one layer: the first goes to the worker alone,
-    # the other two gather into one round. One of those holds a NaN: the round's joined
-    # check finds it, that caller alone gets the full path's error and keeps nothing, and
-    # the others' outputs equal dense attention.
+    # the other two gather into one round. One of those holds a NaN: the worker's device
+    # check refuses the round (nothing written), the coordinator then looks part by part,
+    # that caller alone gets the full path's error and keeps nothing, and the others'
+    # outputs equal dense attention. The coordinator never sums a round's values itself.
     import cache_service.coordinator as coordinator_module
 
     looked_at: list[int] = []  # the parts of each round checked part by part
-    real = coordinator_module._finite_parts
+    joined: list[int] = []  # rounds whose values the coordinator summed
+    real, real_joined = coordinator_module._finite_parts, coordinator_module._joined_finite
 
     def finite_parts(parts: list[Any]) -> list[Any]:
         looked_at.append(len(parts))
         return real(parts)
 
+    def joined_finite(parts: list[Any], *a: Any) -> bool:
+        if not all(p.finite_checked for p in parts):
+            joined.append(len(parts))
+        return real_joined(parts, *a)
+
     monkeypatch.setattr(coordinator_module, "_finite_parts", finite_parts)
+    monkeypatch.setattr(coordinator_module, "_joined_finite", joined_finite)
 
     async def scenario(coord: Coordinator) -> None:
         models = [Model([(await coord.create_sequence("t")).seq_id for _ in range(B)])
@@ -491,7 +499,8 @@ def test_a_nan_in_a_shared_round_fails_only_its_caller(monkeypatch) -> None:
         results = await asyncio.gather(
             *(coord.append_attend_stacked("t", 1, b) for b in batches), return_exceptions=True
         )
-        assert looked_at == [2]  # the shared round, once its joined check failed
+        assert looked_at == [2]  # the shared round, once the worker refused it
+        assert joined == []
         assert isinstance(results[2], InvalidRequest)
         assert "items[2].query contains NaN or infinite values" in str(results[2])
         assert taken[0] == 2
