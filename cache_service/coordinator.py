@@ -1432,7 +1432,7 @@ class Coordinator:
     async def _run_parts(self, key: tuple[int | None, str, int], parts: list[_Part]) -> None:
         """One worker round for several parts: one plan, one call per worker, results split
         back to each part's future."""
-        check_on_device = _checked_on_device(parts)
+        check_on_device = False
         layers = {p.layer for p in parts}
         # One layer (the usual round): per-layer calls. Several (coalesce_layers): one call
         # over pages of every layer.
@@ -1466,8 +1466,7 @@ class Coordinator:
                 )
                 for w, ws in merged.items()
             }
-            if not check_on_device:
-                check_on_device = _round_checked_on_device(parts, plan, writes, layer)
+            check_on_device = _checked_on_device(parts, plan, writes, layer)
             if not check_on_device and not _joined_finite(parts, query, writes.values()):
                 # Someone's values are not finite: find whose, fail those, run the rest.
                 survivors = _finite_parts(parts)
@@ -1520,19 +1519,14 @@ class Coordinator:
                     own = list(dict.fromkeys(p.seq_ids))
                     p.future.set_exception(WorkerLost(error.worker_id, own, error.reason))
             return
-        except NonFiniteInput as exc:
-            if not (check_on_device and len(parts) > 1):
-                for p in parts:
-                    if not p.future.done():
-                        p.future.set_exception(exc)
-                return
-            # The worker refused the shared round, nothing written: find whose values are
-            # not finite (they fail), run the others' again.
-            survivors = _finite_parts(parts)
-            if survivors:
-                await self._run_parts(key, survivors)
-            return
         except Exception as exc:  # plan / validation errors: every part fails the same way
+            if isinstance(exc, NonFiniteInput) and check_on_device and len(parts) > 1:
+                # The worker refused the shared round, nothing written: find whose values
+                # are not finite (they fail), run the others' again.
+                survivors = _finite_parts(parts)
+                if survivors:
+                    await self._run_parts(key, survivors)
+                return
             for p in parts:
                 if not p.future.done():
                     p.future.set_exception(exc)
@@ -1862,36 +1856,22 @@ def _round_steps(parts: list[_Part]) -> tuple[LayerStep, ...] | None:
     return tuple(p.step for p in parts)  # type: ignore[misc]
 
 
-def _checked_on_device(parts: list[_Part]) -> bool:
-    """Whether the worker checks this round's values for NaN and infinities on its device.
-
-    A part nobody checked yet (`_Part.finite_checked` False) running alone through its
-    recorded plan (one worker writes and reads every row) is checked by that worker, for
-    free (KVPool.write_and_attend's check_finite). Any other round is checked here
-    (`_joined_finite`, then `_finite_parts`), so that one caller's bad values fail only
-    that caller and the others' round goes on.
-    """
-    if len(parts) != 1 or parts[0].finite_checked:
-        return False
-    plan = parts[0].plan
-    return (
-        plan is not None
-        and len(plan.batches) == 1
-        and set(parts[0].writes) == {plan.batches[0].worker_id}
-    )
-
-
-def _round_checked_on_device(
+def _checked_on_device(
     parts: list[_Part], plan: AttentionPlan, writes: Mapping[str, WorkerWrite], layer: int | None
 ) -> bool:
-    """Whether the worker checks a shared round's values on its device (check_finite), as
-    it does a lone part's (`_checked_on_device`): one layer, one worker writing and reading
-    every row, and a part not checked yet. A round it refuses wrote nothing; `_run_parts`
-    then looks part by part (`_finite_parts`) and runs the finite ones again. Spares the
-    coordinator a pass over every value of the round (a float32 sum per run of tensors)."""
+    """Whether the worker checks this round's values for NaN and infinities on its device
+    (KVPool.write_and_attend's check_finite, for free where the data goes anyway): a round
+    with a part nobody checked yet (`_Part.finite_checked` False), on one layer, one
+    worker writing and reading every row.
+
+    A lone part's refusal is its own (the short path then takes the full path, which
+    names the culprit). A shared round the worker refuses wrote nothing; `_run_parts` then
+    looks part by part (`_finite_parts`) and runs the finite ones again, so one caller's
+    bad values fail only that caller. Any other round is checked here (`_joined_finite`,
+    then `_finite_parts`).
+    """
     return (
         layer is not None
-        and len(parts) > 1
         and not all(p.finite_checked for p in parts)
         and len(plan.batches) == 1
         and set(writes) == {plan.batches[0].worker_id}
