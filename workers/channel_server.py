@@ -293,11 +293,11 @@ class ChannelServer:
         layout = ArenaLayout(arena.views, free_from)
 
         def place(t: torch.Tensor) -> ArenaTensor | FileTensor:
-            ref = layout.find(t) or arena.find_in_files(t)
-            if ref is None:
-                ref = layout.put(t)
-            if type(ref) is ArenaTensor:
-                placed.append(ref)
+            in_file = arena.find_in_files(t)  # an output produced in a shared file
+            if in_file is not None:
+                return in_file
+            ref = layout.place(t)
+            placed.append(ref)
             return ref
 
         try:

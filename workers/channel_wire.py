@@ -263,31 +263,24 @@ def split(
     references as ``(where, tag, *fields)`` (``where``: None for the value itself, else
     the index or key), ``place(tensor)`` giving the reference (ArenaTensor and
     FileTensor items count as tensors already placed). A FencedEpoch there travels the
-    same way. Plain tuples, not the named tuples:
-    a named tuple pickles through a Python-level reduce (about 2.5 us each on the CPU VM,
-    and a request names seven), a tuple in C. A tensor deeper down is pickled with the
-    rest, by value (correct, slower; no data call sends one).
+    same way. Plain tuples, not the named tuples: a named tuple pickles through a
+    Python-level reduce (about 2.5 us each on the CPU VM, and a request names seven), a
+    tuple in C. A tensor deeper down is pickled with the rest, by value (correct, slower;
+    no data call sends one).
 
     Raises:
         What ``place`` raises (ArenaFull).
     """
     kind = type(value)
-    if kind is tuple or kind is list:
-        refs = [(i, *_ref(v, place)) for i, v in enumerate(value) if _is_tensor_like(v)]
+    if kind is tuple or kind is list or kind is dict:
+        items = value.items() if kind is dict else enumerate(value)
+        refs = tuple((k, *_ref(v, place)) for k, v in items if _is_tensor_like(v))
         if not refs:
             return value, ()
-        plain = list(value)
+        plain = dict(value) if kind is dict else list(value)
         for ref in refs:
             plain[ref[0]] = None
-        return (tuple(plain) if kind is tuple else plain), tuple(refs)
-    if kind is dict:
-        refs = [(k, *_ref(v, place)) for k, v in value.items() if _is_tensor_like(v)]
-        if not refs:
-            return value, ()
-        plain = dict(value)
-        for ref in refs:
-            plain[ref[0]] = None
-        return plain, tuple(refs)
+        return (tuple(plain) if kind is tuple else plain), refs
     if _is_tensor_like(value):
         return None, ((None, *_ref(value, place)),)
     return value, ()
