@@ -199,28 +199,23 @@ async def main(args):
     from cache_service import worker_clients as wcm
 
     inv_times = []
-    orig_inv = wcm.LocalWorkerClient._invoke
 
-    async def inv(self, method, *a, **k):
-        t0 = time.perf_counter()
-        try:
-            return await orig_inv(self, method, *a, **k)
-        finally:
-            if rec["on"] and method == "write_and_attend":
-                inv_times.append(time.perf_counter() - t0)
+    def time_invoke(cls, methods):
+        """Time `cls._invoke` for `methods` (the worker call) while recording."""
+        real = cls._invoke
 
-    wcm.LocalWorkerClient._invoke = inv
-    orig_ray_inv = wcm.RayWorkerClient._invoke
+        async def timed(self, method, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return await real(self, method, *a, **k)
+            finally:
+                if rec["on"] and method in methods:
+                    inv_times.append(time.perf_counter() - t0)
 
-    async def ray_inv(self, method, *a, **k):
-        t0 = time.perf_counter()
-        try:
-            return await orig_ray_inv(self, method, *a, **k)
-        finally:
-            if rec["on"] and method in ("write_and_attend", "write_and_attend_pages"):
-                inv_times.append(time.perf_counter() - t0)
+        cls._invoke = timed
 
-    wcm.RayWorkerClient._invoke = ray_inv
+    time_invoke(wcm.LocalWorkerClient, ("write_and_attend",))
+    time_invoke(wcm.RayWorkerClient, ("write_and_attend", "write_and_attend_pages"))
     # The channel's stages on the coordinator's side (perf_counter stamps per call).
     from cache_service import worker_channel as wch
 
