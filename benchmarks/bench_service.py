@@ -42,6 +42,7 @@ import os
 import platform
 import pstats
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -210,6 +211,9 @@ def through_service(
             )
         )
         loop = asyncio.get_running_loop()
+        # The event-loop thread's CPU clock, readable from the thread the clients run in:
+        # how busy the coordinator's one thread was over the timed steps.
+        loop_clock = time.pthread_getcpuclockid(threading.get_ident())
         try:
             out = {}
             runs = (
@@ -235,7 +239,11 @@ def through_service(
                 # slow both and inflate the figures.
                 if (profile is not None and phase != "single") or phase not in phases:
                     continue
-                run = functools.partial(run_decode_bench, processes=True)
+                run = functools.partial(
+                    run_decode_bench,
+                    processes=True,
+                    server_cpu_clock=functools.partial(time.clock_gettime, loop_clock),
+                )
                 prof = cProfile.Profile() if profile is not None and key == "single" else None
                 if prof is not None:
                     prof.enable()  # the event loop's thread: gRPC handlers and coordinator
@@ -429,6 +437,16 @@ def held_back(r: BenchResult) -> str:
     return f"{n} ({seconds / n * 1e3:.1f})" if n else "0"
 
 
+def loop_busy(r: BenchResult) -> str:
+    """The server's event-loop thread over the timed steps: its CPU time as a fraction of
+    the wall time, and per append-and-attend call in ms."""
+    cpu = r.server_cpu_seconds
+    if cpu is None or not r.wall_seconds:
+        return "-"
+    calls = r.config.steps * r.layers * r.config.clients
+    return f"{cpu / r.wall_seconds:.2f} ({cpu / calls * 1e3:.3f})"
+
+
 def fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
 
@@ -482,13 +500,14 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         "## One client: per-layer append-and-attend",
         "",
         "| path | p50 ms | p99 ms | steps/s | tokens/s | p50 overhead over in-process ms "
-        "| rounds held back by the correctness check (ms each) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| rounds held back by the correctness check (ms each) "
+        "| server loop busy (its CPU ms per call) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     if base_times:
         lines.append(
             f"| in-process `PoolWorker.write_and_attend` (no RPC) | {fmt_ms(b50)} | "
-            f"{fmt_ms(b99)} | {base_steps:.2f} | {base_steps * setup.batch:.1f} | - | - |"
+            f"{fmt_ms(b99)} | {base_steps:.2f} | {base_steps * setup.batch:.1f} | - | - | - |"
         )
     for label, res in results.items():
         if "single" not in res:
@@ -496,7 +515,8 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         r = res["single"]
         lines.append(
             f"| service, {label} | {r.p50_ms:.3f} | {r.p99_ms:.3f} | {r.steps_per_s:.2f} | "
-            f"{r.tokens_per_s:.1f} | {r.p50_ms - b50 * 1e3:.3f} | {held_back(r)} |"
+            f"{r.tokens_per_s:.1f} | {r.p50_ms - b50 * 1e3:.3f} | {held_back(r)} | "
+            f"{loop_busy(r)} |"
         )
     lines += [
         "",
@@ -506,8 +526,9 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         "lower median ratio)",
         "",
         "| path | one client tokens/s | concurrent tokens/s | ratio | concurrent p50 ms | p99 ms "
-        "| sequences per worker call: one / concurrent | every pair's ratio |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| sequences per worker call: one / concurrent "
+        "| server loop busy (its CPU ms per call): one / concurrent | every pair's ratio |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
 
     def per_round(r: BenchResult) -> str:
@@ -523,7 +544,8 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         lines.append(
             f"| service, {label} | {one.tokens_per_s:.1f} | {many.tokens_per_s:.1f} | "
             f"{ratio:.2f}x | {many.p50_ms:.3f} | {many.p99_ms:.3f} | "
-            f"{per_round(one)} / {per_round(many)} | {every} |"
+            f"{per_round(one)} / {per_round(many)} | {loop_busy(one)} / {loop_busy(many)} | "
+            f"{every} |"
         )
     if setup.name == "h200":
         lines += ["", "## Targets (issue 5)", ""]

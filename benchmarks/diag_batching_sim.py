@@ -65,7 +65,7 @@ async def _run(clients: int, args: argparse.Namespace) -> tuple[float, list[int]
         for p in parts:
             p.future.set_result(None)
 
-    batcher = _Batcher((0, "w0", 32), args.window_ms * 1e-3, 256, worker_call)
+    batcher = _Batcher((0, "w0", 32), args.window_ms * 1e-3, 256, worker_call, overlap=args.overlap)
     pairs = [socket.socketpair() for _ in range(clients)]
 
     def arrived(i: int) -> None:
@@ -118,6 +118,9 @@ def main() -> None:
     parser.add_argument("--round-part-us", type=float, default=40.0)
     parser.add_argument(
         "--async-worker", action="store_true", help="rounds run off the loop (another process)"
+    )
+    parser.add_argument(
+        "--overlap", action="store_true", help="coordinator.overlap_rounds: two groups take turns"
     )
     args = parser.parse_args()
     diag_batch_trace.instrument()

@@ -115,7 +115,7 @@ async def _main(args: argparse.Namespace) -> None:
         per_call = (after[0] - before[0]) / max(after[1] - before[1], 1)
         if prof is not None:
             prof.disable()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+            pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
         print(
             f"clients={args.clients}: {wall / parts * 1e6:.0f} us wall and "
             f"{cpu / parts * 1e6:.0f} us CPU per part ({parts} parts; {per_call:.1f} "
@@ -134,6 +134,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--pinned", action="store_true", help="regions as a GPU server pins them")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--sort", default="tottime", help="pstats order for --profile")
+    parser.add_argument("--top", type=int, default=30, help="functions --profile prints")
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu",
         help="cpu: stubbed pools; cuda: the real CUDA pools",

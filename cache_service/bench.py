@@ -16,6 +16,7 @@ import multiprocessing
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,9 @@ class BenchResult:
         correctness_checks: (rounds the online correctness check held back, their total
             check time in seconds) over the run, warm-up included (None: not measured;
             as above).
+        server_cpu_seconds: what the caller's `server_cpu_clock` counted over the timed
+            steps, seconds (a server in the caller's process: its event-loop thread's CPU
+            time); None without a clock.
     """
 
     config: BenchConfig
@@ -104,6 +108,7 @@ class BenchResult:
     tokens: int = 0
     sequences_per_worker_call: float | None = None
     correctness_checks: tuple[int, float] | None = None
+    server_cpu_seconds: float | None = None
 
     @property
     def p50_ms(self) -> float:
@@ -227,12 +232,19 @@ def _process_main(
 
 
 def run_decode_bench(
-    target: str, cfg: BenchConfig, *, token: str | None = None, processes: bool = False
+    target: str,
+    cfg: BenchConfig,
+    *,
+    token: str | None = None,
+    processes: bool = False,
+    server_cpu_clock: Callable[[], float] | None = None,
 ) -> BenchResult:
     """Run `cfg` against the server at `target`; raises the first client error.
 
     processes: one process per client instead of one thread (clients then do not share a
     GIL with each other or with a server running in this process).
+    server_cpu_clock: read (seconds) when the timed steps start and when the last client
+        finishes them; the difference becomes `BenchResult.server_cpu_seconds`.
     """
     with KVCacheClient(target, token=token) as probe:
         layers = probe.info().layout.num_layers
@@ -269,11 +281,15 @@ def run_decode_bench(
         # A client process that dies without reaching the barrier (a crash at import) would
         # leave everyone waiting: break the barrier instead.
         threading.Thread(target=_watch, args=(workers, barrier, finished), daemon=True).start()
+    server_cpu = None
     try:
         barrier.wait()
         t0 = time.perf_counter()
+        cpu0 = server_cpu_clock() if server_cpu_clock is not None else 0.0
         barrier.wait()
         wall = time.perf_counter() - t0
+        if server_cpu_clock is not None:
+            server_cpu = server_cpu_clock() - cpu0
     except threading.BrokenBarrierError:
         wall = 0.0
     finished.set()
@@ -294,5 +310,6 @@ def run_decode_bench(
     result = BenchResult(cfg, layers)
     result.call_seconds = [x for times in per_client for x in times]
     result.wall_seconds = wall
+    result.server_cpu_seconds = server_cpu
     result.tokens = cfg.steps * cfg.batch * cfg.clients
     return result

@@ -317,6 +317,12 @@ class CoordinatorConfig:
             one worker call as well (one launch of each kernel over pages of every layer,
             `KVPool.write_and_attend_pages`), not only calls for the same layer: clients
             decoding layer by layer are rarely at the same layer at once.
+        overlap_rounds: clients calling in step take turns in two groups, one group's
+            worker call in flight while the coordinator takes in the other's requests
+            (instead of one worker call for all of them). Pays where the coordinator's
+            work per request, times half the clients, outlasts a worker call (a worker in
+            another process, e.g. a Ray actor); costs two worker calls per round of
+            every client where it does not.
     """
 
     batch_window_ms: float = 0.5
@@ -327,6 +333,7 @@ class CoordinatorConfig:
     correctness_check_fraction: float = 0.01
     correctness_check_sequences: int | None = None
     coalesce_layers: bool = True
+    overlap_rounds: bool = False
 
     def __post_init__(self) -> None:
         _non_negative("coordinator.batch_window_ms", self.batch_window_ms)
@@ -342,6 +349,10 @@ class CoordinatorConfig:
         if self.correctness_check_sequences is not None:
             _positive_int(
                 "coordinator.correctness_check_sequences", self.correctness_check_sequences
+            )
+        if not isinstance(self.overlap_rounds, bool):
+            raise ConfigError(
+                f"coordinator.overlap_rounds must be true or false, got {self.overlap_rounds!r}"
             )
         if not isinstance(self.coalesce_layers, bool):
             raise ConfigError(

@@ -298,6 +298,14 @@ class _Batcher:
     parts, and one worker call serves everyone instead of two groups taking turns (with a
     worker in another process, each turn costs a whole worker call).
 
+    With `overlap` the callers in step take turns in two groups instead, so that one
+    group's batch is on the worker while the coordinator takes in the other's parts (worth
+    it where the coordinator's work per part, times half the callers, outlasts a worker
+    call: the worker's time is then hidden, at the price of two worker calls per round of
+    every caller). With nothing in flight a batch leaves once it holds half the parts
+    expected; with one batch in flight, the pending batch leaves once every expected caller
+    not in that batch has its parts pending.
+
     call_later: the timer (delay in seconds, callback) -> handle with ``cancel()``; default
     the running loop's ``call_later`` (tests pass a fake clock).
     """
@@ -309,12 +317,14 @@ class _Batcher:
         max_items: int,
         run: Callable[[tuple[int | None, str, int], list[_Part]], Coroutine[Any, Any, None]],
         call_later: Callable[[float, Callable[[], None]], Any] | None = None,
+        overlap: bool = False,
     ) -> None:
         self._key = key
         self._window_s = window_s
         self._max_items = max_items
         self._run = run
         self._call_later = call_later
+        self._overlap = overlap
         self._pending: list[_Part] = []
         self._items = 0
         self._timer: Any = None
@@ -359,12 +369,28 @@ class _Batcher:
             self._flush()
         elif self._in_flight == 0 and self._everyone_here():
             self._flush()
+        elif self._overlap and self._group_ready():
+            self._flush()
         elif self._timer is None and not self._due:
             self._start_window()
 
     def _everyone_here(self) -> bool:
         """Every caller expected has its parts pending (two or more parts expected)."""
         return self._expected_parts > 1 and self._satisfied == len(self._expected)
+
+    def _group_ready(self) -> bool:
+        """With `overlap`: whether the pending batch is a group that should leave now (see
+        the class docstring); needs four or more parts expected."""
+        if self._expected_parts < 4:
+            return False
+        if self._in_flight == 0:
+            return 2 * len(self._pending) >= self._expected_parts
+        if self._in_flight > 1:
+            return False
+        (flying,) = self._flying.values()
+        counts, expected = self._pending_counts, self._expected
+        waiting_for = [c for c in expected if c not in flying]
+        return bool(waiting_for) and all(counts.get(c, 0) >= expected[c] for c in waiting_for)
 
     def _start_window(self) -> None:
         if self._call_later is not None:
@@ -424,8 +450,10 @@ class _Batcher:
         returning = self._flying.pop(task, frozenset())
         self._in_flight -= 1
         if self._in_flight != 0:
+            if self._overlap and self._pending and self._group_ready():
+                self._flush()
             return
-        if self._everyone_here():
+        if self._everyone_here() or (self._overlap and self._pending and self._group_ready()):
             self._flush()
         elif self._due:
             if not self._extended and any(c in self._expected for c in returning):
@@ -1426,6 +1454,7 @@ class Coordinator:
                 self.config.batch_window_ms / 1000.0,
                 self.config.max_batch_items,
                 self._run_parts,
+                overlap=self.config.overlap_rounds,
             )
         return batcher
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from service_support import ServiceHarness, local_workers, service_config
 
+from cache_service.bench import BenchConfig, run_decode_bench
 from cache_service.cli import build_parser, main, service_config_from_args
 from cache_service.client import KVCacheClient
 
@@ -75,6 +76,22 @@ def test_bench_runs_against_an_embedded_service(capsys) -> None:
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert re.search(r"per-call p50\s+│\s+[\d.]+ ms", out), out
+
+
+def test_bench_reads_the_server_clock_around_the_timed_steps() -> None:
+    readings = iter([10.0, 12.5])
+    calls: list[int] = []
+
+    def clock() -> float:
+        calls.append(1)
+        return next(readings)
+
+    with ServiceHarness(service_config(), local_workers(1, 64)) as svc:
+        cfg = BenchConfig(batch=2, context=8, steps=2, warmup_steps=1, num_q_heads=4)
+        result = run_decode_bench(svc.address, cfg, server_cpu_clock=clock)
+        plain = run_decode_bench(svc.address, cfg)
+    assert len(calls) == 2 and result.server_cpu_seconds == 2.5
+    assert plain.server_cpu_seconds is None and len(result.call_seconds) == 2 * result.layers
 
 
 def test_serve_runs_until_sigterm_and_drains() -> None:

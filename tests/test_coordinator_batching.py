@@ -88,9 +88,13 @@ def part(*seq_ids: str, origin: int | None = None) -> _Part:
     )
 
 
-def make(window_s: float = 0.5, max_items: int = 64) -> tuple[_Batcher, Worker, FakeClock]:
+def make(
+    window_s: float = 0.5, max_items: int = 64, overlap: bool = False
+) -> tuple[_Batcher, Worker, FakeClock]:
     worker, clock = Worker(), FakeClock()
-    batcher = _Batcher(KEY, window_s, max_items, worker.run, call_later=clock.call_later)
+    batcher = _Batcher(
+        KEY, window_s, max_items, worker.run, call_later=clock.call_later, overlap=overlap
+    )
     return batcher, worker, clock
 
 
@@ -329,6 +333,90 @@ def test_the_extra_window_for_returning_callers_is_given_once() -> None:
         await settle()
         assert worker.batches[-1] == ["c", "d"]
         await worker.finish(4)
+
+    asyncio.run(scenario())
+
+
+async def _eight_callers_seen(batcher: _Batcher, worker: Worker, clock: FakeClock) -> None:
+    """Callers a..h seen in the last two batches (a alone, then the seven others)."""
+    batcher.submit(part("a"))
+    await settle()
+    for name in "bcdefgh":
+        batcher.submit(part(name))
+    await worker.finish(0)
+    clock.pass_window()
+    await settle()
+    assert worker.batches[-1] == list("bcdefgh")
+    await worker.finish(1)
+
+
+def test_with_overlap_callers_in_step_take_turns_in_two_groups() -> None:
+    async def scenario() -> None:
+        batcher, worker, clock = make(overlap=True)
+        await _eight_callers_seen(batcher, worker, clock)
+        for name in "abc":
+            batcher.submit(part(name))
+        await settle()
+        assert len(worker.batches) == 2
+        batcher.submit(part("d"))  # half the parts expected, nothing in flight: they go
+        await settle()
+        assert worker.batches[-1] == list("abcd")
+        for name in "efg":
+            batcher.submit(part(name))
+        await settle()
+        assert len(worker.batches) == 3
+        batcher.submit(part("h"))  # everyone not on the worker is here: they go too
+        await settle()
+        assert worker.batches[-1] == list("efgh")
+        # The first group comes back while the second is on the worker, and so on.
+        for turn in range(4):
+            await worker.finish(len(worker.batches) - 2)
+            group = "abcd" if turn % 2 == 0 else "efgh"
+            for name in group[:3]:
+                batcher.submit(part(name))
+            await settle()
+            assert worker.batches[-1] != list(group)
+            batcher.submit(part(group[3]))
+            await settle()
+            assert worker.batches[-1] == list(group)
+        assert clock.armed() == []  # no group waited for a window
+
+    asyncio.run(scenario())
+
+
+def test_without_overlap_the_same_callers_share_one_batch() -> None:
+    async def scenario() -> None:
+        batcher, worker, clock = make()
+        await _eight_callers_seen(batcher, worker, clock)
+        for name in "abcdefg":
+            batcher.submit(part(name))
+        await settle()
+        assert len(worker.batches) == 2
+        batcher.submit(part("h"))
+        await settle()
+        assert worker.batches[-1] == list("abcdefgh")
+
+    asyncio.run(scenario())
+
+
+def test_overlap_does_not_split_fewer_than_four_parts() -> None:
+    async def scenario() -> None:
+        batcher, worker, clock = make(overlap=True)
+        batcher.submit(part("a"))
+        await settle()
+        for name in "bc":
+            batcher.submit(part(name))
+        await worker.finish(0)
+        clock.pass_window()
+        await settle()
+        await worker.finish(1)
+        for name in "ab":  # two of three expected: they wait for "c" as without overlap
+            batcher.submit(part(name))
+        await settle()
+        assert len(worker.batches) == 2
+        batcher.submit(part("c"))
+        await settle()
+        assert worker.batches[-1] == list("abc")
 
     asyncio.run(scenario())
 
