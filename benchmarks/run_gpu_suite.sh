@@ -319,26 +319,7 @@ ray-breakdown)
     2>&1 | grep -v "WARNING\|INFO" | tee "$OUT/diag-channel.log"
   ;;
 ray-profile)
-  # The channel's GPU tests (the shared-file case fixed after overlap)
-  # Two groups of callers taking turns on the worker (coordinator.overlap_rounds) against
-  # one round for all: the batching simulation at costs near this host's, then the Ray
-  # row's concurrency pairs with overlap on, then the whole Ray row with it off (as
-  # locks-final). The reports carry the server loop's CPU per call and busy share.
-  for o in "" --overlap; do
-    timeout 40 python3 benchmarks/diag_batching_sim.py --clients 8 --part-us 230 \
-      --reply-us 50 --round-us 830 --round-part-us 0 --async-worker --think-us 100 \
-      --jitter-us 50 --calls 400 $o 2>&1 | tail -3 | tee -a "$OUT/sim.log"
-  done
-  CUDA_VISIBLE_DEVICES=0 timeout 210 python3 benchmarks/bench_service.py --h200 --no-in-process \
-    --transports local-shm --pairs 2 --phases one_small,concurrent \
-    --set coordinator.overlap_rounds=true --out "$OUT/service-h200-overlap.md" \
-    > "$OUT/bench-overlap.log" 2>&1
-  tail -4 "$OUT/service-h200-overlap.md"
-  CUDA_VISIBLE_DEVICES=0 timeout 270 python3 benchmarks/bench_service.py --h200 --no-in-process \
-    --transports local-shm --pairs 2 --out "$OUT/service-h200-ray.md" > "$OUT/bench.log" 2>&1
-  tail -12 "$OUT/service-h200-ray.md"
-  ;;
-files-final); then where the
+  # The channel's GPU tests (the shared-file case fixed after files-final); then where the
   # Ray path's time goes on this host: the breakdown behind the Ray actor with py-spy on
   # the server and the actor (needs .kern/py-spy carried), the same with the online
   # correctness check on (slot fingerprints recorded), and the Ray row's one-client run.
@@ -372,6 +353,25 @@ wire-final)
 locks-final)
   # The Ray row alone (2 alternating concurrency pairs) after the batch locks
   # (cache_service.sequence_locks), on whatever time is left.
+  CUDA_VISIBLE_DEVICES=0 timeout 270 python3 benchmarks/bench_service.py --h200 --no-in-process \
+    --transports local-shm --pairs 2 --out "$OUT/service-h200-ray.md" > "$OUT/bench.log" 2>&1
+  tail -12 "$OUT/service-h200-ray.md"
+  ;;
+overlap)
+  # Two groups of callers taking turns on the worker (coordinator.overlap_rounds) against
+  # one round for all: the batching simulation at costs near this host's, then the Ray
+  # row's concurrency pairs with overlap on, then the whole Ray row with it off (as
+  # locks-final). The reports carry the server loop's CPU per call and busy share.
+  for o in "" --overlap; do
+    timeout 40 python3 benchmarks/diag_batching_sim.py --clients 8 --part-us 230 \
+      --reply-us 50 --round-us 830 --round-part-us 0 --async-worker --think-us 100 \
+      --jitter-us 50 --calls 400 $o 2>&1 | tail -3 | tee -a "$OUT/sim.log"
+  done
+  CUDA_VISIBLE_DEVICES=0 timeout 210 python3 benchmarks/bench_service.py --h200 --no-in-process \
+    --transports local-shm --pairs 2 --phases one_small,concurrent \
+    --set coordinator.overlap_rounds=true --out "$OUT/service-h200-overlap.md" \
+    > "$OUT/bench-overlap.log" 2>&1
+  tail -4 "$OUT/service-h200-overlap.md"
   CUDA_VISIBLE_DEVICES=0 timeout 270 python3 benchmarks/bench_service.py --h200 --no-in-process \
     --transports local-shm --pairs 2 --out "$OUT/service-h200-ray.md" > "$OUT/bench.log" 2>&1
   tail -12 "$OUT/service-h200-ray.md"
