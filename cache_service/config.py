@@ -320,9 +320,10 @@ class CoordinatorConfig:
         overlap_rounds: clients calling in step take turns in two groups, one group's
             worker call in flight while the coordinator takes in the other's requests
             (instead of one worker call for all of them). Pays where the coordinator's
-            work per request, times half the clients, outlasts a worker call (a worker in
-            another process, e.g. a Ray actor); costs two worker calls per round of
-            every client where it does not.
+            work per request, times half the clients, outlasts a worker call; costs two
+            worker calls per round of every client where it does not. None (default): on
+            for workers in another process (Ray actors: the coordinator's event loop is
+            free while their calls run), off for workers in the coordinator's process.
     """
 
     batch_window_ms: float = 0.5
@@ -333,7 +334,7 @@ class CoordinatorConfig:
     correctness_check_fraction: float = 0.01
     correctness_check_sequences: int | None = None
     coalesce_layers: bool = True
-    overlap_rounds: bool = False
+    overlap_rounds: bool | None = None
 
     def __post_init__(self) -> None:
         _non_negative("coordinator.batch_window_ms", self.batch_window_ms)
@@ -350,9 +351,10 @@ class CoordinatorConfig:
             _positive_int(
                 "coordinator.correctness_check_sequences", self.correctness_check_sequences
             )
-        if not isinstance(self.overlap_rounds, bool):
+        if self.overlap_rounds is not None and not isinstance(self.overlap_rounds, bool):
             raise ConfigError(
-                f"coordinator.overlap_rounds must be true or false, got {self.overlap_rounds!r}"
+                "coordinator.overlap_rounds must be true, false or null (by the workers), "
+                f"got {self.overlap_rounds!r}"
             )
         if not isinstance(self.coalesce_layers, bool):
             raise ConfigError(

@@ -71,6 +71,9 @@ class _WorkerClientBase:
     # Told (worker_id, path) at every per-layer data call (observe_data_calls).
     _on_data_call: Callable[[str, str], None] | None = None
 
+    # Whether the worker's calls run in another process (WorkerClient.out_of_process).
+    out_of_process = False
+
     @property
     def worker_id(self) -> str:
         return self._worker_id
@@ -280,6 +283,7 @@ class RayWorkerClient(_WorkerClientBase):
 
     # `out` is delivered by the channel, and dropped from a call that goes through Ray.
     _accepts_out = True
+    out_of_process = True
 
     def __init__(
         self,

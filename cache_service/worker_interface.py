@@ -55,6 +55,12 @@ class WorkerClient(Protocol):
         """The worker's stable id (its actor name)."""
         ...
 
+    @property
+    def out_of_process(self) -> bool:
+        """Whether the worker's calls run in another process (a Ray actor), leaving the
+        caller's event loop free meanwhile."""
+        ...
+
     async def describe(self) -> WorkerDescription:
         """Identity, current epoch, capacity and layout."""
         ...
