@@ -377,9 +377,9 @@ overlap)
   tail -12 "$OUT/service-h200-ray.md"
   ;;
 overlap-final)
-  # The default configuration after overlapping groups became the default for workers in
-  # another process (by measurement): the channel's GPU tests, then the Ray row with 3
-  # alternating concurrency pairs.
+  # The default configuration once two groups of callers taking turns became the default
+  # for workers in another process (first by timing, 00:04; then always, after): the
+  # channel's GPU tests, then the Ray row with 3 alternating concurrency pairs.
   CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider \
     tests/test_workers_gpu.py -k "channel" 2>&1 | tee "$OUT/gpu-tests.log" | tail -3
   CUDA_VISIBLE_DEVICES=0 timeout 330 python3 benchmarks/bench_service.py --h200 --no-in-process \

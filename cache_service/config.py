@@ -318,12 +318,12 @@ class CoordinatorConfig:
             `KVPool.write_and_attend_pages`), not only calls for the same layer: clients
             decoding layer by layer are rarely at the same layer at once.
         overlap_rounds: clients calling in step take turns in two groups, one group's
-            worker call in flight while the coordinator takes in the other's requests
-            (instead of one worker call for all of them). Pays where the coordinator's
-            work per request, times half the clients, outlasts a worker call; costs two
-            worker calls per round of every client where it does not. None (default): on
-            for workers in another process (Ray actors: the coordinator's event loop is
-            free while their calls run), off for workers in the coordinator's process.
+            worker call in flight while the coordinator takes in the other's requests,
+            instead of one worker call for all of them while the coordinator waits; costs
+            one more worker call per round of every client. None (default): on for
+            workers in another process (Ray actors: the coordinator's event loop is free
+            while their calls run), off for workers in the coordinator's process (their
+            calls hold its event loop).
     """
 
     batch_window_ms: float = 0.5

@@ -262,8 +262,6 @@ _SHARED_WEIGHT = 0.5
 _SHARED_THRESHOLD = 0.25
 # Batches whose callers the next batch expects (see _Batcher).
 _RECENT_BATCHES = 4
-# Weight of the newest measurement in the batcher's timings (overlapping groups).
-_TIMING_WEIGHT = 0.1
 
 
 class _Batcher:
@@ -300,24 +298,18 @@ class _Batcher:
     parts, and one worker call serves everyone instead of two groups taking turns (with a
     worker in another process, each turn costs a whole worker call).
 
-    Overlapping groups: the callers in step may take turns in two groups instead, so that
-    one group's batch is on the worker while the coordinator takes in the other's parts.
-    That pays where taking in the callers' parts, not the worker call, is what a round
-    waits for: the worker's time is then hidden behind the coordinator's work, at the
-    price of two worker calls per round of every caller (where the worker is the
-    bottleneck, one call for everyone is better). While groups overlap, a batch leaves,
-    with nothing in flight, once it holds half the parts expected; with one batch in
-    flight, once every expected caller not in that batch has its parts pending. `overlap`
-    True: groups always overlap (given four parts or more expected); False: never; None:
-    while the measurements say it pays, i.e. the expected parts arrive further apart in all
-    than a batch takes on the worker (moving averages, each new measurement weighing
-    `_TIMING_WEIGHT`, of the gap between parts arriving for a gathering batch and of the
-    time from a batch leaving to its coming back; a worker that cannot keep up with two
-    groups makes that time grow, and the groups merge again).
+    With `overlap` (four parts or more expected) the callers in step take turns in two
+    groups instead, so that one group's batch is on the worker while the coordinator takes
+    in the other's parts: a batch leaves, with nothing in flight, once it holds half the
+    parts expected; with one batch in flight, once every expected caller not in that batch
+    has its parts pending. For a worker in another process: with one batch for everyone,
+    the coordinator idles while the batch is on the worker and the worker idles while the
+    coordinator takes in the next parts; two groups keep both busy, for the price of one
+    more worker call per round of every caller (its fixed cost, which would have to
+    outweigh the coordinator's work on all the parts to make one batch better).
 
     call_later: the timer (delay in seconds, callback) -> handle with ``cancel()``; default
     the running loop's ``call_later`` (tests pass a fake clock).
-    clock: seconds, for the timings of `overlap` None (default ``time.perf_counter``).
     """
 
     def __init__(
@@ -327,23 +319,14 @@ class _Batcher:
         max_items: int,
         run: Callable[[tuple[int | None, str, int], list[_Part]], Coroutine[Any, Any, None]],
         call_later: Callable[[float, Callable[[], None]], Any] | None = None,
-        overlap: bool | None = False,
-        clock: Callable[[], float] = time.perf_counter,
+        overlap: bool = False,
     ) -> None:
         self._key = key
         self._window_s = window_s
         self._max_items = max_items
         self._run = run
         self._call_later = call_later
-        self._overlap_setting = overlap
-        self._clock = clock
-        # Moving averages for `overlap` None (seconds; None until measured): the gap
-        # between parts arriving for a gathering batch; a batch's time on the worker. The
-        # last part's arrival; when each batch in flight left.
-        self._gap_s: float | None = None
-        self._flight_s: float | None = None
-        self._last_arrival = 0.0
-        self._left_at: dict[asyncio.Task[None], float] = {}
+        self._overlap = overlap
         self._pending: list[_Part] = []
         self._items = 0
         self._timer: Any = None
@@ -373,25 +356,10 @@ class _Batcher:
         were shared) rather than leaving at once."""
         return self._shared >= _SHARED_THRESHOLD
 
-    @property
-    def _overlap(self) -> bool:
-        """Whether groups of callers overlap now (see the class docstring)."""
-        setting = self._overlap_setting
-        if setting is not None:
-            return setting
-        gap, flight = self._gap_s, self._flight_s
-        return gap is not None and flight is not None and gap * self._expected_parts >= flight
-
     def submit(self, part: _Part) -> None:
         idle = not self._pending and self._in_flight == 0
         if not idle:
             self._contended = True
-        if self._overlap_setting is None:
-            now = self._clock()
-            if self._pending:
-                gap = now - self._last_arrival
-                self._gap_s = gap if self._gap_s is None else _ema(self._gap_s, gap)
-            self._last_arrival = now
         self._pending.append(part)
         self._items += len(part.seq_ids)
         caller = _caller(part)
@@ -463,8 +431,6 @@ class _Batcher:
         task = start_eagerly(self._run(self._key, parts))
         self._tasks.add(task)
         self._flying[task] = frozenset(counts)
-        if self._overlap_setting is None:
-            self._left_at[task] = self._clock()
         task.add_done_callback(self._batch_done)
 
     def _expect_after(self, counts: dict[str | int, int], waited_window: bool) -> None:
@@ -484,10 +450,6 @@ class _Batcher:
     def _batch_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         returning = self._flying.pop(task, frozenset())
-        left = self._left_at.pop(task, None)
-        if left is not None:
-            flight = self._clock() - left
-            self._flight_s = flight if self._flight_s is None else _ema(self._flight_s, flight)
         self._in_flight -= 1
         if self._in_flight != 0:
             if self._overlap and self._pending and self._group_ready():
@@ -505,11 +467,6 @@ class _Batcher:
                 self._start_window()
             else:
                 self._flush()
-
-
-def _ema(average: float, sample: float) -> float:
-    """`average` moved towards `sample` by `_TIMING_WEIGHT` (see _Batcher)."""
-    return average + _TIMING_WEIGHT * (sample - average)
 
 
 def _caller(part: _Part) -> str | int:
@@ -1503,15 +1460,15 @@ class Coordinator:
             )
         return batcher
 
-    def _overlaps(self, worker_id: str) -> bool | None:
-        """The `overlap` of the batcher of `worker_id`'s calls (True / False: always /
-        never; None: as measured): CoordinatorConfig.overlap_rounds; by default as
-        measured for a worker in another process, never for one in this process (its
-        calls hold the event loop: nothing to overlap with)."""
+    def _overlaps(self, worker_id: str) -> bool:
+        """Whether the batcher of `worker_id`'s calls lets two groups of callers take
+        turns: CoordinatorConfig.overlap_rounds; by default for a worker in another
+        process, not for one in this process (its calls hold the event loop: nothing to
+        overlap with)."""
         overlap = self.config.overlap_rounds
         if overlap is None:
             client = self._clients.get(worker_id)
-            return None if client is not None and client.out_of_process else False
+            return client is not None and client.out_of_process
         return overlap
 
     async def _run_parts(self, key: tuple[int | None, str, int], parts: list[_Part]) -> None:

@@ -13,7 +13,6 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 import torch
 from service_support import HQ, LAYOUT, dense_attention
 
@@ -385,54 +384,6 @@ def test_with_overlap_callers_in_step_take_turns_in_two_groups() -> None:
     asyncio.run(scenario())
 
 
-def test_measured_overlap_starts_once_gathering_half_the_callers_outlasts_a_worker_call():
-    async def scenario() -> None:
-        now = [0.0]
-        worker, clock = Worker(), FakeClock()
-        batcher = _Batcher(
-            KEY, 0.5, 64, worker.run, call_later=clock.call_later, overlap=None,
-            clock=lambda: now[0],
-        )  # fmt: skip
-
-        async def round_of(names: str, gap: float, flight: float) -> None:
-            for name in names:
-                now[0] += gap
-                batcher.submit(part(name))
-                await settle()
-            now[0] += flight
-            while len(worker.gates) > sum(g.is_set() for g in worker.gates):
-                await worker.finish(next(i for i, g in enumerate(worker.gates) if not g.is_set()))
-
-        batcher.submit(part("a"))  # lone
-        await settle()
-        for name in "bcdefgh":
-            now[0] += 0.1
-            batcher.submit(part(name))
-        now[0] = 1.0
-        await worker.finish(0)
-        clock.pass_window()
-        await settle()
-        now[0] = 2.0
-        await worker.finish(1)
-        assert batcher._gap_s == pytest.approx(0.1) and batcher._flight_s == pytest.approx(1.0)
-        # Parts 0.1 s apart, a worker call of 1 s: all eight arrive in 0.8 s, less than
-        # the worker takes, so one batch for all of them.
-        assert not batcher._overlap
-        await round_of("abcdefgh", 0.1, 1.0)
-        assert worker.batches[-1] == list("abcdefgh")
-        # Parts 0.3 s apart (a coordinator busy with each): the groups start to overlap.
-        for _ in range(3):
-            await round_of("abcdefgh", 0.3, 1.0)
-        assert batcher._overlap
-        assert [len(b) for b in worker.batches[-2:]] == [4, 4]
-        # A slow worker (5 s a call) merges them again.
-        for _ in range(30):
-            await round_of("abcdefgh", 0.3, 5.0)
-        assert not batcher._overlap and worker.batches[-1] == list("abcdefgh")
-
-    asyncio.run(scenario())
-
-
 def test_without_overlap_the_same_callers_share_one_batch() -> None:
     async def scenario() -> None:
         batcher, worker, clock = make()
@@ -649,7 +600,7 @@ def test_overlap_is_on_by_default_for_workers_in_another_process_only() -> None:
     class OtherProcess(LocalWorkerClient):
         out_of_process = True  # what RayWorkerClient says
 
-    async def scenario(overlap: bool | None) -> dict[str, bool | None]:
+    async def scenario(overlap: bool | None) -> dict[str, bool]:
         workers = [
             LocalWorkerClient("near", PoolConfig(LAYOUT, num_blocks=8)),
             OtherProcess("far", PoolConfig(LAYOUT, num_blocks=8)),
@@ -658,15 +609,13 @@ def test_overlap_is_on_by_default_for_workers_in_another_process_only() -> None:
         coord = Coordinator(LAYOUT, workers, config)
         await coord.start()
         try:
-            return {
-                w.worker_id: coord._batcher(0, w.worker_id, HQ)._overlap_setting for w in workers
-            }
+            return {w.worker_id: coord._batcher(0, w.worker_id, HQ)._overlap for w in workers}
         finally:
             await coord.close()
             for w in workers:
                 w.close()
 
     assert RayWorkerClient.out_of_process and not LocalWorkerClient.out_of_process
-    assert asyncio.run(scenario(None)) == {"near": False, "far": None}  # None: as measured
+    assert asyncio.run(scenario(None)) == {"near": False, "far": True}
     assert asyncio.run(scenario(True)) == {"near": True, "far": True}
     assert asyncio.run(scenario(False)) == {"near": False, "far": False}
