@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | local-pairs | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | default-pairs | local-pairs | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -384,6 +384,13 @@ overlap-final)
     tests/test_workers_gpu.py -k "channel" 2>&1 | tee "$OUT/gpu-tests.log" | tail -3
   CUDA_VISIBLE_DEVICES=0 timeout 330 python3 benchmarks/bench_service.py --h200 --no-in-process \
     --transports local-shm --pairs 3 --out "$OUT/service-h200-ray.md" > "$OUT/bench.log" 2>&1
+  tail -12 "$OUT/service-h200-ray.md"
+  ;;
+default-pairs)
+  # The Ray row with the default configuration, 2 alternating pairs, on whatever time is
+  # left (one more host for the figures).
+  CUDA_VISIBLE_DEVICES=0 timeout 270 python3 benchmarks/bench_service.py --h200 --no-in-process \
+    --transports local-shm --pairs 2 --out "$OUT/service-h200-ray.md" > "$OUT/bench.log" 2>&1
   tail -12 "$OUT/service-h200-ray.md"
   ;;
 files-final)
