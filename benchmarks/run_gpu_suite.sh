@@ -16,6 +16,18 @@ phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-servic
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
 
+# The Ray row of bench_service.py (the pool behind a Ray actor, local-shm clients):
+#   ray_row SECONDS PAIRS NAME [more bench_service arguments]
+# writes $OUT/NAME.md (the report) and $OUT/NAME.log, and prints the report's tail.
+ray_row() {
+  local limit=$1 pairs=$2 name=$3
+  shift 3
+  CUDA_VISIBLE_DEVICES=0 timeout "$limit" python3 benchmarks/bench_service.py --h200 \
+    --no-in-process --transports local-shm --pairs "$pairs" "$@" --out "$OUT/$name.md" \
+    > "$OUT/$name.log" 2>&1
+  tail -12 "$OUT/$name.md"
+}
+
 case $phase in
 kernels-v10)
   # Kernel notes v10: the kernels' GPU tests (and the pool's, which call them); host time
@@ -346,16 +358,13 @@ wire-final)
   CUDA_VISIBLE_DEVICES=0 timeout 100 python3 benchmarks/service_breakdown.py --device cuda \
     --layers 32 --steps 40 --transport local-shm --ray 2>&1 | grep -v "WARNING\|INFO" \
     | tee "$OUT/breakdown.log"
-  CUDA_VISIBLE_DEVICES=0 timeout 330 python3 benchmarks/bench_service.py --h200 --no-in-process \
-    --transports local-shm --pairs 2 --out "$OUT/service-h200-ray.md" > "$OUT/bench.log" 2>&1
-  tail -12 "$OUT/service-h200-ray.md"
+  ray_row 330 2 service-h200-ray
   ;;
-locks-final)
-  # The Ray row alone (2 alternating concurrency pairs) after the batch locks
-  # (cache_service.sequence_locks), on whatever time is left.
-  CUDA_VISIBLE_DEVICES=0 timeout 270 python3 benchmarks/bench_service.py --h200 --no-in-process \
-    --transports local-shm --pairs 2 --out "$OUT/service-h200-ray.md" > "$OUT/bench.log" 2>&1
-  tail -12 "$OUT/service-h200-ray.md"
+locks-final|default-pairs)
+  # The Ray row alone (2 alternating concurrency pairs), on whatever time is left: after
+  # the batch locks (cache_service.sequence_locks, locks-final); with the default
+  # configuration on one more host (default-pairs).
+  ray_row 270 2 service-h200-ray
   ;;
 overlap)
   # Two groups of callers taking turns on the worker (coordinator.overlap_rounds) against
@@ -367,14 +376,9 @@ overlap)
       --reply-us 50 --round-us 830 --round-part-us 0 --async-worker --think-us 100 \
       --jitter-us 50 --calls 400 $o 2>&1 | tail -3 | tee -a "$OUT/sim.log"
   done
-  CUDA_VISIBLE_DEVICES=0 timeout 210 python3 benchmarks/bench_service.py --h200 --no-in-process \
-    --transports local-shm --pairs 2 --phases one_small,concurrent \
-    --set coordinator.overlap_rounds=true --out "$OUT/service-h200-overlap.md" \
-    > "$OUT/bench-overlap.log" 2>&1
-  tail -4 "$OUT/service-h200-overlap.md"
-  CUDA_VISIBLE_DEVICES=0 timeout 270 python3 benchmarks/bench_service.py --h200 --no-in-process \
-    --transports local-shm --pairs 2 --out "$OUT/service-h200-ray.md" > "$OUT/bench.log" 2>&1
-  tail -12 "$OUT/service-h200-ray.md"
+  ray_row 210 2 service-h200-overlap --phases one_small,concurrent \
+    --set coordinator.overlap_rounds=true
+  ray_row 270 2 service-h200-ray
   ;;
 overlap-final)
   # The default configuration once two groups of callers taking turns became the default
@@ -382,16 +386,7 @@ overlap-final)
   # channel's GPU tests, then the Ray row with 3 alternating concurrency pairs.
   CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider \
     tests/test_workers_gpu.py -k "channel" 2>&1 | tee "$OUT/gpu-tests.log" | tail -3
-  CUDA_VISIBLE_DEVICES=0 timeout 330 python3 benchmarks/bench_service.py --h200 --no-in-process \
-    --transports local-shm --pairs 3 --out "$OUT/service-h200-ray.md" > "$OUT/bench.log" 2>&1
-  tail -12 "$OUT/service-h200-ray.md"
-  ;;
-default-pairs)
-  # The Ray row with the default configuration, 2 alternating pairs, on whatever time is
-  # left (one more host for the figures).
-  CUDA_VISIBLE_DEVICES=0 timeout 270 python3 benchmarks/bench_service.py --h200 --no-in-process \
-    --transports local-shm --pairs 2 --out "$OUT/service-h200-ray.md" > "$OUT/bench.log" 2>&1
-  tail -12 "$OUT/service-h200-ray.md"
+  ray_row 330 3 service-h200-ray
   ;;
 files-final)
   # Tensors in a client's shared region reach the Ray worker in place (the worker maps the

@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from service_support import HQ, LAYOUT, dense_attention
 
@@ -337,23 +338,25 @@ def test_the_extra_window_for_returning_callers_is_given_once() -> None:
     asyncio.run(scenario())
 
 
-async def _eight_callers_seen(batcher: _Batcher, worker: Worker, clock: FakeClock) -> None:
-    """Callers a..h seen in the last two batches (a alone, then the seven others)."""
-    batcher.submit(part("a"))
+async def _callers_seen(
+    batcher: _Batcher, worker: Worker, clock: FakeClock, names: str = "abcdefgh"
+) -> None:
+    """Callers `names` seen in the last two batches (the first alone, then the others)."""
+    batcher.submit(part(names[0]))
     await settle()
-    for name in "bcdefgh":
+    for name in names[1:]:
         batcher.submit(part(name))
     await worker.finish(0)
     clock.pass_window()
     await settle()
-    assert worker.batches[-1] == list("bcdefgh")
+    assert worker.batches[-1] == list(names[1:])
     await worker.finish(1)
 
 
 def test_with_overlap_callers_in_step_take_turns_in_two_groups() -> None:
     async def scenario() -> None:
         batcher, worker, clock = make(overlap=True)
-        await _eight_callers_seen(batcher, worker, clock)
+        await _callers_seen(batcher, worker, clock)
         for name in "abc":
             batcher.submit(part(name))
         await settle()
@@ -384,39 +387,24 @@ def test_with_overlap_callers_in_step_take_turns_in_two_groups() -> None:
     asyncio.run(scenario())
 
 
-def test_without_overlap_the_same_callers_share_one_batch() -> None:
+@pytest.mark.parametrize(
+    ("overlap", "names"),
+    [(False, "abcdefgh"), (True, "abc")],
+    ids=["no-overlap", "overlap-under-four-parts"],
+)
+def test_callers_in_step_share_one_batch_without_overlap(overlap: bool, names: str) -> None:
+    # Without overlap, or with fewer than four parts expected, everyone waits for the
+    # last caller and they leave as one batch.
     async def scenario() -> None:
-        batcher, worker, clock = make()
-        await _eight_callers_seen(batcher, worker, clock)
-        for name in "abcdefg":
+        batcher, worker, clock = make(overlap=overlap)
+        await _callers_seen(batcher, worker, clock, names)
+        for name in names[:-1]:
             batcher.submit(part(name))
         await settle()
         assert len(worker.batches) == 2
-        batcher.submit(part("h"))
+        batcher.submit(part(names[-1]))
         await settle()
-        assert worker.batches[-1] == list("abcdefgh")
-
-    asyncio.run(scenario())
-
-
-def test_overlap_does_not_split_fewer_than_four_parts() -> None:
-    async def scenario() -> None:
-        batcher, worker, clock = make(overlap=True)
-        batcher.submit(part("a"))
-        await settle()
-        for name in "bc":
-            batcher.submit(part(name))
-        await worker.finish(0)
-        clock.pass_window()
-        await settle()
-        await worker.finish(1)
-        for name in "ab":  # two of three expected: they wait for "c" as without overlap
-            batcher.submit(part(name))
-        await settle()
-        assert len(worker.batches) == 2
-        batcher.submit(part("c"))
-        await settle()
-        assert worker.batches[-1] == list("abc")
+        assert worker.batches[-1] == list(names)
 
     asyncio.run(scenario())
 
