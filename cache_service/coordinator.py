@@ -295,8 +295,8 @@ class _Batcher:
     step, or gone), so a caller that leaves holds the others for two windows at most.
     A batch whose window passed while the batch before it was on the worker waits one more
     window when that batch's callers are expected: they come straight back with their next
-    parts, and one worker call serves everyone instead of two groups taking turns (with a
-    worker in another process, each turn costs a whole worker call).
+    parts, and one worker call serves everyone instead of groups that drifted apart taking
+    turns (a straggling group of one or two costs a whole worker call for little).
 
     With `overlap` (four parts or more expected) the callers in step take turns in two
     groups instead, so that one group's batch is on the worker while the coordinator takes
