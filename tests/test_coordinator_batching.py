@@ -607,3 +607,55 @@ def test_overlap_is_on_by_default_for_workers_in_another_process_only() -> None:
     assert asyncio.run(scenario(None)) == {"near": False, "far": True}
     assert asyncio.run(scenario(True)) == {"near": True, "far": True}
     assert asyncio.run(scenario(False)) == {"near": False, "far": False}
+
+
+def test_two_groups_in_flight_on_one_worker_answer_every_caller_correctly() -> None:
+    # Eight callers in step on one worker whose calls take a while off the event loop (as
+    # a Ray actor's do): with overlap the second group's round goes while the first is
+    # still on the worker, and every output is still the dense attention of its sequence.
+    from service_support import Mirror, Recording
+
+    async def scenario() -> int:
+        worker = Recording(LocalWorkerClient("w0", PoolConfig(LAYOUT, num_blocks=64)), 0.02)
+        config = CoordinatorConfig(overlap_rounds=True, correctness_check_fraction=0.0)
+        coord = Coordinator(LAYOUT, [worker], config)
+        flying, most = [0], [0]
+        run_parts = coord._run_parts
+
+        async def counted(key: Any, parts: list[_Part]) -> None:
+            flying[0] += 1
+            most[0] = max(most[0], flying[0])
+            try:
+                await run_parts(key, parts)
+            finally:
+                flying[0] -= 1
+
+        coord._run_parts = counted  # type: ignore[method-assign]
+        await coord.start()
+        try:
+
+            async def client(i: int) -> None:
+                gen = torch.Generator().manual_seed(100 + i)
+                m = Mirror((await coord.create_sequence("t")).seq_id, LAYOUT.num_layers)
+                for step in range(6):
+                    for layer in range(LAYOUT.num_layers):
+                        k, v = torch.randn(1, HKV, D, generator=gen), torch.randn(1, HKV, D)
+                        q = torch.randn(1, HQ, D, generator=gen)
+                        item = AppendAttendItem(m.seq_id, [step], k, v, q)
+                        (res,) = await coord.append_attend("t", layer, [item])
+                        m.add(layer, k, v)
+                        ref, _ = m.reference(layer, q.double())
+                        assert torch.allclose(res.out.double(), ref, atol=1e-5), (i, step, layer)
+                await coord.free("t", m.seq_id)
+
+            await asyncio.gather(*(client(i) for i in range(8)))
+            coord.block_manager.check_integrity()
+            stats = coord.block_manager.stats()
+            assert stats.active_sequences == 0 and all(w.used == 0 for w in stats.workers.values())
+            assert all(b._overlap for b in coord._batchers.values())
+            return most[0]
+        finally:
+            await coord.close()
+            worker.close()
+
+    assert asyncio.run(scenario()) >= 2
