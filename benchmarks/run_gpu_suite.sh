@@ -16,6 +16,13 @@ phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-servic
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
 
+# The worker channel's GPU tests (shared arena, TCP, shared file), to $OUT/gpu-tests.log:
+#   channel_tests SECONDS
+channel_tests() {
+  CUDA_VISIBLE_DEVICES=0 timeout "$1" python3 -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_workers_gpu.py -k "channel" 2>&1 | tee "$OUT/gpu-tests.log" | tail -3
+}
+
 # The Ray row of bench_service.py (the pool behind a Ray actor, local-shm clients):
 #   ray_row SECONDS PAIRS NAME [more bench_service arguments]
 # writes $OUT/NAME.md (the report) and $OUT/NAME.log, and prints the report's tail.
@@ -335,8 +342,7 @@ ray-profile)
   # Ray path's time goes on this host: the breakdown behind the Ray actor with py-spy on
   # the server and the actor (needs .kern/py-spy carried), the same with the online
   # correctness check on (slot fingerprints recorded), and the Ray row's one-client run.
-  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
-    tests/test_workers_gpu.py -k "channel" 2>&1 | tee "$OUT/gpu-tests.log" | tail -3
+  channel_tests 150
   CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/service_breakdown.py --device cuda \
     --layers 32 --steps 100 --transport local-shm --ray --py-spy .kern/py-spy \
     --py-spy-out "$OUT" --py-spy-seconds 5 2>&1 | grep -v "WARNING\|INFO" \
@@ -353,8 +359,7 @@ wire-final)
   # Tensor references as plain tuples on the worker channel (channel_wire.split / join):
   # the channel's GPU tests (shared arena, TCP, shared file), one call's breakdown behind
   # the Ray actor, then the Ray row with 2 alternating concurrency pairs.
-  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
-    tests/test_workers_gpu.py -k "channel" 2>&1 | tee "$OUT/gpu-tests.log" | tail -3
+  channel_tests 150
   CUDA_VISIBLE_DEVICES=0 timeout 100 python3 benchmarks/service_breakdown.py --device cuda \
     --layers 32 --steps 40 --transport local-shm --ray 2>&1 | grep -v "WARNING\|INFO" \
     | tee "$OUT/breakdown.log"
@@ -384,8 +389,7 @@ overlap-final)
   # The default configuration once two groups of callers taking turns became the default
   # for workers in another process (first by timing, 00:04; then always, after): the
   # channel's GPU tests, then the Ray row with 3 alternating concurrency pairs.
-  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider \
-    tests/test_workers_gpu.py -k "channel" 2>&1 | tee "$OUT/gpu-tests.log" | tail -3
+  channel_tests 120
   ray_row 330 3 service-h200-ray
   ;;
 files-final)
@@ -393,8 +397,7 @@ files-final)
   # region's file): the channel's GPU tests (shared arena, TCP, shared file), one call's
   # breakdown behind the Ray actor, one client at batch 32 with the pool in the server
   # process (this host's reference), then the pool behind a Ray actor, 2 alternating pairs.
-  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
-    tests/test_workers_gpu.py -k "channel" 2>&1 | tee "$OUT/gpu-tests.log" | tail -3
+  channel_tests 150
   CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/service_breakdown.py --device cuda \
     --layers 32 --steps 20 --transport local-shm --ray 2>&1 | grep -v "WARNING\|INFO" \
     | tee "$OUT/breakdown.log"

@@ -371,7 +371,7 @@ class _Batcher:
             self._flush()
         elif self._in_flight == 0 and self._everyone_here():
             self._flush()
-        elif self._overlap and self._group_ready():
+        elif self._group_ready():
             self._flush()
         elif self._timer is None and not self._due:
             self._start_window()
@@ -383,7 +383,7 @@ class _Batcher:
     def _group_ready(self) -> bool:
         """With `overlap`: whether the pending batch is a group that should leave now (see
         the class docstring); needs four or more parts expected."""
-        if self._expected_parts < 4:
+        if not self._overlap or not self._pending or self._expected_parts < 4:
             return False
         if self._in_flight == 0:
             return 2 * len(self._pending) >= self._expected_parts
@@ -452,10 +452,10 @@ class _Batcher:
         returning = self._flying.pop(task, frozenset())
         self._in_flight -= 1
         if self._in_flight != 0:
-            if self._overlap and self._pending and self._group_ready():
+            if self._group_ready():
                 self._flush()
             return
-        if self._everyone_here() or (self._overlap and self._pending and self._group_ready()):
+        if self._everyone_here() or self._group_ready():
             self._flush()
         elif self._due:
             if not self._extended and any(c in self._expected for c in returning):
@@ -992,7 +992,7 @@ class Coordinator:
         changed nothing, when under the locks the step no longer applies. out: as in
         `append_attend_stacked`."""
         seq_ids = batch.seq_ids
-        async with self._locked_in_order(step.lock_order):
+        async with self._locks.holding(step.lock_order):  # sorted ids, as `_locked` takes
             # Another call may have replaced the step or moved a sequence meanwhile, or the
             # step's worker may have gone.
             if self._recorded_step(tenant, seq_ids) is not step or not (
@@ -1303,12 +1303,6 @@ class Coordinator:
     def _locked(self, seq_ids: Sequence[str]) -> contextlib.AbstractAsyncContextManager[None]:
         # Sorted, so two calls locking overlapping sets cannot deadlock.
         return self._locks.holding(sorted(set(seq_ids)))
-
-    def _locked_in_order(
-        self, order: Sequence[str]
-    ) -> contextlib.AbstractAsyncContextManager[None]:
-        """The locks of `order` (distinct sequence ids, sorted: see `_locked`)."""
-        return self._locks.holding(order)
 
     # -- internals: planning ---------------------------------------------------------------
 

@@ -10,6 +10,23 @@ import pytest
 from cache_service.sequence_locks import SequenceLocks
 
 
+async def _waiting_batch(
+    locks: SequenceLocks, held: list[str], wanted: list[str]
+) -> asyncio.Task[None]:
+    """`held` taken, then a task acquiring `wanted`, left waiting."""
+    await locks.acquire(held)
+    task = asyncio.create_task(locks.acquire(wanted))
+    await asyncio.sleep(0)
+    return task
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    """Cancel `task` and see it end cancelled."""
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 def test_a_free_batch_is_taken_at_once_and_an_overlapping_one_waits_for_it() -> None:
     async def scenario() -> None:
         locks = SequenceLocks()
@@ -63,14 +80,10 @@ def test_waiters_are_served_first_come_first_served_and_a_free_batch_never_overt
 def test_a_batch_cancelled_while_waiting_holds_nothing_and_is_skipped() -> None:
     async def scenario() -> None:
         locks = SequenceLocks()
-        await locks.acquire(["b"])
         # Takes "a" at once, then waits for "b": cancelled there, it gives "a" back.
-        task = asyncio.create_task(locks.acquire(["a", "b"]))
-        await asyncio.sleep(0)
+        task = await _waiting_batch(locks, ["b"], ["a", "b"])
         assert locks.held("a")
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await _cancelled(task)
         assert not locks.held("a") and locks.held("b")
         after = asyncio.create_task(locks.acquire(["b"]))
         await asyncio.sleep(0)
@@ -86,14 +99,10 @@ def test_a_batch_cancelled_while_waiting_holds_nothing_and_is_skipped() -> None:
 def test_a_lock_handed_over_as_its_waiter_is_cancelled_is_given_back() -> None:
     async def scenario() -> None:
         locks = SequenceLocks()
-        await locks.acquire(["a"])
-        task = asyncio.create_task(locks.acquire(["a"]))
-        await asyncio.sleep(0)
+        task = await _waiting_batch(locks, ["a"], ["a"])
         locks.release(["a"])  # handed to the task, which has not resumed yet
         assert locks.held("a")
-        task.cancel()  # ... and is cancelled before it does
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await _cancelled(task)  # ... which is cancelled before it does
         assert not locks.held("a") and locks._waiters == {}
 
     asyncio.run(scenario())
