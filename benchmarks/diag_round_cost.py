@@ -111,6 +111,8 @@ async def _main(args: argparse.Namespace) -> None:
             if step == args.warmup - 1:
                 before = worker_rounds(running.metrics)
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        memo = servicer._batch_decoder
+        print(f"decode memo: {memo.hits} hits, {memo.misses} misses")
         after = worker_rounds(running.metrics)
         per_call = (after[0] - before[0]) / max(after[1] - before[1], 1)
         if prof is not None:

@@ -38,6 +38,7 @@ from cache_service.auth import (
     current_principal,
     load_token_table,
 )
+from cache_service.batch_decode_memo import BatchDecodeMemo
 from cache_service.call_origin import origin_scope
 from cache_service.config import ServiceConfig, SharedMemoryConfig
 from cache_service.control_types import TenantQuota
@@ -47,7 +48,6 @@ from cache_service.inflight import InFlightLimiter, InFlightLimitInterceptor
 from cache_service.local_sessions import Authenticate, LocalSessions
 from cache_service.request_decode import (
     decode_append_attend,
-    decode_append_attend_batch,
     decode_attend,
     decode_attend_batch,
 )
@@ -58,7 +58,7 @@ from cache_service.session_codec import (
     session_error,
     session_message,
 )
-from cache_service.shared_outputs import SharedOutputs, shared_outputs
+from cache_service.shared_outputs import batch_reply, shared_outputs
 from cache_service.shared_regions import RegionReader, SharedRegions
 from cache_service.status_mapping import status_for
 from cache_service.store import MetadataStore, StoreConfig
@@ -215,6 +215,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         if shared_regions is None:
             shared_regions = SharedRegions(SharedMemoryConfig(enabled=False))
         self._regions = shared_regions
+        # The first call of a decode step decoded for its other layers' calls.
+        self._batch_decoder = BatchDecodeMemo(shared_regions, coordinator.layout)
         # The local sessions' socket (start_service sets it once they serve); GetInfo
         # tells clients, which on this host may then send their session calls there.
         self.local_session_socket = ""
@@ -387,17 +389,13 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         self, request: pb.AppendAttendBatchRequest, tenant: str
     ) -> bytes:
         """An AppendAttendBatch call (unary or in a session): the encoded reply."""
-        with self._shared_reader(tenant) as shared:
-            batch = decode_append_attend_batch(request, self._coord.layout, shared)
-            shape = batch.query.shape
-            # Output ranges are checked before the coordinator changes anything.
-            outputs = shared_outputs(self._regions, tenant, request, shape, batch.query.dtype)
-            with outputs:
-                # Errors about one sequence name it as items[i]: row i of the batch.
-                result = await self._coord.append_attend_stacked(
-                    tenant, request.layer, batch, request.return_lse, outputs.output_view()
-                )
-                return _batch_reply(result, shape, outputs)
+        # The decode checks output ranges too, before the coordinator changes anything.
+        with self._batch_decoder.decode(tenant, request) as call:
+            # Errors about one sequence name it as items[i]: row i of the batch.
+            result = await self._coord.append_attend_stacked(
+                tenant, request.layer, call.batch, request.return_lse, call.output_view
+            )
+            return call.reply(result)
 
     async def _attend_batch(self, request: pb.AttendBatchRequest, tenant: str) -> bytes:
         """An AttendBatch call (unary or in a session): the encoded reply."""
@@ -408,7 +406,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 (result,) = await self._coord.attend(
                     tenant, request.layer, items, request.return_lse, stacked=True
                 )
-                return _batch_reply(result, shape, outputs)
+                return batch_reply(result, shape, outputs)
 
     # -- session ---------------------------------------------------------------------------
 
@@ -555,15 +553,6 @@ def _nonempty_ids(token_ids: Any) -> list[int]:
     if not ids:
         raise InvalidRequest("token_ids is empty")
     return ids
-
-
-def _batch_reply(result: Any, query_shape: torch.Size, outputs: SharedOutputs) -> bytes:
-    """The encoded batch reply: the stacked output as ``[batch, m, num_q_heads, head_dim]``
-    (and lse ``[batch, m, num_q_heads]``), written into the client's region first where
-    the request asked for it (`outputs`)."""
-    out = result.out.reshape(query_shape)
-    lse = None if result.lse is None else result.lse.reshape(query_shape[:3])
-    return outputs.reply(out, lse)
 
 
 def _spec_size(spec: pb.TensorSpec, field: str) -> tuple[torch.dtype, list[int], int]:

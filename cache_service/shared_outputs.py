@@ -19,7 +19,7 @@ from cache_service.errors import InvalidRequest
 from cache_service.result_codec import encode_batch_result
 from cache_service.shared_regions import OutputSlot, SharedRegions
 
-__all__ = ["SharedOutputs", "shared_outputs"]
+__all__ = ["SharedOutputs", "batch_reply", "shared_outputs"]
 
 
 class SharedOutputs:
@@ -133,3 +133,13 @@ def _overlap(a: OutputSlot, b: OutputSlot) -> bool:
         and a.offset < b.offset + b.nbytes
         and b.offset < a.offset + a.nbytes
     )
+
+
+def batch_reply(result: Any, query_shape: torch.Size, outputs: SharedOutputs) -> bytes:
+    """The encoded batch reply of a coordinator result (out ``[b * m, Hq, D]``, lse
+    ``[b * m, Hq]`` or None): the output as ``[batch, m, num_q_heads, head_dim]`` (and lse
+    ``[batch, m, num_q_heads]``), written into the client's region first where the request
+    asked for it (`outputs`)."""
+    out = result.out.reshape(query_shape)
+    lse = None if result.lse is None else result.lse.reshape(query_shape[:3])
+    return outputs.reply(out, lse)

@@ -66,7 +66,14 @@ from cache_service.tensor_codec import tensor_from_bytes, tensor_payload
 from workers.cuda_pinning import pin, unpin
 from workers.shared_files import SHARED_FILES, NoRoom, create_mapped, unlink_quietly
 
-__all__ = ["OutputSlot", "RegionInfo", "RegionReader", "SharedRegions", "default_directory"]
+__all__ = [
+    "MappedRegion",
+    "OutputSlot",
+    "RegionInfo",
+    "RegionReader",
+    "SharedRegions",
+    "default_directory",
+]
 
 log = logging.getLogger("kvcache.shared_regions")
 
@@ -149,7 +156,7 @@ class _Mapping:
         self.mm.close()
 
 
-class _Region:
+class MappedRegion:
     """One mapped file. `users` counts the output slots and zero-copy readers of calls in
     flight: a release or the reaper never unmaps a region under them (see
     `SharedRegions._drop`)."""
@@ -207,19 +214,24 @@ class OutputSlot:
 
     def __init__(
         self,
-        region: _Region,
+        region: MappedRegion,
         offset: int,
         nbytes: int,
         dtype: torch.dtype = torch.uint8,
         shape: tuple[int, ...] | None = None,
     ) -> None:
-        self._region: _Region | None = region
+        self._region: MappedRegion | None = region
         self.region_id = region.region_id
         self.offset = offset
         self.nbytes = nbytes
         self.dtype = dtype
         self.shape = (nbytes,) if shape is None else shape
         region.users += 1
+
+    @property
+    def region(self) -> MappedRegion | None:
+        """The region the slot lies in (None once closed)."""
+        return self._region
 
     def tensor(self) -> torch.Tensor | None:
         """The slot as a host tensor of its dtype and shape, a view of the region (where it
@@ -282,7 +294,7 @@ class RegionReader:
         self._regions = regions
         self._tenant = tenant
         self._zero_copy = zero_copy
-        self._held: list[_Region] = []
+        self._held: list[MappedRegion] = []
 
     def __call__(
         self, region_id: str, offset: int, dtype: torch.dtype, shape: list[int], field: str
@@ -291,9 +303,19 @@ class RegionReader:
             return self._regions.read(self._tenant, region_id, offset, dtype, shape, field)
         tensor, region = self._regions.view(self._tenant, region_id, offset, dtype, shape, field)
         if region is not None:
-            region.users += 1
-            self._held.append(region)
+            self.hold(region)
         return tensor
+
+    @property
+    def held(self) -> tuple[MappedRegion, ...]:
+        """The regions of the views read so far, one per view (in the order read)."""
+        return tuple(self._held)
+
+    def hold(self, region: MappedRegion) -> None:
+        """Keep `region` mapped until `close`, as reading a view of it does (for views
+        read by an earlier call and reused by this one)."""
+        region.users += 1
+        self._held.append(region)
 
     def close(self) -> None:
         """The call has ended: its regions may be unmapped (idempotent)."""
@@ -346,7 +368,8 @@ class SharedRegions:
         self.directory = directory if directory is not None else default_directory()
         self._on_change = on_change
         self._clock = clock
-        self._regions: dict[str, _Region] = {}
+        self._regions: dict[str, MappedRegion] = {}
+        self._drop_listeners: list[Callable[[str], None]] = []
         self._per_tenant: dict[str, int] = {}  # regions held or being created
         self._bytes = 0  # of the regions held
         self._pending_bytes = 0  # of the regions being created
@@ -356,6 +379,25 @@ class SharedRegions:
     def enabled(self) -> bool:
         """Whether `create` serves (config `enabled`)."""
         return self._config.enabled
+
+    @property
+    def zero_copy(self) -> bool:
+        """Whether calls read their inputs as views of the regions (`reader`)."""
+        return self._zero_copy
+
+    def add_drop_listener(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(region_id)` whenever a region is dropped (released, reaped,
+        server stop), before it is unmapped: whoever keeps views of regions beyond a call
+        lets go of them there (a mapping with views cannot be closed)."""
+        self._drop_listeners.append(listener)
+
+    def touch(self, tenant: str, region: MappedRegion) -> bool:
+        """Whether `region` is still one of `tenant`'s regions; if so, it counts as used
+        now (as a lookup of its id does)."""
+        if region.released or region.tenant != tenant:
+            return False
+        region.last_used = self._clock()
+        return True
 
     @property
     def num_regions(self) -> int:
@@ -395,7 +437,7 @@ class SharedRegions:
             raise
         self._pending_bytes -= size_bytes
         region_id = secrets.token_hex(16)
-        self._regions[region_id] = _Region(
+        self._regions[region_id] = MappedRegion(
             region_id, tenant, path, size_bytes, mapping, self._clock()
         )
         self._bytes += size_bytes
@@ -473,11 +515,13 @@ class SharedRegions:
         self._drop(region)
         self._report()
 
-    def _drop(self, region: _Region) -> None:
+    def _drop(self, region: MappedRegion) -> None:
         del self._regions[region.region_id]
         self._per_tenant_dec(region.tenant)
         self._bytes -= region.size
         region.released = True
+        for listener in self._drop_listeners:
+            listener(region.region_id)
         base = region.mapping.base
         if self._share and base is not None:
             # Before the unlink: no worker is sent to a path that is gone (one already on
@@ -559,7 +603,7 @@ class SharedRegions:
         dtype: torch.dtype,
         shape: Sequence[int],
         field: str,
-    ) -> tuple[torch.Tensor, _Region | None]:
+    ) -> tuple[torch.Tensor, MappedRegion | None]:
         """`read` without the copy where the region has a tensor base (`zero_copy`):
         a view of `dtype` and `shape` at `offset`, and the region, which the caller must
         keep mapped (`users`) while it uses the view; elsewhere `read`'s copy and None.
@@ -603,7 +647,7 @@ class SharedRegions:
         dtype: torch.dtype,
         shape: Sequence[int],
         field: str,
-    ) -> tuple[_Region, int]:
+    ) -> tuple[MappedRegion, int]:
         """The tenant's region and the byte count of the slice of `dtype` and `shape` at
         `offset`, checked to lie within it (raises what `read` documents, naming `field`)."""
         region = self._lookup(tenant, region_id, field)
@@ -611,7 +655,7 @@ class SharedRegions:
         _check_range(region, offset, nbytes, dtype.itemsize, field)
         return region, nbytes
 
-    def _lookup(self, tenant: str, region_id: str, field: str) -> _Region:
+    def _lookup(self, tenant: str, region_id: str, field: str) -> MappedRegion:
         region = self._regions.get(region_id)
         if region is None or region.tenant != tenant:
             # One message for unknown and foreign ids: existence does not leak.
@@ -628,7 +672,7 @@ class SharedRegions:
 
 
 def _copy_out(
-    region: _Region,
+    region: MappedRegion,
     offset: int,
     nbytes: int,
     dtype: torch.dtype,
@@ -640,7 +684,7 @@ def _copy_out(
         return tensor_from_bytes(part, dtype, shape, field)
 
 
-def _check_range(region: _Region, offset: int, nbytes: int, itemsize: int, field: str) -> None:
+def _check_range(region: MappedRegion, offset: int, nbytes: int, itemsize: int, field: str) -> None:
     """offset aligned to the element size, [offset, offset + nbytes) within the region.
 
     Written as `nbytes > size - offset` after `offset <= size`: Python ints cannot wrap,

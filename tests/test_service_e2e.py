@@ -241,10 +241,10 @@ def test_shared_memory_tensors_reach_the_ray_workers_in_place(svc, monkeypatch) 
     # read its key, value and query (and write its outputs) where they lie. Results equal
     # the bytes path's, bit for bit; a non-finite input is still refused with nothing
     # changed, its output slot included.
-    import cache_service.server as server_mod
+    import cache_service.batch_decode_memo as memo_mod
 
     slots: list[tuple[int, int]] = []
-    real_outputs = server_mod.shared_outputs
+    real_outputs = memo_mod.shared_outputs
 
     def recorded(*args):
         outputs = real_outputs(*args)
@@ -252,7 +252,7 @@ def test_shared_memory_tensors_reach_the_ray_workers_in_place(svc, monkeypatch) 
             slots.append((outputs.out.offset, outputs.out.nbytes))
         return outputs
 
-    monkeypatch.setattr(server_mod, "shared_outputs", recorded)
+    monkeypatch.setattr(memo_mod, "shared_outputs", recorded)
     gen = torch.Generator().manual_seed(7)
     with (
         KVCacheClient(svc.address, timeout_s=60) as shm,

@@ -818,6 +818,7 @@ def test_a_zero_copy_reader_gives_views_and_holds_their_region(tmp_path: Path) -
 
 
 def test_zero_copy_reads_answer_like_the_bytes_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    import cache_service.batch_decode_memo as memo_mod
     import cache_service.server as server_mod
 
     real = server_mod.SharedRegions
@@ -846,14 +847,14 @@ def test_zero_copy_reads_answer_like_the_bytes_path(monkeypatch: pytest.MonkeyPa
             # first layer (the full path) and on a later one (the short path, where the
             # worker checks and the output would be produced in place).
             slots: list[tuple[str, int, int]] = []
-            real_outputs = server_mod.shared_outputs
+            real_outputs = memo_mod.shared_outputs
 
             def recorded(*args: Any) -> Any:
                 outputs = real_outputs(*args)
                 slots.append((outputs.out.region_id, outputs.out.offset, outputs.out.nbytes))
                 return outputs
 
-            monkeypatch.setattr(server_mod, "shared_outputs", recorded)
+            monkeypatch.setattr(memo_mod, "shared_outputs", recorded)
             import workers.pool as pool_mod
 
             refused = []  # refusals by the worker's own check (the short path)
