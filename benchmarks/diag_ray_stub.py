@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import json
 import threading
 import time
 from dataclasses import replace
@@ -29,7 +30,9 @@ from cache_service.server import start_service
 
 
 def _stub_pool() -> None:
-    """In the actor: the pool's write-and-attend returns zeros at once."""
+    """In the actor: the pool's write-and-attend, per layer and by pages (rounds over
+    several layers), returns zeros at once (diag_concurrency_stub.stub_pools, defined here
+    so that Ray ships it by value)."""
     import torch
 
     import workers.pool as wp
@@ -38,11 +41,16 @@ def _stub_pool() -> None:
         o = torch.zeros_like(query) if out is None else out.zero_()
         return (o, torch.zeros(query.shape[:2])) if return_lse else o
 
+    def fake_pages(self, slot_mapping, key, value, query, *a, return_lse=False, **kw):
+        o = torch.zeros_like(query)
+        return (o, torch.zeros(query.shape[:2])) if return_lse else o
+
     wp.KVPool.write_and_attend = fake
+    wp.KVPool.write_and_attend_pages = fake_pages
 
 
 async def _main(args: argparse.Namespace) -> None:
-    setup = replace(H200, device="cpu", context=args.context, blocks=4096, steps=args.steps)
+    setup = replace(H200, device="cpu", context=args.context, blocks=768, steps=args.steps)
     config = service_config(
         setup,
         ray=True,
@@ -53,6 +61,7 @@ async def _main(args: argparse.Namespace) -> None:
             "workers.warm_up_query_heads": [],
             # The stub answers zeros: the online check would flag every round it picks.
             "coordinator.correctness_check_fraction": 0.0,
+            **dict(_setting(item) for item in args.set),
         },
     )
     running = await start_service(config)
@@ -72,15 +81,16 @@ async def _main(args: argparse.Namespace) -> None:
             "shared_memory": wire.shared_memory,
             "local_session": wire.local_session,
         }
+        many = f"{args.clients} clients, batch 8"
         runs = [("one client, batch 32", BenchConfig(batch=32, **common))]
         for _ in range(args.pairs):
             runs += [
                 ("one client, batch 8", BenchConfig(batch=8, **common)),
-                (
-                    f"{args.clients} clients, batch 8",
-                    BenchConfig(batch=8, clients=args.clients, **common),
-                ),
+                (many, BenchConfig(batch=8, clients=args.clients, **common)),
             ]
+        kinds = {"batch32": "one client, batch 32", "one": "one client, batch 8", "many": many}
+        wanted = {kinds[k] for k in args.runs.split(",")}
+        runs = [(name, cfg) for name, cfg in runs if name in wanted]
         clock = time.pthread_getcpuclockid(threading.get_ident())
         run = functools.partial(
             run_decode_bench,
@@ -103,12 +113,24 @@ async def _main(args: argparse.Namespace) -> None:
         await running.stop()
 
 
+def _setting(item: str) -> tuple[str, object]:
+    key, _, value = item.partition("=")
+    return key, json.loads(value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--pairs", type=int, default=1)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--context", type=int, default=64)
+    parser.add_argument(
+        "--runs", default="batch32,one,many", help="of batch32, one, many (comma-separated)"
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="a further service setting (dotted key, JSON value); repeatable",
+    )  # fmt: skip
     asyncio.run(_main(parser.parse_args()))
 
 
