@@ -261,6 +261,15 @@ def through_service(
                 out[key] = replace(
                     result, sequences_per_worker_call=per_call, correctness_checks=checked
                 )
+                # Each run's figures as it ends: a run cut short by a time limit still
+                # leaves what it measured in the log.
+                cpu = result.server_cpu_seconds
+                print(
+                    f"[{time.strftime('%H:%M:%S')}] {key}: {result.tokens_per_s:.1f} tok/s, p50 "
+                    f"{result.p50_ms:.3f} ms, {per_call or 0:.1f} sequences per worker call"
+                    + ("" if cpu is None else f", loop {cpu / result.wall_seconds:.2f} busy"),
+                    flush=True,
+                )
                 if prof is not None:
                     prof.disable()
                     text = io.StringIO()
