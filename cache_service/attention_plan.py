@@ -510,11 +510,14 @@ class LayerPages:
         Raises:
             AttentionPlanError: a page id past int32.
         """
-        layers = self.seq_layers[[e.sequence for e in batch.entries]]
-        pages = tables.to(torch.int64) * self.num_layers + torch.from_numpy(layers)[:, None]
-        if pages.numel() and int(pages.max()) > np.iinfo(np.int32).max:
+        n = self.num_layers
+        blocks = tables.numpy()
+        # Block ids are >= 0: the largest one bounds every page id (numpy on arrays this
+        # small costs a fraction of the torch ops, and this runs every round over pages).
+        if blocks.size and int(blocks.max()) > (np.iinfo(np.int32).max - (n - 1)) // n:
             _fail("page ids pass int32: too many blocks x layers for one launch")
-        return pages.to(torch.int32)
+        layers = self.seq_layers[[e.sequence for e in batch.entries]].astype(np.int32)
+        return torch.from_numpy(blocks * np.int32(n) + layers[:, None])
 
 
 async def run_attention(

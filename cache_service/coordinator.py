@@ -1474,7 +1474,9 @@ class Coordinator:
         # One layer (the usual round): per-layer calls. Several (coalesce_layers): one call
         # over pages of every layer.
         layer = parts[0].layer if len(layers) == 1 else None
-        round_key = _round_steps(parts) if layer is not None else None
+        # A round of recorded steps plans as it did on their earlier layers, whether its
+        # parts are on one layer or on several (over pages): the views are the steps'.
+        round_key = _round_steps(parts)
         views = [v for p in parts for v in p.views]
         nq = [n for p in parts for n in p.num_queries]
         seq_ids = [s for p in parts for s in p.seq_ids]

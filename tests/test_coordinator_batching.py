@@ -584,6 +584,81 @@ def test_calls_for_different_layers_that_overlap_share_one_worker_call() -> None
     assert separate == {"write_and_attend": 3}
 
 
+def test_a_round_over_pages_of_recorded_steps_is_planned_once(monkeypatch) -> None:
+    # Two callers' recorded steps meet in rounds over pages (each at another layer) twice:
+    # the second round reuses the first one's plan, as rounds on one layer do, and every
+    # output is still the dense attention of its sequence.
+    import dataclasses
+    import threading
+
+    from service_support import Mirror, Recording
+
+    planned: list[int] = []
+    real_plan = coordinator_module.plan_attention
+
+    def counted(views: Any, nq: Any, *args: Any, **kwargs: Any) -> Any:
+        planned.append(len(views))
+        return real_plan(views, nq, *args, **kwargs)
+
+    monkeypatch.setattr(coordinator_module, "plan_attention", counted)
+
+    layout = dataclasses.replace(LAYOUT, num_layers=4)
+
+    async def scenario() -> tuple[list[int], Counter]:
+        worker = Recording(LocalWorkerClient("w0", PoolConfig(layout, num_blocks=32)))
+        config = CoordinatorConfig(correctness_check_fraction=0.0)
+        coord = Coordinator(layout, [worker], config)
+        await coord.start()
+        gen = torch.Generator().manual_seed(9)
+        try:
+            mirrors = [
+                Mirror((await coord.create_sequence("t")).seq_id, layout.num_layers)
+                for _ in range(3)
+            ]
+
+            async def call(i: int, layer: int) -> None:
+                m = mirrors[i]
+                k, v = torch.randn(1, HKV, D, generator=gen), torch.randn(1, HKV, D)
+                q = torch.randn(1, HQ, D, generator=gen)
+                (res,) = await coord.append_attend(
+                    "t", layer, [AppendAttendItem(m.seq_id, [7], k, v, q)]
+                )
+                m.add(layer, k, v)
+                ref, _ = m.reference(layer, q.double())
+                assert torch.allclose(res.out.double(), ref, atol=1e-5), (i, layer)
+
+            for i in range(3):  # layer 0 of the step, alone: each caller's step recorded
+                await call(i, 0)
+            rounds = []
+            for a_layer, b_layer in ((1, 2), (2, 1)):
+                # Caller 2 holds the worker; callers 0 and 1 gather meanwhile, each at
+                # another layer: one round over pages.
+                hold = threading.Event()
+                worker.hold_first, worker.batch_sizes = hold, []
+                holder = asyncio.create_task(call(2, a_layer))
+                while not worker.batch_sizes:
+                    assert not holder.done(), holder.result()
+                    await asyncio.sleep(0.001)
+                before = len(planned)
+                gathered = [
+                    asyncio.create_task(call(0, a_layer)),
+                    asyncio.create_task(call(1, b_layer)),
+                ]
+                await asyncio.sleep(0.05)
+                hold.set()
+                await asyncio.gather(holder, *gathered)
+                rounds.append(len(planned) - before)
+            coord.block_manager.check_integrity()
+            return rounds, worker.calls
+        finally:
+            await coord.close()
+            worker.close()
+
+    rounds, calls = asyncio.run(scenario())
+    assert calls["write_and_attend_pages"] == 2
+    assert rounds == [1, 0]  # planned on the first meeting only
+
+
 def test_overlap_is_on_by_default_for_workers_in_another_process_only() -> None:
     class OtherProcess(LocalWorkerClient):
         out_of_process = True  # what RayWorkerClient says
