@@ -91,8 +91,9 @@ class DecodedBatch:
 
 
 class _Entry:
-    """What a step's later calls reuse: the batch, the regions its tensors view, and the
-    output slots' places (region, offset, bytes, dtype, shape) and view."""
+    """What a step's later calls reuse: the batch, the regions its tensors view (one per
+    view), the output slots' places (region, offset, bytes, dtype, shape) and view, and
+    every region it depends on, once each (`regions`: usually the client's one region)."""
 
     __slots__ = ("batch", "inputs", "lse", "out", "output_view", "regions", "reply")
 
@@ -109,8 +110,8 @@ class _Entry:
         self.lse = _place(outputs.lse)
         self.output_view = output_view
         self.reply: bytes | None = None  # the reply to a call whose output is in place
-        slots = [s for s in (outputs.out, outputs.lse) if s is not None]
-        self.regions = frozenset(r.region_id for r in inputs) | {s.region_id for s in slots}
+        places = [p.region for p in (self.out, self.lse) if p is not None]
+        self.regions = tuple(dict.fromkeys([*inputs, *places]))
 
 
 def _place(slot: OutputSlot | None) -> _SlotPlace | None:
@@ -201,12 +202,8 @@ class BatchDecodeMemo:
         """The entry's call, its regions held; None if one of them is no longer held by
         `tenant` (then the full decode says why)."""
         regions = self._regions
-        for region in entry.inputs:
+        for region in entry.regions:
             if not regions.touch(tenant, region):
-                return None
-        places = [p for p in (entry.out, entry.lse) if p is not None]
-        for place in places:
-            if not regions.touch(tenant, place.region):
                 return None
         reader = regions.reader(tenant)
         for region in entry.inputs:
@@ -217,7 +214,9 @@ class BatchDecodeMemo:
 
     def _forget_region(self, region_id: str) -> None:
         """A region is being dropped: its views must go before it is unmapped."""
-        stale = [k for k, e in self._entries.items() if region_id in e.regions]
+        stale = [
+            k for k, e in self._entries.items() if any(r.region_id == region_id for r in e.regions)
+        ]
         for k in stale:
             del self._entries[k]
 

@@ -145,8 +145,8 @@ def test_bytes_payloads_and_copying_registries_are_never_kept(tmp_path: Path) ->
         with memo.decode("t", _request(rid, layer=layer, bytes_key=True)) as decoded:
             assert decoded.batch.key.sum().item() == B * 2 * 8
     assert len(memo) == 0 and memo.hits == 0
+    os.makedirs(tmp_path / "copy")
     copying = _regions(tmp_path / "copy", zero_copy=False)
-    os.makedirs(tmp_path / "copy", exist_ok=True)
     rid2 = _create(copying)
     memo2 = BatchDecodeMemo(copying, LAYOUT)
     for layer in (0, 1):
