@@ -194,7 +194,8 @@ def through_service(
     phases: which of PHASES to run.
     overrides: further service configuration (`service_config`).
     worker_calls: filled with the per-layer worker calls of Ray workers (warm-up included)
-        that went over the worker channel ("channel") and through Ray ("ray")."""
+        that went over the worker channel ("channel"), of those as repeats ("repeats"), and
+        through Ray ("ray")."""
     dtype = setup.layout.dtype
     t = TRANSPORTS[transport]
     wire = {
@@ -279,6 +280,7 @@ def through_service(
                 clients = list(running.coordinator._clients.values())
                 worker_calls["channel"] = sum(getattr(c, "channel_calls", 0) for c in clients)
                 worker_calls["ray"] = sum(getattr(c, "ray_data_calls", 0) for c in clients)
+                worker_calls["repeats"] = sum(getattr(c, "channel_repeats", 0) for c in clients)
             return out
         finally:
             await running.stop()
@@ -502,7 +504,8 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         "pool is in a Ray actor on the same device)",
         *(
             f"- {label}: per-layer worker calls over the worker channel / through Ray: "
-            f"{calls['channel']} / {calls['ray']}"
+            f"{calls['channel']} / {calls['ray']} ({calls.get('repeats', 0)} of the channel's "
+            "sent as repeats of the connection's last call)"
             for label, calls in (worker_calls or {}).items()
         ),
         "",

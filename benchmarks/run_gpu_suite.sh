@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | default-pairs | decode-memo | decode-memo-pairs | profile-memo | pages-plans | local-pairs | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | default-pairs | decode-memo | decode-memo-pairs | profile-memo | pages-plans | timeline | timeline-spy | timeline-worker | repeats | refills | refills-final | local-pairs | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -376,6 +376,67 @@ pages-plans)
   # their recorded steps' plan (the profile-memo call found them planning every round).
   ray_row 300 2 service-h200-ray
   grep '^\[' "$OUT/service-h200-ray.log"
+  ;;
+timeline)
+  # Where a lone batch-32 call's wall time goes behind the Ray actor: the server's
+  # probes (diag_call_timeline.py: before the worker, the worker, after it, the client's
+  # turn), then py-spy (.kern/py-spy carried) over every process of the same run
+  # (server, Ray actor, client), idle samples included, to split the worker's and the
+  # client's stretches.
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/diag_call_timeline.py --h200 \
+    --no-in-process --transports local-shm --phases single --steps 20 \
+    --out "$OUT/timeline.md" > "$OUT/timeline.log" 2>&1
+  tail -9 "$OUT/timeline.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 170 .kern/py-spy record --subprocesses --idle --nonblocking \
+    --threads -r 250 -f raw -o "$OUT/spy-all.raw" -- python3 benchmarks/bench_service.py \
+    --h200 --no-in-process --transports local-shm --phases single --steps 20 \
+    --out "$OUT/service-spy.md" > "$OUT/spy.log" 2>&1
+  grep '^\[' "$OUT/spy.log"; ls -la "$OUT"
+  ;;
+timeline-spy)
+  # The timeline's run (150 steps) under py-spy (.kern/py-spy carried) over every process
+  # (server, Ray actor, client), idle samples included; the raw profile comes back
+  # gzipped, with its per-thread summary and the trees below the worker channel's answer
+  # (in the actor) and the client's exchange.
+  CUDA_VISIBLE_DEVICES=0 timeout 240 .kern/py-spy record --subprocesses --idle --nonblocking \
+    --threads -r 200 -f raw -o "$OUT/spy-all.raw" -- python3 benchmarks/diag_call_timeline.py \
+    --h200 --no-in-process --transports local-shm --phases single --steps 150 \
+    --out "$OUT/timeline.md" > "$OUT/timeline.log" 2>&1
+  tail -9 "$OUT/timeline.log"
+  python3 benchmarks/spy_summary.py "$OUT/spy-all.raw" --top 40 --min-samples 500 > "$OUT/spy-summary.txt"
+  for f in _answer _exchange _run_once; do
+    python3 benchmarks/spy_summary.py "$OUT/spy-all.raw" --under $f --depth 7 --min-share 0.005
+  done > "$OUT/spy-trees.txt"
+  gzip -f "$OUT/spy-all.raw"; ls -la "$OUT"
+  ;;
+timeline-worker)
+  # The timeline with the worker's own marks (diag_call_timeline.py installs probes in
+  # the Ray actor's process): the worker's stretch split into the hops, its reading, the
+  # pool's call and the reply.
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/diag_call_timeline.py --h200 \
+    --no-in-process --transports local-shm --phases single --steps 60 \
+    --out "$OUT/timeline.md" > "$OUT/timeline.log" 2>&1
+  tail -24 "$OUT/timeline.log"
+  ;;
+repeats)
+  # The Ray row (2 alternating pairs) once a decode step's other layers go over the
+  # worker channel as repeats of its first call (workers.channel_wire, "repeat").
+  ray_row 330 2 service-h200-ray
+  grep '^\[\|repeats' "$OUT/service-h200-ray.log" "$OUT/service-h200-ray.md"
+  ;;
+refills)
+  # The Ray row (2 alternating pairs) once repeats also refill tensors copied into the
+  # arena (rounds of several callers), carry changed slots and keywords, and the pool of
+  # channels hands a call the connection whose last call it repeats.
+  ray_row 330 2 service-h200-ray
+  grep '^\[\|repeats' "$OUT/service-h200-ray.log"
+  ;;
+refills-final)
+  # The channel's GPU tests (repeats over a CUDA pool's shared files and arena), then the
+  # Ray row with one concurrency pair, on the time left.
+  channel_tests 110
+  ray_row 190 1 service-h200-ray
+  grep '^\[\|repeats' "$OUT/service-h200-ray.log"
   ;;
 profile-memo)
   # Where the coordinator's CPU goes in the Ray row's concurrent run after the decode memo:

@@ -1477,9 +1477,12 @@ class Coordinator:
         # A round of recorded steps plans as it did on their earlier layers, whether its
         # parts are on one layer or on several (over pages): the views are the steps'.
         round_key = _round_steps(parts)
-        views = [v for p in parts for v in p.views]
-        nq = [n for p in parts for n in p.num_queries]
-        seq_ids = [s for p in parts for s in p.seq_ids]
+        if len(parts) == 1:  # the lone caller's round: its part's lists as they are
+            views, nq, seq_ids = parts[0].views, parts[0].num_queries, parts[0].seq_ids
+        else:
+            views = [v for p in parts for v in p.views]
+            nq = [n for p in parts for n in p.num_queries]
+            seq_ids = [s for p in parts for s in p.seq_ids]
         epochs: dict[str, str] = {}
         try:
             if len(parts) == 1 and parts[0].plan is not None:
@@ -1498,10 +1501,12 @@ class Coordinator:
                         w = (self._page_slots(w[0], p.layer), w[1], w[2])
                     merged.setdefault(worker_id, []).append(w)
             writes = {
-                w: WorkerWrite(
+                w: WorkerWrite(*ws[0])
+                if len(ws) == 1
+                else WorkerWrite(
                     [s for slots, _, _ in ws for s in slots],
-                    torch.cat([k for _, k, _ in ws]) if len(ws) > 1 else ws[0][1],
-                    torch.cat([v for _, _, v in ws]) if len(ws) > 1 else ws[0][2],
+                    torch.cat([k for _, k, _ in ws]),
+                    torch.cat([v for _, _, v in ws]),
                 )
                 for w, ws in merged.items()
             }
@@ -1577,8 +1582,11 @@ class Coordinator:
         row = 0
         for p in parts:
             rows = sum(p.num_queries)
-            out = result.out[row : row + rows]
-            lse = None if result.lse is None else result.lse[row : row + rows]
+            if len(parts) == 1 and rows == result.out.shape[0]:
+                out, lse = result.out, result.lse  # no view to make
+            else:
+                out = result.out[row : row + rows]
+                lse = None if result.lse is None else result.lse[row : row + rows]
             row += rows
             if p.future.done():
                 continue

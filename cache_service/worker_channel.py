@@ -10,6 +10,14 @@ the methods the channel serves and makes a Ray call when it declines (no channel
 worker is on another node and TCP is off, the arena cannot be created, opening failed
 recently; or the call's tensors do not fit the arena).
 
+A call that differs from the connection's last full call only in plain arguments (a
+decode step's other layers: the layer) goes as a repeat of it, a few bytes
+the worker answers without decoding anything (see ``workers.channel_wire``): its tensors
+of the same shapes and dtypes, each where the last call's lay: at the same address of the
+same shared file, or in the arena, which a repeat refills in place (a shared arena; the
+attention's index tensors are not even copied when the call's unchanged ``metadata_key``
+names them, since a key names one content).
+
 A connection that breaks mid-call leaves unknown whether the worker ran the call. The data
 calls served have the same effect run twice as once, so the pool declines the call and the
 Ray call that follows decides: the worker answers it (the channel alone broke), or Ray
@@ -27,7 +35,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,16 +43,19 @@ from cache_service.shared_regions import default_directory
 from workers.channel_server import CHANNEL_METHODS, MAX_FILES, ChannelAddress
 from workers.channel_wire import (
     HEADER,
+    KEYED_ARGUMENTS,
     ArenaFull,
     ArenaLayout,
     ArenaTensor,
     ArenaViews,
     FileTensor,
+    RepeatUnavailable,
     SharedFileUnavailable,
     frame,
     join,
     split,
 )
+from workers.description import FencedEpoch
 from workers.errors import WorkerError, WorkerUnavailable
 from workers.shared_files import SHARED_FILES, create_mapped, unlink_quietly
 from workers.transport import dtype_name
@@ -65,6 +76,43 @@ _MAX_REPLY_BYTES = 1 << 30
 
 class ChannelBroken(ConnectionError):
     """The connection closed or failed: whether the worker ran the call in flight is unknown."""
+
+
+class _Place(NamedTuple):
+    """Where a tensor of the last full call went: a shared file at address `ptr`; or (ptr
+    None) the arena, at `slot` when a repeat copies the new content there first, else (no
+    slot) where the call's metadata_key names the content or, for the output, the content
+    does not matter."""
+
+    ptr: int | None
+    shape: torch.Size
+    dtype: torch.dtype
+    slot: ArenaTensor | None = None
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """The connection's last full call, answered without error: what a repeat must match.
+
+    Attributes:
+        method: its method.
+        args, kwargs: its arguments, each tensor replaced by its `_Place`.
+        out: the place of its output (None: it had none).
+        out_ref: the output's reference when it lay in a shared file.
+        files_version: SHARED_FILES.version when it was built (a repeat needs the same:
+            the files mapped where they were).
+    """
+
+    method: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    out: _Place | None
+    out_ref: FileTensor | None
+    files_version: int
+
+
+# Values a repeat may replace (channel_wire._SCALARS; lists of them too).
+_REPLACEABLE = frozenset({int, float, bool, str, bytes, type(None)})
 
 
 @dataclass(frozen=True)
@@ -206,6 +254,8 @@ class WorkerChannel:
         self.pinned = pinned  # whether the worker page-locked its arena for CUDA
         # The data path it gives its calls (WorkerInfo.data_path).
         self.path = "channel_tcp" if tcp else "channel_unix"
+        self._sent: _Sent | None = None  # what the worker may repeat
+        self.repeats = 0  # calls sent as repeats
 
     @classmethod
     async def connect(
@@ -268,6 +318,16 @@ class WorkerChannel:
         """Close the connection (the arena goes with the last reference to it)."""
         self._conn._fail(ChannelBroken("closed by the coordinator"))
 
+    def last_call_was(self, method: str, metadata_key: object) -> bool:
+        """Whether the call this connection may repeat is of `method` with `metadata_key`
+        (a hint for choosing among idle connections: the call itself decides)."""
+        sent = self._sent
+        return (
+            sent is not None
+            and sent.method == method
+            and sent.kwargs.get("metadata_key") == metadata_key
+        )
+
     async def call(
         self,
         method: str,
@@ -281,6 +341,9 @@ class WorkerChannel:
             out: host memory for the call's (first) output: the worker writes it into the
                 arena and it is copied here; the result then holds ``out`` itself.
 
+        A call that matches the connection's last full call but for plain arguments goes
+        as a repeat of it (see the module docstring).
+
         Returns:
             ``(True, result)`` with every tensor the caller's own (copied out of the arena),
             or ``(False, exception)``: the worker's error, the channel still usable.
@@ -290,10 +353,32 @@ class WorkerChannel:
             ChannelBroken: the connection failed (whether the call ran is unknown).
         """
         while True:
-            request, out_ref, payload, announced = self._request(method, args, kwargs, out)
+            sent = self._sent
+            repeat = None if sent is None else _repeat_changes(sent, method, args, kwargs, out)
+            if repeat is not None:
+                assert sent is not None
+                changes, refills = repeat
+                for slot, t in refills:
+                    self._views(slot).copy_(t)
+                reply = await self._conn.exchange(
+                    pickle.dumps((changes,), protocol=pickle.HIGHEST_PROTOCOL)
+                )
+                ok, value = self._read_reply(reply, out, sent.out_ref)
+                if ok:
+                    self.repeats += 1
+                    return True, value
+                if type(value) is RepeatUnavailable:
+                    self._sent = None  # nothing ran: sent in full
+                    continue
+                return False, value
+            # A full request overwrites the arena's inputs (even one that ends in ArenaFull
+            # before it is sent): the last call can no longer be repeated.
+            self._sent = None
+            request, out_ref, payload, announced, sent = self._request(method, args, kwargs, out)
             reply = await self._conn.exchange(request, *payload)
             ok, value = self._read_reply(reply, out, out_ref)
             if ok:
+                self._sent = sent
                 return True, value
             failed = [key for key in self._files if key[0] == getattr(value, "path", None)]
             if type(value) is SharedFileUnavailable and (failed or announced):
@@ -318,23 +403,36 @@ class WorkerChannel:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         out: torch.Tensor | None,
-    ) -> tuple[bytes, FileTensor | None, tuple[memoryview, int] | tuple[()], list[tuple[str, int]]]:
+    ) -> tuple[
+        bytes,
+        FileTensor | None,
+        tuple[memoryview, int] | tuple[()],
+        list[tuple[str, int]],
+        _Sent | None,
+    ]:
         """The request's message, the reference `out` travels as when it lies in a shared
         file (else None), the payload (private arenas: the inputs' bytes and their offset
-        in the arena; else empty) and the files it announces; the connection's files are
-        updated only once the request is built.
+        in the arena; else empty), the files it announces and what a repeat of it must
+        match (None: it cannot be repeated); the connection's files are updated only once
+        the request is built.
 
         Raises:
-            ArenaFull: the tensors do not fit the arena (nothing changed).
+            ArenaFull: the tensors do not fit the arena (nothing changed but the arena).
         """
         layout = ArenaLayout(self._views)
         new: dict[tuple[str, int], int] = {}
         share = self.shared
+        in_arena: dict[int, ArenaTensor] = {}  # tensors copied into the arena, by id
 
         def place(t: torch.Tensor) -> ArenaTensor | FileTensor:
-            return (share and self._in_file(t, new)) or layout.put(t)
+            ref = share and self._in_file(t, new)
+            if ref:
+                return ref
+            ref = in_arena[id(t)] = layout.put(t)
+            return ref
 
         version, gone = self._gone_files() if share else (self._files_version, [])
+        args_in, kwargs_in = args, kwargs
         out_ref = None
         if out is not None:
             # Named before the inputs are placed: where it is not in a shared file, its room
@@ -358,7 +456,8 @@ class WorkerChannel:
         payload = (
             () if self._bytes is None else (self._bytes[inputs_start:inputs_end], inputs_start)
         )
-        return request, out_ref, payload, list(new)
+        sent = _sent_as(method, args_in, kwargs_in, out, out_ref, in_arena, version, share)
+        return request, out_ref, payload, list(new), sent
 
     def _in_file(self, t: torch.Tensor, new: dict[tuple[str, int], int]) -> FileTensor | None:
         """``t``'s reference when it lies in a shared file the worker may map, else None;
@@ -423,6 +522,136 @@ class WorkerChannel:
         return True, join(*value, own)
 
 
+def _sent_as(
+    method: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    out: torch.Tensor | None,
+    out_ref: FileTensor | None,
+    in_arena: dict[int, ArenaTensor],
+    files_version: int,
+    refillable: bool,
+) -> _Sent | None:
+    """What a repeat of a full call must match, or None when it cannot be repeated: a
+    value that is neither a tensor nor plain (a list of plain values at most), or (not
+    `refillable`: a private arena, whose bytes would have to travel) a tensor copied into
+    the arena that its metadata_key does not name.
+
+    Args:
+        in_arena: the call's tensors copied into the arena, by id, with their slots (the
+            others lie in shared files).
+    """
+    keyed = KEYED_ARGUMENTS.get(method, frozenset())
+    if kwargs.get("metadata_key") is None:
+        keyed = frozenset()
+
+    def sent(value: Any, keyed_here: bool) -> Any:
+        if type(value) is torch.Tensor:
+            slot = in_arena.get(id(value))
+            if slot is None:
+                return _Place(value.data_ptr(), value.shape, value.dtype)
+            if keyed_here:
+                return _Place(None, value.shape, value.dtype)
+            return _Place(None, value.shape, value.dtype, slot) if refillable else None
+        kind = type(value)
+        if kind in _REPLACEABLE or kind is FencedEpoch:
+            return value
+        if (kind is list or kind is tuple) and all(type(v) in _REPLACEABLE for v in value):
+            return value
+        return None
+
+    plain_args = tuple(sent(a, i in keyed) for i, a in enumerate(args))
+    plain_kwargs = {k: sent(v, False) for k, v in kwargs.items()}
+    for given, plain in ((args, plain_args), (kwargs.values(), plain_kwargs.values())):
+        if any(p is None and g is not None for g, p in zip(given, plain, strict=True)):
+            return None
+    place = None
+    if out is not None:
+        place = _Place(out.data_ptr() if out_ref is not None else None, out.shape, out.dtype)
+    return _Sent(method, plain_args, plain_kwargs, place, out_ref, files_version)
+
+
+def _repeat_changes(
+    sent: _Sent,
+    method: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    out: torch.Tensor | None,
+) -> tuple[tuple[tuple[int, Any], ...], list[tuple[ArenaTensor, torch.Tensor]]] | None:
+    """What makes this call a repeat of `sent`: the arguments to replace (``(position or
+    keyword, value)`` each) and the tensors to copy into their arena slots first; None
+    when it is not one (then it goes in full).
+
+    A repeat has the same method, keywords and shared files (SHARED_FILES unchanged), each
+    tensor of the shape and dtype `sent`'s had and where it lay (the same address of a
+    shared file, or the arena), and equal plain values but for scalars and lists of them
+    replaced by others of their type.
+    """
+    if (
+        sent.method != method
+        or len(args) != len(sent.args)
+        or len(kwargs) != len(sent.kwargs)
+        or SHARED_FILES.version != sent.files_version
+        or not _fits(out, sent.out)
+    ):
+        return None
+    changes = []
+    refills: list[tuple[ArenaTensor, torch.Tensor]] = []
+    try:
+        for i, (new, old) in enumerate(zip(args, sent.args, strict=True)):
+            if type(old) is _Place:
+                if not _fits(new, old):
+                    return None
+                if old.slot is not None:
+                    refills.append((old.slot, new))  # type: ignore[arg-type]
+            elif new is not old and (type(new) is not type(old) or new != old):
+                if not _replaceable(new, old):
+                    return None
+                changes.append((i, new))
+        for name, old in sent.kwargs.items():
+            new = kwargs.get(name, _Place)  # _Place: a value no call passes
+            if type(old) is _Place:
+                if not _fits(new, old):
+                    return None
+                if old.slot is not None:
+                    refills.append((old.slot, new))  # type: ignore[arg-type]
+            elif new is not old and (type(new) is not type(old) or new != old):
+                # The key vouches for the arena's index tensors, which are not refilled.
+                if name == "metadata_key" or not _replaceable(new, old):
+                    return None
+                changes.append((name, new))  # type: ignore[arg-type]
+    except Exception:  # a comparison that is not a plain yes or no (a tensor in a list)
+        return None
+    return tuple(changes), refills
+
+
+def _replaceable(new: object, old: object) -> bool:
+    """Whether a repeat may send `new` in place of `old`: a plain scalar, or a list of
+    them, of `old`'s type (channel_wire.repeated's rule)."""
+    kind = type(new)
+    if kind is not type(old):
+        return False
+    return kind in _REPLACEABLE or (
+        kind is list and all(type(v) in _REPLACEABLE for v in new)  # type: ignore[attr-defined]
+    )
+
+
+def _fits(t: object, place: _Place | None) -> bool:
+    """Whether `t` is a tensor where `place` says the last call's was (None: no tensor)."""
+    if place is None:
+        return t is None
+    return (
+        type(t) is torch.Tensor
+        and t.shape == place.shape
+        and t.dtype == place.dtype
+        and (
+            (place.slot is not None and t.is_cpu)
+            or (place.ptr is None and place.slot is None)
+            or (t.data_ptr() == place.ptr and t.is_contiguous())
+        )
+    )
+
+
 class ChannelPool:
     """Up to ``options.connections`` channels to one worker, opened when calls need them.
 
@@ -454,6 +683,7 @@ class ChannelPool:
         self._retry_at = 0.0
         self._closed = False
         self.calls = 0  # calls the channel answered (the rest went through Ray)
+        self.repeats = 0  # of those, calls sent as repeats of the connection's last one
 
     @property
     def open_channels(self) -> int:
@@ -474,9 +704,10 @@ class ChannelPool:
             WorkerError: the worker's error (one that is not a WorkerError is wrapped).
             WorkerUnavailable: no answer within the timeout.
         """
-        chan = await self._take()
+        chan = await self._take(method, kwargs.get("metadata_key"))
         if chan is None:
             return None, None
+        repeats_before = chan.repeats
         try:
             async with asyncio.timeout(self._timeout):
                 ok, value = await chan.call(method, args, kwargs, out)
@@ -503,6 +734,7 @@ class ChannelPool:
         self._give(chan)
         if ok:
             self.calls += 1
+            self.repeats += chan.repeats - repeats_before
             return chan.path, value
         if isinstance(value, WorkerError):
             raise value
@@ -516,11 +748,17 @@ class ChannelPool:
         self._idle.clear()
         self._wake_all()
 
-    async def _take(self) -> WorkerChannel | None:
+    async def _take(self, method: str, metadata_key: object) -> WorkerChannel | None:
+        """An idle channel (the one whose last call this one may repeat, if any), a new
+        one, or one handed over by a call that ends; None: go through Ray."""
         if self._closed:
             return None
-        if self._idle:
-            return self._idle.pop()
+        idle = self._idle
+        if idle:
+            for i in range(len(idle) - 1, -1, -1):
+                if idle[i].last_call_was(method, metadata_key):
+                    return idle.pop(i)
+            return idle.pop()
         if self._count < self._options.connections and time.monotonic() >= self._retry_at:
             self._count += 1
             try:

@@ -180,8 +180,9 @@ class _WorkerClientBase:
             options["metadata_key"] = metadata_key
         if out is not None and self._accepts_out:
             options["out"] = out
-        if check_finite:
-            options["check_finite"] = True
+        # Always named: a decode step's calls with and without the check then differ in a
+        # value only, which a worker channel's repeat can carry.
+        options["check_finite"] = check_finite
         result = await self._invoke(
             "write_and_attend", self._fenced(epoch), layer, *new, *batch, **options
         )
@@ -326,6 +327,12 @@ class RayWorkerClient(_WorkerClientBase):
     def channel_calls(self) -> int:
         """Per-layer data calls the worker channel answered so far."""
         return 0 if self._channels is None else self._channels.calls
+
+    @property
+    def channel_repeats(self) -> int:
+        """Of the channel's calls, those sent as repeats of the connection's last call (a
+        decode step's other layers: see cache_service.worker_channel)."""
+        return 0 if self._channels is None else self._channels.repeats
 
     @property
     def ray_data_calls(self) -> int:

@@ -36,7 +36,9 @@ from workers.channel_wire import (
     HEADER,
     ArenaFull,
     ArenaTensor,
+    ChannelProtocolError,
     FileTensor,
+    RepeatUnavailable,
     SharedFileUnavailable,
     frame,
     split,
@@ -687,6 +689,197 @@ def test_a_call_that_does_not_fit_changes_nothing_the_next_one_relies_on(
         assert _mappings_of(path) == 2
         ok, _ = await chan.call("attend", (epoch, 0, q0, bt, lens, starts), {})
         assert ok and _mappings_of(path) == 1
+        chan.close()
+
+    asyncio.run(run())
+
+
+# -- repeats: a decode step's other layers -------------------------------------------------
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc (Linux)")
+def test_a_decode_steps_other_layers_go_as_repeats_and_read_the_files_anew(
+    worker, arena_dir, shared_file
+) -> None:
+    # Key, value, query and output in a shared file, the index tensors copied into the
+    # arena under a metadata_key: the second layer's call is a repeat of the first (only
+    # the layer differs), reads what the file holds now, and gives what a direct call
+    # gives; so are calls whose slots or plain keywords differ. Another key, or a tensor
+    # that moved out of the file, goes in full.
+    async def run():
+        _, base = shared_file()
+        chan = await _connect(worker, "shared", 1 << 20, arena_dir)
+        epoch = worker.epoch()
+        slots, k0, v0, q0, bt, lens, starts = _step()
+        lens, starts = (
+            torch.tensor(lens, dtype=torch.int32),
+            torch.tensor(starts, dtype=torch.int32),
+        )
+        k, v, q = _in(base, 0, k0), _in(base, 4096, v0), _in(base, 8192, q0)
+        out = _in(base, 16384, torch.full_like(q0, float("nan")))
+        keyed = {"metadata_key": 11, "check_finite": True}
+
+        async def call(layer, *, slots=slots, q=q, kw=keyed):
+            ok, got = await chan.call(
+                "write_and_attend", (epoch, layer, slots, k, v, q, bt, lens, starts), kw, out
+            )
+            assert ok and got is out, got
+            return out.clone()
+
+        first = await call(0)
+        assert chan.repeats == 0
+        second = await call(1)
+        assert chan.repeats == 1
+        assert torch.equal(first, second)  # the same tokens on both layers
+        assert torch.equal(
+            second, worker.write_and_attend(epoch, 1, slots, k0, v0, q0, bt, lens, starts)
+        )
+        # New values where the old lay: the repeat reads them.
+        g = torch.Generator().manual_seed(5)
+        for t in (k, v, q):
+            t.copy_(torch.randn(t.shape, generator=g))
+        third = await call(1)
+        assert chan.repeats == 2
+        want, _ = dense_attention(q, k, v)
+        assert rel_err(third, want) < 1e-5
+        # Other slots (a list: not replaced in a repeat), a query copied into the arena,
+        # another key: each in full.
+        await call(1, slots=list(slots))  # equal slots, another list: still a repeat
+        await call(1, kw={**keyed, "check_finite": False})  # a plain keyword's value
+        assert chan.repeats == 4
+        other = [s + 4 for s in slots]  # blocks 3 and 4
+        await call(0, slots=other)  # other slots: a list of ints replaces the list
+        assert chan.repeats == 5
+        # Another key (it vouches for the index tensors the arena holds), a query that no
+        # longer lies in the file: each in full.
+        calls = worker.health().calls
+        await call(1, slots=other, kw={**keyed, "metadata_key": 12})
+        await call(1, slots=other, q=q.clone(), kw={**keyed, "metadata_key": 12})
+        assert chan.repeats == 5 and worker.health().calls == calls + 2
+        chan.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc (Linux)")
+def test_a_worker_without_the_call_to_repeat_gets_it_in_full(
+    worker, arena_dir, shared_file, monkeypatch
+) -> None:
+    # The worker drops the call it could repeat when it unmaps a file (here: one deleted
+    # while the coordinator still records it, which the idle sweep finds): the repeat that
+    # follows is answered RepeatUnavailable, nothing runs, and the call goes again in
+    # full, once.
+    import workers.channel_server as channel_server
+
+    monkeypatch.setattr(channel_server, "SWEEP_INTERVAL_S", 0.05)
+
+    async def run():
+        _, base = shared_file()
+        other, other_base = shared_file()
+        chan = await _connect(worker, "shared", 1 << 20, arena_dir)
+        epoch = worker.epoch()
+        slots, k0, v0, q0, bt, lens, starts = _step()
+        lens, starts = (
+            torch.tensor(lens, dtype=torch.int32),
+            torch.tensor(starts, dtype=torch.int32),
+        )
+        ok, _ = await chan.call("attend", (epoch, 0, _in(other_base, 0, q0), bt, lens, starts), {})
+        assert ok and _mappings_of(other) == 2
+        k, v, q = _in(base, 0, k0), _in(base, 4096, v0), _in(base, 8192, q0)
+        args = (epoch, 0, slots, k, v, q, bt, lens, starts)
+        kw = {"metadata_key": 21}
+        ok, first = await chan.call("write_and_attend", args, kw)
+        assert ok
+        os.unlink(other)  # still in SHARED_FILES: the coordinator would repeat
+        assert await asyncio.to_thread(_wait_for, lambda: _mappings_of(other) == 1)
+        calls = worker.health().calls
+        ok, again = await chan.call("write_and_attend", (epoch, 1, *args[2:]), kw)
+        assert ok and chan.repeats == 0 and worker.health().calls == calls + 1
+        assert torch.equal(again, first)
+        ok, _ = await chan.call("write_and_attend", (epoch, 0, *args[2:]), kw)
+        assert ok and chan.repeats == 1  # the full call can be repeated again
+        chan.close()
+
+    asyncio.run(run())
+
+
+def test_repeats_the_worker_cannot_honour_are_refused_and_run_nothing(worker, arena_dir) -> None:
+    # Over a raw socket: a repeat before any call, after a call that failed, and one that
+    # would replace anything but a plain argument by one of its type, are refused and run
+    # nothing; a valid one runs the last call again.
+    address = _address(worker)
+    path = os.path.join(arena_dir, "arena")
+    with open(path, "wb") as f:
+        f.write(b"\0" * 65536)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(address.socket_path)
+    s.settimeout(10)
+
+    def exchange(message: bytes) -> tuple:
+        s.sendall(frame(message))
+        n, _, _ = HEADER.unpack(s.recv(HEADER.size, socket.MSG_WAITALL))
+        return pickle.loads(s.recv(n, socket.MSG_WAITALL))
+
+    def repeat(*changes) -> tuple:
+        return exchange(pickle.dumps((changes,)))
+
+    hello = {"token": address.token, "arena_path": path, "arena_bytes": 65536}
+    s.sendall(frame(json.dumps(hello).encode()))
+    n, _, _ = HEADER.unpack(s.recv(HEADER.size, socket.MSG_WAITALL))
+    assert json.loads(s.recv(n, socket.MSG_WAITALL))["ok"]
+    ok, err, *_ = repeat()
+    assert not ok and type(err) is RepeatUnavailable
+    epoch = worker.epoch()
+    ok, err, *_ = exchange(_raw_request("health", (), ()))  # not served: refused, nothing kept
+    assert not ok
+    ok, err, *_ = repeat()
+    assert not ok and type(err) is RepeatUnavailable
+    ok, *_ = exchange(_raw_request("write", (epoch, 0, [8], None, None), ()))
+    assert not ok  # a failed call is not kept either
+    ok, err, *_ = repeat()
+    assert not ok and type(err) is RepeatUnavailable
+    k = ArenaTensor(0, "float32", (1, 2, 16))
+    ok, *_ = exchange(_raw_request("write", (epoch, 0, [8], k, k), ()))
+    assert ok
+    calls = worker.health().calls
+    for bad in ((3, None), (1, "1"), (1, True), (9, 1), ("1", 1), (1,), (2, 8)):
+        ok, err, *_ = repeat(bad)
+        assert not ok and isinstance(err, ChannelProtocolError), bad
+    ok, err, *_ = repeat((0, 5))  # the epoch is a string: an int cannot take its place
+    assert not ok and isinstance(err, ChannelProtocolError)
+    assert worker.health().calls == calls
+    ok, *_ = repeat((1, 1))  # the same write on layer 1
+    assert ok and worker.health().calls == calls + 1
+    ok, err, *_ = repeat((0, "stale"))
+    assert not ok and type(err) is StaleEpochError
+    s.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_repeats_refill_tensors_copied_into_a_shared_arena(worker, arena_dir, mode) -> None:
+    # Tensors in no shared file (a round joining several callers' rows, a client sending
+    # bytes): over a shared arena the next layer's call is a repeat that copies the new
+    # values into the arena first, and computes with them; over private arenas (whose
+    # bytes would have to travel) each call goes in full.
+    async def run():
+        chan = await _connect(worker, mode, 1 << 20, arena_dir)
+        epoch = worker.epoch()
+        slots, _, _, _, bt, lens, starts = _step()
+        lens, starts = (
+            torch.tensor(lens, dtype=torch.int32),
+            torch.tensor(starts, dtype=torch.int32),
+        )
+        for layer, seed in ((0, 1), (1, 2), (1, 3)):
+            _, k, v, q, *_ = _step(seed=seed)
+            ok, got = await chan.call(
+                "write_and_attend",
+                (epoch, layer, slots, k, v, q, bt, lens, starts),
+                {"metadata_key": 31},
+            )
+            assert ok
+            want, _ = dense_attention(q, k, v)
+            assert rel_err(got, want) < 1e-5
+        assert chan.repeats == (2 if mode == "shared" else 0)
         chan.close()
 
     asyncio.run(run())

@@ -292,9 +292,10 @@ def test_decode_steps_over_the_worker_channel_equal_ray_calls(gpu_ray, tcp, in_f
     # A CUDA worker reached over its channel (same node: a shared arena; or over TCP, as
     # from another node: the worker's own pinned arena): the arena is page-locked on the
     # worker's side, a decode step's key, value and query reach a replayed graph in one
-    # copy, and every layer's output equals the same call through Ray, bit for bit. With
-    # `in_file`, key, query and output lie in a shared file (as a client's region does):
-    # the worker maps and page-locks it and reads and writes them there.
+    # copy, and every layer's output equals the same call through Ray, bit for bit (a
+    # step's later layers go as repeats of its first call). With `in_file`, key, query and
+    # output lie in a shared file (as a client's region does): the worker maps and
+    # page-locks it and reads and writes them there.
     ray, namespace = gpu_ray
     from cache_service.worker_channel import ChannelOptions
     from workers.launcher import LaunchConfig, launch_workers, shutdown_workers
@@ -365,6 +366,10 @@ def test_decode_steps_over_the_worker_channel_equal_ray_calls(gpu_ray, tcp, in_f
                 assert got.out is out and torch.equal(out, want.out), (step, layer)
             lengths = [n + 1 for n in lengths]
         assert fast.channel_calls == 8 and fast.ray_data_calls == 0
+        # Each step's second layer repeats its first (its tensors refilled in the shared
+        # arena, or read where they lie in the file); a private arena's bytes would have
+        # to travel, so over TCP every call goes in full.
+        assert fast.channel_repeats == (0 if tcp else 4)
         pinned = await asyncio.to_thread(
             ray.get,
             handle.__ray_call__.remote(

@@ -14,9 +14,11 @@ also name tensors in the coordinator's shared files (its clients' regions, annou
 path and size the first time): the connection maps each (the same checks as the arena's
 file), page-locks it for CUDA, and unmaps it when a request says the coordinator deleted
 it, when an idle connection finds it deleted (every `SWEEP_INTERVAL_S`), or when the
-connection ends. Calls on one connection run one at a time,
-in order; the calls of all connections and of Ray run one at a time on the pool (the
-worker's lock).
+connection ends. A connection keeps the last full request it answered, decoded, so the
+caller can have it run again with other plain arguments (a repeat: a decode step's other
+layers, spared pickling and decoding, see ``workers.channel_wire``). Calls on one
+connection run one at a time, in order; the calls of all connections and of Ray run one
+at a time on the pool (the worker's lock).
 
 Only the per-layer data methods (:data:`CHANNEL_METHODS`) are served: their results are no
 larger than their inputs, and running one twice has the effect of running it once (the
@@ -57,9 +59,11 @@ from workers.channel_wire import (
     ArenaViews,
     ChannelProtocolError,
     FileTensor,
+    RepeatUnavailable,
     SharedFileUnavailable,
     frame,
     join,
+    repeated,
     split,
 )
 from workers.cuda_pinning import pin, unpin
@@ -274,19 +278,28 @@ class ChannelServer:
         """The reply to one request (an error reply for a malformed one or a failed call)
         and the span of the arena its tensors lie in (None: it names none)."""
         try:
-            method, free_from, files, forget, args, arg_refs, kwargs, kwarg_refs = pickle.loads(
-                request
-            )
-            if method not in CHANNEL_METHODS:
-                raise ChannelProtocolError(f"{method!r} is not served over the channel")
-            if type(args) is not tuple or type(kwargs) is not dict:
-                raise ChannelProtocolError("a request's arguments must be a tuple and a dict")
-            arena.forget(forget)
-            arena.map_files(files, self._pin)
-            tensor_of = arena.tensor_of
-            args = join(args, arg_refs, tensor_of)
-            kwargs = join(kwargs, kwarg_refs, tensor_of)
-            result = self._call(method, args, kwargs)
+            message = pickle.loads(request)
+            if type(message) is tuple and len(message) == 1:  # a repeat
+                if arena.template is None:
+                    raise RepeatUnavailable("no request to repeat on this connection")
+                method, args, kwargs, free_from = arena.template
+                args, kwargs = repeated(args, kwargs, message[0])
+                result = self._call(method, args, kwargs)
+            else:
+                arena.template = None  # this request's inputs replace the last one's
+                method, free_from, files, forget, args, arg_refs, kwargs, kwarg_refs = message
+                if method not in CHANNEL_METHODS:
+                    raise ChannelProtocolError(f"{method!r} is not served over the channel")
+                if type(args) is not tuple or type(kwargs) is not dict:
+                    raise ChannelProtocolError("a request's arguments must be a tuple and a dict")
+                arena.forget(forget)
+                arena.map_files(files, self._pin)
+                tensor_of = arena.tensor_of
+                args = join(args, arg_refs, tensor_of)
+                kwargs = join(kwargs, kwarg_refs, tensor_of)
+                result = self._call(method, args, kwargs)
+                # Answered: the caller may repeat it (workers.channel_wire, "repeat").
+                arena.template = (method, args, kwargs, free_from)
         except Exception as exc:
             return pickle.dumps((False, _sendable(exc))), None
         placed: list[ArenaTensor] = []
@@ -327,6 +340,10 @@ class _Arena:
         # said so (a request still naming one gets SharedFileUnavailable: nothing runs).
         self.files: dict[int, _SharedFile] = {}
         self.deleted: dict[int, str] = {}
+        # The last full request answered without error, as decoded (method, args, kwargs,
+        # free_from), for repeats; its tensors are views of the arena and of the files, so
+        # it goes before any file is unmapped.
+        self.template: tuple[str, tuple[Any, ...], dict[str, Any], int] | None = None
 
     @classmethod
     def shared_file(cls, mm: mmap.mmap, pin_for_cuda: bool) -> _Arena:
@@ -403,17 +420,20 @@ class _Arena:
             self.deleted.pop(number, None)
             file = self.files.pop(number, None)
             if file is not None:
+                self.template = None
                 file.close()
 
     def unmap_deleted(self) -> None:
         """Unmap the files deleted since they were mapped (their memory goes back now)."""
         for number, file in list(self.files.items()):
             if file.deleted():
+                self.template = None
                 del self.files[number]
                 self.deleted[number] = file.path
                 file.close()
 
     def close(self) -> None:
+        self.template = None
         self.forget(list(self.files))
         if self.shared and self.pinned:
             unpin(self.tensor)

@@ -30,6 +30,18 @@ Ray; nothing is unpickled before.
   request's :class:`FileTensor` refs name for the first time on this connection, as
   ``(number, path, size)`` (the worker maps them before it reads a tensor); ``forget``
   numbers the files the worker may unmap (the coordinator deleted them).
+* repeat: ``(changes,)``: the connection's last full request again, that is its method,
+  arguments and ``free_from`` as the worker decoded them, with ``changes``, a tuple of
+  ``(position or keyword, value)``, replacing plain arguments (scalars, lists of them) by
+  others of their type (a decode step's other layers: the same call but for its layer). Only after that request was answered without
+  error; the tensors it named are read where they lie now: a shared file's as its owner
+  left them, the arena's as the caller left them (nothing but the caller writes the
+  arena's inputs). So the caller repeats a call whose tensors lie where the last one's
+  did, in the same shared files or in the arena, having copied the new values into the
+  arena first, except those :data:`KEYED_ARGUMENTS` names under an unchanged
+  ``metadata_key`` (a key names one content: see ``workers.metadata_cache``). A worker
+  holding no such request (none yet, or it unmapped a file since) answers
+  :class:`RepeatUnavailable`: nothing ran.
 * reply: ``(True, value, value_refs)``, the result split, or ``(False, exception)``.
 
 Shared files (same node only): a tensor the coordinator holds in a client's shared region
@@ -53,6 +65,7 @@ from workers.transport import dtype_name, dtype_named
 __all__ = [
     "ALIGN",
     "HEADER",
+    "KEYED_ARGUMENTS",
     "MAX_HELLO_BYTES",
     "ArenaFull",
     "ArenaLayout",
@@ -60,6 +73,7 @@ __all__ = [
     "ArenaViews",
     "ChannelProtocolError",
     "FileTensor",
+    "RepeatUnavailable",
     "SharedFileUnavailable",
     "frame",
     "join",
@@ -131,8 +145,22 @@ class SharedFileUnavailable(ChannelProtocolError):
         return f"cannot map {self.args[0]}: {self.args[1]}"
 
 
-# Values that are never tensors (split skips the isinstance test for them).
+class RepeatUnavailable(ChannelProtocolError):
+    """The worker holds no request to repeat on this connection (none answered yet since
+    the last full request, or it unmapped a shared file meanwhile): nothing ran; the
+    caller sends the call in full."""
+
+
+# Values that are never tensors (split skips the isinstance test for them); a repeat may
+# replace an argument of one of these types (or a list of them) by another of its type.
 _SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
+
+# Per data method: the positions of its arguments whose content its `metadata_key` names
+# (the attention's index tensors: block tables, sequence lengths, query start offsets).
+KEYED_ARGUMENTS: dict[str, frozenset[int]] = {
+    "write_and_attend": frozenset({6, 7, 8}),
+    "attend": frozenset({3, 4, 5}),
+}
 
 
 def frame(message: bytes, payload_bytes: int = 0, payload_offset: int = 0) -> bytes:
@@ -251,6 +279,40 @@ def view(arena: torch.Tensor, ref: ArenaTensor) -> torch.Tensor:
 # a shared file, a data call's FencedEpoch: every request carries one, and as a named
 # tuple it would cost as much to pickle as the rest of the request).
 _ARENA, _FILE, _EPOCH = "a", "f", "e"
+
+
+def repeated(args: tuple, kwargs: dict[str, Any], changes: object) -> tuple[tuple, dict[str, Any]]:
+    """``args`` and ``kwargs`` with a repeat's ``changes`` applied: ``(where, value)`` each,
+    `where` a position of ``args`` or a key of ``kwargs``, `value` a plain scalar or a list
+    of them replacing one of its type (a list by a list).
+
+    Raises:
+        ChannelProtocolError: a malformed change, or one that would replace anything else.
+    """
+    if type(changes) is not tuple:
+        raise ChannelProtocolError(f"a repeat's changes must be a tuple, got {changes!r}")
+    new_args = list(args)
+    new_kwargs = dict(kwargs)
+    for change in changes:
+        if type(change) is not tuple or len(change) != 2:
+            raise ChannelProtocolError(f"a malformed change {change!r}")
+        where, value = change
+        if type(where) is int and 0 <= where < len(new_args):
+            target: dict[Any, Any] | list[Any] = new_args
+        elif type(where) is str and where in new_kwargs:
+            target = new_kwargs
+        else:
+            raise ChannelProtocolError(f"a change of no argument: {change!r}")
+        old = target[where]  # type: ignore[index]
+        kind = type(value)
+        if kind is not type(old) or not (
+            kind in _SCALARS or (kind is list and all(type(v) in _SCALARS for v in value))
+        ):
+            raise ChannelProtocolError(
+                f"a repeat may replace a plain argument by one of its type, not {change!r}"
+            )
+        target[where] = value  # type: ignore[index]
+    return tuple(new_args), new_kwargs
 
 
 def split(
