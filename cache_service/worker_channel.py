@@ -577,7 +577,7 @@ def _repeat_changes(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     out: torch.Tensor | None,
-) -> tuple[tuple[tuple[int, Any], ...], list[tuple[ArenaTensor, torch.Tensor]]] | None:
+) -> tuple[tuple[tuple[int | str, Any], ...], list[tuple[ArenaTensor, torch.Tensor]]] | None:
     """What makes this call a repeat of `sent`: the arguments to replace (``(position or
     keyword, value)`` each) and the tensors to copy into their arena slots first; None
     when it is not one (then it goes in full).
@@ -595,34 +595,45 @@ def _repeat_changes(
         or not _fits(out, sent.out)
     ):
         return None
-    changes = []
+    changes: list[tuple[int | str, Any]] = []
     refills: list[tuple[ArenaTensor, torch.Tensor]] = []
     try:
         for i, (new, old) in enumerate(zip(args, sent.args, strict=True)):
-            if type(old) is _Place:
-                if not _fits(new, old):
-                    return None
-                if old.slot is not None:
-                    refills.append((old.slot, new))  # type: ignore[arg-type]
-            elif new is not old and (type(new) is not type(old) or new != old):
-                if not _replaceable(new, old):
-                    return None
-                changes.append((i, new))
+            if not _matches(new, old, i, changes, refills):
+                return None
         for name, old in sent.kwargs.items():
             new = kwargs.get(name, _Place)  # _Place: a value no call passes
-            if type(old) is _Place:
-                if not _fits(new, old):
-                    return None
-                if old.slot is not None:
-                    refills.append((old.slot, new))  # type: ignore[arg-type]
-            elif new is not old and (type(new) is not type(old) or new != old):
-                # The key vouches for the arena's index tensors, which are not refilled.
-                if name == "metadata_key" or not _replaceable(new, old):
-                    return None
-                changes.append((name, new))  # type: ignore[arg-type]
+            # The key vouches for the arena's index tensors, which are not refilled.
+            if not _matches(new, old, name, changes, refills, fixed=name == "metadata_key"):
+                return None
     except Exception:  # a comparison that is not a plain yes or no (a tensor in a list)
         return None
     return tuple(changes), refills
+
+
+def _matches(
+    new: object,
+    old: object,
+    where: int | str,
+    changes: list[tuple[int | str, Any]],
+    refills: list[tuple[ArenaTensor, torch.Tensor]],
+    fixed: bool = False,
+) -> bool:
+    """Whether `new` may stand where the last call had `old` (a `_Place`, or a plain value)
+    in a repeat; records the refill or the change (at `where`) it takes. `fixed`: a plain
+    value that must stay equal."""
+    if type(old) is _Place:
+        if not _fits(new, old):
+            return False
+        if old.slot is not None:
+            refills.append((old.slot, new))  # type: ignore[arg-type]
+        return True
+    if new is old or (type(new) is type(old) and new == old):
+        return True
+    if fixed or not _replaceable(new, old):
+        return False
+    changes.append((where, new))
+    return True
 
 
 def _replaceable(new: object, old: object) -> bool:
