@@ -883,3 +883,33 @@ def test_repeats_refill_tensors_copied_into_a_shared_arena(worker, arena_dir, mo
         chan.close()
 
     asyncio.run(run())
+
+
+def test_the_pool_gives_a_call_the_connection_whose_last_call_it_repeats(worker, arena_dir) -> None:
+    # Two groups of callers taking turns (two keys, one call each in flight): each group's
+    # next call takes the idle connection that ran the group's last one, and goes as a
+    # repeat of it, whichever connection came back last.
+    async def run():
+        pool = _pool(worker, arena_dir, connections=2)
+        slots, k, v, q, bt, lens, starts = _step()
+        lens, starts = (
+            torch.tensor(lens, dtype=torch.int32),
+            torch.tensor(starts, dtype=torch.int32),
+        )
+        epoch = worker.epoch()
+
+        def call(layer: int, key: int):
+            args = (epoch, layer, slots, k, v, q * key, bt, lens, starts)
+            return pool.call("write_and_attend", args, {"metadata_key": key})
+
+        await asyncio.gather(call(0, 1), call(0, 2))  # one connection each
+        assert pool.open_channels == 2 and pool.repeats == 0
+        for layer in (1, 0, 1):
+            for key in (1, 2):
+                ok, out = await call(layer, key)
+                want, _ = dense_attention(q * key, k, v)
+                assert ok and rel_err(out, want) < 1e-5
+        assert pool.repeats == 6
+        pool.close()
+
+    asyncio.run(run())
