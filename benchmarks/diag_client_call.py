@@ -43,7 +43,7 @@ class _Region:
 def fake_client(path: str, query: torch.Tensor, tensors: tuple[torch.Tensor, ...]) -> Any:
     """A client whose region is the file at `path` and whose stream answers every call
     with the reply the server would send for `query`'s output."""
-    client = KVCacheClient("127.0.0.1:1", shared_memory=True)  # never connects
+    client = KVCacheClient("127.0.0.1:1", shared_memory=True, local_session=False)  # no I/O
     client._shm = SharedMemoryPath(lambda size, timeout: _Region(path), lambda r, t: None)
     client._call_ids = itertools.repeat(1)  # the canned reply answers call 1
     staged = client._shm.stage(tensors, [(query.dtype, tuple(query.shape))], None)
