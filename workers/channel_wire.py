@@ -33,15 +33,15 @@ Ray; nothing is unpickled before.
 * repeat: ``(changes,)``: the connection's last full request again, that is its method,
   arguments and ``free_from`` as the worker decoded them, with ``changes``, a tuple of
   ``(position or keyword, value)``, replacing plain arguments (scalars, lists of them) by
-  others of their type (a decode step's other layers: the same call but for its layer). Only after that request was answered without
-  error; the tensors it named are read where they lie now: a shared file's as its owner
-  left them, the arena's as the caller left them (nothing but the caller writes the
-  arena's inputs). So the caller repeats a call whose tensors lie where the last one's
-  did, in the same shared files or in the arena, having copied the new values into the
-  arena first, except those :data:`KEYED_ARGUMENTS` names under an unchanged
-  ``metadata_key`` (a key names one content: see ``workers.metadata_cache``). A worker
-  holding no such request (none yet, or it unmapped a file since) answers
-  :class:`RepeatUnavailable`: nothing ran.
+  others of their type (a decode step's other layers: the same call but for its layer).
+  Only after that request was answered without error; the tensors it named are read
+  where they lie now: a shared file's as its owner left them, the arena's as the caller
+  left them (nothing but the caller writes the arena's inputs). So the caller repeats a
+  call whose tensors lie where the last one's did, in the same shared files or in the
+  arena, having copied the new values into the arena first, except those
+  :data:`KEYED_ARGUMENTS` names under an unchanged ``metadata_key`` (a key names one
+  content: see ``workers.metadata_cache``). A worker holding no such request (none yet,
+  or it unmapped a file since) answers :class:`RepeatUnavailable`: nothing ran.
 * reply: ``(True, value, value_refs)``, the result split, or ``(False, exception)``.
 
 Shared files (same node only): a tensor the coordinator holds in a client's shared region
