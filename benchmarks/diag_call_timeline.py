@@ -26,6 +26,7 @@ and the hop back; the actor writes its marks to a file every 64 calls.
 
 from __future__ import annotations
 
+import bisect
 import os
 import statistics
 import sys
@@ -174,8 +175,8 @@ def _install_actor_probes() -> None:
 
 
 def _worker_report(calls: list[tuple[float, float, float]]) -> str:
-    """The worker's stretch split by the actor's marks (calls whose five marks fall between
-    the coordinator's write and the reply's arrival)."""
+    """The worker's stretch split by the actor's marks (those that fall between the
+    coordinator's write of a call and its reply's arrival)."""
     try:
         with open(_WORKER_MARKS) as f:
             rows = [line.split() for line in f]
@@ -183,8 +184,6 @@ def _worker_report(calls: list[tuple[float, float, float]]) -> str:
         return "(no marks from the worker's process)"
     events = sorted((float(t), p) for _, p, t in rows)
     times = [t for t, _ in events]
-    import bisect
-
     spans: dict[str, list[float]] = defaultdict(list)
     names = {
         "to worker": ("b0", "r0"),

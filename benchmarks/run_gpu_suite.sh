@@ -418,16 +418,12 @@ timeline-worker)
     --out "$OUT/timeline.md" > "$OUT/timeline.log" 2>&1
   tail -24 "$OUT/timeline.log"
   ;;
-repeats)
+repeats|refills)
   # The Ray row (2 alternating pairs) once a decode step's other layers go over the
-  # worker channel as repeats of its first call (workers.channel_wire, "repeat").
-  ray_row 330 2 service-h200-ray
-  grep '^\[\|repeats' "$OUT/service-h200-ray.log" "$OUT/service-h200-ray.md"
-  ;;
-refills)
-  # The Ray row (2 alternating pairs) once repeats also refill tensors copied into the
+  # worker channel as repeats of its first call (workers.channel_wire, "repeat"; repeats:
+  # files and index tensors only), and once repeats also refill tensors copied into the
   # arena (rounds of several callers), carry changed slots and keywords, and the pool of
-  # channels hands a call the connection whose last call it repeats.
+  # channels hands a call the connection whose last call it repeats (refills).
   ray_row 330 2 service-h200-ray
   grep '^\[\|repeats' "$OUT/service-h200-ray.log"
   ;;

@@ -335,14 +335,13 @@ class WorkerChannel:
         kwargs: dict[str, Any],
         out: torch.Tensor | None = None,
     ) -> tuple[bool, Any]:
-        """Run ``PoolWorker.<method>(*args, **kwargs)`` on the worker.
+        """Run ``PoolWorker.<method>(*args, **kwargs)`` on the worker. A call that matches
+        the connection's last full call but for plain arguments goes as a repeat of it
+        (see the module docstring).
 
         Args:
             out: host memory for the call's (first) output: the worker writes it into the
                 arena and it is copied here; the result then holds ``out`` itself.
-
-        A call that matches the connection's last full call but for plain arguments goes
-        as a repeat of it (see the module docstring).
 
         Returns:
             ``(True, result)`` with every tensor the caller's own (copied out of the arena),
