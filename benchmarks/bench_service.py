@@ -439,9 +439,9 @@ def median_pair(
     return ranked[(len(ranked) - 1) // 2]
 
 
-def held_back(r: BenchResult) -> str:
-    """The run's correctness-checked rounds and their mean check time (warm-up included):
-    each held its callers back that long."""
+def checked(r: BenchResult) -> str:
+    """The run's correctness-checked rounds and their mean check time (warm-up included;
+    each ran after its round answered)."""
     if r.correctness_checks is None:
         return "-"
     n, seconds = r.correctness_checks
@@ -496,7 +496,7 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
             if args.correctness_check_sequences is None
             else f", at most {args.correctness_check_sequences} sequences each"
         )
-        + " (a checked round answers once its reference is computed)",
+        + " (a checked round answers first, its check runs beside the traffic)",
         f"- the service's CUDA pools replay repeated layers as CUDA graphs: "
         f"{'no' if args.no_graphs else 'yes'}; runs: {args.phases}",
         "- each client runs in its own process (loopback gRPC); one worker; the server's "
@@ -512,7 +512,7 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         "## One client: per-layer append-and-attend",
         "",
         "| path | p50 ms | p99 ms | steps/s | tokens/s | p50 overhead over in-process ms "
-        "| rounds held back by the correctness check (ms each) "
+        "| correctness checks (ms each, after the answer) "
         "| server loop busy (its CPU ms per call) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -527,7 +527,7 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         r = res["single"]
         lines.append(
             f"| service, {label} | {r.p50_ms:.3f} | {r.p99_ms:.3f} | {r.steps_per_s:.2f} | "
-            f"{r.tokens_per_s:.1f} | {r.p50_ms - b50 * 1e3:.3f} | {held_back(r)} | "
+            f"{r.tokens_per_s:.1f} | {r.p50_ms - b50 * 1e3:.3f} | {checked(r)} | "
             f"{loop_busy(r)} |"
         )
     lines += [

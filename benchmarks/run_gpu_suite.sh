@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | default-pairs | decode-memo | decode-memo-pairs | profile-memo | pages-plans | timeline | timeline-spy | timeline-worker | repeats | refills | refills-final | local-pairs | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | default-pairs | decode-memo | decode-memo-pairs | profile-memo | pages-plans | timeline | timeline-spy | timeline-worker | repeats | refills | refills-final | loop-idle | loop-idle-check | check-cost | checks-after | checks-final | pairs-no-check | local-pairs | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -426,6 +426,80 @@ repeats|refills)
   # channels hands a call the connection whose last call it repeats (refills).
   ray_row 330 2 service-h200-ray
   grep '^\[\|repeats' "$OUT/service-h200-ray.log"
+  ;;
+loop-idle)
+  # Why the coordinator's loop sits idle in the Ray row's concurrency pair
+  # (diag_loop_idle.py: each idle stretch put down to what the loop waited for), then the
+  # same pair under py-spy (.kern/py-spy carried) of the server's process, its threads
+  # apart, gzipped, with the trees below the local session's call and the loop's turn.
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/diag_loop_idle.py --h200 \
+    --no-in-process --transports local-shm --phases concurrent --pairs 1 \
+    --out "$OUT/idle.md" > "$OUT/idle.log" 2>&1
+  sed -n '/^## Concurrency/,$p' "$OUT/idle.log" | grep -v '^$'
+  CUDA_VISIBLE_DEVICES=0 timeout 200 .kern/py-spy record --nonblocking --threads -r 1000 \
+    -f raw -o "$OUT/spy-server.raw" -- python3 benchmarks/bench_service.py --h200 \
+    --no-in-process --transports local-shm --phases concurrent --pairs 1 \
+    --out "$OUT/service-spy.md" > "$OUT/spy.log" 2>&1
+  tail -5 "$OUT/service-spy.md"
+  python3 benchmarks/spy_summary.py "$OUT/spy-server.raw" --top 40 --min-samples 500 \
+    > "$OUT/spy-summary.txt"
+  for f in _run_once _Connection._call _run_parts; do
+    python3 benchmarks/spy_summary.py "$OUT/spy-server.raw" --under $f --depth 14 \
+      --min-share 0.004
+  done > "$OUT/spy-trees.txt"
+  gzip -f "$OUT/spy-server.raw"; ls -la "$OUT"
+  ;;
+loop-idle-check)
+  # diag_loop_idle.py's concurrency pair with the service's default correctness check
+  # (0.01 of rounds) and without it (0): idle by cause, where the clients were, the worker
+  # channel's stretches.
+  for f in 0.01 0; do
+    CUDA_VISIBLE_DEVICES=0 timeout 160 python3 benchmarks/diag_loop_idle.py --h200 \
+      --no-in-process --transports local-shm --phases concurrent --pairs 1 \
+      --correctness-check-fraction $f --out "$OUT/idle-$f.md" > "$OUT/idle-$f.log" 2>&1
+    echo "== check fraction $f"; grep '^\[' "$OUT/idle-$f.log"
+    sed -n '/^## Where/,$p' "$OUT/idle-$f.log" | grep -v '^$'
+  done
+  ;;
+check-cost)
+  # The online correctness check's recomputation batched over sequences on CUDA
+  # (kernels.attention_torch): its GPU test, the check's cost per round against the
+  # per-sequence loop (diag_check_cost.py, in process), then diag_loop_idle.py's
+  # concurrency run with the service's default check (0.01 of rounds).
+  timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_kernels_attention_torch.py 2>&1 | tail -2
+  timeout 200 python3 benchmarks/diag_check_cost.py 2>&1 | tee "$OUT/check-cost.md"
+  CUDA_VISIBLE_DEVICES=0 timeout 160 python3 benchmarks/diag_loop_idle.py --h200 \
+    --no-in-process --transports local-shm --phases concurrent --pairs 1 \
+    --out "$OUT/idle.md" > "$OUT/idle.log" 2>&1
+  grep '^\[' "$OUT/idle.log"; sed -n '/^## Where/,$p' "$OUT/idle.log" | grep -v '^$'
+  ;;
+checks-after)
+  # Online correctness checks after the answer (cache_service.running_checks): the GPU
+  # tests of the batched torch path and of the channel, then the Ray row with 2 pairs.
+  timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_kernels_attention_torch.py 2>&1 | tail -1
+  channel_tests 110
+  ray_row 330 2 service-h200-ray
+  grep '^\[\|repeats' "$OUT/service-h200-ray.log"
+  ;;
+checks-final)
+  # The check's worker side on the device (fingerprints built there, the batched
+  # reference): the GPU tests of both, the check's cost per round in process with a
+  # profile of reference_attend, then the Ray row with 2 pairs.
+  timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_kernels_attention_torch.py tests/test_kernels_fingerprints.py 2>&1 | tail -1
+  timeout 120 python3 benchmarks/diag_check_cost.py --batches 8,32 --profile 32 2>&1 \
+    | tee "$OUT/check-cost.md" | head -4
+  ray_row 320 2 service-h200-ray
+  grep '^\[\|repeats' "$OUT/service-h200-ray.log"
+  ;;
+pairs-no-check)
+  # The Ray row's concurrency pairs with the online correctness check off (fraction 0):
+  # what the check costs the concurrent runs, on the time left.
+  ray_row 225 2 service-h200-nocheck --phases one_small,concurrent \
+    --correctness-check-fraction 0
+  grep '^\[' "$OUT/service-h200-nocheck.log"
   ;;
 refills-final)
   # The channel's GPU tests (repeats over a CUDA pool's shared files and arena), then the

@@ -93,9 +93,9 @@ class BenchResult:
         sequences_per_worker_call: sequences per coordinator -> worker call, mean (above
             the batch size when calls were coalesced; None: not measured, only a caller
             with the server's metrics can).
-        correctness_checks: (rounds the online correctness check held back, their total
-            check time in seconds) over the run, warm-up included (None: not measured;
-            as above).
+        correctness_checks: (rounds the online correctness check judged, their total check
+            time in seconds) over the run, warm-up included (None: not measured; as
+            above). Checks run after their rounds answered.
         server_cpu_seconds: what the caller's `server_cpu_clock` counted over the timed
             steps, seconds (a server in the caller's process: its event-loop thread's CPU
             time); None without a clock.

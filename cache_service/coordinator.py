@@ -72,6 +72,7 @@ from cache_service.errors import (
     SequenceLost,
 )
 from cache_service.layer_steps import LayerStep, LayerStepCache
+from cache_service.running_checks import RunningCheck, RunningChecks
 from cache_service.sequence_locks import SequenceLocks
 from cache_service.status_mapping import ServiceUnavailable, WorkerLost
 from cache_service.store import MetadataStore, StoreError
@@ -554,6 +555,8 @@ class Coordinator:
             if fraction > 0
             else None
         )
+        # Checks of rounds already answered, and what would void them (running_checks).
+        self._checks = RunningChecks()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -1576,8 +1579,8 @@ class Coordinator:
                     p.future.set_exception(exc)
             return
         if layer is not None and self.correctness is not None and self.correctness.sample():
-            await self.correctness.check(
-                plan, query, layer, self._clients, epochs, result, seq_ids, nq
+            await self._start_check(
+                self.correctness, plan, query, layer, epochs, result, seq_ids, nq
             )
         row = 0
         for p in parts:
@@ -1603,6 +1606,44 @@ class Coordinator:
                 target.copy_(out)
                 out = target
             p.future.set_result(AttentionResult(out, lse))
+
+    async def _start_check(
+        self,
+        checker: CorrectnessChecker,
+        plan: AttentionPlan,
+        query: torch.Tensor,
+        layer: int,
+        epochs: dict[str, str],
+        result: AttentionResult,
+        seq_ids: list[str],
+        nq: list[int],
+    ) -> None:
+        """Check a round beside the traffic once its callers are answered (see
+        running_checks): registered now, while the callers still hold their sequences, on
+        copies of its query and output (the callers' buffers are theirs to reuse)."""
+        blocks = {
+            b.worker_id: frozenset(int(i) for e in b.entries for i in e.block_indices)
+            for b in plan.batches
+        }
+        check = RunningCheck(frozenset(seq_ids), blocks)
+        query = query.clone()
+        served = AttentionResult(
+            result.out.clone(), None if result.lse is None else result.lse.clone()
+        )
+
+        def run() -> Awaitable[object]:
+            return checker.check(
+                plan, query, layer, self._clients, epochs, served, seq_ids, nq, check.valid
+            )
+
+        task = await self._checks.start(check, run)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def checks_finished(self) -> None:
+        """Wait for the online correctness checks started so far (they run after their
+        rounds answered): their counts and metrics are then final."""
+        await self._checks.wait()
 
     def _round_plan(
         self, steps: tuple[LayerStep, ...], views: list[SequenceViewLike], nq: list[int]
@@ -1696,6 +1737,7 @@ class Coordinator:
         released = self.block_manager.take_released()
         if not released:
             return
+        self._checks.blocks_released(released)
         loop = asyncio.get_running_loop()
         for worker_id, blocks in released.items():
             epoch = self._epochs.get(worker_id)
@@ -1749,6 +1791,7 @@ class Coordinator:
         allocation, so (barring copy-on-write copies and evictions, which cannot be undone
         once they ran) the next allocations are the ones the failed call never happened to.
         """
+        self._checks.writes_cancelled(seq_ids)
         for seq_id in reversed(seq_ids):
             try:
                 self.block_manager.cancel_write(tenant, seq_id)

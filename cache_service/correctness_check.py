@@ -3,18 +3,25 @@
 For a sampled worker round (one `plan_attention` plan run by `run_attention`), every worker
 of the plan recomputes its part with the torch reference from the same blocks
 (``reference_attend``), the partials are merged as the real ones were, and the result is
-compared with the output the caller gets, with a tolerance set by the pool dtype. The
+compared with the output the callers got, with a tolerance set by the pool dtype. The
 workers also compare every slot they read with the fingerprint taken when it was written
 (``workers.fingerprints``), which catches blocks whose contents changed after the write:
 kernel and reference read the same blocks, so only the fingerprints can see that.
 
-Every check that ran is timed (``kvcache_correctness_check_seconds``: its count is the
-number of checks, its sum the latency they added). A mismatch is counted
+Every check that ran to a verdict is timed (``kvcache_correctness_check_seconds``: its
+count is the number of checks). A mismatch is counted
 (``ServiceMetrics.add_correctness_mismatch(worker, layer)``) and logged with the sequences
-and layer; the call itself is answered as computed (the check reports, it does not
-repair). The check runs before the call returns, while its sequences
-are locked, so their blocks cannot be freed and reused under it; it adds latency to sampled
-calls only. A failing check (worker gone, ...) is logged and never fails the call.
+and layer; the callers were answered as computed (the check reports, it does not repair).
+
+The coordinator answers a checked round's callers first and runs the check beside the
+traffic (``cache_service.running_checks``), so a check adds no latency to any call. The
+data it reads stays as it was unless one of its blocks goes free (a freed sequence, a
+copy-on-write copy replacing a shared block, an eviction: the block may then be reused)
+or one of its sequences has a write cancelled (a slot may then be written again) while
+it runs; the coordinator then marks the check void (``valid`` returns False) and its
+result, which may have read another owner's data, is discarded and counted
+(``kvcache_correctness_checks_discarded_total``), never reported as a mismatch. A failing
+check (worker gone, ...) is logged and counted as an error; it never fails a call.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,13 +135,14 @@ class CorrectnessChecker:
         metrics: a ServiceMetrics (or None).
         seed: seed of the sampler (None: from the OS).
         sequences: check at most this many of a round's sequences, drawn at random (None:
-            all). Bounds a check's cost, so the latency it adds to its round, at the price
-            of coverage per check. Rounds whose sequences span several workers (partial
-            outputs to merge) are checked whole.
+            all). Bounds a check's cost (the workers' time spent recomputing), at the
+            price of coverage per check. Rounds whose sequences span several workers
+            (partial outputs to merge) are checked whole.
 
     Attributes:
         checks: rounds checked so far; mismatches: rounds that failed their check;
-        errors: checks that could not run (a worker failed the reference call).
+        errors: checks that could not run (a worker failed the reference call);
+        discarded: checks voided because their sequences changed while they ran.
     """
 
     fraction: float
@@ -145,6 +153,7 @@ class CorrectnessChecker:
     checks: int = 0
     mismatches: int = 0
     errors: int = 0
+    discarded: int = 0
     _rng: random.Random = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -175,23 +184,31 @@ class CorrectnessChecker:
         served: AttentionResult,
         seq_ids: Sequence[str],
         num_queries: Sequence[int],
+        valid: Callable[[], bool] | None = None,
     ) -> CheckOutcome | None:
         """Recompute one round and compare it with what was served.
 
         Args:
             plan: the round's plan; query: its ``[T, Hq, D]`` rows (pool dtype).
             layer: the layer; clients, epochs: the workers of the plan.
-            served: the merged output the callers get.
+            served: the merged output the callers got (a copy nobody else writes).
             seq_ids, num_queries: the round's sequences and their query rows, in plan
                 order (for the log).
+            valid: asked once the recomputation is back: False when the blocks read may
+                have changed meanwhile (see the module docstring); the result is then
+                discarded. None: always valid.
 
         Returns:
-            The outcome, or None when the check could not run (logged; never raises).
+            The outcome, or None when the check could not run (logged) or was discarded;
+            never raises.
         """
         start = time.perf_counter()
         try:
             outcome = await self._recompute(plan, query, layer, clients, epochs, served)
         except Exception as exc:  # the check reports; it must never fail the call
+            if valid is not None and not valid():
+                self._discard()
+                return None
             self.errors += 1
             log.warning(
                 "correctness check could not run: %s",
@@ -199,12 +216,20 @@ class CorrectnessChecker:
                 extra={"layer": layer, "sequences": list(seq_ids)},
             )
             return None
+        if valid is not None and not valid():
+            self._discard()
+            return None
         self.checks += 1
         if self.metrics is not None:
             self.metrics.observe_correctness_check(time.perf_counter() - start)
         if not outcome.ok:
             self._report(outcome, layer, seq_ids, num_queries)
         return outcome
+
+    def _discard(self) -> None:
+        self.discarded += 1
+        if self.metrics is not None:
+            self.metrics.add_correctness_check_discarded()
 
     async def _recompute(
         self,

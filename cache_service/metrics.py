@@ -217,8 +217,15 @@ class ServiceMetrics:
         self.correctness_check_duration = Histogram(
             f"{p}_correctness_check_seconds",
             "Time of one online correctness check (the reference recomputation and the "
-            "comparison), seconds; the checked round answers its callers only afterwards.",
+            "comparison), seconds; it runs after its round answered, beside the traffic.",
             buckets=WORKER_CALL_BUCKETS,
+            registry=reg,
+        )
+        self.correctness_checks_discarded = Counter(
+            f"{p}_correctness_checks_discarded",
+            "Online correctness checks discarded because one of their blocks went free or one "
+            "of their sequences had a write cancelled while they ran (the data they read may "
+            "have been reused).",
             registry=reg,
         )
         self._data_call_children: dict[tuple[str, str], Any] = {}
@@ -344,6 +351,10 @@ class ServiceMetrics:
         _check_worker_id(worker_id)
         _check_count("layer", layer)
         self.correctness_mismatches.labels(worker_id).inc()
+
+    def add_correctness_check_discarded(self) -> None:
+        """Count one online correctness check discarded unjudged (its sequences changed)."""
+        self.correctness_checks_discarded.inc()
 
     def observe_correctness_check(self, seconds: float) -> None:
         """Record one online correctness check that ran: its wall time, seconds (finite,

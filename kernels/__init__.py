@@ -8,11 +8,15 @@ Every function validates its arguments first (:mod:`kernels.validation`): a malf
 argument raises :class:`KernelArgumentError`, a ``ValueError`` naming the argument, and
 nothing is written. Then it dispatches on ``backend``:
 
-* ``None`` / ``"auto"``: Triton for CUDA tensors, the torch reference for CPU tensors (so the
-  service runs on machines without a GPU).
+* ``None`` / ``"auto"``: Triton for CUDA tensors, torch for CPU tensors (so the service runs
+  on machines without a GPU).
 * ``"triton"``: the Triton kernels. On CPU tensors this needs Triton's interpreter
   (``TRITON_INTERPRET=1`` set before triton is first imported), which the tests use.
-* ``"torch"``: the reference (:mod:`kernels.reference`) on any device.
+* ``"torch"``: torch on any device: the references (:mod:`kernels.reference`). Paged
+  attention on CUDA tensors takes its batched torch path instead
+  (:mod:`kernels.attention_torch`, tested against ``paged_attention_ref``): the
+  reference's loop over sequences is launch-bound there, while on the CPU it is the
+  faster of the two (each sequence's keys stay in cache).
 
 The Triton modules are imported on first use, so importing this package stays cheap on
 CPU-only machines.
@@ -29,6 +33,7 @@ from typing import Literal
 
 import torch
 
+from kernels.attention_torch import paged_attention_torch
 from kernels.reference import (
     copy_blocks_ref,
     gather_blocks_ref,
@@ -165,7 +170,8 @@ def paged_attention(
             out=out,
         )
     else:
-        o, lse = paged_attention_ref(
+        torch_path = paged_attention_torch if query.device.type == "cuda" else paged_attention_ref
+        o, lse = torch_path(
             query,
             key_cache,
             value_cache,

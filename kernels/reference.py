@@ -1,9 +1,9 @@
 """Torch references for every kernel in this package.
 
-They define the semantics the Triton kernels are tested against, and they are the compute
-path on CPU tensors (so the whole service runs on machines without a GPU). They favour
-clarity over speed: a Python loop over sequences, math in float32 (float64 inputs stay
-float64).
+They define the semantics the Triton kernels (and paged attention's batched torch path,
+``attention_torch``) are tested against, and they are the compute path on CPU tensors, so
+the whole service runs on machines without a GPU. They favour clarity over speed: a Python loop over
+sequences, math in float32 (float64 inputs stay float64).
 
 Conventions shared with the Triton kernels:
 
@@ -24,6 +24,7 @@ import math
 import torch
 
 __all__ = [
+    "compute_dtype",
     "copy_blocks_ref",
     "fingerprint_rows",
     "gather_blocks_ref",
@@ -35,7 +36,8 @@ __all__ = [
 ]
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the references compute in for inputs of `dtype`: float32, float64 kept."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -73,7 +75,7 @@ def paged_attention_ref(
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     group = num_q_heads // num_kv_heads
     scale = head_dim**-0.5 if scale is None else scale
-    cdt = _compute_dtype(query.dtype)
+    cdt = compute_dtype(query.dtype)
 
     out = torch.zeros(num_q_tokens, num_q_heads, head_dim, dtype=cdt, device=query.device)
     lse = torch.full((num_q_tokens, num_q_heads), -math.inf, dtype=cdt, device=query.device)
@@ -125,7 +127,7 @@ def merge_attention_states_ref(
         ``(out, lse)``: ``[num_tokens, num_heads, head_dim]`` in the outputs' dtype and float32
         ``[num_tokens, num_heads]``. Rows where every part is -inf get 0 and -inf.
     """
-    cdt = _compute_dtype(outputs.dtype)
+    cdt = compute_dtype(outputs.dtype)
     lse = lses.to(cdt)
     m = lse.max(dim=0).values
     m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)

@@ -121,6 +121,11 @@ class ServiceHarness:
     def check_integrity(self) -> None:
         self.call(self.coordinator.block_manager.check_integrity)
 
+    def checks_finished(self) -> None:
+        """Wait for the online correctness checks started so far (they run after their
+        rounds answered)."""
+        self.run(self.coordinator.checks_finished())
+
     def stats(self) -> Any:
         return self.call(self.coordinator.block_manager.stats)
 

@@ -5,7 +5,10 @@ layer. Blocks are corrupted on purpose by writing into a pool behind the service
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import threading
 from typing import Any
 
 import pytest
@@ -84,10 +87,11 @@ def test_clean_traffic_is_checked_and_never_mismatches(svc, client):
         for layer in range(LAYOUT.num_layers):
             (out,) = client.attend(layer, [AttendItem(m.seq_id, q)])
             assert torch.allclose(out.double(), m.reference(layer, q)[0], atol=1e-5)
+    svc.checks_finished()  # checks run after their rounds answered
     checker = svc.coordinator.correctness
     # Every worker round was checked (fraction 1.0), none failed.
     assert checker.checks >= 3 * LAYOUT.num_layers + 4 * LAYOUT.num_layers
-    assert checker.mismatches == 0 and checker.errors == 0
+    assert checker.mismatches == 0 and checker.errors == 0 and checker.discarded == 0
     assert mismatches(svc, "w0") == 0 and mismatches(svc, "w1") == 0
     # Each check is timed in the exported histogram: its count is the number of checks.
     metrics = svc.service.metrics
@@ -106,6 +110,7 @@ def test_a_corrupted_block_raises_the_counter_and_logs_sequence_and_layer(svc, c
     (worker_id, block), *_ = blocks_of(svc, victim.seq_id, layer)
     others = {b for b in blocks_of(svc, bystander.seq_id, layer)}
     assert (worker_id, block) not in others
+    svc.checks_finished()  # the fills' checks read the block before it is corrupted
     before = svc.coordinator.correctness.mismatches
 
     # Garbage into one slot's values of layer 1, bypassing the service.
@@ -115,6 +120,7 @@ def test_a_corrupted_block_raises_the_counter_and_logs_sequence_and_layer(svc, c
     q = rand(1, HQ, D)
     with caplog.at_level(logging.ERROR, logger="kvcache.correctness"):
         client.attend(layer, [AttendItem(victim.seq_id, q)])
+        svc.checks_finished()
     assert mismatches(svc, worker_id) == 1
     assert svc.coordinator.correctness.mismatches == before + 1
     record = next(r for r in caplog.records if "mismatch" in r.getMessage())
@@ -126,6 +132,7 @@ def test_a_corrupted_block_raises_the_counter_and_logs_sequence_and_layer(svc, c
     for lyr in range(LAYOUT.num_layers):
         (out,) = client.attend(lyr, [AttendItem(bystander.seq_id, q)])
         assert torch.allclose(out.double(), bystander.reference(lyr, q)[0], atol=1e-5)
+    svc.checks_finished()
     assert mismatches(svc, worker_id) == 1
 
 
@@ -147,11 +154,13 @@ def test_corruption_in_a_sequence_spread_over_two_workers_blames_the_right_worke
         q = rand(3, HQ, D)
         (out,) = client.attend(0, [AttendItem(m.seq_id, q)])
         assert torch.allclose(out.double(), m.reference(0, q)[0], atol=1e-5)
+        svc.checks_finished()
         assert svc.coordinator.correctness.mismatches == 0
         worker_id, block = blocks[-1]  # the last block: the other worker than the first's
         assert worker_id != blocks[0][0]
         worker(svc, worker_id).worker.pool.data[block, 0, 0, 0, 1, 0] += 5.0
         client.attend(0, [AttendItem(m.seq_id, q)])
+        svc.checks_finished()
         assert mismatches(svc, worker_id) == 1
         assert mismatches(svc, blocks[0][0]) == 0
 
@@ -189,6 +198,7 @@ def test_a_wrong_kernel_output_is_caught_by_the_reference_path():
             0, [AppendAttendItem(seq.seq_id, ids, rand(3, HKV, D), rand(3, HKV, D), rand(3, HQ, D))]
         )
         assert out[0].shape == (3, HQ, D)
+        svc.checks_finished()
         assert mismatches(svc, "w0") == 1
         assert svc.coordinator.correctness.mismatches == 1
 
@@ -209,6 +219,7 @@ def test_checking_some_sequences_recomputes_only_those_and_still_catches_corrupt
             m = Mirror(client.create_sequence().seq_id, LAYOUT.num_layers)
             fill(client, m, list(range(10 * i, 10 * i + 6)))
             mirrors.append(m)
+        svc.checks_finished()  # the fills' checks
         recomputed: list[int] = []  # sequences per reference call
         w0 = worker(svc, "w0")
         real = w0.reference_attend
@@ -226,6 +237,7 @@ def test_checking_some_sequences_recomputes_only_those_and_still_catches_corrupt
                 outs = client.attend(layer, [AttendItem(m.seq_id, q) for m in mirrors])
                 for m, out in zip(mirrors, outs, strict=True):
                     assert torch.allclose(out.double(), m.reference(layer, q)[0], atol=1e-5)
+        svc.checks_finished()
         assert checker.checks - before == 4 * LAYOUT.num_layers
         assert recomputed and set(recomputed) == {1}
         assert checker.mismatches == 0
@@ -236,6 +248,97 @@ def test_checking_some_sequences_recomputes_only_those_and_still_catches_corrupt
         (worker_id, block), *_ = blocks_of(svc, victim.seq_id, layer)
         worker(svc, worker_id).worker.pool.data[block, layer, 1, :, 2, :] = 1e3
         client.attend(layer, [AttendItem(victim.seq_id, rand(1, HQ, D))])
+        svc.checks_finished()
+        assert checker.mismatches == 1 and mismatches(svc, worker_id) == 1
+
+
+class HeldReferenceWorker:
+    """A real worker whose next reference recomputation (after `hold`) waits until `go`
+    is set: a check still running while the traffic goes on."""
+
+    def __init__(self, inner: LocalWorkerClient) -> None:
+        self.inner = inner
+        self.worker_id = inner.worker_id
+        self.held = threading.Event()  # the held recomputation has started
+        self.go = threading.Event()
+        self._hold = False
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def hold(self) -> None:
+        self._hold, self.go = True, threading.Event()
+
+    async def reference_attend(self, *args, **kwargs):
+        if self._hold:
+            self._hold = False
+            self.held.set()
+            await asyncio.to_thread(self.go.wait, 20)
+        return await self.inner.reference_attend(*args, **kwargs)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@contextlib.contextmanager
+def held_service(num_blocks: int):
+    """A service checking every round on one HeldReferenceWorker, a client, and a first
+    sequence filled on every layer: ``(svc, held worker, client, its Mirror)``."""
+    config = service_config(**{"coordinator.correctness_check_fraction": 1.0})
+    (held,) = [HeldReferenceWorker(w) for w in fingerprinted_workers(1, num_blocks)]
+    with (
+        ServiceHarness(config, [held]) as svc,
+        KVCacheClient(svc.address, timeout_s=20) as client,
+    ):
+        first = Mirror(client.create_sequence().seq_id, LAYOUT.num_layers)
+        fill(client, first, list(range(7)))
+        yield svc, held, client, first
+
+
+def test_a_check_answers_first_and_is_discarded_when_its_blocks_are_reused():
+    # Two blocks in all: the second sequence can only have the first one's blocks.
+    with held_service(num_blocks=2) as (svc, held, client, a):
+        checker = svc.coordinator.correctness
+        svc.checks_finished()
+        held.hold()
+        q = rand(1, HQ, D)
+        (out,) = client.attend(1, [AttendItem(a.seq_id, q)])
+        # Answered while its check waits for the worker's recomputation.
+        assert held.held.wait(10) and not held.go.is_set()
+        assert torch.allclose(out.double(), a.reference(1, q)[0], atol=1e-5)
+        client.free(a.seq_id)
+        b = Mirror(client.create_sequence().seq_id, LAYOUT.num_layers)
+        fill(client, b, list(range(100, 107)))  # other tokens: a's blocks evicted, rewritten
+        held.go.set()
+        svc.checks_finished()
+        # The held check read b's data where a's was: discarded, not a mismatch.
+        assert checker.discarded == 1
+        assert checker.mismatches == 0 and checker.errors == 0
+        assert mismatches(svc, "w0") == 0
+        metrics = svc.service.metrics
+        name = f"{metrics.prefix}_correctness_checks_discarded_total"
+        assert metrics.registry.get_sample_value(name) == 1
+        svc.check_integrity()
+
+
+def test_a_check_whose_sequences_stay_put_is_judged_after_the_answer():
+    with held_service(num_blocks=8) as (svc, held, client, a):
+        checker = svc.coordinator.correctness
+        other = Mirror(client.create_sequence().seq_id, LAYOUT.num_layers)
+        fill(client, other, list(range(50, 55)))
+        svc.checks_finished()
+        before = checker.checks
+        held.hold()
+        client.attend(0, [AttendItem(a.seq_id, rand(1, HQ, D))])
+        assert held.held.wait(10)
+        # Another sequence freed meanwhile: its blocks are not the check's.
+        client.free(other.seq_id)
+        (worker_id, block), *_ = blocks_of(svc, a.seq_id, 0)
+        worker(svc, worker_id).worker.pool.data[block, 0, 0, :, 1, :] = 7.0
+        held.go.set()
+        svc.checks_finished()
+        # The corruption landed before the held recomputation read the block: a mismatch.
+        assert checker.checks == before + 1 and checker.discarded == 0
         assert checker.mismatches == 1 and mismatches(svc, worker_id) == 1
 
 

@@ -230,6 +230,7 @@ def test_a_worker_killed_mid_traffic_fails_only_its_sequences_and_comes_back(svc
     assert after.up and after.epoch != old_epoch
     stats = svc.stats()
     assert stats.workers[victim].total == BLOCKS  # its capacity is back
+    svc.checks_finished()  # online checks run after their rounds answered
     assert svc.coordinator.correctness.checks > 0
     assert svc.coordinator.correctness.mismatches == 0
     svc.check_integrity()

@@ -143,15 +143,20 @@ class SlotFingerprints:
             Bad slots in (entry, position) order; empty when every slot matches.
         """
         bs = self._bs
-        lens = [int(n) for n in seq_lens.tolist()]
-        if not any(lens):
-            return []
         device = pool_data.device
-        entry = torch.cat([torch.full((n,), s, dtype=torch.long) for s, n in enumerate(lens)])
-        pos = torch.cat([torch.arange(n, dtype=torch.long) for n in lens])
-        tables = block_tables.to(device="cpu", dtype=torch.long)
-        blocks = tables[entry, pos // bs].to(device)
-        offsets = (pos % bs).to(device)
+        lens = seq_lens.to(device=device, dtype=torch.long)
+        total = int(lens.sum())
+        if total == 0:
+            return []
+        # Every (entry, position) read, built on the device: no per-sequence host work.
+        entry = torch.repeat_interleave(
+            torch.arange(lens.shape[0], device=device), lens, output_size=total
+        )
+        first = torch.cumsum(lens, 0) - lens
+        pos = torch.arange(total, device=device) - first[entry]
+        tables = block_tables.to(device=device, dtype=torch.long)
+        blocks = tables[entry, pos // bs]
+        offsets = pos % bs
         # Advanced indices around slices: the result is [n, 2, Hkv, D].
         now = self._rows(pool_data[blocks, layer, :, :, offsets, :])
         then = self._sums[blocks * bs + offsets, layer]
@@ -159,5 +164,5 @@ class SlotFingerprints:
         if not bool(bad.any()):
             return []
         where = bad.nonzero().tolist()[:max_reported]
-        blocks_cpu, offsets_cpu = blocks.tolist(), offsets.tolist()
-        return [BadSlot(int(entry[i]), blocks_cpu[i], offsets_cpu[i], kind) for i, kind in where]
+        blocks_cpu, offsets_cpu, entry_cpu = blocks.tolist(), offsets.tolist(), entry.tolist()
+        return [BadSlot(entry_cpu[i], blocks_cpu[i], offsets_cpu[i], kind) for i, kind in where]

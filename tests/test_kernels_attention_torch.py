@@ -1,0 +1,146 @@
+"""The batched torch path of paged attention against the per-sequence loop reference
+(CPU runs; the GPU-marked test checks the dispatch on CUDA).
+
+``kernels.attention_torch.paged_attention_torch`` pads a chunk's sequences and computes them
+together; ``kernels.reference.paged_attention_ref`` loops over sequences (the oracle). Both
+compute in float32, so they agree to float32 rounding whatever the chunking: one chunk, a
+sequence per chunk, or chunks cut by a budget.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels.attention_torch import paged_attention_torch
+from kernels.reference import paged_attention_ref
+from kernels.testing import dense_attention, make_paged_batch
+
+# (seq_lens, q_lens): decode over ragged lengths around block boundaries, prefill, chunked
+# prefill, sequences without rows or keys among others, one long sequence among short.
+CASES = {
+    "decode": ([1, 7, 8, 9, 43], [1, 1, 1, 1, 1]),
+    "prefill": ([9, 15, 7], [9, 15, 7]),
+    "chunked": ([1, 7, 8, 9, 43], [1, 5, 8, 3, 40]),
+    "empty_rows_and_keys": ([9, 24, 2, 0, 10], [1, 0, 2, 0, 7]),
+    "one_long": ([3, 200, 5, 4], [1, 3, 5, 2]),
+}
+OPTIONS = [
+    {},
+    {"causal": False},
+    {"sliding_window": 5},
+    {"sliding_window": 12, "causal": False},
+    {"softcap": 2.5, "scale": 0.3},
+]
+
+
+def _pair(batch, max_chunk_elements: int, **options):
+    args = batch.args()
+    got = paged_attention_torch(*args, max_chunk_elements=max_chunk_elements, **options)
+    want = paged_attention_ref(*args, **options)
+    return got, want
+
+
+def _assert_close(got, want) -> None:
+    (out, lse), (ref, ref_lse) = got, want
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse))
+    seen = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[seen], ref_lse[seen], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(
+    "options", OPTIONS, ids=lambda o: "-".join(map(str, o.items())) or "default"
+)
+@pytest.mark.parametrize("budget", [1 << 26, 1], ids=["one-chunk", "chunk-per-sequence"])
+def test_matches_the_loop_reference(case: str, options: dict, budget: int) -> None:
+    seq_lens, q_lens = CASES[case]
+    batch = make_paged_batch(
+        seq_lens, q_lens, num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=8, seed=11
+    )
+    _assert_close(*_pair(batch, budget, **options))
+
+
+@pytest.mark.parametrize("budget", [3_000, 20_000, 60_000])
+def test_chunks_cut_by_the_budget_change_nothing(budget: int) -> None:
+    # Lengths spread so that budgets between one sequence and all of them cut chunks of
+    # different sizes; the output is the same as computed in one chunk.
+    seq_lens = [1, 40, 17, 3, 64, 9, 33, 2, 50, 16]
+    q_lens = [1, 4, 17, 1, 2, 9, 1, 2, 8, 16]
+    batch = make_paged_batch(
+        seq_lens, q_lens, num_q_heads=4, num_kv_heads=4, head_dim=8, block_size=4, seed=2
+    )
+    got = paged_attention_torch(*batch.args(), max_chunk_elements=budget)
+    whole = paged_attention_torch(*batch.args())
+    _assert_close(got, paged_attention_ref(*batch.args()))
+    torch.testing.assert_close(got[0], whole[0], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_dtypes(dtype: torch.dtype) -> None:
+    batch = make_paged_batch(
+        [5, 30, 17], [1, 4, 17], num_q_heads=4, num_kv_heads=1, head_dim=16, block_size=8,
+        dtype=dtype, seed=4,
+    )  # fmt: skip
+    (out, lse), (ref, ref_lse) = _pair(batch, 1 << 26)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    # Both round the float32 (float64) result to the dtype once: equal but for a rare
+    # last-place difference from the order of the float32 sums.
+    tol = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float64: 1e-12}[dtype]
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_table_entries_past_a_sequence_are_never_read() -> None:
+    # Columns past each sequence's blocks hold -1 (make_paged_batch) or ids out of the
+    # pool: the padded gather clamps them, the mask hides them.
+    batch = make_paged_batch(
+        [3, 25, 10], [1, 2, 3], num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=8,
+        spare_columns=3,
+    )  # fmt: skip
+    tables = batch.block_tables.clone()
+    for s, n in enumerate([3, 25, 10]):
+        tables[s, -(-n // 8) :] = 10_000 + s
+    args = list(batch.args())
+    args[3] = tables
+    got = paged_attention_torch(*args)
+    _assert_close(got, paged_attention_ref(*batch.args()))
+
+
+def test_matches_dense_attention() -> None:
+    batch = make_paged_batch(
+        [12, 40, 1], [12, 3, 1], num_q_heads=6, num_kv_heads=3, head_dim=16, block_size=8,
+        seed=8,
+    )  # fmt: skip
+    out, lse = paged_attention_torch(*batch.args(), sliding_window=7)
+    ref, ref_lse = dense_attention(batch, sliding_window=7)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    torch.testing.assert_close(lse[seen].double(), ref_lse[seen], atol=1e-5, rtol=1e-5)
+
+
+def test_no_rows_at_all() -> None:
+    batch = make_paged_batch(
+        [4, 9], [0, 0], num_q_heads=2, num_kv_heads=1, head_dim=8, block_size=4
+    )
+    out, lse = paged_attention_torch(*batch.args())
+    assert out.shape == (0, 2, 8) and lse.shape == (0, 2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_torch_backend_batches_on_cuda_only(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    batch = make_paged_batch(
+        [12, 40, 1], [12, 3, 1], num_q_heads=6, num_kv_heads=3, head_dim=16, block_size=8,
+        device=device,
+    )  # fmt: skip
+    got = kernels.paged_attention(*batch.args(), backend="torch", return_lse=True)
+    path = paged_attention_torch if device == "cuda" else paged_attention_ref
+    want = path(*batch.args())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
