@@ -10,11 +10,14 @@ state the probes keep:
   and whose reply is not yet written (``_write``); the others are in their own turn;
 - worker calls in flight: worker-channel requests written (``exchange``) without a reply;
 - open windows: batchers (``coordinator._Batcher``) holding parts with a timer running;
-  held parts: parts pending in a batcher that waits for its batch in flight to return.
+  held parts: parts pending in a batcher that waits for its batch in flight to return;
+- online correctness checks running (``CorrectnessChecker.check``).
 
 Printed per run (the number of clients connected tells them apart): the run's wall time
-between its first and last call, the loop's idle share, and the idle time by cause, with
-how many clients were in the server at the start of each idle stretch.
+between its first and last call, the loop's idle share, the idle time by cause, how many
+clients were in the server at the start of each idle stretch and where (in a batch in
+flight, pending in a batcher, elsewhere: the batchers' own bookkeeping, the steadier
+figure), and the worker channel's calls from request written to reply in.
 
     PYTHONPATH=.:benchmarks python3 benchmarks/diag_loop_idle.py --h200 \\
         --no-in-process --transports local-shm --phases concurrent
@@ -56,6 +59,7 @@ class _State:
         self.calls: Counter[int] = Counter()
         self.checks = 0  # correctness checks running
         self.sent: dict[int, float] = {}  # worker-channel connection -> request written at
+        self.flying_at_send: dict[int, int] = {}  # connection -> calls in flight once sent
         # by clients connected: (worker stretch seconds, calls in flight when it was sent)
         self.stretches: dict[int, list[tuple[float, int]]] = defaultdict(list)
         # by clients connected: idle seconds by (clients flying, pending, elsewhere)
@@ -103,15 +107,14 @@ class _State:
     def worker_sent(self, conn: int) -> None:
         self.worker_calls += 1
         self.sent[conn] = time.perf_counter()
-        self._flying_at_send = self.worker_calls
+        self.flying_at_send[conn] = self.worker_calls
 
     def worker_answered(self, conn: int) -> None:
         self.worker_calls = max(self.worker_calls - 1, 0)
         began = self.sent.pop(conn, None)
+        flying = self.flying_at_send.pop(conn, 1)
         if began is not None and self.connected:
-            self.stretches[len(self.connected)].append(
-                (time.perf_counter() - began, getattr(self, "_flying_at_send", 1))
-            )
+            self.stretches[len(self.connected)].append((time.perf_counter() - began, flying))
 
     def arrived(self, conn: int) -> None:
         self.in_server.add(conn)
