@@ -65,6 +65,11 @@ def paged_attention_torch(
         (s for s in range(len(lens)) if starts[s + 1] > starts[s] and lens[s] > 0),
         key=lambda s: (lens[s], starts[s + 1] - starts[s]),
     )
+
+    def run(seqs: list[int]) -> None:
+        _attend_chunk(query, key_cache, value_cache, block_tables, seqs, starts, lens,
+                      out, lse, scale, causal, sliding_window, softcap)  # fmt: skip
+
     per_key = 2 * num_kv_heads * head_dim  # a padded key position's K and V
     chunk: list[int] = []
     rows_max = keys_max = 0
@@ -73,14 +78,12 @@ def paged_attention_torch(
         r, k = max(rows_max, n), max(keys_max, length)
         elements = (len(chunk) + 1) * (num_q_heads * r * (k + head_dim) + per_key * k)
         if chunk and elements > max_chunk_elements:
-            _attend_chunk(query, key_cache, value_cache, block_tables, chunk, starts, lens,
-                          out, lse, scale, causal, sliding_window, softcap)  # fmt: skip
+            run(chunk)
             chunk, r, k = [], n, length
         chunk.append(s)
         rows_max, keys_max = r, k
     if chunk:
-        _attend_chunk(query, key_cache, value_cache, block_tables, chunk, starts, lens,
-                      out, lse, scale, causal, sliding_window, softcap)  # fmt: skip
+        run(chunk)
     return out.to(query.dtype), lse.to(torch.float32)
 
 
