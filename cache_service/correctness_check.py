@@ -203,21 +203,24 @@ class CorrectnessChecker:
             never raises.
         """
         start = time.perf_counter()
+        outcome: CheckOutcome | None = None
+        failure: Exception | None = None
         try:
             outcome = await self._recompute(plan, query, layer, clients, epochs, served)
         except Exception as exc:  # the check reports; it must never fail the call
-            if valid is not None and not valid():
-                self._discard()
-                return None
+            failure = exc
+        if valid is not None and not valid():  # whatever it read may be another's data
+            self.discarded += 1
+            if self.metrics is not None:
+                self.metrics.add_correctness_check_discarded()
+            return None
+        if outcome is None:
             self.errors += 1
             log.warning(
                 "correctness check could not run: %s",
-                exc,
+                failure,
                 extra={"layer": layer, "sequences": list(seq_ids)},
             )
-            return None
-        if valid is not None and not valid():
-            self._discard()
             return None
         self.checks += 1
         if self.metrics is not None:
@@ -225,11 +228,6 @@ class CorrectnessChecker:
         if not outcome.ok:
             self._report(outcome, layer, seq_ids, num_queries)
         return outcome
-
-    def _discard(self) -> None:
-        self.discarded += 1
-        if self.metrics is not None:
-            self.metrics.add_correctness_check_discarded()
 
     async def _recompute(
         self,

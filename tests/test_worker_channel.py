@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -72,6 +73,14 @@ def _step(n: int = 6, seed: int = 0):
     q = torch.randn(n, 4, 16, generator=g)
     slots = [(2 + i // 4) * 4 + i % 4 for i in range(n)]
     return slots, k, v, q, torch.tensor([[2, 3]], dtype=torch.int32), [n], [0, n]
+
+
+def _tensor_step(n: int = 6, seed: int = 0):
+    """`_step` with seq_lens and query_start_loc as int32 tensors (what a repeat may
+    leave in place; lists are plain values it replaces)."""
+    slots, k, v, q, bt, lens, starts = _step(n, seed)
+    as_int32 = functools.partial(torch.tensor, dtype=torch.int32)
+    return slots, k, v, q, bt, as_int32(lens), as_int32(starts)
 
 
 def _address(worker: PoolWorker, tcp: bool = False) -> ChannelAddress:
@@ -710,11 +719,7 @@ def test_a_decode_steps_other_layers_go_as_repeats_and_read_the_files_anew(
         _, base = shared_file()
         chan = await _connect(worker, "shared", 1 << 20, arena_dir)
         epoch = worker.epoch()
-        slots, k0, v0, q0, bt, lens, starts = _step()
-        lens, starts = (
-            torch.tensor(lens, dtype=torch.int32),
-            torch.tensor(starts, dtype=torch.int32),
-        )
+        slots, k0, v0, q0, bt, lens, starts = _tensor_step()
         k, v, q = _in(base, 0, k0), _in(base, 4096, v0), _in(base, 8192, q0)
         out = _in(base, 16384, torch.full_like(q0, float("nan")))
         keyed = {"metadata_key": 11, "check_finite": True}
@@ -778,11 +783,7 @@ def test_a_worker_without_the_call_to_repeat_gets_it_in_full(
         other, other_base = shared_file()
         chan = await _connect(worker, "shared", 1 << 20, arena_dir)
         epoch = worker.epoch()
-        slots, k0, v0, q0, bt, lens, starts = _step()
-        lens, starts = (
-            torch.tensor(lens, dtype=torch.int32),
-            torch.tensor(starts, dtype=torch.int32),
-        )
+        slots, k0, v0, q0, bt, lens, starts = _tensor_step()
         ok, _ = await chan.call("attend", (epoch, 0, _in(other_base, 0, q0), bt, lens, starts), {})
         assert ok and _mappings_of(other) == 2
         k, v, q = _in(base, 0, k0), _in(base, 4096, v0), _in(base, 8192, q0)
@@ -864,11 +865,7 @@ def test_repeats_refill_tensors_copied_into_a_shared_arena(worker, arena_dir, mo
     async def run():
         chan = await _connect(worker, mode, 1 << 20, arena_dir)
         epoch = worker.epoch()
-        slots, _, _, _, bt, lens, starts = _step()
-        lens, starts = (
-            torch.tensor(lens, dtype=torch.int32),
-            torch.tensor(starts, dtype=torch.int32),
-        )
+        slots, _, _, _, bt, lens, starts = _tensor_step()
         for layer, seed in ((0, 1), (1, 2), (1, 3)):
             _, k, v, q, *_ = _step(seed=seed)
             ok, got = await chan.call(
@@ -891,11 +888,7 @@ def test_the_pool_gives_a_call_the_connection_whose_last_call_it_repeats(worker,
     # repeat of it, whichever connection came back last.
     async def run():
         pool = _pool(worker, arena_dir, connections=2)
-        slots, k, v, q, bt, lens, starts = _step()
-        lens, starts = (
-            torch.tensor(lens, dtype=torch.int32),
-            torch.tensor(starts, dtype=torch.int32),
-        )
+        slots, k, v, q, bt, lens, starts = _tensor_step()
         epoch = worker.epoch()
 
         def call(layer: int, key: int):
