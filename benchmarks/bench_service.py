@@ -51,8 +51,10 @@ from typing import Any
 
 import torch
 
+from cache_service import event_loop
 from cache_service.bench import BenchConfig, BenchResult, percentile, run_decode_bench
 from cache_service.config import CoordinatorConfig, ServiceConfig
+from cache_service.event_loop import EVENT_LOOPS
 from cache_service.server import start_service
 from workers.actor import PoolWorker
 from workers.config import PoolConfig
@@ -205,12 +207,12 @@ def through_service(
         "local_session": t.local_session,
     }
 
+    config = service_config(
+        setup, ray=ray, window_ms=window_ms, cuda_graphs=cuda_graphs, overrides=overrides
+    )
+
     async def main() -> dict[str, BenchResult]:
-        running = await start_service(
-            service_config(
-                setup, ray=ray, window_ms=window_ms, cuda_graphs=cuda_graphs, overrides=overrides
-            )
-        )
+        running = await start_service(config)
         loop = asyncio.get_running_loop()
         # The event-loop thread's CPU clock, readable from the thread the clients run in:
         # how busy the coordinator's one thread was over the timed steps.
@@ -285,7 +287,7 @@ def through_service(
         finally:
             await running.stop()
 
-    return asyncio.run(main())
+    return event_loop.run(main(), config.server.event_loop)
 
 
 def histogram_totals(histogram: Any) -> tuple[float, float]:
@@ -497,6 +499,7 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
             else f", at most {args.correctness_check_sequences} sequences each"
         )
         + " (a checked round answers first, its check runs beside the traffic)",
+        f"- the coordinator's event loop (server.event_loop): {args.event_loop or 'asyncio'}",
         f"- the service's CUDA pools replay repeated layers as CUDA graphs: "
         f"{'no' if args.no_graphs else 'yes'}; runs: {args.phases}",
         "- each client runs in its own process (loopback gRPC); one worker; the server's "
@@ -631,6 +634,11 @@ def main(argv: list[str] | None = None) -> int:
         "workers.channel_connections=1; repeatable",
     )
     parser.add_argument(
+        "--event-loop",
+        choices=EVENT_LOOPS,
+        help="server.event_loop: the coordinator's event loop (default: the service's, asyncio)",
+    )
+    parser.add_argument(
         "--phases",
         default=",".join(PHASES),
         help=f"comma-separated service runs, of {', '.join(PHASES)}",
@@ -653,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {
         "coordinator.correctness_check_fraction": args.correctness_check_fraction,
         "coordinator.correctness_check_sequences": args.correctness_check_sequences,
+        "server.event_loop": args.event_loop,
     }
     for item in args.set:
         key, sep, value = item.partition("=")

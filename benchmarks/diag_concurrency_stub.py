@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 
+from cache_service import event_loop
 from cache_service.bench import BenchConfig, run_decode_bench
 from cache_service.config import ServiceConfig
+from cache_service.event_loop import EVENT_LOOPS, loop_name
 from cache_service.server import start_service
 
 
@@ -110,7 +112,7 @@ async def _main(args: argparse.Namespace) -> None:
             calls = (sessions.calls - calls0) if sessions is not None and not args.grpc else 0
             per_call = f"{cpu / calls * 1e3:.3f} ms" if calls else "-"
             print(
-                f"clients={clients}: {result.tokens_per_s:.1f} tok/s, p50 {result.p50_ms:.3f} "
+                f"[{loop_name()}] clients={clients}: {result.tokens_per_s:.1f} tok/s, p50 {result.p50_ms:.3f} "
                 f"ms, p99 {result.p99_ms:.3f} ms; server CPU per local call {per_call} "
                 f"(setup included); {len(pauses.seen)} collections, longest: {pauses.worst()}",
                 flush=True,
@@ -125,10 +127,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per client")
     parser.add_argument("--grpc", action="store_true", help="the gRPC stream, not local sessions")
     parser.add_argument("--no-gc-freeze", action="store_true", help="server.gc_freeze false")
+    parser.add_argument(
+        "--event-loop", choices=EVENT_LOOPS, default="asyncio", help="server.event_loop"
+    )
     parser.add_argument("--profile", help="cProfile of the concurrent run's server, to this file")
     args = parser.parse_args()
     stub_pools()
-    asyncio.run(_main(args))
+    event_loop.run(_main(args), args.event_loop)
 
 
 if __name__ == "__main__":

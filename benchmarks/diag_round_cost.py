@@ -27,8 +27,10 @@ import torch
 from bench_service import worker_rounds
 from diag_concurrency_stub import stub_pools
 
+from cache_service import event_loop
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service.config import ServiceConfig
+from cache_service.event_loop import EVENT_LOOPS, loop_name
 from cache_service.request_codec import SharedTensor, encode_append_attend_batch
 from cache_service.session_codec import APPEND_ATTEND_BATCH, session_message
 
@@ -119,7 +121,7 @@ async def _main(args: argparse.Namespace) -> None:
             prof.disable()
             pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
         print(
-            f"clients={args.clients}: {wall / parts * 1e6:.0f} us wall and "
+            f"[{loop_name()}] clients={args.clients}: {wall / parts * 1e6:.0f} us wall and "
             f"{cpu / parts * 1e6:.0f} us CPU per part ({parts} parts; {per_call:.1f} "
             f"sequences per worker call; pinned views: {args.pinned}; pools: {args.device})"
         )
@@ -135,6 +137,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--pinned", action="store_true", help="regions as a GPU server pins them")
+    parser.add_argument(
+        "--event-loop", choices=EVENT_LOOPS, default="asyncio", help="server.event_loop"
+    )
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--sort", default="tottime", help="pstats order for --profile")
     parser.add_argument("--top", type=int, default=30, help="functions --profile prints")
@@ -146,7 +151,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.device == "cpu":
         stub_pools()
-    asyncio.run(_main(args))
+    event_loop.run(_main(args), args.event_loop)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | default-pairs | decode-memo | decode-memo-pairs | profile-memo | pages-plans | timeline | timeline-spy | timeline-worker | repeats | refills | refills-final | loop-idle | loop-idle-check | check-cost | checks-after | checks-final | pairs-no-check | local-pairs | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | default-pairs | decode-memo | decode-memo-pairs | profile-memo | pages-plans | timeline | timeline-spy | timeline-worker | repeats | refills | refills-final | loop-idle | loop-idle-check | check-cost | checks-after | checks-final | pairs-no-check | uvloop | uvloop-diag | pairs-four | local-pairs | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -561,6 +561,35 @@ files-final)
   CUDA_VISIBLE_DEVICES=0 timeout 330 python3 benchmarks/bench_service.py --h200 --no-in-process \
     --transports local-shm --pairs 2 --out "$OUT/service-h200-ray.md" >> "$OUT/bench.log" 2>&1
   tail -12 "$OUT/service-h200-ray.md"
+  ;;
+uvloop)
+  # The coordinator on uvloop (server.event_loop, sixteenth session): the Ray row with 2
+  # pairs on uvloop, then the concurrency pair on asyncio's loop on the same host.
+  python3 -c "import uvloop; print('uvloop', uvloop.__version__)"
+  ray_row 300 2 service-h200-ray --event-loop uvloop
+  ray_row 210 1 service-h200-asyncio --event-loop asyncio --phases one_small,concurrent
+  ;;
+uvloop-diag)
+  # The coordinator's CPU per call on each event loop, alternating, without the 8-client
+  # Ray run's noise: in process over the real CUDA pools (no sockets), then with local-
+  # session clients in their own processes over zero-cost pools (sockets, no GPU).
+  for i in 1 2 3; do
+    for loop in asyncio uvloop; do
+      CUDA_VISIBLE_DEVICES=0 timeout 60 python3 benchmarks/diag_round_cost.py --device cuda \
+        --pinned --clients 8 --steps 24 --event-loop $loop 2>&1 | tail -1 | tee -a "$OUT/round-cost.log"
+    done
+  done
+  for i in 1 2 3; do
+    for loop in asyncio uvloop; do
+      timeout 90 python3 benchmarks/diag_concurrency_stub.py --clients 8 --steps 20 \
+        --event-loop $loop 2>&1 | grep clients= | tee -a "$OUT/concurrency-stub.log"
+    done
+  done
+  ;;
+pairs-four)
+  # The session's final code on its default loop (asyncio): the Ray row with 4 alternating
+  # concurrency pairs, for the spread of the ratio on one host.
+  ray_row 540 4 service-h200-ray
   ;;
 local-pairs)
   # The pool in the server's process over a local session, 2 alternating concurrency

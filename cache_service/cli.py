@@ -18,7 +18,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from cache_service import event_loop
 from cache_service.config import ConfigError, ServiceConfig, load_config
+from cache_service.event_loop import EVENT_LOOPS, EventLoopUnavailable
 
 __all__ = ["build_parser", "main", "service_config_from_args"]
 
@@ -44,6 +46,7 @@ _OVERRIDES = {
     "dtype": "layout.dtype",
     "log_level": "log_level",
     "log_format": "log_format",
+    "event_loop": "server.event_loop",
 }
 
 
@@ -85,6 +88,11 @@ def _add_service_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), help="layout: KV dtype")
     g.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     g.add_argument("--log-format", choices=("text", "json"))
+    g.add_argument(
+        "--event-loop",
+        choices=EVENT_LOOPS,
+        help="the coordinator's event loop (default asyncio; uvloop needs the uvloop extra)",
+    )
 
 
 def service_config_from_args(
@@ -217,7 +225,9 @@ def _demo(args: argparse.Namespace) -> int:
     )
     console.print(f"[bold]kvcache demo[/bold]: {cfg.clients} clients, {mode}")
     with console.status("running") as status:
-        report = asyncio.run(run_demo(config, cfg, lambda msg: status.update(msg)))
+        report = event_loop.run(
+            run_demo(config, cfg, lambda msg: status.update(msg)), config.server.event_loop
+        )
     render(report, console)
     if report.ok:
         console.print(
@@ -260,7 +270,7 @@ def _bench(args: argparse.Namespace) -> int:
     result = (
         run_decode_bench(args.target, cfg, token=args.token)
         if args.target
-        else asyncio.run(embedded())
+        else event_loop.run(embedded(), _demo_config(args).server.event_loop)
     )
     t = Table(
         title=f"append_attend, batch {cfg.batch}, context {cfg.context}, {cfg.clients} client(s)"
@@ -335,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if args.command == "serve":
-            return asyncio.run(_serve(service_config_from_args(args)))
+            config = service_config_from_args(args)
+            return event_loop.run(_serve(config), config.server.event_loop)
         if args.command == "demo":
             return _demo(args)
         if args.command == "bench":
@@ -343,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "info":
             return _info(args)
         return _stats(args)
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError, EventLoopUnavailable) as exc:
         print(f"kvcache {args.command}: {exc}", file=sys.stderr)
         return 2
     except KVCacheError as exc:

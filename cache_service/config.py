@@ -31,6 +31,8 @@ from typing import Any
 
 import yaml
 
+from cache_service.event_loop import EVENT_LOOPS
+
 __all__ = [
     "ConfigError",
     "CoordinatorConfig",
@@ -234,6 +236,10 @@ class ServerConfig:
             uses them), else 1: the coordinator's tensor work is small copies and checks,
             where a thread pool per core only adds wake-up latency and spinning threads
             that compete with the event loop.
+        event_loop: the event loop `kvcache serve` (and the embedded demo and bench) runs
+            the service on (cache_service.event_loop): "asyncio" (default) or "uvloop"
+            (installed with the `uvloop` extra; refused at start where it is missing). On
+            the H200 host uvloop measured no better (cache_service.event_loop says how).
     """
 
     host: str = "127.0.0.1"
@@ -246,8 +252,14 @@ class ServerConfig:
     local_session_dir: str | None = None
     gc_freeze: bool = True
     torch_threads: int | None = None
+    event_loop: str = "asyncio"
 
     def __post_init__(self) -> None:
+        if self.event_loop not in EVENT_LOOPS:
+            raise ConfigError(
+                f"server.event_loop must be one of {', '.join(EVENT_LOOPS)}, got "
+                f"{self.event_loop!r}"
+            )
         if self.torch_threads is not None:
             _positive_int("server.torch_threads", self.torch_threads)
         if not self.host:

@@ -44,6 +44,7 @@ from cache_service.config import ServiceConfig, SharedMemoryConfig
 from cache_service.control_types import TenantQuota
 from cache_service.coordinator import Coordinator
 from cache_service.errors import InvalidRequest
+from cache_service.event_loop import loop_name
 from cache_service.inflight import InFlightLimiter, InFlightLimitInterceptor
 from cache_service.local_sessions import Authenticate, LocalSessions
 from cache_service.request_decode import (
@@ -1086,10 +1087,18 @@ async def start_service(
     if config.server.gc_freeze:
         _hold_freeze()
         running._froze = True
+    loop_kind = loop_name()
+    if config.server.event_loop == "uvloop" and loop_kind != "uvloop":
+        # start_service runs on its caller's loop; event_loop.run makes the configured one.
+        log.warning(
+            "server.event_loop is 'uvloop' but the service was started on asyncio's loop "
+            "(run it with cache_service.event_loop.run)"
+        )
     log.info(
         "serving",
         extra={
             "address": running.address,
+            "event_loop": loop_kind,
             "workers": len(workers),
             "layout": layout.fingerprint(),
             "tls": tls is not None,

@@ -14,6 +14,7 @@ from workers_support import dense_attention
 
 from cache_service.config import CoordinatorConfig, ServiceConfig
 from cache_service.coordinator import Coordinator
+from cache_service.event_loop import loop_factory
 from cache_service.server import RunningService, start_service
 from cache_service.worker_clients import LocalWorkerClient
 from workers.config import PoolConfig
@@ -89,11 +90,12 @@ def local_workers(n: int, num_blocks: int, layout: KVLayout = LAYOUT) -> list[Lo
 
 class ServiceHarness:
     """A started service on its own event-loop thread; tests talk to it with the blocking
-    client and reach the coordinator through `run` (which executes on the loop)."""
+    client and reach the coordinator through `run` (which executes on the loop). The loop
+    is the kind `server.event_loop` names, as `kvcache serve` makes it."""
 
     def __init__(self, config: ServiceConfig, workers: list[Any] | None = None, **kw: Any) -> None:
         self.workers = workers
-        self.loop = asyncio.new_event_loop()
+        self.loop = loop_factory(config.server.event_loop)()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self.service: RunningService = self.run(start_service(config, workers=workers, **kw))
