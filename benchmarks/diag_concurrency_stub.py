@@ -112,9 +112,9 @@ async def _main(args: argparse.Namespace) -> None:
             calls = (sessions.calls - calls0) if sessions is not None and not args.grpc else 0
             per_call = f"{cpu / calls * 1e3:.3f} ms" if calls else "-"
             print(
-                f"[{loop_name()}] clients={clients}: {result.tokens_per_s:.1f} tok/s, p50 {result.p50_ms:.3f} "
-                f"ms, p99 {result.p99_ms:.3f} ms; server CPU per local call {per_call} "
-                f"(setup included); {len(pauses.seen)} collections, longest: {pauses.worst()}",
+                f"[{loop_name()}] clients={clients}: {result.tokens_per_s:.1f} tok/s, p50 "
+                f"{result.p50_ms:.3f} ms, p99 {result.p99_ms:.3f} ms; server CPU per local call "
+                f"{per_call} (setup included); {len(pauses.seen)} collections, longest: {pauses.worst()}",
                 flush=True,
             )
     finally:

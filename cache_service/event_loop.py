@@ -74,6 +74,6 @@ def run(main: Coroutine[Any, Any, _T], choice: str = "asyncio") -> _T:
 
 
 def loop_name(loop: asyncio.AbstractEventLoop | None = None) -> str:
-    """ "uvloop" or "asyncio": what runs `loop` (default: the running loop)."""
+    """What runs `loop` (default: the running loop): "uvloop" or "asyncio"."""
     loop = asyncio.get_running_loop() if loop is None else loop
     return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
