@@ -319,8 +319,8 @@ class CoordinatorConfig:
             recomputed by the torch reference and compared, in [0, 1]; 0 disables the
             online correctness check (cache_service.correctness_check). Rounds that merged
             calls of several layers are not sampled. A checked round answers its callers
-            only once the reference is computed (kvcache_correctness_check_seconds shows
-            how long): at the default 0.01 those rounds are about the callers' p99.
+            first; its check runs beside the traffic (kvcache_correctness_check_seconds
+            shows how long), its recomputation outside the worker's lock.
         correctness_check_sequences: check at most this many sequences of a sampled round,
             drawn at random (None: all of them). Bounds what a check costs its round, at
             the price of coverage per check; rounds whose sequences span several workers

@@ -8,6 +8,7 @@ import math
 import random
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -343,6 +344,61 @@ def test_worker_returns_host_tensors_with_lse():
     worker = PoolWorker("w", PoolConfig(LAYOUT, num_blocks=4))
     out, lse = worker.attend(worker.epoch(), 0, Q, [[0, 1]], [5], [0, 2], True, True)
     assert out.device.type == "cpu" and lse.dtype == torch.float32 and lse.shape == (2, 4)
+
+
+def _checked_worker() -> tuple[PoolWorker, str, tuple]:
+    """A CPU worker with layer 0 of blocks 0 and 1 written (random K/V), and the arguments
+    of an attend / reference_attend over their first 5 tokens (2 query rows, causal, lse)."""
+    worker = PoolWorker("w", PoolConfig(LAYOUT, num_blocks=4), "cpu")
+    epoch = worker.epoch()
+    gen = torch.Generator().manual_seed(21)
+    k, v = torch.randn(8, 2, 16, generator=gen), torch.randn(8, 2, 16, generator=gen)
+    worker.write(epoch, 0, list(range(8)), k, v)
+    q = torch.randn(2, 4, 16, generator=gen)
+    return worker, epoch, (0, q, [[0, 1]], [5], [0, 2], True, True)
+
+
+def test_a_checks_recomputation_runs_outside_the_workers_lock(monkeypatch):
+    worker, epoch, args = _checked_worker()
+    pool = worker._pool
+    entered, release = threading.Event(), threading.Event()
+    real = pool.reference_output
+
+    def held(inputs):
+        entered.set()
+        assert release.wait(10)
+        return real(inputs)
+
+    monkeypatch.setattr(pool, "reference_output", held)
+    checked: list = []
+    check = threading.Thread(target=lambda: checked.append(worker.reference_attend(epoch, *args)))
+    check.start()
+    try:
+        assert entered.wait(10)
+        # While the recomputation is held, another call takes the lock and answers.
+        answered: list = []
+        other = threading.Thread(target=lambda: answered.append(worker.attend(epoch, *args)))
+        other.start()
+        other.join(5)
+        assert answered, "the call waited for the check's recomputation"
+    finally:
+        release.set()
+        check.join(10)
+    (out, lse), (ref_out, ref_lse, bad) = answered[0], checked[0]
+    assert ref_out.device.type == "cpu" and bad == []
+    torch.testing.assert_close(ref_out, out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ref_lse, lse, atol=1e-5, rtol=1e-5)
+
+
+def test_a_check_with_a_stale_epoch_or_a_bad_argument_recomputes_nothing(monkeypatch):
+    worker, epoch, args = _checked_worker()
+    recomputed: list = []
+    monkeypatch.setattr(worker._pool, "reference_output", recomputed.append)
+    with pytest.raises(StaleEpochError):
+        worker.reference_attend("not-the-epoch", *args)
+    with pytest.raises(InvalidWorkerRequest, match="layer"):
+        worker.reference_attend(epoch, LAYOUT.num_layers, *args[1:])
+    assert recomputed == [] and worker.health().failed_calls == 2
 
 
 # -- LocalWorkerClient --------------------------------------------------------------------

@@ -353,10 +353,31 @@ class PoolWorker:
         softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[BadSlot]]:
         """:meth:`KVPool.reference_attend` (torch reference + slot fingerprint check) behind
-        the epoch fence; tensors on the host."""
+        the epoch fence; tensors on the host.
+
+        Only its first half (`KVPool.reference_inputs`: validation, staging, fingerprints)
+        holds the pool's lock; the recomputation runs outside it, so the calls that arrive
+        meanwhile on other threads (the channel's) are not held up by the online check
+        (KVPool.reference_output says why that is safe). The epoch never changes in an
+        actor's life, so the fence checked under the lock still holds after it."""
         batch = (query, block_tables, seq_lens, query_start_loc)
         options = _attend_options(causal, return_lse, scale, sliding_window, softcap)
-        return self._on_pool(epoch, self._pool.reference_attend, layer, *batch, **options)
+        if not getattr(_channel_thread, "active", False):  # the channel sends plain tensors
+            batch = tuple(unpack(a) for a in batch)  # type: ignore[assignment]
+        with self._lock:
+            inputs = self._fenced_run(
+                epoch, lambda: self._pool.reference_inputs(layer, *batch, **options)
+            )
+        try:
+            out, lse = self._pool.reference_output(inputs)
+        except Exception:
+            with self._lock:
+                self._failed += 1
+            raise
+        result = _to_host((out, lse, inputs.bad))
+        if self._pack_results and not getattr(_channel_thread, "active", False):
+            return pack_result(result)
+        return result
 
     def copy_blocks(self, epoch: str, src: IndexLike, dst: IndexLike) -> None:
         """:meth:`KVPool.copy_blocks` behind the epoch fence."""

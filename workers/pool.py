@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import torch
@@ -43,7 +43,7 @@ from workers.pinned_ranges import REGISTERED
 from workers.sizing import free_device_bytes, resolve_num_blocks
 from workers.staging import HostStager
 
-__all__ = ["KVPool", "resolve_device"]
+__all__ = ["KVPool", "ReferenceInputs", "resolve_device"]
 
 IndexLike = torch.Tensor | Sequence[int]
 AttendResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -66,6 +66,22 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     elif dev.type != "cpu":
         raise PoolAllocationError(f"pools live on 'cuda' or 'cpu' devices, got {device!r}")
     return dev
+
+
+@dataclass(frozen=True)
+class ReferenceInputs:
+    """An online check's recomputation, staged (`KVPool.reference_inputs`): the layer,
+    query ``[T, Hq, D]``, int32 block tables ``[S, max_blocks]``, seq_lens ``[S]`` and
+    query_start_loc ``[S + 1]`` on the pool's device (tensors of its own), the options, and
+    the slots whose data no longer matches its fingerprint."""
+
+    layer: int
+    query: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    options: AttendOptions
+    bad: list[BadSlot]
 
 
 class KVPool:
@@ -476,7 +492,8 @@ class KVPool:
         softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[BadSlot]]:
         """:meth:`attend` recomputed by the torch reference, plus a fingerprint check of every
-        slot it reads (the online correctness check).
+        slot it reads (the online correctness check): :meth:`reference_inputs` then
+        :meth:`reference_output`.
 
         Returns:
             ``(out [T, Hq, D] pool dtype, lse float32 [T, Hq] or None, bad slots)``; the bad
@@ -485,16 +502,75 @@ class KVPool:
         Raises:
             InvalidWorkerRequest: a malformed argument.
         """
+        inputs = self.reference_inputs(
+            layer,
+            query,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            causal=causal,
+            return_lse=return_lse,
+            scale=scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+        )
+        out, lse = self.reference_output(inputs)
+        return out, lse, inputs.bad
+
+    def reference_inputs(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> ReferenceInputs:
+        """The first half of :meth:`reference_attend`, the part that uses the pool's shared
+        state (the host stager) and so must run under the caller's lock: the arguments
+        validated and on the device in tensors of their own, and the fingerprint check.
+
+        Raises:
+            InvalidWorkerRequest: a malformed argument.
+        """
         options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
         tables, lens, starts = check_attend(
             self._layout, self._num_blocks, layer, query, block_tables, seq_lens, query_start_loc
         )
-        result = self._attend_checked(layer, query, tables, lens, starts, options, reference=True)
-        out, lse = result if isinstance(result, tuple) else (result, None)
+        # Own copies: the stager's views last only until its next request.
+        on_device = self._on_device(*_attend_inputs(query, tables, lens, starts))
+        q, t, n, s = (x.clone() for x in on_device)
         bad: list[BadSlot] = []
         if self._fingerprints is not None:
-            bad = self._fingerprints.check(self._data, layer, tables, lens)
-        return out, lse, bad
+            bad = self._fingerprints.check(self._data, layer, t, n)
+        return ReferenceInputs(layer, q, t, n, s, options, bad)
+
+    def reference_output(self, inputs: ReferenceInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The second half of :meth:`reference_attend`: the torch reference over the pool's
+        blocks, ``(out [T, Hq, D] pool dtype, lse float32 [T, Hq] or None)``.
+
+        Uses no shared state of the pool but the blocks it reads, so a worker may run it
+        outside its lock, beside other calls: the online check's recomputation is most of
+        its time and would otherwise hold up every call behind it. Whatever those calls
+        write lands in slots the reference does not read (positions past `seq_lens`, other
+        layers, other blocks) unless a block it reads was freed and reused meanwhile, and
+        the coordinator discards such a check (cache_service.running_checks).
+        """
+        result = self._attend_on_device(
+            inputs.layer,
+            inputs.query,
+            inputs.block_tables,
+            inputs.seq_lens,
+            inputs.query_start_loc,
+            inputs.options,
+            reference=True,
+        )
+        return result if isinstance(result, tuple) else (result, None)
 
     def copy_blocks(self, src: IndexLike, dst: IndexLike) -> None:
         """Copy whole blocks (all layers, K and V) ``src[i] -> dst[i]`` (copy-on-write).
