@@ -41,11 +41,12 @@ import ray
 import torch
 
 from workers.channel_server import ChannelAddress, ChannelServer
+from workers.checks import AttendOptions
 from workers.config import PoolConfig
 from workers.description import FencedEpoch, WorkerDescription, WorkerHealth
 from workers.errors import StaleCoordinatorError, StaleEpochError
 from workers.fingerprints import BadSlot
-from workers.pool import AttendResult, IndexLike, KVPool
+from workers.pool import AttendResult, IndexLike, KVPool, ReferenceInputs
 from workers.transport import pack_result, unpack
 
 __all__ = ["PoolWorker", "PoolWorkerActor", "new_epoch"]
@@ -361,13 +362,15 @@ class PoolWorker:
         (KVPool.reference_output says why that is safe). The epoch never changes in an
         actor's life, so the fence checked under the lock still holds after it."""
         batch = (query, block_tables, seq_lens, query_start_loc)
-        options = _attend_options(causal, return_lse, scale, sliding_window, softcap)
         if not getattr(_channel_thread, "active", False):  # the channel sends plain tensors
             batch = tuple(unpack(a) for a in batch)  # type: ignore[assignment]
+
+        def stage() -> ReferenceInputs:
+            options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
+            return self._pool.reference_inputs(layer, *batch, options)
+
         with self._lock:
-            inputs = self._fenced_run(
-                epoch, lambda: self._pool.reference_inputs(layer, *batch, **options)
-            )
+            inputs = self._fenced_run(epoch, stage)
         try:
             out, lse = self._pool.reference_output(inputs)
         except Exception:

@@ -502,17 +502,9 @@ class KVPool:
         Raises:
             InvalidWorkerRequest: a malformed argument.
         """
+        options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
         inputs = self.reference_inputs(
-            layer,
-            query,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            causal=causal,
-            return_lse=return_lse,
-            scale=scale,
-            sliding_window=sliding_window,
-            softcap=softcap,
+            layer, query, block_tables, seq_lens, query_start_loc, options
         )
         out, lse = self.reference_output(inputs)
         return out, lse, inputs.bad
@@ -524,12 +516,7 @@ class KVPool:
         block_tables: torch.Tensor | Sequence[Sequence[int]],
         seq_lens: IndexLike,
         query_start_loc: IndexLike,
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
+        options: AttendOptions,
     ) -> ReferenceInputs:
         """The first half of :meth:`reference_attend`, the part that uses the pool's shared
         state (the host stager) and so must run under the caller's lock: the arguments
@@ -538,7 +525,6 @@ class KVPool:
         Raises:
             InvalidWorkerRequest: a malformed argument.
         """
-        options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
         tables, lens, starts = check_attend(
             self._layout, self._num_blocks, layer, query, block_tables, seq_lens, query_start_loc
         )
