@@ -860,22 +860,6 @@ class KVPool:
         )
         return pages[:, 0], pages[:, 1]
 
-    def _attend_checked(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        options: AttendOptions,
-        *,
-        reference: bool = False,
-    ) -> AttendResult:
-        inputs = _attend_inputs(query, block_tables, seq_lens, query_start_loc)
-        return self._attend_on_device(
-            layer, *self._on_device(*inputs), options, reference=reference
-        )
-
     def _attend_on_device(
         self,
         layer: int | None,
