@@ -114,7 +114,8 @@ async def _main(args: argparse.Namespace) -> None:
             print(
                 f"[{loop_name()}] clients={clients}: {result.tokens_per_s:.1f} tok/s, p50 "
                 f"{result.p50_ms:.3f} ms, p99 {result.p99_ms:.3f} ms; server CPU per local call "
-                f"{per_call} (setup included); {len(pauses.seen)} collections, longest: {pauses.worst()}",
+                f"{per_call} (setup included); {len(pauses.seen)} collections, longest: "
+                f"{pauses.worst()}",
                 flush=True,
             )
     finally:

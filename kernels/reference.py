@@ -2,8 +2,8 @@
 
 They define the semantics the Triton kernels (and paged attention's batched torch path,
 ``attention_torch``) are tested against, and they are the compute path on CPU tensors, so
-the whole service runs on machines without a GPU. They favour clarity over speed: a Python loop over
-sequences, math in float32 (float64 inputs stay float64).
+the whole service runs on machines without a GPU. They favour clarity over speed: a Python
+loop over sequences, math in float32 (float64 inputs stay float64).
 
 Conventions shared with the Triton kernels:
 

@@ -57,6 +57,11 @@ _T = TypeVar("_T")
 _channel_thread = threading.local()
 
 
+def _on_channel_thread() -> bool:
+    """Whether this thread is one of the worker channel's (set by `_channel_call`)."""
+    return getattr(_channel_thread, "active", False)
+
+
 def new_epoch() -> str:
     """A fresh random epoch id (16 hex digits)."""
     return secrets.token_hex(8)
@@ -361,9 +366,7 @@ class PoolWorker:
         meanwhile on other threads (the channel's) are not held up by the online check
         (KVPool.reference_output says why that is safe). The epoch never changes in an
         actor's life, so the fence checked under the lock still holds after it."""
-        batch = (query, block_tables, seq_lens, query_start_loc)
-        if not getattr(_channel_thread, "active", False):  # the channel sends plain tensors
-            batch = tuple(unpack(a) for a in batch)  # type: ignore[assignment]
+        batch = self._unpacked((query, block_tables, seq_lens, query_start_loc))
 
         def stage() -> ReferenceInputs:
             options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
@@ -377,10 +380,7 @@ class PoolWorker:
             with self._lock:
                 self._failed += 1
             raise
-        result = _to_host((out, lse, inputs.bad))
-        if self._pack_results and not getattr(_channel_thread, "active", False):
-            return pack_result(result)
-        return result
+        return self._for_caller(_to_host((out, lse, inputs.bad)))
 
     def copy_blocks(self, epoch: str, src: IndexLike, dst: IndexLike) -> None:
         """:meth:`KVPool.copy_blocks` behind the epoch fence."""
@@ -415,8 +415,8 @@ class PoolWorker:
         """``op(*args, **kwargs)`` (a pool method) on the unpacked arguments behind the epoch
         fence (and the generation fence when ``epoch`` is a FencedEpoch), its tensor results
         moved to the host."""
-        if not getattr(_channel_thread, "active", False):  # the channel sends plain tensors
-            args = tuple(unpack(a) for a in args)
+        args = self._unpacked(args)
+        if not _on_channel_thread():
             kwargs = {k: unpack(v) for k, v in kwargs.items()}
         return self._run(epoch, lambda: _to_host(op(*args, **kwargs)), readonly=readonly)
 
@@ -433,7 +433,17 @@ class PoolWorker:
     def _run(self, epoch: str | FencedEpoch, op: Callable[[], _T], *, readonly: bool = False) -> _T:
         with self._lock:
             result = self._fenced_run(epoch, op)
-        if self._pack_results and not getattr(_channel_thread, "active", False):
+        return self._for_caller(result, readonly=readonly)
+
+    @staticmethod
+    def _unpacked(args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """A data call's arguments as plain tensors (the channel sends them so already)."""
+        return args if _on_channel_thread() else tuple(unpack(a) for a in args)
+
+    def _for_caller(self, result: _T, *, readonly: bool = False) -> _T:
+        """A data call's result as its caller takes it: packed for a Ray caller of the actor
+        (workers.transport), plain for the channel and in process."""
+        if self._pack_results and not _on_channel_thread():
             return pack_result(result, readonly=readonly)
         return result
 
