@@ -9,7 +9,8 @@ made of the step's first call: the batch (views of the client's region) and the 
 slots. The step's other calls find it by their bytes with the layer left out and skip the
 decode and the range checks; a call that differs in anything else decodes as before. The
 reply to a call whose output the coordinator produced in the client's slot is the same on
-every layer too (the slot's place, dtype and shape), so it is encoded once per entry.
+every layer too (the slot's place, dtype and shape), so it is encoded once per entry, and
+so are the batch's tensors flattened to the rows the coordinator hands its worker.
 
 Kept only where the inputs are views of regions (servers with `zero_copy` regions), never
 for tensors that travel as bytes (their values are in the message). An entry holds its
@@ -67,6 +68,23 @@ class DecodedBatch:
         self.output_view = output_view
         self._entry = entry
 
+    @property
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The batch's tensors as rows, views of the same memory: query ``[b * m, Hq, D]``,
+        key and value ``[b * n, Hkv, D]``; made once per entry, so every layer of a step
+        shares them (three views a call fewer); None for a call with no entry."""
+        entry = self._entry
+        if entry is None:
+            return None
+        if entry.rows is None:
+            batch = self.batch
+            entry.rows = (
+                batch.query.flatten(0, 1),
+                batch.key.flatten(0, 1),
+                batch.value.flatten(0, 1),
+            )
+        return entry.rows
+
     def reply(self, result: AttentionResult) -> bytes:
         """The encoded reply to the call (`shared_outputs.batch_reply`). An output produced
         in place (`result.out` is `output_view`) without lse gets the same reply on every
@@ -95,7 +113,7 @@ class _Entry:
     view), the output slots' places (region, offset, bytes, dtype, shape) and view, and
     every region it depends on, once each (`regions`: usually the client's one region)."""
 
-    __slots__ = ("batch", "inputs", "lse", "out", "output_view", "regions", "reply")
+    __slots__ = ("batch", "inputs", "lse", "out", "output_view", "regions", "reply", "rows")
 
     def __init__(
         self,
@@ -110,6 +128,7 @@ class _Entry:
         self.lse = _place(outputs.lse)
         self.output_view = output_view
         self.reply: bytes | None = None  # the reply to a call whose output is in place
+        self.rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         places = [p.region for p in (self.out, self.lse) if p is not None]
         self.regions = tuple(dict.fromkeys([*inputs, *places]))
 

@@ -924,6 +924,7 @@ class Coordinator:
         batch: StackedAppendAttend,
         return_lse: bool = False,
         out: torch.Tensor | None = None,
+        rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> AttentionResult:
         """`append_attend` of a stacked batch, as one result: out ``[b * m, Hq, D]`` in the
         query's dtype (lse ``[b * m, Hq]`` float32), sequence by sequence.
@@ -931,6 +932,9 @@ class Coordinator:
         out: host memory ``[b * m, Hq, D]`` (the query's dtype) the result may be written
         to directly (a worker in this process writes it there on the short path below;
         the result is then `out`); it may hold partial output if the call fails.
+        rows: the batch's query, key and value flattened to rows (``[b * m, Hq, D]``,
+        ``[b * n, Hkv, D]``, ``[b * n, Hkv, D]``), views of those very tensors, when the
+        caller keeps them across a step's layers (`DecodedBatch.rows`); else made here.
 
         The other layers of a decode step (see layer_steps) take a short path: with the
         batch's tensors already stacked, the shape checks are a few comparisons instead of
@@ -940,7 +944,7 @@ class Coordinator:
         """
         step = self._stacked_step(tenant, layer, batch)
         if step is not None:
-            result = await self._repeat_step(tenant, layer, step, batch, return_lse, out)
+            result = await self._repeat_step(tenant, layer, step, batch, return_lse, out, rows)
             if result is not None:
                 return result
         (result,) = await self.append_attend(
@@ -990,9 +994,10 @@ class Coordinator:
         batch: StackedAppendAttend,
         return_lse: bool,
         out: torch.Tensor | None = None,
+        rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> AttentionResult | None:
         """Run `batch` on `layer` through `step` (checked by `_stacked_step`); None, having
-        changed nothing, when under the locks the step no longer applies. out: as in
+        changed nothing, when under the locks the step no longer applies. out, rows: as in
         `append_attend_stacked`."""
         seq_ids = batch.seq_ids
         async with self._locks.holding(step.lock_order):  # sorted ids, as `_locked` takes
@@ -1002,21 +1007,16 @@ class Coordinator:
                 self.block_manager.repeatable(step.snapshot, layer, batch.token_ids)
             ):
                 return None
-            b, n, m, hq = (
-                len(seq_ids),
-                step.snapshot.num_tokens,
-                step.num_queries[0],
-                batch.query.shape[2],
-            )
-            hkv, d = self.layout.num_kv_heads, self.layout.head_dim
-            part = self._step_part(
-                step,
-                batch.query.view(b * m, hq, d),
-                batch.key.view(b * n, hkv, d),
-                batch.value.view(b * n, hkv, d),
-                return_lse,
-                out,
-            )
+            b, n, m = len(seq_ids), step.snapshot.num_tokens, step.num_queries[0]
+            hq = batch.query.shape[2]
+            if rows is None:
+                # `_stacked_step` checked the shapes: [b, m, Hq, D] and [b, n, Hkv, D].
+                rows = (
+                    batch.query.flatten(0, 1),
+                    batch.key.flatten(0, 1),
+                    batch.value.flatten(0, 1),
+                )
+            part = self._step_part(step, *rows, return_lse, out)
             part.finite_checked = False
             try:
                 (output,) = await self._execute(layer, [(list(range(b)), part)], hq)
@@ -1557,6 +1557,7 @@ class Coordinator:
             if self.metrics is not None:
                 for w in workers:
                     self.metrics.observe_worker_call(w, len(seq_ids), elapsed)
+            outs, lses = _part_rows(parts, result)
         except (StaleEpochError, WorkerUnavailable) as exc:
             error = await self._worker_failed(exc, epochs, seq_ids)
             for p in parts:
@@ -1582,15 +1583,7 @@ class Coordinator:
             await self._start_check(
                 self.correctness, plan, query, layer, epochs, result, seq_ids, nq
             )
-        row = 0
-        for p in parts:
-            rows = sum(p.num_queries)
-            if len(parts) == 1 and rows == result.out.shape[0]:
-                out, lse = result.out, result.lse  # no view to make
-            else:
-                out = result.out[row : row + rows]
-                lse = None if result.lse is None else result.lse[row : row + rows]
-            row += rows
+        for p, out, lse in zip(parts, outs, lses, strict=True):
             if p.future.done():
                 continue
             target = p.out
@@ -1931,6 +1924,21 @@ def _check_finite(
 
 # Round plans kept (Coordinator._round_plan): a few per concurrent client is plenty.
 _MAX_ROUND_PLANS = 64
+
+
+def _part_rows(
+    parts: list[_Part], result: AttentionResult
+) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor | None]]:
+    """Each part's rows of a round's result (out ``[rows, Hq, D]``, lse ``[rows, Hq]`` or
+    None), in part order: the result itself for a lone part, else one ``split`` (a single
+    call however many parts, where slicing costs one per part). `run_attention` has
+    checked that the result holds the plan's rows, which are the parts' in order."""
+    out, lse = result.out, result.lse
+    if len(parts) == 1:
+        return (out,), (lse,)
+    sizes = [sum(p.num_queries) for p in parts]
+    outs = out.split(sizes)
+    return outs, ([None] * len(parts) if lse is None else lse.split(sizes))
 
 
 def _round_steps(parts: list[_Part]) -> tuple[LayerStep, ...] | None:

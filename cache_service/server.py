@@ -394,7 +394,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         with self._batch_decoder.decode(tenant, request) as call:
             # Errors about one sequence name it as items[i]: row i of the batch.
             result = await self._coord.append_attend_stacked(
-                tenant, request.layer, call.batch, request.return_lse, call.output_view
+                tenant, request.layer, call.batch, request.return_lse, call.output_view, call.rows
             )
             return call.reply(result)
 

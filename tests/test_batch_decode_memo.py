@@ -204,3 +204,27 @@ def test_an_output_in_place_gets_the_steps_one_reply(tmp_path: Path) -> None:
         assert again == replies[0]
         assert call.output_view is not None and bool((call.output_view == 9.0).all())
     regions.close()
+
+
+def test_the_rows_are_made_once_per_entry_as_views_of_the_batch(tmp_path: Path) -> None:
+    # The coordinator hands its worker the batch as rows ([b * m, Hq, D], [b * n, Hkv, D]);
+    # an entry makes them once, so every later layer of the step skips three views.
+    regions = _regions(tmp_path)
+    rid = _create(regions)
+    memo = BatchDecodeMemo(regions, LAYOUT)
+    hkv, d = LAYOUT.num_kv_heads, LAYOUT.head_dim
+    with memo.decode("t", _request(rid, layer=0)) as first:
+        rows = first.rows
+        assert rows is not None
+        query, key, value = rows
+        assert (query.shape, key.shape, value.shape) == ((B, HQ, d), (B, hkv, d), (B, hkv, d))
+        batch = first.batch
+        for flat, full in zip(rows, (batch.query, batch.key, batch.value), strict=True):
+            assert flat.data_ptr() == full.data_ptr() and flat.dtype == full.dtype
+        assert first.rows is rows
+    with memo.decode("t", _request(rid, layer=2)) as again:
+        assert again.rows is rows
+    # A request with a tensor as bytes has no entry: its rows are the coordinator's to make.
+    with memo.decode("t", _request(rid, layer=1, bytes_key=True)) as plain:
+        assert plain.rows is None
+    regions.close()

@@ -734,3 +734,46 @@ def test_two_groups_in_flight_on_one_worker_answer_every_caller_correctly() -> N
             worker.close()
 
     assert asyncio.run(scenario()) >= 2
+
+
+def test_a_round_answered_with_other_rows_fails_every_caller_and_keeps_nothing() -> None:
+    # Each caller's rows of a round are cut from the worker's answer in one split; an
+    # answer whose rows are not the round's (a worker bug) must fail every caller of the
+    # round with a message (the plan's check), not hand anyone another sequence's rows,
+    # and keep no write.
+    async def scenario() -> None:
+        worker = LocalWorkerClient("w0", PoolConfig(LAYOUT, num_blocks=32))
+        inner = worker.write_and_attend
+
+        async def short(*args: Any, **kwargs: Any) -> Any:
+            result = await inner(*args, **kwargs)
+            return type(result)(result.out[:-1], None if result.lse is None else result.lse[:-1])
+
+        config = CoordinatorConfig(batch_window_ms=50.0, correctness_check_fraction=0.0)
+        coord = Coordinator(LAYOUT, [worker], config)
+        await coord.start()
+        try:
+            seqs = [(await coord.create_sequence("t")).seq_id for _ in range(2)]
+            gen = torch.Generator().manual_seed(3)
+
+            def item(seq: str) -> AppendAttendItem:
+                k = torch.randn(1, HKV, D, generator=gen)
+                return AppendAttendItem(seq, [1], k, k, torch.randn(1, HQ, D, generator=gen))
+
+            # One good call first, so the batcher expects both callers and they share rounds.
+            await asyncio.gather(*(coord.append_attend("t", 0, [item(s)]) for s in seqs))
+            worker.write_and_attend = short  # type: ignore[method-assign]
+            outcome = await asyncio.gather(
+                *(coord.append_attend("t", 1, [item(s)]) for s in seqs), return_exceptions=True
+            )
+            for error in outcome:
+                assert isinstance(error, Exception), error
+                assert "returned 1 rows, the plan has 2" in str(error)
+            for s in seqs:
+                assert coord.block_manager.sequence_info("t", s).written[1] == 0
+            coord.block_manager.check_integrity()
+        finally:
+            await coord.close()
+            worker.close()
+
+    asyncio.run(scenario())
