@@ -1,10 +1,12 @@
 """CUDA-graph replay of decode steps (workers.decode_graphs): the bucketing rule on any
-machine; on a GPU, decode steps through graphs against the same steps run eagerly."""
+machine; on a GPU, decode steps through graphs against the same steps run eagerly, also
+with the online check recomputing beside them on another thread."""
 
 from __future__ import annotations
 
 import asyncio
 import math
+import threading
 
 import pytest
 import torch
@@ -167,7 +169,11 @@ def _decode_steps(pool: KVPool, steps: int, *, return_lse: bool, seed: int = 0):
 
 def _filled(graphs: bool, fingerprints: bool = False) -> KVPool:
     """A pool holding START tokens of context per sequence (written, so fingerprinted)."""
-    pool = KVPool(LAYOUT, 96, "cuda", cuda_graphs=graphs, fingerprints=fingerprints)
+    return _fill(KVPool(LAYOUT, 96, "cuda", cuda_graphs=graphs, fingerprints=fingerprints))
+
+
+def _fill(pool: KVPool) -> KVPool:
+    """`pool` with START tokens of context per sequence written (the same on every pool)."""
     gen = torch.Generator().manual_seed(1)
     tables, bs = _tables(pool), LAYOUT.block_size
     for s, n in enumerate(START):
@@ -381,3 +387,59 @@ def test_a_clients_shared_region_reaches_the_graphs_in_one_copy():
                     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
             replayed = [packed for hit, packed in one_copy if hit]
             assert replayed and all(replayed)
+
+
+@pytest.mark.gpu
+def test_checks_beside_the_first_replays_disturb_neither_the_steps_nor_the_checks():
+    # A worker recomputes a checked round outside its lock (PoolWorker.reference_attend),
+    # so on a GPU the recomputation overlaps the next calls on another thread, among them
+    # the ones that capture CUDA graphs (a step's first replays, a new table bucket).
+    # Neither may disturb the other: the steps equal the same steps on an eager pool, and
+    # every check answers the reference of the context it reads, with no bad slot.
+    worker = PoolWorker("w", PoolConfig(LAYOUT, num_blocks=96, fingerprints=True), "cuda")
+    epoch = worker.epoch()
+    _fill(worker.pool)
+    eager = _filled(False, fingerprints=True)
+    tables = _tables(eager)
+    lens = torch.tensor(START, dtype=torch.int32)  # the context before the steps' tokens
+    qsl = torch.arange(len(START) + 1, dtype=torch.int32)
+    q = torch.randn(len(START), HQ, 64, generator=torch.Generator().manual_seed(4)).half()
+    layers = range(LAYOUT.num_layers)
+    expected = [eager.reference_attend(layer, q, tables, lens, qsl)[0].cpu() for layer in layers]
+
+    class ThroughTheWorker:
+        """The pool's data call as the worker's channel thread makes it (under its lock)."""
+
+        num_blocks = worker.pool.num_blocks
+
+        def write_and_attend(self, layer, *args, **kwargs):
+            return worker.write_and_attend(epoch, layer, *args, **kwargs)
+
+    stop, checks, errors = threading.Event(), [], []
+
+    def check_all_the_time() -> None:
+        try:
+            while not stop.is_set():
+                for layer in range(LAYOUT.num_layers):
+                    out, _, bad = worker.reference_attend(epoch, layer, q, tables, lens, qsl)
+                    checks.append((layer, out, bad))
+        except BaseException as exc:  # reported below, on the test's thread
+            errors.append(exc)
+
+    checker = threading.Thread(target=check_all_the_time)
+    checker.start()
+    try:
+        graphed = _decode_steps(ThroughTheWorker(), 12, return_lse=True)  # type: ignore[arg-type]
+    finally:
+        stop.set()
+        checker.join(60)
+    assert errors == [] and not checker.is_alive()
+    graphs = worker.pool._graphs
+    assert graphs is not None and graphs.captures >= LAYOUT.num_layers - 1
+    assert len(checks) >= LAYOUT.num_layers  # the checks ran beside the steps
+    for ra, rb in zip(graphed, _decode_steps(eager, 12, return_lse=True), strict=True):
+        torch.testing.assert_close(ra[0], rb[0], atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(ra[1], rb[1], atol=1e-4, rtol=1e-4)
+    for layer, out, bad in checks:
+        assert bad == []
+        torch.testing.assert_close(out, expected[layer], atol=1e-3, rtol=1e-3)
