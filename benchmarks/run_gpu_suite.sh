@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | default-pairs | decode-memo | decode-memo-pairs | profile-memo | pages-plans | timeline | timeline-spy | timeline-worker | repeats | refills | refills-final | loop-idle | loop-idle-check | check-cost | checks-after | checks-final | pairs-no-check | uvloop | uvloop-diag | pairs-four | p99-check | check-unlocked | local-pairs | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | default-pairs | decode-memo | decode-memo-pairs | profile-memo | pages-plans | timeline | timeline-spy | timeline-worker | repeats | refills | refills-final | loop-idle | loop-idle-check | check-cost | checks-after | checks-final | pairs-no-check | uvloop | uvloop-diag | pairs-four | p99-check | check-unlocked | local-pairs | check-interference | rows-final | graphs-beside-checks | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -605,6 +605,29 @@ check-unlocked)
     tests/test_workers_pool.py -k "through_graphs or fingerprints or outside_the_workers_lock" \
     2>&1 | tail -2 | tee "$OUT/gpu-tests.log"
   ray_row 150 1 single-check --phases single --steps 30
+  ;;
+check-interference)
+  # How much the online correctness check costs the concurrency pairs: 2 pairs with the
+  # service's default check, then 2 with it off, on one host.
+  ray_row 250 2 pairs-check --phases one_small,concurrent
+  ray_row 250 2 pairs-no-check --phases one_small,concurrent --correctness-check-fraction 0
+  ;;
+rows-final)
+  # The seventeenth session's code (each caller's rows of a round cut by one split, the
+  # batch's rows kept with the decode memo): the tests of graphs and checks side by side
+  # and the pool's, then the whole Ray row with 3 alternating concurrency pairs.
+  timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_decode_graphs.py \
+    tests/test_workers_pool.py 2>&1 | tail -40 | tee "$OUT/gpu-tests.log"
+  ray_row 420 3 service-h200-ray
+  ;;
+graphs-beside-checks)
+  # The online check's recomputation (outside the worker's lock) beside a worker's first
+  # replays, which capture CUDA graphs, three times: steps and checks must both be right.
+  t=tests/test_decode_graphs.py::test_checks_beside_the_first_replays_disturb_neither_the_steps_nor_the_checks
+  for i in 1 2 3; do
+    timeout 60 python3 -m pytest -x -q -p no:cacheprovider --tb=short "$t" 2>&1 | tail -25 \
+      | tee "$OUT/graphs-beside-checks-$i.log"
+  done
   ;;
 local-pairs)
   # The pool in the server's process over a local session, 2 alternating concurrency
