@@ -419,10 +419,12 @@ def test_checks_beside_the_first_replays_disturb_neither_the_steps_nor_the_check
 
     def check_all_the_time() -> None:
         try:
-            while not stop.is_set():
+            while True:  # one pass over the layers at least, however fast the steps are
                 for layer in range(LAYOUT.num_layers):
                     out, _, bad = worker.reference_attend(epoch, layer, q, tables, lens, qsl)
                     checks.append((layer, out, bad))
+                if stop.is_set():
+                    break
         except BaseException as exc:  # reported below, on the test's thread
             errors.append(exc)
 
@@ -436,7 +438,6 @@ def test_checks_beside_the_first_replays_disturb_neither_the_steps_nor_the_check
     assert errors == [] and not checker.is_alive()
     graphs = worker.pool._graphs
     assert graphs is not None and graphs.captures >= LAYOUT.num_layers - 1
-    assert len(checks) >= LAYOUT.num_layers  # the checks ran beside the steps
     for ra, rb in zip(graphed, _decode_steps(eager, 12, return_lse=True), strict=True):
         torch.testing.assert_close(ra[0], rb[0], atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(ra[1], rb[1], atol=1e-4, rtol=1e-4)
