@@ -8,7 +8,8 @@ into rounds as it does for concurrent clients. Tensors come from shared-memory r
 write-and-attend is a zero-cost stub, or with `--device cuda` the real CUDA pools (short
 contexts: the GPU's share stays small). Prints wall and CPU time per part, and the
 sequences per worker call; `--profile` prints the hottest functions. Compare `--clients 1`
-(solo calls) with `--clients 8`.
+(solo calls) with `--clients 8`; `--now` offers each call to the servicer's callback path
+first (`session_call_now`), as a local session does.
 
     PYTHONPATH=.:benchmarks python3 benchmarks/diag_round_cost.py --clients 8 --pinned
 """
@@ -102,7 +103,7 @@ async def _main(args: argparse.Namespace) -> None:
                     message = session_message(call_id, APPEND_ATTEND_BATCH, body)
                     requests.append(pb.SessionRequest.FromString(message))
                 replies = await asyncio.gather(
-                    *(servicer._session_call(r, "default") for r in requests)
+                    *(_call(servicer, r, i, args.now) for i, r in enumerate(requests))
                 )
                 for reply in replies:
                     kind = pb.SessionResponse.FromString(reply).WhichOneof("result")
@@ -131,6 +132,19 @@ async def _main(args: argparse.Namespace) -> None:
             mem.close()
 
 
+async def _call(servicer: Any, request: pb.SessionRequest, origin: int, now: bool) -> bytes:
+    """One client's session call: the usual way (a coroutine), or with `now` as a local
+    session offers it first (`session_call_now`, answered from a callback)."""
+    if not now:
+        return await servicer._session_call(request, "default")
+    answered: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
+    if servicer.session_call_now(request, "default", origin, answered.set_result):
+        reply = await answered
+        if reply is not None:
+            return reply
+    return await servicer._session_call(request, "default")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=8)
@@ -139,6 +153,11 @@ def main() -> None:
     parser.add_argument("--pinned", action="store_true", help="regions as a GPU server pins them")
     parser.add_argument(
         "--event-loop", choices=EVENT_LOOPS, default="asyncio", help="server.event_loop"
+    )
+    parser.add_argument(
+        "--now",
+        action="store_true",
+        help="offer each call to session_call_now first, as a local session does",
     )
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--sort", default="tottime", help="pstats order for --profile")

@@ -204,6 +204,20 @@ class BatchDecodeMemo:
                     self._entries.popitem(last=False)
         return decoded
 
+    def kept(self, tenant: str, request: pb.AppendAttendBatchRequest) -> DecodedBatch | None:
+        """The call decoded from a kept entry (as `decode` would return it, its regions
+        held: close it), or None without decoding anything when no entry applies."""
+        key = _memo_key(tenant, request) if self._capacity and self._regions.zero_copy else None
+        entry = None if key is None else self._entries.get(key)
+        if entry is None:
+            return None
+        decoded = self._reuse(tenant, entry)
+        if decoded is None:
+            return None  # `decode` says why, and drops the entry
+        self._entries.move_to_end(key)  # type: ignore[arg-type]
+        self.hits += 1
+        return decoded
+
     def _decode(self, tenant: str, request: pb.AppendAttendBatchRequest) -> DecodedBatch:
         reader = self._regions.reader(tenant)
         try:

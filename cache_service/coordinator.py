@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -925,6 +926,8 @@ class Coordinator:
         return_lse: bool = False,
         out: torch.Tensor | None = None,
         rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        *,
+        short_path: bool = True,
     ) -> AttentionResult:
         """`append_attend` of a stacked batch, as one result: out ``[b * m, Hq, D]`` in the
         query's dtype (lse ``[b * m, Hq]`` float32), sequence by sequence.
@@ -935,6 +938,8 @@ class Coordinator:
         rows: the batch's query, key and value flattened to rows (``[b * m, Hq, D]``,
         ``[b * n, Hkv, D]``, ``[b * n, Hkv, D]``), views of those very tensors, when the
         caller keeps them across a step's layers (`DecodedBatch.rows`); else made here.
+        short_path: False to go the full way at once (`repeat_now`'s worker refused the
+        batch's values: the full path says whose).
 
         The other layers of a decode step (see layer_steps) take a short path: with the
         batch's tensors already stacked, the shape checks are a few comparisons instead of
@@ -942,7 +947,7 @@ class Coordinator:
         short path does not accept (another batch, other tokens, a non-finite value, an
         unusual shape) goes the full way, which raises the precise error.
         """
-        step = self._stacked_step(tenant, layer, batch)
+        step = self._stacked_step(tenant, layer, batch) if short_path else None
         if step is not None:
             result = await self._repeat_step(tenant, layer, step, batch, return_lse, out, rows)
             if result is not None:
@@ -999,41 +1004,135 @@ class Coordinator:
         """Run `batch` on `layer` through `step` (checked by `_stacked_step`); None, having
         changed nothing, when under the locks the step no longer applies. out, rows: as in
         `append_attend_stacked`."""
-        seq_ids = batch.seq_ids
         async with self._locks.holding(step.lock_order):  # sorted ids, as `_locked` takes
-            # Another call may have replaced the step or moved a sequence meanwhile, or the
-            # step's worker may have gone.
-            if self._recorded_step(tenant, seq_ids) is not step or not (
-                self.block_manager.repeatable(step.snapshot, layer, batch.token_ids)
-            ):
+            part = self._repeat_part(tenant, layer, step, batch, return_lse, out, rows)
+            if part is None:
                 return None
-            b, n, m = len(seq_ids), step.snapshot.num_tokens, step.num_queries[0]
-            hq = batch.query.shape[2]
-            if rows is None:
-                # `_stacked_step` checked the shapes: [b, m, Hq, D] and [b, n, Hkv, D].
-                rows = (
-                    batch.query.flatten(0, 1),
-                    batch.key.flatten(0, 1),
-                    batch.value.flatten(0, 1),
-                )
-            part = self._step_part(step, *rows, return_lse, out)
-            part.finite_checked = False
             try:
-                (output,) = await self._execute(layer, [(list(range(b)), part)], hq)
-                # `repeatable` said yes under these locks: the short commit.
-                self.block_manager.commit_repeated(step.snapshot, layer)
+                rows_of = [(list(range(len(batch.seq_ids))), part)]
+                (output,) = await self._execute(layer, rows_of, batch.query.shape[2])
+                self._repeat_committed(layer, step, part)
             except NonFiniteInput:
                 # Refused before anything was written; the full path's check names the
                 # sequence and tensor.
-                self._cancel_writes(tenant, seq_ids)
+                self._cancel_writes(tenant, batch.seq_ids)
                 return None
             except BaseException:
-                self._cancel_writes(tenant, seq_ids)
+                self._cancel_writes(tenant, batch.seq_ids)
                 raise
-            step.plan = part.plan
+        return self._repeat_result(batch, step, output, return_lse)
+
+    def repeat_now(
+        self,
+        tenant: str,
+        layer: int,
+        batch: StackedAppendAttend,
+        return_lse: bool,
+        out: torch.Tensor | None,
+        rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        origin: int | None,
+        finished: Callable[[AttentionResult | BaseException | None], None],
+    ) -> bool:
+        """`append_attend_stacked`'s short path without a task: for a caller that answers
+        from a callback (a local session), a repeated layer's call submitted now and
+        finished from its round's callback. True: taken; `finished` is called once, later,
+        with the result, with the exception the call failed with (its writes cancelled),
+        or with None when the round refused non-finite values (nothing written: call
+        `append_attend_stacked`, whose full path names them). False: nothing changed
+        (another step, a sequence's lock held, not repeatable): call
+        `append_attend_stacked`.
+
+        origin: the caller's connection (`call_origin`) for the batcher; out, rows: as in
+        `append_attend_stacked`.
+        """
+        step = self._stacked_step(tenant, layer, batch)
+        if step is None or not self._locks.try_acquire(step.lock_order):
+            return False
+        try:
+            part = self._repeat_part(tenant, layer, step, batch, return_lse, out, rows)
+            if part is not None:
+                self._submit(layer, part, step.worker_id, batch.query.shape[2], origin)
+        except BaseException:
+            self._locks.release(step.lock_order)
+            raise
+        if part is None:
+            self._locks.release(step.lock_order)
+            return False
+        part.future.add_done_callback(
+            functools.partial(self._repeated_now, tenant, layer, step, batch, part, finished)
+        )
+        return True
+
+    def _repeated_now(
+        self,
+        tenant: str,
+        layer: int,
+        step: LayerStep,
+        batch: StackedAppendAttend,
+        part: _Part,
+        finished: Callable[[AttentionResult | BaseException | None], None],
+        future: asyncio.Future[AttentionResult],
+    ) -> None:
+        """`repeat_now`'s round is back: commit (or cancel), release, report."""
+        try:
+            output = future.result()
+            self._repeat_committed(layer, step, part)
+        except BaseException as exc:
+            self._cancel_writes(tenant, batch.seq_ids)
+            self._locks.release(step.lock_order)
+            finished(None if isinstance(exc, NonFiniteInput) else exc)
+            return
+        self._locks.release(step.lock_order)
+        try:
+            result: AttentionResult | BaseException = self._repeat_result(
+                batch, step, output, part.return_lse
+            )
+        except Exception as exc:  # committed; the caller still hears of the failure
+            result = exc
+        finished(result)
+
+    def _repeat_part(
+        self,
+        tenant: str,
+        layer: int,
+        step: LayerStep,
+        batch: StackedAppendAttend,
+        return_lse: bool,
+        out: torch.Tensor | None,
+        rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    ) -> _Part | None:
+        """Under the step's sequence locks: the call's part when the step still applies
+        (another call may have replaced it or moved a sequence meanwhile, or its worker
+        may have gone), else None, nothing changed."""
+        if self._recorded_step(tenant, batch.seq_ids) is not step or not (
+            self.block_manager.repeatable(step.snapshot, layer, batch.token_ids)
+        ):
+            return None
+        if rows is None:
+            # `_stacked_step` checked the shapes: [b, m, Hq, D] and [b, n, Hkv, D].
+            rows = (batch.query.flatten(0, 1), batch.key.flatten(0, 1), batch.value.flatten(0, 1))
+        part = self._step_part(step, *rows, return_lse, out)
+        part.finite_checked = False
+        return part
+
+    def _repeat_committed(self, layer: int, step: LayerStep, part: _Part) -> None:
+        """A repeated layer's round is back: its short commit (`repeatable` said yes under
+        the locks still held) and the kernel plan the step keeps."""
+        self.block_manager.commit_repeated(step.snapshot, layer)
+        step.plan = part.plan
+
+    def _repeat_result(
+        self,
+        batch: StackedAppendAttend,
+        step: LayerStep,
+        output: AttentionResult,
+        return_lse: bool,
+    ) -> AttentionResult:
+        """A repeated layer's answer in the query's dtype, counted in the metrics."""
         if self.metrics is not None:
-            self.metrics.add_tokens_appended(b * n)
-            self.metrics.add_attention_tokens(b * m)
+            b = len(batch.seq_ids)
+            self.metrics.add_tokens_appended(b * step.snapshot.num_tokens)
+            self.metrics.add_attention_tokens(b * step.num_queries[0])
         out = _in_dtype(output.out, batch.query.dtype)
         return AttentionResult(out, output.lse if return_lse else None)
 
@@ -1413,9 +1512,6 @@ class Coordinator:
         waits = []
         origin = current_origin()
         for _, part in parts:
-            part.future = loop.create_future()
-            part.layer = layer
-            part.origin = origin
             if part.step is not None:  # a recorded step lives on one worker
                 workers = {part.step.worker_id}
             else:
@@ -1427,8 +1523,11 @@ class Coordinator:
                         workers.update(seg.worker_id for seg in v.segments)
             if len(workers) == 1:
                 (worker_id,) = workers
-                self._batcher(layer, worker_id, hq).submit(part)
+                self._submit(layer, part, worker_id, hq, origin)
             else:
+                part.future = loop.create_future()
+                part.layer = layer
+                part.origin = origin
                 task = loop.create_task(self._run_parts((layer, "", hq), [part]))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
@@ -1443,6 +1542,13 @@ class Coordinator:
             if isinstance(result, BaseException):
                 raise result
         return list(outcome)  # type: ignore[arg-type]
+
+    def _submit(self, layer: int, part: _Part, worker_id: str, hq: int, origin: int | None) -> None:
+        """Hand a one-worker part to its batcher; its `future` answers it."""
+        part.future = asyncio.get_running_loop().create_future()
+        part.layer = layer
+        part.origin = origin
+        self._batcher(layer, worker_id, hq).submit(part)
 
     def _batcher(self, layer: int, worker_id: str, hq: int) -> _Batcher:
         # With coalesce_layers one batcher per worker (and head count) takes every layer.

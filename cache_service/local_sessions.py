@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -49,6 +50,10 @@ _MAX_PATH_BYTES = 107
 Authenticate = Callable[[str], tuple[Principal | None, grpc.StatusCode, str]]
 # (request, tenant) -> the encoded SessionResponse
 ServeCall = Callable[[pb.SessionRequest, str], Awaitable[bytes]]
+# (request, tenant, connection id, answer) -> whether the call was taken without a task;
+# if so `answer` gets its encoded SessionResponse once, later, or None: serve it the usual
+# way after all (`KVCacheServicer.session_call_now`)
+ServeNow = Callable[[pb.SessionRequest, str, int, Callable[[bytes | None], None]], bool]
 
 
 def hello_status(code: grpc.StatusCode, message: str = "") -> bytes:
@@ -69,6 +74,8 @@ class LocalSessions:
         max_sessions: sessions open at once; a hello beyond it is refused with
             RESOURCE_EXHAUSTED.
         on_change: called with the number of open sessions after each change (metrics).
+        serve_now: offered each call first; a call it takes is answered from a callback
+            instead of a task (a decode step's repeated layers: see `ServeNow`).
     """
 
     def __init__(
@@ -79,8 +86,10 @@ class LocalSessions:
         max_message_bytes: int,
         max_sessions: int = 1024,
         on_change: Callable[[int], None] | None = None,
+        serve_now: ServeNow | None = None,
     ) -> None:
         self._serve_call = serve_call
+        self._serve_now = serve_now
         self._authenticate = authenticate
         self._default_tenant = default_tenant
         self._max_message = max_message_bytes
@@ -91,6 +100,7 @@ class LocalSessions:
         self._connections: set[_Connection] = set()
         self._draining = False
         self.calls = 0  # calls answered (tests and diagnostics)
+        self.calls_now = 0  # of them, answered by `serve_now`
 
     @property
     def path(self) -> str | None:
@@ -241,9 +251,43 @@ class _Connection(asyncio.Protocol):
                 self._hello(message)
                 continue
             self.busy = True
-            task = start_eagerly(self._call(message))
-            task.add_done_callback(self._call_done)
+            if self._owner._serve_now is None:
+                self._start(message)
+                return
+            try:
+                request = pb.SessionRequest.FromString(message)
+            except DecodeError:
+                self._start(message)  # `_call` answers it
+                return
+            if not self._served_now(request):
+                self._start(request)
             return
+
+    def _served_now(self, request: pb.SessionRequest) -> bool:
+        """Whether the owner's `serve_now` took the call (a failure there is a bug: logged,
+        and the call goes the usual way)."""
+        answer = functools.partial(self._answered_now, request)
+        try:
+            return self._owner._serve_now(request, self.tenant, id(self), answer)  # type: ignore[misc]
+        except Exception:
+            log.exception("serving a local session call without a task failed")
+            return False
+
+    def _start(self, message: bytes | pb.SessionRequest) -> None:
+        """Serve a call the usual way: in a task (eager: on Python 3.12 it runs inline until
+        it waits)."""
+        task = start_eagerly(self._call(message))
+        task.add_done_callback(self._call_done)
+
+    def _answered_now(self, request: pb.SessionRequest, reply: bytes | None) -> None:
+        """`serve_now`'s answer to a call it took (None: serve it the usual way)."""
+        if reply is None:
+            self._start(request)
+            return
+        self._owner.calls += 1
+        self._owner.calls_now += 1
+        self._write(reply)
+        self._finished()
 
     def _hello(self, message: bytes) -> None:
         try:
@@ -261,9 +305,11 @@ class _Connection(asyncio.Protocol):
         self._write(hello_status(grpc.StatusCode.OK))
         self._owner._changed()
 
-    async def _call(self, message: bytes) -> None:
+    async def _call(self, message: bytes | pb.SessionRequest) -> None:
         try:
-            request = pb.SessionRequest.FromString(message)
+            request = (
+                message if type(message) is not bytes else pb.SessionRequest.FromString(message)
+            )
         except DecodeError:
             # As on the gRPC stream: a message that does not parse ends the session.
             self._write(
@@ -283,11 +329,15 @@ class _Connection(asyncio.Protocol):
         self._write(reply)
 
     def _call_done(self, task: asyncio.Task[None]) -> None:
-        self.busy = False
         if not task.cancelled() and task.exception() is not None:
             # _serve_call turns every error into a reply; reaching here is a bug.
             log.error("local session call failed", exc_info=task.exception())
             self.close()
+        self._finished()
+
+    def _finished(self) -> None:
+        """The call in flight was answered: on to the next (or end, if closing)."""
+        self.busy = False
         if self._closing:
             if not self.done.done():
                 self.done.set_result(None)

@@ -39,6 +39,15 @@ class SequenceLocks:
         """Whether ``seq_id``'s lock is held."""
         return seq_id in self._held
 
+    def try_acquire(self, order: Sequence[str]) -> bool:
+        """Take the locks of ``order`` now if none of them is held (then True); else take
+        none and return False (the caller waits with `acquire`)."""
+        held = self._held
+        if held.isdisjoint(order):
+            held.update(order)
+            return True
+        return False
+
     async def acquire(self, order: Sequence[str]) -> None:
         """Take the locks of ``order`` (distinct ids, sorted), waiting for held ones in
         that order; cancelled while waiting, it holds none of them."""

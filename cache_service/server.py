@@ -43,6 +43,7 @@ from cache_service.call_origin import origin_scope
 from cache_service.config import ServiceConfig, SharedMemoryConfig
 from cache_service.control_types import TenantQuota
 from cache_service.coordinator import Coordinator
+from cache_service.eager_tasks import start_eagerly
 from cache_service.errors import InvalidRequest
 from cache_service.event_loop import loop_name
 from cache_service.inflight import InFlightLimiter, InFlightLimitInterceptor
@@ -74,6 +75,7 @@ from cache_service.tensor_codec import (
 )
 from cache_service.tls import ServerTLSConfig, server_credentials
 from cache_service.wire_decode import RequestDecodeInterceptor
+from cache_service.worker_interface import AttentionResult
 from workers.layout import KVLayout
 
 __all__ = [
@@ -209,6 +211,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         # Session streams waiting for their next call (their handlers' tasks), and whether
         # the server is shutting down (see end_sessions).
         self._idle_sessions: set[asyncio.Task[Any]] = set()
+        # Calls of `session_call_now` gone the full way (held: the loop keeps weak refs).
+        self._full_paths: set[asyncio.Task[None]] = set()
         self._draining = False
         self._max_message = max_message_bytes
         self._chunk = stream_chunk_bytes
@@ -387,14 +391,21 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         return await self._attend_batch(request, tenant)
 
     async def _append_attend_batch(
-        self, request: pb.AppendAttendBatchRequest, tenant: str
+        self, request: pb.AppendAttendBatchRequest, tenant: str, short_path: bool = True
     ) -> bytes:
-        """An AppendAttendBatch call (unary or in a session): the encoded reply."""
+        """An AppendAttendBatch call (unary or in a session): the encoded reply.
+        short_path: as in `Coordinator.append_attend_stacked`."""
         # The decode checks output ranges too, before the coordinator changes anything.
         with self._batch_decoder.decode(tenant, request) as call:
             # Errors about one sequence name it as items[i]: row i of the batch.
             result = await self._coord.append_attend_stacked(
-                tenant, request.layer, call.batch, request.return_lse, call.output_view, call.rows
+                tenant,
+                request.layer,
+                call.batch,
+                request.return_lse,
+                call.output_view,
+                call.rows,
+                short_path=short_path,
             )
             return call.reply(result)
 
@@ -445,8 +456,12 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 "a new one when the service is back)",
             )
 
-    async def _session_call(self, request: pb.SessionRequest, tenant: str) -> bytes:
-        """One session call's encoded SessionResponse: its reply, or its error status."""
+    async def _session_call(
+        self, request: pb.SessionRequest, tenant: str, short_path: bool = True
+    ) -> bytes:
+        """One session call's encoded SessionResponse: its reply, or its error status.
+        short_path: False to take an AppendAttendBatch the full way (`session_call_now`
+        after the worker refused its values)."""
         t0 = time.perf_counter()
         kind = request.WhichOneof("call")
         name = _SESSION_CALLS.get(kind, ("Session", 0))[0]
@@ -455,13 +470,92 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 raise InvalidRequest(
                     "the SessionRequest carries no call: set append_attend_batch or attend_batch"
                 )
-            reply = await getattr(self, f"_{kind}")(getattr(request, kind), tenant)
+            if not short_path and kind == "append_attend_batch":
+                reply = await self._append_attend_batch(request.append_attend_batch, tenant, False)
+            else:
+                reply = await getattr(self, f"_{kind}")(getattr(request, kind), tenant)
         except Exception as exc:
             status = _logged_status(name, tenant, exc, t0)
             self._observe_session_call(name, status.code.name, t0)
             return session_error(request.call_id, status.code, status.message)
         self._observe_session_call(name, "OK", t0)
         return session_message(request.call_id, _SESSION_CALLS[kind][1], reply)
+
+    def session_call_now(
+        self,
+        request: pb.SessionRequest,
+        tenant: str,
+        origin: int,
+        answer: Callable[[bytes | None], None],
+    ) -> bool:
+        """A repeated layer's AppendAttendBatch answered without a task, for a local
+        session: on a decode-memo hit, the coordinator's `repeat_now` submits it at once
+        and `answer` gets the encoded SessionResponse (reply or error) from the round's
+        callback. True: taken, `answer` called once, later (when the round refused
+        non-finite values, nothing written, after the full path, which names them).
+        False: nothing taken (another call, no memo entry, a lock held): run
+        `_session_call`."""
+        if request.WhichOneof("call") != "append_attend_batch":
+            return False
+        t0 = time.perf_counter()
+        body = request.append_attend_batch
+        call = self._batch_decoder.kept(tenant, body)
+        if call is None:
+            return False
+
+        def finished(outcome: AttentionResult | BaseException | None) -> None:
+            if outcome is None:
+                call.close()
+                self._full_path_later(request, tenant, origin, answer)
+                return
+            name = _SESSION_CALLS["append_attend_batch"][0]
+            with call:
+                try:
+                    if not isinstance(outcome, AttentionResult):
+                        raise outcome
+                    reply = session_message(
+                        request.call_id, APPEND_ATTEND_BATCH, call.reply(outcome)
+                    )
+                    self._observe_session_call(name, "OK", t0)
+                except BaseException as exc:  # the call's error, answered as its status
+                    error = (
+                        exc
+                        if isinstance(exc, Exception)
+                        else RuntimeError(f"the call was interrupted: {exc!r}")
+                    )
+                    status = _logged_status(name, tenant, error, t0)
+                    self._observe_session_call(name, status.code.name, t0)
+                    reply = session_error(request.call_id, status.code, status.message)
+            answer(reply)
+
+        try:
+            taken = self._coord.repeat_now(
+                tenant, body.layer, call.batch, body.return_lse, call.output_view, call.rows,
+                origin, finished,
+            )  # fmt: skip
+        except Exception:
+            taken = False  # the usual way raises it again, with its status
+        if not taken:
+            call.close()
+        return taken
+
+    def _full_path_later(
+        self,
+        request: pb.SessionRequest,
+        tenant: str,
+        origin: int,
+        answer: Callable[[bytes], None],
+    ) -> None:
+        """`session_call_now`'s call after the worker refused its values: the full path (in
+        a task), which finds whose and says so; its reply to `answer`."""
+
+        async def full() -> None:
+            with origin_scope(origin):
+                answer(await self._session_call(request, tenant, short_path=False))
+
+        task = start_eagerly(full())
+        self._full_paths.add(task)
+        task.add_done_callback(self._full_paths.discard)
 
     def _observe_session_call(self, name: str, code: str, t0: float) -> None:
         if self._metrics is not None:
@@ -1036,6 +1130,7 @@ async def start_service(
                 DEFAULT_TENANT,
                 limit,
                 on_change=metrics.set_local_sessions,
+                serve_now=servicer.session_call_now,
             )
             try:
                 servicer.local_session_socket = await local.start(config.server.local_session_dir)

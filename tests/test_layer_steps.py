@@ -741,3 +741,36 @@ def test_a_repeated_commit_is_logged_and_recovered(tmp_path: Any) -> None:
     store.begin_generation()
     assert recover(store, config).manager.to_records() == records
     store.close()
+
+
+def test_repeat_now_answers_a_repeated_layer_from_a_callback() -> None:
+    # A local session's repeated layer goes without a task: submitted at once, answered by
+    # the round's callback, equal to dense attention, committed like the short path.
+    # Anything it does not take (a sequence's lock held, another step) changes nothing.
+    async def scenario(coord: Coordinator) -> None:
+        seqs = [(await coord.create_sequence("t")).seq_id for _ in range(B)]
+        model = Model(seqs)
+        items, q = model.items(0, 0)
+        await coord.append_attend_stacked("t", 0, stacked(items), True)  # plans the step
+        items, q = model.items(0, 1)
+        batch = stacked(items)
+        order = sorted(seqs)
+        assert coord._locks.try_acquire(order[:1])  # another call holds one sequence
+        done: list[Any] = []
+        assert not coord.repeat_now("t", 1, batch, True, None, None, 7, done.append)
+        coord._locks.release(order[:1])
+        assert coord.block_manager.sequence_info("t", seqs[0]).written == (1, 0, 0)
+        assert coord.repeat_now("t", 1, batch, True, None, None, 7, done.append)
+        assert done == []  # answered later, from the round's callback
+        while not done:
+            await asyncio.sleep(0)
+        (res,) = done
+        model.check([_Row(res.out[i : i + 1]) for i in range(B)], q)
+        assert not any(coord._locks.held(s) for s in seqs)
+        for s in seqs:
+            assert coord.block_manager.sequence_info("t", s).written == (1, 1, 0)
+        # The same layer again is not a repeat (already written): not taken.
+        assert not coord.repeat_now("t", 1, batch, True, None, None, 7, done.append)
+        coord.block_manager.check_integrity()
+
+    run(scenario)

@@ -22,11 +22,19 @@ import time
 import grpc
 import pytest
 import torch
-from service_support import HQ, LAYOUT, ServiceHarness, local_workers, service_config
+from service_support import (
+    HQ,
+    LAYOUT,
+    ServiceHarness,
+    decode_with_twins,
+    local_workers,
+    service_config,
+)
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service.call_stream import StreamBroken
 from cache_service.client import (
+    InternalError,
     InvalidArgumentError,
     KVCacheClient,
     LocalSessionUnavailable,
@@ -146,6 +154,76 @@ def test_a_client_on_this_host_uses_it_by_default_and_matches_grpc(svc) -> None:
                 client.free(s)
     assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False], strict=True))
     svc.check_integrity()
+
+
+def test_a_decode_steps_later_layers_are_answered_without_a_task(monkeypatch) -> None:
+    # On a server that reads shared memory in place (as a GPU server does), every layer of
+    # a local session's decode step after the first is a decode-memo hit the coordinator
+    # repeats: answered from its round's callback (`serve_now`), bit for bit what the same
+    # calls answer the usual way (a twin client sending bytes).
+    import cache_service.server as server_mod
+
+    real = server_mod.SharedRegions
+    monkeypatch.setattr(
+        server_mod, "SharedRegions", lambda *a, **k: real(*a, **{**k, "zero_copy": True})
+    )
+    steps = 3
+    with ServiceHarness(service_config(), local_workers(1, 64)) as harness:
+        local = harness.service.local_sessions
+        with (
+            KVCacheClient(harness.address) as shm,
+            KVCacheClient(harness.address, shared_memory=False) as plain,
+        ):
+            before, before_now = local.calls, local.calls_now
+            gen = torch.Generator().manual_seed(8)
+            ids, twins = decode_with_twins(shm, plain, 3, steps, gen)
+            assert shm.local_session_active and plain.local_session_active
+            assert local.calls_now - before_now == steps * (NL - 1)
+            assert local.calls - before == 2 * steps * NL
+            for s in ids + twins:
+                shm.free(s)
+        harness.check_integrity()
+
+
+def test_a_call_answered_without_a_task_fails_with_its_status_and_changes_nothing(
+    monkeypatch,
+) -> None:
+    # A repeated layer's call that fails in its round (a fault injected into the worker)
+    # is answered from the callback with its error status; its writes are cancelled, the
+    # session goes on, and the same call then succeeds.
+    import cache_service.server as server_mod
+
+    real = server_mod.SharedRegions
+    monkeypatch.setattr(
+        server_mod, "SharedRegions", lambda *a, **k: real(*a, **{**k, "zero_copy": True})
+    )
+    with ServiceHarness(service_config(), local_workers(1, 64)) as harness:
+        local = harness.service.local_sessions
+        (worker,) = harness.service.coordinator._clients.values()
+        with KVCacheClient(harness.address) as client:
+            ids = [client.create_sequence().seq_id for _ in range(2)]
+            k, q = _batch(2)
+            client.append_attend_batch(0, ids, [[1], [2]], k, k, q)  # plans the step
+            working = worker.write_and_attend
+
+            async def faulty(*args, **kwargs):
+                raise RuntimeError("an injected worker fault")
+
+            monkeypatch.setattr(worker, "write_and_attend", faulty)
+            before = local.calls_now
+            with pytest.raises(InternalError):
+                client.append_attend_batch(1, ids, [[1], [2]], k, k, q)
+            assert local.calls_now == before + 1  # answered from the callback
+            for s in ids:
+                assert harness.service.coordinator.block_manager.sequence_info(
+                    "default", s
+                ).written == (1, 0)
+            monkeypatch.setattr(worker, "write_and_attend", working)
+            out = client.append_attend_batch(1, ids, [[1], [2]], k, k, q)
+            assert local.calls_now == before + 2 and out.shape == q.shape
+            for s in ids:
+                client.free(s)
+        harness.check_integrity()
 
 
 def test_raw_messages_are_answered_in_order_with_their_call_ids(svc) -> None:

@@ -145,3 +145,13 @@ def test_random_overlapping_batches_never_share_a_sequence_and_all_finish() -> N
         assert locks._waiters == {}
 
     asyncio.run(scenario())
+
+
+def test_try_acquire_takes_a_free_batch_now_and_nothing_of_a_held_one() -> None:
+    locks = SequenceLocks()
+    assert locks.try_acquire(["a", "b"])
+    assert locks.held("a") and locks.held("b")
+    assert not locks.try_acquire(["b", "c"])  # "b" is held: none taken, "c" included
+    assert not locks.held("c")
+    locks.release(["a", "b"])
+    assert locks.try_acquire(["b", "c"])
