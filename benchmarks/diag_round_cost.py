@@ -137,11 +137,9 @@ async def _call(servicer: Any, request: pb.SessionRequest, origin: int, now: boo
     session offers it first (`session_call_now`, answered from a callback)."""
     if not now:
         return await servicer._session_call(request, "default")
-    answered: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
+    answered: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
     if servicer.session_call_now(request, "default", origin, answered.set_result):
-        reply = await answered
-        if reply is not None:
-            return reply
+        return await answered
     return await servicer._session_call(request, "default")
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import functools
 import logging
 import os
 import shutil
@@ -51,9 +50,9 @@ Authenticate = Callable[[str], tuple[Principal | None, grpc.StatusCode, str]]
 # (request, tenant) -> the encoded SessionResponse
 ServeCall = Callable[[pb.SessionRequest, str], Awaitable[bytes]]
 # (request, tenant, connection id, answer) -> whether the call was taken without a task;
-# if so `answer` gets its encoded SessionResponse once, later, or None: serve it the usual
-# way after all (`KVCacheServicer.session_call_now`)
-ServeNow = Callable[[pb.SessionRequest, str, int, Callable[[bytes | None], None]], bool]
+# if so `answer` gets its encoded SessionResponse once, later
+# (`KVCacheServicer.session_call_now`)
+ServeNow = Callable[[pb.SessionRequest, str, int, Callable[[bytes], None]], bool]
 
 
 def hello_status(code: grpc.StatusCode, message: str = "") -> bytes:
@@ -251,7 +250,8 @@ class _Connection(asyncio.Protocol):
                 self._hello(message)
                 continue
             self.busy = True
-            if self._owner._serve_now is None:
+            serve_now = self._owner._serve_now
+            if serve_now is None:
                 self._start(message)
                 return
             try:
@@ -259,16 +259,15 @@ class _Connection(asyncio.Protocol):
             except DecodeError:
                 self._start(message)  # `_call` answers it
                 return
-            if not self._served_now(request):
+            if not self._served_now(serve_now, request):
                 self._start(request)
             return
 
-    def _served_now(self, request: pb.SessionRequest) -> bool:
-        """Whether the owner's `serve_now` took the call (a failure there is a bug: logged,
-        and the call goes the usual way)."""
-        answer = functools.partial(self._answered_now, request)
+    def _served_now(self, serve_now: ServeNow, request: pb.SessionRequest) -> bool:
+        """Whether `serve_now` took the call (a failure there is a bug: logged, and the
+        call goes the usual way)."""
         try:
-            return self._owner._serve_now(request, self.tenant, id(self), answer)  # type: ignore[misc]
+            return serve_now(request, self.tenant, id(self), self._answered_now)
         except Exception:
             log.exception("serving a local session call without a task failed")
             return False
@@ -279,11 +278,8 @@ class _Connection(asyncio.Protocol):
         task = start_eagerly(self._call(message))
         task.add_done_callback(self._call_done)
 
-    def _answered_now(self, request: pb.SessionRequest, reply: bytes | None) -> None:
-        """`serve_now`'s answer to a call it took (None: serve it the usual way)."""
-        if reply is None:
-            self._start(request)
-            return
+    def _answered_now(self, reply: bytes) -> None:
+        """`serve_now`'s answer to a call it took."""
         self._owner.calls += 1
         self._owner.calls_now += 1
         self._write(reply)

@@ -486,7 +486,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         request: pb.SessionRequest,
         tenant: str,
         origin: int,
-        answer: Callable[[bytes | None], None],
+        answer: Callable[[bytes], None],
     ) -> bool:
         """A repeated layer's AppendAttendBatch answered without a task, for a local
         session: on a decode-memo hit, the coordinator's `repeat_now` submits it at once
