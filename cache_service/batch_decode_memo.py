@@ -183,16 +183,11 @@ class BatchDecodeMemo:
             what `decode_append_attend_batch` and `shared_outputs` raise; nothing is held
             then.
         """
-        key = _memo_key(tenant, request) if self._capacity and self._regions.zero_copy else None
+        key = self._key(tenant, request)
         if key is not None:
-            entry = self._entries.get(key)
-            if entry is not None:
-                decoded = self._reuse(tenant, entry)
-                if decoded is not None:
-                    self._entries.move_to_end(key)
-                    self.hits += 1
-                    return decoded
-                del self._entries[key]
+            decoded = self._hit(tenant, key)
+            if decoded is not None:
+                return decoded
         decoded = self._decode(tenant, request)
         if key is not None:
             self.misses += 1
@@ -207,14 +202,27 @@ class BatchDecodeMemo:
     def kept(self, tenant: str, request: pb.AppendAttendBatchRequest) -> DecodedBatch | None:
         """The call decoded from a kept entry (as `decode` would return it, its regions
         held: close it), or None without decoding anything when no entry applies."""
-        key = _memo_key(tenant, request) if self._capacity and self._regions.zero_copy else None
-        entry = None if key is None else self._entries.get(key)
+        key = self._key(tenant, request)
+        return None if key is None else self._hit(tenant, key)
+
+    def _key(self, tenant: str, request: pb.AppendAttendBatchRequest) -> tuple[str, bytes] | None:
+        """The request's memo key, or None where nothing is kept (see `_memo_key`)."""
+        if not (self._capacity and self._regions.zero_copy):
+            return None
+        return _memo_key(tenant, request)
+
+    def _hit(self, tenant: str, key: tuple[str, bytes]) -> DecodedBatch | None:
+        """The entry under `key` as a call, its regions held; None if there is none, or if
+        one of its regions is no longer held by `tenant` (the entry goes: a full decode
+        says why)."""
+        entry = self._entries.get(key)
         if entry is None:
             return None
         decoded = self._reuse(tenant, entry)
         if decoded is None:
-            return None  # `decode` says why, and drops the entry
-        self._entries.move_to_end(key)  # type: ignore[arg-type]
+            del self._entries[key]
+            return None
+        self._entries.move_to_end(key)
         self.hits += 1
         return decoded
 

@@ -1051,7 +1051,8 @@ class Coordinator:
         try:
             part = self._repeat_part(tenant, layer, step, batch, return_lse, out, rows)
             if part is not None:
-                self._submit(layer, part, step.worker_id, batch.query.shape[2], origin)
+                self._answered_by_future(part, layer, origin)
+                self._batcher(layer, step.worker_id, batch.query.shape[2]).submit(part)
         except BaseException:
             self._locks.release(step.lock_order)
             raise
@@ -1512,6 +1513,7 @@ class Coordinator:
         waits = []
         origin = current_origin()
         for _, part in parts:
+            self._answered_by_future(part, layer, origin)
             if part.step is not None:  # a recorded step lives on one worker
                 workers = {part.step.worker_id}
             else:
@@ -1523,11 +1525,8 @@ class Coordinator:
                         workers.update(seg.worker_id for seg in v.segments)
             if len(workers) == 1:
                 (worker_id,) = workers
-                self._submit(layer, part, worker_id, hq, origin)
+                self._batcher(layer, worker_id, hq).submit(part)
             else:
-                part.future = loop.create_future()
-                part.layer = layer
-                part.origin = origin
                 task = loop.create_task(self._run_parts((layer, "", hq), [part]))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
@@ -1543,12 +1542,13 @@ class Coordinator:
                 raise result
         return list(outcome)  # type: ignore[arg-type]
 
-    def _submit(self, layer: int, part: _Part, worker_id: str, hq: int, origin: int | None) -> None:
-        """Hand a one-worker part to its batcher; its `future` answers it."""
+    @staticmethod
+    def _answered_by_future(part: _Part, layer: int, origin: int | None) -> None:
+        """Ready `part` for a round: the future that answers it, its layer, and the
+        caller's connection (`call_origin`) the batcher groups callers by."""
         part.future = asyncio.get_running_loop().create_future()
         part.layer = layer
         part.origin = origin
-        self._batcher(layer, worker_id, hq).submit(part)
 
     def _batcher(self, layer: int, worker_id: str, hq: int) -> _Batcher:
         # With coalesce_layers one batcher per worker (and head count) takes every layer.

@@ -475,11 +475,17 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             else:
                 reply = await getattr(self, f"_{kind}")(getattr(request, kind), tenant)
         except Exception as exc:
-            status = _logged_status(name, tenant, exc, t0)
-            self._observe_session_call(name, status.code.name, t0)
-            return session_error(request.call_id, status.code, status.message)
+            return self._session_error(request, name, tenant, exc, t0)
         self._observe_session_call(name, "OK", t0)
         return session_message(request.call_id, _SESSION_CALLS[kind][1], reply)
+
+    def _session_error(
+        self, request: pb.SessionRequest, name: str, tenant: str, exc: Exception, t0: float
+    ) -> bytes:
+        """A failed session call's SessionResponse: its status, logged and counted."""
+        status = _logged_status(name, tenant, exc, t0)
+        self._observe_session_call(name, status.code.name, t0)
+        return session_error(request.call_id, status.code, status.message)
 
     def session_call_now(
         self,
@@ -523,9 +529,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                         if isinstance(exc, Exception)
                         else RuntimeError(f"the call was interrupted: {exc!r}")
                     )
-                    status = _logged_status(name, tenant, error, t0)
-                    self._observe_session_call(name, status.code.name, t0)
-                    reply = session_error(request.call_id, status.code, status.message)
+                    reply = self._session_error(request, name, tenant, error, t0)
             answer(reply)
 
         try:
