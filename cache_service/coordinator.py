@@ -896,6 +896,12 @@ class Coordinator:
                     )
                     parts = [(list(range(len(items))), part)]
                 outputs = await self._execute(layer, parts, hq)
+                # The answer before the commit: a failure making it (a dtype cast out of
+                # memory) then keeps nothing, as a failed call must.
+                if stacked:
+                    answer = [_stacked(len(items), parts, outputs, queries[0].dtype, return_lse)]
+                else:
+                    answer = _reassemble(len(items), parts, outputs, [q.dtype for q in queries])
                 if step is None:
                     for it in items:
                         self.block_manager.commit_write(tenant, it.seq_id, layer, len(it.token_ids))
@@ -914,9 +920,7 @@ class Coordinator:
         if self.metrics is not None:
             self.metrics.add_tokens_appended(sum(len(it.token_ids) for it in items))
             self.metrics.add_attention_tokens(sum(q.shape[0] for q in queries))
-        if stacked:
-            return [_stacked(len(items), parts, outputs, queries[0].dtype, return_lse)]
-        return _reassemble(len(items), parts, outputs, [q.dtype for q in queries])
+        return answer
 
     async def append_attend_stacked(
         self,
@@ -1011,6 +1015,7 @@ class Coordinator:
             try:
                 rows_of = [(list(range(len(batch.seq_ids))), part)]
                 (output,) = await self._execute(layer, rows_of, batch.query.shape[2])
+                answer = _repeat_answer(batch, output, return_lse)
                 self._repeat_committed(layer, step, part)
             except NonFiniteInput:
                 # Refused before anything was written; the full path's check names the
@@ -1020,7 +1025,8 @@ class Coordinator:
             except BaseException:
                 self._cancel_writes(tenant, batch.seq_ids)
                 raise
-        return self._repeat_result(batch, step, output, return_lse)
+        self._count_repeat(batch, step)
+        return answer
 
     def repeat_now(
         self,
@@ -1076,7 +1082,7 @@ class Coordinator:
     ) -> None:
         """`repeat_now`'s round is back: commit (or cancel), release, report."""
         try:
-            output = future.result()
+            answer = _repeat_answer(batch, future.result(), part.return_lse)
             self._repeat_committed(layer, step, part)
         except BaseException as exc:
             self._cancel_writes(tenant, batch.seq_ids)
@@ -1084,13 +1090,8 @@ class Coordinator:
             finished(None if isinstance(exc, NonFiniteInput) else exc)
             return
         self._locks.release(step.lock_order)
-        try:
-            result: AttentionResult | BaseException = self._repeat_result(
-                batch, step, output, part.return_lse
-            )
-        except Exception as exc:  # committed; the caller still hears of the failure
-            result = exc
-        finished(result)
+        self._count_repeat(batch, step)
+        finished(answer)
 
     def _repeat_part(
         self,
@@ -1122,20 +1123,12 @@ class Coordinator:
         self.block_manager.commit_repeated(step.snapshot, layer)
         step.plan = part.plan
 
-    def _repeat_result(
-        self,
-        batch: StackedAppendAttend,
-        step: LayerStep,
-        output: AttentionResult,
-        return_lse: bool,
-    ) -> AttentionResult:
-        """A repeated layer's answer in the query's dtype, counted in the metrics."""
+    def _count_repeat(self, batch: StackedAppendAttend, step: LayerStep) -> None:
+        """A committed repeated layer's tokens, in the metrics."""
         if self.metrics is not None:
             b = len(batch.seq_ids)
             self.metrics.add_tokens_appended(b * step.snapshot.num_tokens)
             self.metrics.add_attention_tokens(b * step.num_queries[0])
-        out = _in_dtype(output.out, batch.query.dtype)
-        return AttentionResult(out, output.lse if return_lse else None)
 
     def _prepare_append(
         self, tenant: str, layer: int, items: Sequence[AppendAttendItem]
@@ -2148,6 +2141,15 @@ def _as_runs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if span is not None:
             return [span]
     return [t.reshape(-1) for t in tensors]
+
+
+def _repeat_answer(
+    batch: StackedAppendAttend, output: AttentionResult, return_lse: bool
+) -> AttentionResult:
+    """A repeated layer's answer: its round's output in the query's dtype (made before
+    the commit, so a failure here keeps nothing)."""
+    out = _in_dtype(output.out, batch.query.dtype)
+    return AttentionResult(out, output.lse if return_lse else None)
 
 
 def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

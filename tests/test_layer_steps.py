@@ -774,3 +774,51 @@ def test_repeat_now_answers_a_repeated_layer_from_a_callback() -> None:
         coord.block_manager.check_integrity()
 
     run(scenario)
+
+
+@pytest.mark.parametrize("path", ["full", "short", "callback"])
+def test_a_failure_making_the_answer_keeps_no_write(monkeypatch, path: str) -> None:
+    # The answer (the output in the query's dtype) is made before the commit on every
+    # path: a failure there (a cast out of memory, here injected) fails the call and
+    # keeps none of its writes; the same call then succeeds, equal to dense attention.
+    import cache_service.coordinator as coordinator_mod
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError("an injected failure making the answer")
+
+    async def scenario(coord: Coordinator) -> None:
+        seqs = [(await coord.create_sequence("t")).seq_id for _ in range(B)]
+        model = Model(seqs)
+        layer = 0 if path == "full" else 1
+        if layer:
+            items, q = model.items(0, 0)
+            res = await coord.append_attend_stacked("t", 0, stacked(items), True)
+            model.check([_Row(res.out[i : i + 1]) for i in range(B)], q)
+        before = [coord.block_manager.sequence_info("t", s).written for s in seqs]
+        items, q = model.items(0, layer)
+        batch = stacked(items)
+        with monkeypatch.context() as patched:
+            patched.setattr(
+                coordinator_mod, "_stacked" if path == "full" else "_repeat_answer", fail
+            )
+            if path == "callback":
+                done: list[Any] = []
+                assert coord.repeat_now("t", layer, batch, True, None, None, 7, done.append)
+                while not done:
+                    await asyncio.sleep(0)
+                assert isinstance(done[0], MemoryError)
+            else:
+                with pytest.raises(MemoryError):
+                    await coord.append_attend_stacked("t", layer, batch, True)
+        assert [coord.block_manager.sequence_info("t", s).written for s in seqs] == before
+        assert not any(coord._locks.held(s) for s in seqs)
+        coord.block_manager.check_integrity()
+        res = await coord.append_attend_stacked("t", layer, batch, True)
+        model.check([_Row(res.out[i : i + 1]) for i in range(B)], q)
+        for s, was in zip(seqs, before, strict=True):
+            written = list(was)
+            written[layer] += 1
+            assert coord.block_manager.sequence_info("t", s).written == tuple(written)
+        coord.block_manager.check_integrity()
+
+    run(scenario)
