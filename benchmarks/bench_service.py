@@ -184,14 +184,16 @@ def through_service(
     overrides: Mapping[str, Any] | None = None,
     pairs: int = 1,
     worker_calls: dict[str, int] | None = None,
+    profile_phase: str = "single",
 ) -> dict[str, BenchResult]:
     """Start a service, run the single-client and the concurrency benchmarks, stop it.
 
     Results by phase; with `pairs` > 1 the one-client and concurrent runs alternate that
     many times, the later pairs' results under "one_small@2", "concurrent@2", ...
 
-    profile: write a cProfile of the server's event-loop thread during the single-client
-    run here (it slows that run; for finding costs, not for the figures).
+    profile: write a cProfile of the server's event-loop thread during the first run of
+    `profile_phase` here, and run only that phase (it slows the run; for finding costs, not
+    for the figures).
     cuda_graphs: the service's CUDA pools replay repeated layers as graphs (workers.cuda_graphs).
     phases: which of PHASES to run.
     overrides: further service configuration (`service_config`).
@@ -240,19 +242,21 @@ def through_service(
                 phase = key.split("@")[0]
                 # Clients in their own processes: a client sharing the server's GIL would
                 # slow both and inflate the figures.
-                if (profile is not None and phase != "single") or phase not in phases:
+                if (profile is not None and phase != profile_phase) or phase not in phases:
                     continue
                 run = functools.partial(
                     run_decode_bench,
                     processes=True,
                     server_cpu_clock=functools.partial(time.clock_gettime, loop_clock),
                 )
-                prof = cProfile.Profile() if profile is not None and key == "single" else None
+                prof = cProfile.Profile() if profile is not None and key == profile_phase else None
                 if prof is not None:
                     prof.enable()  # the event loop's thread: gRPC handlers and coordinator
                 before = worker_rounds(running.metrics)
                 checks_before = correctness_checks(running.metrics)
+                now_before = local_calls(running)
                 result = await loop.run_in_executor(None, run, running.address, cfg)
+                now_after = local_calls(running)
                 after = worker_rounds(running.metrics)
                 checks_after = correctness_checks(running.metrics)
                 calls = after[1] - before[1]
@@ -270,13 +274,21 @@ def through_service(
                 print(
                     f"[{time.strftime('%H:%M:%S')}] {key}: {result.tokens_per_s:.1f} tok/s, p50 "
                     f"{result.p50_ms:.3f} ms, {per_call or 0:.1f} sequences per worker call"
-                    + ("" if cpu is None else f", loop {cpu / result.wall_seconds:.2f} busy"),
+                    + ("" if cpu is None else f", loop {cpu / result.wall_seconds:.2f} busy")
+                    + (
+                        ""
+                        if now_after[0] == now_before[0]
+                        else f", {now_after[1] - now_before[1]} of "
+                        f"{now_after[0] - now_before[0]} local-session calls from a callback"
+                    ),
                     flush=True,
                 )
                 if prof is not None:
                     prof.disable()
                     text = io.StringIO()
-                    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(45)
+                    stats = pstats.Stats(prof, stream=text)
+                    stats.sort_stats("tottime").print_stats(60)
+                    stats.sort_stats("cumulative").print_stats(60)
                     profile.write_text(text.getvalue())
             if worker_calls is not None:
                 clients = list(running.coordinator._clients.values())
@@ -288,6 +300,13 @@ def through_service(
             await running.stop()
 
     return event_loop.run(main(), config.server.event_loop)
+
+
+def local_calls(running: Any) -> tuple[int, int]:
+    """(calls, of them answered from a round's callback) of the service's local sessions
+    so far; (0, 0) without them."""
+    local = running.local_sessions
+    return (0, 0) if local is None else (local.calls, local.calls_now)
 
 
 def histogram_totals(histogram: Any) -> tuple[float, float]:
@@ -639,6 +658,15 @@ def main(argv: list[str] | None = None) -> int:
         help="server.event_loop: the coordinator's event loop (default: the service's, asyncio)",
     )
     parser.add_argument(
+        "--profile-ray",
+        choices=PHASES,
+        help="the Ray row runs only this phase, under cProfile (the server's event-loop "
+        "thread; its stats at --profile-out); for finding costs, not for the figures",
+    )
+    parser.add_argument(
+        "--profile-out", type=Path, default=Path("ray-profile.txt"), help="see --profile-ray"
+    )
+    parser.add_argument(
         "--phases",
         default=",".join(PHASES),
         help=f"comma-separated service runs, of {', '.join(PHASES)}",
@@ -717,6 +745,8 @@ def main(argv: list[str] | None = None) -> int:
             overrides={**overrides, "workers.channel_arena_bytes": arena},
             pairs=args.pairs,
             worker_calls=worker_calls[label],
+            profile=args.profile_out if args.profile_ray else None,
+            profile_phase=args.profile_ray or "single",
         )
     # After the service stopped, so the baseline has the device to itself (it is the single
     # client's reference, not needed without that run).

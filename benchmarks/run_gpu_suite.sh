@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | default-pairs | decode-memo | decode-memo-pairs | profile-memo | pages-plans | timeline | timeline-spy | timeline-worker | repeats | refills | refills-final | loop-idle | loop-idle-check | check-cost | checks-after | checks-final | pairs-no-check | uvloop | uvloop-diag | pairs-four | p99-check | check-unlocked | local-pairs | check-interference | rows-final | graphs-beside-checks | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | default-pairs | decode-memo | decode-memo-pairs | profile-memo | pages-plans | timeline | timeline-spy | timeline-worker | repeats | refills | refills-final | loop-idle | loop-idle-check | check-cost | checks-after | checks-final | pairs-no-check | uvloop | uvloop-diag | pairs-four | p99-check | check-unlocked | local-pairs | check-interference | rows-final | callbacks | profile-concurrent | graphs-beside-checks | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -619,6 +619,25 @@ rows-final)
   timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_decode_graphs.py \
     tests/test_workers_pool.py 2>&1 | tail -40 | tee "$OUT/gpu-tests.log"
   ray_row 420 3 service-h200-ray
+  ;;
+callbacks)
+  # The eighteenth session: a local session's repeated layers answered from their round's
+  # callback (no task per call). The whole Ray row with 2 alternating concurrency pairs,
+  # then 2 pairs on the same host with server.local_session_callbacks off (a task per call).
+  ray_row 300 2 service-h200-ray
+  ray_row 250 2 pairs-tasks-only --phases one_small,concurrent \
+    --set server.local_session_callbacks=false
+  ;;
+profile-concurrent)
+  # Where the coordinator's event-loop thread spends a concurrent call behind Ray: the
+  # in-process diagnostic (no sockets, zero-cost pools) with the callback path, alone and at
+  # 8 clients; then the Ray row's concurrent run under cProfile (that thread only).
+  for c in 1 8; do
+    timeout 60 python3 benchmarks/diag_round_cost.py --clients "$c" --pinned --now 2>&1 | tail -1
+  done
+  ray_row 220 1 profile-concurrent --phases concurrent --profile-ray concurrent \
+    --profile-out "$OUT/ray-profile.txt"
+  grep "^\[" "$OUT/profile-concurrent.log"
   ;;
 graphs-beside-checks)
   # The online check's recomputation (outside the worker's lock) beside a worker's first

@@ -226,6 +226,10 @@ class ServerConfig:
             system's temporary directory). A directory named here must exist and be
             writable, else the server does not start; with the default, a server that
             cannot make its socket logs a warning and serves without local sessions.
+        local_session_callbacks: answer a local session's repeated decode layer (a
+            decode-memo hit) from its worker round's completion callback, without a task
+            per call. False sends every call through a task, as a gRPC Session's are: the
+            same answers, more Python per call (for comparing and diagnosing the two paths).
         gc_freeze: once serving, move every object that exists to the collector's
             permanent generation (`gc.freeze`; undone at stop): full collections then walk
             only what was made since, not the hundreds of thousands of long-lived objects of
@@ -250,6 +254,7 @@ class ServerConfig:
     max_in_flight_per_client: int = 128
     local_sessions: bool = True
     local_session_dir: str | None = None
+    local_session_callbacks: bool = True
     gc_freeze: bool = True
     torch_threads: int | None = None
     event_loop: str = "asyncio"
@@ -267,10 +272,11 @@ class ServerConfig:
         _port("server.port", self.port)
         if not isinstance(self.gc_freeze, bool):
             raise ConfigError(f"server.gc_freeze must be true or false, got {self.gc_freeze!r}")
-        if not isinstance(self.local_sessions, bool):
-            raise ConfigError(
-                f"server.local_sessions must be true or false, got {self.local_sessions!r}"
-            )
+        for name in ("local_sessions", "local_session_callbacks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(
+                    f"server.{name} must be true or false, got {getattr(self, name)!r}"
+                )
         if self.local_session_dir is not None and not (
             isinstance(self.local_session_dir, str) and self.local_session_dir
         ):

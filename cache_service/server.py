@@ -1134,7 +1134,9 @@ async def start_service(
                 DEFAULT_TENANT,
                 limit,
                 on_change=metrics.set_local_sessions,
-                serve_now=servicer.session_call_now,
+                serve_now=(
+                    servicer.session_call_now if config.server.local_session_callbacks else None
+                ),
             )
             try:
                 servicer.local_session_socket = await local.start(config.server.local_session_dir)

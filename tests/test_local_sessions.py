@@ -156,11 +156,13 @@ def test_a_client_on_this_host_uses_it_by_default_and_matches_grpc(svc) -> None:
     svc.check_integrity()
 
 
-def test_a_decode_steps_later_layers_are_answered_without_a_task(monkeypatch) -> None:
+@pytest.mark.parametrize("callbacks", [True, False], ids=["callbacks", "tasks-only"])
+def test_a_decode_steps_later_layers_are_answered_without_a_task(monkeypatch, callbacks) -> None:
     # On a server that reads shared memory in place (as a GPU server does), every layer of
     # a local session's decode step after the first is a decode-memo hit the coordinator
     # repeats: answered from its round's callback (`serve_now`), bit for bit what the same
-    # calls answer the usual way (a twin client sending bytes).
+    # calls answer the usual way (a twin client sending bytes). With
+    # server.local_session_callbacks off, every call takes a task, with the same answers.
     import cache_service.server as server_mod
 
     real = server_mod.SharedRegions
@@ -168,7 +170,8 @@ def test_a_decode_steps_later_layers_are_answered_without_a_task(monkeypatch) ->
         server_mod, "SharedRegions", lambda *a, **k: real(*a, **{**k, "zero_copy": True})
     )
     steps = 3
-    with ServiceHarness(service_config(), local_workers(1, 64)) as harness:
+    config = service_config(**{"server.local_session_callbacks": callbacks})
+    with ServiceHarness(config, local_workers(1, 64)) as harness:
         local = harness.service.local_sessions
         with (
             KVCacheClient(harness.address) as shm,
@@ -178,7 +181,7 @@ def test_a_decode_steps_later_layers_are_answered_without_a_task(monkeypatch) ->
             gen = torch.Generator().manual_seed(8)
             ids, twins = decode_with_twins(shm, plain, 3, steps, gen)
             assert shm.local_session_active and plain.local_session_active
-            assert local.calls_now - before_now == steps * (NL - 1)
+            assert local.calls_now - before_now == (steps * (NL - 1) if callbacks else 0)
             assert local.calls - before == 2 * steps * NL
             for s in ids + twins:
                 shm.free(s)
