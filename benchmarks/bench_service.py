@@ -44,12 +44,15 @@ import pstats
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import thread_cpu
 import torch
+from cpu_pinning import reserve_core
+from gc_time import GCTimer
 
 from cache_service import event_loop
 from cache_service.bench import BenchConfig, BenchResult, percentile, run_decode_bench
@@ -185,6 +188,8 @@ def through_service(
     pairs: int = 1,
     worker_calls: dict[str, int] | None = None,
     profile_phase: str = "single",
+    loop_cpu: int | None = None,
+    threads: bool = False,
 ) -> dict[str, BenchResult]:
     """Start a service, run the single-client and the concurrency benchmarks, stop it.
 
@@ -197,6 +202,12 @@ def through_service(
     cuda_graphs: the service's CUDA pools replay repeated layers as graphs (workers.cuda_graphs).
     phases: which of PHASES to run.
     overrides: further service configuration (`service_config`).
+    loop_cpu: give the coordinator's event-loop thread this CPU's core to itself
+        (`cpu_pinning.reserve_core`, before every run: clients and Ray's processes on the
+        other CPUs).
+    threads: print the busiest threads (this process's, the clients', Ray's) over each
+        run's timed steps (`thread_cpu`; reading /proc there takes the GIL a while at both
+        ends: for finding the pace setter, not for the figures).
     worker_calls: filled with the per-layer worker calls of Ray workers (warm-up included)
         that went over the worker channel ("channel"), of those as repeats ("repeats"), and
         through Ray ("ray")."""
@@ -219,6 +230,8 @@ def through_service(
         # The event-loop thread's CPU clock, readable from the thread the clients run in:
         # how busy the coordinator's one thread was over the timed steps.
         loop_clock = time.pthread_getcpuclockid(threading.get_ident())
+        collector = GCTimer()
+        collector.__enter__()
         try:
             out = {}
             runs = (
@@ -249,12 +262,27 @@ def through_service(
                     processes=True,
                     server_cpu_clock=functools.partial(time.clock_gettime, loop_clock),
                 )
+                if loop_cpu is not None:
+                    others, moved = reserve_core(loop_cpu)
+                    print(
+                        f"event loop on CPU {loop_cpu}; {moved} other threads on "
+                        f"{len(others)} CPUs",
+                        flush=True,
+                    )
+                    run = functools.partial(_on_cpus, others, run)
                 prof = cProfile.Profile() if profile is not None and key == profile_phase else None
                 if prof is not None:
                     prof.enable()  # the event loop's thread: gRPC handlers and coordinator
                 before = worker_rounds(running.metrics)
                 checks_before = correctness_checks(running.metrics)
                 now_before = local_calls(running)
+                collector.reset()
+                snapshots: list[tuple[float, thread_cpu.Snapshot]] = []
+                if threads:
+                    run = functools.partial(run, server_cpu_clock=functools.partial(
+                        _clock_and_threads, functools.partial(time.clock_gettime, loop_clock),
+                        snapshots,
+                    ))  # fmt: skip
                 result = await loop.run_in_executor(None, run, running.address, cfg)
                 now_after = local_calls(running)
                 after = worker_rounds(running.metrics)
@@ -275,6 +303,7 @@ def through_service(
                     f"[{time.strftime('%H:%M:%S')}] {key}: {result.tokens_per_s:.1f} tok/s, p50 "
                     f"{result.p50_ms:.3f} ms, {per_call or 0:.1f} sequences per worker call"
                     + ("" if cpu is None else f", loop {cpu / result.wall_seconds:.2f} busy")
+                    + f", {collector.line()} over the run (setup included)"
                     + (
                         ""
                         if now_after[0] == now_before[0]
@@ -283,6 +312,10 @@ def through_service(
                     ),
                     flush=True,
                 )
+                if len(snapshots) == 2:
+                    (t0, first), (t1, last) = snapshots
+                    busy = thread_cpu.busiest(first, last, t1 - t0)
+                    print("  busiest threads: " + "; ".join(busy), flush=True)
                 if prof is not None:
                     prof.disable()
                     text = io.StringIO()
@@ -297,9 +330,22 @@ def through_service(
                 worker_calls["repeats"] = sum(getattr(c, "channel_repeats", 0) for c in clients)
             return out
         finally:
+            collector.__exit__()
             await running.stop()
 
     return event_loop.run(main(), config.server.event_loop)
+
+
+def _clock_and_threads(clock: Callable[[], float], snapshots: list[tuple[float, Any]]) -> float:
+    """`clock()`, after keeping (now, every thread's CPU so far) in `snapshots`."""
+    snapshots.append((time.perf_counter(), thread_cpu.snapshot()))
+    return clock()
+
+
+def _on_cpus(cpus: set[int], run: Callable[..., Any], *args: Any) -> Any:
+    """`run(*args)` on a thread (and its client processes) kept to `cpus`."""
+    os.sched_setaffinity(0, cpus)
+    return run(*args)
 
 
 def local_calls(running: Any) -> tuple[int, int]:
@@ -658,6 +704,18 @@ def main(argv: list[str] | None = None) -> int:
         help="server.event_loop: the coordinator's event loop (default: the service's, asyncio)",
     )
     parser.add_argument(
+        "--loop-cpu",
+        type=int,
+        help="the Ray row's coordinator event-loop thread on this CPU, its core kept free "
+        "of every other thread of the benchmark (clients, Ray) (benchmarks/cpu_pinning.py)",
+    )
+    parser.add_argument(
+        "--threads",
+        action="store_true",
+        help="print the Ray row's busiest threads over each run's timed steps (a diagnostic: "
+        "it disturbs the figures a little)",
+    )
+    parser.add_argument(
         "--profile-ray",
         choices=PHASES,
         help="the Ray row runs only this phase, under cProfile (the server's event-loop "
@@ -747,6 +805,8 @@ def main(argv: list[str] | None = None) -> int:
             worker_calls=worker_calls[label],
             profile=args.profile_out if args.profile_ray else None,
             profile_phase=args.profile_ray or "single",
+            loop_cpu=args.loop_cpu,
+            threads=args.threads,
         )
     # After the service stopped, so the baseline has the device to itself (it is the single
     # client's reference, not needed without that run).

@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | default-pairs | decode-memo | decode-memo-pairs | profile-memo | pages-plans | timeline | timeline-spy | timeline-worker | repeats | refills | refills-final | loop-idle | loop-idle-check | check-cost | checks-after | checks-final | pairs-no-check | uvloop | uvloop-diag | pairs-four | p99-check | check-unlocked | local-pairs | check-interference | rows-final | callbacks | profile-concurrent | graphs-beside-checks | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | default-pairs | decode-memo | decode-memo-pairs | profile-memo | pages-plans | timeline | timeline-spy | timeline-worker | repeats | refills | refills-final | loop-idle | loop-idle-check | check-cost | checks-after | checks-final | pairs-no-check | uvloop | uvloop-diag | pairs-four | p99-check | check-unlocked | local-pairs | check-interference | rows-final | callbacks | profile-concurrent | pinned-loop | threads | gc-runs | graphs-beside-checks | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -638,6 +638,29 @@ profile-concurrent)
   ray_row 220 1 profile-concurrent --phases concurrent --profile-ray concurrent \
     --profile-out "$OUT/ray-profile.txt"
   grep "^\[" "$OUT/profile-concurrent.log"
+  ;;
+pinned-loop)
+  # The host's CPU topology; the whole Ray row with the coordinator's event-loop thread on a
+  # core of its own (--loop-cpu: clients and Ray kept off that core), 2 pairs; then 2 pairs
+  # unpinned on the same host.
+  lscpu | grep -E "Model name|Thread|Core|Socket|NUMA node|MHz"
+  echo "cpu2 siblings: $(cat /sys/devices/system/cpu/cpu2/topology/thread_siblings_list)"
+  ray_row 300 2 service-h200-ray --loop-cpu 2
+  grep -h "^\[\|event loop" "$OUT/service-h200-ray.log"
+  ray_row 240 2 pairs-unpinned --phases one_small,concurrent
+  grep -h "^\[" "$OUT/pairs-unpinned.log"
+  ;;
+threads)
+  # The busiest threads (server, clients, Ray worker) over each timed run of 2 concurrency
+  # pairs: what sets the pace when the event loop is not saturated.
+  ray_row 300 2 pairs-threads --phases one_small,concurrent --threads
+  grep -h "^\[\|busiest" "$OUT/pairs-threads.log"
+  ;;
+gc-runs)
+  # Two concurrent runs back to back: how much time the collector takes in each (the
+  # second concurrent run of a pair was the slower in 4 of 5 pairs this session).
+  ray_row 250 2 concurrent-gc --phases concurrent
+  grep -h "^\[" "$OUT/concurrent-gc.log"
   ;;
 graphs-beside-checks)
   # The online check's recomputation (outside the worker's lock) beside a worker's first

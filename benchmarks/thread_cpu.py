@@ -1,0 +1,63 @@
+"""Which threads of a process tree were busy over an interval (a benchmark diagnostic).
+
+Reads utime + stime of every thread of a process and of its descendants (the clients,
+Ray's raylet and workers) from /proc, before and after a run; `busiest` names the threads
+that used the most CPU, as a fraction of the run's wall time (1.0: a CPU all the time).
+Resolution: the kernel's clock tick (10 ms at the usual 100 Hz), so runs of seconds.
+
+Linux only.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from cpu_pinning import descendants
+
+__all__ = ["busiest", "snapshot"]
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+Snapshot = dict[tuple[int, int], tuple[str, int]]
+
+
+def _label(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").strip()
+    except OSError:
+        return str(pid)
+    text = raw.decode(errors="replace")
+    return text if text.startswith("ray::") else text.rsplit("/", 1)[-1][:48]
+
+
+def snapshot(root: int | None = None) -> Snapshot:
+    """CPU ticks so far of every thread of `root` (default: this process) and its
+    descendants, keyed by (pid, tid), with a label "process | thread name"."""
+    root = os.getpid() if root is None else root
+    out: Snapshot = {}
+    for pid in [root, *descendants(root)]:
+        name = _label(pid)
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                stat = (task / "stat").read_text()
+            except OSError:
+                continue
+            # Fields after the parenthesised name (which may hold spaces): state is the
+            # first, utime and stime the 12th and 13th.
+            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            tid = int(task.name)
+            thread = f"{comm} (main)" if tid == pid else comm
+            out[(pid, tid)] = (f"{name} | {thread}", int(fields[11]) + int(fields[12]))
+    return out
+
+
+def busiest(before: Snapshot, after: Snapshot, wall_s: float, top: int = 6) -> list[str]:
+    """The `top` threads by CPU used between the snapshots, as "busy label" lines."""
+    used = []
+    for key, (label, ticks) in after.items():
+        spent = (ticks - before.get(key, (label, 0))[1]) * _TICK_S
+        used.append((spent, label))
+    used.sort(reverse=True)
+    return [f"{spent / wall_s:.2f} {label}" for spent, label in used[:top] if spent > 0]
