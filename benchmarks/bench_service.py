@@ -55,7 +55,14 @@ from cpu_pinning import reserve_core
 from gc_time import GCTimer
 
 from cache_service import event_loop
-from cache_service.bench import BenchConfig, BenchResult, percentile, run_decode_bench
+from cache_service.bench import (
+    BenchConfig,
+    BenchResult,
+    fill_bases,
+    free_bases,
+    percentile,
+    run_decode_bench,
+)
 from cache_service.config import CoordinatorConfig, ServiceConfig
 from cache_service.event_loop import EVENT_LOOPS
 from cache_service.server import start_service
@@ -190,6 +197,7 @@ def through_service(
     profile_phase: str = "single",
     loop_cpu: int | None = None,
     threads: bool = False,
+    fresh_contexts: bool = False,
 ) -> dict[str, BenchResult]:
     """Start a service, run the single-client and the concurrency benchmarks, stop it.
 
@@ -205,6 +213,11 @@ def through_service(
     loop_cpu: give the coordinator's event-loop thread this CPU's core to itself
         (`cpu_pinning.reserve_core`, before every run: clients and Ray's processes on the
         other CPUs).
+    fresh_contexts: every run fills new sequences of `setup.context` tokens (as before the
+        eighteenth session) instead of decoding forks of sequences filled once at the start
+        (`fill_bases`; the concurrent run's clients' sequences, the single run on the first
+        `setup.batch` of them): the same contexts in every run, and each run costs its
+        decode steps rather than a fill of gigabytes.
     threads: print the busiest threads (this process's, the clients', Ray's) over each
         run's timed steps (`thread_cpu`; reading /proc there takes the GIL a while at both
         ends: for finding the pace setter, not for the figures).
@@ -251,6 +264,13 @@ def through_service(
             # Alternating the one-client and concurrent runs spreads a drift of the host's
             # speed over both sides of each pair's ratio.
             runs += tuple((f"{key}@{n}", cfg) for n in range(2, pairs + 1) for key, cfg in runs[1:])
+            bases: tuple[tuple[str, ...], ...] = ()
+            if not fresh_contexts:
+                bases = await loop.run_in_executor(
+                    None,
+                    functools.partial(fill_bases, running.address, runs[2][1], processes=True),
+                )
+                runs = tuple((key, _on_bases(cfg, bases)) for key, cfg in runs)
             for key, cfg in runs:
                 phase = key.split("@")[0]
                 # Clients in their own processes: a client sharing the server's GIL would
@@ -328,12 +348,25 @@ def through_service(
                 worker_calls["channel"] = sum(getattr(c, "channel_calls", 0) for c in clients)
                 worker_calls["ray"] = sum(getattr(c, "ray_data_calls", 0) for c in clients)
                 worker_calls["repeats"] = sum(getattr(c, "channel_repeats", 0) for c in clients)
+            if bases:
+                await loop.run_in_executor(None, free_bases, running.address, bases)
             return out
         finally:
             collector.__exit__()
             await running.stop()
 
     return event_loop.run(main(), config.server.event_loop)
+
+
+def _on_bases(cfg: BenchConfig, bases: tuple[tuple[str, ...], ...]) -> BenchConfig:
+    """`cfg` decoding forks of `bases` (filled by `fill_bases` for the concurrent run):
+    its clients' batches cut in order from all of the bases' sequences."""
+    pool = [seq_id for ids in bases for seq_id in ids]
+    need = cfg.clients * cfg.batch
+    if need > len(pool):
+        raise ValueError(f"{need} sequences wanted, {len(pool)} filled")
+    per_client = tuple(tuple(pool[i * cfg.batch : (i + 1) * cfg.batch]) for i in range(cfg.clients))
+    return replace(cfg, bases=per_client)
 
 
 def _clock_and_threads(clock: Callable[[], float], snapshots: list[tuple[float, Any]]) -> float:
@@ -549,6 +582,14 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
         f"- decode: batch {setup.batch}, context {setup.context}, {setup.steps} timed steps "
         f"of {lay.num_layers} append-and-attend calls (3 warm-up steps); batching window "
         f"{args.batch_window_ms} ms",
+        "- contexts: "
+        + (
+            "every run fills new sequences"
+            if args.fresh_contexts
+            else f"the concurrent run's {setup.concurrent_clients * setup.concurrent_batch} "
+            "sequences filled once per service; every run decodes forks of them (the single "
+            f"run of the first {setup.batch}), freed after it"
+        ),
         f"- client call: {API_TEXT[args.api]}; transports (rows): "
         + "; ".join(TRANSPORTS[t].label for t in args.transports.split(",")),
         "- online correctness check: "
@@ -704,6 +745,12 @@ def main(argv: list[str] | None = None) -> int:
         help="server.event_loop: the coordinator's event loop (default: the service's, asyncio)",
     )
     parser.add_argument(
+        "--fresh-contexts",
+        action="store_true",
+        help="every run fills new sequences (the default decodes forks of sequences filled "
+        "once per service: the same contexts in every run, and runs cost their steps only)",
+    )
+    parser.add_argument(
         "--loop-cpu",
         type=int,
         help="the Ray row's coordinator event-loop thread on this CPU, its core kept free "
@@ -772,6 +819,7 @@ def main(argv: list[str] | None = None) -> int:
             phases=phases,
             overrides=overrides,
             pairs=args.pairs,
+            fresh_contexts=args.fresh_contexts,
         )
     if args.profile:
         # A shorter context: filling 8 GiB again would cost more than the profile tells.
@@ -802,6 +850,7 @@ def main(argv: list[str] | None = None) -> int:
             phases=phases,
             overrides={**overrides, "workers.channel_arena_bytes": arena},
             pairs=args.pairs,
+            fresh_contexts=args.fresh_contexts,
             worker_calls=worker_calls[label],
             profile=args.profile_out if args.profile_ray else None,
             profile_phase=args.profile_ray or "single",

@@ -8,6 +8,11 @@ per sequence: what a model's decode step does. Per-call latency is wall time aro
 as the client sees it (serialisation, network, coordinator, worker, kernels, reply).
 
 K/V and queries are random: the figures measure the service, not a model.
+
+Several runs against one server can share their filling: `fill_bases` fills the sequences
+once, and a run whose config names them (`BenchConfig.bases`) decodes forks of them
+instead, each fork sharing its base's blocks (a separate context per sequence, as before)
+and freed after the run, so every run starts from the same `context` tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +29,14 @@ import torch
 
 from cache_service.client import AppendAttendItem, KVCacheClient
 
-__all__ = ["BenchConfig", "BenchResult", "percentile", "run_decode_bench"]
+__all__ = [
+    "BenchConfig",
+    "BenchResult",
+    "fill_bases",
+    "free_bases",
+    "percentile",
+    "run_decode_bench",
+]
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,9 @@ class BenchConfig:
         local_session: where the session's messages go (KVCacheClient's local_session):
             "auto" (default) the server's local socket when this process can reach it,
             True that socket or fail, False the gRPC stream.
+        bases: sequences filled with `context` tokens beforehand (`fill_bases`), one
+            tuple of `batch` ids per client: each client decodes forks of its tuple (freed
+            after the run; the bases stay as they are) instead of filling new sequences.
     """
 
     batch: int = 8
@@ -63,6 +78,7 @@ class BenchConfig:
     session: bool = True
     shared_memory: bool = True
     local_session: bool | str = "auto"
+    bases: tuple[tuple[str, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "context", "steps", "clients", "num_q_heads"):
@@ -79,6 +95,13 @@ class BenchConfig:
             )
         if self.api not in ("batch", "items"):
             raise ValueError(f"api must be batch or items, got {self.api!r}")
+        if self.bases is not None and (
+            len(self.bases) != self.clients or any(len(b) != self.batch for b in self.bases)
+        ):
+            raise ValueError(
+                f"bases must hold {self.clients} tuple(s) of {self.batch} sequence ids (one "
+                f"per client), got {[len(b) for b in self.bases]}"
+            )
 
 
 @dataclass
@@ -132,6 +155,10 @@ class BenchResult:
         return self.tokens / self.wall_seconds if self.wall_seconds else 0.0
 
 
+# Client i of a run draws its random data from seed _FIRST_SEED + i.
+_FIRST_SEED = 1000
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0..100) by linear interpolation; 0 for no values."""
     if not values:
@@ -141,6 +168,35 @@ def percentile(values: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(data) - 1)
     return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def _client(target: str, token: str | None, cfg: BenchConfig) -> KVCacheClient:
+    return KVCacheClient(
+        target,
+        token=token,
+        timeout_s=cfg.timeout_s,
+        session=cfg.session,
+        shared_memory="auto" if cfg.shared_memory else False,
+        local_session=cfg.local_session if cfg.session else False,
+    )
+
+
+def _fill(client: KVCacheClient, cfg: BenchConfig, seed: int, seqs: list[Any]) -> None:
+    """Create `cfg.batch` sequences into `seqs` (so a caller's cleanup sees each as soon as
+    it exists) and fill each with `cfg.context` tokens on every layer."""
+    layout = client.info().layout
+    dtype = getattr(torch, cfg.dtype)
+    gen = torch.Generator().manual_seed(seed)
+    hkv, d, num_layers = layout.num_kv_heads, layout.head_dim, layout.num_layers
+    for _ in range(cfg.batch):
+        seqs.append(client.create_sequence())
+    # One random context for every sequence (drawing 2048 x 32 layers of K/V per sequence
+    # would dominate the setup); distinct token ids keep the sequences' blocks distinct, so
+    # attention reads a separate context per sequence.
+    kv = torch.randn(num_layers, cfg.context, hkv, d, generator=gen).to(dtype)
+    for i, s in enumerate(seqs):
+        ids = [(seed * 7919 + i * 104729 + t) % 2**31 for t in range(cfg.context)]
+        client.append(s.seq_id, ids, kv, kv, layer=None)
 
 
 def _client_run(
@@ -154,27 +210,18 @@ def _client_run(
 ) -> None:
     dtype = getattr(torch, cfg.dtype)
     try:
-        with KVCacheClient(
-            target,
-            token=token,
-            timeout_s=cfg.timeout_s,
-            session=cfg.session,
-            shared_memory="auto" if cfg.shared_memory else False,
-            local_session=cfg.local_session if cfg.session else False,
-        ) as client:
+        with _client(target, token, cfg) as client:
             layout = client.info().layout
-            gen = torch.Generator().manual_seed(seed)
             hkv, d, num_layers = layout.num_kv_heads, layout.head_dim, layout.num_layers
-            seqs = [client.create_sequence() for _ in range(cfg.batch)]
+            seqs: list[Any] = []
             try:
-                # One random context for every sequence (drawing 2048 x 32 layers of K/V per
-                # sequence would dominate the setup); distinct token ids keep the sequences'
-                # blocks distinct, so attention reads a separate context per sequence.
-                kv = torch.randn(num_layers, cfg.context, hkv, d, generator=gen).to(dtype)
-                for i, s in enumerate(seqs):
-                    ids = [(seed * 7919 + i * 104729 + t) % 2**31 for t in range(cfg.context)]
-                    client.append(s.seq_id, ids, kv, kv, layer=None)
+                if cfg.bases is None:
+                    _fill(client, cfg, seed, seqs)
+                else:
+                    for base in cfg.bases[seed - _FIRST_SEED]:
+                        seqs.append(client.fork(base))
                 # Random tensors are made once: generating them is not what is measured.
+                gen = torch.Generator().manual_seed(seed + 1)
                 k = torch.randn(cfg.batch, 1, hkv, d, generator=gen).to(dtype)
                 q = torch.randn(cfg.batch, 1, cfg.num_q_heads, d, generator=gen).to(dtype)
 
@@ -208,6 +255,99 @@ def _client_run(
     except BaseException as exc:
         errors.append(exc)
         start.abort()
+
+
+def _fill_process(target: str, token: str | None, cfg: BenchConfig, seed: int, queue: Any) -> None:
+    """`_fill_main` in a client process of its own (one intra-op thread, as `_process_main`)."""
+    torch.set_num_threads(1)
+    _fill_main(target, token, cfg, seed, queue)
+
+
+def _fill_main(target: str, token: str | None, cfg: BenchConfig, seed: int, queue: Any) -> None:
+    """`fill_bases`' work for one client: put (seed, ids, error text or None) on `queue`; a
+    failure frees what it filled."""
+    seqs: list[Any] = []
+    try:
+        with _client(target, token, cfg) as client:
+            try:
+                _fill(client, cfg, seed, seqs)
+            except BaseException:
+                for s in seqs:
+                    s.free()
+                raise
+        queue.put((seed, tuple(s.seq_id for s in seqs), None))
+    except BaseException as exc:
+        queue.put((seed, (), repr(exc)))
+
+
+def fill_bases(
+    target: str, cfg: BenchConfig, *, token: str | None = None, processes: bool = False
+) -> tuple[tuple[str, ...], ...]:
+    """Create and fill what `cfg`'s clients would fill (`cfg.clients` x `cfg.batch`
+    sequences of `cfg.context` tokens on every layer, the same token ids), the clients in
+    parallel; the ids, one tuple per client, for `BenchConfig.bases`. The caller frees
+    them (`free_bases`). Raises the first client's error (after freeing every filled
+    sequence).
+
+    processes: one process per client (as in `run_decode_bench`), else one thread each.
+    """
+    seeds = [_FIRST_SEED + i for i in range(cfg.clients)]
+    results: dict[int, tuple[tuple[str, ...], str | None]] = {}
+    if processes:
+        ctx = multiprocessing.get_context("spawn")
+        queue: Any = ctx.Queue()
+        procs = [
+            ctx.Process(target=_fill_process, args=(target, token, cfg, seed, queue), daemon=True)
+            for seed in seeds
+        ]
+        for p in procs:
+            p.start()
+        for _ in procs:
+            try:
+                seed, ids, error = queue.get(timeout=max(600.0, cfg.timeout_s))
+            except Exception:  # queue.Empty: a process died without reporting
+                break
+            results[seed] = (ids, error)
+        for p in procs:
+            p.join()
+        while len(results) < len(procs):  # reports that came after a process died
+            try:
+                seed, ids, error = queue.get(timeout=1.0)
+            except Exception:
+                break
+            results[seed] = (ids, error)
+    else:
+        import queue as queue_module
+
+        local: Any = queue_module.SimpleQueue()
+        threads = [
+            threading.Thread(target=_fill_main, args=(target, token, cfg, seed, local))
+            for seed in seeds
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        while not local.empty():
+            seed, ids, error = local.get()
+            results[seed] = (ids, error)
+    bases = tuple(results.get(seed, ((), "the filling process died"))[0] for seed in seeds)
+    errors = [results.get(seed, ((), "the filling process died"))[1] for seed in seeds]
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None:
+        free_bases(target, bases, token=token)
+        raise RuntimeError(f"filling the bench's sequences failed: {failed}")
+    return bases
+
+
+def free_bases(
+    target: str, bases: tuple[tuple[str, ...], ...], *, token: str | None = None
+) -> None:
+    """Free the sequences `fill_bases` made."""
+    with KVCacheClient(target, token=token) as client:
+        for ids in bases:
+            for seq_id in ids:
+                client.free(seq_id)
 
 
 def _watch(processes: list[Any], barrier: Any, finished: threading.Event) -> None:
@@ -259,7 +399,7 @@ def run_decode_bench(
         workers: list[Any] = [
             ctx.Process(
                 target=_process_main,
-                args=(target, token, cfg, 1000 + i, barrier, queue),
+                args=(target, token, cfg, _FIRST_SEED + i, barrier, queue),
                 daemon=True,
             )
             for i in range(cfg.clients)
@@ -269,7 +409,7 @@ def run_decode_bench(
         workers = [
             threading.Thread(
                 target=_client_run,
-                args=(target, token, cfg, 1000 + i, barrier, per_client[i], errors),
+                args=(target, token, cfg, _FIRST_SEED + i, barrier, per_client[i], errors),
                 daemon=True,
             )
             for i in range(cfg.clients)
@@ -300,9 +440,9 @@ def run_decode_bench(
             except Exception:  # queue.Empty: a process died without reporting
                 errors.append(RuntimeError("a client process died; see its stderr"))
                 break
-            per_client[seed - 1000] = times
+            per_client[seed - _FIRST_SEED] = times
             if error is not None:
-                errors.append(RuntimeError(f"client {seed - 1000}: {error}"))
+                errors.append(RuntimeError(f"client {seed - _FIRST_SEED}: {error}"))
     for w in workers:
         w.join()
     if errors:
