@@ -20,7 +20,7 @@ __all__ = ["core_siblings", "descendants", "reserve_core"]
 
 # What the process may use, read before anything is pinned (a pinned thread's own set is
 # its one CPU).
-_USABLE = frozenset(os.sched_getaffinity(0))
+_USABLE = frozenset(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ())
 
 
 def core_siblings(cpu: int) -> set[int]:

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from queue import SimpleQueue
 from typing import Any
 
 import torch
@@ -317,9 +318,7 @@ def fill_bases(
                 break
             results[seed] = (ids, error)
     else:
-        import queue as queue_module
-
-        local: Any = queue_module.SimpleQueue()
+        local: SimpleQueue[Any] = SimpleQueue()
         threads = [
             threading.Thread(target=_fill_main, args=(target, token, cfg, seed, local))
             for seed in seeds
