@@ -870,7 +870,7 @@ class Coordinator:
             step = self._reusable_step(tenant, layer, seq_ids, items)
             if step is None:
                 plans = self._prepare_append(tenant, layer, items)
-            committed = 0
+            committed = False
             try:
                 if step is None:
                     if any(plan.copies for plan in plans):
@@ -902,20 +902,20 @@ class Coordinator:
                     answer = [_stacked(len(items), parts, outputs, queries[0].dtype, return_lse)]
                 else:
                     answer = _reassemble(len(items), parts, outputs, [q.dtype for q in queries])
+                # All or nothing: every write is checked before any is committed.
+                self.block_manager.commit_writes(
+                    tenant, layer, [(it.seq_id, len(it.token_ids)) for it in items]
+                )
+                committed = True
                 if step is None:
-                    for it in items:
-                        self.block_manager.commit_write(tenant, it.seq_id, layer, len(it.token_ids))
-                        committed += 1
                     self._remember_step(tenant, seq_ids, plans, parts)
                 else:
-                    n = step.snapshot.num_tokens
-                    self.block_manager.commit_writes(tenant, layer, [(s, n) for s in seq_ids])
-                    committed = len(items)
                     step.plan = parts[0][1].plan
             except BaseException:
                 # A failed call keeps none of what it reserved (its writes, if they landed,
                 # sit in slots nobody reads and go back to the pool).
-                self._cancel_writes(tenant, seq_ids[committed:])
+                if not committed:
+                    self._cancel_writes(tenant, seq_ids)
                 raise
         if self.metrics is not None:
             self.metrics.add_tokens_appended(sum(len(it.token_ids) for it in items))

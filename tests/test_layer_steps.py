@@ -822,3 +822,36 @@ def test_a_failure_making_the_answer_keeps_no_write(monkeypatch, path: str) -> N
         coord.block_manager.check_integrity()
 
     run(scenario)
+
+
+def test_a_commit_failing_on_a_later_write_keeps_none_of_the_calls_writes(monkeypatch) -> None:
+    # The full path commits a call's writes all or nothing: a failure checking its second
+    # write (injected) leaves the first uncommitted too, and the same call then succeeds.
+    async def scenario(coord: Coordinator) -> None:
+        seqs = [(await coord.create_sequence("t")).seq_id for _ in range(B)]
+        model = Model(seqs)
+        items, q = model.items(0, 0)
+        real = coord.block_manager._committed_length
+        seen: list[int] = []
+
+        def second_fails(*args: Any) -> int:
+            seen.append(1)
+            if len(seen) == 2:
+                raise InvalidRequest("an injected failure checking the second write")
+            return real(*args)
+
+        with monkeypatch.context() as patched:
+            patched.setattr(coord.block_manager, "_committed_length", second_fails)
+            with pytest.raises(InvalidRequest, match="injected"):
+                await coord.append_attend("t", 0, items, True)
+        for s in seqs:
+            assert coord.block_manager.sequence_info("t", s).written == (0,) * LAYERS
+        assert not any(coord._locks.held(s) for s in seqs)
+        coord.block_manager.check_integrity()
+        results = await coord.append_attend("t", 0, items, True)
+        model.check(results, q)
+        for s in seqs:
+            assert coord.block_manager.sequence_info("t", s).written == (1, 0, 0)
+        coord.block_manager.check_integrity()
+
+    run(scenario)
