@@ -664,7 +664,7 @@ gc-runs)
   ;;
 forks-pairs)
   # The Ray row with the runs decoding forks of sequences filled once (bench_service's
-  # default since the eighteenth session: a run costs its steps, not a fill of 8 GiB), so
+  # default since the eighteenth session: a run costs its steps, not a fill of 16 GiB), so
   # 8 alternating concurrency pairs fit one call.
   ray_row 540 8 service-h200-ray
   grep -h "^\[" "$OUT/service-h200-ray.log"
