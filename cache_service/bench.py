@@ -182,10 +182,10 @@ def _client(target: str, token: str | None, cfg: BenchConfig) -> KVCacheClient:
     )
 
 
-def _fill(client: KVCacheClient, cfg: BenchConfig, seed: int, seqs: list[Any]) -> None:
+def _fill(client: KVCacheClient, layout: Any, cfg: BenchConfig, seed: int, seqs: list[Any]) -> None:
     """Create `cfg.batch` sequences into `seqs` (so a caller's cleanup sees each as soon as
-    it exists) and fill each with `cfg.context` tokens on every layer."""
-    layout = client.info().layout
+    it exists) and fill each with `cfg.context` tokens on every layer of `layout` (the
+    service's, from `client.info()`)."""
     dtype = getattr(torch, cfg.dtype)
     gen = torch.Generator().manual_seed(seed)
     hkv, d, num_layers = layout.num_kv_heads, layout.head_dim, layout.num_layers
@@ -217,7 +217,7 @@ def _client_run(
             seqs: list[Any] = []
             try:
                 if cfg.bases is None:
-                    _fill(client, cfg, seed, seqs)
+                    _fill(client, layout, cfg, seed, seqs)
                 else:
                     for base in cfg.bases[seed - _FIRST_SEED]:
                         seqs.append(client.fork(base))
@@ -271,7 +271,7 @@ def _fill_main(target: str, token: str | None, cfg: BenchConfig, seed: int, queu
     try:
         with _client(target, token, cfg) as client:
             try:
-                _fill(client, cfg, seed, seqs)
+                _fill(client, client.info().layout, cfg, seed, seqs)
             except BaseException:
                 for s in seqs:
                     s.free()
