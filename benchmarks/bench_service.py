@@ -198,6 +198,7 @@ def through_service(
     loop_cpu: int | None = None,
     threads: bool = False,
     fresh_contexts: bool = False,
+    alternate_checks: bool = False,
 ) -> dict[str, BenchResult]:
     """Start a service, run the single-client and the concurrency benchmarks, stop it.
 
@@ -221,6 +222,9 @@ def through_service(
     threads: print the busiest threads (this process's, the clients', Ray's) over each
         run's timed steps (`thread_cpu`; reading /proc there takes the GIL a while at both
         ends: for finding the pace setter, not for the figures).
+    alternate_checks: the online correctness check off (the coordinator's checker set
+        aside) for the runs of every even-numbered pair: what the check costs, read from
+        alternating pairs of one service (a diagnostic; the report's ratio then mixes both).
     worker_calls: filled with the per-layer worker calls of Ray workers (warm-up included)
         that went over the worker channel ("channel"), of those as repeats ("repeats"), and
         through Ray ("ray")."""
@@ -264,6 +268,7 @@ def through_service(
             # Alternating the one-client and concurrent runs spreads a drift of the host's
             # speed over both sides of each pair's ratio.
             runs += tuple((f"{key}@{n}", cfg) for n in range(2, pairs + 1) for key, cfg in runs[1:])
+            checker = running.coordinator.correctness
             bases: tuple[tuple[str, ...], ...] = ()
             if not fresh_contexts:
                 bases = await loop.run_in_executor(
@@ -290,6 +295,9 @@ def through_service(
                         flush=True,
                     )
                     run = functools.partial(_on_cpus, others, run)
+                if alternate_checks:
+                    pair = int(key.split("@")[1]) if "@" in key else 1
+                    running.coordinator.correctness = checker if pair % 2 else None
                 prof = cProfile.Profile() if profile is not None and key == profile_phase else None
                 if prof is not None:
                     prof.enable()  # the event loop's thread: gRPC handlers and coordinator
@@ -324,6 +332,7 @@ def through_service(
                     f"{result.p50_ms:.3f} ms, {per_call or 0:.1f} sequences per worker call"
                     + ("" if cpu is None else f", loop {cpu / result.wall_seconds:.2f} busy")
                     + f", {collector.line()} over the run (setup included)"
+                    + f", {checked[0]} checks ({checked[1] * 1e3:.0f} ms in all)"
                     + (
                         ""
                         if now_after[0] == now_before[0]
@@ -604,11 +613,13 @@ def report(setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple
             if args.correctness_check_sequences is None
             else f", at most {args.correctness_check_sequences} sequences each"
         )
-        + " (a checked round answers first, its check runs beside the traffic)",
+        + " (a checked round answers first, its check runs beside the traffic)"
+        + ("; off in the Ray row's even-numbered pairs" if args.alternate_checks else ""),
         f"- the coordinator's event loop (server.event_loop): {args.event_loop or 'asyncio'}",
         f"- the service's CUDA pools replay repeated layers as CUDA graphs: "
         f"{'no' if args.no_graphs else 'yes'}; runs: {args.phases}",
-        "- each client runs in its own process (loopback gRPC); one worker; the server's "
+        "- each client runs in its own process (over loopback, by the row's transport); one "
+        "worker; the server's "
         "process holds the coordinator, and the pools in the rows that say so (a Ray row's "
         "pool is in a Ray actor on the same device)",
         *(
@@ -724,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="coordinator.correctness_check_fraction (default: the service's, "
         f"{CoordinatorConfig().correctness_check_fraction}): the share of worker rounds "
-        "recomputed with the reference before they answer",
+        "recomputed with the reference (after their callers are answered)",
     )
     parser.add_argument(
         "--correctness-check-sequences",
@@ -761,6 +772,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="print the Ray row's busiest threads over each run's timed steps (a diagnostic: "
         "it disturbs the figures a little)",
+    )
+    parser.add_argument(
+        "--alternate-checks",
+        action="store_true",
+        help="the Ray row's even-numbered pairs run with the online correctness check off "
+        "(a diagnostic of what the check costs; the report's ratio then mixes both)",
     )
     parser.add_argument(
         "--profile-ray",
@@ -856,6 +873,7 @@ def main(argv: list[str] | None = None) -> int:
             profile_phase=args.profile_ray or "single",
             loop_cpu=args.loop_cpu,
             threads=args.threads,
+            alternate_checks=args.alternate_checks,
         )
     # After the service stopped, so the baseline has the device to itself (it is the single
     # client's reference, not needed without that run).
