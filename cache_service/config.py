@@ -22,6 +22,7 @@ torch, Ray nor gRPC.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -387,14 +388,28 @@ class CoordinatorConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    """The Prometheus /metrics endpoint (port 0: any free port)."""
+    """The Prometheus /metrics endpoint (port 0: any free port).
+
+    Attributes:
+        enabled: serve /metrics over HTTP.
+        host, port: where it listens.
+        event_loop_lag_interval_s: how often the coordinator's event loop is probed for its
+            lag (`kvcache_event_loop_lag_seconds`), seconds; 0 disables the probe.
+    """
 
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = 9400
+    event_loop_lag_interval_s: float = 0.5
 
     def __post_init__(self) -> None:
         _port("metrics.port", self.port)
+        _non_negative("metrics.event_loop_lag_interval_s", self.event_loop_lag_interval_s)
+        if not math.isfinite(self.event_loop_lag_interval_s):
+            raise ConfigError(
+                "metrics.event_loop_lag_interval_s must be a finite number of seconds, got "
+                f"{self.event_loop_lag_interval_s!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from prometheus_client import (
 from prometheus_client import start_http_server as _start_http_server
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
+from cache_service.metrics_loop import LoopCPUCollector, thread_cpu_clock
 from cache_service.metrics_rpc import RpcMetricsInterceptor
 from cache_service.metrics_stats import CacheStatsCollector, StatsBinding
 
@@ -67,6 +68,9 @@ WORKER_CALL_BUCKETS = (
     2.5,
     10,
 )
+# How late the event loop ran a callback that was due, seconds: from a loop with time to
+# spare (tens of microseconds) to one stalled for a second.
+LOOP_LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 # Requests coalesced into one worker call: powers of two up to a large decode batch.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -163,6 +167,7 @@ class ServiceMetrics:
         self._lock = threading.Lock()
         self._epochs: dict[str, str] = {}
         self._stats_collector: CacheStatsCollector | None = None
+        self._loop_collector: LoopCPUCollector | None = None
         p = prefix
         reg = registry
 
@@ -261,6 +266,13 @@ class ServiceMetrics:
             f"{p}_local_sessions",
             "Local sessions open: same-host clients sending Session calls over the server's "
             "Unix domain socket instead of gRPC.",
+            registry=reg,
+        )
+        self.event_loop_lag = Histogram(
+            f"{p}_event_loop_lag_seconds",
+            "How much later than due the coordinator's event loop ran a periodic probe, "
+            "seconds: the wait of a callback that became ready behind the loop's other work.",
+            buckets=LOOP_LAG_BUCKETS,
             registry=reg,
         )
         self.shared_memory_bytes = Gauge(
@@ -420,6 +432,42 @@ class ServiceMetrics:
         """Report the local sessions open (>= 0; `LocalSessions` calls this on changes)."""
         _check_count("sessions", sessions)
         self.local_sessions.set(sessions)
+
+    # -- the coordinator's event loop -------------------------------------------------------
+
+    def bind_event_loop_thread(self, thread_id: int) -> bool:
+        """Export the CPU seconds of the thread running the coordinator's event loop
+        (``threading.get_ident()`` on it) as ``<prefix>_event_loop_cpu_seconds_total``, read
+        at every scrape. Binding again replaces the previous thread.
+
+        Returns:
+            False where the platform has no per-thread CPU clocks (nothing exported).
+        """
+        _check_count("thread_id", thread_id)
+        clock_id = thread_cpu_clock(thread_id)
+        if clock_id is None:
+            return False
+        collector = LoopCPUCollector(self.prefix, clock_id)
+        with self._lock:
+            if self._loop_collector is not None:
+                self.registry.unregister(self._loop_collector)
+            self.registry.register(collector)
+            self._loop_collector = collector
+        return True
+
+    def unbind_event_loop_thread(self) -> None:
+        """Stop exporting the event-loop thread's CPU seconds (the service stopped);
+        idempotent."""
+        with self._lock:
+            if self._loop_collector is not None:
+                self.registry.unregister(self._loop_collector)
+                self._loop_collector = None
+
+    def observe_event_loop_lag(self, seconds: float) -> None:
+        """Record how late the event loop ran a probe that was due, seconds (finite,
+        >= 0; `cache_service.metrics_loop.probe_loop_lag`)."""
+        _check_seconds(seconds)
+        self.event_loop_lag.observe(seconds)
 
     # -- control-plane state ---------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import importlib.metadata
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from cache_service.errors import InvalidRequest
 from cache_service.event_loop import loop_name
 from cache_service.inflight import InFlightLimiter, InFlightLimitInterceptor
 from cache_service.local_sessions import Authenticate, LocalSessions
+from cache_service.metrics_loop import probe_loop_lag
 from cache_service.request_decode import (
     decode_append_attend,
     decode_attend,
@@ -1071,6 +1073,9 @@ async def start_service(
                 {t: TenantQuota(p.max_blocks, p.max_sequences) for t, p in policies.items()}
             )
         metrics.bind_stats(coordinator.stats, loop=asyncio.get_running_loop())
+        # The coordinator's work all runs on this thread: its CPU time is the service's load.
+        metrics.bind_event_loop_thread(threading.get_ident())
+        cleanups.append(metrics.unbind_event_loop_thread)
 
         interceptors: list[grpc.aio.ServerInterceptor] = [metrics.rpc_interceptor()]
         auth = AuthInterceptor(table, METHOD_PERMISSIONS) if table is not None else None
@@ -1177,6 +1182,14 @@ async def start_service(
         _health=health_servicer,
         _cleanups=cleanups,
     )
+    if config.metrics.event_loop_lag_interval_s > 0:
+        running._tasks.append(
+            asyncio.get_running_loop().create_task(
+                probe_loop_lag(
+                    metrics.observe_event_loop_lag, config.metrics.event_loop_lag_interval_s
+                )
+            )
+        )
     if config.coordinator.health_check_interval_s > 0:
         running._tasks.append(
             asyncio.get_running_loop().create_task(

@@ -40,6 +40,12 @@ def test_a_file_sets_sections_and_flags_override_it(tmp_path: Path) -> None:
         ("coordinator: {batch_window_ms: -1}\n", "batch_window_ms must be a number >= 0"),
         ("coordinator: {max_batch_items: yes}\n", "max_batch_items must be an integer"),
         ("metrics: {enabled: 3}\n", "metrics.enabled must be true or false"),
+        ("metrics: {event_loop_lag_interval_s: -1}\n", "event_loop_lag_interval_s must be a"),
+        (
+            "metrics: {event_loop_lag_interval_s: .inf}\n",
+            "event_loop_lag_interval_s must be a finite",
+        ),
+        ("metrics: {event_loop_lag_interval_s: often}\n", "event_loop_lag_interval_s must be"),
         ("server: {local_session_callbacks: 1}\n", "server.local_session_callbacks must be"),
         ("coordinator: {coalesce_layers: 2}\n", "coordinator.coalesce_layers must be true or"),
         ("coordinator: {overlap_rounds: 1}\n", "coordinator.overlap_rounds must be true or"),
