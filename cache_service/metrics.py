@@ -34,7 +34,7 @@ from prometheus_client import (
 from prometheus_client import start_http_server as _start_http_server
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
-from cache_service.metrics_loop import LoopCPUCollector, thread_cpu_clock
+from cache_service.metrics_loop import LoopCPUCollector, current_thread_cpu_clock
 from cache_service.metrics_rpc import RpcMetricsInterceptor
 from cache_service.metrics_stats import CacheStatsCollector, StatsBinding
 
@@ -435,16 +435,16 @@ class ServiceMetrics:
 
     # -- the coordinator's event loop -------------------------------------------------------
 
-    def bind_event_loop_thread(self, thread_id: int) -> bool:
-        """Export the CPU seconds of the thread running the coordinator's event loop
-        (``threading.get_ident()`` on it) as ``<prefix>_event_loop_cpu_seconds_total``, read
-        at every scrape. Binding again replaces the previous thread.
+    def bind_event_loop_thread(self) -> bool:
+        """Export the calling thread's CPU seconds as
+        ``<prefix>_event_loop_cpu_seconds_total``, read at every scrape: call it on the
+        thread that runs the coordinator's event loop. Binding again replaces the previous
+        thread.
 
         Returns:
             False where the platform has no per-thread CPU clocks (nothing exported).
         """
-        _check_count("thread_id", thread_id)
-        clock_id = thread_cpu_clock(thread_id)
+        clock_id = current_thread_cpu_clock()
         if clock_id is None:
             return False
         collector = LoopCPUCollector(self.prefix, clock_id)

@@ -16,24 +16,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["LoopCPUCollector", "probe_loop_lag", "thread_cpu_clock"]
+__all__ = ["LoopCPUCollector", "current_thread_cpu_clock", "probe_loop_lag"]
 
 log = logging.getLogger(__name__)
 
 
-def thread_cpu_clock(thread_id: int) -> int | None:
-    """The CPU-time clock id of the thread `thread_id` (``threading.get_ident()``), or None
-    where the platform has no per-thread CPU clocks."""
+def current_thread_cpu_clock() -> int | None:
+    """The CPU-time clock id of the calling thread, or None where the platform has no
+    per-thread CPU clocks. (Only the calling thread: asking for another thread's clock by
+    an id that names no live thread is undefined behaviour in pthreads.)"""
     getter = getattr(time, "pthread_getcpuclockid", None)
     if getter is None:
         return None
-    return getter(thread_id)
+    return getter(threading.get_ident())
 
 
 class LoopCPUCollector(Collector):
@@ -42,7 +44,7 @@ class LoopCPUCollector(Collector):
 
     Args:
         prefix: metric name prefix, e.g. "kvcache".
-        clock_id: the thread's CPU clock (:func:`thread_cpu_clock`).
+        clock_id: the thread's CPU clock (:func:`current_thread_cpu_clock`, on it).
 
     Once the thread has ended its clock can no longer be read: the series is then left out
     of the scrape (logged once) and the other metrics are served as before.

@@ -19,7 +19,6 @@ import importlib.metadata
 import json
 import logging
 import math
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -1074,7 +1073,7 @@ async def start_service(
             )
         metrics.bind_stats(coordinator.stats, loop=asyncio.get_running_loop())
         # The coordinator's work all runs on this thread: its CPU time is the service's load.
-        metrics.bind_event_loop_thread(threading.get_ident())
+        metrics.bind_event_loop_thread()
         cleanups.append(metrics.unbind_event_loop_thread)
 
         interceptors: list[grpc.aio.ServerInterceptor] = [metrics.rpc_interceptor()]

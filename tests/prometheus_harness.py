@@ -14,7 +14,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import threading
 import time
 import urllib.error
 import urllib.parse
@@ -329,7 +328,7 @@ def exported_metric_names() -> set[str]:
     metrics.add_correctness_mismatch("w0", 0)
     metrics.observe_correctness_check(0.002)
     metrics.add_worker_data_call("w0", "channel")
-    metrics.bind_event_loop_thread(threading.get_ident())
+    metrics.bind_event_loop_thread()
     metrics.observe_event_loop_lag(0.0001)
     metrics.rpc_requests.labels("s", "m", "OK").inc()
     metrics.rpc_duration.labels("s", "m", "OK").observe(0.001)
