@@ -63,8 +63,23 @@ def test_binding_again_replaces_the_thread_and_unbinding_removes_the_series() ->
     metrics = ServiceMetrics()
     metrics.unbind_event_loop_thread()  # nothing bound: a no-op
     assert metrics.bind_event_loop_thread()
-    assert metrics.bind_event_loop_thread()  # replaced, not doubled
-    assert [f.name for f in metrics.registry.collect()].count(CPU.removesuffix("_total")) == 1
+    main_cpu = time.thread_time()  # this thread imported torch: well over a second
+    used: dict[str, float] = {}
+
+    def rebind() -> None:
+        _spin(0.05)
+        metrics.bind_event_loop_thread()
+        used["cpu"] = time.thread_time()
+        used["seen"] = _value(metrics, CPU) or -1.0
+        names = [f.name for f in metrics.registry.collect()]
+        used["families"] = names.count(CPU.removesuffix("_total"))
+
+    thread = threading.Thread(target=rebind)
+    thread.start()
+    thread.join(30)
+    # The series followed the new thread (not this one's CPU), and is there once.
+    assert used["seen"] == pytest.approx(used["cpu"], abs=0.03) and used["seen"] < main_cpu
+    assert used["families"] == 1
     metrics.unbind_event_loop_thread()
     assert _value(metrics, CPU) is None
     metrics.unbind_event_loop_thread()
