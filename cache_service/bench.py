@@ -330,9 +330,9 @@ def fill_bases(
         while not local.empty():
             seed, ids, error = local.get()
             results[seed] = (ids, error)
-    bases = tuple(results.get(seed, ((), "the filling process died"))[0] for seed in seeds)
-    errors = [results.get(seed, ((), "the filling process died"))[1] for seed in seeds]
-    failed = next((e for e in errors if e is not None), None)
+    outcomes = [results.get(seed, ((), "the filling process died")) for seed in seeds]
+    bases = tuple(ids for ids, _ in outcomes)
+    failed = next((error for _, error in outcomes if error is not None), None)
     if failed is not None:
         free_bases(target, bases, token=token)
         raise RuntimeError(f"filling the bench's sequences failed: {failed}")
