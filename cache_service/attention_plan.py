@@ -554,9 +554,9 @@ async def run_attention(
             where one worker writes and computes every row in order (nothing to merge),
             its write_and_attend is asked to copy its output there (a worker in this
             process does; the result is then that tensor), sparing a copy.
-        check_finite: the writing workers' write_and_attend refuse non-finite inputs
-            (workers.errors.NonFiniteInput); for plans where every row is written and read
-            by one worker (the caller checks that).
+        check_finite: the writing workers' write_and_attend (or write_and_attend_pages)
+            refuse non-finite inputs (workers.errors.NonFiniteInput); for plans where every
+            row is written and read by one worker (the caller checks that).
 
     Raises:
         AttentionPlanError: a worker has no client or epoch, ``query`` has the wrong
@@ -609,7 +609,7 @@ async def run_attention(
                 wr = writes[w]
                 return await clients[w].write_and_attend_pages(
                     epochs[w], wr.slot_mapping, wr.key, wr.value, *batch_args,
-                    return_lse=want_lse, **options,
+                    return_lse=want_lse, check_finite=check_finite, **options,
                 )  # fmt: skip
             return await clients[w].attend_pages(
                 epochs[w], *batch_args, return_lse=want_lse, **options

@@ -1612,7 +1612,7 @@ class Coordinator:
                 )
                 for w, ws in merged.items()
             }
-            check_on_device = _checked_on_device(parts, plan, writes, layer)
+            check_on_device = _checked_on_device(parts, plan, writes)
             if not check_on_device and not _joined_finite(parts, query, writes.values()):
                 # Someone's values are not finite: find whose, fail those, run the rest.
                 survivors = _finite_parts(parts)
@@ -2054,12 +2054,12 @@ def _round_steps(parts: list[_Part]) -> tuple[LayerStep, ...] | None:
 
 
 def _checked_on_device(
-    parts: list[_Part], plan: AttentionPlan, writes: Mapping[str, WorkerWrite], layer: int | None
+    parts: list[_Part], plan: AttentionPlan, writes: Mapping[str, WorkerWrite]
 ) -> bool:
     """Whether the worker checks this round's values for NaN and infinities on its device
-    (KVPool.write_and_attend's check_finite, for free where the data goes anyway): a round
-    with a part nobody checked yet (`_Part.finite_checked` False), on one layer, one
-    worker writing and reading every row.
+    (KVPool.write_and_attend's check_finite, or write_and_attend_pages' for a round over
+    several layers; for free where the data goes anyway): a round with a part nobody
+    checked yet (`_Part.finite_checked` False), one worker writing and reading every row.
 
     A lone part's refusal is its own (the short path then takes the full path, which
     names the culprit). A shared round the worker refuses wrote nothing; `_run_parts` then
@@ -2068,8 +2068,7 @@ def _checked_on_device(
     then `_finite_parts`).
     """
     return (
-        layer is not None
-        and not all(p.finite_checked for p in parts)
+        not all(p.finite_checked for p in parts)
         and len(plan.batches) == 1
         and set(writes) == {plan.batches[0].worker_id}
     )

@@ -204,10 +204,13 @@ class _WorkerClientBase:
         scale: float | None = None,
         softcap: float | None = None,
         sliding_window: int | None = None,
+        check_finite: bool = False,
     ) -> AttentionResult:
         new = (slot_mapping, key, value)
         batch = (query, block_tables, seq_lens, query_start_loc, causal, return_lse)
         options = {"scale": scale, "softcap": softcap, "sliding_window": sliding_window}
+        # Always named, as in write_and_attend (a channel repeat can carry the value).
+        options["check_finite"] = check_finite
         result = await self._invoke(
             "write_and_attend_pages", self._fenced(epoch), *new, *batch, **options
         )

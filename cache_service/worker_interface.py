@@ -149,10 +149,12 @@ class WorkerClient(Protocol):
         scale: float | None = None,
         softcap: float | None = None,
         sliding_window: int | None = None,
+        check_finite: bool = False,
     ) -> AttentionResult:
         """:meth:`write_and_attend` for sequences of several layers in one launch: block ids
         (in the tables and in the slots' blocks) are page ids ``block * num_layers +
-        layer`` (workers.pool.KVPool.write_and_attend_pages)."""
+        layer`` (workers.pool.KVPool.write_and_attend_pages). check_finite: as in
+        :meth:`write_and_attend`."""
         ...
 
     async def attend_pages(

@@ -513,6 +513,74 @@ def test_a_nan_in_a_shared_round_fails_only_its_caller(monkeypatch) -> None:
     run(scenario)
 
 
+def test_a_nan_in_a_round_over_pages_fails_only_its_caller(monkeypatch) -> None:
+    # As above, with the two gathered calls a layer apart (clients taking turns): their
+    # round goes over pages of both layers, and the worker checks it on its device as it
+    # does a one-layer round; the coordinator looks part by part only once it refused.
+    import cache_service.coordinator as coordinator_module
+
+    looked_at: list[int] = []
+    joined: list[int] = []
+    real, real_joined = coordinator_module._finite_parts, coordinator_module._joined_finite
+
+    def finite_parts(parts: list[Any]) -> list[Any]:
+        looked_at.append(len(parts))
+        return real(parts)
+
+    def joined_finite(parts: list[Any], *a: Any) -> bool:
+        if not all(p.finite_checked for p in parts):
+            joined.append(len(parts))
+        return real_joined(parts, *a)
+
+    monkeypatch.setattr(coordinator_module, "_finite_parts", finite_parts)
+    monkeypatch.setattr(coordinator_module, "_joined_finite", joined_finite)
+
+    async def scenario(coord: Coordinator) -> None:
+        worker = coord._clients["w0"]
+        checked: list[bool] = []  # check_finite of each round over pages
+        real_pages = worker.write_and_attend_pages
+
+        async def pages(*args: Any, check_finite: bool = False, **kwargs: Any) -> Any:
+            checked.append(check_finite)
+            return await real_pages(*args, check_finite=check_finite, **kwargs)
+
+        worker.write_and_attend_pages = pages  # type: ignore[method-assign]
+        models = [Model([(await coord.create_sequence("t")).seq_id for _ in range(B)])
+                  for _ in range(3)]  # fmt: skip
+        for n, m in enumerate(models):
+            m.gen.manual_seed(n)
+            items, q = m.items(0, 0)
+            res = await coord.append_attend_stacked("t", 0, stacked(items))
+            m.check([_Row(res.out[i : i + 1]) for i in range(B)], q)
+        layers = (1, 2, 1)
+        batches, queries = [], []
+        for m, layer in zip(models, layers, strict=True):
+            items, q = m.items(0, layer)
+            batches.append(stacked(items))
+            queries.append(q)
+        batches[2] = spoil(batches[2], "nan query")
+        before = {s: coord.block_manager.sequence_info("t", s).written for s in models[2].seqs}
+        results = await asyncio.gather(
+            *(
+                coord.append_attend_stacked("t", layer, b)
+                for layer, b in zip(layers, batches, strict=True)
+            ),
+            return_exceptions=True,
+        )
+        assert checked == [True]  # the gathered calls' round, over pages, checked there
+        assert looked_at == [2]  # ... and looked at part by part once refused
+        assert joined == []
+        assert isinstance(results[2], InvalidRequest)
+        assert "items[2].query contains NaN or infinite values" in str(results[2])
+        for m, res, q in zip(models[:2], results[:2], queries[:2], strict=True):
+            m.check([_Row(res.out[i : i + 1]) for i in range(B)], q)
+        after = {s: coord.block_manager.sequence_info("t", s).written for s in models[2].seqs}
+        assert after == before
+        coord.block_manager.check_integrity()
+
+    run(scenario)
+
+
 def test_other_query_rows_on_a_later_layer_plan_afresh_and_stay_exact() -> None:
     async def scenario(coord: Coordinator) -> None:
         seqs = [(await coord.create_sequence("t")).seq_id for _ in range(B)]

@@ -667,6 +667,34 @@ def test_a_page_id_outside_every_layer_is_refused_and_writes_nothing():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("field", ["key", "value", "query"])
+def test_a_checked_page_write_refuses_non_finite_values_and_writes_nothing(device, field):
+    pool = filled_pool(seed=13, device=device, fingerprints=True)
+    num_layers = LAYOUT.num_layers
+    layers = torch.tensor([1, 0, 1])
+    slots, k, v, q, tables, lens, qsl = _decode_args(pool, seed=14)
+    pages = (tables.long() * num_layers + layers[:, None]).int()
+    slot_pages = ((slots // 4) * num_layers + layers) * 4 + slots % 4
+    args = {"key": k, "value": v, "query": q}
+    bad = dict(args)
+    bad[field] = args[field].clone()
+    bad[field].view(-1)[5] = float("nan")
+    data = pool.data.clone()
+    with pytest.raises(NonFiniteInput, match="nothing was written"):
+        pool.write_and_attend_pages(
+            slot_pages, bad["key"], bad["value"], bad["query"], pages, lens, qsl,
+            check_finite=True,
+        )  # fmt: skip
+    assert torch.equal(pool.data, data)
+    # Finite values: checked or not, the same answer and the same pool.
+    unchecked = filled_pool(seed=13, device=device, fingerprints=True)
+    got = pool.write_and_attend_pages(slot_pages, k, v, q, pages, lens, qsl, check_finite=True)
+    ref = unchecked.write_and_attend_pages(slot_pages, k, v, q, pages, lens, qsl)
+    assert torch.equal(got, ref)
+    assert torch.equal(pool.data, unchecked.data)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_checked_write_refuses_non_finite_values_and_leaves_out_and_the_pool_alone(device):
     pool = filled_pool(device=device, fingerprints=True)
     slots, k, v, q, tables, lens, qsl = _decode_args(pool, seed=6)

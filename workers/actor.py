@@ -316,13 +316,17 @@ class PoolWorker:
         scale: float | None = None,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        check_finite: bool = False,
     ) -> AttendResult:
         """:meth:`KVPool.write_and_attend_pages` (sequences of several layers, addressed by
-        pages) behind the epoch fence; results on the host."""
+        pages) behind the epoch fence; results on the host (page-locked, one wait)."""
         new = (slot_mapping, key, value)
         batch = (query, block_tables, seq_lens, query_start_loc)
         options = _attend_options(causal, return_lse, scale, sliding_window, softcap)
-        return self._on_pool(epoch, self._pool.write_and_attend_pages, *new, *batch, **options)
+        return self._on_pool(
+            epoch, self._pool.write_and_attend_pages, *new, *batch, **options,
+            to_host=True, check_finite=check_finite,
+        )  # fmt: skip
 
     def attend_pages(
         self,

@@ -433,14 +433,16 @@ class KVPool:
         scale: float | None = None,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        to_host: bool = False,
+        check_finite: bool = False,
     ) -> AttendResult:
         """:meth:`write_and_attend` for sequences of different layers in one call.
 
         Block ids (in ``block_tables`` and in the blocks of ``slot_mapping``'s slots) are
         *page* ids: page ``block * num_layers + layer`` is ``block`` of ``layer``, so each
         sequence (and each new token) names its layer through its pages and one launch of
-        each kernel serves them all. Shapes, options and errors as in
-        :meth:`write_and_attend`, with ``num_blocks * num_layers`` pages.
+        each kernel serves them all. Shapes, options, `to_host`, `check_finite` and errors
+        as in :meth:`write_and_attend`, with ``num_blocks * num_layers`` pages.
         """
         options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
         pages = self._num_blocks * self._layout.num_layers
@@ -450,8 +452,13 @@ class KVPool:
         staged = self._on_device(
             *_write_inputs(slots, key, value), *_attend_inputs(query, *indices)
         )
-        self._write_pages_on_device(*staged[:3])
-        return self._attend_on_device(None, *staged[3:], options)
+        slots_on, k, v, q = staged[:4]
+        slots_on, finite = self._guarded(slots_on, k, v, q, check_finite)
+        self._write_pages_on_device(slots_on, k, v)
+        result = self._attend_on_device(None, *staged[3:], options)
+        if finite is None and not to_host:
+            return result
+        return self._deliver(result, to_host, finite=finite)
 
     def attend_pages(
         self,
