@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import cProfile
 import datetime
 import functools
@@ -244,9 +245,11 @@ def through_service(
     async def main() -> dict[str, BenchResult]:
         running = await start_service(config)
         loop = asyncio.get_running_loop()
+        rounds = _count_rounds(running.coordinator)
         # The event-loop thread's CPU clock, readable from the thread the clients run in:
         # how busy the coordinator's one thread was over the timed steps.
         loop_clock = time.pthread_getcpuclockid(threading.get_ident())
+        loop_tid = threading.get_native_id()
         collector = GCTimer()
         collector.__enter__()
         try:
@@ -311,7 +314,10 @@ def through_service(
                         _clock_and_threads, functools.partial(time.clock_gettime, loop_clock),
                         snapshots,
                     ))  # fmt: skip
+                loop_before = thread_cpu.thread_times(loop_tid)
+                rounds_before = rounds.copy()
                 result = await loop.run_in_executor(None, run, running.address, cfg)
+                loop_after = thread_cpu.thread_times(loop_tid)
                 now_after = local_calls(running)
                 after = worker_rounds(running.metrics)
                 checks_after = correctness_checks(running.metrics)
@@ -333,6 +339,8 @@ def through_service(
                     + ("" if cpu is None else f", loop {cpu / result.wall_seconds:.2f} busy")
                     + f", {collector.line()} over the run (setup included)"
                     + f", {checked[0]} checks ({checked[1] * 1e3:.0f} ms in all)"
+                    + _loop_split(loop_before, loop_after, now_after[0] - now_before[0])
+                    + _rounds_line(rounds - rounds_before)
                     + (
                         ""
                         if now_after[0] == now_before[0]
@@ -388,6 +396,50 @@ def _on_cpus(cpus: set[int], run: Callable[..., Any], *args: Any) -> Any:
     """`run(*args)` on a thread (and its client processes) kept to `cpus`."""
     os.sched_setaffinity(0, cpus)
     return run(*args)
+
+
+def _count_rounds(coordinator: Any) -> collections.Counter[str]:
+    """Count the coordinator's worker rounds from now on (batchers made later take the
+    wrapped method): all of them, those over pages of several layers, and their parts."""
+    counts: collections.Counter[str] = collections.Counter()
+    real = coordinator._run_parts
+
+    async def counted(key: Any, parts: list[Any]) -> None:
+        counts["rounds"] += 1
+        counts["parts"] += len(parts)
+        if len({p.layer for p in parts}) > 1:
+            counts["pages"] += 1
+        await real(key, parts)
+
+    coordinator._run_parts = counted
+    return counts
+
+
+def _rounds_line(counts: collections.Counter[str]) -> str:
+    """A run's worker rounds: how many, parts per round, the share over pages."""
+    if not counts["rounds"]:
+        return ""
+    return (
+        f", {counts['rounds']} rounds ({counts['parts'] / counts['rounds']:.2f} parts each, "
+        f"{counts['pages'] / counts['rounds']:.0%} over pages of several layers)"
+    )
+
+
+def _loop_split(
+    before: thread_cpu.ThreadTimes | None, after: thread_cpu.ThreadTimes | None, calls: int
+) -> str:
+    """The event-loop thread's CPU per local-session call of a run (its setup included:
+    creating and forking sequences) split into Python (user) and kernel (system) time, and
+    how often it slept or was preempted per call: where a call's loop time goes beyond the
+    Python that the in-process diagnostics see."""
+    if before is None or after is None or calls <= 0:
+        return ""
+    d = after - before
+    return (
+        f", loop per local call (setup included) user {d.user_s / calls * 1e3:.3f} ms / "
+        f"system {d.system_s / calls * 1e3:.3f} ms, {d.voluntary / calls:.2f} sleeps / "
+        f"{d.involuntary / calls:.2f} preemptions"
+    )
 
 
 def local_calls(running: Any) -> tuple[int, int]:

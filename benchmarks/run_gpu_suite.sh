@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | default-pairs | decode-memo | decode-memo-pairs | profile-memo | pages-plans | timeline | timeline-spy | timeline-worker | repeats | refills | refills-final | loop-idle | loop-idle-check | check-cost | checks-after | checks-final | pairs-no-check | uvloop | uvloop-diag | pairs-four | p99-check | check-unlocked | local-pairs | check-interference | rows-final | callbacks | profile-concurrent | pinned-loop | threads | gc-runs | forks-pairs | checks-ab | graphs-beside-checks | kernels-v10 | kernels-table}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | default-pairs | decode-memo | decode-memo-pairs | profile-memo | pages-plans | timeline | timeline-spy | timeline-worker | repeats | refills | refills-final | loop-idle | loop-idle-check | check-cost | checks-after | checks-final | pairs-no-check | uvloop | uvloop-diag | pairs-four | p99-check | check-unlocked | local-pairs | check-interference | rows-final | callbacks | profile-concurrent | pinned-loop | threads | gc-runs | forks-pairs | loop-split | checks-ab | graphs-beside-checks | kernels-v10 | kernels-table}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -661,6 +661,24 @@ gc-runs)
   # second concurrent run of a pair was the slower in 4 of 5 pairs this session).
   ray_row 250 2 concurrent-gc --phases concurrent
   grep -h "^\[" "$OUT/concurrent-gc.log"
+  ;;
+loop-split)
+  # Where the event loop's CPU per call goes on the real path (twentieth session). The pool
+  # tests of rounds over pages (checked on the device, results page-locked); the Ray row
+  # with 3 pairs, each run's line giving the loop thread's user / system time and sleeps
+  # per call and its rounds (how many over pages of two layers); 2 pairs with
+  # coordinator.coalesce_layers off (no round over pages); one concurrent run under
+  # cProfile (forks: all steady decode).
+  timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_workers_pool.py \
+    -k "page or checked" 2>&1 | tail -3
+  ray_row 230 3 service-h200-split --phases one_small,concurrent
+  grep -h "^\[" "$OUT/service-h200-split.log"
+  ray_row 170 2 no-coalesce --phases one_small,concurrent \
+    --set coordinator.coalesce_layers=false
+  grep -h "^\[" "$OUT/no-coalesce.log"
+  ray_row 150 1 profile-forks --phases concurrent --profile-ray concurrent \
+    --profile-out "$OUT/ray-profile.txt"
+  grep -h "^\[" "$OUT/profile-forks.log"
   ;;
 forks-pairs)
   # The Ray row with the runs decoding forks of sequences filled once (bench_service's

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 from cpu_pinning import descendants
 
-__all__ = ["busiest", "snapshot"]
+__all__ = ["ThreadTimes", "busiest", "snapshot", "thread_times"]
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
@@ -61,3 +62,40 @@ def busiest(before: Snapshot, after: Snapshot, wall_s: float, top: int = 6) -> l
         used.append((spent, label))
     used.sort(reverse=True)
     return [f"{spent / wall_s:.2f} {label}" for spent, label in used[:top] if spent > 0]
+
+
+class ThreadTimes(NamedTuple):
+    """One thread's counters so far: user and system CPU seconds (clock-tick resolution)
+    and its voluntary (it slept: a wait, a blocking read) and involuntary (preempted)
+    context switches."""
+
+    user_s: float
+    system_s: float
+    voluntary: int
+    involuntary: int
+
+    def __sub__(self, other: object) -> ThreadTimes:  # type: ignore[override]
+        if not isinstance(other, ThreadTimes):
+            return NotImplemented
+        return ThreadTimes(*(a - b for a, b in zip(self, other, strict=True)))
+
+
+def thread_times(tid: int, pid: int | None = None) -> ThreadTimes | None:
+    """`tid`'s counters (a native thread id, `threading.get_native_id()`, of process `pid`,
+    default this one) from /proc; None where they cannot be read (not Linux, thread gone).
+    Differences of two readings say where a thread's CPU went between them: Python
+    (user) or the kernel (system: syscalls, page faults), and how often it slept."""
+    task = Path(f"/proc/{os.getpid() if pid is None else pid}/task/{tid}")
+    try:
+        stat = (task / "stat").read_text()
+        status = (task / "status").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    switches = dict(line.split(":", 1) for line in status.splitlines() if "ctxt_switches" in line)
+    return ThreadTimes(
+        int(fields[11]) * _TICK_S,
+        int(fields[12]) * _TICK_S,
+        int(switches.get("voluntary_ctxt_switches", 0)),
+        int(switches.get("nonvoluntary_ctxt_switches", 0)),
+    )
