@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import functools
 import json
 import threading
@@ -97,9 +98,14 @@ async def _main(args: argparse.Namespace) -> None:
             processes=True,
             server_cpu_clock=functools.partial(time.clock_gettime, clock),
         )
+        prof = cProfile.Profile() if args.profile is not None else None
         for name, cfg in runs:
             before = worker_rounds(running.metrics)
+            if prof is not None:
+                prof.enable()  # this thread: the event loop's
             result = await loop.run_in_executor(None, run, running.address, cfg)
+            if prof is not None:
+                prof.disable()
             after = worker_rounds(running.metrics)
             per_call = (after[0] - before[0]) / max(after[1] - before[1], 1)
             cpu = result.server_cpu_seconds or 0.0
@@ -109,6 +115,8 @@ async def _main(args: argparse.Namespace) -> None:
                 f"{cpu / len(result.call_seconds) * 1e3:.3f} ms CPU per call",
                 flush=True,
             )
+        if prof is not None:
+            prof.dump_stats(args.profile)
     finally:
         await running.stop()
 
@@ -122,6 +130,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--pairs", type=int, default=1)
+    parser.add_argument(
+        "--profile", help="write a cProfile of the event loop's thread over the runs here"
+    )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument(
