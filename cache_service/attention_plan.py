@@ -202,6 +202,29 @@ class WorkerBatch:
         tables, seq_lens, starts = self._metadata
         return q, torch.from_numpy(tables), torch.from_numpy(seq_lens), torch.from_numpy(starts)
 
+    def page_base(self, num_layers: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(block tables x num_layers, int32 [S, max_blocks]; each entry's sequence index,
+        [S])``: what `LayerPages.page_tables` adds each round's layers to, made once per
+        batch (a recorded plan serves every round of its steps, on whichever layers).
+
+        Raises:
+            AttentionPlanError: a page id of some layer would pass int32.
+        """
+        kept = self._page_bases.get(num_layers)
+        if kept is None:
+            blocks = self._metadata[0]
+            # Block ids are >= 0: the largest one bounds every page id.
+            top = (np.iinfo(np.int32).max - (num_layers - 1)) // num_layers
+            if blocks.size and int(blocks.max()) > top:
+                _fail("page ids pass int32: too many blocks x layers for one launch")
+            sequences = np.array([e.sequence for e in self.entries], dtype=np.int64)
+            kept = self._page_bases[num_layers] = (blocks * np.int32(num_layers), sequences)
+        return kept
+
+    @functools.cached_property
+    def _page_bases(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        return {}
+
     @functools.cached_property
     def metadata_key(self) -> int:
         """A random id naming this batch's kernel metadata (`kernel_args` less the query)
@@ -504,20 +527,14 @@ class LayerPages:
     seq_layers: np.ndarray
     num_layers: int
 
-    def page_tables(self, batch: WorkerBatch, tables: torch.Tensor) -> torch.Tensor:
+    def page_tables(self, batch: WorkerBatch) -> torch.Tensor:
         """int32 ``[S, max_blocks]``: `batch`'s block tables as page tables.
 
         Raises:
             AttentionPlanError: a page id past int32.
         """
-        n = self.num_layers
-        blocks = tables.numpy()
-        # Block ids are >= 0: the largest one bounds every page id (numpy on arrays this
-        # small costs a fraction of the torch ops, and this runs every round over pages).
-        if blocks.size and int(blocks.max()) > (np.iinfo(np.int32).max - (n - 1)) // n:
-            _fail("page ids pass int32: too many blocks x layers for one launch")
-        layers = self.seq_layers[[e.sequence for e in batch.entries]].astype(np.int32)
-        return torch.from_numpy(blocks * np.int32(n) + layers[:, None])
+        base, sequences = batch.page_base(self.num_layers)
+        return torch.from_numpy(base + self.seq_layers[sequences].astype(np.int32)[:, None])
 
 
 async def run_attention(
@@ -597,8 +614,8 @@ async def run_attention(
     args = [batch.kernel_args(query) for batch in plan.batches]
     if pages is not None:
         args = [
-            (q, pages.page_tables(b, tables), lens, starts)
-            for b, (q, tables, lens, starts) in zip(plan.batches, args, strict=True)
+            (q, pages.page_tables(b), lens, starts)
+            for b, (q, _, lens, starts) in zip(plan.batches, args, strict=True)
         ]
 
     async def one(batch: WorkerBatch, batch_args: tuple[torch.Tensor, ...]) -> AttentionResult:
