@@ -456,67 +456,10 @@ def test_what_the_short_path_refuses_gets_the_full_paths_error(how: str, message
     run(scenario)
 
 
-def test_a_nan_in_a_shared_round_fails_only_its_caller(monkeypatch) -> None:
-    # Three clients' short-path calls for one layer: the first goes to the worker alone,
-    # the other two gather into one round. One of those holds a NaN: the worker's device
-    # check refuses the round (nothing written), the coordinator then looks part by part,
-    # that caller alone gets the full path's error and keeps nothing, and the others'
-    # outputs equal dense attention. The coordinator never sums a round's values itself.
-    import cache_service.coordinator as coordinator_module
-
-    looked_at: list[int] = []  # the parts of each round checked part by part
-    joined: list[int] = []  # rounds whose values the coordinator summed
-    real, real_joined = coordinator_module._finite_parts, coordinator_module._joined_finite
-
-    def finite_parts(parts: list[Any]) -> list[Any]:
-        looked_at.append(len(parts))
-        return real(parts)
-
-    def joined_finite(parts: list[Any], *a: Any) -> bool:
-        if not all(p.finite_checked for p in parts):
-            joined.append(len(parts))
-        return real_joined(parts, *a)
-
-    monkeypatch.setattr(coordinator_module, "_finite_parts", finite_parts)
-    monkeypatch.setattr(coordinator_module, "_joined_finite", joined_finite)
-
-    async def scenario(coord: Coordinator) -> None:
-        models = [Model([(await coord.create_sequence("t")).seq_id for _ in range(B)])
-                  for _ in range(3)]  # fmt: skip
-        for n, m in enumerate(models):
-            m.gen.manual_seed(n)
-            items, q = m.items(0, 0)
-            res = await coord.append_attend_stacked("t", 0, stacked(items))
-            m.check([_Row(res.out[i : i + 1]) for i in range(B)], q)
-        batches, queries = [], []
-        for m in models:
-            items, q = m.items(0, 1)
-            batches.append(stacked(items))
-            queries.append(q)
-        batches[2] = spoil(batches[2], "nan query")
-        before = {s: coord.block_manager.sequence_info("t", s).written for s in models[2].seqs}
-        taken = short_paths(coord)
-        results = await asyncio.gather(
-            *(coord.append_attend_stacked("t", 1, b) for b in batches), return_exceptions=True
-        )
-        assert looked_at == [2]  # the shared round, once the worker refused it
-        assert joined == []
-        assert isinstance(results[2], InvalidRequest)
-        assert "items[2].query contains NaN or infinite values" in str(results[2])
-        assert taken[0] == 2
-        for m, res, q in zip(models[:2], results[:2], queries[:2], strict=True):
-            m.check([_Row(res.out[i : i + 1]) for i in range(B)], q)
-        after = {s: coord.block_manager.sequence_info("t", s).written for s in models[2].seqs}
-        assert after == before
-        coord.block_manager.check_integrity()
-
-    run(scenario)
-
-
-def test_a_nan_in_a_round_over_pages_fails_only_its_caller(monkeypatch) -> None:
-    # As above, with the two gathered calls a layer apart (clients taking turns): their
-    # round goes over pages of both layers, and the worker checks it on its device as it
-    # does a one-layer round; the coordinator looks part by part only once it refused.
+def watch_finite_checks(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int]]:
+    """Record how the coordinator checks rounds for NaN/inf: the parts of each round it
+    checked part by part (after a worker refused it), and the rounds whose values it
+    summed itself (each as its number of parts)."""
     import cache_service.coordinator as coordinator_module
 
     looked_at: list[int] = []
@@ -534,14 +477,26 @@ def test_a_nan_in_a_round_over_pages_fails_only_its_caller(monkeypatch) -> None:
 
     monkeypatch.setattr(coordinator_module, "_finite_parts", finite_parts)
     monkeypatch.setattr(coordinator_module, "_joined_finite", joined_finite)
+    return looked_at, joined
+
+
+@pytest.mark.parametrize("layers", [(1, 1, 1), (1, 2, 1)], ids=["one layer", "over pages"])
+def test_a_nan_in_a_shared_round_fails_only_its_caller(monkeypatch, layers) -> None:
+    # Three clients' short-path calls: the first goes to the worker alone, the other two
+    # gather into one round (over pages of both layers when they are a layer apart, as
+    # clients taking turns are). One of those holds a NaN: the worker's device check
+    # refuses the round (nothing written), the coordinator then looks part by part, that
+    # caller alone gets the full path's error and keeps nothing, and the others' outputs
+    # equal dense attention. The coordinator never sums a round's values itself.
+    looked_at, joined = watch_finite_checks(monkeypatch)
 
     async def scenario(coord: Coordinator) -> None:
         worker = coord._clients["w0"]
-        checked: list[bool] = []  # check_finite of each round over pages
+        pages_checked: list[bool] = []  # check_finite of each round over pages
         real_pages = worker.write_and_attend_pages
 
         async def pages(*args: Any, check_finite: bool = False, **kwargs: Any) -> Any:
-            checked.append(check_finite)
+            pages_checked.append(check_finite)
             return await real_pages(*args, check_finite=check_finite, **kwargs)
 
         worker.write_and_attend_pages = pages  # type: ignore[method-assign]
@@ -552,7 +507,6 @@ def test_a_nan_in_a_round_over_pages_fails_only_its_caller(monkeypatch) -> None:
             items, q = m.items(0, 0)
             res = await coord.append_attend_stacked("t", 0, stacked(items))
             m.check([_Row(res.out[i : i + 1]) for i in range(B)], q)
-        layers = (1, 2, 1)
         batches, queries = [], []
         for m, layer in zip(models, layers, strict=True):
             items, q = m.items(0, layer)
@@ -560,6 +514,7 @@ def test_a_nan_in_a_round_over_pages_fails_only_its_caller(monkeypatch) -> None:
             queries.append(q)
         batches[2] = spoil(batches[2], "nan query")
         before = {s: coord.block_manager.sequence_info("t", s).written for s in models[2].seqs}
+        taken = short_paths(coord)
         results = await asyncio.gather(
             *(
                 coord.append_attend_stacked("t", layer, b)
@@ -567,11 +522,12 @@ def test_a_nan_in_a_round_over_pages_fails_only_its_caller(monkeypatch) -> None:
             ),
             return_exceptions=True,
         )
-        assert checked == [True]  # the gathered calls' round, over pages, checked there
-        assert looked_at == [2]  # ... and looked at part by part once refused
+        assert looked_at == [2]  # the shared round, once the worker refused it
         assert joined == []
+        assert pages_checked == ([] if len(set(layers)) == 1 else [True])
         assert isinstance(results[2], InvalidRequest)
         assert "items[2].query contains NaN or infinite values" in str(results[2])
+        assert taken[0] == 2
         for m, res, q in zip(models[:2], results[:2], queries[:2], strict=True):
             m.check([_Row(res.out[i : i + 1]) for i in range(B)], q)
         after = {s: coord.block_manager.sequence_info("t", s).written for s in models[2].seqs}
