@@ -44,14 +44,19 @@ def snapshot(root: int | None = None) -> Snapshot:
                 stat = (task / "stat").read_text()
             except OSError:
                 continue
-            # Fields after the parenthesised name (which may hold spaces): state is the
-            # first, utime and stime the 12th and 13th.
             comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-            fields = stat[stat.rindex(")") + 2 :].split()
             tid = int(task.name)
             thread = f"{comm} (main)" if tid == pid else comm
-            out[(pid, tid)] = (f"{name} | {thread}", int(fields[11]) + int(fields[12]))
+            out[(pid, tid)] = (f"{name} | {thread}", sum(_cpu_ticks(stat)))
     return out
+
+
+def _cpu_ticks(stat: str) -> tuple[int, int]:
+    """(utime, stime) in clock ticks from a /proc/<pid>/task/<tid>/stat text."""
+    # Fields after the parenthesised name (which may hold spaces): state is the first,
+    # utime and stime the 12th and 13th.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[11]), int(fields[12])
 
 
 def busiest(before: Snapshot, after: Snapshot, wall_s: float, top: int = 6) -> list[str]:
@@ -91,11 +96,11 @@ def thread_times(tid: int, pid: int | None = None) -> ThreadTimes | None:
         status = (task / "status").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2 :].split()
+    user, system = _cpu_ticks(stat)
     switches = dict(line.split(":", 1) for line in status.splitlines() if "ctxt_switches" in line)
     return ThreadTimes(
-        int(fields[11]) * _TICK_S,
-        int(fields[12]) * _TICK_S,
+        user * _TICK_S,
+        system * _TICK_S,
         int(switches.get("voluntary_ctxt_switches", 0)),
         int(switches.get("nonvoluntary_ctxt_switches", 0)),
     )
