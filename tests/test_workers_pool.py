@@ -618,15 +618,23 @@ def test_fingerprints_skip_negative_slots_and_still_catch_a_changed_slot(device:
 # -- sequences of several layers in one call (pages) ---------------------------------------
 
 
+def _as_pages(
+    tables: torch.Tensor, slots: torch.Tensor, layers: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode batch addressed as pages (page ``block * num_layers + layer``), sequence i
+    on ``layers[i]``: (int64 page tables ``[S, max_blocks]``, page slots ``[S]``)."""
+    n, bs = LAYOUT.num_layers, LAYOUT.block_size
+    per_seq = torch.tensor(layers)
+    return tables.long() * n + per_seq[:, None], ((slots // bs) * n + per_seq) * bs + slots % bs
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_page_addressed_calls_equal_per_layer_calls_and_keep_fingerprints(device: str):
     paged = filled_pool(seed=9, device=device, fingerprints=True)
     plain = filled_pool(seed=9, device=device, fingerprints=True)
-    num_layers = LAYOUT.num_layers
     layers = [2, 0, 2]  # three sequences: two on layer 2, one on layer 0
     slots, k, v, q, tables, lens, qsl = _decode_args(paged, seed=10)
-    pages = tables.long() * num_layers + torch.tensor(layers)[:, None]
-    slot_pages = ((slots // 4) * num_layers + torch.tensor(layers)) * 4 + slots % 4
+    pages, slot_pages = _as_pages(tables, slots, layers)
     out = paged.write_and_attend_pages(slot_pages, k, v, q, pages.int(), lens, qsl)
     for i, layer in enumerate(layers):  # the same, one sequence and layer at a time
         one = slice(i, i + 1)
@@ -670,11 +678,9 @@ def test_a_page_id_outside_every_layer_is_refused_and_writes_nothing():
 @pytest.mark.parametrize("field", ["key", "value", "query"])
 def test_a_checked_page_write_refuses_non_finite_values_and_writes_nothing(device, field):
     pool = filled_pool(seed=13, device=device, fingerprints=True)
-    num_layers = LAYOUT.num_layers
-    layers = torch.tensor([1, 0, 1])
     slots, k, v, q, tables, lens, qsl = _decode_args(pool, seed=14)
-    pages = (tables.long() * num_layers + layers[:, None]).int()
-    slot_pages = ((slots // 4) * num_layers + layers) * 4 + slots % 4
+    pages, slot_pages = _as_pages(tables, slots, [1, 0, 1])
+    pages = pages.int()
     args = {"key": k, "value": v, "query": q}
     bad = dict(args)
     bad[field] = args[field].clone()
