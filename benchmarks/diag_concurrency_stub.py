@@ -40,10 +40,13 @@ def stub_pools() -> None:
         return (o, torch.zeros(query.shape[:2])) if return_lse else o
 
     def write_and_attend_pages(self: Any, slots: Any, key: Any, value: Any,
-                               query: torch.Tensor, *a: Any, return_lse: bool = False,
+                               query: Any, *a: Any, return_lse: bool = False,
+                               out: list[torch.Tensor] | None = None,
                                **kw: Any) -> Any:  # fmt: skip
-        o = torch.zeros_like(query)
-        return (o, torch.zeros(query.shape[:2])) if return_lse else o
+        # A round's parts (workers.parts): zeros into each output part given.
+        q = torch.cat(query) if isinstance(query, list) else query
+        o = torch.zeros_like(q) if out is None else [p.zero_() for p in out]
+        return (o, torch.zeros(q.shape[:2])) if return_lse else o
 
     wp.KVPool.write_and_attend = write_and_attend
     wp.KVPool.write_and_attend_pages = write_and_attend_pages

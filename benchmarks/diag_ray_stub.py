@@ -42,9 +42,11 @@ def _stub_pool() -> None:
         o = torch.zeros_like(query) if out is None else out.zero_()
         return (o, torch.zeros(query.shape[:2])) if return_lse else o
 
-    def fake_pages(self, slot_mapping, key, value, query, *a, return_lse=False, **kw):
-        o = torch.zeros_like(query)
-        return (o, torch.zeros(query.shape[:2])) if return_lse else o
+    def fake_pages(self, slot_mapping, key, value, query, *a, return_lse=False, out=None, **kw):
+        # A round's parts (workers.parts): zeros into each output part given.
+        q = torch.cat(query) if isinstance(query, list) else query
+        o = torch.zeros_like(q) if out is None else [p.zero_() for p in out]
+        return (o, torch.zeros(q.shape[:2])) if return_lse else o
 
     wp.KVPool.write_and_attend = fake
     wp.KVPool.write_and_attend_pages = fake_pages

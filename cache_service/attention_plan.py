@@ -44,6 +44,7 @@ import kernels
 from cache_service.control_types import Segment
 from cache_service.worker_interface import AttentionResult, WorkerClient
 from workers.kernel_warmup import padded_table_width
+from workers.parts import joined
 
 __all__ = [
     "AttentionPlan",
@@ -199,8 +200,13 @@ class WorkerBatch:
             q = query.index_select(
                 0, torch.tensor(self._rows, dtype=torch.long, device=query.device)
             )
+        return (q, *self.metadata_args())
+
+    def metadata_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`kernel_args` less the query: ``(block_tables int32 [S, max_blocks],
+        seq_lens int32 [S], query_start_loc int32 [S + 1])``."""
         tables, seq_lens, starts = self._metadata
-        return q, torch.from_numpy(tables), torch.from_numpy(seq_lens), torch.from_numpy(starts)
+        return torch.from_numpy(tables), torch.from_numpy(seq_lens), torch.from_numpy(starts)
 
     def page_base(self, num_layers: int) -> tuple[np.ndarray, np.ndarray]:
         """``(block tables x num_layers, int32 [S, max_blocks]; each entry's sequence index,
@@ -506,12 +512,19 @@ class WorkerWrite:
 
     Attributes:
         slot_mapping: int ``[n]`` flat slots on that worker (negative: skip).
-        key, value: ``[n, Hkv, D]`` in the pool dtype.
+        key, value: ``[n, Hkv, D]`` in the pool dtype, or given in parts (lists of
+            ``[n_i, Hkv, D]``, a round's callers' rows: see :func:`run_attention`).
     """
 
     slot_mapping: torch.Tensor | Sequence[int]
-    key: torch.Tensor
-    value: torch.Tensor
+    key: torch.Tensor | list[torch.Tensor]
+    value: torch.Tensor | list[torch.Tensor]
+
+    def joined(self) -> WorkerWrite:
+        """This write with key and value each one tensor (parts concatenated)."""
+        if isinstance(self.key, torch.Tensor) and isinstance(self.value, torch.Tensor):
+            return self
+        return WorkerWrite(self.slot_mapping, joined(self.key), joined(self.value))
 
 
 @dataclass(frozen=True)
@@ -539,7 +552,7 @@ class LayerPages:
 
 async def run_attention(
     plan: AttentionPlan,
-    query: torch.Tensor,
+    query: torch.Tensor | list[torch.Tensor],
     layer: int | LayerPages,
     clients: Mapping[str, WorkerClient],
     epochs: Mapping[str, str],
@@ -549,7 +562,7 @@ async def run_attention(
     scale: float | None = None,
     softcap: float | None = None,
     sliding_window: int | None = None,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | list[torch.Tensor] | None = None,
     check_finite: bool = False,
 ) -> AttentionResult:
     """Run one layer's step on every worker concurrently, then merge.
@@ -560,7 +573,13 @@ async def run_attention(
 
     Args:
         plan: from :func:`plan_attention`.
-        query: ``[plan.num_rows, Hq, D]`` in the pool dtype (host).
+        query: ``[plan.num_rows, Hq, D]`` in the pool dtype (host); or in parts (a list,
+            rows joined in order: a round's callers' queries where each put its own), with
+            the writes' keys and values in parts too and `out` a list of one part per
+            query part (or None). Parts travel as they are to a round over pages
+            (`LayerPages`) that one worker writes and computes in order (the worker reads
+            each part where it lies and writes each output part in place); any other plan
+            joins them first.
         layer: layer index, or the layers of a round over several (the writes' slots are
             then page slots).
         clients, epochs: every worker of the plan and of ``writes``, with the epoch expected.
@@ -570,7 +589,9 @@ async def run_attention(
         out: host memory ``[plan.num_rows, Hq, D]`` (the query's dtype) for the output:
             where one worker writes and computes every row in order (nothing to merge),
             its write_and_attend is asked to copy its output there (a worker in this
-            process does; the result is then that tensor), sparing a copy.
+            process does; the result is then that tensor), sparing a copy. A list (with
+            a query in parts): the result's ``out`` is that list where the worker
+            delivered into it, else one tensor of the rows.
         check_finite: the writing workers' write_and_attend (or write_and_attend_pages)
             refuse non-finite inputs (workers.errors.NonFiniteInput); for plans where every
             row is written and read by one worker (the caller checks that).
@@ -583,6 +604,20 @@ async def run_attention(
             that did not fail may have written their tokens.
     """
     writes = writes or {}
+    options = {"causal": plan.causal, "scale": scale, "softcap": softcap}
+    if sliding_window is not None:
+        options["sliding_window"] = sliding_window
+    pages = layer if isinstance(layer, LayerPages) else None
+    if not isinstance(query, torch.Tensor):
+        if pages is not None and _one_writer_in_order(plan, writes):
+            parts_out = out if isinstance(out, list) else None
+            return await _run_in_parts(
+                plan, query, pages, clients, epochs, writes, return_lse, options, parts_out,
+                check_finite,
+            )  # fmt: skip
+        query, writes = joined(query), {w: wr.joined() for w, wr in writes.items()}
+    if not isinstance(out, torch.Tensor):
+        out = None
     if query.shape[0] != plan.num_rows:
         _fail(f"query has {query.shape[0]} rows, the plan has {plan.num_rows}")
     workers = [b.worker_id for b in plan.batches]
@@ -600,11 +635,7 @@ async def run_attention(
         and out.dtype == query.dtype
     ):
         out = None
-    options = {"causal": plan.causal, "scale": scale, "softcap": softcap}
-    if sliding_window is not None:
-        options["sliding_window"] = sliding_window
 
-    pages = layer if isinstance(layer, LayerPages) else None
     attending = {b.worker_id for b in plan.batches}
     if pages is not None and set(writes) - attending:
         _fail(f"worker(s) {sorted(set(writes) - attending)} have writes but no attention")
@@ -665,3 +696,57 @@ async def run_attention(
             torch.empty((0, query.shape[1]), dtype=torch.float32) if return_lse else None,
         )
     return merge_partials(plan, results)
+
+
+def _one_writer_in_order(plan: AttentionPlan, writes: Mapping[str, WorkerWrite]) -> bool:
+    """Whether one worker computes every row of `plan` in order (nothing to merge) and is
+    the only one writing: a round's parts can then go to it as they are."""
+    return (
+        len(plan.batches) == 1
+        and not plan.needs_merge
+        and plan.batches[0].covers_in_order(plan.num_rows)
+        and set(writes) == {plan.batches[0].worker_id}
+    )
+
+
+async def _run_in_parts(
+    plan: AttentionPlan,
+    query: list[torch.Tensor],
+    pages: LayerPages,
+    clients: Mapping[str, WorkerClient],
+    epochs: Mapping[str, str],
+    writes: Mapping[str, WorkerWrite],
+    return_lse: bool,
+    options: dict[str, Any],
+    out: list[torch.Tensor] | None,
+    check_finite: bool,
+) -> AttentionResult:
+    """`run_attention` of a round over pages given in parts, for a plan that one worker
+    writes and computes in order (`_one_writer_in_order`): one write_and_attend_pages
+    with the parts as they are."""
+    rows = sum(q.shape[0] for q in query)
+    if rows != plan.num_rows:
+        _fail(f"query has {rows} rows, the plan has {plan.num_rows}")
+    if out is not None and not (
+        len(out) == len(query)
+        and all(o.shape == q.shape and o.dtype == q.dtype for o, q in zip(out, query, strict=True))
+    ):
+        out = None
+    (batch,) = plan.batches
+    w = batch.worker_id
+    if w not in clients or w not in epochs:
+        _fail(f"worker {w!r} of the plan has no client or no epoch")
+    wr = writes[w]
+    into: dict[str, Any] = {} if out is None else {"out": out}
+    result = await clients[w].write_and_attend_pages(
+        epochs[w], wr.slot_mapping, wr.key, wr.value, query, pages.page_tables(batch),
+        *batch.metadata_args()[1:], return_lse=return_lse, check_finite=check_finite,
+        **options, **into,
+    )  # fmt: skip
+    got = result.out
+    if isinstance(got, list):
+        if out is None or len(got) != len(out):
+            _fail(f"worker {w!r} returned {len(got)} output parts for {len(query)} query parts")
+    elif got.shape[0] != rows:
+        _fail(f"worker {w!r} returned {got.shape[0]} rows, the plan has {rows}")
+    return result

@@ -1595,23 +1595,38 @@ class Coordinator:
                 plan = plan_attention(views, nq, self.layout.block_size)
                 if len(parts) == 1:
                     parts[0].plan = plan
-            query = torch.cat([p.query for p in parts]) if len(parts) > 1 else parts[0].query
+            # A round over pages of several callers goes to the worker in parts: each
+            # caller's query, keys and values where the caller put them, each output part
+            # into the caller's slot (run_attention; the event loop copies nothing). Other
+            # shared rounds join them here.
+            in_parts = layer is None and len(parts) > 1
+            query: torch.Tensor | list[torch.Tensor]
+            if in_parts:
+                query = [p.query for p in parts]
+            else:
+                query = torch.cat([p.query for p in parts]) if len(parts) > 1 else parts[0].query
             merged: dict[str, list[tuple[list[int], torch.Tensor, torch.Tensor]]] = {}
             for p in parts:
                 for worker_id, w in p.writes.items():
                     if layer is None:  # slots of the part's layer's pages
                         w = (self._page_slots(w[0], p.layer), w[1], w[2])
                     merged.setdefault(worker_id, []).append(w)
+            join = (lambda ts: list(ts)) if in_parts else torch.cat
             writes = {
                 w: WorkerWrite(*ws[0])
                 if len(ws) == 1
                 else WorkerWrite(
                     [s for slots, _, _ in ws for s in slots],
-                    torch.cat([k for _, k, _ in ws]),
-                    torch.cat([v for _, _, v in ws]),
+                    join([k for _, k, _ in ws]),
+                    join([v for _, _, v in ws]),
                 )
                 for w, ws in merged.items()
             }
+            into: torch.Tensor | list[torch.Tensor] | None = (
+                parts[0].out if len(parts) == 1 else None
+            )
+            if in_parts and all(p.out is not None for p in parts):
+                into = [p.out for p in parts]  # type: ignore[misc]
             check_on_device = _checked_on_device(parts, plan, writes)
             if not check_on_device and not _joined_finite(parts, query, writes.values()):
                 # Someone's values are not finite: find whose, fail those, run the rest.
@@ -1649,7 +1664,7 @@ class Coordinator:
                 epochs,
                 writes=writes,
                 return_lse=return_lse,
-                out=parts[0].out if len(parts) == 1 else None,
+                out=into,
                 check_finite=check_on_device,
             )
             elapsed = time.perf_counter() - t0
@@ -2029,14 +2044,15 @@ def _part_rows(
     parts: list[_Part], result: AttentionResult
 ) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor | None]]:
     """Each part's rows of a round's result (out ``[rows, Hq, D]``, lse ``[rows, Hq]`` or
-    None), in part order: the result itself for a lone part, else one ``split`` (a single
-    call however many parts, where slicing costs one per part). `run_attention` has
-    checked that the result holds the plan's rows, which are the parts' in order."""
+    None), in part order: the result itself for a lone part, the output's parts where the
+    worker delivered them in parts, else one ``split`` (a single call however many parts,
+    where slicing costs one per part). `run_attention` has checked that the result holds
+    the plan's rows, which are the parts' in order."""
     out, lse = result.out, result.lse
-    if len(parts) == 1:
+    if len(parts) == 1 and not isinstance(out, list):
         return (out,), (lse,)
     sizes = [sum(p.num_queries) for p in parts]
-    outs = out.split(sizes)
+    outs = out if isinstance(out, list) else out.split(sizes)  # in parts: one per part
     return outs, ([None] * len(parts) if lse is None else lse.split(sizes))
 
 
@@ -2074,13 +2090,16 @@ def _checked_on_device(
     )
 
 
-def _joined_finite(parts: list[_Part], query: torch.Tensor, writes: Iterable[WorkerWrite]) -> bool:
+def _joined_finite(
+    parts: list[_Part], query: torch.Tensor | list[torch.Tensor], writes: Iterable[WorkerWrite]
+) -> bool:
     """Whether every part of a round is known to hold finite values: checked before, or
     (one pass over the round's joined query, keys and values instead of three per part)
     all of the round's values sum to a finite number. False: look part by part."""
     if all(p.finite_checked for p in parts):
         return True
-    joined = [query, *(t for w in writes for t in (w.key, w.value))]
+    given = [query, *(t for w in writes for t in (w.key, w.value))]
+    joined = [t for g in given for t in (g if isinstance(g, list) else (g,))]  # parts too
     if not _sums_finite([t.reshape(-1) for t in joined]):
         return False
     for p in parts:

@@ -333,7 +333,7 @@ class WorkerChannel:
         method: str,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | list[torch.Tensor] | None = None,
     ) -> tuple[bool, Any]:
         """Run ``PoolWorker.<method>(*args, **kwargs)`` on the worker. A call that matches
         the connection's last full call but for plain arguments goes as a repeat of it
@@ -341,7 +341,10 @@ class WorkerChannel:
 
         Args:
             out: host memory for the call's (first) output: the worker writes it into the
-                arena and it is copied here; the result then holds ``out`` itself.
+                arena and it is copied here; the result then holds ``out`` itself. A list:
+                the output in parts (``write_and_attend_pages``' ``out``), sent only where
+                every part lies in a shared file (the worker writes each there, and the
+                result holds the list); else not sent (the output comes back joined).
 
         Returns:
             ``(True, result)`` with every tensor the caller's own (copied out of the arena),
@@ -401,7 +404,7 @@ class WorkerChannel:
         method: str,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        out: torch.Tensor | None,
+        out: torch.Tensor | list[torch.Tensor] | None,
     ) -> tuple[
         bytes,
         FileTensor | None,
@@ -432,8 +435,16 @@ class WorkerChannel:
 
         version, gone = self._gone_files() if share else (self._files_version, [])
         args_in, kwargs_in = args, kwargs
-        out_ref = None
-        if out is not None:
+        out_ref: FileTensor | tuple[FileTensor, ...] | None = None
+        if type(out) is list:
+            # An output in parts goes only where every part lies in a shared file (the
+            # callers' slots): the worker writes each there. Else it is not named, and the
+            # output comes back joined, in the arena.
+            refs = [self._in_file(o, new) for o in out] if share else []
+            if refs and all(refs):
+                out_ref = tuple(refs)  # type: ignore[arg-type]
+                kwargs = {**kwargs, "out": list(out_ref)}
+        elif out is not None:
             # Named before the inputs are placed: where it is not in a shared file, its room
             # is the arena's first (the inputs follow; only their bytes travel over TCP).
             out_ref = self._in_file(out, new) if share else None
@@ -490,16 +501,22 @@ class WorkerChannel:
         return version, [key for key in self._files if not live(key)]
 
     def _read_reply(
-        self, reply: bytes, out: torch.Tensor | None, out_ref: FileTensor | None
+        self,
+        reply: bytes,
+        out: torch.Tensor | list[torch.Tensor] | None,
+        out_ref: FileTensor | tuple[FileTensor, ...] | None,
     ) -> tuple[bool, Any]:
         """The reply: ``(True, value)`` with the value's arena tensors copied out, the first
         into `out`, or `out` itself where the reply names `out_ref` (the worker wrote it in
-        place); or ``(False, exception)``.
+        place; an output in parts: each part where the reply names its reference); or
+        ``(False, exception)``.
 
         Raises:
             ChannelBroken: the reply names a shared file the request did not give.
         """
         views = self._views
+        if type(out) is list:
+            return self._read_parts_reply(reply, out, out_ref)
         first = [out]
 
         def own(ref: ArenaTensor | FileTensor) -> torch.Tensor:
@@ -520,12 +537,34 @@ class WorkerChannel:
             return False, value[0]
         return True, join(*value, own)
 
+    def _read_parts_reply(
+        self, reply: bytes, out: list[torch.Tensor], out_ref: object
+    ) -> tuple[bool, Any]:
+        """`_read_reply` of a call whose output was given in parts: a reference to a part's
+        slot (`out_ref`, when the request named them) is that part; arena tensors are
+        copied out."""
+        given = dict(zip(out_ref, out, strict=True)) if type(out_ref) is tuple else {}
+        views = self._views
+
+        def own(ref: ArenaTensor | FileTensor) -> torch.Tensor:
+            if type(ref) is FileTensor:
+                part = given.get(ref)
+                if part is None:
+                    raise ChannelBroken(f"the worker named a shared file it was not given: {ref}")
+                return part
+            return views(ref).clone()
+
+        ok, *value = pickle.loads(reply)
+        if not ok:
+            return False, value[0]
+        return True, join(*value, own)
+
 
 def _sent_as(
     method: str,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    out: torch.Tensor | None,
+    out: torch.Tensor | list[torch.Tensor] | None,
     out_ref: FileTensor | None,
     in_arena: dict[int, ArenaTensor],
     files_version: int,
@@ -540,6 +579,8 @@ def _sent_as(
         in_arena: the call's tensors copied into the arena, by id, with their slots (the
             others lie in shared files).
     """
+    if type(out) is list:
+        return None  # an output in parts: its references are the call's own
     keyed = KEYED_ARGUMENTS.get(method, frozenset())
     if kwargs.get("metadata_key") is None:
         keyed = frozenset()
@@ -575,7 +616,7 @@ def _repeat_changes(
     method: str,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    out: torch.Tensor | None,
+    out: torch.Tensor | list[torch.Tensor] | None,
 ) -> tuple[tuple[tuple[int | str, Any], ...], list[tuple[ArenaTensor, torch.Tensor]]] | None:
     """What makes this call a repeat of `sent`: the arguments to replace (``(position or
     keyword, value)`` each) and the tensors to copy into their arena slots first; None
@@ -704,7 +745,7 @@ class ChannelPool:
         method: str,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | list[torch.Tensor] | None = None,
     ) -> tuple[str | None, Any]:
         """``(path, result)`` when a channel ran the call (``path``: its
         :attr:`WorkerChannel.path`); ``(None, None)`` when the caller must make a Ray call

@@ -192,9 +192,9 @@ class _WorkerClientBase:
         self,
         epoch: str,
         slot_mapping: IndexLike,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        query: torch.Tensor,
+        key: torch.Tensor | Sequence[torch.Tensor],
+        value: torch.Tensor | Sequence[torch.Tensor],
+        query: torch.Tensor | Sequence[torch.Tensor],
         block_tables: torch.Tensor | Sequence[Sequence[int]],
         seq_lens: IndexLike,
         query_start_loc: IndexLike,
@@ -205,12 +205,17 @@ class _WorkerClientBase:
         softcap: float | None = None,
         sliding_window: int | None = None,
         check_finite: bool = False,
+        out: list[torch.Tensor] | None = None,
     ) -> AttentionResult:
         new = (slot_mapping, key, value)
         batch = (query, block_tables, seq_lens, query_start_loc, causal, return_lse)
-        options = {"scale": scale, "softcap": softcap, "sliding_window": sliding_window}
+        options: dict[str, Any] = {
+            "scale": scale, "softcap": softcap, "sliding_window": sliding_window
+        }  # fmt: skip
         # Always named, as in write_and_attend (a channel repeat can carry the value).
         options["check_finite"] = check_finite
+        if out is not None and self._accepts_out:
+            options["out"] = out
         result = await self._invoke(
             "write_and_attend_pages", self._fenced(epoch), *new, *batch, **options
         )

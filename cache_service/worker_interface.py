@@ -37,12 +37,14 @@ class AttentionResult(NamedTuple):
     """One worker's attention output.
 
     Attributes:
-        out: ``[T, Hq, D]`` in the pool's dtype, on the host.
+        out: ``[T, Hq, D]`` in the pool's dtype, on the host; or, for a call that gave its
+            output's memory in parts (``write_and_attend_pages``' `out`) and had it
+            delivered there, that list of parts, rows in order.
         lse: float32 ``[T, Hq]`` natural-log softmax denominators when asked for (-inf for
             a row that saw no key), else None.
     """
 
-    out: torch.Tensor
+    out: torch.Tensor | list[torch.Tensor]
     lse: torch.Tensor | None
 
 
@@ -137,9 +139,9 @@ class WorkerClient(Protocol):
         self,
         epoch: str,
         slot_mapping: torch.Tensor | Sequence[int],
-        key: torch.Tensor,
-        value: torch.Tensor,
-        query: torch.Tensor,
+        key: torch.Tensor | Sequence[torch.Tensor],
+        value: torch.Tensor | Sequence[torch.Tensor],
+        query: torch.Tensor | Sequence[torch.Tensor],
         block_tables: torch.Tensor | Sequence[Sequence[int]],
         seq_lens: torch.Tensor | Sequence[int],
         query_start_loc: torch.Tensor | Sequence[int],
@@ -150,11 +152,18 @@ class WorkerClient(Protocol):
         softcap: float | None = None,
         sliding_window: int | None = None,
         check_finite: bool = False,
+        out: list[torch.Tensor] | None = None,
     ) -> AttentionResult:
         """:meth:`write_and_attend` for sequences of several layers in one launch: block ids
         (in the tables and in the slots' blocks) are page ids ``block * num_layers +
         layer`` (workers.pool.KVPool.write_and_attend_pages). check_finite: as in
-        :meth:`write_and_attend`."""
+        :meth:`write_and_attend`.
+
+        A round of several callers: key, value and query may be given in parts (lists of
+        host tensors, joined along dim 0), and `out` (host memory, one part per caller)
+        asks for the output's rows in those parts. A client that can deliver there does
+        (the result's ``out`` is then that list); otherwise the output comes back as one
+        tensor."""
         ...
 
     async def attend_pages(

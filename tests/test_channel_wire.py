@@ -114,7 +114,7 @@ def test_split_join_round_trip_through_pickle() -> None:
     a, b = torch.randn(3, 4), torch.arange(5, dtype=torch.int64)
     in_file = FileTensor(2, 4096, "float16", (2, 8))
     args = ("epoch", 7, [1, 2, 3], a, b, in_file, None)
-    kwargs = {"out": b, "scale": None, "nested": [a]}
+    kwargs = {"out": b, "scale": None, "parts": [a, in_file], "nested": [[a]]}
     placed: list[ArenaTensor] = []
 
     def place(t: torch.Tensor) -> ArenaTensor:
@@ -122,7 +122,8 @@ def test_split_join_round_trip_through_pickle() -> None:
         return placed[-1]
 
     wire = pickle.dumps((split(args, place), split(kwargs, place), split(a, place)))
-    assert len(placed) == 4  # a, b, kwargs' out, the lone a; the nested one goes by value
+    # a, b, kwargs' out, the first of the parts, the lone a; the nested one goes by value
+    assert len(placed) == 5
     # The references travel as plain tuples: no class of this module in the pickle.
     assert b"channel_wire" not in wire and b"ArenaTensor" not in wire
     named: list[object] = []
@@ -133,12 +134,15 @@ def test_split_join_round_trip_through_pickle() -> None:
 
     args_w, kwargs_w, lone_w = pickle.loads(wire)
     got_args, got_kwargs, got_lone = (join(*w, tensor_of) for w in (args_w, kwargs_w, lone_w))
-    assert named == [placed[0], placed[1], in_file, placed[2], placed[3]]
+    assert named == [placed[0], placed[1], in_file, placed[2], placed[3], in_file, placed[4]]
     assert type(got_args) is tuple and got_args[:3] == ("epoch", 7, [1, 2, 3])
     assert torch.equal(got_args[3], a) and torch.equal(got_args[4], b)
     assert torch.equal(got_args[5], torch.zeros(2, 8).half()) and got_args[6] is None
     assert torch.equal(got_kwargs["out"], b) and got_kwargs["scale"] is None
-    assert torch.equal(got_kwargs["nested"][0], a) and torch.equal(got_lone, a)
+    assert torch.equal(got_kwargs["nested"][0][0], a) and torch.equal(got_lone, a)
+    parts = got_kwargs["parts"]  # a tensor in parts: a list of the parts, each placed
+    assert type(parts) is list and torch.equal(parts[0], a)
+    assert torch.equal(parts[1], torch.zeros(2, 8).half())
     assert split((1, "x", None), place) == ((1, "x", None), ())
     assert split(5, place) == (5, ())
 
@@ -152,6 +156,10 @@ def test_split_join_round_trip_through_pickle() -> None:
         ({"x": None}, (("y", "a", 0, "float32", (4,)),), "no key"),
         (None, ((0, "a", 0, "float32", (4,)),), "malformed"),
         ((None,), "junk", "malformed"),
+        # Tensors in parts: none, a part that is not a tensor reference, not a tuple.
+        ((None,), ((0, "p", ()),), "malformed tensor in parts"),
+        ((None,), ((0, "p", (("e", "x", 1),)),), "malformed tensor in parts"),
+        ((None,), ((0, "p", [("a", 0, "float32", (4,))]),), "unknown tensor reference"),
     ],
 )
 def test_join_refuses_malformed_references(plain: object, refs: object, message: str) -> None:

@@ -487,16 +487,22 @@ def test_a_nan_in_a_shared_round_fails_only_its_caller(monkeypatch, layers) -> N
     # clients taking turns are). One of those holds a NaN: the worker's device check
     # refuses the round (nothing written), the coordinator then looks part by part, that
     # caller alone gets the full path's error and keeps nothing, and the others' outputs
-    # equal dense attention. The coordinator never sums a round's values itself.
+    # equal dense attention. The coordinator never sums a round's values itself. Each
+    # caller names host memory for its output (as a shared-memory client's slot is): a
+    # round over pages goes to the worker in parts, each part's output written into its
+    # caller's memory; the refused caller's memory stays as it was.
     looked_at, joined = watch_finite_checks(monkeypatch)
 
     async def scenario(coord: Coordinator) -> None:
         worker = coord._clients["w0"]
         pages_checked: list[bool] = []  # check_finite of each round over pages
+        parts_given: list[tuple[int, int]] = []  # query parts and output parts of each
         real_pages = worker.write_and_attend_pages
 
         async def pages(*args: Any, check_finite: bool = False, **kwargs: Any) -> Any:
             pages_checked.append(check_finite)
+            query, out = args[4], kwargs.get("out")
+            parts_given.append((len(query), 0 if out is None else len(out)))
             return await real_pages(*args, check_finite=check_finite, **kwargs)
 
         worker.write_and_attend_pages = pages  # type: ignore[method-assign]
@@ -515,16 +521,24 @@ def test_a_nan_in_a_shared_round_fails_only_its_caller(monkeypatch, layers) -> N
         batches[2] = spoil(batches[2], "nan query")
         before = {s: coord.block_manager.sequence_info("t", s).written for s in models[2].seqs}
         taken = short_paths(coord)
+        outs = [torch.full((B, HQ, D), 7.0) for _ in models]
         results = await asyncio.gather(
             *(
-                coord.append_attend_stacked("t", layer, b)
-                for layer, b in zip(layers, batches, strict=True)
+                coord.append_attend_stacked("t", layer, b, out=o)
+                for layer, b, o in zip(layers, batches, outs, strict=True)
             ),
             return_exceptions=True,
         )
         assert looked_at == [2]  # the shared round, once the worker refused it
         assert joined == []
-        assert pages_checked == ([] if len(set(layers)) == 1 else [True])
+        over_pages = len(set(layers)) > 1
+        assert pages_checked == ([True] if over_pages else [])
+        # In parts (two callers' queries and outputs); its rerun without the refused
+        # caller is a lone part on one layer.
+        assert parts_given == ([(2, 2)] if over_pages else [])
+        assert torch.equal(outs[2], torch.full((B, HQ, D), 7.0))
+        for res, o in zip(results[:2], outs[:2], strict=True):
+            assert res.out is o
         assert isinstance(results[2], InvalidRequest)
         assert "items[2].query contains NaN or infinite values" in str(results[2])
         assert taken[0] == 2

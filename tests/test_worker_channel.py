@@ -543,6 +543,57 @@ def test_tensors_in_shared_files_are_read_and_written_where_they_lie(
     asyncio.run(run())
 
 
+def _pages_step(layer: int):
+    """`_step` addressed as pages of `layer` (KVPool.write_and_attend_pages)."""
+    slots, k, v, q, bt, lens, starts = _step()
+    n, bs = LAYOUT.num_layers, LAYOUT.block_size
+    pages = bt * n + layer
+    page_slots = [((s // bs) * n + layer) * bs + s % bs for s in slots]
+    return page_slots, k, v, q, pages, lens, starts
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_round_in_parts_is_read_and_written_where_its_callers_put_it(
+    worker, arena_dir, shared_file, mode
+) -> None:
+    # A round of two callers over pages, each caller's key, value and query rows and its
+    # output slot in its own shared region: the worker reads the parts and writes each
+    # output part in place (the result is the list of slots). Without shared memory the
+    # parts travel in the arena and the output comes back joined.
+    async def run():
+        (_, one), (_, two) = shared_file(), shared_file()
+        chan = await _connect(worker, mode, 1 << 20, arena_dir)
+        epoch = worker.epoch()
+        slots, k, v, q, pages, lens, starts = _pages_step(1)
+        rows = (2, 4)
+        regions = []
+        for base, part in zip((one, two), (slice(0, 2), slice(2, 6)), strict=True):
+            regions.append(
+                [_in(base, at, t[part]) for at, t in ((0, k), (4096, v), (8192, q))]
+                + [_in(base, 16384, torch.full_like(q[part], float("nan")))]
+            )
+        parts = [list(ts) for ts in zip(*regions, strict=True)]  # key, value, query, out
+        ok, got = await chan.call(
+            "write_and_attend_pages",
+            (epoch, slots, parts[0], parts[1], parts[2], pages, lens, starts),
+            {"check_finite": True},
+            parts[3],
+        )
+        assert ok, got
+        want, _ = dense_attention(q, k, v)
+        if chan.shared:
+            # Each part is the caller's own slot, written there by the worker.
+            assert len(got) == 2 and all(g is o for g, o in zip(got, parts[3], strict=True))
+            assert [o.shape[0] for o in got] == list(rows)
+            assert rel_err(torch.cat(got), want) < 1e-5
+        else:
+            assert torch.isnan(parts[3][0]).all()  # not sent: the output came back joined
+            assert rel_err(got, want) < 1e-5
+        chan.close()
+
+    asyncio.run(run())
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc (Linux)")
 def test_a_shared_file_the_worker_cannot_map_is_copied_instead(
     worker, arena_dir, shared_file, caplog

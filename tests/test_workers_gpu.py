@@ -114,6 +114,13 @@ def test_stager_copies_mixed_dtypes_and_large_requests():
     big = [torch.randn(1 << 19), torch.arange(5)]  # 2 MB: beyond max_bytes, copied directly
     out = stager.to_device(big)
     assert all(torch.equal(o.cpu(), p) for o, p in zip(out, big, strict=True))
+    # Tensors in parts (a round's callers' rows) arrive joined, beside whole ones, both
+    # in the stager's buffer and beyond max_bytes.
+    rows = [torch.randn(n, 3, 8).to(torch.bfloat16) for n in (1, 4, 2)]
+    for extra in ([], [torch.randn(1 << 19)]):
+        got = stager.to_device([torch.arange(3), rows, *extra])
+        assert torch.equal(got[0].cpu(), torch.arange(3))
+        assert got[1].shape == (7, 3, 8) and torch.equal(got[1].cpu(), torch.cat(rows))
 
 
 def test_cuda_block_copy_export_import_are_bit_exact():

@@ -700,6 +700,81 @@ def test_a_checked_page_write_refuses_non_finite_values_and_writes_nothing(devic
     assert torch.equal(pool.data, unchecked.data)
 
 
+def _in_parts(t: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
+    """`t`'s rows as separate tensors (own memory, as callers' regions are), `rows` each."""
+    return [p.clone() for p in t.split(rows)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_a_round_given_in_parts_answers_as_joined_and_fills_each_out_part(device, return_lse):
+    # A coordinator's round of two callers (rows 1 and 2): key, value and query where each
+    # caller put them, each caller's output rows into its own slot; the same answer and the
+    # same pool as the call on joined tensors.
+    parted = filled_pool(seed=21, device=device, fingerprints=True)
+    joined = filled_pool(seed=21, device=device, fingerprints=True)
+    slots, k, v, q, tables, lens, qsl = _decode_args(parted, seed=22)
+    pages, slot_pages = _as_pages(tables, slots, [1, 0, 1])
+    rows = [1, 2]
+    out = [torch.full((n, 4, 16), float("nan")) for n in rows]
+    got = parted.write_and_attend_pages(
+        slot_pages, _in_parts(k, rows), _in_parts(v, rows), _in_parts(q, rows), pages.int(),
+        lens, qsl, return_lse=return_lse, to_host=True, check_finite=True, out=out,
+    )  # fmt: skip
+    want = joined.write_and_attend_pages(
+        slot_pages, k, v, q, pages.int(), lens, qsl, return_lse=return_lse, to_host=True
+    )
+    got_out, got_lse = got if return_lse else (got, None)
+    want_out, want_lse = want if return_lse else (want, None)
+    assert got_out is out  # the caller's memory, filled in place
+    assert torch.equal(torch.cat(out), want_out)
+    if return_lse:
+        assert torch.equal(got_lse, want_lse)
+    assert torch.equal(parted.data, joined.data)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_round_in_parts_that_does_not_fit_is_refused_and_changes_nothing(device):
+    pool = filled_pool(seed=23, device=device, fingerprints=True)
+    slots, k, v, q, tables, lens, qsl = _decode_args(pool, seed=24)
+    pages, slot_pages = _as_pages(tables, slots, [0, 1, 1])
+    rows = [2, 1]
+    parts = {"key": _in_parts(k, rows), "value": _in_parts(v, rows), "query": _in_parts(q, rows)}
+    good_out = [torch.full((n, 4, 16), 7.0) for n in rows]
+    cases = [
+        ("key", [parts["key"][0], parts["key"][1][:, :1]], None, "key part 1"),
+        ("query", [parts["query"][0].double(), parts["query"][1]], None, "query part 1 .* joined"),
+        ("value", [], None, "has none"),
+        ("query", [parts["query"][0], "rows"], None, "query part 1 must be a torch.Tensor"),
+        ("key", parts["key"][:1], None, "key must be"),  # rows short of the slots
+        (None, None, [good_out[0]], "out's parts hold 2 rows, the output has 3"),
+        (None, None, [good_out[0], torch.zeros(1, 4, 8)], "out part 1"),
+        (None, None, [good_out[0], torch.zeros(4, 16, 1).transpose(0, 2)], "not contiguous"),
+    ]
+    data = pool.data.clone()
+    for field, bad, out, message in cases:
+        given = dict(parts)
+        if field is not None:
+            given[field] = bad
+        with pytest.raises(InvalidWorkerRequest, match=message):
+            pool.write_and_attend_pages(
+                slot_pages, given["key"], given["value"], given["query"], pages.int(), lens,
+                qsl, to_host=True, out=good_out if out is None else out,
+            )  # fmt: skip
+        assert torch.equal(pool.data, data)
+        assert all(torch.equal(o, torch.full_like(o, 7.0)) for o in good_out)
+    # A NaN in one caller's part: refused on the device, nothing written, out untouched.
+    bad_q = [parts["query"][0], parts["query"][1].clone()]
+    bad_q[1][0, 1, 2] = float("nan")
+    with pytest.raises(NonFiniteInput, match="nothing was written"):
+        pool.write_and_attend_pages(
+            slot_pages, parts["key"], parts["value"], bad_q, pages.int(), lens, qsl,
+            to_host=True, check_finite=True, out=good_out,
+        )  # fmt: skip
+    assert torch.equal(pool.data, data)
+    assert all(torch.equal(o, torch.full_like(o, 7.0)) for o in good_out)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_checked_write_refuses_non_finite_values_and_leaves_out_and_the_pool_alone(device):
     pool = filled_pool(device=device, fingerprints=True)

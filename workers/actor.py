@@ -46,7 +46,7 @@ from workers.config import PoolConfig
 from workers.description import FencedEpoch, WorkerDescription, WorkerHealth
 from workers.errors import StaleCoordinatorError, StaleEpochError
 from workers.fingerprints import BadSlot
-from workers.pool import AttendResult, IndexLike, KVPool, ReferenceInputs
+from workers.pool import AttendResult, IndexLike, KVPool, PartsResult, ReferenceInputs
 from workers.transport import pack_result, unpack
 
 __all__ = ["PoolWorker", "PoolWorkerActor", "new_epoch"]
@@ -304,9 +304,9 @@ class PoolWorker:
         self,
         epoch: str,
         slot_mapping: IndexLike,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        query: torch.Tensor,
+        key: torch.Tensor | Sequence[torch.Tensor],
+        value: torch.Tensor | Sequence[torch.Tensor],
+        query: torch.Tensor | Sequence[torch.Tensor],
         block_tables: torch.Tensor | Sequence[Sequence[int]],
         seq_lens: IndexLike,
         query_start_loc: IndexLike,
@@ -317,15 +317,19 @@ class PoolWorker:
         sliding_window: int | None = None,
         softcap: float | None = None,
         check_finite: bool = False,
-    ) -> AttendResult:
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> AttendResult | PartsResult:
         """:meth:`KVPool.write_and_attend_pages` (sequences of several layers, addressed by
-        pages) behind the epoch fence; results on the host (page-locked, one wait)."""
+        pages; key, value, query and `out` may be given in parts) behind the epoch fence;
+        results on the host (page-locked, one wait; the output in `out`'s parts when
+        given)."""
         new = (slot_mapping, key, value)
         batch = (query, block_tables, seq_lens, query_start_loc)
         options = _attend_options(causal, return_lse, scale, sliding_window, softcap)
+        into: dict[str, Any] = {} if out is None else {"out": out}
         return self._on_pool(
             epoch, self._pool.write_and_attend_pages, *new, *batch, **options,
-            to_host=True, check_finite=check_finite,
+            to_host=True, check_finite=check_finite, **into,
         )  # fmt: skip
 
     def attend_pages(

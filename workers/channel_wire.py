@@ -44,6 +44,10 @@ Ray; nothing is unpickled before.
   or it unmapped a file since) answers :class:`RepeatUnavailable`: nothing ran.
 * reply: ``(True, value, value_refs)``, the result split, or ``(False, exception)``.
 
+A tensor given in parts (a list of tensors, e.g. the queries of a round's callers, each
+where its caller put it, or their output slots: ``KVPool.write_and_attend_pages``) travels
+as a list of references, each part placed on its own.
+
 Shared files (same node only): a tensor the coordinator holds in a client's shared region
 (a /dev/shm file both the client and the coordinator map) travels as a :class:`FileTensor`:
 the worker maps the file itself, once per connection, and reads the tensor where it lies,
@@ -277,8 +281,11 @@ def view(arena: torch.Tensor, ref: ArenaTensor) -> torch.Tensor:
 
 # Reference tags: what a plain tuple of the message names (a tensor in the arena, one in
 # a shared file, a data call's FencedEpoch: every request carries one, and as a named
-# tuple it would cost as much to pickle as the rest of the request).
-_ARENA, _FILE, _EPOCH = "a", "f", "e"
+# tuple it would cost as much to pickle as the rest of the request; a tensor in parts: a
+# list of the other tags' references).
+_ARENA, _FILE, _EPOCH, _PARTS = "a", "f", "e", "p"
+# The most parts one value may name (a round's callers: a few dozen at most).
+MAX_PARTS = 1024
 
 
 def repeated(args: tuple, kwargs: dict[str, Any], changes: object) -> tuple[tuple, dict[str, Any]]:
@@ -336,7 +343,7 @@ def split(
     kind = type(value)
     if kind is tuple or kind is list or kind is dict:
         items = value.items() if kind is dict else enumerate(value)
-        refs = tuple((k, *_ref(v, place)) for k, v in items if _is_tensor_like(v))
+        refs = tuple((k, *_ref(v, place)) for k, v in items if _is_tensor_like(v) or _is_parts(v))
         if not refs:
             return value, ()
         plain = dict(value) if kind is dict else list(value)
@@ -390,8 +397,15 @@ def _is_tensor_like(v: Any) -> bool:
     )
 
 
+def _is_parts(v: Any) -> bool:
+    """Whether `v` is a tensor in parts: a non-empty list of tensors."""
+    return type(v) is list and bool(v) and all(_is_tensor_like(t) for t in v)
+
+
 def _ref(v: Any, place: Callable[[torch.Tensor], ArenaTensor | FileTensor]) -> tuple:
     kind = type(v)
+    if kind is list:
+        return (_PARTS, tuple(_ref(t, place) for t in v))
     if kind is FencedEpoch:
         return (_EPOCH, *v)
     ref = v if kind is ArenaTensor or kind is FileTensor else place(v)
@@ -405,4 +419,11 @@ def _value(fields: tuple, tensor_of: Callable[[ArenaTensor | FileTensor], torch.
         return tensor_of(FileTensor(*fields[1:]))
     if len(fields) == 3 and fields[0] == _EPOCH:
         return FencedEpoch(*fields[1:])
+    if len(fields) == 2 and fields[0] == _PARTS and type(fields[1]) is tuple:
+        parts = fields[1]
+        if not 0 < len(parts) <= MAX_PARTS or not all(
+            type(f) is tuple and f[:1] in ((_ARENA,), (_FILE,)) for f in parts
+        ):
+            raise ChannelProtocolError(f"a malformed tensor in parts {fields!r}")
+        return [_value(f, tensor_of) for f in parts]
     raise ChannelProtocolError(f"an unknown tensor reference {fields!r}")

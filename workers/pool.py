@@ -39,14 +39,17 @@ from workers.fingerprints import BadSlot, SlotFingerprints
 from workers.kernel_warmup import decode_warm_up_launches, dummy_decode_inputs
 from workers.layout import KVLayout
 from workers.metadata_cache import CachedMetadata, MetadataCache
+from workers.parts import TensorParts, check_out_parts, fill, joined, stand_in
 from workers.pinned_ranges import REGISTERED
 from workers.sizing import free_device_bytes, resolve_num_blocks
-from workers.staging import HostStager
+from workers.staging import HostStager, Staged
 
 __all__ = ["KVPool", "ReferenceInputs", "resolve_device"]
 
 IndexLike = torch.Tensor | Sequence[int]
 AttendResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+# An output delivered in parts (write_and_attend_pages' `out`), with the LSE if asked.
+PartsResult = TensorParts | tuple[TensorParts, torch.Tensor]
 _T = TypeVar("_T")
 
 
@@ -421,9 +424,9 @@ class KVPool:
     def write_and_attend_pages(
         self,
         slot_mapping: IndexLike,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        query: torch.Tensor,
+        key: torch.Tensor | Sequence[torch.Tensor],
+        value: torch.Tensor | Sequence[torch.Tensor],
+        query: torch.Tensor | Sequence[torch.Tensor],
         block_tables: torch.Tensor | Sequence[Sequence[int]],
         seq_lens: IndexLike,
         query_start_loc: IndexLike,
@@ -435,7 +438,8 @@ class KVPool:
         softcap: float | None = None,
         to_host: bool = False,
         check_finite: bool = False,
-    ) -> AttendResult:
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> AttendResult | PartsResult:
         """:meth:`write_and_attend` for sequences of different layers in one call.
 
         Block ids (in ``block_tables`` and in the blocks of ``slot_mapping``'s slots) are
@@ -443,12 +447,22 @@ class KVPool:
         sequence (and each new token) names its layer through its pages and one launch of
         each kernel serves them all. Shapes, options, `to_host`, `check_finite` and errors
         as in :meth:`write_and_attend`, with ``num_blocks * num_layers`` pages.
+
+        Several callers' rows in one call (a coordinator's round): key, value and query may
+        each be given in parts (a list of host tensors, joined along dim 0:
+        :mod:`workers.parts`), read where they lie; `out`, host memory for the output in
+        parts (contiguous, the pool's dtype, ``[rows_i, Hq, D]`` with the rows adding up
+        to the query's), receives each part's rows (page-locked memory by DMA, one wait),
+        and the result's output is then that list. A refused call (bad arguments,
+        NonFiniteInput) leaves `out` untouched.
         """
         options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
         pages = self._num_blocks * self._layout.num_layers
-        slots = check_write(self._layout, pages, 0, slot_mapping, key, value)
+        whole = (stand_in("key", key), stand_in("value", value), stand_in("query", query))
+        slots = check_write(self._layout, pages, 0, slot_mapping, *whole[:2])
         batch = (block_tables, seq_lens, query_start_loc)
-        indices = check_attend(self._layout, pages, 0, query, *batch)
+        indices = check_attend(self._layout, pages, 0, whole[2], *batch)
+        outs = None if out is None else check_out_parts(out, whole[2])
         staged = self._on_device(
             *_write_inputs(slots, key, value), *_attend_inputs(query, *indices)
         )
@@ -456,9 +470,9 @@ class KVPool:
         slots_on, finite = self._guarded(slots_on, k, v, q, check_finite)
         self._write_pages_on_device(slots_on, k, v)
         result = self._attend_on_device(None, *staged[3:], options)
-        if finite is None and not to_host:
+        if finite is None and not to_host and outs is None:
             return result
-        return self._deliver(result, to_host, finite=finite)
+        return self._deliver(result, to_host, finite=finite, out=outs)
 
     def attend_pages(
         self,
@@ -752,17 +766,20 @@ class KVPool:
         *,
         owned: bool = True,
         wait: bool = False,
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | TensorParts | None = None,
         finite: torch.Tensor | None = None,
-    ) -> AttendResult:
+    ) -> AttendResult | PartsResult:
         """An attention result as the caller gets it: on the host in pinned memory (one
-        copy each and one wait; `to_host`; the output into `out` when given), else on the
+        copy each and one wait; `to_host`; the output into `out` when given: a list takes
+        the output's rows part by part, and the result holds that list), else on the
         device, copied when not `owned` (a graph's memory, which the next replay
         overwrites). `wait`: the call's inputs are still being copied out of the caller's
         pinned memory (`_pinned_host`), so the call does not return before the device is
         done with them. `finite`: the call's flag from `_guarded`; False raises
         NonFiniteInput, read before anything reaches `out` (a refused call leaves the
         caller's memory as it was)."""
+        if type(out) is list:
+            return self._deliver_parts(result, out, finite)
         tensors = result if isinstance(result, tuple) else (result,)
         if finite is not None and out is not None:
             # Waits for the flag before `out` is touched; the copy into `out` then waits
@@ -794,6 +811,22 @@ class KVPool:
             _refuse_non_finite(finite)
         return tensors if isinstance(result, tuple) else tensors[0]  # type: ignore[return-value]
 
+    def _deliver_parts(
+        self, result: AttendResult, out: TensorParts, finite: torch.Tensor | None
+    ) -> PartsResult:
+        """`_deliver` of an output in parts: the flag read first (a refused call leaves
+        `out` as it was), then each part's rows copied into its part of `out`, the LSE (if
+        any) to the host, one wait."""
+        got, lse = result if isinstance(result, tuple) else (result, None)
+        if finite is not None:
+            _refuse_non_finite(finite)
+        fill(out, got)
+        if lse is not None:
+            lse = lse.to("cpu", non_blocking=self._device.type == "cuda")
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()
+        return out if lse is None else (out, lse)
+
     def _pinned_host(self, *tensors: torch.Tensor) -> bool:
         """Whether a GPU pool's inputs all lie in the caller's page-locked host memory (a
         shared region the server registered with CUDA): then they go to the device by DMA
@@ -801,15 +834,16 @@ class KVPool:
         return before those copies are done (`_deliver`'s wait)."""
         return self._stager is not None and all(_is_pinned_host(t) for t in tensors)
 
-    def _on_device(self, *tensors: torch.Tensor, pinned: bool = False) -> list[torch.Tensor]:
-        """``tensors`` on the pool's device: host tensors of a GPU pool in one staged copy
-        (views valid until the next staged request; only kernels of this call read them),
-        or with `pinned` (see `_pinned_host`) each by an asynchronous copy."""
+    def _on_device(self, *tensors: Staged, pinned: bool = False) -> list[torch.Tensor]:
+        """``tensors`` on the pool's device (one given in parts joined: workers.parts):
+        host tensors of a GPU pool in one staged copy (views valid until the next staged
+        request; only kernels of this call read them), or with `pinned` (see
+        `_pinned_host`; whole tensors only) each by an asynchronous copy."""
         if pinned:
             return [t.to(self._device, non_blocking=True) for t in tensors]
-        if self._stager is not None and all(t.device.type == "cpu" for t in tensors):
+        if self._stager is not None and all(_on_host(t) for t in tensors):
             return self._stager.to_device(tensors)
-        return [t.to(self._device) for t in tensors]
+        return [joined(t).to(self._device) for t in tensors]
 
     def _kernel(self, fn: Callable[..., _T], *args: object, **kwargs: object) -> _T:
         # Arguments were validated on the host; a kernel-side complaint means a mismatch
@@ -905,6 +939,13 @@ class KVPool:
         return self._kernel(kernels.paged_attention, *args, **kwargs)
 
 
+def _on_host(t: Staged) -> bool:
+    """Whether a tensor, or every part of one, is in host memory."""
+    if isinstance(t, torch.Tensor):
+        return t.device.type == "cpu"
+    return all(p.device.type == "cpu" for p in t)
+
+
 def _shape(t: object) -> torch.Size | None:
     """A tensor's shape; None for anything else (a list of ints, say)."""
     return t.shape if isinstance(t, torch.Tensor) else None
@@ -945,18 +986,18 @@ def _slot_source(slot_mapping: object) -> list[int] | torch.Tensor | None:
 
 
 def _write_inputs(
-    slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    slots: torch.Tensor, key: Staged, value: Staged
+) -> tuple[torch.Tensor, Staged, Staged]:
     """A write's tensors in the dtypes the kernels take (slots int64)."""
     return slots.to(torch.int64), key, value
 
 
 def _attend_inputs(
-    query: torch.Tensor,
+    query: Staged,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[Staged, torch.Tensor, torch.Tensor, torch.Tensor]:
     """An attention call's tensors in the dtypes the kernels take (index tensors int32)."""
     return (
         query,

@@ -18,7 +18,9 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["HostStager", "packed_offsets"]
+from workers.parts import joined
+
+__all__ = ["HostStager", "Staged", "packed_offsets"]
 
 _ALIGN = 256  # bytes; kernels want 16-byte aligned rows, allocators give 256
 
@@ -27,9 +29,20 @@ def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
-def packed_offsets(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+# A tensor to stage: one tensor, or one given in parts (workers.parts: rows joined on dim 0).
+Staged = torch.Tensor | Sequence[torch.Tensor]
+
+
+def _nbytes(t: Staged) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    return sum(p.numel() * p.element_size() for p in t)
+
+
+def packed_offsets(tensors: Sequence[Staged]) -> tuple[list[int], int]:
     """Byte offsets of ``tensors`` packed one after another (each start aligned to 256
-    bytes), and the total bytes: the layout :meth:`HostStager.to_device` sends.
+    bytes; a tensor in parts is its parts back to back), and the total bytes: the layout
+    :meth:`HostStager.to_device` sends.
 
     A client's shared region (cache_service.client_shared_memory) lays a call's tensors
     out by the same rule, so decode graphs load them from there in one copy
@@ -38,7 +51,7 @@ def packed_offsets(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
     total = 0
     for t in tensors:
         offsets.append(total)
-        total += _round_up(t.numel() * t.element_size(), _ALIGN)
+        total += _round_up(_nbytes(t), _ALIGN)
     return offsets, total
 
 
@@ -77,12 +90,15 @@ class HostStager:
         self._typed: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def to_device(
-        self, tensors: Sequence[torch.Tensor], into: torch.Tensor | None = None
+        self, tensors: Sequence[Staged], into: torch.Tensor | None = None
     ) -> list[torch.Tensor]:
         """Contiguous device copies of ``tensors`` (same shapes and dtypes), in one copy.
 
         Args:
-            tensors: host tensors of any dtype and shape (need not be contiguous).
+            tensors: host tensors of any dtype and shape (need not be contiguous); an item
+                may be a tensor in parts (a sequence of tensors of one dtype and trailing
+                shape, validated by the caller: ``workers.parts.stand_in``), which arrives
+                as one tensor of their rows.
             into: a uint8 device buffer of at least the packed size
                 (:func:`packed_offsets`) to copy into instead of the stager's own, e.g. the
                 static inputs of a CUDA graph; then the views are into it and stay valid.
@@ -93,7 +109,7 @@ class HostStager:
         """
         offsets, total = packed_offsets(tensors)
         if total > self._max_bytes and into is None:
-            return [t.to(self._device) for t in tensors]
+            return [joined(t).to(self._device) for t in tensors]
         with self._lock:
             if total > self._host.numel():
                 self._grow(min(_round_up(total * 2, 1 << 20), max(total, self._max_bytes)))
@@ -101,14 +117,20 @@ class HostStager:
                 self._copied.synchronize()  # the last copy has left the pinned buffer
             dest = self._dev if into is None else into
             out = []
-            for t, off in zip(tensors, offsets, strict=True):
-                host, dev = self._views(t.dtype)
-                start = off // t.element_size()
-                end = start + t.numel()
-                host[start:end].view(t.shape).copy_(t)
+            for item, off in zip(tensors, offsets, strict=True):
+                if isinstance(item, torch.Tensor):
+                    parts, shape = (item,), item.shape
+                else:
+                    parts, shape = item, (sum(t.shape[0] for t in item), *item[0].shape[1:])
+                host, dev = self._views(parts[0].dtype)
+                size = parts[0].element_size()
+                start = end = off // size
+                for t in parts:
+                    host[end : end + t.numel()].view(t.shape).copy_(t)
+                    end += t.numel()
                 if into is not None:
-                    dev = into[: end * t.element_size()].view(t.dtype)
-                out.append(dev[start:end].view(t.shape))
+                    dev = into[: end * size].view(parts[0].dtype)
+                out.append(dev[start:end].view(shape))
             dest[:total].copy_(self._host[:total], non_blocking=True)
             if self._copied is None:
                 self._copied = torch.cuda.Event()
