@@ -12,7 +12,10 @@ the share of the wall time between the first and the last of those answers that 
 worker's lock was held (1: the worker never idled, every round waited for it).
 
     PYTHONPATH=.:benchmarks python3 benchmarks/diag_worker_busy.py --h200 --no-in-process \\
-        --transports local-shm --pairs 1 --phases concurrent
+        --transports local-shm --pairs 1 --phases concurrent [--worker-profile PATH]
+
+``--worker-profile PATH``: also profile the worker's channel answers (cProfile, per channel
+thread, merged) and write the top functions to PATH.
 """
 
 from __future__ import annotations
@@ -29,13 +32,18 @@ import bench_service
 _MARKS = os.path.join(tempfile.gettempdir(), f"kvcache-worker-busy-{os.getpid()}.txt")
 
 
-def _actor_timers(actor: Any, path: str) -> None:
+def _actor_timers(actor: Any, path: str, profile: bool) -> None:
     """In the worker's process: every channel answer and pool call appended to `path` as
-    ``kind method start end`` lines (perf_counter seconds; kind "answer" or "pool")."""
+    ``kind method start end`` lines (perf_counter seconds; kind "answer" or "pool"); with
+    `profile`, each answer also runs under its thread's cProfile (`_dump_profile`)."""
+    import cProfile
     import threading
     import time as clock
 
     import workers.channel_server as cs
+
+    profiles: list[cProfile.Profile] = []
+    actor._busy_profiles = profiles
 
     lines: list[str] = []
     lock = threading.Lock()
@@ -66,11 +74,20 @@ def _actor_timers(actor: Any, path: str) -> None:
     answer = cs.ChannelServer._answer
 
     def timed_answer(self: Any, arena: Any, request: bytes) -> Any:
+        prof = getattr(local, "prof", None)
+        if profile and prof is None:
+            prof = local.prof = cProfile.Profile()
+            with lock:
+                profiles.append(prof)
         start = clock.perf_counter()
         local.method = "?"
+        if prof is not None:
+            prof.enable()
         try:
             return answer(self, arena, request)
         finally:
+            if prof is not None:
+                prof.disable()
             record("answer", local.method, start)
 
     actor._on_pool = named_pool
@@ -78,7 +95,25 @@ def _actor_timers(actor: Any, path: str) -> None:
     cs.ChannelServer._answer = timed_answer
 
 
-def _install() -> None:
+def _dump_profile(actor: Any, path: str) -> None:
+    """In the worker's process: the channel threads' profiles, merged, written to `path`
+    (the top 60 functions by their own time)."""
+    import io
+    import pstats
+
+    profiles = getattr(actor, "_busy_profiles", [])
+    if not profiles:
+        return
+    text = io.StringIO()
+    stats = pstats.Stats(profiles[0], stream=text)
+    for prof in profiles[1:]:
+        stats.add(prof)
+    stats.sort_stats("tottime").print_stats(60)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
+
+
+def _install(profile_path: str | None) -> None:
     """Wrap bench_service's start_service: once a service with Ray workers is up, install
     `_actor_timers` in each worker's process (the last lines it buffered, fewer than 256,
     are not written)."""
@@ -88,10 +123,21 @@ def _install() -> None:
 
     async def started(*args: Any, **kwargs: Any) -> Any:
         running = await start(*args, **kwargs)
-        for client in running.coordinator._clients.values():
-            handle = getattr(client, "handle", None)
-            if handle is not None:
-                ray.get(handle.__ray_call__.remote(lambda w: _actor_timers(w, _MARKS)))
+        handles = [getattr(c, "handle", None) for c in running.coordinator._clients.values()]
+        handles = [h for h in handles if h is not None]
+        on = profile_path is not None
+        for h in handles:
+            ray.get(h.__ray_call__.remote(lambda w: _actor_timers(w, _MARKS, on)))
+        if on:
+            stop = running.stop
+
+            async def stop_after_dump(*a: Any, **kw: Any) -> Any:
+                for i, h in enumerate(handles):
+                    where = profile_path if i == 0 else f"{profile_path}.{i}"
+                    ray.get(h.__ray_call__.remote(lambda w, p=where: _dump_profile(w, p)))
+                return await stop(*a, **kw)
+
+            running.stop = stop_after_dump
         return running
 
     bench_service.start_service = started
@@ -139,9 +185,15 @@ def _report() -> str:
 
 
 def main() -> int:
-    _install()
+    argv = sys.argv[1:]
+    profile_path = None
+    if "--worker-profile" in argv:  # ours; the rest are bench_service's
+        i = argv.index("--worker-profile")
+        profile_path = argv[i + 1]
+        del argv[i : i + 2]
+    _install(profile_path)
     try:
-        code = bench_service.main(sys.argv[1:])
+        code = bench_service.main(argv)
         print("\n## The Ray worker's channel answers (diag_worker_busy.py)\n")
         print(_report())
     finally:

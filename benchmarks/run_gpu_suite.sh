@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | default-pairs | decode-memo | decode-memo-pairs | profile-memo | pages-plans | timeline | timeline-spy | timeline-worker | repeats | refills | refills-final | loop-idle | loop-idle-check | check-cost | checks-after | checks-final | pairs-no-check | uvloop | uvloop-diag | pairs-four | p99-check | check-unlocked | local-pairs | check-interference | rows-final | callbacks | profile-concurrent | pinned-loop | threads | gc-runs | forks-pairs | loop-split | checks-ab | graphs-beside-checks | kernels-v10 | kernels-table | parts}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | default-pairs | decode-memo | decode-memo-pairs | profile-memo | pages-plans | timeline | timeline-spy | timeline-worker | repeats | refills | refills-final | loop-idle | loop-idle-check | check-cost | checks-after | checks-final | pairs-no-check | uvloop | uvloop-diag | pairs-four | p99-check | check-unlocked | local-pairs | check-interference | rows-final | callbacks | profile-concurrent | pinned-loop | threads | gc-runs | forks-pairs | loop-split | checks-ab | graphs-beside-checks | kernels-v10 | kernels-table | parts | worker-busy}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -693,6 +693,21 @@ parts)
   ray_row 110 1 profile-parts --phases concurrent --profile-ray concurrent \
     --profile-out "$OUT/ray-profile.txt"
   grep -h "^\[" "$OUT/profile-parts.log"
+  ;;
+worker-busy)
+  # How busy the Ray worker is when the loop is not (twenty-first session): its lock's
+  # share of a concurrent run and each call kind's time under it (diag_worker_busy.py),
+  # then the same concurrent run with the worker's channel answers under cProfile.
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/diag_worker_busy.py --h200 \
+    --no-in-process --transports local-shm --pairs 1 --phases concurrent \
+    --out "$OUT/worker-busy.md" > "$OUT/worker-busy.log" 2>&1
+  grep -h "^\[" "$OUT/worker-busy.log"; tail -8 "$OUT/worker-busy.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/diag_worker_busy.py --h200 \
+    --no-in-process --transports local-shm --pairs 1 --phases concurrent \
+    --worker-profile "$OUT/worker-profile.txt" --out "$OUT/worker-profiled.md" \
+    > "$OUT/worker-profiled.log" 2>&1
+  grep -h "^\[" "$OUT/worker-profiled.log"; tail -8 "$OUT/worker-profiled.log"
+  head -45 "$OUT/worker-profile.txt"
   ;;
 forks-pairs)
   # The Ray row with the runs decoding forks of sequences filled once (bench_service's
