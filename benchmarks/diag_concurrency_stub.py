@@ -30,7 +30,7 @@ from cache_service.server import start_service
 
 
 def stub_pools() -> None:
-    """Replace the pools' write-and-attend (per layer and by pages) by zeros."""
+    """Replace the pools' write-and-attend (per layer, by pages, over layers) by zeros."""
     import workers.pool as wp
 
     def write_and_attend(self: Any, layer: int, slots: Any, key: Any, value: Any,
@@ -48,8 +48,13 @@ def stub_pools() -> None:
         o = torch.zeros_like(q) if out is None else [p.zero_() for p in out]
         return (o, torch.zeros(q.shape[:2])) if return_lse else o
 
+    def write_and_attend_layers(self: Any, seq_layers: Any, slot_layers: Any, *a: Any,
+                                **kw: Any) -> Any:  # fmt: skip
+        return write_and_attend_pages(self, *a, **kw)
+
     wp.KVPool.write_and_attend = write_and_attend
     wp.KVPool.write_and_attend_pages = write_and_attend_pages
+    wp.KVPool.write_and_attend_layers = write_and_attend_layers
 
 
 class _Pauses:

@@ -31,9 +31,9 @@ from cache_service.server import start_service
 
 
 def _stub_pool() -> None:
-    """In the actor: the pool's write-and-attend, per layer and by pages (rounds over
-    several layers), returns zeros at once (diag_concurrency_stub.stub_pools, defined here
-    so that Ray ships it by value)."""
+    """In the actor: the pool's write-and-attend, per layer, by pages and over layers
+    (rounds over several layers), returns zeros at once (diag_concurrency_stub.stub_pools,
+    defined here so that Ray ships it by value)."""
     import torch
 
     import workers.pool as wp
@@ -48,8 +48,12 @@ def _stub_pool() -> None:
         o = torch.zeros_like(q) if out is None else [p.zero_() for p in out]
         return (o, torch.zeros(q.shape[:2])) if return_lse else o
 
+    def fake_layers(self, seq_layers, slot_layers, *a, **kw):
+        return fake_pages(self, *a, **kw)
+
     wp.KVPool.write_and_attend = fake
     wp.KVPool.write_and_attend_pages = fake_pages
+    wp.KVPool.write_and_attend_layers = fake_layers
 
 
 async def _main(args: argparse.Namespace) -> None:

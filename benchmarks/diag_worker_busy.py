@@ -6,16 +6,14 @@ calls one at a time (its lock), so its time per round is the other candidate. Th
 `bench_service.py` with its arguments and, in each Ray worker's process, times every
 channel answer (``ChannelServer._answer``: unpickling, the pool's call, the reply's
 pickle; waiting for the worker's lock too) and the pool's call inside it, under the lock
-(``PoolWorker._fenced_run``), by method. Printed for the calls after the first quarter of
+(``PoolWorker._fenced_run``), by method, and the pool's steps inside its calls (checks,
+staging, kernels, delivery). Printed for the calls after the first quarter of
 the whole run's (warm-up): calls, p50 and mean of the answer and of the pool's call, and
 the share of the wall time between the first and the last of those answers that the
 worker's lock was held (1: the worker never idled, every round waited for it).
 
     PYTHONPATH=.:benchmarks python3 benchmarks/diag_worker_busy.py --h200 --no-in-process \\
-        --transports local-shm --pairs 1 --phases concurrent [--worker-profile PATH]
-
-``--worker-profile PATH``: also profile the worker's channel answers (cProfile, per channel
-thread, merged) and write the top functions to PATH.
+        --transports local-shm --pairs 1 --phases concurrent
 """
 
 from __future__ import annotations
@@ -32,18 +30,14 @@ import bench_service
 _MARKS = os.path.join(tempfile.gettempdir(), f"kvcache-worker-busy-{os.getpid()}.txt")
 
 
-def _actor_timers(actor: Any, path: str, profile: bool) -> None:
-    """In the worker's process: every channel answer and pool call appended to `path` as
-    ``kind method start end`` lines (perf_counter seconds; kind "answer" or "pool"); with
-    `profile`, each answer also runs under its thread's cProfile (`_dump_profile`)."""
-    import cProfile
+def _actor_timers(actor: Any, path: str) -> None:
+    """In the worker's process: every channel answer, pool call and step of the pool's
+    calls appended to `path` as ``kind method start end`` lines (perf_counter seconds;
+    kind "answer", "pool" or "step")."""
     import threading
     import time as clock
 
     import workers.channel_server as cs
-
-    profiles: list[cProfile.Profile] = []
-    actor._busy_profiles = profiles
 
     lines: list[str] = []
     lock = threading.Lock()
@@ -74,46 +68,44 @@ def _actor_timers(actor: Any, path: str, profile: bool) -> None:
     answer = cs.ChannelServer._answer
 
     def timed_answer(self: Any, arena: Any, request: bytes) -> Any:
-        prof = getattr(local, "prof", None)
-        if profile and prof is None:
-            prof = local.prof = cProfile.Profile()
-            with lock:
-                profiles.append(prof)
         start = clock.perf_counter()
         local.method = "?"
-        if prof is not None:
-            prof.enable()
         try:
             return answer(self, arena, request)
         finally:
-            if prof is not None:
-                prof.disable()
             record("answer", local.method, start)
 
     actor._on_pool = named_pool
     actor._fenced_run = timed_fenced_run
     cs.ChannelServer._answer = timed_answer
 
+    # The pool's steps inside its calls, timed the same way (kind "step", named
+    # "<method>:<step>"; no waits added: a step that ends in a wait for the device holds
+    # the device's time too).
+    import workers.pool as wp
 
-def _dump_profile(actor: Any, path: str) -> None:
-    """In the worker's process: the channel threads' profiles, merged, written to `path`
-    (the top 60 functions by their own time)."""
-    import io
-    import pstats
+    def timed_step(owner: Any, name: str) -> None:
+        original = getattr(owner, name)
 
-    profiles = getattr(actor, "_busy_profiles", [])
-    if not profiles:
-        return
-    text = io.StringIO()
-    stats = pstats.Stats(profiles[0], stream=text)
-    for prof in profiles[1:]:
-        stats.add(prof)
-    stats.sort_stats("tottime").print_stats(60)
-    with open(path, "w") as f:
-        f.write(text.getvalue())
+        def step(*args: Any, **kwargs: Any) -> Any:
+            start = clock.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                record("step", f"{getattr(local, 'method', '?')}:{name}", start)
+
+        setattr(owner, name, step)
+
+    for name in ("stand_in", "check_write", "check_attend", "check_out_parts", "fill"):
+        timed_step(wp, name)
+    for name in (
+        "_on_device", "_guarded", "_write_pages_on_device", "_attend_on_device",
+        "_deliver", "_deliver_parts", "_cached_metadata", "_finish",
+    ):  # fmt: skip
+        timed_step(actor._pool, name)
 
 
-def _install(profile_path: str | None) -> None:
+def _install() -> None:
     """Wrap bench_service's start_service: once a service with Ray workers is up, install
     `_actor_timers` in each worker's process (the last lines it buffered, fewer than 256,
     are not written)."""
@@ -123,21 +115,10 @@ def _install(profile_path: str | None) -> None:
 
     async def started(*args: Any, **kwargs: Any) -> Any:
         running = await start(*args, **kwargs)
-        handles = [getattr(c, "handle", None) for c in running.coordinator._clients.values()]
-        handles = [h for h in handles if h is not None]
-        on = profile_path is not None
-        for h in handles:
-            ray.get(h.__ray_call__.remote(lambda w: _actor_timers(w, _MARKS, on)))
-        if on:
-            stop = running.stop
-
-            async def stop_after_dump(*a: Any, **kw: Any) -> Any:
-                for i, h in enumerate(handles):
-                    where = profile_path if i == 0 else f"{profile_path}.{i}"
-                    ray.get(h.__ray_call__.remote(lambda w, p=where: _dump_profile(w, p)))
-                return await stop(*a, **kw)
-
-            running.stop = stop_after_dump
+        for client in running.coordinator._clients.values():
+            handle = getattr(client, "handle", None)
+            if handle is not None:
+                ray.get(handle.__ray_call__.remote(lambda w: _actor_timers(w, _MARKS)))
         return running
 
     bench_service.start_service = started
@@ -169,6 +150,20 @@ def _report() -> str:
         by_method[m][0].append(e - s)
     for s, e, m in pools:
         by_method[m][1].append(e - s)
+    steps: dict[str, list[float]] = defaultdict(list)
+    for k, m, s, e in rows:
+        if k == "step" and float(s) >= first:
+            steps[m].append(float(e) - float(s))
+    step_lines = [
+        "",
+        "| the pool's step | calls | p50 us | mean us |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name, values in sorted(steps.items()):
+        step_lines.append(
+            f"| {name} | {len(values)} | {statistics.median(values) * 1e6:.1f} | "
+            f"{statistics.fmean(values) * 1e6:.1f} |"
+        )
     for method, (ans, pool) in sorted(by_method.items()):
         if not ans:
             continue
@@ -181,19 +176,13 @@ def _report() -> str:
             f"{us(ans, statistics.fmean)} | {us(pool, statistics.median)} | "
             f"{us(pool, statistics.fmean)} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + step_lines)
 
 
 def main() -> int:
-    argv = sys.argv[1:]
-    profile_path = None
-    if "--worker-profile" in argv:  # ours; the rest are bench_service's
-        i = argv.index("--worker-profile")
-        profile_path = argv[i + 1]
-        del argv[i : i + 2]
-    _install(profile_path)
+    _install()
     try:
-        code = bench_service.main(argv)
+        code = bench_service.main(sys.argv[1:])
         print("\n## The Ray worker's channel answers (diag_worker_busy.py)\n")
         print(_report())
     finally:

@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | default-pairs | decode-memo | decode-memo-pairs | profile-memo | pages-plans | timeline | timeline-spy | timeline-worker | repeats | refills | refills-final | loop-idle | loop-idle-check | check-cost | checks-after | checks-final | pairs-no-check | uvloop | uvloop-diag | pairs-four | p99-check | check-unlocked | local-pairs | check-interference | rows-final | callbacks | profile-concurrent | pinned-loop | threads | gc-runs | forks-pairs | loop-split | checks-ab | graphs-beside-checks | kernels-v10 | kernels-table | parts | worker-busy}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | default-pairs | decode-memo | decode-memo-pairs | profile-memo | pages-plans | timeline | timeline-spy | timeline-worker | repeats | refills | refills-final | loop-idle | loop-idle-check | check-cost | checks-after | checks-final | pairs-no-check | uvloop | uvloop-diag | pairs-four | p99-check | check-unlocked | local-pairs | check-interference | rows-final | callbacks | profile-concurrent | pinned-loop | threads | gc-runs | forks-pairs | loop-split | checks-ab | graphs-beside-checks | kernels-v10 | kernels-table | parts | worker-busy | layers}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -696,18 +696,29 @@ parts)
   ;;
 worker-busy)
   # How busy the Ray worker is when the loop is not (twenty-first session): its lock's
-  # share of a concurrent run and each call kind's time under it (diag_worker_busy.py),
-  # then the same concurrent run with the worker's channel answers under cProfile.
+  # share of a concurrent run, each call kind's time under it and the pool's steps inside
+  # (diag_worker_busy.py).
   CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/diag_worker_busy.py --h200 \
     --no-in-process --transports local-shm --pairs 1 --phases concurrent \
     --out "$OUT/worker-busy.md" > "$OUT/worker-busy.log" 2>&1
-  grep -h "^\[" "$OUT/worker-busy.log"; tail -8 "$OUT/worker-busy.log"
+  grep -h "^\[" "$OUT/worker-busy.log"; tail -32 "$OUT/worker-busy.log"
+  ;;
+layers)
+  # Rounds over several layers replayed as CUDA graphs (twenty-first session): the worker
+  # gets the round's per-layer metadata under its plan's key and each sequence's and new
+  # token's layer (KVPool.write_and_attend_layers), makes the pages on the device, and
+  # replays one graph per round shape whichever layers. The GPU tests of it (pool, decode
+  # graphs, stager, worker channel); the worker's time per call kind in a concurrent run
+  # (diag_worker_busy.py); the Ray row with 5 pairs.
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_workers_pool.py \
+    tests/test_decode_graphs.py tests/test_workers_gpu.py \
+    -k "parts or layers or stager or page or checked or channel or graph" 2>&1 | tail -3
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/diag_worker_busy.py --h200 \
     --no-in-process --transports local-shm --pairs 1 --phases concurrent \
-    --worker-profile "$OUT/worker-profile.txt" --out "$OUT/worker-profiled.md" \
-    > "$OUT/worker-profiled.log" 2>&1
-  grep -h "^\[" "$OUT/worker-profiled.log"; tail -8 "$OUT/worker-profiled.log"
-  head -45 "$OUT/worker-profile.txt"
+    --out "$OUT/worker-busy.md" > "$OUT/worker-busy.log" 2>&1
+  grep -h "^\[" "$OUT/worker-busy.log"; tail -32 "$OUT/worker-busy.log"
+  ray_row 260 5 service-h200-layers --phases one_small,concurrent
+  grep -h "^\[" "$OUT/service-h200-layers.log"
   ;;
 forks-pairs)
   # The Ray row with the runs decoding forks of sequences filled once (bench_service's

@@ -34,7 +34,7 @@ import asyncio
 import functools
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -223,9 +223,13 @@ class WorkerBatch:
             top = (np.iinfo(np.int32).max - (num_layers - 1)) // num_layers
             if blocks.size and int(blocks.max()) > top:
                 _fail("page ids pass int32: too many blocks x layers for one launch")
-            sequences = np.array([e.sequence for e in self.entries], dtype=np.int64)
-            kept = self._page_bases[num_layers] = (blocks * np.int32(num_layers), sequences)
+            kept = self._page_bases[num_layers] = (blocks * np.int32(num_layers), self.sequences)
         return kept
+
+    @functools.cached_property
+    def sequences(self) -> np.ndarray:
+        """int64 ``[S]``: the call's sequence index of each entry."""
+        return np.array([e.sequence for e in self.entries], dtype=np.int64)
 
     @functools.cached_property
     def _page_bases(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -514,17 +518,20 @@ class WorkerWrite:
         slot_mapping: int ``[n]`` flat slots on that worker (negative: skip).
         key, value: ``[n, Hkv, D]`` in the pool dtype, or given in parts (lists of
             ``[n_i, Hkv, D]``, a round's callers' rows: see :func:`run_attention`).
+        slot_layers: for a round over several layers (`LayerPages`), each new token's
+            layer (``[n]``; the slots are per layer); None otherwise.
     """
 
     slot_mapping: torch.Tensor | Sequence[int]
     key: torch.Tensor | list[torch.Tensor]
     value: torch.Tensor | list[torch.Tensor]
+    slot_layers: list[int] | None = None
 
     def joined(self) -> WorkerWrite:
         """This write with key and value each one tensor (parts concatenated)."""
         if isinstance(self.key, torch.Tensor) and isinstance(self.value, torch.Tensor):
             return self
-        return WorkerWrite(self.slot_mapping, joined(self.key), joined(self.value))
+        return replace(self, key=joined(self.key), value=joined(self.value))
 
 
 @dataclass(frozen=True)
@@ -535,10 +542,31 @@ class LayerPages:
     Attributes:
         seq_layers: int64 ``[num sequences]``, the layer of each planned sequence.
         num_layers: the layout's layers.
+        block_size: the layout's tokens per block (page slots of the writes).
     """
 
     seq_layers: np.ndarray
     num_layers: int
+    block_size: int
+
+    def layers_of(self, batch: WorkerBatch) -> list[int]:
+        """The layer of each of `batch`'s sequences (KVPool.write_and_attend_layers)."""
+        return self.seq_layers[batch.sequences].tolist()
+
+    def page_slots(self, write: WorkerWrite) -> list[int]:
+        """`write`'s per-layer slots as slots of pages (page ``block * num_layers +
+        layer``; negative slots stay skipped).
+
+        Raises:
+            AttentionPlanError: the write names no layers for its slots.
+        """
+        if write.slot_layers is None:
+            _fail("a write of a round over several layers names no layer for its slots")
+        bs, n = self.block_size, self.num_layers
+        return [
+            ((s // bs) * n + layer) * bs + s % bs if s >= 0 else s
+            for s, layer in zip(list(write.slot_mapping), write.slot_layers, strict=True)  # type: ignore[arg-type]
+        ]
 
     def page_tables(self, batch: WorkerBatch) -> torch.Tensor:
         """int32 ``[S, max_blocks]``: `batch`'s block tables as page tables.
@@ -656,7 +684,7 @@ async def run_attention(
             if w in writes:
                 wr = writes[w]
                 return await clients[w].write_and_attend_pages(
-                    epochs[w], wr.slot_mapping, wr.key, wr.value, *batch_args,
+                    epochs[w], pages.page_slots(wr), wr.key, wr.value, *batch_args,
                     return_lse=want_lse, check_finite=check_finite, **options,
                 )  # fmt: skip
             return await clients[w].attend_pages(
@@ -722,8 +750,9 @@ async def _run_in_parts(
     check_finite: bool,
 ) -> AttentionResult:
     """`run_attention` of a round over pages given in parts, for a plan that one worker
-    writes and computes in order (`_one_writer_in_order`): one write_and_attend_pages
-    with the parts as they are."""
+    writes and computes in order (`_one_writer_in_order`): one write_and_attend_layers
+    with the parts as they are, the batch's recorded metadata (its key: a round of the same
+    steps repeats it, whichever layers) and each sequence's and new token's layer."""
     rows = sum(q.shape[0] for q in query)
     if rows != plan.num_rows:
         _fail(f"query has {rows} rows, the plan has {plan.num_rows}")
@@ -737,11 +766,13 @@ async def _run_in_parts(
     if w not in clients or w not in epochs:
         _fail(f"worker {w!r} of the plan has no client or no epoch")
     wr = writes[w]
+    if wr.slot_layers is None:
+        _fail("a write of a round over several layers names no layer for its slots")
     into: dict[str, Any] = {} if out is None else {"out": out}
-    result = await clients[w].write_and_attend_pages(
-        epochs[w], wr.slot_mapping, wr.key, wr.value, query, pages.page_tables(batch),
-        *batch.metadata_args()[1:], return_lse=return_lse, check_finite=check_finite,
-        **options, **into,
+    result = await clients[w].write_and_attend_layers(
+        epochs[w], pages.layers_of(batch), wr.slot_layers, wr.slot_mapping, wr.key, wr.value,
+        query, *batch.metadata_args(), metadata_key=batch.metadata_key,
+        return_lse=return_lse, check_finite=check_finite, **options, **into,
     )  # fmt: skip
     got = result.out
     if isinstance(got, list):

@@ -1606,19 +1606,21 @@ class Coordinator:
             else:
                 query = torch.cat([p.query for p in parts]) if len(parts) > 1 else parts[0].query
             merged: dict[str, list[tuple[list[int], torch.Tensor, torch.Tensor]]] = {}
+            slot_layers: dict[str, list[int]] = {}  # over pages: each new token's layer
             for p in parts:
                 for worker_id, w in p.writes.items():
-                    if layer is None:  # slots of the part's layer's pages
-                        w = (self._page_slots(w[0], p.layer), w[1], w[2])
                     merged.setdefault(worker_id, []).append(w)
+                    if layer is None:
+                        slot_layers.setdefault(worker_id, []).extend([p.layer] * len(w[0]))
             join = (lambda ts: list(ts)) if in_parts else torch.cat
             writes = {
-                w: WorkerWrite(*ws[0])
+                w: WorkerWrite(*ws[0], slot_layers=slot_layers.get(w))
                 if len(ws) == 1
                 else WorkerWrite(
                     [s for slots, _, _ in ws for s in slots],
                     join([k for _, k, _ in ws]),
                     join([v for _, _, v in ws]),
+                    slot_layers.get(w),
                 )
                 for w, ws in merged.items()
             }
@@ -1654,6 +1656,7 @@ class Coordinator:
                         [len(p.seq_ids) for p in parts],
                     ),
                     self.layout.num_layers,
+                    self.layout.block_size,
                 )
             )
             result = await run_attention(
@@ -1770,12 +1773,6 @@ class Coordinator:
         while len(self._round_plans) > _MAX_ROUND_PLANS:
             self._round_plans.popitem(last=False)
         return plan
-
-    def _page_slots(self, slots: list[int], layer: int) -> list[int]:
-        """Flat slots of one layer as slots of the pool's pages (page ``block * num_layers +
-        layer``; see KVPool.write_and_attend_pages)."""
-        bs, num_layers = self.layout.block_size, self.layout.num_layers
-        return [((s // bs) * num_layers + layer) * bs + s % bs for s in slots]
 
     async def _run_copies(self, plan: WritePlan, seq_ids: list[str]) -> None:
         await self._run_copies_of([plan], seq_ids)

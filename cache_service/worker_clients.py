@@ -221,6 +221,41 @@ class _WorkerClientBase:
         )
         return _attention_result(result, return_lse)
 
+    async def write_and_attend_layers(
+        self,
+        epoch: str,
+        seq_layers: list[int],
+        slot_layers: list[int],
+        slot_mapping: IndexLike,
+        key: torch.Tensor | Sequence[torch.Tensor],
+        value: torch.Tensor | Sequence[torch.Tensor],
+        query: torch.Tensor | Sequence[torch.Tensor],
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
+        metadata_key: int | None = None,
+        check_finite: bool = False,
+        out: list[torch.Tensor] | None = None,
+    ) -> AttentionResult:
+        new = (seq_layers, slot_layers, slot_mapping, key, value)
+        batch = (query, block_tables, seq_lens, query_start_loc, causal, return_lse)
+        options: dict[str, Any] = {
+            "scale": scale, "softcap": softcap, "sliding_window": sliding_window,
+            "metadata_key": metadata_key, "check_finite": check_finite,
+        }  # fmt: skip
+        if out is not None and self._accepts_out:
+            options["out"] = out
+        result = await self._invoke(
+            "write_and_attend_layers", self._fenced(epoch), *new, *batch, **options
+        )
+        return _attention_result(result, return_lse)
+
     async def attend_pages(
         self,
         epoch: str,

@@ -166,6 +166,35 @@ class WorkerClient(Protocol):
         tensor."""
         ...
 
+    async def write_and_attend_layers(
+        self,
+        epoch: str,
+        seq_layers: list[int],
+        slot_layers: list[int],
+        slot_mapping: torch.Tensor | Sequence[int],
+        key: torch.Tensor | Sequence[torch.Tensor],
+        value: torch.Tensor | Sequence[torch.Tensor],
+        query: torch.Tensor | Sequence[torch.Tensor],
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: torch.Tensor | Sequence[int],
+        query_start_loc: torch.Tensor | Sequence[int],
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
+        metadata_key: int | None = None,
+        check_finite: bool = False,
+        out: list[torch.Tensor] | None = None,
+    ) -> AttentionResult:
+        """:meth:`write_and_attend_pages` with block tables and slots per layer and each
+        sequence's (`seq_layers`) and new token's (`slot_layers`) layer named: the worker
+        makes the pages (workers.pool.KVPool.write_and_attend_layers). metadata_key: as
+        in :meth:`write_and_attend` (a round of recorded steps repeats its metadata whichever
+        layers it is on, and replays a graph)."""
+        ...
+
     async def attend_pages(
         self,
         epoch: str,

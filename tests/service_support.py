@@ -181,14 +181,21 @@ class Mirror:
 
 
 # Recording's data calls and the position of their seq_lens argument (after the epoch).
-_LENS_ARG = {"write_and_attend": 7, "attend": 4, "write_and_attend_pages": 6, "attend_pages": 3}
+_LENS_ARG = {
+    "write_and_attend": 7,
+    "attend": 4,
+    "write_and_attend_pages": 6,
+    "write_and_attend_layers": 8,
+    "attend_pages": 3,
+}
 
 
 class Recording:
     """A WorkerClient proxy that counts data calls and their batch sizes, and can stall.
 
     delay_s: every data call waits this long before it runs.
-    hold_first: the first attention call (write_and_attend, attend or their _pages forms)
+    hold_first: the first attention call (write_and_attend, attend, their _pages forms or
+        write_and_attend_layers)
         waits until this event is set (it is counted first, so a test can see it arrive).
     """
 

@@ -74,20 +74,20 @@ def test_page_tables_name_each_sequences_layer_and_refuse_int32_overflow():
     plan = plan_attention([view(10, ("a", (7, 3, 5))), view(4, ("a", (2,)))], [1, 1], BS)
     (batch,) = plan.batches
     _, tables, _, _ = batch.kernel_args(torch.zeros(2, 4, 16))
-    pages = LayerPages(np.array([1, 0]), 2).page_tables(batch)
+    pages = LayerPages(np.array([1, 0]), 2, 4).page_tables(batch)
     assert pages.dtype == torch.int32
     want = tables.to(torch.int64) * 2 + torch.tensor([[1], [0]])
     assert torch.equal(pages.to(torch.int64), want)
     assert pages[0, :3].tolist() == [15, 7, 11] and pages[1, 0].item() == 4
     # The batch keeps its tables x layers; another round of it on other layers adds those.
-    again = LayerPages(np.array([0, 1]), 2).page_tables(batch)
+    again = LayerPages(np.array([0, 1]), 2, 4).page_tables(batch)
     assert torch.equal(again.to(torch.int64), tables.to(torch.int64) * 2 + torch.tensor([[0], [1]]))
     assert torch.equal(pages.to(torch.int64), want)  # the first round's tables untouched
     # The largest block id that still fits int32 on 32 layers, and one past it.
     top = (2**31 - 1 - 31) // 32
     for block, fits in ((top, True), (top + 1, False)):
         big = plan_attention([view(1, ("a", (block,)))], [1], BS).batches[0]
-        layer_pages = LayerPages(np.array([31]), 32)
+        layer_pages = LayerPages(np.array([31]), 32, 16)
         if fits:
             assert layer_pages.page_tables(big)[0, 0].item() == block * 32 + 31
         else:

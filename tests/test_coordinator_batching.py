@@ -579,7 +579,7 @@ def test_calls_for_different_layers_that_overlap_share_one_worker_call() -> None
             worker.close()
 
     merged = asyncio.run(scenario(True))
-    assert merged == {"write_and_attend": 1, "write_and_attend_pages": 1}
+    assert merged == {"write_and_attend": 1, "write_and_attend_layers": 1}
     separate = asyncio.run(scenario(False))
     assert separate == {"write_and_attend": 3}
 
@@ -655,7 +655,7 @@ def test_a_round_over_pages_of_recorded_steps_is_planned_once(monkeypatch) -> No
             worker.close()
 
     rounds, calls = asyncio.run(scenario())
-    assert calls["write_and_attend_pages"] == 2
+    assert calls["write_and_attend_layers"] == 2
     assert rounds == [1, 0]  # planned on the first meeting only
 
 

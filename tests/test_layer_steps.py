@@ -497,15 +497,15 @@ def test_a_nan_in_a_shared_round_fails_only_its_caller(monkeypatch, layers) -> N
         worker = coord._clients["w0"]
         pages_checked: list[bool] = []  # check_finite of each round over pages
         parts_given: list[tuple[int, int]] = []  # query parts and output parts of each
-        real_pages = worker.write_and_attend_pages
+        real_pages = worker.write_and_attend_layers
 
         async def pages(*args: Any, check_finite: bool = False, **kwargs: Any) -> Any:
             pages_checked.append(check_finite)
-            query, out = args[4], kwargs.get("out")
+            query, out = args[6], kwargs.get("out")
             parts_given.append((len(query), 0 if out is None else len(out)))
             return await real_pages(*args, check_finite=check_finite, **kwargs)
 
-        worker.write_and_attend_pages = pages  # type: ignore[method-assign]
+        worker.write_and_attend_layers = pages  # type: ignore[method-assign]
         models = [Model([(await coord.create_sequence("t")).seq_id for _ in range(B)])
                   for _ in range(3)]  # fmt: skip
         for n, m in enumerate(models):

@@ -776,6 +776,64 @@ def test_a_round_in_parts_that_does_not_fit_is_refused_and_changes_nothing(devic
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_rounds_over_layers_equal_per_layer_calls_under_one_key(device):
+    # A coordinator's rounds of recorded steps whose callers are on different layers, the
+    # layers changing from round to round under one metadata key (validated once; on CUDA
+    # the third round replays a graph of the whole round), inputs and outputs in parts:
+    # each round equals the same sequences' per-layer calls, and so do the pools.
+    layered = filled_pool(seed=25, device=device, fingerprints=True)
+    plain = filled_pool(seed=25, device=device, fingerprints=True)
+    slots, _, _, q, tables, lens, qsl = _decode_args(layered, seed=26)
+    gen = torch.Generator().manual_seed(27)
+    rows = [1, 2]
+    for layers in ([2, 0, 2], [1, 1, 0], [0, 2, 1], [2, 1, 1]):
+        k, v = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, 16, generator=gen)
+        q = torch.randn(3, 4, 16, generator=gen)
+        out = [torch.full((n, 4, 16), float("nan")) for n in rows]
+        got = layered.write_and_attend_layers(
+            layers, layers, slots.tolist(), _in_parts(k, rows), _in_parts(v, rows),
+            _in_parts(q, rows), tables, lens, qsl, metadata_key=77, to_host=True,
+            check_finite=True, out=out,
+        )  # fmt: skip
+        assert [o.data_ptr() for o in got] == [o.data_ptr() for o in out]
+        for i, layer in enumerate(layers):
+            one = slice(i, i + 1)
+            ref = plain.write_and_attend(
+                layer, slots[one], k[one], v[one], q[one], tables[one], lens[one], qsl[:2],
+                to_host=True,
+            )  # fmt: skip
+            assert torch.allclose(torch.cat(out)[one], ref, atol=1e-5), (layers, i)
+    assert torch.equal(layered.data, plain.data)
+    if device == "cuda":
+        assert layered._graphs is not None and layered._graphs.replays >= 1
+
+
+def test_a_round_over_layers_with_bad_layers_is_refused_and_writes_nothing():
+    pool = filled_pool(seed=28)
+    slots, k, v, q, tables, lens, qsl = _decode_args(pool, seed=29)
+    good = [0, 1, 2]
+    pool.write_and_attend_layers(good, good, slots.tolist(), k, v, q, tables, lens, qsl,
+                                 metadata_key=5)  # fmt: skip
+    data = pool.data.clone()
+    cases = [
+        ([0, 1], good, "seq_layers must be a list of 3 layers"),
+        (good, [0, 1, 2, 0], "slot_layers must be a list of 3 layers"),
+        ([0, 1, LAYOUT.num_layers], good, r"seq_layers must hold layer indices in \[0, 3\)"),
+        (good, [0, -1, 1], "slot_layers must hold layer indices"),
+        (good, [0, 1.0, 1], "slot_layers must hold layer indices"),
+        ((0, 1, 2), good, "seq_layers must be a list"),
+    ]
+    for key in (None, 5):  # validated afresh, and under the key's kept metadata
+        for seq_layers, slot_layers, message in cases:
+            with pytest.raises(InvalidWorkerRequest, match=message):
+                pool.write_and_attend_layers(
+                    seq_layers, slot_layers, slots.tolist(), k, v, q, tables, lens, qsl,
+                    metadata_key=key,
+                )  # fmt: skip
+            assert torch.equal(pool.data, data)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_checked_write_refuses_non_finite_values_and_leaves_out_and_the_pool_alone(device):
     pool = filled_pool(device=device, fingerprints=True)
     slots, k, v, q, tables, lens, qsl = _decode_args(pool, seed=6)

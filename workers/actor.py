@@ -332,6 +332,40 @@ class PoolWorker:
             to_host=True, check_finite=check_finite, **into,
         )  # fmt: skip
 
+    def write_and_attend_layers(
+        self,
+        epoch: str,
+        seq_layers: list[int],
+        slot_layers: list[int],
+        slot_mapping: IndexLike,
+        key: torch.Tensor | Sequence[torch.Tensor],
+        value: torch.Tensor | Sequence[torch.Tensor],
+        query: torch.Tensor | Sequence[torch.Tensor],
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        causal: bool = True,
+        return_lse: bool = False,
+        *,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        metadata_key: int | None = None,
+        check_finite: bool = False,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> AttendResult | PartsResult:
+        """:meth:`KVPool.write_and_attend_layers` (sequences of several layers, each layer
+        named; key, value, query and `out` may be given in parts) behind the epoch fence;
+        results on the host (the output in `out`'s parts when given)."""
+        new = (seq_layers, slot_layers, slot_mapping, key, value)
+        batch = (query, block_tables, seq_lens, query_start_loc)
+        options = _attend_options(causal, return_lse, scale, sliding_window, softcap)
+        into: dict[str, Any] = {} if out is None else {"out": out}
+        return self._on_pool(
+            epoch, self._pool.write_and_attend_layers, *new, *batch, **options,
+            metadata_key=metadata_key, to_host=True, check_finite=check_finite, **into,
+        )  # fmt: skip
+
     def attend_pages(
         self,
         epoch: str,

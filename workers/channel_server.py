@@ -85,6 +85,7 @@ CHANNEL_METHODS = frozenset(
         "attend",
         "write_and_attend",
         "write_and_attend_pages",
+        "write_and_attend_layers",
         "attend_pages",
         "reference_attend",
     }

@@ -19,6 +19,14 @@ A graph bakes in addresses and launch configurations, hence:
   launcher picks its configuration from shapes alone (``check_values=False``), and a
   padded block table's entries past a sequence's length are never read.
 
+A coordinator's round over several layers (``KVPool.write_and_attend_layers``: sequences of
+different layers in one launch, the pool seen as pages) replays a graph too, under the
+pseudo-layer :data:`PAGES`: its static inputs also hold each sequence's and each new
+token's layer (packed after the query), from which the graph computes the page tables and
+page slots on the device; key, value and query may arrive in parts (the round's callers'
+rows, joined by the stager's one copy). So a round keeps one graph whichever layers its
+callers are on.
+
 The first call of a (class, layer) runs eagerly: a shape seen once (a prefill chunk) is
 not worth a capture. The second runs eagerly on the static buffers (its own work, which
 also compiles anything the capture would otherwise meet first), then captures; later calls
@@ -39,9 +47,10 @@ import torch
 from workers.checks import AttendOptions
 from workers.kernel_warmup import TABLE_WIDTH_MULTIPLE
 from workers.metadata_cache import CachedMetadata
-from workers.staging import HostStager, packed_offsets
+from workers.parts import joined, joined_shape
+from workers.staging import HostStager, Staged, packed_offsets
 
-__all__ = ["DecodeGraphs", "GraphBody", "bucket_width"]
+__all__ = ["PAGES", "DecodeGraphs", "GraphBody", "PagesBody", "bucket_width"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +72,28 @@ GraphBody = Callable[
     ],
     tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
 ]
+
+# body over pages (slots, key, value, query, block_tables, seq_lens, query_start_loc,
+# layers, options, check_finite) -> as GraphBody: block ids and slots per layer, `layers`
+# int32 [S + n], each sequence's then each new token's layer (KVPool.write_and_attend_layers).
+PagesBody = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        AttendOptions,
+        bool,
+    ],
+    tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+]
+
+# The graph key of a round over several layers (see the module docstring).
+PAGES = -1
 
 # (class, layer) pairs remembered as seen once; past this many the memory starts afresh.
 _MAX_SEEN = 4096
@@ -87,7 +118,7 @@ _Outputs = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 class _Class:
     """The static buffers of one shape class and the graphs captured on them, by layer."""
 
-    inputs: torch.Tensor  # uint8: key, value, query packed as HostStager packs them
+    inputs: torch.Tensor  # uint8: key, value, query (and layers) packed as HostStager does
     key: torch.Tensor
     value: torch.Tensor
     query: torch.Tensor
@@ -97,6 +128,7 @@ class _Class:
     block_tables: torch.Tensor  # [S, bucket width]
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
+    layers: torch.Tensor | None = None  # int32 [S + n] (PAGES classes): packed after query
     loaded: CachedMetadata | None = None  # whose metadata the buffers hold
     graphs: dict[int, tuple[torch.cuda.CUDAGraph, _Outputs]] = field(default_factory=dict)
     failed: set[int] = field(default_factory=set)  # layers whose capture failed
@@ -109,6 +141,8 @@ class DecodeGraphs:
         device: the pool's CUDA device.
         body: the pool's write then attention on validated device tensors.
         stager: the pool's host stager (host inputs reach the static buffers in one copy).
+        pages_body: the same over pages of several layers (:data:`PAGES`; None: such
+            calls are not replayed).
         max_classes: shape classes kept (each holds its static buffers and up to one graph
             per layer).
 
@@ -121,11 +155,13 @@ class DecodeGraphs:
         body: GraphBody,
         stager: HostStager | None,
         max_classes: int = 16,
+        pages_body: PagesBody | None = None,
     ) -> None:
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self._device = device
         self._body = body
+        self._pages_body = pages_body
         self._stager = stager
         self._max_classes = max_classes
         self._classes: OrderedDict[tuple[object, ...], _Class] = OrderedDict()
@@ -151,26 +187,31 @@ class DecodeGraphs:
         self,
         layer: int,
         entry: CachedMetadata,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        query: torch.Tensor,
+        key: Staged,
+        value: Staged,
+        query: Staged,
         options: AttendOptions,
         pinned: bool = False,
         check_finite: bool = False,
+        layers: torch.Tensor | None = None,
     ) -> _Outputs | None:
         """One layer's write-and-attend through its graph.
 
         Args:
-            layer: the layer.
+            layer: the layer, or :data:`PAGES` for a round over several layers.
             entry: the call's validated metadata, with its slots (``entry.slots``).
-            key, value: ``[n, Hkv, D]`` new K/V (pool dtype, validated against the slots).
-            query: ``[T, Hq, D]`` (pool dtype, validated against the metadata).
+            key, value: ``[n, Hkv, D]`` new K/V (pool dtype, validated against the slots);
+                with PAGES, possibly in parts (workers.parts).
+            query: ``[T, Hq, D]`` (pool dtype, validated against the metadata); in parts
+                too with PAGES.
             options: the attention options.
             pinned: key, value and query are in page-locked host memory: copied from there
                 asynchronously (the caller waits for the copies before it lets the memory
                 go), not staged.
             check_finite: the body masks the write unless every input is finite (graphs
                 with and without the check are kept apart).
+            layers: with PAGES, host int32 ``[S + n]``: each sequence's layer, then each
+                new token's (validated).
 
         Returns:
             ``(out [T, Hq, D], lse [T, Hq] float32 or None, finite flag or None)``: tensors
@@ -178,22 +219,26 @@ class DecodeGraphs:
             ones when this call ran eagerly; None when the call should take the pool's
             usual path (a first sighting, or a layer whose capture failed), nothing done.
         """
-        if entry.slots is None:
+        if entry.slots is None or (layer == PAGES) != (layers is not None):
+            return None
+        if layer == PAGES and self._pages_body is None:
             return None
         tables = entry.block_tables
+        first_key, first_value, first_query = (_first(t) for t in (key, value, query))
         # Shapes as torch.Size: tuples (hashed and compared as the ints they hold), not
         # converted per call.
         signature = (
-            key.shape,
-            key.dtype,
-            value.dtype,
-            query.shape,
-            query.dtype,
+            joined_shape(key),
+            first_key.dtype,
+            first_value.dtype,
+            joined_shape(query),
+            first_query.dtype,
             entry.slots.shape,
             tables.shape[0],
             bucket_width(tables.shape[1]),
             options,
             check_finite,
+            None if layers is None else layers.shape,
         )
         with self._lock:
             cls = self._classes.get(signature)
@@ -201,7 +246,7 @@ class DecodeGraphs:
                 self._classes.move_to_end(signature)
                 replay = cls.graphs.get(layer)
                 if replay is not None:
-                    self._load(cls, entry, key, value, query, pinned)
+                    self._load(cls, entry, key, value, query, pinned, layers)
                     graph, outputs = replay
                     graph.replay()
                     self.replays += 1
@@ -214,8 +259,8 @@ class DecodeGraphs:
                 self._seen.add((signature, layer))
                 return None
             if cls is None:
-                cls = self._new_class(signature, entry, key, value, query)
-            self._load(cls, entry, key, value, query, pinned)
+                cls = self._new_class(signature, entry, layers)
+            self._load(cls, entry, key, value, query, pinned, layers)
             result = self._run_body(cls, layer, options, check_finite)  # this call's own work
             try:
                 cls.graphs[layer] = self._capture(cls, layer, options, check_finite)
@@ -228,25 +273,27 @@ class DecodeGraphs:
     # -- internals ---------------------------------------------------------------------
 
     def _new_class(
-        self,
-        signature: tuple[object, ...],
-        entry: CachedMetadata,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        query: torch.Tensor,
+        self, signature: tuple[object, ...], entry: CachedMetadata, layers: torch.Tensor | None
     ) -> _Class:
         dev = self._device
-        offsets, total = packed_offsets((key, value, query))
+        key_shape, key_dtype, value_dtype, query_shape, query_dtype = signature[:5]
+        # Stand-ins of the joined shapes (no memory) lay the buffers out as the stager packs.
+        shapes = [(key_shape, key_dtype), (key_shape, value_dtype), (query_shape, query_dtype)]
+        if layers is not None:
+            shapes.append((layers.shape, layers.dtype))
+        metas = [torch.empty(s, dtype=d, device="meta") for s, d in shapes]  # type: ignore[arg-type]
+        offsets, total = packed_offsets(metas)
         inputs = torch.empty(total, dtype=torch.uint8, device=dev)
         views = [
             inputs[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            for t, off in zip((key, value, query), offsets, strict=True)
+            for t, off in zip(metas, offsets, strict=True)
         ]
+        query = metas[2]
         tables = entry.block_tables
         cls = _Class(
             inputs,
-            *views,
-            offsets=tuple(offsets),
+            *views[:3],
+            offsets=tuple(offsets[:3]),
             head=inputs[: offsets[2] + query.numel() * query.element_size()],
             slots=torch.empty_like(entry.slots),
             # Zeros: a padded entry is never read, but must name a real block anyway.
@@ -255,6 +302,7 @@ class DecodeGraphs:
             ),
             seq_lens=torch.empty_like(entry.seq_lens),
             query_start_loc=torch.empty_like(entry.query_start_loc),
+            layers=views[3] if layers is not None else None,
         )
         self._classes[signature] = cls
         while len(self._classes) > self._max_classes:
@@ -265,10 +313,11 @@ class DecodeGraphs:
         self,
         cls: _Class,
         entry: CachedMetadata,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        query: torch.Tensor,
+        key: Staged,
+        value: Staged,
+        query: Staged,
         pinned: bool,
+        layers: torch.Tensor | None = None,
     ) -> None:
         """Copy the call's tensors (and, for a new step, its metadata) into the buffers."""
         if cls.loaded is not entry:
@@ -278,6 +327,20 @@ class DecodeGraphs:
             cls.seq_lens.copy_(entry.seq_lens)
             cls.query_start_loc.copy_(entry.query_start_loc)
             cls.loaded = entry
+        if layers is not None:
+            # A round over pages: its parts (and layers) packed by the stager, one copy.
+            staged = (key, value, query, layers)
+            if self._stager is not None and all(_on_host(t) for t in staged):
+                self._stager.to_device(staged, into=cls.inputs)
+            else:
+                assert cls.layers is not None
+                for dst, src in zip(
+                    (cls.key, cls.value, cls.query, cls.layers), staged, strict=True
+                ):
+                    dst.copy_(joined(src), non_blocking=True)
+            return
+        assert isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
+        assert isinstance(query, torch.Tensor)
         tensors = (key, value, query)
         # Pageable host memory goes through the stager's pinned buffer (one copy on the
         # CPU, one transfer); pinned host memory (a registered shared region) is copied
@@ -296,6 +359,20 @@ class DecodeGraphs:
     def _run_body(
         self, cls: _Class, layer: int, options: AttendOptions, check_finite: bool
     ) -> _Outputs:
+        if layer == PAGES:
+            assert self._pages_body is not None and cls.layers is not None
+            return self._pages_body(
+                cls.slots,
+                cls.key,
+                cls.value,
+                cls.query,
+                cls.block_tables,
+                cls.seq_lens,
+                cls.query_start_loc,
+                cls.layers,
+                options,
+                check_finite,
+            )
         return self._body(
             layer,
             cls.slots,
@@ -336,6 +413,15 @@ class DecodeGraphs:
             graph.capture_end()
         current.wait_stream(self._stream)
         return graph, outputs
+
+
+def _first(t: Staged) -> torch.Tensor:
+    """A tensor, or the first of its parts (their dtype is the tensor's)."""
+    return t if isinstance(t, torch.Tensor) else t[0]
+
+
+def _on_host(t: Staged) -> bool:
+    return all(p.is_cpu for p in ((t,) if isinstance(t, torch.Tensor) else t))
 
 
 def _packed_span(

@@ -17,7 +17,15 @@ import torch
 
 from workers.errors import InvalidWorkerRequest
 
-__all__ = ["TensorParts", "check_out_parts", "fill", "is_parts", "joined", "stand_in"]
+__all__ = [
+    "TensorParts",
+    "check_out_parts",
+    "fill",
+    "is_parts",
+    "joined",
+    "joined_shape",
+    "stand_in",
+]
 
 # One tensor's row blocks, in order (dim 0 of the tensor they stand for).
 TensorParts = list[torch.Tensor]
@@ -57,6 +65,14 @@ def stand_in(name: str, value: object) -> torch.Tensor:
             )
     rows = sum(p.shape[0] for p in tensors)
     return torch.empty((rows, *first.shape[1:]), dtype=first.dtype, device="meta")
+
+
+def joined_shape(value: torch.Tensor | Sequence[torch.Tensor]) -> torch.Size:
+    """The shape of the tensor `value` stands for (parts already validated: `stand_in`)."""
+    if not is_parts(value):
+        return value.shape  # type: ignore[union-attr]
+    parts = list(value)
+    return torch.Size((sum(p.shape[0] for p in parts), *parts[0].shape[1:]))
 
 
 def joined(value: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:

@@ -33,7 +33,7 @@ from workers.checks import (
     check_write,
 )
 from workers.config import PoolConfig
-from workers.decode_graphs import DecodeGraphs
+from workers.decode_graphs import PAGES, DecodeGraphs
 from workers.errors import InvalidWorkerRequest, NonFiniteInput, PoolAllocationError
 from workers.fingerprints import BadSlot, SlotFingerprints
 from workers.kernel_warmup import decode_warm_up_launches, dummy_decode_inputs
@@ -47,6 +47,7 @@ from workers.staging import HostStager, Staged
 __all__ = ["KVPool", "ReferenceInputs", "resolve_device"]
 
 IndexLike = torch.Tensor | Sequence[int]
+_INT32_MAX = 2**31 - 1
 AttendResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 # An output delivered in parts (write_and_attend_pages' `out`), with the LSE if asked.
 PartsResult = TensorParts | tuple[TensorParts, torch.Tensor]
@@ -142,7 +143,12 @@ class KVPool:
         # The attention metadata of recent decode steps, validated and on the device.
         self._metadata = MetadataCache()
         self._graphs = (
-            DecodeGraphs(self._device, self._write_and_attend_on_device, self._stager)
+            DecodeGraphs(
+                self._device,
+                self._write_and_attend_on_device,
+                self._stager,
+                pages_body=self._write_and_attend_layers_on_device,
+            )
             if cuda_graphs and self._device.type == "cuda" and backend != "torch"
             else None
         )
@@ -474,6 +480,87 @@ class KVPool:
             return result
         return self._deliver(result, to_host, finite=finite, out=outs)
 
+    def write_and_attend_layers(
+        self,
+        seq_layers: Sequence[int],
+        slot_layers: Sequence[int],
+        slot_mapping: IndexLike,
+        key: torch.Tensor | Sequence[torch.Tensor],
+        value: torch.Tensor | Sequence[torch.Tensor],
+        query: torch.Tensor | Sequence[torch.Tensor],
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        *,
+        causal: bool = True,
+        return_lse: bool = False,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        metadata_key: int | None = None,
+        to_host: bool = False,
+        check_finite: bool = False,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> AttendResult | PartsResult:
+        """:meth:`write_and_attend_pages` with each sequence's layer and each new token's
+        layer given, and block tables and slots per layer (block ids, flat slots) as a
+        one-layer call takes them: a coordinator's round whose callers are on different
+        layers. The pool turns them into pages on its device.
+
+        Args:
+            seq_layers: ``[S]`` the layer of each sequence (row of ``block_tables``).
+            slot_layers: ``[n]`` the layer of each new token (entry of ``slot_mapping``).
+            metadata_key: as in :meth:`write_and_attend`: the block tables, lengths, query
+                offsets and (when equal) slots are validated and kept on the device once
+                per key; a round under a known key checks only its layers, and on CUDA
+                replays a graph of the whole round (:data:`workers.decode_graphs.PAGES`),
+                whichever layers its sequences are on.
+            key, value, query, out, to_host, check_finite and the options: as in
+                :meth:`write_and_attend_pages` (parts too).
+
+        Raises:
+            InvalidWorkerRequest: a malformed argument (a layer outside the layout, layers
+                not one per sequence and per new token); NonFiniteInput (check_finite).
+        """
+        options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
+        lay = self._layout
+        if self._num_blocks * lay.num_layers > _INT32_MAX:
+            raise InvalidWorkerRequest(
+                f"{self._num_blocks} blocks x {lay.num_layers} layers are too many pages for "
+                "one launch (int32 page ids); call per layer"
+            )
+        whole = (stand_in("key", key), stand_in("value", value), stand_in("query", query))
+        batch = (block_tables, seq_lens, query_start_loc)
+        outs = None if out is None else check_out_parts(out, whole[2])
+        entry = self._cached_metadata(metadata_key, whole[2], *batch)
+        if entry is not None and entry.slots is not None and entry.same_slots(slot_mapping):
+            check_new_kv(lay, 0, entry.slots.shape[0], whole[0], whole[1])
+            layers = _layer_vector(
+                seq_layers, slot_layers, entry.block_tables.shape[0], entry.slots.shape[0], lay
+            )
+            if self._graphs is not None:
+                replayed = self._graphs.run(
+                    PAGES, entry, key, value, query, options, False, check_finite, layers
+                )
+                if replayed is not None:
+                    return self._finish(replayed, options, to_host, owned=False, out=outs)
+            k, v, q, layers_on = self._on_device(key, value, query, layers)
+            done = self._write_and_attend_layers_on_device(
+                entry.slots, k, v, q, *entry.tables(), layers_on, options, check_finite
+            )
+            return self._finish(done, options, to_host, out=outs)
+        slots = check_write(lay, self._num_blocks, 0, slot_mapping, whole[0], whole[1])
+        indices = check_attend(lay, self._num_blocks, 0, whole[2], *batch)
+        layers = _layer_vector(seq_layers, slot_layers, indices[0].shape[0], slots.shape[0], lay)
+        staged = self._on_device(
+            *_write_inputs(slots, key, value), *_attend_inputs(query, *indices), layers
+        )
+        self._remember_metadata(
+            metadata_key, staged[4:7], whole[2].shape[0], slot_mapping, staged[0]
+        )
+        done = self._write_and_attend_layers_on_device(*staged, options, check_finite)
+        return self._finish(done, options, to_host, out=outs)
+
     def attend_pages(
         self,
         query: torch.Tensor,
@@ -727,6 +814,37 @@ class KVPool:
         out, lse = result if isinstance(result, tuple) else (result, None)
         return out, lse, finite
 
+    def _write_and_attend_layers_on_device(
+        self,
+        slots: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        layers: torch.Tensor,
+        options: AttendOptions,
+        check_finite: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """write_and_attend_layers on validated device tensors: the page tables and page
+        slots computed here from the per-layer ones and `layers` (int32 ``[S + n]``, each
+        sequence's then each new token's layer), then the guarded write and the attention
+        over pages. What a graph over pages captures (workers.decode_graphs.PAGES)."""
+        n_layers, bs = self._layout.num_layers, self._layout.block_size
+        num_seqs = block_tables.shape[0]
+        seq_layers, slot_layers = layers[:num_seqs], layers[num_seqs:]
+        # Padded table entries (past a sequence's length, never read) stay valid pages.
+        tables = block_tables * n_layers + seq_layers[:, None]
+        pages = torch.where(
+            slots >= 0, ((slots // bs) * n_layers + slot_layers) * bs + slots % bs, slots
+        )
+        pages, finite = self._guarded(pages, key, value, query, check_finite)
+        self._write_pages_on_device(pages, key, value)
+        result = self._attend_on_device(None, query, tables, seq_lens, query_start_loc, options)
+        out, lse = result if isinstance(result, tuple) else (result, None)
+        return out, lse, finite
+
     @staticmethod
     def _guarded(
         slots: torch.Tensor,
@@ -752,9 +870,10 @@ class KVPool:
         *,
         owned: bool = True,
         wait: bool = False,
-        out: torch.Tensor | None = None,
-    ) -> AttendResult:
-        """`_deliver` of `_write_and_attend_on_device`'s (out, lse, finite flag)."""
+        out: torch.Tensor | TensorParts | None = None,
+    ) -> AttendResult | PartsResult:
+        """`_deliver` of `_write_and_attend_on_device`'s (or its over-layers form's) (out,
+        lse, finite flag)."""
         got, lse, finite = done
         result = (got, lse) if options.return_lse else got
         return self._deliver(result, to_host, owned=owned, wait=wait, out=out, finite=finite)
@@ -937,6 +1056,36 @@ class KVPool:
             # The torch reference whatever the pool's backend, its errors as they are.
             return kernels.paged_attention(*args, **kwargs, backend="torch", check_values=False)
         return self._kernel(kernels.paged_attention, *args, **kwargs)
+
+
+def _layer_vector(
+    seq_layers: object, slot_layers: object, num_seqs: int, num_slots: int, layout: KVLayout
+) -> torch.Tensor:
+    """Host int32 ``[num_seqs + num_slots]``: each sequence's layer then each new token's,
+    validated (one per sequence and per token, each within the layout).
+
+    Raises:
+        InvalidWorkerRequest: anything else.
+    """
+    for name, given, count in (
+        ("seq_layers", seq_layers, num_seqs),
+        ("slot_layers", slot_layers, num_slots),
+    ):
+        if type(given) is not list or len(given) != count:
+            shown = len(given) if isinstance(given, list) else type(given).__name__
+            raise InvalidWorkerRequest(
+                f"{name} must be a list of {count} layers (one per "
+                f"{'sequence' if name == 'seq_layers' else 'new token'}), got {shown}"
+            )
+        if given and (
+            not all(type(x) is int for x in given)
+            or min(given) < 0
+            or max(given) >= layout.num_layers
+        ):
+            raise InvalidWorkerRequest(
+                f"{name} must hold layer indices in [0, {layout.num_layers}), got {given}"
+            )
+    return torch.tensor(seq_layers + slot_layers, dtype=torch.int32)  # type: ignore[operator]
 
 
 def _on_host(t: Staged) -> bool:
