@@ -103,6 +103,10 @@ def _actor_timers(actor: Any, path: str) -> None:
         "_deliver", "_deliver_parts", "_cached_metadata", "_finish",
     ):  # fmt: skip
         timed_step(actor._pool, name)
+    graphs = actor._pool._graphs  # a CUDA pool's graphs: the replay and its inputs' load
+    if graphs is not None:
+        for name in ("run", "_load"):
+            timed_step(graphs, name)
 
 
 def _install() -> None:

@@ -637,7 +637,7 @@ async def run_attention(
         options["sliding_window"] = sliding_window
     pages = layer if isinstance(layer, LayerPages) else None
     if not isinstance(query, torch.Tensor):
-        if pages is not None and _one_writer_in_order(plan, writes):
+        if pages is not None and one_writer_in_order(plan, writes):
             parts_out = out if isinstance(out, list) else None
             return await _run_in_parts(
                 plan, query, pages, clients, epochs, writes, return_lse, options, parts_out,
@@ -726,9 +726,10 @@ async def run_attention(
     return merge_partials(plan, results)
 
 
-def _one_writer_in_order(plan: AttentionPlan, writes: Mapping[str, WorkerWrite]) -> bool:
+def one_writer_in_order(plan: AttentionPlan, writes: Mapping[str, object]) -> bool:
     """Whether one worker computes every row of `plan` in order (nothing to merge) and is
-    the only one writing: a round's parts can then go to it as they are."""
+    the only one writing (`writes`: by worker): a round's parts can then go to it as they
+    are (:func:`run_attention`)."""
     return (
         len(plan.batches) == 1
         and not plan.needs_merge
@@ -750,7 +751,7 @@ async def _run_in_parts(
     check_finite: bool,
 ) -> AttentionResult:
     """`run_attention` of a round over pages given in parts, for a plan that one worker
-    writes and computes in order (`_one_writer_in_order`): one write_and_attend_layers
+    writes and computes in order (`one_writer_in_order`): one write_and_attend_layers
     with the parts as they are, the batch's recorded metadata (its key: a round of the same
     steps repeats it, whichever layers) and each sequence's and new token's layer."""
     rows = sum(q.shape[0] for q in query)

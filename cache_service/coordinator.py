@@ -48,6 +48,7 @@ from cache_service.attention_plan import (
     OneWorkerView,
     SequenceViewLike,
     WorkerWrite,
+    one_writer_in_order,
     plan_attention,
     run_attention,
 )
@@ -1595,23 +1596,28 @@ class Coordinator:
                 plan = plan_attention(views, nq, self.layout.block_size)
                 if len(parts) == 1:
                     parts[0].plan = plan
-            # A round over pages of several callers goes to the worker in parts: each
-            # caller's query, keys and values where the caller put them, each output part
-            # into the caller's slot (run_attention; the event loop copies nothing). Other
-            # shared rounds join them here.
-            in_parts = layer is None and len(parts) > 1
+            merged: dict[str, list[tuple[list[int], torch.Tensor, torch.Tensor]]] = {}
+            for p in parts:
+                for worker_id, w in p.writes.items():
+                    merged.setdefault(worker_id, []).append(w)
+            # A round of several callers that one worker writes and computes in order goes
+            # to it in parts, as a round over layers (one layer or several): each caller's
+            # query, keys and values where the caller put them, each output part into the
+            # caller's slot (run_attention; the event loop copies nothing), one graph per
+            # round shape on the worker whichever layers. Other rounds join them here, and
+            # a round over several layers that is not one worker's goes over pages.
+            in_parts = len(parts) > 1 and (layer is None or one_writer_in_order(plan, merged))
+            over_layers = layer is None or in_parts
+            slot_layers: dict[str, list[int]] = {}  # over layers: each new token's layer
+            if over_layers:
+                for p in parts:
+                    for worker_id, w in p.writes.items():
+                        slot_layers.setdefault(worker_id, []).extend([p.layer] * len(w[0]))
             query: torch.Tensor | list[torch.Tensor]
             if in_parts:
                 query = [p.query for p in parts]
             else:
                 query = torch.cat([p.query for p in parts]) if len(parts) > 1 else parts[0].query
-            merged: dict[str, list[tuple[list[int], torch.Tensor, torch.Tensor]]] = {}
-            slot_layers: dict[str, list[int]] = {}  # over pages: each new token's layer
-            for p in parts:
-                for worker_id, w in p.writes.items():
-                    merged.setdefault(worker_id, []).append(w)
-                    if layer is None:
-                        slot_layers.setdefault(worker_id, []).extend([p.layer] * len(w[0]))
             join = (lambda ts: list(ts)) if in_parts else torch.cat
             writes = {
                 w: WorkerWrite(*ws[0], slot_layers=slot_layers.get(w))
@@ -1649,7 +1655,7 @@ class Coordinator:
             return_lse = any(p.return_lse for p in parts)
             target: int | LayerPages = (
                 layer
-                if layer is not None
+                if not over_layers
                 else LayerPages(
                     np.repeat(
                         np.array([p.layer for p in parts], dtype=np.int64),
@@ -1721,7 +1727,7 @@ class Coordinator:
         self,
         checker: CorrectnessChecker,
         plan: AttentionPlan,
-        query: torch.Tensor,
+        query: torch.Tensor | list[torch.Tensor],
         layer: int,
         epochs: dict[str, str],
         result: AttentionResult,
@@ -1736,9 +1742,12 @@ class Coordinator:
             for b in plan.batches
         }
         check = RunningCheck(frozenset(seq_ids), blocks)
-        query = query.clone()
+        # Copies (of the parts, joined, for a round given in parts).
+        query = torch.cat(query) if isinstance(query, list) else query.clone()
+        got = result.out
         served = AttentionResult(
-            result.out.clone(), None if result.lse is None else result.lse.clone()
+            torch.cat(got) if isinstance(got, list) else got.clone(),
+            None if result.lse is None else result.lse.clone(),
         )
 
         def run() -> Awaitable[object]:

@@ -90,6 +90,13 @@ class _Place(NamedTuple):
     slot: ArenaTensor | None = None
 
 
+class _Parts(NamedTuple):
+    """Where the parts of a tensor given in parts lay (each in a shared file): a repeat's
+    parts must lie at the same addresses, with the same shapes and dtypes."""
+
+    places: tuple[_Place, ...]
+
+
 @dataclass(frozen=True)
 class _Sent:
     """The connection's last full call, answered without error: what a repeat must match.
@@ -106,8 +113,8 @@ class _Sent:
     method: str
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    out: _Place | None
-    out_ref: FileTensor | None
+    out: _Place | _Parts | None
+    out_ref: FileTensor | tuple[FileTensor, ...] | None
     files_version: int
 
 
@@ -565,22 +572,21 @@ def _sent_as(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     out: torch.Tensor | list[torch.Tensor] | None,
-    out_ref: FileTensor | None,
+    out_ref: FileTensor | tuple[FileTensor, ...] | None,
     in_arena: dict[int, ArenaTensor],
     files_version: int,
     refillable: bool,
 ) -> _Sent | None:
     """What a repeat of a full call must match, or None when it cannot be repeated: a
-    value that is neither a tensor nor plain (a list of plain values at most), or (not
-    `refillable`: a private arena, whose bytes would have to travel) a tensor copied into
-    the arena that its metadata_key does not name.
+    value that is neither a tensor nor plain (a list of plain values at most), a tensor
+    in parts with a part copied into the arena, an output in parts the worker did not
+    write in place, or (not `refillable`: a private arena, whose bytes would have to
+    travel) a tensor copied into the arena that its metadata_key does not name.
 
     Args:
         in_arena: the call's tensors copied into the arena, by id, with their slots (the
             others lie in shared files).
     """
-    if type(out) is list:
-        return None  # an output in parts: its references are the call's own
     keyed = KEYED_ARGUMENTS.get(method, frozenset())
     if kwargs.get("metadata_key") is None:
         keyed = frozenset()
@@ -596,6 +602,11 @@ def _sent_as(
         kind = type(value)
         if kind in _REPLACEABLE or kind is FencedEpoch:
             return value
+        if kind is list and value and all(type(v) is torch.Tensor for v in value):
+            # A tensor in parts: repeatable where every part lies in a shared file.
+            if any(id(v) in in_arena for v in value):
+                return None
+            return _Parts(tuple(_Place(v.data_ptr(), v.shape, v.dtype) for v in value))
         if (kind is list or kind is tuple) and all(type(v) in _REPLACEABLE for v in value):
             return value
         return None
@@ -605,8 +616,13 @@ def _sent_as(
     for given, plain in ((args, plain_args), (kwargs.values(), plain_kwargs.values())):
         if any(p is None and g is not None for g, p in zip(given, plain, strict=True)):
             return None
-    place = None
-    if out is not None:
+    place: _Place | _Parts | None = None
+    if type(out) is list:
+        if type(out_ref) is not tuple:
+            return None  # the output in parts came back joined: nothing to repeat into
+        place = _Parts(tuple(_Place(o.data_ptr(), o.shape, o.dtype) for o in out))
+    elif out is not None:
+        assert isinstance(out, torch.Tensor)
         place = _Place(out.data_ptr() if out_ref is not None else None, out.shape, out.dtype)
     return _Sent(method, plain_args, plain_kwargs, place, out_ref, files_version)
 
@@ -668,6 +684,8 @@ def _matches(
         if old.slot is not None:
             refills.append((old.slot, new))  # type: ignore[arg-type]
         return True
+    if type(old) is _Parts:
+        return _fits(new, old)  # parts lie in shared files: nothing to refill
     if new is old or (type(new) is type(old) and new == old):
         return True
     if fixed or not _replaceable(new, old):
@@ -687,10 +705,17 @@ def _replaceable(new: object, old: object) -> bool:
     )
 
 
-def _fits(t: object, place: _Place | None) -> bool:
-    """Whether `t` is a tensor where `place` says the last call's was (None: no tensor)."""
+def _fits(t: object, place: _Place | _Parts | None) -> bool:
+    """Whether `t` is a tensor where `place` says the last call's was (None: no tensor;
+    `_Parts`: a list of tensors, each where its part was)."""
     if place is None:
         return t is None
+    if type(place) is _Parts:
+        return (
+            type(t) is list
+            and len(t) == len(place.places)
+            and all(_fits(x, p) for x, p in zip(t, place.places, strict=True))
+        )
     return (
         type(t) is torch.Tensor
         and t.shape == place.shape

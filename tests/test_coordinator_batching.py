@@ -743,11 +743,14 @@ def test_a_round_answered_with_other_rows_fails_every_caller_and_keeps_nothing()
     # and keep no write.
     async def scenario() -> None:
         worker = LocalWorkerClient("w0", PoolConfig(LAYOUT, num_blocks=32))
-        inner = worker.write_and_attend
 
-        async def short(*args: Any, **kwargs: Any) -> Any:
-            result = await inner(*args, **kwargs)
-            return type(result)(result.out[:-1], None if result.lse is None else result.lse[:-1])
+        def shortened(inner: Any) -> Any:
+            async def short(*args: Any, **kwargs: Any) -> Any:
+                result = await inner(*args, **kwargs)
+                lse = None if result.lse is None else result.lse[:-1]
+                return type(result)(result.out[:-1], lse)
+
+            return short
 
         config = CoordinatorConfig(batch_window_ms=50.0, correctness_check_fraction=0.0)
         coord = Coordinator(LAYOUT, [worker], config)
@@ -762,7 +765,9 @@ def test_a_round_answered_with_other_rows_fails_every_caller_and_keeps_nothing()
 
             # One good call first, so the batcher expects both callers and they share rounds.
             await asyncio.gather(*(coord.append_attend("t", 0, [item(s)]) for s in seqs))
-            worker.write_and_attend = short  # type: ignore[method-assign]
+            # A shared round goes as write_and_attend_layers (in parts); either way.
+            worker.write_and_attend = shortened(worker.write_and_attend)  # type: ignore[method-assign]
+            worker.write_and_attend_layers = shortened(worker.write_and_attend_layers)  # type: ignore[method-assign]
             outcome = await asyncio.gather(
                 *(coord.append_attend("t", 1, [item(s)]) for s in seqs), return_exceptions=True
             )

@@ -594,6 +594,43 @@ def test_a_round_in_parts_is_read_and_written_where_its_callers_put_it(
     asyncio.run(run())
 
 
+def test_a_round_over_layers_in_parts_repeats_on_other_layers(
+    worker, arena_dir, shared_file
+) -> None:
+    # Rounds of the same callers on other layers (write_and_attend_layers under one key,
+    # parts and output slots where the callers keep them) go as repeats carrying only the
+    # new layers; each round's output is right, written in place.
+    async def run():
+        (_, one), (_, two) = shared_file(), shared_file()
+        chan = await _connect(worker, "shared", 1 << 20, arena_dir)
+        epoch = worker.epoch()
+        slots, _, _, _, bt, lens, starts = _tensor_step()
+        g = torch.Generator().manual_seed(3)
+        bases = (one, two)
+        for n, layer in enumerate((1, 0, 1)):
+            k, v, q = (torch.randn(6, h, 16, generator=g) for h in (2, 2, 4))
+            parts = [
+                [_in(base, at, t[rows]) for base, rows in zip(bases, (slice(0, 2), slice(2, 6)), strict=True)]
+                for at, t in ((0, k), (4096, v), (8192, q))
+            ]  # fmt: skip
+            out = [_in(base, 16384, torch.full((n_rows, 4, 16), float("nan")))
+                   for base, n_rows in zip(bases, (2, 4), strict=True)]  # fmt: skip
+            ok, got = await chan.call(
+                "write_and_attend_layers",
+                (epoch, [layer], [layer] * 6, slots, *parts, bt, lens, starts),
+                {"metadata_key": 9, "check_finite": True},
+                out,
+            )
+            assert ok, got
+            assert all(g_ is o for g_, o in zip(got, out, strict=True))
+            want, _ = dense_attention(q, k, v)
+            assert rel_err(torch.cat(out), want) < 1e-5
+            assert chan.repeats == n  # the first in full, the others as repeats
+        chan.close()
+
+    asyncio.run(run())
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc (Linux)")
 def test_a_shared_file_the_worker_cannot_map_is_copied_instead(
     worker, arena_dir, shared_file, caplog

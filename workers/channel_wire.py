@@ -163,6 +163,7 @@ _SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
 # (the attention's index tensors: block tables, sequence lengths, query start offsets).
 KEYED_ARGUMENTS: dict[str, frozenset[int]] = {
     "write_and_attend": frozenset({6, 7, 8}),
+    "write_and_attend_layers": frozenset({7, 8, 9}),
     "attend": frozenset({3, 4, 5}),
 }
 
