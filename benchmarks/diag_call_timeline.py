@@ -36,6 +36,7 @@ from collections import defaultdict
 from typing import Any
 
 import bench_service
+from ray_worker_hooks import on_ray_workers
 
 import cache_service.local_sessions as local_sessions
 import cache_service.worker_channel as worker_channel
@@ -157,21 +158,8 @@ def _actor_probes(actor: Any, path: str) -> None:
 
 
 def _install_actor_probes() -> None:
-    """Wrap bench_service's start_service: once a service with Ray workers is up, install
-    `_actor_probes` in each worker's process."""
-    import ray
-
-    start = bench_service.start_service
-
-    async def started(*args: Any, **kwargs: Any) -> Any:
-        running = await start(*args, **kwargs)
-        for client in running.coordinator._clients.values():
-            handle = getattr(client, "handle", None)
-            if handle is not None:
-                ray.get(handle.__ray_call__.remote(lambda w: _actor_probes(w, _WORKER_MARKS)))
-        return running
-
-    bench_service.start_service = started
+    """`_actor_probes` in each Ray worker's process once the service is up."""
+    on_ray_workers(lambda w: _actor_probes(w, _WORKER_MARKS))
 
 
 def _worker_report(calls: list[tuple[float, float, float]]) -> str:

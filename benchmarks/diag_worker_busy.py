@@ -26,6 +26,7 @@ from collections import defaultdict
 from typing import Any
 
 import bench_service
+from ray_worker_hooks import on_ray_workers
 
 _MARKS = os.path.join(tempfile.gettempdir(), f"kvcache-worker-busy-{os.getpid()}.txt")
 
@@ -110,22 +111,9 @@ def _actor_timers(actor: Any, path: str) -> None:
 
 
 def _install() -> None:
-    """Wrap bench_service's start_service: once a service with Ray workers is up, install
-    `_actor_timers` in each worker's process (the last lines it buffered, fewer than 256,
-    are not written)."""
-    import ray
-
-    start = bench_service.start_service
-
-    async def started(*args: Any, **kwargs: Any) -> Any:
-        running = await start(*args, **kwargs)
-        for client in running.coordinator._clients.values():
-            handle = getattr(client, "handle", None)
-            if handle is not None:
-                ray.get(handle.__ray_call__.remote(lambda w: _actor_timers(w, _MARKS)))
-        return running
-
-    bench_service.start_service = started
+    """`_actor_timers` in each Ray worker's process once the service is up (the last lines
+    it buffered, fewer than 256, are not written)."""
+    on_ray_workers(lambda w: _actor_timers(w, _MARKS))
 
 
 def _report() -> str:
