@@ -608,8 +608,8 @@ async def run_attention(
             (`LayerPages`) that one worker writes and computes in order (the worker reads
             each part where it lies and writes each output part in place); any other plan
             joins them first.
-        layer: layer index, or the layers of a round over several (the writes' slots are
-            then page slots).
+        layer: layer index, or the layers of a round over several (each write then names
+            its new tokens' layers, `WorkerWrite.slot_layers`, its slots per layer).
         clients, epochs: every worker of the plan and of ``writes``, with the epoch expected.
         writes: new tokens per worker, written before that worker attends.
         return_lse: also return the merged LSE (asks every worker for it).

@@ -1618,7 +1618,7 @@ class Coordinator:
                 query = [p.query for p in parts]
             else:
                 query = torch.cat([p.query for p in parts]) if len(parts) > 1 else parts[0].query
-            join = (lambda ts: list(ts)) if in_parts else torch.cat
+            join = list if in_parts else torch.cat
             writes = {
                 w: WorkerWrite(*ws[0], slot_layers=slot_layers.get(w))
                 if len(ws) == 1
