@@ -245,7 +245,6 @@ def through_service(
     async def main() -> dict[str, BenchResult]:
         running = await start_service(config)
         loop = asyncio.get_running_loop()
-        rounds = _count_rounds(running.coordinator)
         # The event-loop thread's CPU clock, readable from the thread the clients run in:
         # how busy the coordinator's one thread was over the timed steps.
         loop_clock = time.pthread_getcpuclockid(threading.get_ident())
@@ -315,7 +314,7 @@ def through_service(
                         snapshots,
                     ))  # fmt: skip
                 loop_before = thread_cpu.thread_times(loop_tid)
-                rounds_before = rounds.copy()
+                rounds_before = round_kinds(running.metrics)
                 result = await loop.run_in_executor(None, run, running.address, cfg)
                 loop_after = thread_cpu.thread_times(loop_tid)
                 now_after = local_calls(running)
@@ -340,7 +339,7 @@ def through_service(
                     + f", {collector.line()} over the run (setup included)"
                     + f", {checked[0]} checks ({checked[1] * 1e3:.0f} ms in all)"
                     + _loop_split(loop_before, loop_after, now_after[0] - now_before[0])
-                    + _rounds_line(rounds - rounds_before)
+                    + _rounds_line(round_kinds(running.metrics) - rounds_before)
                     + (
                         ""
                         if now_after[0] == now_before[0]
@@ -398,21 +397,19 @@ def _on_cpus(cpus: set[int], run: Callable[..., Any], *args: Any) -> Any:
     return run(*args)
 
 
-def _count_rounds(coordinator: Any) -> collections.Counter[str]:
-    """Count the coordinator's worker rounds from now on (batchers made later take the
-    wrapped method): all of them, those over pages of several layers, and their parts."""
-    counts: collections.Counter[str] = collections.Counter()
-    real = coordinator._run_parts
-
-    async def counted(key: Any, parts: list[Any]) -> None:
-        counts["rounds"] += 1
-        counts["parts"] += len(parts)
-        if len({p.layer for p in parts}) > 1:
-            counts["pages"] += 1
-        await real(key, parts)
-
-    coordinator._run_parts = counted
-    return counts
+def round_kinds(metrics: Any) -> collections.Counter[str]:
+    """The service's worker rounds so far, from its metrics: all of them ("rounds"), their
+    client calls ("parts") and those over several layers ("pages")."""
+    parts, rounds = histogram_totals(metrics.worker_round_size)
+    pages = sum(
+        sample.value
+        for family in metrics.worker_calls_over_layers.collect()
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
+    return collections.Counter(
+        {"rounds": round(rounds), "parts": round(parts), "pages": round(pages)}
+    )
 
 
 def _rounds_line(counts: collections.Counter[str]) -> str:

@@ -1679,7 +1679,9 @@ class Coordinator:
             elapsed = time.perf_counter() - t0
             if self.metrics is not None:
                 for w in workers:
-                    self.metrics.observe_worker_call(w, len(seq_ids), elapsed)
+                    self.metrics.observe_worker_call(
+                        w, len(seq_ids), elapsed, len(parts), layer is None
+                    )
             outs, lses = _part_rows(parts, result)
         except (StaleEpochError, WorkerUnavailable) as exc:
             error = await self._worker_failed(exc, epochs, seq_ids)

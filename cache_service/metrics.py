@@ -73,6 +73,8 @@ WORKER_CALL_BUCKETS = (
 LOOP_LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 # Requests coalesced into one worker call: powers of two up to a large decode batch.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# Client calls per worker call (kvcache_worker_round_size).
+PARTS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 
 
 # The ways a per-layer data call reaches its worker (kvcache_worker_data_calls_total).
@@ -201,6 +203,20 @@ class ServiceMetrics:
             buckets=BATCH_BUCKETS,
             registry=reg,
         )
+        self.worker_round_size = Histogram(
+            f"{p}_worker_round_size",
+            "Client calls coalesced into one worker call (a round's parts; 1: a call alone).",
+            ["worker"],
+            buckets=PARTS_BUCKETS,
+            registry=reg,
+        )
+        self.worker_calls_over_layers = Counter(
+            f"{p}_worker_calls_over_layers",
+            "Worker calls coalescing client calls of several layers (clients a layer apart: "
+            "one call over the pool's pages of every layer).",
+            ["worker"],
+            registry=reg,
+        )
         self.tokens_appended = Counter(
             f"{p}_tokens_appended", "Tokens whose K/V were written (per layer batch).", registry=reg
         )
@@ -305,16 +321,28 @@ class ServiceMetrics:
 
     # -- data plane ------------------------------------------------------------------------
 
-    def observe_worker_call(self, worker_id: str, layer_batch_size: int, seconds: float) -> None:
+    def observe_worker_call(
+        self,
+        worker_id: str,
+        layer_batch_size: int,
+        seconds: float,
+        parts: int = 1,
+        over_layers: bool = False,
+    ) -> None:
         """Record one coordinator -> worker call.
 
         Args:
             worker_id: the worker's id (as in the block manager).
             layer_batch_size: requests coalesced into the call (>= 1).
             seconds: wall time of the call, seconds (finite, >= 0).
+            parts: client calls coalesced into it (>= 1).
+            over_layers: whether those calls were on several layers.
         """
         _check_positive_int("layer_batch_size", layer_batch_size)
+        _check_positive_int("parts", parts)
         _check_seconds(seconds)
+        if type(over_layers) is not bool:
+            raise ValueError(f"over_layers must be a bool, got {over_layers!r}")
         # Once per worker call: the labelled children are looked up once per worker.
         children = self._worker_call_children.get(worker_id)
         if children is None:
@@ -322,9 +350,14 @@ class ServiceMetrics:
             children = self._worker_call_children[worker_id] = (
                 self.worker_call_duration.labels(worker_id),
                 self.worker_batch_size.labels(worker_id),
+                self.worker_round_size.labels(worker_id),
+                self.worker_calls_over_layers.labels(worker_id),
             )
         children[0].observe(seconds)
         children[1].observe(layer_batch_size)
+        children[2].observe(parts)
+        if over_layers:
+            children[3].inc()
 
     def add_worker_data_call(self, worker_id: str, path: str) -> None:
         """Count one per-layer data call to a worker, by the path it took ("in_process",
@@ -406,6 +439,8 @@ class ServiceMetrics:
                 self.correctness_mismatches,
                 self.worker_call_duration,
                 self.worker_batch_size,
+                self.worker_round_size,
+                self.worker_calls_over_layers,
             ):
                 try:
                     metric.remove(worker_id)

@@ -72,6 +72,15 @@ def test_counters_and_worker_calls() -> None:
     # le="4.0" holds the call with 3 requests, not the one with 5.
     assert value(m, "kvcache_worker_batch_size_bucket", worker="w0", le="4.0") == 1
     assert value(m, "kvcache_worker_batch_size_bucket", worker="w1", le="1.0") == 1
+    # Client calls per worker call and those over several layers (a round of callers a
+    # layer apart); the calls above were lone ones on one layer.
+    assert value(m, "kvcache_worker_round_size_sum", worker="w0") == 2
+    m.observe_worker_call("w0", 16, 0.003, parts=3, over_layers=True)
+    m.observe_worker_call("w0", 8, 0.003, parts=2)
+    assert value(m, "kvcache_worker_round_size_sum", worker="w0") == 7
+    assert value(m, "kvcache_worker_round_size_bucket", worker="w0", le="2.0") == 3
+    assert value(m, "kvcache_worker_calls_over_layers_total", worker="w0") == 1
+    assert value(m, "kvcache_worker_calls_over_layers_total", worker="w1") == 0
 
 
 @pytest.mark.parametrize(
@@ -86,6 +95,9 @@ def test_counters_and_worker_calls() -> None:
         (("w0", 1, float("nan")), "seconds"),
         (("w0", 1, float("inf")), "seconds"),
         (("w0", 1, "0.1"), "seconds"),
+        (("w0", 1, 0.1, 0), "parts"),
+        (("w0", 1, 0.1, 2.0), "parts"),
+        (("w0", 1, 0.1, 2, 1), "over_layers"),
     ],
 )
 def test_bad_worker_call_changes_nothing(args: tuple, match: str) -> None:
@@ -94,6 +106,8 @@ def test_bad_worker_call_changes_nothing(args: tuple, match: str) -> None:
         m.observe_worker_call(*args)
     assert value(m, "kvcache_worker_call_duration_seconds_count", worker="w0") is None
     assert value(m, "kvcache_worker_batch_size_count", worker="w0") is None
+    assert value(m, "kvcache_worker_round_size_count", worker="w0") is None
+    assert value(m, "kvcache_worker_calls_over_layers_total", worker="w0") is None
 
 
 @pytest.mark.parametrize("n", [-1, 1.0, True, None])
@@ -397,6 +411,7 @@ def test_worker_call_series_removed_with_the_worker_start_afresh_when_it_calls_a
     assert value(m, "kvcache_worker_batch_size_sum", worker="w0") == 6
     m.remove_worker("w0")
     assert value(m, "kvcache_worker_call_duration_seconds_count", worker="w0") is None
+    assert value(m, "kvcache_worker_round_size_count", worker="w0") is None
     m.observe_worker_call("w0", 1, 0.003)
     assert value(m, "kvcache_worker_call_duration_seconds_count", worker="w0") == 1
     assert value(m, "kvcache_worker_batch_size_sum", worker="w0") == 1
