@@ -460,9 +460,9 @@ class LocalWorkerClient(_WorkerClientBase):
         config: its pool.
         device: pool device (None: CUDA if available, else CPU).
 
-        inline: run the per-layer calls (``write_and_attend``, ``attend``) on the caller's
-            event loop when nothing is queued on the worker's thread, instead of hopping to
-            that thread. For GPU pools: their work is a millisecond or less of host work
+        inline: run the per-layer calls (``write_and_attend``, ``attend`` and their forms
+            over pages and layers) on the caller's event loop when nothing is queued on the
+            worker's thread, instead of hopping to that thread. For GPU pools: their work is a millisecond or less of host work
             around asynchronous kernels, and the hop (a thread wake-up and the GIL handed
             back and forth) cost about as much again on the H200 host. Bulk calls (whole
             sequences, exports) always take the thread, so they never stall the loop.
@@ -472,8 +472,15 @@ class LocalWorkerClient(_WorkerClientBase):
     is testable without Ray.
     """
 
+    # The per-layer attention calls, in every form (per layer, over pages, over layers).
     _INLINE_METHODS = frozenset(
-        {"write_and_attend", "attend", "write_and_attend_pages", "attend_pages"}
+        {
+            "write_and_attend",
+            "attend",
+            "write_and_attend_pages",
+            "write_and_attend_layers",
+            "attend_pages",
+        }
     )
     _accepts_out = True
     # How per-layer calls reach the worker (GetInfo's WorkerInfo.data_path).

@@ -34,6 +34,9 @@ def _recording_client(inline: bool) -> tuple[LocalWorkerClient, list[tuple[str, 
         return run
 
     worker.write_and_attend = traced("write_and_attend", worker.write_and_attend)
+    worker.write_and_attend_layers = traced(
+        "write_and_attend_layers", worker.write_and_attend_layers
+    )
     worker.write = traced("write", worker.write, delay=0.05)
     return client, seen
 
@@ -66,6 +69,21 @@ async def _one_step(client: LocalWorkerClient) -> None:
 def test_inline_call_runs_on_the_loop_when_the_thread_is_idle() -> None:
     seen = _run(True, _one_step)
     assert seen == [("write_and_attend", threading.main_thread().name)]
+
+
+def test_a_shared_round_over_layers_runs_on_the_loop_too() -> None:
+    # A coordinator's round of several callers (in parts, over layers) is a per-layer call
+    # like the others: inline when the thread is idle (it went through the thread once,
+    # a hop per round for in-process pools).
+    async def layers_round(client: LocalWorkerClient) -> None:
+        epoch, _, slots, k, v, q, tables, lens, starts = _step_args(client)
+        index = [torch.tensor(x, dtype=torch.int32) for x in (tables, lens, starts)]
+        await client._invoke(
+            "write_and_attend_layers", epoch, [1], [1], slots, [k], [v], [q], *index
+        )
+
+    seen = _run(True, layers_round)
+    assert seen == [("write_and_attend_layers", threading.main_thread().name)]
 
 
 def test_inline_call_waits_behind_a_queued_bulk_call() -> None:
