@@ -522,49 +522,54 @@ class WorkerChannel:
             ChannelBroken: the reply names a shared file the request did not give.
         """
         views = self._views
-        if type(out) is list:
-            return self._read_parts_reply(reply, out, out_ref)
-        first = [out]
+        own = (
+            _parts_owner(out, out_ref, views) if type(out) is list else _owner(out, out_ref, views)
+        )
+        ok, *value = pickle.loads(reply)
+        if not ok:
+            return False, value[0]
+        return True, join(*value, own)
 
-        def own(ref: ArenaTensor | FileTensor) -> torch.Tensor:
-            if type(ref) is FileTensor:
-                if ref != out_ref:
-                    raise ChannelBroken(f"the worker named a shared file it was not given: {ref}")
-                first[0] = None
-                return out  # type: ignore[return-value]
-            t = views(ref)
-            target = first[0]
+
+def _owner(
+    out: torch.Tensor | None, out_ref: object, views: ArenaViews
+) -> Callable[[ArenaTensor | FileTensor], torch.Tensor]:
+    """The tensor a reply's reference stands for: `out` where it names `out_ref` (written
+    in place), else the arena's tensor copied out, the first into `out`."""
+    first = [out]
+
+    def own(ref: ArenaTensor | FileTensor) -> torch.Tensor:
+        if type(ref) is FileTensor:
+            if ref != out_ref:
+                raise ChannelBroken(f"the worker named a shared file it was not given: {ref}")
             first[0] = None
-            if target is not None and target.shape == t.shape and target.dtype == t.dtype:
-                return target.copy_(t)
-            return t.clone()
+            return out  # type: ignore[return-value]
+        t = views(ref)
+        target = first[0]
+        first[0] = None
+        if target is not None and target.shape == t.shape and target.dtype == t.dtype:
+            return target.copy_(t)
+        return t.clone()
 
-        ok, *value = pickle.loads(reply)
-        if not ok:
-            return False, value[0]
-        return True, join(*value, own)
+    return own
 
-    def _read_parts_reply(
-        self, reply: bytes, out: list[torch.Tensor], out_ref: object
-    ) -> tuple[bool, Any]:
-        """`_read_reply` of a call whose output was given in parts: a reference to a part's
-        slot (`out_ref`, when the request named them) is that part; arena tensors are
-        copied out."""
-        given = dict(zip(out_ref, out, strict=True)) if type(out_ref) is tuple else {}
-        views = self._views
 
-        def own(ref: ArenaTensor | FileTensor) -> torch.Tensor:
-            if type(ref) is FileTensor:
-                part = given.get(ref)
-                if part is None:
-                    raise ChannelBroken(f"the worker named a shared file it was not given: {ref}")
-                return part
-            return views(ref).clone()
+def _parts_owner(
+    out: list[torch.Tensor], out_ref: object, views: ArenaViews
+) -> Callable[[ArenaTensor | FileTensor], torch.Tensor]:
+    """`_owner` of an output given in parts: a reference to a part's slot (`out_ref`, when
+    the request named them) is that part; arena tensors are copied out."""
+    given = dict(zip(out_ref, out, strict=True)) if type(out_ref) is tuple else {}
 
-        ok, *value = pickle.loads(reply)
-        if not ok:
-            return False, value[0]
-        return True, join(*value, own)
+    def own(ref: ArenaTensor | FileTensor) -> torch.Tensor:
+        if type(ref) is FileTensor:
+            part = given.get(ref)
+            if part is None:
+                raise ChannelBroken(f"the worker named a shared file it was not given: {ref}")
+            return part
+        return views(ref).clone()
+
+    return own
 
 
 def _sent_as(

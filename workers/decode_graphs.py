@@ -47,7 +47,7 @@ import torch
 from workers.checks import AttendOptions
 from workers.kernel_warmup import TABLE_WIDTH_MULTIPLE
 from workers.metadata_cache import CachedMetadata
-from workers.parts import joined, joined_shape
+from workers.parts import joined, joined_shape, on_host
 from workers.staging import HostStager, Staged, packed_offsets
 
 __all__ = ["PAGES", "DecodeGraphs", "GraphBody", "PagesBody", "bucket_width"]
@@ -330,7 +330,7 @@ class DecodeGraphs:
         if layers is not None:
             # A round over pages: its parts (and layers) packed by the stager, one copy.
             staged = (key, value, query, layers)
-            if self._stager is not None and all(_on_host(t) for t in staged):
+            if self._stager is not None and all(on_host(t) for t in staged):
                 self._stager.to_device(staged, into=cls.inputs)
             else:
                 assert cls.layers is not None
@@ -418,10 +418,6 @@ class DecodeGraphs:
 def _first(t: Staged) -> torch.Tensor:
     """A tensor, or the first of its parts (their dtype is the tensor's)."""
     return t if isinstance(t, torch.Tensor) else t[0]
-
-
-def _on_host(t: Staged) -> bool:
-    return all(p.is_cpu for p in ((t,) if isinstance(t, torch.Tensor) else t))
 
 
 def _packed_span(

@@ -24,6 +24,7 @@ __all__ = [
     "is_parts",
     "joined",
     "joined_shape",
+    "on_host",
     "stand_in",
 ]
 
@@ -63,8 +64,7 @@ def stand_in(name: str, value: object) -> torch.Tensor:
                 f"{name} part {i} ({_described(p)}) cannot be joined to part 0 "
                 f"({_described(first)}): parts share dtype, device and all dims but the first"
             )
-    rows = sum(p.shape[0] for p in tensors)
-    return torch.empty((rows, *first.shape[1:]), dtype=first.dtype, device="meta")
+    return torch.empty(joined_shape(tensors), dtype=first.dtype, device="meta")
 
 
 def joined_shape(value: torch.Tensor | Sequence[torch.Tensor]) -> torch.Size:
@@ -73,6 +73,13 @@ def joined_shape(value: torch.Tensor | Sequence[torch.Tensor]) -> torch.Size:
         return value.shape  # type: ignore[union-attr]
     parts = list(value)
     return torch.Size((sum(p.shape[0] for p in parts), *parts[0].shape[1:]))
+
+
+def on_host(value: torch.Tensor | Sequence[torch.Tensor]) -> bool:
+    """Whether a tensor, or every part of one, is in host memory."""
+    if not is_parts(value):
+        return value.is_cpu  # type: ignore[union-attr]
+    return all(p.is_cpu for p in value)
 
 
 def joined(value: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:

@@ -39,7 +39,7 @@ from workers.fingerprints import BadSlot, SlotFingerprints
 from workers.kernel_warmup import decode_warm_up_launches, dummy_decode_inputs
 from workers.layout import KVLayout
 from workers.metadata_cache import CachedMetadata, MetadataCache
-from workers.parts import TensorParts, check_out_parts, fill, joined, stand_in
+from workers.parts import TensorParts, check_out_parts, fill, joined, on_host, stand_in
 from workers.pinned_ranges import REGISTERED
 from workers.sizing import free_device_bytes, resolve_num_blocks
 from workers.staging import HostStager, Staged
@@ -960,7 +960,7 @@ class KVPool:
         `_pinned_host`; whole tensors only) each by an asynchronous copy."""
         if pinned:
             return [t.to(self._device, non_blocking=True) for t in tensors]
-        if self._stager is not None and all(_on_host(t) for t in tensors):
+        if self._stager is not None and all(on_host(t) for t in tensors):
             return self._stager.to_device(tensors)
         return [joined(t).to(self._device) for t in tensors]
 
@@ -1086,13 +1086,6 @@ def _layer_vector(
                 f"{name} must hold layer indices in [0, {layout.num_layers}), got {given}"
             )
     return torch.tensor(seq_layers + slot_layers, dtype=torch.int32)  # type: ignore[operator]
-
-
-def _on_host(t: Staged) -> bool:
-    """Whether a tensor, or every part of one, is in host memory."""
-    if isinstance(t, torch.Tensor):
-        return t.device.type == "cpu"
-    return all(p.device.type == "cpu" for p in t)
 
 
 def _shape(t: object) -> torch.Size | None:

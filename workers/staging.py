@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from workers.parts import joined
+from workers.parts import joined, joined_shape
 
 __all__ = ["HostStager", "Staged", "packed_offsets"]
 
@@ -121,7 +121,7 @@ class HostStager:
                 if isinstance(item, torch.Tensor):
                     parts, shape = (item,), item.shape
                 else:
-                    parts, shape = item, (sum(t.shape[0] for t in item), *item[0].shape[1:])
+                    parts, shape = item, joined_shape(item)
                 host, dev = self._views(parts[0].dtype)
                 size = parts[0].element_size()
                 start = end = off // size
