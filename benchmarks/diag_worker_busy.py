@@ -106,8 +106,10 @@ def _actor_timers(actor: Any, path: str) -> None:
         timed_step(actor._pool, name)
     graphs = actor._pool._graphs  # a CUDA pool's graphs: the replay and its inputs' load
     if graphs is not None:
-        for name in ("run", "_load"):
+        for name in ("run", "_load", "_load_metadata"):
             timed_step(graphs, name)
+    if actor._pool._stager is not None:  # packing the host parts and the one transfer
+        timed_step(actor._pool._stager, "to_device")
 
 
 def _install() -> None:

@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kvcache-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | default-pairs | decode-memo | decode-memo-pairs | profile-memo | pages-plans | timeline | timeline-spy | timeline-worker | repeats | refills | refills-final | loop-idle | loop-idle-check | check-cost | checks-after | checks-final | pairs-no-check | uvloop | uvloop-diag | pairs-four | p99-check | check-unlocked | local-pairs | check-interference | rows-final | callbacks | profile-concurrent | pinned-loop | threads | gc-runs | forks-pairs | loop-split | checks-ab | graphs-beside-checks | kernels-v10 | kernels-table | parts | worker-busy | layers | final-layers}
+phase=${1:?phase: tests-multigpu-workers | service-transformers | kernels-service | kernels-service-breakdown | service-transports | merge-kernels-service | graphs-service | profile-concurrency | profile-server | local-sessions | profile-local-concurrency | final-local-sessions | warm-up-profile | batching-callers | batch-trace | final-callers | joined-check | tail-check | callers-pairs | ray-pairs | ray-channel | channel-diag | channel-final | ray-breakdown | files-final | ray-profile | wire-final | locks-final | overlap | overlap-final | default-pairs | decode-memo | decode-memo-pairs | profile-memo | pages-plans | timeline | timeline-spy | timeline-worker | repeats | refills | refills-final | loop-idle | loop-idle-check | check-cost | checks-after | checks-final | pairs-no-check | uvloop | uvloop-diag | pairs-four | p99-check | check-unlocked | local-pairs | check-interference | rows-final | callbacks | profile-concurrent | pinned-loop | threads | gc-runs | forks-pairs | loop-split | checks-ab | graphs-beside-checks | kernels-v10 | kernels-table | parts | worker-busy | layers | final-layers | host-copies | final-copies}
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | paste -sd';')"
 python3 -c "import torch, triton, ray, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'ray', ray.__version__, 'grpc', grpc.__version__, 'gpus', torch.cuda.device_count())"
@@ -724,6 +724,31 @@ final-layers)
   # The session's final code (twenty-first session: shared rounds in parts and over
   # layers, replayed as graphs; their channel calls repeated): the GPU tests of it and the
   # whole Ray row with 8 pairs.
+  timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_workers_pool.py \
+    tests/test_decode_graphs.py tests/test_workers_gpu.py \
+    -k "parts or layers or stager or page or checked or channel or graph" 2>&1 | tail -3
+  ray_row 400 8 service-h200-ray
+  grep -h "^\[" "$OUT/service-h200-ray.log"
+  ;;
+host-copies)
+  # A round's host copies without GIL releases (twenty-second session): the stager packs
+  # parts with memmove (workers.host_bytes), a round's output reaches its callers' parts
+  # through one pinned transfer with the finite flag and one wait, stand-ins are kept by
+  # shape. The GPU tests of it; the worker's time per call kind (diag_worker_busy.py, now
+  # with the metadata's reloads); the Ray row with 6 pairs.
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_workers_pool.py \
+    tests/test_decode_graphs.py tests/test_workers_gpu.py \
+    -k "parts or layers or stager or page or checked or channel or graph" 2>&1 | tail -3
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/diag_worker_busy.py --h200 \
+    --no-in-process --transports local-shm --pairs 1 --phases concurrent \
+    --out "$OUT/worker-busy.md" > "$OUT/worker-busy.log" 2>&1
+  grep -h "^\[" "$OUT/worker-busy.log"; tail -36 "$OUT/worker-busy.log"
+  ray_row 280 6 service-h200-copies --phases one_small,concurrent
+  grep -h "^\[" "$OUT/service-h200-copies.log"
+  ;;
+final-copies)
+  # The session's final code (twenty-second session): the GPU tests of the worker's round
+  # and the whole Ray row with 8 pairs.
   timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_workers_pool.py \
     tests/test_decode_graphs.py tests/test_workers_gpu.py \
     -k "parts or layers or stager or page or checked or channel or graph" 2>&1 | tail -3

@@ -121,6 +121,34 @@ def test_stager_copies_mixed_dtypes_and_large_requests():
         got = stager.to_device([torch.arange(3), rows, *extra])
         assert torch.equal(got[0].cpu(), torch.arange(3))
         assert got[1].shape == (7, 3, 8) and torch.equal(got[1].cpu(), torch.cat(rows))
+    # Parts a byte copy cannot take (strided; past the held-GIL limit) are copied by torch.
+    from workers.host_bytes import MAX_HELD_BYTES
+
+    wide = HostStager(torch.device("cuda"), max_bytes=8 << 20)
+    odd = [torch.randn(4, 2, 3).transpose(1, 2),
+           torch.randn(MAX_HELD_BYTES // 12 + 1, 3, 2), torch.randn(1, 3, 2)]  # fmt: skip
+    assert not odd[0].is_contiguous()
+    got = wide.to_device([odd, torch.arange(4)])
+    assert torch.equal(got[0].cpu(), torch.cat(odd)) and torch.equal(got[1].cpu(), torch.arange(4))
+
+
+def test_stager_delivers_rows_into_parts_unless_the_flag_is_false():
+    from workers.host_bytes import MAX_HELD_BYTES
+    from workers.staging import HostStager
+
+    stager = HostStager(torch.device("cuda"), max_bytes=8 << 20)
+    for rows in ([3, 1, 4], [0, 2], [MAX_HELD_BYTES // 64 + 1, 5]):  # the last: torch's copy
+        source = torch.randn(sum(rows), 4, 8, device="cuda").to(torch.bfloat16)
+        parts = [torch.full((n, 4, 8), 7.0).to(torch.bfloat16) for n in rows]
+        for flag in (None, torch.tensor(True, device="cuda")):
+            assert stager.to_host_parts(source, parts, flag) is True
+            assert torch.equal(torch.cat(parts), source.cpu())
+        for p in parts:
+            p.fill_(7.0)
+        assert stager.to_host_parts(source, parts, torch.tensor(False, device="cuda")) is False
+        assert all(torch.equal(p, torch.full_like(p, 7.0)) for p in parts)  # untouched
+    with pytest.raises(ValueError, match="more than the stager's"):
+        stager.to_host_parts(torch.zeros(9 << 20, dtype=torch.uint8, device="cuda"), [])
 
 
 def test_cuda_block_copy_export_import_are_bit_exact():

@@ -172,6 +172,7 @@ class DecodeGraphs:
         self.replays = 0  # calls answered by a replay (tests and diagnostics)
         self.captures = 0
         self.packed_loads = 0  # loads of key, value and query in one host-to-device copy
+        self.metadata_loads = 0  # a class's metadata replaced (a new step or other callers)
 
     def __len__(self) -> int:
         """Graphs held."""
@@ -321,12 +322,7 @@ class DecodeGraphs:
     ) -> None:
         """Copy the call's tensors (and, for a new step, its metadata) into the buffers."""
         if cls.loaded is not entry:
-            assert entry.slots is not None
-            cls.slots.copy_(entry.slots)
-            cls.block_tables[:, : entry.block_tables.shape[1]].copy_(entry.block_tables)
-            cls.seq_lens.copy_(entry.seq_lens)
-            cls.query_start_loc.copy_(entry.query_start_loc)
-            cls.loaded = entry
+            self._load_metadata(cls, entry)
         if layers is not None:
             # A round over pages: its parts (and layers) packed by the stager, one copy.
             staged = (key, value, query, layers)
@@ -355,6 +351,17 @@ class DecodeGraphs:
         else:
             for dst, src in zip((cls.key, cls.value, cls.query), tensors, strict=True):
                 dst.copy_(src, non_blocking=True)
+
+    def _load_metadata(self, cls: _Class, entry: CachedMetadata) -> None:
+        """The entry's metadata into the class's buffers (device copies): a new step, or
+        a round of other callers of the same shape."""
+        assert entry.slots is not None
+        cls.slots.copy_(entry.slots)
+        cls.block_tables[:, : entry.block_tables.shape[1]].copy_(entry.block_tables)
+        cls.seq_lens.copy_(entry.seq_lens)
+        cls.query_start_loc.copy_(entry.query_start_loc)
+        cls.loaded = entry
+        self.metadata_loads += 1
 
     def _run_body(
         self, cls: _Class, layer: int, options: AttendOptions, check_finite: bool

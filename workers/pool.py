@@ -935,8 +935,20 @@ class KVPool:
     ) -> PartsResult:
         """`_deliver` of an output in parts: the flag read first (a refused call leaves
         `out` as it was), then each part's rows copied into its part of `out`, the LSE (if
-        any) to the host, one wait."""
+        any) to the host, one wait. A GPU pool's output without LSE goes through the
+        stager's pinned buffer (`HostStager.to_host_parts`: one transfer with the flag, one
+        wait, host copies)."""
         got, lse = result if isinstance(result, tuple) else (result, None)
+        stager = self._stager
+        if (
+            lse is None
+            and stager is not None
+            and got.is_cuda
+            and got.numel() * got.element_size() <= stager.max_bytes
+        ):
+            # One transfer and one wait for the rows and the flag, then host copies.
+            _refuse_non_finite(stager.to_host_parts(got, out, finite))
+            return out
         if finite is not None:
             _refuse_non_finite(finite)
         fill(out, got)
@@ -1108,9 +1120,10 @@ def _is_pinned_host(t: torch.Tensor) -> bool:
     return t.is_pinned()
 
 
-def _refuse_non_finite(finite: torch.Tensor) -> None:
-    """NonFiniteInput unless the call's flag (`KVPool._guarded`) says every value was
-    finite (reading it waits for the device; the write was masked otherwise)."""
+def _refuse_non_finite(finite: torch.Tensor | bool) -> None:
+    """NonFiniteInput unless the call's flag (`KVPool._guarded`, or its value read on the
+    host) says every value was finite (reading a device flag waits for the device; the
+    write was masked otherwise)."""
     if not bool(finite):
         raise NonFiniteInput(
             "the key, value or query holds NaN or infinite values; nothing was written"

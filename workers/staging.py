@@ -13,11 +13,13 @@ buffer is refilled only after the previous copy out of it has finished (a CUDA e
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Sequence
 
 import torch
 
+from workers.host_bytes import copy_from, copy_to
 from workers.parts import joined, joined_shape
 
 __all__ = ["HostStager", "Staged", "packed_offsets"]
@@ -81,13 +83,20 @@ class HostStager:
         self._dev = torch.empty(0, dtype=torch.uint8, device=device)
         self._copied: torch.cuda.Event | None = None
         self._grow(initial_bytes)
+        # Results on their way to callers' parts (to_host_parts); grown on demand.
+        self._out_lock = threading.Lock()
+        self._out_host = torch.empty(0, dtype=torch.uint8)
+
+    @property
+    def max_bytes(self) -> int:
+        """The largest request staged in one transfer (larger ones go tensor by tensor)."""
+        return self._max_bytes
 
     def _grow(self, nbytes: int) -> None:
         if self._copied is not None:
             self._copied.synchronize()
         self._host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self._dev = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-        self._typed: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def to_device(
         self, tensors: Sequence[Staged], into: torch.Tensor | None = None
@@ -116,30 +125,80 @@ class HostStager:
             elif self._copied is not None:
                 self._copied.synchronize()  # the last copy has left the pinned buffer
             dest = self._dev if into is None else into
+            host_at = self._host.data_ptr()
             out = []
             for item, off in zip(tensors, offsets, strict=True):
                 if isinstance(item, torch.Tensor):
                     parts, shape = (item,), item.shape
                 else:
                     parts, shape = item, joined_shape(item)
-                host, dev = self._views(parts[0].dtype)
-                size = parts[0].element_size()
-                start = end = off // size
+                at = off
                 for t in parts:
-                    host[end : end + t.numel()].view(t.shape).copy_(t)
-                    end += t.numel()
-                if into is not None:
-                    dev = into[: end * size].view(parts[0].dtype)
-                out.append(dev[start:end].view(shape))
+                    nbytes = t.numel() * t.element_size()
+                    if not copy_from(host_at + at, t):
+                        self._host[at : at + nbytes].view(t.dtype).view(t.shape).copy_(t)
+                    at += nbytes
+                out.append(dest[off:at].view(parts[0].dtype).view(shape))
             dest[:total].copy_(self._host[:total], non_blocking=True)
             if self._copied is None:
                 self._copied = torch.cuda.Event()
             self._copied.record(torch.cuda.current_stream(self._device))
             return out
 
-    def _views(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The host and device buffers seen as ``dtype`` (made once per buffer and dtype)."""
-        views = self._typed.get(dtype)
-        if views is None:
-            views = self._typed[dtype] = (self._host.view(dtype), self._dev.view(dtype))
-        return views
+    def to_host_parts(
+        self,
+        source: torch.Tensor,
+        parts: Sequence[torch.Tensor],
+        flag: torch.Tensor | None = None,
+    ) -> bool:
+        """Copy a device tensor's rows into host tensors, in order, through a pinned buffer:
+        one device-to-host transfer (and the flag's), one wait, then a host copy per part
+        (``workers.host_bytes``: no GIL release for small parts). Against a transfer per
+        part straight into it, this spares the per-part CUDA calls and folds the flag's
+        wait into the copy's.
+
+        Args:
+            source: ``[rows, ...]`` on this stager's device, at most :attr:`max_bytes`.
+            parts: host tensors of `source`'s dtype and trailing dims, contiguous, whose
+                rows add up to `source`'s (validated by the caller:
+                ``workers.parts.check_out_parts``).
+            flag: a 0-d bool tensor on the device (a call's finite flag): when it reads
+                False, the parts are left as they were.
+
+        Returns:
+            The flag's value (True without one): whether the parts were written.
+
+        Raises:
+            ValueError: `source` is larger than :attr:`max_bytes`.
+        """
+        nbytes = source.numel() * source.element_size()
+        if nbytes > self._max_bytes:
+            raise ValueError(
+                f"{nbytes} bytes are more than the stager's {self._max_bytes} in one transfer"
+            )
+        flag_at = _round_up(nbytes, _ALIGN)
+        with self._out_lock:
+            if flag_at + _ALIGN > self._out_host.numel():
+                size = min(
+                    _round_up(2 * (flag_at + _ALIGN), 1 << 20),
+                    _round_up(self._max_bytes, _ALIGN) + _ALIGN,
+                )
+                self._out_host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            host = self._out_host
+            at = host.data_ptr()
+            view = host[:nbytes].view(source.dtype).view(source.shape)
+            view.copy_(source, non_blocking=True)
+            if flag is not None:
+                host[flag_at : flag_at + 1].view(torch.bool).copy_(
+                    flag.reshape(1), non_blocking=True
+                )
+            torch.cuda.current_stream(self._device).synchronize()
+            if flag is not None and not ctypes.c_bool.from_address(at + flag_at).value:
+                return False
+            start = 0
+            for p in parts:
+                size = p.numel() * p.element_size()
+                if not copy_to(p, at + start):
+                    p.copy_(host[start : start + size].view(p.dtype).view(p.shape))
+                start += size
+            return True
