@@ -109,7 +109,8 @@ def _actor_timers(actor: Any, path: str) -> None:
         for name in ("run", "_load", "_load_metadata"):
             timed_step(graphs, name)
     if actor._pool._stager is not None:  # packing the host parts and the one transfer
-        timed_step(actor._pool._stager, "to_device")
+        for name in ("to_device", "load"):
+            timed_step(actor._pool._stager, name)
 
 
 def _install() -> None:

@@ -216,6 +216,55 @@ def test_decode_steps_through_graphs_equal_the_same_steps_run_eagerly(return_lse
         assert bad == []
 
 
+def _turns(graphs: bool) -> tuple[KVPool, list[torch.Tensor]]:
+    """Two groups of three sequences, of equal shapes but their own blocks and lengths,
+    calling in turns layer by layer for 6 decode steps (a key per group and step); the
+    pool and every result on the host."""
+    bs, n_blocks = LAYOUT.block_size, 192
+    pool = KVPool(LAYOUT, n_blocks, "cuda", cuda_graphs=graphs)
+    gen = torch.Generator().manual_seed(3)
+    tables = torch.randperm(n_blocks, generator=gen)[: 2 * 3 * 16].reshape(2, 3, 16).int()
+    lens = [list(START), [100, 249, 40]]  # both 16 blocks wide throughout: one class
+    for g in range(2):
+        for s, n in enumerate(lens[g]):
+            slots = [int(tables[g, s, t // bs]) * bs + t % bs for t in range(n)]
+            kv = torch.randn(LAYOUT.num_layers, n, 2, 64, generator=gen).half()
+            pool.write(None, slots, kv, -kv)
+    qsl = torch.arange(4, dtype=torch.int32)
+    results = []
+    for step in range(6):
+        args = []
+        for g in range(2):
+            lens[g] = [n + 1 for n in lens[g]]
+            slots = [int(tables[g, s, (n - 1) // bs]) * bs + (n - 1) % bs
+                     for s, n in enumerate(lens[g])]  # fmt: skip
+            args.append((slots, tables[g], torch.tensor(lens[g], dtype=torch.int32)))
+        for layer in range(LAYOUT.num_layers):
+            for g, (slots, group_tables, seq_lens) in enumerate(args):
+                k, v = (torch.randn(3, 2, 64, generator=gen).half() for _ in range(2))
+                q = torch.randn(3, HQ, 64, generator=gen).half()
+                out = pool.write_and_attend(
+                    layer, slots, k, v, q, group_tables, seq_lens, qsl,
+                    metadata_key=100 * step + g,
+                )  # fmt: skip
+                results.append(out.cpu())
+    return pool, results
+
+
+@pytest.mark.gpu
+def test_callers_taking_turns_in_one_shape_class_each_replay_with_their_own_metadata():
+    # Each replay after the other group's loads this group's metadata (kept packed per
+    # key): the results and the pool's bits equal the same calls run eagerly.
+    graphed, a = _turns(True)
+    eager, b = _turns(False)
+    graphs = graphed._graphs
+    assert graphs is not None and graphs.replays >= 2 * (LAYOUT.num_layers - 1) * 4
+    assert graphs.metadata_loads >= graphs.replays
+    assert torch.equal(graphed.data, eager.data)
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.gpu
 def test_a_replayed_result_is_the_callers_own():
     pool = _filled(True)

@@ -14,7 +14,8 @@ A graph bakes in addresses and launch configurations, hence:
   static buffers its graphs read; a call copies its key, value and query into them (one
   transfer through the stager; from page-locked host memory, one DMA of the three when
   they lie there as they lie in the buffers, as a client's shared region lays them out,
-  else a DMA per tensor) and, when the step changed, its metadata (device copies);
+  else a DMA per tensor) and, when the step or the callers changed, its metadata (one
+  device copy of the key's metadata, packed once as the class lays it out);
 * nothing a kernel does may depend on a host decision per call: the paged-attention
   launcher picks its configuration from shapes alone (``check_values=False``), and a
   padded block table's entries past a sequence's length are never read.
@@ -97,6 +98,8 @@ PAGES = -1
 
 # (class, layer) pairs remembered as seen once; past this many the memory starts afresh.
 _MAX_SEEN = 4096
+# Entries' metadata kept packed for their class (a few KB each), least recently used out.
+_MAX_PACKED = 64
 
 
 def bucket_width(width: int) -> int:
@@ -124,6 +127,9 @@ class _Class:
     query: torch.Tensor
     offsets: tuple[int, ...]  # bytes: where key, value and query start in `inputs`
     head: torch.Tensor  # uint8: `inputs` from the key's first byte to the query's last
+    metadata: torch.Tensor  # uint8: slots, block tables, lengths, offsets packed (views below)
+    # (stand-in of its shape and dtype, byte offset) of each of those four in `metadata`
+    index_layout: tuple[tuple[torch.Tensor, int], ...]
     slots: torch.Tensor
     block_tables: torch.Tensor  # [S, bucket width]
     seq_lens: torch.Tensor
@@ -166,6 +172,7 @@ class DecodeGraphs:
         self._max_classes = max_classes
         self._classes: OrderedDict[tuple[object, ...], _Class] = OrderedDict()
         self._seen: set[tuple[tuple[object, ...], int]] = set()
+        self._packed: OrderedDict[int, tuple[CachedMetadata, torch.Tensor]] = OrderedDict()
         self._lock = threading.Lock()
         self._stream: torch.cuda.Stream | None = None
         self._mempool: object = None
@@ -183,6 +190,7 @@ class DecodeGraphs:
         with self._lock:
             self._classes.clear()
             self._seen.clear()
+            self._packed.clear()
 
     def run(
         self,
@@ -285,24 +293,31 @@ class DecodeGraphs:
         metas = [torch.empty(s, dtype=d, device="meta") for s, d in shapes]  # type: ignore[arg-type]
         offsets, total = packed_offsets(metas)
         inputs = torch.empty(total, dtype=torch.uint8, device=dev)
-        views = [
-            inputs[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            for t, off in zip(metas, offsets, strict=True)
-        ]
+        views = [_view(inputs, t, off) for t, off in zip(metas, offsets, strict=True)]
         query = metas[2]
         tables = entry.block_tables
+        index_shapes = [
+            (entry.slots.shape, entry.slots.dtype),  # type: ignore[union-attr]
+            ((tables.shape[0], bucket_width(tables.shape[1])), tables.dtype),
+            (entry.seq_lens.shape, entry.seq_lens.dtype),
+            (entry.query_start_loc.shape, entry.query_start_loc.dtype),
+        ]
+        index_metas = [torch.empty(s, dtype=d, device="meta") for s, d in index_shapes]  # type: ignore[arg-type]
+        index_offsets, index_total = packed_offsets(index_metas)
+        index_layout = tuple(zip(index_metas, index_offsets, strict=True))
+        # Zeros: a padded table entry is never read, but must name a real block anyway.
+        metadata = torch.zeros(index_total, dtype=torch.uint8, device=dev)
         cls = _Class(
             inputs,
             *views[:3],
             offsets=tuple(offsets[:3]),
             head=inputs[: offsets[2] + query.numel() * query.element_size()],
-            slots=torch.empty_like(entry.slots),
-            # Zeros: a padded entry is never read, but must name a real block anyway.
-            block_tables=torch.zeros(
-                (tables.shape[0], bucket_width(tables.shape[1])), dtype=tables.dtype, device=dev
-            ),
-            seq_lens=torch.empty_like(entry.seq_lens),
-            query_start_loc=torch.empty_like(entry.query_start_loc),
+            metadata=metadata,
+            index_layout=index_layout,
+            slots=_view(metadata, *index_layout[0]),
+            block_tables=_view(metadata, *index_layout[1]),
+            seq_lens=_view(metadata, *index_layout[2]),
+            query_start_loc=_view(metadata, *index_layout[3]),
             layers=views[3] if layers is not None else None,
         )
         self._classes[signature] = cls
@@ -327,7 +342,7 @@ class DecodeGraphs:
             # A round over pages: its parts (and layers) packed by the stager, one copy.
             staged = (key, value, query, layers)
             if self._stager is not None and all(on_host(t) for t in staged):
-                self._stager.to_device(staged, into=cls.inputs)
+                self._stager.load(staged, into=cls.inputs)
             else:
                 assert cls.layers is not None
                 for dst, src in zip(
@@ -347,21 +362,39 @@ class DecodeGraphs:
             cls.head.copy_(span, non_blocking=True)
             self.packed_loads += 1
         elif not pinned and self._stager is not None and all(t.is_cpu for t in tensors):
-            self._stager.to_device(tensors, into=cls.inputs)
+            self._stager.load(tensors, into=cls.inputs)
         else:
             for dst, src in zip((cls.key, cls.value, cls.query), tensors, strict=True):
                 dst.copy_(src, non_blocking=True)
 
     def _load_metadata(self, cls: _Class, entry: CachedMetadata) -> None:
-        """The entry's metadata into the class's buffers (device copies): a new step, or
-        a round of other callers of the same shape."""
-        assert entry.slots is not None
-        cls.slots.copy_(entry.slots)
-        cls.block_tables[:, : entry.block_tables.shape[1]].copy_(entry.block_tables)
-        cls.seq_lens.copy_(entry.seq_lens)
-        cls.query_start_loc.copy_(entry.query_start_loc)
+        """The entry's metadata into the class's buffers, in one device copy of the entry's
+        metadata packed as the class packs it (`_packed_metadata`): a new step, or a round
+        of other callers of the same shape (most rounds, when callers drift apart)."""
+        cls.metadata.copy_(self._packed_metadata(cls, entry))
         cls.loaded = entry
         self.metadata_loads += 1
+
+    def _packed_metadata(self, cls: _Class, entry: CachedMetadata) -> torch.Tensor:
+        """`entry`'s slots, block tables (padded with zeros to the class's width), lengths
+        and query offsets in a device buffer laid out as ``cls.metadata``; made once per
+        entry (the calls of a step's layers share it) and kept, most recent last."""
+        held = self._packed.get(id(entry))
+        if held is not None and held[0] is entry and held[1].shape == cls.metadata.shape:
+            self._packed.move_to_end(id(entry))
+            return held[1]
+        assert entry.slots is not None
+        packed = torch.zeros_like(cls.metadata)
+        slots, tables, seq_lens, query_start_loc = (_view(packed, *at) for at in cls.index_layout)
+        slots.copy_(entry.slots)
+        tables[:, : entry.block_tables.shape[1]].copy_(entry.block_tables)
+        seq_lens.copy_(entry.seq_lens)
+        query_start_loc.copy_(entry.query_start_loc)
+        # Holding the entry keeps its id from being reused while the key is here.
+        self._packed[id(entry)] = (entry, packed)
+        while len(self._packed) > _MAX_PACKED:
+            self._packed.popitem(last=False)
+        return packed
 
     def _run_body(
         self, cls: _Class, layer: int, options: AttendOptions, check_finite: bool
@@ -420,6 +453,12 @@ class DecodeGraphs:
             graph.capture_end()
         current.wait_stream(self._stream)
         return graph, outputs
+
+
+def _view(buffer: torch.Tensor, meta: torch.Tensor, offset: int) -> torch.Tensor:
+    """The tensor `meta` (shape and dtype) stored in uint8 `buffer` from byte `offset`."""
+    nbytes = meta.numel() * meta.element_size()
+    return buffer[offset : offset + nbytes].view(meta.dtype).view(meta.shape)
 
 
 def _first(t: Staged) -> torch.Tensor:

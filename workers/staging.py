@@ -119,6 +119,32 @@ class HostStager:
         offsets, total = packed_offsets(tensors)
         if total > self._max_bytes and into is None:
             return [joined(t).to(self._device) for t in tensors]
+        dest = self._send(tensors, offsets, total, into)
+        out = []
+        for item, off in zip(tensors, offsets, strict=True):
+            if isinstance(item, torch.Tensor):
+                shape, dtype, nbytes = item.shape, item.dtype, item.numel() * item.element_size()
+            else:
+                shape, dtype = joined_shape(item), item[0].dtype
+                nbytes = sum(p.numel() * p.element_size() for p in item)
+            out.append(dest[off : off + nbytes].view(dtype).view(shape))
+        return out
+
+    def load(self, tensors: Sequence[Staged], into: torch.Tensor) -> None:
+        """:meth:`to_device` into `into` without making the views (the caller has its own,
+        as a CUDA graph's static inputs do): a few dispatched ops fewer per call."""
+        offsets, total = packed_offsets(tensors)
+        self._send(tensors, offsets, total, into)
+
+    def _send(
+        self,
+        tensors: Sequence[Staged],
+        offsets: list[int],
+        total: int,
+        into: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Pack `tensors` at `offsets` in the pinned buffer and start its copy into `into`
+        (else the stager's device buffer); returns the buffer copied into."""
         with self._lock:
             if total > self._host.numel():
                 self._grow(min(_round_up(total * 2, 1 << 20), max(total, self._max_bytes)))
@@ -126,24 +152,18 @@ class HostStager:
                 self._copied.synchronize()  # the last copy has left the pinned buffer
             dest = self._dev if into is None else into
             host_at = self._host.data_ptr()
-            out = []
             for item, off in zip(tensors, offsets, strict=True):
-                if isinstance(item, torch.Tensor):
-                    parts, shape = (item,), item.shape
-                else:
-                    parts, shape = item, joined_shape(item)
                 at = off
-                for t in parts:
+                for t in (item,) if isinstance(item, torch.Tensor) else item:
                     nbytes = t.numel() * t.element_size()
                     if not copy_from(host_at + at, t):
                         self._host[at : at + nbytes].view(t.dtype).view(t.shape).copy_(t)
                     at += nbytes
-                out.append(dest[off:at].view(parts[0].dtype).view(shape))
             dest[:total].copy_(self._host[:total], non_blocking=True)
             if self._copied is None:
                 self._copied = torch.cuda.Event()
             self._copied.record(torch.cuda.current_stream(self._device))
-            return out
+            return dest
 
     def to_host_parts(
         self,
