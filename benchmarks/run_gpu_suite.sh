@@ -35,6 +35,22 @@ ray_row() {
   tail -12 "$OUT/$name.md"
 }
 
+# The GPU tests of a worker's shared rounds (pool, decode graphs, stager, worker channel).
+worker_round_tests() {
+  timeout "$1" python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_workers_pool.py \
+    tests/test_decode_graphs.py tests/test_workers_gpu.py \
+    -k "parts or layers or stager or page or checked or channel or graph" 2>&1 | tail -3
+}
+
+# One concurrent run with the Ray worker's time per call kind (diag_worker_busy.py); $2
+# lines of its report shown.
+worker_busy() {
+  CUDA_VISIBLE_DEVICES=0 timeout "$1" python3 benchmarks/diag_worker_busy.py --h200 \
+    --no-in-process --transports local-shm --pairs 1 --phases concurrent \
+    --out "$OUT/worker-busy.md" > "$OUT/worker-busy.log" 2>&1
+  grep -h "^\[" "$OUT/worker-busy.log"; tail -"$2" "$OUT/worker-busy.log"
+}
+
 case $phase in
 kernels-v10)
   # Kernel notes v10: the kernels' GPU tests (and the pool's, which call them); host time
@@ -698,10 +714,7 @@ worker-busy)
   # How busy the Ray worker is when the loop is not (twenty-first session): its lock's
   # share of a concurrent run, each call kind's time under it and the pool's steps inside
   # (diag_worker_busy.py).
-  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/diag_worker_busy.py --h200 \
-    --no-in-process --transports local-shm --pairs 1 --phases concurrent \
-    --out "$OUT/worker-busy.md" > "$OUT/worker-busy.log" 2>&1
-  grep -h "^\[" "$OUT/worker-busy.log"; tail -32 "$OUT/worker-busy.log"
+  worker_busy 200 32
   ;;
 layers)
   # Rounds over several layers replayed as CUDA graphs (twenty-first session): the worker
@@ -710,13 +723,8 @@ layers)
   # replays one graph per round shape whichever layers. The GPU tests of it (pool, decode
   # graphs, stager, worker channel); the worker's time per call kind in a concurrent run
   # (diag_worker_busy.py); the Ray row with 5 pairs.
-  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_workers_pool.py \
-    tests/test_decode_graphs.py tests/test_workers_gpu.py \
-    -k "parts or layers or stager or page or checked or channel or graph" 2>&1 | tail -3
-  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/diag_worker_busy.py --h200 \
-    --no-in-process --transports local-shm --pairs 1 --phases concurrent \
-    --out "$OUT/worker-busy.md" > "$OUT/worker-busy.log" 2>&1
-  grep -h "^\[" "$OUT/worker-busy.log"; tail -32 "$OUT/worker-busy.log"
+  worker_round_tests 150
+  worker_busy 150 32
   ray_row 260 5 service-h200-layers --phases one_small,concurrent
   grep -h "^\[" "$OUT/service-h200-layers.log"
   ;;
@@ -724,9 +732,7 @@ final-layers)
   # The session's final code (twenty-first session: shared rounds in parts and over
   # layers, replayed as graphs; their channel calls repeated): the GPU tests of it and the
   # whole Ray row with 8 pairs.
-  timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_workers_pool.py \
-    tests/test_decode_graphs.py tests/test_workers_gpu.py \
-    -k "parts or layers or stager or page or checked or channel or graph" 2>&1 | tail -3
+  worker_round_tests 120
   ray_row 400 8 service-h200-ray
   grep -h "^\[" "$OUT/service-h200-ray.log"
   ;;
@@ -736,22 +742,15 @@ host-copies)
   # through one pinned transfer with the finite flag and one wait, stand-ins are kept by
   # shape. The GPU tests of it; the worker's time per call kind (diag_worker_busy.py, now
   # with the metadata's reloads); the Ray row with 6 pairs.
-  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_workers_pool.py \
-    tests/test_decode_graphs.py tests/test_workers_gpu.py \
-    -k "parts or layers or stager or page or checked or channel or graph" 2>&1 | tail -3
-  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/diag_worker_busy.py --h200 \
-    --no-in-process --transports local-shm --pairs 1 --phases concurrent \
-    --out "$OUT/worker-busy.md" > "$OUT/worker-busy.log" 2>&1
-  grep -h "^\[" "$OUT/worker-busy.log"; tail -36 "$OUT/worker-busy.log"
+  worker_round_tests 150
+  worker_busy 120 36
   ray_row 280 6 service-h200-copies --phases one_small,concurrent
   grep -h "^\[" "$OUT/service-h200-copies.log"
   ;;
 final-copies)
   # The session's final code (twenty-second session): the GPU tests of the worker's round
   # and the whole Ray row with 8 pairs.
-  timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_workers_pool.py \
-    tests/test_decode_graphs.py tests/test_workers_gpu.py \
-    -k "parts or layers or stager or page or checked or channel or graph" 2>&1 | tail -3
+  worker_round_tests 120
   ray_row 400 8 service-h200-ray
   grep -h "^\[" "$OUT/service-h200-ray.log"
   ;;

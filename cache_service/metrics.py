@@ -71,7 +71,7 @@ WORKER_CALL_BUCKETS = (
 # How late the event loop ran a callback that was due, seconds: from a loop with time to
 # spare (tens of microseconds) to one stalled for a second.
 LOOP_LAG_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
-# Requests coalesced into one worker call: powers of two up to a large decode batch.
+# Sequences in one worker call: powers of two up to a large decode batch.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # Client calls per worker call (kvcache_worker_round_size).
 PARTS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
@@ -198,7 +198,7 @@ class ServiceMetrics:
         )
         self.worker_batch_size = Histogram(
             f"{p}_worker_batch_size",
-            "Requests coalesced into one worker call (layer batch size after coalescing).",
+            "Sequences in one worker call after coalescing (1 for a write).",
             ["worker"],
             buckets=BATCH_BUCKETS,
             registry=reg,
@@ -333,7 +333,7 @@ class ServiceMetrics:
 
         Args:
             worker_id: the worker's id (as in the block manager).
-            layer_batch_size: requests coalesced into the call (>= 1).
+            layer_batch_size: sequences in the call after coalescing (>= 1; 1 for a write).
             seconds: wall time of the call, seconds (finite, >= 0).
             parts: client calls coalesced into it (>= 1).
             over_layers: whether those calls were on several layers.
