@@ -23,7 +23,7 @@ from workers.decode_graphs import _packed_span, bucket_width
 from workers.errors import NonFiniteInput
 from workers.layout import KVLayout
 from workers.pool import KVPool
-from workers.staging import packed_offsets
+from workers.staging import bytes_as, packed_offsets
 
 
 def test_bucket_width_rounds_up_by_at_most_an_eighth_to_a_multiple_of_16():
@@ -62,6 +62,24 @@ def _laid_out(starts: list[int], size: int = 8192) -> tuple[torch.Tensor, ...]:
 def _packed(starts: list[int], size: int = 8192) -> torch.Tensor | None:
     """`_packed_span` of `_laid_out(starts, size)` for the graphs' class of these shapes."""
     return _packed_span(_laid_out(starts, size), tuple(PACKED), SPAN)
+
+
+def test_bytes_as_views_each_packed_tensor_where_packed_offsets_put_it():
+    tensors = [torch.arange(5, dtype=torch.int64), torch.randn(3, 2).half(), torch.empty(0, 4)]
+    offsets, total = packed_offsets(tensors)
+    buffer = torch.zeros(total, dtype=torch.uint8)
+
+    def views() -> list[torch.Tensor]:
+        return [
+            bytes_as(buffer, off, t.dtype, t.shape) for t, off in zip(tensors, offsets, strict=True)
+        ]
+
+    for v, t, off in zip(views(), tensors, offsets, strict=True):
+        assert v.shape == t.shape and v.dtype == t.dtype
+        if t.numel():
+            assert v.data_ptr() - buffer.data_ptr() == off
+        v.copy_(t)
+    assert all(torch.equal(v, t) for v, t in zip(views(), tensors, strict=True))
 
 
 def test_the_test_layout_is_the_graphs_packing():

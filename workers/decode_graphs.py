@@ -49,7 +49,7 @@ from workers.checks import AttendOptions
 from workers.kernel_warmup import TABLE_WIDTH_MULTIPLE
 from workers.metadata_cache import CachedMetadata
 from workers.parts import joined, joined_shape, on_host
-from workers.staging import HostStager, Staged, packed_offsets
+from workers.staging import HostStager, Staged, bytes_as, packed_offsets
 
 __all__ = ["PAGES", "DecodeGraphs", "GraphBody", "PagesBody", "bucket_width"]
 
@@ -128,8 +128,8 @@ class _Class:
     offsets: tuple[int, ...]  # bytes: where key, value and query start in `inputs`
     head: torch.Tensor  # uint8: `inputs` from the key's first byte to the query's last
     metadata: torch.Tensor  # uint8: slots, block tables, lengths, offsets packed (views below)
-    # (stand-in of its shape and dtype, byte offset) of each of those four in `metadata`
-    index_layout: tuple[tuple[torch.Tensor, int], ...]
+    # (byte offset, dtype, shape) of each of those four in `metadata`
+    index_layout: tuple[tuple[int, torch.dtype, torch.Size], ...]
     slots: torch.Tensor
     block_tables: torch.Tensor  # [S, bucket width]
     seq_lens: torch.Tensor
@@ -293,7 +293,9 @@ class DecodeGraphs:
         metas = [torch.empty(s, dtype=d, device="meta") for s, d in shapes]  # type: ignore[arg-type]
         offsets, total = packed_offsets(metas)
         inputs = torch.empty(total, dtype=torch.uint8, device=dev)
-        views = [_view(inputs, t, off) for t, off in zip(metas, offsets, strict=True)]
+        views = [
+            bytes_as(inputs, off, t.dtype, t.shape) for t, off in zip(metas, offsets, strict=True)
+        ]
         query = metas[2]
         tables = entry.block_tables
         index_shapes = [
@@ -304,7 +306,9 @@ class DecodeGraphs:
         ]
         index_metas = [torch.empty(s, dtype=d, device="meta") for s, d in index_shapes]  # type: ignore[arg-type]
         index_offsets, index_total = packed_offsets(index_metas)
-        index_layout = tuple(zip(index_metas, index_offsets, strict=True))
+        index_layout = tuple(
+            (off, t.dtype, t.shape) for t, off in zip(index_metas, index_offsets, strict=True)
+        )
         # Zeros: a padded table entry is never read, but must name a real block anyway.
         metadata = torch.zeros(index_total, dtype=torch.uint8, device=dev)
         cls = _Class(
@@ -314,10 +318,10 @@ class DecodeGraphs:
             head=inputs[: offsets[2] + query.numel() * query.element_size()],
             metadata=metadata,
             index_layout=index_layout,
-            slots=_view(metadata, *index_layout[0]),
-            block_tables=_view(metadata, *index_layout[1]),
-            seq_lens=_view(metadata, *index_layout[2]),
-            query_start_loc=_view(metadata, *index_layout[3]),
+            slots=bytes_as(metadata, *index_layout[0]),
+            block_tables=bytes_as(metadata, *index_layout[1]),
+            seq_lens=bytes_as(metadata, *index_layout[2]),
+            query_start_loc=bytes_as(metadata, *index_layout[3]),
             layers=views[3] if layers is not None else None,
         )
         self._classes[signature] = cls
@@ -385,7 +389,9 @@ class DecodeGraphs:
             return held[1]
         assert entry.slots is not None
         packed = torch.zeros_like(cls.metadata)
-        slots, tables, seq_lens, query_start_loc = (_view(packed, *at) for at in cls.index_layout)
+        slots, tables, seq_lens, query_start_loc = (
+            bytes_as(packed, *at) for at in cls.index_layout
+        )
         slots.copy_(entry.slots)
         tables[:, : entry.block_tables.shape[1]].copy_(entry.block_tables)
         seq_lens.copy_(entry.seq_lens)
@@ -453,12 +459,6 @@ class DecodeGraphs:
             graph.capture_end()
         current.wait_stream(self._stream)
         return graph, outputs
-
-
-def _view(buffer: torch.Tensor, meta: torch.Tensor, offset: int) -> torch.Tensor:
-    """The tensor `meta` (shape and dtype) stored in uint8 `buffer` from byte `offset`."""
-    nbytes = meta.numel() * meta.element_size()
-    return buffer[offset : offset + nbytes].view(meta.dtype).view(meta.shape)
 
 
 def _first(t: Staged) -> torch.Tensor:

@@ -14,6 +14,7 @@ buffer is refilled only after the previous copy out of it has finished (a CUDA e
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 from collections.abc import Sequence
 
@@ -22,7 +23,7 @@ import torch
 from workers.host_bytes import copy_from, copy_to
 from workers.parts import joined, joined_shape
 
-__all__ = ["HostStager", "Staged", "packed_offsets"]
+__all__ = ["HostStager", "Staged", "bytes_as", "packed_offsets"]
 
 _ALIGN = 256  # bytes; kernels want 16-byte aligned rows, allocators give 256
 
@@ -55,6 +56,15 @@ def packed_offsets(tensors: Sequence[Staged]) -> tuple[list[int], int]:
         offsets.append(total)
         total += _round_up(_nbytes(t), _ALIGN)
     return offsets, total
+
+
+def bytes_as(
+    buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence[int]
+) -> torch.Tensor:
+    """A view of uint8 `buffer` from byte `offset` as a tensor of `dtype` and `shape` (the
+    offset a multiple of the dtype's size, as `packed_offsets` gives)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return buffer[offset : offset + nbytes].view(dtype).view(shape)
 
 
 class HostStager:
@@ -120,15 +130,12 @@ class HostStager:
         if total > self._max_bytes and into is None:
             return [joined(t).to(self._device) for t in tensors]
         dest = self._send(tensors, offsets, total, into)
-        out = []
-        for item, off in zip(tensors, offsets, strict=True):
-            if isinstance(item, torch.Tensor):
-                shape, dtype, nbytes = item.shape, item.dtype, item.numel() * item.element_size()
-            else:
-                shape, dtype = joined_shape(item), item[0].dtype
-                nbytes = sum(p.numel() * p.element_size() for p in item)
-            out.append(dest[off : off + nbytes].view(dtype).view(shape))
-        return out
+        return [
+            bytes_as(dest, off, t.dtype, t.shape)
+            if isinstance(t, torch.Tensor)
+            else bytes_as(dest, off, t[0].dtype, joined_shape(t))
+            for t, off in zip(tensors, offsets, strict=True)
+        ]
 
     def load(self, tensors: Sequence[Staged], into: torch.Tensor) -> None:
         """:meth:`to_device` into `into` without making the views (the caller has its own,
@@ -155,10 +162,9 @@ class HostStager:
             for item, off in zip(tensors, offsets, strict=True):
                 at = off
                 for t in (item,) if isinstance(item, torch.Tensor) else item:
-                    nbytes = t.numel() * t.element_size()
                     if not copy_from(host_at + at, t):
-                        self._host[at : at + nbytes].view(t.dtype).view(t.shape).copy_(t)
-                    at += nbytes
+                        bytes_as(self._host, at, t.dtype, t.shape).copy_(t)
+                    at += t.numel() * t.element_size()
             dest[:total].copy_(self._host[:total], non_blocking=True)
             if self._copied is None:
                 self._copied = torch.cuda.Event()
@@ -206,8 +212,7 @@ class HostStager:
                 self._out_host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
             host = self._out_host
             at = host.data_ptr()
-            view = host[:nbytes].view(source.dtype).view(source.shape)
-            view.copy_(source, non_blocking=True)
+            bytes_as(host, 0, source.dtype, source.shape).copy_(source, non_blocking=True)
             if flag is not None:
                 host[flag_at : flag_at + 1].view(torch.bool).copy_(
                     flag.reshape(1), non_blocking=True
@@ -217,8 +222,7 @@ class HostStager:
                 return False
             start = 0
             for p in parts:
-                size = p.numel() * p.element_size()
                 if not copy_to(p, at + start):
-                    p.copy_(host[start : start + size].view(p.dtype).view(p.shape))
-                start += size
+                    p.copy_(bytes_as(host, start, p.dtype, p.shape))
+                start += p.numel() * p.element_size()
             return True
