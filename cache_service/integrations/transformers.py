@@ -28,9 +28,10 @@ local; the cache and the attention are the service's.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -40,6 +41,19 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from cache_service.client import AppendAttendItem, DataLossError, NotFoundError
 from cache_service.integrations.batch_plan import BatchPlan, StepPlan
+from cache_service.integrations.model_features import (
+    AttentionSpan,
+    attention_span,
+    describe_model,
+    unsupported_features,
+)
+from cache_service.integrations.model_probe import (
+    PROBE_NEW_TOKENS,
+    ExactAttentionService,
+    compare_generations,
+    probe_generation_config,
+    probe_inputs,
+)
 
 if TYPE_CHECKING:
     from cache_service.client import SequenceHandle
@@ -259,6 +273,7 @@ class GenerationSession:
         self.input_ids = input_ids.detach().cpu()
         self.attention_mask = mask
         prompts = [self.input_ids[b, pads[b] :].tolist() for b in range(len(pads))]
+        owner.check_span(max(len(p) for p in prompts), 0)
         self._handles: list[SequenceHandle] = []
         self._closed = False
         self._broken: str | None = None
@@ -297,6 +312,9 @@ class GenerationSession:
                 raise NotImplementedError(
                     f"{key} > 1 is not supported through the service: open one row per sample"
                 )
+        self._owner.check_span(
+            max(self.stats.prompt_tokens), _new_tokens(generate_kwargs, defaults, self.plan)
+        )
         device = self._owner.model.device
         return self._owner.model.generate(
             input_ids=self.input_ids.to(device),
@@ -364,6 +382,14 @@ class GenerationSession:
         if attention_mask is not None:
             self._check_mask(attention_mask, start, q)
         step = plan.plan(q)
+        longest = max(r.start_position + r.count for r in step.rows)
+        span = self._owner.span
+        if span is not None and longest > span.size:
+            raise NotImplementedError(
+                f"{describe_model(self._owner.model)} limits attention to {span.size} tokens "
+                f"({span.source}); this step would make a sequence {longest} tokens long, "
+                "and the service computes full causal attention only"
+            )
         expected_positions = torch.zeros(plan.batch_size, q, dtype=torch.long)
         token_ids = []
         for row in step.rows:
@@ -430,12 +456,16 @@ class GenerationSession:
         if layer in step.layers_done:
             raise RuntimeError(f"layer {layer} attended twice in one forward step")
         layout = self._owner.layout
+        if not 0 <= layer < layout.num_layers:
+            raise ValueError(
+                f"attention layer_idx {layer} is outside the model's {layout.num_layers} layers"
+            )
         batch, num_q_heads, q, head_dim = query.shape
-        if (num_q_heads, head_dim, key.shape[1]) != (
+        if (num_q_heads, head_dim, tuple(key.shape[1:])) != (
             layout.num_q_heads,
             layout.head_dim,
-            layout.num_kv_heads,
-        ):
+            (layout.num_kv_heads, q, head_dim),
+        ) or tuple(value.shape) != tuple(key.shape):
             raise ValueError(
                 f"layer {layer}: query {tuple(query.shape)} / key {tuple(key.shape)} do not "
                 f"match the model layout {layout}"
@@ -549,6 +579,19 @@ class GenerationSession:
             ) from errors[0]
 
 
+def _new_tokens(generate_kwargs: dict[str, Any], defaults: Any, plan: BatchPlan) -> int:
+    """The most tokens ``generate()`` may add to a row, from its kwargs or generation config."""
+    new = generate_kwargs.get("max_new_tokens")
+    if new is None and "max_length" in generate_kwargs:
+        return max(0, int(generate_kwargs["max_length"]) - plan.prompt_columns)
+    if new is None:
+        new = getattr(defaults, "max_new_tokens", None)
+    if new is None:
+        max_length = getattr(defaults, "max_length", None) or 20
+        return max(0, int(max_length) - plan.prompt_columns)
+    return int(new)
+
+
 def _normalise_mask(attention_mask: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
     if attention_mask is None:
         return torch.ones(tuple(shape), dtype=torch.long)
@@ -603,9 +646,11 @@ def service_attention_forward(
     """
     step = kwargs.get(_STEP_KWARG)
     if not isinstance(step, _ActiveStep):
-        raise RuntimeError(
-            f"attention {SERVICE_ATTENTION!r} needs a service session: run the model through "
-            "ServiceModel with past_key_values=session.cache"
+        raise MissingStepError(
+            f"attention {SERVICE_ATTENTION!r} of {type(module).__name__} received no service "
+            f"step (the {_STEP_KWARG!r} keyword): either the model was not called through "
+            "ServiceModel with past_key_values=session.cache, or its decoder layers do not "
+            "pass keyword arguments on to the attention function"
         )
     if dropout:
         raise ValueError("attention dropout is not supported through the service (inference only)")
@@ -613,6 +658,13 @@ def service_attention_forward(
         raise NotImplementedError("attention logit softcapping is not supported by the service")
     if kwargs.get("is_causal") is False:
         raise NotImplementedError("the service attention is causal only")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise NotImplementedError(
+            "attention sinks (the s_aux / sinks argument) are not supported by the service"
+        )
+    for name in ("alibi", "position_bias", "attention_bias"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"attention with {name} is not supported by the service")
     window = kwargs.get("sliding_window")
     if window is not None:
         # A window at least as long as every sequence is plain causal attention.
@@ -629,6 +681,10 @@ def service_attention_forward(
     return out, None
 
 
+class MissingStepError(RuntimeError):
+    """The service attention ran without the step keyword the model's pre-hook injects."""
+
+
 AttentionInterface.register(SERVICE_ATTENTION, service_attention_forward)
 
 
@@ -636,33 +692,151 @@ class ServiceModel:
     """A transformers causal LM whose attention layers use the service as KV cache.
 
     Args:
-        model: a decoder-only ``PreTrainedModel`` with ``layer_idx`` on its attention
-            modules (Llama, Mistral, Qwen2 and most Llama-family models).
+        model: a decoder-only ``PreTrainedModel`` whose attention layers go through
+            transformers' ``AttentionInterface`` with an integer ``layer_idx`` (Llama,
+            Mistral, Qwen2 and most Llama-family models).
         client: a connected ``KVCacheClient`` whose layout matches the model
             (layers, KV heads, head_dim).
 
+    Construction refuses, before any forward through the service, a model whose attention
+    the service does not compute exactly: features its config names (sinks, ALiBi, MLA,
+    softcapping, recurrent/hybrid layers, non-causal attention) are refused by name; then a
+    probe generates a few tokens for two random prompts with the model's own attention and
+    through this integration against :class:`ExactAttentionService` (the service's
+    arithmetic, locally), and refuses the model unless every layer attended once per step
+    with the service's shapes and the logits agree.
+
     Raises:
-        ValueError: the service layout does not fit the model.
+        ValueError: the service layout does not fit the model, or the model's attention is
+            not what the service computes (the message names the feature and the model).
     """
 
     def __init__(self, model: PreTrainedModel, client: ServiceClient) -> None:
+        what = describe_model(model)
         if model.config._attn_implementation == SERVICE_ATTENTION:
             raise ValueError("this model is already routed to the service (one ServiceModel each)")
         if model.dtype not in _DTYPES.values():
             raise ValueError(
                 f"model dtype {model.dtype} cannot travel; use float16/bfloat16/float32"
             )
+        features = unsupported_features(model)
+        if features:
+            raise ValueError(
+                f"{what}: the service cannot compute this model's attention: " + "; ".join(features)
+            )
         self.model = model
         self.client = client
         self.layout = model_layout(model)
         self.kv_dtype = _check_service_layout(client.info(), self.layout)
+        self.span: AttentionSpan | None = attention_span(model)
         self._sessions: set[GenerationSession] = set()
         self._previous_attn = model.config._attn_implementation
-        model.set_attn_implementation(SERVICE_ATTENTION)
+        reference = self._probe_reference()
+        try:
+            model.set_attn_implementation(SERVICE_ATTENTION)
+        except Exception as e:
+            raise ValueError(
+                f"{what}: transformers cannot route its attention to a registered attention "
+                f"function ({type(e).__name__}: {e}); this model is not supported"
+            ) from e
         self._pre_hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         self._post_hook = model.register_forward_hook(
             self._after_forward, with_kwargs=True, always_call=True
         )
+        try:
+            self._probe_service_path(reference)
+        except BaseException:
+            self.detach()
+            raise
+
+    def check_span(self, prompt_tokens: int, new_tokens: int) -> None:
+        """Refuse a request that could outgrow the model's smallest window/chunk.
+
+        Args:
+            prompt_tokens: the longest prompt of the batch, padding excluded.
+            new_tokens: the most tokens generation may add to a row.
+
+        Raises:
+            ValueError: ``prompt_tokens + new_tokens`` exceeds the window/chunk.
+        """
+        if self.span is None or prompt_tokens + new_tokens <= self.span.size:
+            return
+        raise ValueError(
+            f"{describe_model(self.model)} attends within a window/chunk of {self.span.size} "
+            f"tokens ({self.span.source}); a prompt of {prompt_tokens} tokens plus up to "
+            f"{new_tokens} new tokens ({prompt_tokens + new_tokens}) would exceed it, and the "
+            "service computes full causal attention only (equal to the window only while "
+            "every sequence fits in it)"
+        )
+
+    # --- the construction probe -------------------------------------------------------
+
+    def _probe_batch(self) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        cfg = self.model.config.get_text_config(decoder=True)
+        pad = self.model.generation_config.pad_token_id
+        if not isinstance(pad, int):
+            pad = 0
+        ids, mask = probe_inputs(int(cfg.vocab_size), pad)
+        if self.span is not None and ids.shape[1] + PROBE_NEW_TOKENS > self.span.size:
+            raise ValueError(
+                f"{describe_model(self.model)}: its attention window/chunk of "
+                f"{self.span.size} tokens ({self.span.source}) is too small for the service"
+            )
+        device = self.model.device
+        return ids.to(device), mask.to(device), probe_generation_config(self.model, pad)
+
+    def _probe_reference(self) -> Any:
+        """Generate the probe batch with the model's own attention and cache."""
+        ids, mask, gc = self._probe_batch()
+        try:
+            with _eval_mode(self.model), torch.no_grad():
+                return self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+        except Exception as e:
+            raise ValueError(
+                f"{describe_model(self.model)}: greedy generate() of a left-padded batch fails "
+                f"with the model's own attention ({type(e).__name__}: {e}); the service "
+                "integration needs a model that generate() runs"
+            ) from e
+
+    def _probe_service_path(self, reference: Any) -> None:
+        """Generate the probe batch through this integration with the service's arithmetic."""
+        what = describe_model(self.model)
+        ids, mask, gc = self._probe_batch()
+        real_client = self.client
+        stand_in = ExactAttentionService(self.kv_dtype)
+        self.client = stand_in
+        try:
+            with _eval_mode(self.model), torch.no_grad():
+                session = self.session(ids.cpu(), mask.cpu(), SessionConfig(reuse_prefix=False))
+                with session:
+                    ours = session.generate(generation_config=gc)
+        except MissingStepError as e:
+            raise ValueError(
+                f"{what}: its decoder layers do not pass keyword arguments on to the attention "
+                "function, so the service cannot tell its layers which sequences and step they "
+                "belong to; this model is not supported"
+            ) from e
+        except NotImplementedError as e:
+            raise ValueError(f"{what}: the service cannot compute its attention: {e}") from e
+        except Exception as e:
+            raise ValueError(
+                f"{what}: its attention does not go through the service as required "
+                f"(exactly once per layer 0..{self.layout.num_layers - 1} per step, through "
+                f"transformers' AttentionInterface, with {self.layout.num_q_heads} query / "
+                f"{self.layout.num_kv_heads} KV heads of {self.layout.head_dim} channels): "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        finally:
+            self.client = real_client
+        result = compare_generations(ours, reference, self.model.dtype)
+        if result.step is not None:
+            raise ValueError(
+                f"{what}: its attention is not the plain causal softmax attention the service "
+                "computes (scale head_dim**-0.5, contiguous GQA groups, no bias/sinks/window/"
+                f"softcap): a probe generation's logits differ by {result.worst:.3g} "
+                f"(tolerance {result.tolerance:.3g}) at step {result.step}; this model is not "
+                "supported"
+            )
 
     def session(
         self,
@@ -693,6 +867,13 @@ class ServiceModel:
         Returns:
             (what ``model.generate`` returned, the session's :class:`SessionStats`).
         """
+        mask = _normalise_mask(attention_mask, input_ids.shape)
+        defaults = generate_kwargs.get("generation_config") or self.model.generation_config
+        columns = int(input_ids.shape[1])
+        probe_plan = BatchPlan(_left_padding(mask), [0] * input_ids.shape[0], columns)
+        self.check_span(
+            int(mask.sum(dim=1).max()), _new_tokens(generate_kwargs, defaults, probe_plan)
+        )
         with self.session(input_ids, attention_mask, config) as s:
             out = s.generate(**generate_kwargs)
         return out, s.stats
@@ -738,6 +919,17 @@ class ServiceModel:
         if isinstance(step, _ActiveStep):  # absent when the pre-hook itself raised
             # torch passes output=None when the forward raised.
             step.session.end_step(step, failed=output is None)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Run the probe without dropout; restore the model's training flag afterwards."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
 
 
 def _check_service_layout(info: Any, layout: ModelLayout) -> torch.dtype:

@@ -1,0 +1,110 @@
+"""Tiny random float32 models of every causal-LM family transformers ships.
+
+``tiny_model(model_type)`` builds the family's config with small sizes (2 layers, hidden
+64, 4 query / 2 KV heads of 16 channels where the config has those fields, vocab 128) and
+the model class ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` names for it. Sizes are set only on
+fields the family's default config has (on its text sub-config too), so one recipe serves
+every family; a family whose tiny config or model cannot be built raises
+:class:`FamilyUnavailable` with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import transformers
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+__all__ = ["FAMILIES", "TINY", "FamilyUnavailable", "tiny_model"]
+
+FAMILIES: tuple[str, ...] = tuple(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
+"""Every model_type with a causal-LM class in the installed transformers."""
+
+VOCAB = 128
+LAYERS = 2
+Q_HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = 16
+HIDDEN = Q_HEADS * HEAD_DIM
+
+TINY: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": HIDDEN,
+    "n_embd": HIDDEN,
+    "d_model": HIDDEN,
+    "n_embed": HIDDEN,
+    "embed_dim": HIDDEN,
+    "intermediate_size": 64,
+    "ffn_dim": 64,
+    "n_inner": 64,
+    "decoder_ffn_dim": 64,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "expert_intermediate_size": 32,
+    "num_hidden_layers": LAYERS,
+    "n_layer": LAYERS,
+    "n_layers": LAYERS,
+    "num_layers": LAYERS,
+    "decoder_layers": LAYERS,
+    "num_attention_heads": Q_HEADS,
+    "n_head": Q_HEADS,
+    "n_heads": Q_HEADS,
+    "decoder_attention_heads": Q_HEADS,
+    "num_key_value_heads": KV_HEADS,
+    "n_kv_heads": KV_HEADS,
+    "num_kv_heads": KV_HEADS,
+    "head_dim": HEAD_DIM,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 256,
+    "n_positions": 256,
+    "n_ctx": 256,
+    "initializer_range": 0.2,
+    "pad_token_id": 0,
+    "use_cache": True,
+}
+
+
+class FamilyUnavailable(Exception):
+    """The family's tiny config or model cannot be built here (the message says why)."""
+
+
+def _overrides(default: Any) -> dict[str, Any]:
+    return {k: v for k, v in TINY.items() if hasattr(default, k)}
+
+
+def tiny_config(model_type: str) -> Any:
+    """The family's config with the tiny sizes applied to the fields it has."""
+    try:
+        config_cls = CONFIG_MAPPING[model_type]
+        default = config_cls()
+        kwargs = _overrides(default)
+        text = getattr(default, "text_config", None)
+        if text is not None and text is not default:
+            kwargs["text_config"] = {**text.to_dict(), **_overrides(text)}
+        cfg = config_cls(**kwargs)
+        cfg.is_decoder = True
+    except Exception as e:
+        raise FamilyUnavailable(f"tiny config: {type(e).__name__}: {e}") from e
+    return cfg
+
+
+def tiny_model(model_type: str, seed: int = 0) -> Any:
+    """A float32 random model of the family in eval mode, on CPU."""
+    cfg = tiny_config(model_type)
+    try:
+        model_cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+        torch.manual_seed(seed)
+        model = model_cls(cfg).to(torch.float32).eval()
+    except Exception as e:
+        raise FamilyUnavailable(f"tiny model: {type(e).__name__}: {e}") from e
+    return model
