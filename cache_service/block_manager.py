@@ -216,11 +216,11 @@ class BlockManager:
         # length is what the block quota limits.
         self._tenant_blocks: dict[str, dict[PhysicalBlock, int]] = {}
         self._tenant_seqs: dict[str, int] = {}
-        self._pins: dict[tuple[str, bytes], Pin] = {}
+        self._pins: dict[tuple[str, str, bytes], Pin] = {}
         self._pinned: dict[PhysicalBlock, int] = {}
         self._counters = CacheCounters()
         self._public = make_salt(None, config.layout_fingerprint)
-        self._salts: dict[str, tuple[Salt, Salt]] = {}
+        self._salts: dict[tuple[str, str], tuple[Salt, Salt]] = {}
         self._quotas: dict[str, TenantQuota] = {}
         # Blocks that went free (or were evicted for reuse) since the last
         # `take_released`, per worker: the workers poison them in debug mode. Not part of
@@ -301,6 +301,7 @@ class BlockManager:
         prompt_token_ids: SequenceABC[int] | None = None,
         *,
         seq_id: str | None = None,
+        namespace: str = "",
     ) -> CreatedSequence:
         """Start a sequence, adopting the longest cached prefix of its prompt.
 
@@ -313,6 +314,8 @@ class BlockManager:
             tenant: owner.
             prompt_token_ids: the prompt (int64 token ids), or None for an empty sequence.
             seq_id: only for replaying a log: the id to use instead of a fresh random one.
+            namespace: prefix-cache namespace (model identity): only blocks published in
+                the same namespace are adopted, and the sequence publishes into it.
 
         Returns:
             CreatedSequence(seq_id, num_cached_tokens).
@@ -321,6 +324,7 @@ class BlockManager:
             InvalidRequest, QuotaExceeded, PoolExhausted (no worker registered).
         """
         _check_name("tenant", tenant)
+        check_namespace(namespace)
         if prompt_token_ids is None:
             prompt = array("Q")
             data = b""
@@ -332,7 +336,9 @@ class BlockManager:
         if not self._pools:
             raise PoolExhausted("no worker is registered")
         matched = (
-            self._index.match(self._salts_for(tenant), data, (len(prompt) - 1) // self._bs)
+            self._index.match(
+                self._salts_for(tenant, namespace), data, (len(prompt) - 1) // self._bs
+            )
             if prompt
             else []
         )
@@ -360,6 +366,7 @@ class BlockManager:
             written=[cached] * self._num_layers,
             keys=[key for key, _ in matched],
             home=home,
+            namespace=namespace,
         )
         self._tenant_seqs[tenant] = self._tenant_seqs.get(tenant, 0) + 1
         if prompt_token_ids is not None:
@@ -836,20 +843,23 @@ class BlockManager:
 
     # ---- prefix cache -------------------------------------------------------------------
 
-    def lookup(self, tenant: str, token_ids: SequenceABC[int]) -> int:
+    def lookup(self, tenant: str, token_ids: SequenceABC[int], namespace: str = "") -> int:
         """Tokens of this prompt that `create_sequence` would adopt right now (same cap).
 
         No side effects: nothing is counted, nothing moves in the LRU.
         """
         _check_name("tenant", tenant)
+        check_namespace(namespace)
         prompt = pack_tokens(token_ids)
         data = token_bytes(prompt)
         if not prompt:
             return 0
-        matched = self._index.match(self._salts_for(tenant), data, (len(prompt) - 1) // self._bs)
+        matched = self._index.match(
+            self._salts_for(tenant, namespace), data, (len(prompt) - 1) // self._bs
+        )
         return len(matched) * self._bs
 
-    def pin(self, tenant: str, token_ids: SequenceABC[int]) -> int:
+    def pin(self, tenant: str, token_ids: SequenceABC[int], namespace: str = "") -> int:
         """Keep the cached full blocks of this prefix from eviction until `unpin`.
 
         Pins the longest chain of cached blocks of token_ids' full blocks (no cap: the
@@ -860,13 +870,14 @@ class BlockManager:
             Tokens pinned (0 if none of it is cached; nothing is recorded then).
         """
         _check_name("tenant", tenant)
+        check_namespace(namespace)
         prompt = pack_tokens(token_ids)
         data = token_bytes(prompt)
         full = len(prompt) // self._bs
-        key = (tenant, data[: full * self._bs * TOKEN_BYTES])
+        key = _pin_key(tenant, namespace, data[: full * self._bs * TOKEN_BYTES])
         pin = self._pins.get(key)
         if pin is None:
-            matched = self._index.match(self._salts_for(tenant), data, full)
+            matched = self._index.match(self._salts_for(tenant, namespace), data, full)
             if not matched:
                 return 0
             pin = self._pins[key] = Pin([block for _, block in matched], 0)
@@ -876,16 +887,19 @@ class BlockManager:
         pin.count += 1
         return len(pin.blocks) * self._bs
 
-    def unpin(self, tenant: str, token_ids: SequenceABC[int]) -> None:
+    def unpin(self, tenant: str, token_ids: SequenceABC[int], namespace: str = "") -> None:
         """Undo one `pin` of the same prefix by the same tenant.
 
         Raises:
             InvalidRequest: this tenant holds no pin of this prefix.
         """
         _check_name("tenant", tenant)
+        check_namespace(namespace)
         prompt = pack_tokens(token_ids)
         data = token_bytes(prompt)
-        key = (tenant, data[: (len(prompt) // self._bs) * self._bs * TOKEN_BYTES])
+        key = _pin_key(
+            tenant, namespace, data[: (len(prompt) // self._bs) * self._bs * TOKEN_BYTES]
+        )
         pin = self._pins.get(key)
         if pin is None:
             raise InvalidRequest(
@@ -914,10 +928,12 @@ class BlockManager:
         data = encode_tokens(seq.tokens[: len(seq.keys) * self._bs])
         parent = ROOT_KEY
         added = 0
+        public = self._salts_for(tenant, seq.namespace)[1].salt
         for i in range(len(seq.keys)):
             chunk = data[i * stride : (i + 1) * stride]
-            key = block_key(parent, self._public.salt, chunk)
-            added += self._index.publish(key, IndexEntry(seq.table[i], parent, None, chunk))
+            key = block_key(parent, public, chunk)
+            entry = IndexEntry(seq.table[i], parent, None, chunk, seq.namespace)
+            added += self._index.publish(key, entry)
             parent = key
         return added
 
@@ -1073,11 +1089,14 @@ class BlockManager:
         self._check_layer(layer)
         return written[layer]
 
-    def _salts_for(self, tenant: str) -> tuple[Salt, Salt]:
-        salts = self._salts.get(tenant)
+    def _salts_for(self, tenant: str, namespace: str = "") -> tuple[Salt, Salt]:
+        """(the tenant's salt, the public salt) of one namespace, cached."""
+        salts = self._salts.get((tenant, namespace))
         if salts is None:
-            salts = (make_salt(tenant, self.config.layout_fingerprint), self._public)
-            self._salts[tenant] = salts
+            fingerprint = self.config.layout_fingerprint
+            public = self._public if not namespace else make_salt(None, fingerprint, namespace)
+            salts = (make_salt(tenant, fingerprint, namespace), public)
+            self._salts[(tenant, namespace)] = salts
         return salts
 
     def _new_id(self, requested: str | None) -> str:
@@ -1232,16 +1251,39 @@ class BlockManager:
 
     def _publish(self, seq: Sequence, upto: int) -> None:
         """Publish blocks len(seq.keys) .. upto-1 of `seq` under its tenant's salt."""
-        salt = self._salts_for(seq.tenant)[0].salt
+        salt = self._salts_for(seq.tenant, seq.namespace)[0].salt
         keys = seq.keys
         bs = self._bs
         parent = keys[-1] if keys else ROOT_KEY
         for i in range(len(keys), upto):
             chunk = encode_tokens(seq.tokens[i * bs : (i + 1) * bs])
             key = block_key(parent, salt, chunk)
-            self._index.publish(key, IndexEntry(seq.table[i], parent, seq.tenant, chunk))
+            self._index.publish(
+                key, IndexEntry(seq.table[i], parent, seq.tenant, chunk, seq.namespace)
+            )
             keys.append(key)
             parent = key
+
+
+MAX_NAMESPACE = 256
+"""Characters a prefix-cache namespace may have."""
+
+
+def check_namespace(namespace: object) -> None:
+    """Raise InvalidRequest unless `namespace` is a printable str of at most 256 characters
+    ("" is the default namespace)."""
+    if not isinstance(namespace, str):
+        raise InvalidRequest(f"namespace must be a str, got {type(namespace).__name__}")
+    if len(namespace) > MAX_NAMESPACE or not namespace.isprintable():
+        raise InvalidRequest(
+            f"namespace must be printable and at most {MAX_NAMESPACE} characters, got "
+            f"{len(namespace)} characters{'' if namespace.isprintable() else ' (unprintable)'}"
+        )
+
+
+def _pin_key(tenant: str, namespace: str, data: bytes) -> tuple[str, str, bytes]:
+    """Key of a pin in `_pins`: (tenant, namespace, the pinned full blocks' token bytes)."""
+    return (tenant, namespace, data)
 
 
 def _check_name(what: str, value: object) -> None:

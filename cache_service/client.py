@@ -810,10 +810,20 @@ class KVCacheClient:
     # -- sequences -------------------------------------------------------------------------
 
     def create_sequence(
-        self, prompt_token_ids: Sequence[int] | None = None, *, timeout_s: float | None = None
+        self,
+        prompt_token_ids: Sequence[int] | None = None,
+        *,
+        namespace: str = "",
+        timeout_s: float | None = None,
     ) -> SequenceHandle:
-        """Start a sequence; with a prompt, `num_cached_tokens` of it are already cached."""
-        req = pb.CreateSequenceRequest(prompt_token_ids=_ids(prompt_token_ids or ()))
+        """Start a sequence; with a prompt, `num_cached_tokens` of it are already cached.
+
+        `namespace` names the model whose K/V the sequence holds: only prefixes cached in
+        the same namespace are adopted ("" = the default namespace).
+        """
+        req = pb.CreateSequenceRequest(
+            prompt_token_ids=_ids(prompt_token_ids or ()), namespace=namespace
+        )
         r = self._call(self._stub.CreateSequence, req, timeout_s=timeout_s, retry=False)
         return SequenceHandle(self, r.seq_id, r.num_cached_tokens)
 
@@ -836,30 +846,36 @@ class KVCacheClient:
             retry=False,
         )
 
-    def lookup(self, token_ids: Sequence[int], *, timeout_s: float | None = None) -> int:
-        """Leading tokens of `token_ids` that are cached (no side effects)."""
+    def lookup(
+        self, token_ids: Sequence[int], *, namespace: str = "", timeout_s: float | None = None
+    ) -> int:
+        """Leading tokens of `token_ids` cached in `namespace` (no side effects)."""
         r = self._call(
             self._stub.Lookup,
-            pb.LookupRequest(token_ids=_ids(token_ids)),
+            pb.LookupRequest(token_ids=_ids(token_ids), namespace=namespace),
             timeout_s=timeout_s,
             retry=True,
         )
         return int(r.num_cached_tokens)
 
-    def pin(self, token_ids: Sequence[int], *, timeout_s: float | None = None) -> None:
-        """Keep the cached blocks of this prefix from eviction until `unpin`."""
+    def pin(
+        self, token_ids: Sequence[int], *, namespace: str = "", timeout_s: float | None = None
+    ) -> None:
+        """Keep the cached blocks of this prefix (in `namespace`) from eviction until `unpin`."""
         self._call(
             self._stub.Pin,
-            pb.PinRequest(token_ids=_ids(token_ids)),
+            pb.PinRequest(token_ids=_ids(token_ids), namespace=namespace),
             timeout_s=timeout_s,
             retry=False,
         )
 
-    def unpin(self, token_ids: Sequence[int], *, timeout_s: float | None = None) -> None:
-        """Release a `pin` of this prefix."""
+    def unpin(
+        self, token_ids: Sequence[int], *, namespace: str = "", timeout_s: float | None = None
+    ) -> None:
+        """Release a `pin` of this prefix in `namespace`."""
         self._call(
             self._stub.Unpin,
-            pb.UnpinRequest(token_ids=_ids(token_ids)),
+            pb.UnpinRequest(token_ids=_ids(token_ids), namespace=namespace),
             timeout_s=timeout_s,
             retry=False,
         )

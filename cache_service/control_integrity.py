@@ -147,7 +147,7 @@ def check_integrity(manager: BlockManager) -> None:
 
     # ---- index ------------------------------------------------------------------------
     index_bad: list[str] = []
-    salts = {None: make_salt(None, m.config.layout_fingerprint).salt}
+    salts: dict[tuple[str | None, str], bytes] = {}
     by_block: dict[PhysicalBlock, int] = {}
     for key, entry in m._index.entries():
         block = entry.block
@@ -160,14 +160,19 @@ def check_integrity(manager: BlockManager) -> None:
             index_bad.append(f"{key.hex()[:12]} points at free block {block}")
         if len(entry.tokens) != bs * 8:
             index_bad.append(f"{key.hex()[:12]}: {len(entry.tokens) // 8} tokens, not {bs}")
-        salt = salts.get(entry.owner)
+        salt_of = (entry.owner, entry.namespace)
+        salt = salts.get(salt_of)
         if salt is None:
-            salt = salts[entry.owner] = make_salt(entry.owner, m.config.layout_fingerprint).salt
+            salt = salts[salt_of] = make_salt(
+                entry.owner, m.config.layout_fingerprint, entry.namespace
+            ).salt
         if block_key(entry.parent, salt, entry.tokens) != key:
             index_bad.append(f"{key.hex()[:12]}: key is not the hash of its entry")
         parent = m._index.get(entry.parent) if entry.parent != ROOT_KEY else None
         if parent is not None and parent.owner not in (entry.owner, None):
             index_bad.append(f"{key.hex()[:12]}: chains to another tenant's block")
+        if parent is not None and parent.namespace != entry.namespace:
+            index_bad.append(f"{key.hex()[:12]}: chains to another namespace's block")
         user = users.get(block)
         if user is not None and encode_tokens(user[1]) != entry.tokens:
             index_bad.append(f"{key.hex()[:12]}: users of {block} hold other tokens")

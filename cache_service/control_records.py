@@ -8,14 +8,19 @@ Shape of `to_records()` (version 1); ids, tenants and worker ids are strings, ke
      "workers": [{"worker_id", "num_blocks", "free": [index, ...] (next handed out last),
                   "cached": [index, ...] (next evicted first)}],        # in the order added
      "sequences": [{"seq_id", "tenant", "tokens": [int], "table": [[worker_id, index]],
-                    "written": [int per layer], "keys": [hex], "home": worker_id | None}],
+                    "written": [int per layer], "keys": [hex], "home": worker_id | None,
+                    "namespace": str}],
      "lost": [{"seq_id", "tenant", "worker_id"}],
      "index": [{"key": hex, "worker_id", "index", "parent": hex, "owner": tenant | None,
-                "tokens": [int]}],
-     "pins": [{"tenant", "tokens": [int], "blocks": [[worker_id, index]], "count"}],
+                "tokens": [int], "namespace": str}],
+     "pins": [{"tenant", "tokens": [int], "blocks": [[worker_id, index]], "count",
+               "namespace": str}],
      "counters": {"evictions", "cow_copies", "prefix_query_tokens": {tenant: int},
                   "prefix_hit_tokens": {tenant: int}},
      "tenant_quotas": [{"tenant", "max_blocks", "max_sequences"}]}   # absent: none
+
+"namespace" ("" = the default prefix-cache namespace) is absent from records written before
+namespaces existed; they restore into the default namespace.
 
 The blocks waiting for `take_released` are not stored: they only feed the workers' debug
 poisoning, and a block replayed as released long ago may have been reused since.
@@ -75,6 +80,7 @@ def to_records(manager: BlockManager) -> dict[str, Any]:
                 "written": list(s.written),
                 "keys": [k.hex() for k in s.keys],
                 "home": s.home,
+                "namespace": s.namespace,
             }
             for s in m._seqs.values()
         ],
@@ -90,6 +96,7 @@ def to_records(manager: BlockManager) -> dict[str, Any]:
                 "parent": e.parent.hex(),
                 "owner": e.owner,
                 "tokens": decode_tokens(e.tokens),
+                "namespace": e.namespace,
             }
             for key, e in m._index.entries()
         ],
@@ -99,8 +106,9 @@ def to_records(manager: BlockManager) -> dict[str, Any]:
                 "tokens": decode_tokens(data),
                 "blocks": [[b.worker_id, b.index] for b in pin.blocks],
                 "count": pin.count,
+                "namespace": namespace,
             }
-            for (tenant, data), pin in m._pins.items()
+            for (tenant, namespace, data), pin in m._pins.items()
         ],
         "counters": {
             "evictions": m._counters.evictions,
@@ -151,6 +159,7 @@ def from_records(cls: type[BlockManager], records: dict[str, Any]) -> BlockManag
                 written=[int(w) for w in s["written"]],
                 keys=[bytes.fromhex(k) for k in s["keys"]],
                 home=s["home"],
+                namespace=s.get("namespace", ""),
             )
             if seq.seq_id in m._seqs:
                 raise InvalidRequest(f"sequence {seq.seq_id!r} appears twice")
@@ -165,7 +174,11 @@ def from_records(cls: type[BlockManager], records: dict[str, Any]) -> BlockManag
         for e in records["index"]:
             block = block_of([e["worker_id"], e["index"]])
             entry = IndexEntry(
-                block, bytes.fromhex(e["parent"]), e["owner"], encode_tokens(e["tokens"])
+                block,
+                bytes.fromhex(e["parent"]),
+                e["owner"],
+                encode_tokens(e["tokens"]),
+                e.get("namespace", ""),
             )
             if not m._index.publish(bytes.fromhex(e["key"]), entry):
                 raise InvalidRequest(f"index key {e['key'][:12]} appears twice")
@@ -175,7 +188,8 @@ def from_records(cls: type[BlockManager], records: dict[str, Any]) -> BlockManag
             if type(count) is not int or count < 1:
                 raise InvalidRequest(f"pin count must be a positive int, got {count!r}")
             data = encode_tokens(pin_record["tokens"])
-            m._pins[(pin_record["tenant"], data)] = Pin(blocks, count)
+            pin_key = (pin_record["tenant"], pin_record.get("namespace", ""), data)
+            m._pins[pin_key] = Pin(blocks, count)
             for block in blocks:
                 refcounts[block.worker_id][block.index] += count
                 m._pinned[block] = m._pinned.get(block, 0) + count

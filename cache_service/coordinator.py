@@ -670,18 +670,19 @@ class Coordinator:
         """The control plane's `CacheStats` snapshot."""
         return self.block_manager.stats()
 
-    async def lookup(self, tenant: str, token_ids: Sequence[int]) -> int:
-        """Cached leading tokens of a prompt (no side effects)."""
-        return self.block_manager.lookup(tenant, token_ids)
+    async def lookup(self, tenant: str, token_ids: Sequence[int], namespace: str = "") -> int:
+        """Cached leading tokens of a prompt in a namespace (no side effects)."""
+        return self.block_manager.lookup(tenant, token_ids, namespace)
 
     # -- sequences -------------------------------------------------------------------------
 
     async def create_sequence(
-        self, tenant: str, prompt_token_ids: Sequence[int] | None = None
+        self, tenant: str, prompt_token_ids: Sequence[int] | None = None, namespace: str = ""
     ) -> CreatedSequence:
-        """Start a sequence, adopting the longest cached prefix of its prompt."""
+        """Start a sequence in a prefix-cache namespace ("" = the default), adopting the
+        longest prefix of its prompt cached in that namespace."""
         self._require_workers()
-        return self.block_manager.create_sequence(tenant, prompt_token_ids)
+        return self.block_manager.create_sequence(tenant, prompt_token_ids, namespace=namespace)
 
     async def fork(self, tenant: str, seq_id: str) -> CreatedSequence:
         """A sequence sharing every block of `seq_id`; num_cached_tokens = tokens written
@@ -698,13 +699,13 @@ class Coordinator:
             self._flush_released()
             self._steps.forget_sequence(seq_id)
 
-    async def pin(self, tenant: str, token_ids: Sequence[int]) -> int:
-        """Pin the cached blocks of a prefix; returns the tokens pinned."""
-        return self.block_manager.pin(tenant, token_ids)
+    async def pin(self, tenant: str, token_ids: Sequence[int], namespace: str = "") -> int:
+        """Pin the cached blocks of a prefix in a namespace; returns the tokens pinned."""
+        return self.block_manager.pin(tenant, token_ids, namespace)
 
-    async def unpin(self, tenant: str, token_ids: Sequence[int]) -> None:
-        """Undo one pin of this prefix."""
-        self.block_manager.unpin(tenant, token_ids)
+    async def unpin(self, tenant: str, token_ids: Sequence[int], namespace: str = "") -> None:
+        """Undo one pin of this prefix in a namespace."""
+        self.block_manager.unpin(tenant, token_ids, namespace)
         self._flush_released()
 
     async def publish_public(self, tenant: str, seq_id: str) -> int:

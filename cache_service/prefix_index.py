@@ -1,7 +1,8 @@
 """The prefix-hash index: finds cached full blocks of a prompt, chained block by block.
 
 A block's key is sha256(parent key || salt || its token ids as uint64 LE), where the salt folds
-in the owner (one tenant, or the shared public salt) and the KV layout fingerprint, so
+in the owner (one tenant, or the shared public salt), the KV layout fingerprint and the
+sequence's namespace (the model identity a caller gives; empty = the default namespace), so
 tenants never match each other's blocks and caches of different layouts never match at all.
 The first block's parent is 32 zero bytes. Every part has a fixed width, so the encoding is
 unambiguous.
@@ -57,17 +58,20 @@ class IndexEntry(NamedTuple):
         parent: key of the previous block of the prefix (ROOT_KEY for the first).
         owner: tenant whose salt the key was hashed with; None for public.
         tokens: the block's token ids, uint64 little-endian bytes (block_size * 8 bytes).
+        namespace: namespace whose salt the key was hashed with ("" = the default).
     """
 
     block: PhysicalBlock
     parent: bytes
     owner: str | None
     tokens: bytes
+    namespace: str = ""
 
 
-def make_salt(owner: str | None, layout_fingerprint: str) -> Salt:
-    """The salt of a tenant (owner = its name) or of the public namespace (owner None)."""
-    # Length-prefixed fields: no (owner, fingerprint) pair can spell another's material.
+def make_salt(owner: str | None, layout_fingerprint: str, namespace: str = "") -> Salt:
+    """The salt of a tenant (owner = its name) or of the public owner (owner None), in a
+    namespace ("" = the default namespace, whose salts predate namespaces and are unchanged)."""
+    # Length-prefixed fields: no (owner, fingerprint, namespace) can spell another's material.
     fingerprint = layout_fingerprint.encode()
     if owner is None:
         material = b"public" + len(fingerprint).to_bytes(4, "little") + fingerprint
@@ -80,6 +84,9 @@ def make_salt(owner: str | None, layout_fingerprint: str) -> Salt:
             + len(fingerprint).to_bytes(4, "little")
             + fingerprint
         )
+    if namespace:
+        ns = namespace.encode()
+        material += b"namespace" + len(ns).to_bytes(4, "little") + ns
     return Salt(owner, hashlib.sha256(material).digest())
 
 

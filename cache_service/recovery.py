@@ -295,14 +295,21 @@ class DurableBlockManager:
     # ------------------------------------------------------------------ sequences
 
     def create_sequence(
-        self, tenant: str, prompt_token_ids: SequenceABC[int] | None = None
+        self,
+        tenant: str,
+        prompt_token_ids: SequenceABC[int] | None = None,
+        namespace: str = "",
     ) -> CreatedSequence:
         """BlockManager.create_sequence, logged with the id it drew."""
         prompt_token_ids = _materialize(prompt_token_ids)
         return self._run(
             "create_sequence",
-            lambda: self._manager.create_sequence(tenant, prompt_token_ids),
-            lambda: {"tenant": tenant, "prompt_token_ids": _token_list(prompt_token_ids)},
+            lambda: self._manager.create_sequence(tenant, prompt_token_ids, namespace=namespace),
+            lambda: {
+                "tenant": tenant,
+                "prompt_token_ids": _token_list(prompt_token_ids),
+                **_ns(namespace),
+            },
         )
 
     def fork(self, tenant: str, seq_id: str) -> str:
@@ -410,22 +417,22 @@ class DurableBlockManager:
             },
         )
 
-    def pin(self, tenant: str, token_ids: SequenceABC[int]) -> int:
+    def pin(self, tenant: str, token_ids: SequenceABC[int], namespace: str = "") -> int:
         """BlockManager.pin."""
         token_ids = _materialize(token_ids)
         return self._run(
             "pin",
-            lambda: self._manager.pin(tenant, token_ids),
-            lambda: {"tenant": tenant, "token_ids": _token_list(token_ids)},
+            lambda: self._manager.pin(tenant, token_ids, namespace),
+            lambda: {"tenant": tenant, "token_ids": _token_list(token_ids), **_ns(namespace)},
         )
 
-    def unpin(self, tenant: str, token_ids: SequenceABC[int]) -> None:
+    def unpin(self, tenant: str, token_ids: SequenceABC[int], namespace: str = "") -> None:
         """BlockManager.unpin."""
         token_ids = _materialize(token_ids)
         self._run(
             "unpin",
-            lambda: self._manager.unpin(tenant, token_ids),
-            lambda: {"tenant": tenant, "token_ids": _token_list(token_ids)},
+            lambda: self._manager.unpin(tenant, token_ids, namespace),
+            lambda: {"tenant": tenant, "token_ids": _token_list(token_ids), **_ns(namespace)},
         )
 
     def publish_public(self, tenant: str, seq_id: str) -> int:
@@ -469,6 +476,12 @@ class RecoveryResult:
     unfinished_copies: dict[SeqRef, list[BlockCopy]] = field(default_factory=dict)
 
 
+def _ns(namespace: str) -> dict[str, str]:
+    """The namespace argument of a log record: absent for the default namespace, so records
+    of default-namespace calls read the same as before namespaces existed."""
+    return {"namespace": namespace} if namespace else {}
+
+
 def _apply(manager: BlockManager, op: str, args: dict[str, Any], recorded: Any) -> Any:
     """Re-run one logged call, feeding back the ids it drew."""
     m = manager
@@ -479,8 +492,12 @@ def _apply(manager: BlockManager, op: str, args: dict[str, Any], recorded: Any) 
     if op == "create_sequence":
         if not isinstance(recorded, dict) or "seq_id" not in recorded:
             raise RecoveryError(f"create_sequence record has no seq_id: {recorded!r}")
+        # Logs written before namespaces existed hold none: the default namespace.
         return m.create_sequence(
-            args["tenant"], args["prompt_token_ids"], seq_id=recorded["seq_id"]
+            args["tenant"],
+            args["prompt_token_ids"],
+            seq_id=recorded["seq_id"],
+            namespace=args.get("namespace", ""),
         )
     if op == "fork":
         return m.fork(args["tenant"], args["seq_id"], new_seq_id=recorded)
@@ -501,9 +518,9 @@ def _apply(manager: BlockManager, op: str, args: dict[str, Any], recorded: Any) 
         writes = [(seq_id, num_tokens) for seq_id, num_tokens in args["writes"]]
         return m.commit_writes(args["tenant"], args["layer"], writes)
     if op == "pin":
-        return m.pin(args["tenant"], args["token_ids"])
+        return m.pin(args["tenant"], args["token_ids"], args.get("namespace", ""))
     if op == "unpin":
-        return m.unpin(args["tenant"], args["token_ids"])
+        return m.unpin(args["tenant"], args["token_ids"], args.get("namespace", ""))
     if op == "publish_public":
         return m.publish_public(args["tenant"], args["seq_id"])
     if op == "evict":

@@ -28,6 +28,8 @@ class Sequence:
         keys: prefix-index keys of blocks 0 .. len(keys)-1, which are full and written on
             every layer (the chain the next block's key extends).
         home: worker that new blocks come from first (None: choose at the next growth).
+        namespace: prefix-cache namespace its blocks are keyed in ("" = the default); forks
+            inherit it.
         row: the table's block ids as int32 (`block_row`), a cache derived from `table`;
             not state (never compared, copied or recorded).
 
@@ -42,6 +44,7 @@ class Sequence:
     written: list[int]
     keys: list[bytes]
     home: str | None
+    namespace: str = ""
     row: BlockRow | None = field(default=None, compare=False, repr=False)
 
     def block_row(self) -> BlockRow:
@@ -76,6 +79,7 @@ class Sequence:
             written=list(self.written),
             keys=list(self.keys),
             home=self.home,
+            namespace=self.namespace,
         )
 
 

@@ -302,7 +302,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         self, request: pb.CreateSequenceRequest, context: Any, tenant: str
     ) -> pb.CreateSequenceResponse:
         prompt = list(request.prompt_token_ids) or None
-        created = await self._coord.create_sequence(tenant, prompt)
+        created = await self._coord.create_sequence(tenant, prompt, request.namespace)
         return pb.CreateSequenceResponse(
             seq_id=created.seq_id, num_cached_tokens=created.num_cached_tokens
         )
@@ -327,17 +327,17 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     async def Lookup(
         self, request: pb.LookupRequest, context: Any, tenant: str
     ) -> pb.LookupResponse:
-        n = await self._coord.lookup(tenant, list(request.token_ids))
+        n = await self._coord.lookup(tenant, list(request.token_ids), request.namespace)
         return pb.LookupResponse(num_cached_tokens=n)
 
     @_rpc
     async def Pin(self, request: pb.PinRequest, context: Any, tenant: str) -> pb.PinResponse:
-        await self._coord.pin(tenant, _nonempty_ids(request.token_ids))
+        await self._coord.pin(tenant, _nonempty_ids(request.token_ids), request.namespace)
         return pb.PinResponse()
 
     @_rpc
     async def Unpin(self, request: pb.UnpinRequest, context: Any, tenant: str) -> pb.UnpinResponse:
-        await self._coord.unpin(tenant, _nonempty_ids(request.token_ids))
+        await self._coord.unpin(tenant, _nonempty_ids(request.token_ids), request.namespace)
         return pb.UnpinResponse()
 
     @_rpc

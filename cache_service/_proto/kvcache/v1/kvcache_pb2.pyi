@@ -103,10 +103,12 @@ class GetInfoResponse(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., total_blocks: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., local_session_socket: _Optional[str] = ...) -> None: ...
 
 class CreateSequenceRequest(_message.Message):
-    __slots__ = ("prompt_token_ids",)
+    __slots__ = ("prompt_token_ids", "namespace")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    namespace: str
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class CreateSequenceResponse(_message.Message):
     __slots__ = ("seq_id", "num_cached_tokens")
@@ -141,10 +143,12 @@ class FreeSequenceResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("token_ids",)
+    __slots__ = ("token_ids", "namespace")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    namespace: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("num_cached_tokens",)
@@ -153,20 +157,24 @@ class LookupResponse(_message.Message):
     def __init__(self, num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PinRequest(_message.Message):
-    __slots__ = ("token_ids",)
+    __slots__ = ("token_ids", "namespace")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    namespace: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class PinResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class UnpinRequest(_message.Message):
-    __slots__ = ("token_ids",)
+    __slots__ = ("token_ids", "namespace")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    namespace: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class UnpinResponse(_message.Message):
     __slots__ = ()
