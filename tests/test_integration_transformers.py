@@ -229,7 +229,8 @@ def test_second_request_prefill_sends_only_the_uncached_suffix(client: Recording
     # Shares 37 prompt tokens with the first request: two full 16-token blocks are cached.
     g = torch.Generator().manual_seed(5)
     second = torch.cat([first[:, :37], torch.randint(0, PAD, (1, 9), generator=g)], dim=1)
-    assert client.lookup(second[0].tolist()) == 32
+    assert client.lookup(second[0].tolist(), namespace=served.namespace) == 32
+    assert client.lookup(second[0].tolist()) == 0  # cached in the model's namespace only
     ref = _reference(reference, second, torch.ones_like(second))
     client.appends.clear()
     with served.session(second) as session, torch.no_grad():
@@ -242,6 +243,29 @@ def test_second_request_prefill_sends_only_the_uncached_suffix(client: Recording
     for layer in range(LLAMA.num_layers):
         first_append = next(ids for (lay, s, ids) in client.appends if s == seq_id and lay == layer)
         assert first_append == second[0, 32:].tolist()
+
+
+@pytest.mark.parametrize("client", ["llama_service"], indirect=True)
+def test_two_models_of_one_layout_never_share_cached_prefixes(client: RecordingClient) -> None:
+    first_model, second_model = LLAMA.model(seed=11), LLAMA.model(seed=12)
+    second_reference = copy.deepcopy(second_model)
+    prompt, _ = _batch([40], seed=13)
+    first = ServiceModel(first_model, client)
+    with torch.no_grad():
+        first.generate(prompt, max_new_tokens=2, do_sample=False)
+    second = ServiceModel(second_model, client)
+    assert second.namespace != first.namespace
+    ref = _reference(second_reference, prompt, torch.ones_like(prompt))
+    with second.session(prompt) as session, torch.no_grad():
+        ours = session.generate(**_generate_kwargs())
+    assert session.stats.cached_tokens == [0]  # the first model's K/V are not adopted
+    _assert_same_generation(ours, ref)
+    # The same weights in another ServiceModel (another process, say) find their prefix.
+    again = ServiceModel(copy.deepcopy(second_reference), client)
+    assert again.namespace == second.namespace
+    assert client.lookup(prompt[0].tolist(), namespace=again.namespace) == 32
+    named = ServiceModel(copy.deepcopy(second_reference), client, namespace="my-model")
+    assert named.namespace == "my-model"
 
 
 @pytest.mark.parametrize("client", ["family_service"], indirect=True)

@@ -63,7 +63,9 @@ class ExactAttentionService:
         self._next = 0
         self.layers_seen: list[int] = []
 
-    def create_sequence(self, prompt_token_ids: Sequence[int] | None = None) -> _Handle:
+    def create_sequence(
+        self, prompt_token_ids: Sequence[int] | None = None, *, namespace: str = ""
+    ) -> _Handle:
         """A new empty sequence (the stand-in caches no prefixes)."""
         self._next += 1
         return _Handle(seq_id=f"probe-{self._next}", num_cached_tokens=0)

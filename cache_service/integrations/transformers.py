@@ -29,6 +29,7 @@ local; the cache and the attention are the service's.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -67,6 +68,7 @@ __all__ = [
     "SessionConfig",
     "SessionStats",
     "model_layout",
+    "model_namespace",
     "service_attention_forward",
 ]
 
@@ -85,7 +87,9 @@ class ServiceClient(Protocol):
 
     def info(self) -> Any: ...
 
-    def create_sequence(self, prompt_token_ids: Sequence[int] | None = None) -> SequenceHandle: ...
+    def create_sequence(
+        self, prompt_token_ids: Sequence[int] | None = None, *, namespace: str = ""
+    ) -> SequenceHandle: ...
 
     def free(self, seq_id: str) -> None: ...
 
@@ -131,6 +135,34 @@ def model_layout(model: PreTrainedModel) -> ModelLayout:
         num_kv_heads=num_kv,
         head_dim=int(head_dim),
     )
+
+
+_SAMPLES_PER_TENSOR = 64  # strided elements of each weight tensor in the model fingerprint
+
+
+def model_namespace(model: PreTrainedModel) -> str:
+    """A prefix-cache namespace naming this model: ``"hf-model:<hex sha256 prefix>"``.
+
+    Digests the config (``to_json_string``), ``name_or_path`` and, for every parameter
+    and buffer, its name, shape, dtype and up to 64 evenly strided elements, so two models
+    of one config with different weights (two random initialisations, two fine-tunes)
+    differ, while the same weights give the same namespace in any process. Costs one small
+    gather per tensor (about a millisecond per hundred tensors on a GPU).
+    """
+    h = hashlib.sha256()
+    config = model.config
+    h.update(config.to_json_string(use_diff=False).encode())
+    h.update(str(getattr(config, "name_or_path", "")).encode())
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+            flat = tensor.detach().reshape(-1)
+            if flat.numel() == 0:
+                continue
+            stride = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
+            sample = flat[::stride][:_SAMPLES_PER_TENSOR].to("cpu", torch.float64)
+            h.update(sample.numpy().tobytes())
+    return "hf-model:" + h.hexdigest()[:48]
 
 
 @dataclass(frozen=True)
@@ -280,7 +312,9 @@ class GenerationSession:
         self._active: _ActiveStep | None = None
         try:
             for prompt in prompts:
-                handle = owner.client.create_sequence(prompt if config.reuse_prefix else None)
+                handle = owner.client.create_sequence(
+                    prompt if config.reuse_prefix else None, namespace=owner.namespace
+                )
                 self._handles.append(handle)
             cached = [int(h.num_cached_tokens) for h in self._handles]
             self._seq_ids = [h.seq_id for h in self._handles]
@@ -697,6 +731,10 @@ class ServiceModel:
             Mistral, Qwen2 and most Llama-family models).
         client: a connected ``KVCacheClient`` whose layout matches the model
             (layers, KV heads, head_dim).
+        namespace: the service's prefix-cache namespace for this model's sequences. None
+            (the default) derives it from the model (:func:`model_namespace`: config, name
+            and a sample of every weight), so two different models of one layout never
+            share cached prefixes while the same weights do, across processes.
 
     Construction refuses, before any forward through the service, a model whose attention
     the service does not compute exactly: features its config names (sinks, ALiBi, MLA,
@@ -711,8 +749,12 @@ class ServiceModel:
             not what the service computes (the message names the feature and the model).
     """
 
-    def __init__(self, model: PreTrainedModel, client: ServiceClient) -> None:
+    def __init__(
+        self, model: PreTrainedModel, client: ServiceClient, namespace: str | None = None
+    ) -> None:
         what = describe_model(model)
+        if namespace is not None and not isinstance(namespace, str):
+            raise ValueError(f"namespace must be a str or None, got {type(namespace).__name__}")
         if model.config._attn_implementation == SERVICE_ATTENTION:
             raise ValueError("this model is already routed to the service (one ServiceModel each)")
         if model.dtype not in _DTYPES.values():
@@ -729,6 +771,7 @@ class ServiceModel:
         self.layout = model_layout(model)
         self.kv_dtype = _check_service_layout(client.info(), self.layout)
         self.span: AttentionSpan | None = attention_span(model)
+        self.namespace = model_namespace(model) if namespace is None else namespace
         self._sessions: set[GenerationSession] = set()
         self._previous_attn = model.config._attn_implementation
         reference = self._probe_reference()
