@@ -56,6 +56,7 @@ TINY: dict[str, Any] = {
     "n_kv_heads": KV_HEADS,
     "num_kv_heads": KV_HEADS,
     "head_dim": HEAD_DIM,
+    "rotary_dim": HEAD_DIM,
     "num_experts": 4,
     "num_local_experts": 4,
     "n_routed_experts": 4,
@@ -74,16 +75,37 @@ TINY: dict[str, Any] = {
 }
 
 
+MAX_PARAMETERS = 3_000_000
+
+
 class FamilyUnavailable(Exception):
     """The family's tiny config or model cannot be built here (the message says why)."""
 
 
+def _has(config: Any, name: str) -> bool:
+    try:
+        return hasattr(config, name)
+    except Exception:  # per-layer attributes raise on access: the field exists
+        return True
+
+
 def _overrides(default: Any) -> dict[str, Any]:
-    return {k: v for k, v in TINY.items() if hasattr(default, k)}
+    kwargs = {k: v for k, v in TINY.items() if _has(default, k)}
+    try:
+        layer_types = getattr(default, "layer_types", None)
+    except Exception:
+        layer_types = None
+    if isinstance(layer_types, list | tuple) and len(layer_types) > LAYERS:
+        kwargs["layer_types"] = list(layer_types[:LAYERS])
+    return kwargs
 
 
-def tiny_config(model_type: str) -> Any:
-    """The family's config with the tiny sizes applied to the fields it has."""
+def tiny_config(model_type: str, **fields: Any) -> Any:
+    """The family's config with the tiny sizes applied to the fields it has, then ``fields``.
+
+    A size the config refuses (a derived field without a setter, say) is dropped and the
+    config built again without it.
+    """
     try:
         config_cls = CONFIG_MAPPING[model_type]
         default = config_cls()
@@ -91,18 +113,39 @@ def tiny_config(model_type: str) -> Any:
         text = getattr(default, "text_config", None)
         if text is not None and text is not default:
             kwargs["text_config"] = {**text.to_dict(), **_overrides(text)}
-        cfg = config_cls(**kwargs)
-        cfg.is_decoder = True
+        kwargs.update(fields)
     except Exception as e:
-        raise FamilyUnavailable(f"tiny config: {type(e).__name__}: {e}") from e
-    return cfg
+        raise FamilyUnavailable(f"default config: {type(e).__name__}: {e}") from e
+    while True:
+        try:
+            cfg = config_cls(**kwargs)
+            cfg.is_decoder = True
+            return cfg
+        except Exception as e:
+            culprit = next(
+                (k for k in kwargs if k in str(e) and k != "text_config" and k not in fields),
+                None,
+            )
+            if culprit is None:
+                raise FamilyUnavailable(f"tiny config: {type(e).__name__}: {e}") from e
+            del kwargs[culprit]
 
 
-def tiny_model(model_type: str, seed: int = 0) -> Any:
-    """A float32 random model of the family in eval mode, on CPU."""
-    cfg = tiny_config(model_type)
+def tiny_model(model_type: str, seed: int = 0, **fields: Any) -> Any:
+    """A float32 random model of the family in eval mode, on CPU (config ``fields`` set
+    after the tiny sizes)."""
+    cfg = tiny_config(model_type, **fields)
     try:
         model_cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+        with torch.device("meta"):
+            size = sum(p.numel() for p in model_cls(cfg).parameters())
+    except Exception as e:
+        raise FamilyUnavailable(f"tiny model: {type(e).__name__}: {e}") from e
+    if size > MAX_PARAMETERS:
+        raise FamilyUnavailable(
+            f"tiny config is not tiny: {size} parameters (fields the recipe does not set)"
+        )
+    try:
         torch.manual_seed(seed)
         model = model_cls(cfg).to(torch.float32).eval()
     except Exception as e:

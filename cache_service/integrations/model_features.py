@@ -62,51 +62,63 @@ def _text_config(model: torch.nn.Module) -> Any:
     return getter(decoder=True) if getter is not None else cfg
 
 
+def _get(cfg: Any, name: str, default: Any = None) -> Any:
+    """``getattr(cfg, name, default)``, also ``default`` where the config refuses a global
+    value (per-layer attributes raise on access)."""
+    try:
+        return getattr(cfg, name, default)
+    except Exception:
+        return default
+
+
 def unsupported_features(model: torch.nn.Module) -> list[str]:
     """Attention features of ``model`` the service cannot compute, each named with its source.
 
     Returns:
         Human-readable feature descriptions (empty when the config shows none).
     """
-    cfg = _text_config(model)
+    try:
+        cfg = _text_config(model)
+    except Exception as e:
+        return [f"no decoder text config ({type(e).__name__}: {e})"]
     top = model.config
     found: list[str] = []
-    if getattr(top, "is_encoder_decoder", False):
+    if _get(top, "is_encoder_decoder", False):
         found.append("encoder-decoder attention (config.is_encoder_decoder)")
-    model_type = str(getattr(cfg, "model_type", "") or "")
-    if model_type in _RECURRENT_MODEL_TYPES or str(getattr(top, "model_type", "")) in (
+    model_type = str(_get(cfg, "model_type", "") or "")
+    if model_type in _RECURRENT_MODEL_TYPES or str(_get(top, "model_type", "")) in (
         _RECURRENT_MODEL_TYPES
     ):
         found.append(
             f"recurrent / hybrid layers (model_type {model_type!r}: some layers are not attention)"
         )
-    layer_types = getattr(cfg, "layer_types", None) or []
+    layer_types = _get(cfg, "layer_types", None) or []
     other = sorted({str(t) for t in layer_types if str(t) not in _ATTENTION_LAYER_TYPES})
     if other:
         found.append(f"non-attention layers (config.layer_types has {other})")
     if (
         model_type in _ALIBI_MODEL_TYPES
-        or getattr(cfg, "alibi", False)
-        or getattr(cfg, "position_embedding_type", None) == "alibi"
-        or getattr(getattr(cfg, "attn_config", None), "alibi", False)
-        or (isinstance(getattr(cfg, "attn_config", None), dict) and cfg.attn_config.get("alibi"))
+        or _get(cfg, "alibi", False)
+        or _get(cfg, "position_embedding_type", None) == "alibi"
+        or getattr(_get(cfg, "attn_config", None), "alibi", False)
+        or (isinstance(_get(cfg, "attn_config", None), dict) and cfg.attn_config.get("alibi"))
     ):
         found.append("ALiBi position biases")
-    if getattr(cfg, "kv_lora_rank", None) or getattr(cfg, "qk_rope_head_dim", None):
+    if _get(cfg, "kv_lora_rank", None) or _get(cfg, "qk_rope_head_dim", None):
         found.append("multi-head latent attention (MLA: config.kv_lora_rank / qk_rope_head_dim)")
-    v_dim = getattr(cfg, "v_head_dim", None)
-    qk_dim = getattr(cfg, "head_dim", None)
+    v_dim = _get(cfg, "v_head_dim", None)
+    qk_dim = _get(cfg, "head_dim", None)
     if v_dim and qk_dim and v_dim != qk_dim:
         found.append(f"value head_dim {v_dim} differs from key head_dim {qk_dim}")
     for name in ("attn_logit_softcapping", "attention_logit_softcapping"):
-        if getattr(cfg, name, None):
-            found.append(f"attention logit softcapping (config.{name}={getattr(cfg, name)})")
-    if getattr(cfg, "is_causal", True) is False:
+        if _get(cfg, name, None):
+            found.append(f"attention logit softcapping (config.{name}={_get(cfg, name)})")
+    if _get(cfg, "is_causal", True) is False:
         found.append("non-causal attention (config.is_causal=False)")
     sinks = sorted(
         {name.rsplit(".", 1)[-1] for name, _ in model.named_parameters() if _is_sink(name)}
     )
-    if sinks or getattr(cfg, "use_sink", False) or getattr(cfg, "attention_sinks", None):
+    if sinks or _get(cfg, "use_sink", False) or _get(cfg, "attention_sinks", None):
         found.append("attention sinks (learned per-head softmax sink terms)")
     return found
 
@@ -143,13 +155,13 @@ def attention_span(model: torch.nn.Module) -> AttentionSpan | None:
     False, or ``layer_types`` listing no sliding/chunked layer for it).
     """
     cfg = _text_config(model)
-    layer_types = {str(t) for t in (getattr(cfg, "layer_types", None) or [])}
+    layer_types = {str(t) for t in (_get(cfg, "layer_types", None) or [])}
     spans: list[AttentionSpan] = []
     for name in _SPAN_FIELDS:
-        value = getattr(cfg, name, None)
+        value = _get(cfg, name, None)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             continue
-        if name == "sliding_window" and getattr(cfg, "use_sliding_window", True) is False:
+        if name == "sliding_window" and _get(cfg, "use_sliding_window", True) is False:
             continue
         if layer_types and layer_types <= {"full_attention"}:
             continue  # every layer is declared full attention

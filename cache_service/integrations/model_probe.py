@@ -22,7 +22,9 @@ from typing import Any
 import torch
 
 __all__ = [
+    "MIN_PROBE_PROMPT",
     "PROBE_NEW_TOKENS",
+    "PROBE_PROMPT",
     "ExactAttentionService",
     "ProbeResult",
     "compare_generations",
@@ -33,7 +35,11 @@ __all__ = [
 PROBE_NEW_TOKENS = 3
 """Tokens the probe generates (one prefill step and two decode steps)."""
 
-_PROBE_PROMPT = 6  # tokens of the longer probe row; the other row has 2 fewer (padding)
+PROBE_PROMPT = 6
+"""Tokens of the longer probe row (fewer for a model whose window is shorter); the other
+row has 2 tokens fewer (left padding)."""
+
+MIN_PROBE_PROMPT = 3
 
 # Largest |logit difference| accepted, relative to max(1, largest |logit|), by model dtype:
 # the two runs differ only in how the attention sums are ordered and rounded.
@@ -123,11 +129,14 @@ class ExactAttentionService:
         return out.to(query.dtype)
 
 
-def probe_inputs(vocab_size: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A left-padded batch of two random prompts: (input_ids, attention_mask) ``[2, 6]`` int64."""
+def probe_inputs(
+    vocab_size: int, pad_token_id: int, length: int = PROBE_PROMPT
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A left-padded batch of two random prompts: (input_ids, attention_mask) ``[2, length]``
+    int64, the second row with 2 padding columns."""
     g = torch.Generator().manual_seed(1234)
     high = max(2, min(int(vocab_size), 1000))
-    ids = torch.randint(0, high, (2, _PROBE_PROMPT), generator=g)
+    ids = torch.randint(0, high, (2, length), generator=g)
     mask = torch.ones_like(ids)
     ids[1, :2] = pad_token_id
     mask[1, :2] = 0

@@ -29,6 +29,7 @@ local; the cache and the attention are the service's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import math
 import time
@@ -49,7 +50,9 @@ from cache_service.integrations.model_features import (
     unsupported_features,
 )
 from cache_service.integrations.model_probe import (
+    MIN_PROBE_PROMPT,
     PROBE_NEW_TOKENS,
+    PROBE_PROMPT,
     ExactAttentionService,
     compare_generations,
     probe_generation_config,
@@ -126,11 +129,18 @@ class ModelLayout:
 def model_layout(model: PreTrainedModel) -> ModelLayout:
     """Read the attention shape of a decoder-only transformers model from its config."""
     cfg = model.config.get_text_config(decoder=True)
-    num_q = int(cfg.num_attention_heads)
-    num_kv = int(getattr(cfg, "num_key_value_heads", None) or num_q)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_q
+    try:
+        num_q = int(cfg.num_attention_heads)
+        num_layers = int(cfg.num_hidden_layers)
+        num_kv = int(getattr(cfg, "num_key_value_heads", None) or num_q)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_q
+    except Exception as e:
+        raise ValueError(
+            f"{describe_model(model)}: its config gives no single attention shape (layers, "
+            f"heads, head_dim) for the service's layout ({type(e).__name__}: {e})"
+        ) from e
     return ModelLayout(
-        num_layers=int(cfg.num_hidden_layers),
+        num_layers=num_layers,
         num_q_heads=num_q,
         num_kv_heads=num_kv,
         head_dim=int(head_dim),
@@ -819,12 +829,17 @@ class ServiceModel:
         pad = self.model.generation_config.pad_token_id
         if not isinstance(pad, int):
             pad = 0
-        ids, mask = probe_inputs(int(cfg.vocab_size), pad)
-        if self.span is not None and ids.shape[1] + PROBE_NEW_TOKENS > self.span.size:
-            raise ValueError(
-                f"{describe_model(self.model)}: its attention window/chunk of "
-                f"{self.span.size} tokens ({self.span.source}) is too small for the service"
-            )
+        length = PROBE_PROMPT
+        if self.span is not None:
+            # The probe must stay within the window, where full attention is exact.
+            length = min(length, self.span.size - PROBE_NEW_TOKENS)
+            if length < MIN_PROBE_PROMPT:
+                raise ValueError(
+                    f"{describe_model(self.model)}: its attention window/chunk of "
+                    f"{self.span.size} tokens ({self.span.source}) is too small for the "
+                    "service (it computes full causal attention only)"
+                )
+        ids, mask = probe_inputs(int(cfg.vocab_size), pad, length)
         device = self.model.device
         return ids.to(device), mask.to(device), probe_generation_config(self.model, pad)
 
@@ -833,13 +848,26 @@ class ServiceModel:
         ids, mask, gc = self._probe_batch()
         try:
             with _eval_mode(self.model), torch.no_grad():
-                return self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+                batch = self.model.generate(
+                    input_ids=ids, attention_mask=mask, generation_config=gc
+                )
+                pads = int((mask[1] == 0).sum())
+                alone = self.model.generate(
+                    input_ids=ids[1:, pads:], attention_mask=mask[1:, pads:], generation_config=gc
+                )
         except Exception as e:
             raise ValueError(
                 f"{describe_model(self.model)}: greedy generate() of a left-padded batch fails "
                 f"with the model's own attention ({type(e).__name__}: {e}); the service "
                 "integration needs a model that generate() runs"
             ) from e
+        # A model whose output for a row depends on its left padding (positions counted
+        # from the first column, not the first token) wrote a cached prefix at positions
+        # that another request's padding would shift: such prefixes must not be adopted.
+        tolerance = compare_generations(batch, batch, self.model.dtype).tolerance
+        shift = float((batch.logits[0][1].float() - alone.logits[0][0].float()).abs().max())
+        self.padding_moves_positions = not shift <= tolerance
+        return batch
 
     def _probe_service_path(self, reference: Any) -> None:
         """Generate the probe batch through this integration with the service's arithmetic."""
@@ -894,7 +922,12 @@ class ServiceModel:
             attention_mask: 0/1 ``[batch, columns]`` (0 = padding); None = no padding.
             config: see :class:`SessionConfig`.
         """
-        s = GenerationSession(self, input_ids, attention_mask, config or SessionConfig())
+        config = config or SessionConfig()
+        if self.padding_moves_positions and config.reuse_prefix:
+            # Its cached prefixes hold K/V at positions that depend on the padding they were
+            # written with: start every sequence empty instead.
+            config = dataclasses.replace(config, reuse_prefix=False)
+        s = GenerationSession(self, input_ids, attention_mask, config)
         self._sessions.add(s)
         return s
 
