@@ -77,6 +77,37 @@ TINY: dict[str, Any] = {
 
 MAX_PARAMETERS = 3_000_000
 
+_MLA = {"kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8}
+
+FAMILY_FIELDS: dict[str, dict[str, Any]] = {
+    # Families whose config needs more than the generic sizes to be tiny and valid.
+    "gemma3n_text": {
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "activation_sparsity_pattern": [0.0] * 4,
+        "num_kv_shared_layers": 2,  # layers 2-3 reuse layers 0-1's keys/values
+        "laurel_rank": 8,
+        "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": VOCAB,
+    },
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 16},
+    "gemma3": {
+        "vision_config": {
+            "hidden_size": 32,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 14,
+        },
+        "mm_tokens_per_image": 4,
+    },
+    "deepseek_v2": {**_MLA, "v_head_dim": 16},
+    "deepseek_v3": {**_MLA, "v_head_dim": 16},
+    "glm4_moe_lite": {**_MLA, "v_head_dim": 16},
+    "dots1": {"n_shared_experts": 1},
+}
+
 
 class FamilyUnavailable(Exception):
     """The family's tiny config or model cannot be built here (the message says why)."""
@@ -126,6 +157,8 @@ def tiny_config(model_type: str, **fields: Any) -> Any:
                 (k for k in kwargs if k in str(e) and k != "text_config" and k not in fields),
                 None,
             )
+            if culprit is None and "layer_types" in kwargs and "layer_types" not in fields:
+                culprit = "layer_types"  # derived from other fields in some families
             if culprit is None:
                 raise FamilyUnavailable(f"tiny config: {type(e).__name__}: {e}") from e
             del kwargs[culprit]
@@ -134,7 +167,7 @@ def tiny_config(model_type: str, **fields: Any) -> Any:
 def tiny_model(model_type: str, seed: int = 0, **fields: Any) -> Any:
     """A float32 random model of the family in eval mode, on CPU (config ``fields`` set
     after the tiny sizes)."""
-    cfg = tiny_config(model_type, **fields)
+    cfg = tiny_config(model_type, **{**FAMILY_FIELDS.get(model_type, {}), **fields})
     try:
         model_cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
         with torch.device("meta"):
