@@ -75,7 +75,7 @@ TINY: dict[str, Any] = {
 }
 
 
-MAX_PARAMETERS = 3_000_000
+MAX_PARAMETERS = 40_000_000
 
 _MLA = {"kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8}
 
