@@ -93,6 +93,13 @@ def test_a_killed_makers_files_go_and_a_live_ones_stay() -> None:
         )
         try:
             dead_file, dead_folder = child.stdout.readline().split()
+            child.kill()
+            # Killed and not yet reaped (a zombie): it runs no more, its files may go.
+            wait_until("the child to die", lambda: Path(f"/proc/{child.pid}/stat").read_text()
+                       .rsplit(")", 1)[1].split()[0] == "Z", 30)  # fmt: skip
+            zombie = reclaim_orphans(d, "kvcache-arena-")
+            assert zombie == [dead_file]
+            Path(dead_file).write_bytes(b"x")  # again, for the reaped case below
         finally:
             child.kill()
             child.wait(timeout=30)

@@ -48,22 +48,25 @@ def _base36(n: int) -> str:
             return digits
 
 
-def _start_ticks(pid: int) -> int | None:
-    """The start time of process ``pid`` in clock ticks after boot; None when no such
-    process exists or /proc cannot say."""
+def _stat(pid: int) -> tuple[str, int] | None:
+    """State letter and start time (clock ticks after boot) of process ``pid``; None when
+    no such process exists or /proc cannot say."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read()
-    except FileNotFoundError:
-        return None
     except OSError:
         return None
     # Field 2 (the command) is in parentheses and may hold spaces or ')': split after the last.
     fields = text[text.rfind(b")") + 2 :].split()
     try:
-        return int(fields[19])  # field 22 overall; fields here start at field 3
-    except (IndexError, ValueError):
+        return fields[0].decode(), int(fields[19])  # fields 3 and 22 overall
+    except (IndexError, ValueError, UnicodeDecodeError):
         return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    found = _stat(pid)
+    return None if found is None else found[1]
 
 
 def _me() -> Owner:
@@ -93,8 +96,11 @@ def parse_owner(name: str, kind: str) -> Owner | None:
 
 def owner_alive(owner: Owner) -> bool:
     """Whether the process that made a name may still run (True when in doubt)."""
-    start = _start_ticks(owner.pid)
-    if start is not None:
+    found = _stat(owner.pid)
+    if found is not None:
+        state, start = found
+        if state in ("Z", "X"):
+            return False  # killed, not yet reaped by its parent: it runs no more
         return owner.start == _UNKNOWN_START or start == owner.start
     try:
         os.kill(owner.pid, 0)
