@@ -330,6 +330,7 @@ class BlockManager:
             data = b""
         else:
             prompt = pack_tokens(prompt_token_ids)
+            self._check_length("prompt_token_ids", len(prompt))
             data = token_bytes(prompt)
         self._check_sequence_quota(tenant)
         new_id = self._new_id(seq_id)
@@ -493,6 +494,12 @@ class BlockManager:
         bs = self._bs
         reserved = len(seq.tokens)
         end = start + n
+        if end > reserved:
+            self._check_length(
+                "token_ids",
+                end,
+                f" would make sequence {seq_id!r} {end} tokens long ({n} at {start})",
+            )
         overlap = min(end, reserved) - start
         if overlap > 0 and seq.tokens[start : start + overlap] != tokens[:overlap]:
             for i in range(overlap):
@@ -841,6 +848,29 @@ class BlockManager:
             return None
         return row.worker, row.ids(num_blocks)
 
+    def max_sequence_tokens(self) -> int:
+        """The most tokens one sequence could ever hold: every block of every registered
+        worker (a sequence spills across workers), times block_size; 0 with no worker."""
+        return sum(p.num_blocks for p in self._pools.values()) * self._bs
+
+    def _check_length(self, field: str, tokens: int, what: str | None = None) -> None:
+        """Refuse `tokens` tokens for one sequence past `max_sequence_tokens` (before the
+        call counts or changes anything). With no worker registered, the call's own
+        PoolExhausted says so instead.
+
+        Raises:
+            InvalidRequest: naming `field`, the length and the capacity.
+        """
+        cap = self.max_sequence_tokens()
+        if tokens <= cap or not self._pools:
+            return
+        blocks = cap // self._bs
+        said = what if what is not None else f" has {tokens} tokens"
+        raise InvalidRequest(
+            f"{field}{said}, more than any sequence can hold on this service: {cap} tokens "
+            f"({blocks} blocks of {self._bs} tokens over {len(self._pools)} workers)"
+        )
+
     # ---- prefix cache -------------------------------------------------------------------
 
     def lookup(self, tenant: str, token_ids: SequenceABC[int], namespace: str = "") -> int:
@@ -851,6 +881,7 @@ class BlockManager:
         _check_name("tenant", tenant)
         check_namespace(namespace)
         prompt = pack_tokens(token_ids)
+        self._check_length("token_ids", len(prompt))
         data = token_bytes(prompt)
         if not prompt:
             return 0
@@ -872,6 +903,7 @@ class BlockManager:
         _check_name("tenant", tenant)
         check_namespace(namespace)
         prompt = pack_tokens(token_ids)
+        self._check_length("token_ids", len(prompt))
         data = token_bytes(prompt)
         full = len(prompt) // self._bs
         key = _pin_key(tenant, namespace, data[: full * self._bs * TOKEN_BYTES])

@@ -749,6 +749,7 @@ class Coordinator:
             want = (n, self.layout.num_kv_heads, self.layout.head_dim)
         if n == 0:
             raise InvalidRequest("token_ids is empty: an append writes at least one token")
+        _check_new_rows("", n, key, value, want)
         _check_tensor("key", key, want)
         _check_tensor("value", value, want)
         async with self._locked([seq_id]):
@@ -799,11 +800,10 @@ class Coordinator:
         item's rows in item order (out ``[sum m, Hq, D]``) instead of one per item.
         """
         self._check_layer(layer)
+        _check_not_empty(items, "attend")
         queries = [it.query for it in items]
         hq = self._check_queries(queries)
         _check_finite(queries, lambda: ((f"items[{i}].query", q) for i, q in enumerate(queries)))
-        if not items:
-            return []
         seq_ids = [it.seq_id for it in items]
         async with self._locked(seq_ids):
             views = []
@@ -843,10 +843,9 @@ class Coordinator:
         stacked: as in `attend`.
         """
         self._check_layer(layer)
+        _check_not_empty(items, "append_attend")
         queries = [it.query for it in items]
         hq = self._check_queries(queries)
-        if not items:
-            return []
         seq_ids = [it.seq_id for it in items]
         if len(set(seq_ids)) != len(seq_ids):
             dup = next(s for s in seq_ids if seq_ids.count(s) > 1)
@@ -1386,6 +1385,7 @@ class Coordinator:
                 continue
             if n == 0:
                 raise InvalidRequest(f"items[{i}].token_ids is empty")
+            _check_new_rows(f"items[{i}].", n, k, v, (n, hkv, d))
             _check_tensor(f"items[{i}].key", k, (n, hkv, d), finite=False)
             _check_tensor(f"items[{i}].value", v, (n, hkv, d), finite=False)
 
@@ -2004,6 +2004,33 @@ class Coordinator:
 
 
 # ------------------------------------------------------------------------------ helpers
+
+
+def _check_not_empty(items: Sequence[object], call: str) -> None:
+    """Refuse a call with no items, as the batch calls refuse no sequences: an empty call
+    is a caller's mistake, not a request for nothing."""
+    if not items:
+        raise InvalidRequest(f"items is empty: an {call} call needs at least one item")
+
+
+def _check_new_rows(prefix: str, n: int, key: object, value: object, want: tuple[int, ...]) -> None:
+    """Name a disagreement between the n token ids and the key / value rows as such (one
+    row per new token) rather than as a shape error. `want` is the full expected shape; the
+    token dimension is the one of size n (the second for all layers at once)."""
+    row_dim = len(want) - 3
+    for name, t in (("key", key), ("value", value)):
+        if (
+            isinstance(t, torch.Tensor)
+            and t.ndim == len(want)
+            and t.shape[row_dim] != n
+            and tuple(t.shape[row_dim + 1 :]) == tuple(want[row_dim + 1 :])
+        ):
+            rows = t.shape[row_dim]
+            raise InvalidRequest(
+                f"{prefix}token_ids has {n} entries but {prefix}{name} has {rows} "
+                f"row{'' if rows == 1 else 's'} (shape {list(t.shape)}): one {name} row per "
+                "new token"
+            )
 
 
 def _check_tensor(

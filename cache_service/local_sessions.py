@@ -36,12 +36,15 @@ from cache_service.call_origin import origin_scope
 from cache_service.eager_tasks import start_eagerly
 from cache_service.local_frames import FrameBuffer, FrameError, frame
 from cache_service.session_codec import session_error
+from workers.owned_files import owned_prefix, reclaim_orphans
 
 __all__ = ["SOCKET_NAME", "Authenticate", "LocalSessions", "hello_status"]
 
 log = logging.getLogger("kvcache.local_sessions")
 
 SOCKET_NAME = "session.sock"
+# The socket's folder: "<parent>/kvcache-local-<owner>-<random>" (workers.owned_files).
+DIR_PREFIX = "kvcache-local-"
 # sockaddr_un's sun_path holds 108 bytes with the terminating NUL.
 _MAX_PATH_BYTES = 107
 
@@ -121,7 +124,10 @@ class LocalSessions:
             ValueError: the path would be too long for a Unix domain socket.
             OSError: the directory or the socket could not be made.
         """
-        directory = tempfile.mkdtemp(prefix="kvcache-local-", dir=parent)  # mode 0700
+        # A folder of a server that was killed is never removed by it: the first server to
+        # start after it removes it (its name states its maker: workers.owned_files).
+        reclaim_orphans(parent or tempfile.gettempdir(), DIR_PREFIX)
+        directory = tempfile.mkdtemp(prefix=owned_prefix(DIR_PREFIX), dir=parent)  # mode 0700
         path = os.path.join(directory, SOCKET_NAME)
         try:
             if len(os.fsencode(path)) > _MAX_PATH_BYTES:

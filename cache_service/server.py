@@ -76,6 +76,7 @@ from cache_service.tensor_codec import (
 )
 from cache_service.tls import ServerTLSConfig, server_credentials
 from cache_service.wire_decode import RequestDecodeInterceptor
+from cache_service.worker_channel import remove_orphan_arenas
 from cache_service.worker_interface import AttentionResult
 from workers.layout import KVLayout
 
@@ -1108,6 +1109,9 @@ async def start_service(
             share_with_workers=channels,
         )
         cleanups.append(regions.close)
+        # What a coordinator killed on this host left (it never ran its own cleanups).
+        regions.remove_orphans()
+        remove_orphan_arenas()
         servicer = KVCacheServicer(
             coordinator,
             limit,

@@ -4,7 +4,7 @@ own them (create, look up, bounds-check, copy in and out, reap, delete).
 A model executor on the coordinator's host sends the tensors of its per-layer batch calls
 through a region instead of inside the gRPC message (CreateSharedRegion in kvcache.proto):
 a file in /dev/shm that the server creates and maps and the client maps too. The file has a
-random, unguessable name and mode 0600, so only processes of the server's user can open it;
+random, unguessable name (after the server process's owner tag: workers.owned_files) and mode 0600, so only processes of the server's user can open it;
 the region id the RPCs use is a second random token, not the file name (a listing of
 /dev/shm reveals no ids). Each region belongs to the tenant that created it: any other
 tenant's lookup gets `SharedRegionNotFound` with the message an unknown id gets, so ids
@@ -35,7 +35,8 @@ repeated-step path) have their output copied by the GPU straight into the slot
 mid-call) may leave output bytes there; a refused call still writes nothing.
 
 Regions no call used for `idle_timeout_s` are deleted by `reap_forever` (a client that died
-never releases its own); `close` deletes every region at server stop. Not thread-safe: the
+never releases its own); `close` deletes every region at server stop, and
+`remove_orphans`, at server start, the files of a server that was killed. Not thread-safe: the
 servicer and the reaper use it from the event loop only.
 """
 
@@ -64,6 +65,7 @@ from cache_service.errors import (
 )
 from cache_service.tensor_codec import tensor_from_bytes, tensor_payload
 from workers.cuda_pinning import pin, unpin
+from workers.owned_files import owned_prefix, reclaim_orphans
 from workers.shared_files import SHARED_FILES, NoRoom, create_mapped, unlink_quietly
 
 __all__ = [
@@ -77,7 +79,9 @@ __all__ = [
 
 log = logging.getLogger("kvcache.shared_regions")
 
-_FILE_PREFIX = "kvcache-"
+# Names read "kvcache-region-<owner>-<random>" (workers.owned_files): a coordinator starting
+# removes those of one that is gone (`remove_orphans`).
+_FILE_PREFIX = "kvcache-region-"
 # Views read the region's bytes in place: the wire's order (little-endian) must be the host's.
 _VIEWS_OK = sys.byteorder == "little"
 # The reaper looks this often (at most): a region is deleted between idle_timeout_s and
@@ -487,7 +491,7 @@ class SharedRegions:
         """A new file of `size` bytes under the directory, mapped (and pinned for CUDA when
         configured); nothing left behind on failure."""
         try:
-            path, mm = create_mapped(self.directory, _FILE_PREFIX, size)
+            path, mm = create_mapped(self.directory, owned_prefix(_FILE_PREFIX), size)
         except NoRoom:
             raise SharedMemoryLimit(
                 f"no room for {size} bytes in {self.directory} (the file system holding the "
@@ -551,6 +555,12 @@ class SharedRegions:
                 self.reap_idle()
             except Exception:  # keep reaping; a file system error is logged, not fatal
                 log.exception("reaping shared regions failed")
+
+    def remove_orphans(self) -> list[str]:
+        """Delete the region files in the directory whose coordinator process is gone (one
+        killed outright never deletes its own); a live coordinator's files stay. Returns
+        the paths removed."""
+        return reclaim_orphans(self.directory, _FILE_PREFIX)
 
     def close(self) -> None:
         """Delete every region (server stop). Idempotent."""

@@ -57,6 +57,7 @@ from workers.channel_wire import (
 )
 from workers.description import FencedEpoch
 from workers.errors import WorkerError, WorkerUnavailable
+from workers.owned_files import owned_prefix, reclaim_orphans
 from workers.shared_files import SHARED_FILES, create_mapped, unlink_quietly
 from workers.transport import dtype_name
 
@@ -66,12 +67,17 @@ __all__ = [
     "ChannelOptions",
     "ChannelPool",
     "WorkerChannel",
+    "remove_orphan_arenas",
 ]
 
 log = logging.getLogger("kvcache.worker_channel")
 
 # Replies carry small values unless a result did not fit the arena (then it is inline).
 _MAX_REPLY_BYTES = 1 << 30
+# A shared arena's file exists only while its connection is made (then both ends keep just
+# their mappings); one whose coordinator was killed meanwhile is left behind, named
+# "kvcache-arena-<owner>-<random>" (workers.owned_files) for `remove_orphan_arenas`.
+ARENA_PREFIX = "kvcache-arena-"
 
 
 class ChannelBroken(ConnectionError):
@@ -292,7 +298,7 @@ class WorkerChannel:
         path = None
         if shared:
             path, mm = create_mapped(
-                directory or default_directory(), "kvcache-arena-", arena_bytes
+                directory or default_directory(), owned_prefix(ARENA_PREFIX), arena_bytes
             )
             arena = torch.frombuffer(mm, dtype=torch.uint8)
         else:
@@ -923,3 +929,9 @@ class ChannelPool:
                 waiter.set_result(chan)
                 return True
         return False
+
+
+def remove_orphan_arenas(directory: str | None = None) -> list[str]:
+    """Delete the arena files in ``directory`` (None: /dev/shm where it exists) left by
+    coordinator processes that are gone; a live one's stay. Returns the paths removed."""
+    return reclaim_orphans(directory or default_directory(), ARENA_PREFIX)

@@ -4,7 +4,8 @@ Each ``check_*`` function raises :class:`KernelArgumentError` (a ``ValueError``)
 names the offending argument, before anything is written. Shape, dtype and device checks read
 only tensor metadata. The *value* checks (block ids inside the pool, lengths inside the block
 table, ...) must read the index tensors; on CUDA they cost one device-to-host copy, which is
-why callers that built the indices themselves may turn them off (``check_values=False``).
+why they are off by default for paged attention and callers that built the indices
+themselves may turn them off elsewhere (``check_values=False``).
 """
 
 from __future__ import annotations

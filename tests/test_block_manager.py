@@ -246,10 +246,31 @@ def test_eviction_is_lru_tail_first_and_never_of_referenced_blocks() -> None:
     fill(m, "t", c, list(range(116, 120)))
     assert m.lookup("t", [*range(10, 18), 1]) == 4
     assert m.stats().evictions == 3
-    # Blocks in use are never evicted: c holds all of them except b's head.
-    msg = unchanged(m, lambda: fill(m, "t", c, list(range(120, 128))), PoolExhausted)
-    assert "need 2 more blocks; 1 free or evictable" in msg
+    # Blocks in use are never evicted: c holds all of them but b's head, which d adopts.
+    assert m.create_sequence("t", [*range(10, 14), 1]).num_cached_tokens == 4
+    msg = unchanged(m, lambda: fill(m, "t", c, list(range(120, 124))), PoolExhausted)
+    assert "need 1 more blocks; 0 free or evictable" in msg
     m.check_integrity()
+
+
+def test_lengths_past_what_a_sequence_can_hold_are_refused_before_counting() -> None:
+    """Every block of every worker is the longest sequence: a prompt, lookup, pin or write
+    past it is InvalidRequest naming both lengths, and nothing is counted or reserved."""
+    m = make({"w0": 3, "w1": 2})
+    cap = 5 * BS
+    seq, _ = new_seq(m, "t", list(range(BS + 1)))
+    over = list(range(cap + 1))
+    for call in (
+        lambda: m.create_sequence("t", over),
+        lambda: m.lookup("t", over),
+        lambda: m.pin("t", over),
+        lambda: m.prepare_write("t", seq, None, over),
+        lambda: m.prepare_write("t", seq, 0, list(range(cap - BS))),  # ends at cap + 1
+    ):
+        msg = unchanged(m, call, InvalidRequest)
+        assert str(cap + 1) in msg and f"{cap} tokens" in msg, msg
+    assert m.stats().prefix_query_tokens == {"t": BS + 1}
+    assert m.lookup("t", list(range(cap))) == BS  # the capacity itself is a valid length
 
 
 def test_pins_keep_a_prefix_from_eviction() -> None:
@@ -374,15 +395,19 @@ def test_growth_spills_to_the_worker_with_most_room() -> None:
     assert view.segments == (Segment("w1", 0, (0, 1, 2)), Segment("w0", 12, (0, 1)))
     # Growth continues on the worker it spilled to, then on the last one with room.
     assert fill(m, "t", seq, [1])[0][0] == "w2"
-    unchanged(m, lambda: fill(m, "t", seq, [0] * 4), PoolExhausted)
+    # It holds every block now: growing past them is a length no sequence can reach.
+    unchanged(m, lambda: fill(m, "t", seq, [0] * 4), InvalidRequest)
 
 
 def test_exhaustion_is_all_or_nothing() -> None:
     m = make({"w0": 2, "w1": 2})
+    other = m.create_sequence("t").seq_id
+    fill(m, "t", other, [7])
     seq = m.create_sequence("t").seq_id
     fill(m, "t", seq, [1])
-    msg = unchanged(m, lambda: m.prepare_write("t", seq, None, list(range(1, 17))), PoolExhausted)
-    assert "need 4 more blocks; 3 free or evictable across 2 workers" in msg
+    msg = unchanged(m, lambda: m.prepare_write("t", seq, None, list(range(1, 13))), PoolExhausted)
+    assert "need 3 more blocks; 2 free or evictable across 2 workers" in msg
+    m.free("t", other)
     fill(m, "t", seq, list(range(12)))  # 13 tokens, 4 blocks: exactly fits
 
 

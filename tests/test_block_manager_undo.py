@@ -314,7 +314,7 @@ def test_new_calls_are_logged_and_replayed(tmp_path: Path, checkpoint_every: int
     b = d.create_sequence("t").seq_id
     before = d.manager.to_records()
     with pytest.raises(QuotaExceeded):  # refused whole: nothing logged
-        d.prepare_writes("t", None, [(fork, [7]), (b, list(range(30)))])
+        d.prepare_writes("t", None, [(fork, [7]), (b, list(range(20)))])
     assert d.manager.to_records() == before
     plans = d.prepare_writes("t", None, [(fork, iter([7, 8])), (b, (1, 2))])
     assert plans[0].copies == [BlockCopy("w0", 1, 2)]

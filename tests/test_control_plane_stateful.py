@@ -141,6 +141,12 @@ class ControlPlaneMachine(RuleBasedStateMachine):
             return exc
         return None
 
+    def too_long(self, tokens: int) -> bool:
+        """Whether one sequence of `tokens` tokens is past every block of every worker
+        (refused as InvalidRequest; with no worker, the call's own error decides)."""
+        cap = self.m.max_sequence_tokens()
+        return cap > 0 and tokens > cap
+
     def note_written(self, seq: ModelSeq) -> None:
         full = min(seq.written) // BS
         prefixes = self.visible.setdefault(seq.tenant, set())
@@ -213,6 +219,13 @@ class ControlPlaneMachine(RuleBasedStateMachine):
     def create(self, tenant: str, prompt: list[int] | None, compute: bool) -> None:
         """Create; with `compute`, also write the uncached rest of the prompt on every layer,
         as a client does."""
+        if prompt and self.too_long(len(prompt)):
+            error = self.expect_unchanged(
+                lambda: self.m.create_sequence(tenant, prompt), (InvalidRequest,)
+            )
+            assert error is not None
+            event("create refused: too long")
+            return
         expected = self.m.lookup(tenant, prompt) if prompt else 0
         created: list = []
         error = self.expect_unchanged(
@@ -272,6 +285,14 @@ class ControlPlaneMachine(RuleBasedStateMachine):
                 lambda: self.m.prepare_write(seq.tenant, seq_id, layer, bad), (InvalidRequest,)
             )
             assert error is not None
+            return
+        end = start + len(tokens)
+        if end > len(seq.tokens) and self.too_long(end):
+            error = self.expect_unchanged(
+                lambda: self.m.prepare_write(seq.tenant, seq_id, layer, tokens), (InvalidRequest,)
+            )
+            assert error is not None
+            event("write refused: too long")
             return
         plans: list = []
         error = self.expect_unchanged(
@@ -363,6 +384,8 @@ class ControlPlaneMachine(RuleBasedStateMachine):
             invalid |= len(first) > 1
             start = min(first)
             tokens = self.expected_tokens(seq, start, new_tokens)
+            end = start + len(tokens)
+            invalid |= end > len(seq.tokens) and self.too_long(end)
             batch.append((seq_id, tokens))
             starts.append(start)
         last_id, last_tokens = batch[-1]
@@ -457,6 +480,9 @@ class ControlPlaneMachine(RuleBasedStateMachine):
 
     @rule(tenant=tenant_st, prompt=tokens_st)
     def lookup(self, tenant: str, prompt: list[int]) -> None:
+        if self.too_long(len(prompt)):
+            assert self.expect_unchanged(lambda: self.m.lookup(tenant, prompt), (InvalidRequest,))
+            return
         before = self.m.to_records()
         served = self.m.lookup(tenant, prompt)
         assert self.m.to_records() == before
@@ -464,6 +490,9 @@ class ControlPlaneMachine(RuleBasedStateMachine):
 
     @rule(tenant=tenant_st, prompt=tokens_st)
     def pin(self, tenant: str, prompt: list[int]) -> None:
+        if self.too_long(len(prompt)):
+            assert self.expect_unchanged(lambda: self.m.pin(tenant, prompt), (InvalidRequest,))
+            return
         pinned = self.m.pin(tenant, prompt)
         self.check_served(tenant, prompt, pinned, cap=False)
         key = (tenant, tuple(prompt[: len(prompt) // BS * BS]))

@@ -23,7 +23,9 @@ def batch():
     )
 
 
-def call_attention(b, backend: str, out: torch.Tensor, **changes) -> None:
+def call_attention(
+    b, backend: str, out: torch.Tensor, check_values: bool = True, **changes
+) -> None:
     args = dict(
         query=b.query,
         key_cache=b.key_cache,
@@ -32,7 +34,7 @@ def call_attention(b, backend: str, out: torch.Tensor, **changes) -> None:
         seq_lens=b.seq_lens,
         query_start_loc=b.query_start_loc,
     )
-    kwargs = {"out": out}
+    kwargs = {"out": out, "check_values": check_values}
     for k, v in changes.items():
         (args if k in args else kwargs)[k] = v
     kernels.paged_attention(*args.values(), backend=backend, **kwargs)
@@ -93,6 +95,61 @@ def test_paged_attention_rejects(backend: str, changes: Callable, words: str) ->
     assert torch.equal(out, sentinel) and torch.equal(b.key_cache, cache_before)
 
 
+# The cases that need the index tensors' contents (check_values); the rest read metadata only.
+VALUE_CASES = {
+    "block_id_high", "block_id_negative", "seq_len_beyond_table", "seq_len_negative",
+    "q_beyond_seq_len", "qsl_decreasing", "qsl_end", "qsl_start",
+}  # fmt: skip
+METADATA_CASES = [c for c in ATTENTION_CASES if c[0] not in VALUE_CASES]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("changes", "words"), [c[1:] for c in METADATA_CASES], ids=[c[0] for c in METADATA_CASES]
+)
+def test_paged_attention_default_still_checks_metadata(
+    backend: str, changes: Callable, words: str
+) -> None:
+    """The default (no value checks) still refuses every malformed shape, dtype, layout,
+    device or option, and writes nothing."""
+    b = batch()
+    out = torch.full_like(b.query, 7.0)
+    replaced = changes(b)
+    if "out" in replaced:
+        out = replaced.pop("out")
+    sentinel = out.clone()
+    args = dict(zip(("query", "key_cache", "value_cache", "block_tables", "seq_lens",
+                     "query_start_loc"), b.args(), strict=True))  # fmt: skip
+    kwargs = {"out": out}
+    for k, v in replaced.items():
+        (args if k in args else kwargs)[k] = v
+    with pytest.raises(KernelArgumentError, match=re.escape(words)):
+        kernels.paged_attention(*args.values(), backend=backend, **kwargs)
+    assert torch.equal(out, sentinel)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_paged_attention_reads_no_index_values_by_default(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The public call's default is the fast path: the value checks (a device-to-host read
+    on CUDA) run only when asked for, and both settings give the same answer."""
+    import kernels.validation as validation
+
+    b = batch()
+    checked = kernels.paged_attention(*b.args(), backend=backend, check_values=True)
+    calls = []
+    real = validation._check_attention_values
+    monkeypatch.setattr(
+        validation, "_check_attention_values", lambda *a: calls.append(a) or real(*a)
+    )
+    fast = kernels.paged_attention(*b.args(), backend=backend)
+    assert calls == []
+    kernels.paged_attention(*b.args(), backend=backend, check_values=True)
+    assert len(calls) == 1
+    torch.testing.assert_close(fast, checked, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("check_values", [True, False])
 def test_remembered_signature_still_rejects(check_values: bool) -> None:
     """The metadata checks remember a passing call's signature; a later call that differs
@@ -108,7 +165,7 @@ def test_remembered_signature_still_rejects(check_values: bool) -> None:
         with pytest.raises(KernelArgumentError, match="block_tables row 1"):
             kernels.paged_attention(
                 *b.args()[:3], _tables_with(b, 1, 0, 10**6), *b.args()[4:], scale=1,
-                sliding_window=1, out=out,
+                sliding_window=1, out=out, check_values=True,
             )  # fmt: skip
     with pytest.raises(KernelArgumentError, match="scale"):
         kernels.paged_attention(*b.args(), scale=True, sliding_window=1, out=out)

@@ -163,12 +163,16 @@ def test_invalid_argument_not_found_exhausted_and_precondition_change_nothing(sv
     assert_refused(svc, by, before, FailedPreconditionError,
                    lambda: client.attend(0, [AttendItem(sid, rand(4, HQ, D))]), "4 query rows")  # fmt: skip
 
-    # RESOURCE_EXHAUSTED: more tokens than both pools hold (2 x 16 blocks x 4 slots).
-    big = rand(LAYOUT.num_layers, 200, HKV, D)
+    # RESOURCE_EXHAUSTED: more tokens than the pools have free (2 x 16 blocks x 4 slots, 3
+    # held by the other sequences); INVALID_ARGUMENT: more than they hold at all.
+    big = rand(LAYOUT.num_layers, 124, HKV, D)
     fresh = client.create_sequence()
     before = svc.stats()
     assert_refused(svc, by, before, ResourceExhaustedError,
-                   lambda: client.append(fresh.seq_id, list(range(200)), big, big), "blocks")  # fmt: skip
+                   lambda: client.append(fresh.seq_id, list(range(124)), big, big), "blocks")  # fmt: skip
+    huge = rand(LAYOUT.num_layers, 200, HKV, D)
+    assert_refused(svc, by, before, InvalidArgumentError,
+                   lambda: client.append(fresh.seq_id, list(range(200)), huge, huge), "128 tokens")  # fmt: skip
 
     # After all that, the sequence still continues where it was.
     step(client, m, [1, 2, 3], layers=[1])
