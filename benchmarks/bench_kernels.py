@@ -15,9 +15,15 @@ plus queries, outputs, block tables and lengths) / median time (``triton.testing
 which flushes the L2 before every run). Every timed output is also checked against float64
 dense attention. ``--sweep`` additionally times a grid of launch configurations per case.
 
-Usage (from the repository root, on the GPU machine):
+Usage (from the repository root):
     PYTHONPATH=. python3 benchmarks/bench_kernels.py --out DIR [--sweep] [--no-flex]
-        [--merge-reads serial|batched]
+        [--merge-reads serial|batched]          # on a CUDA device
+    PYTHONPATH=. python3 benchmarks/bench_kernels.py --smoke
+        # on the CPU through Triton's interpreter: one small decode and prefill case, checked
+        # against float64 dense attention and timed against the torch reference (seconds;
+        # interpreter timings mean nothing)
+Prints its tables (command, device, date first); --out also writes kernels-<device>.md and
+bench.json there.
 """
 
 from __future__ import annotations
@@ -28,9 +34,11 @@ import datetime
 import io
 import json
 import math
+import os
 import platform
 import pstats
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -38,6 +46,10 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+# --smoke runs the kernels on the CPU: Triton's interpreter must be on before triton loads.
+if "--smoke" in sys.argv[1:]:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 import triton
@@ -657,9 +669,62 @@ def render(results: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The --smoke cases: (name, KV tokens per sequence, query tokens per sequence), fp32.
+SMOKE_CASES = (
+    ("decode B=4 x L=80", [80] * 4, [1] * 4),
+    ("prefill B=2, 24 new over 40 cached", [64] * 2, [24] * 2),
+)
+
+
+def median_s(fn: Callable[[], object], runs: int) -> float:
+    """Median wall seconds of `runs` calls of `fn` (after one untimed call)."""
+    fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def smoke(command: str) -> str:
+    """The --smoke report: each SMOKE_CASES case through `kernels.paged_attention` (the
+    public call, backend "triton") on the CPU under Triton's interpreter, its error against float64 dense
+    attention, and its time against the torch reference (`kernels.paged_attention_ref`)."""
+    lines = [
+        "# Paged-attention kernels, smoke run (CPU, Triton interpreter: timings mean nothing)",
+        "",
+        f"- date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- command: `{command}`",
+        f"- device: CPU ({platform.processor() or platform.machine()}), {os.cpu_count()} CPUs; "
+        f"torch {torch.__version__}, triton {triton.__version__}",
+        "- shape: 8 query / 2 KV heads, head_dim 32, block 16, float32",
+        "",
+        "| case | ours ms | torch reference ms | rel L2 vs float64 dense |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name, seq_lens, q_lens in SMOKE_CASES:
+        batch = make_paged_batch(
+            seq_lens, q_lens, num_q_heads=8, num_kv_heads=2, head_dim=32, block_size=16
+        )
+        ref, _ = dense_attention(batch)
+        err = rel_l2(kernels.paged_attention(*batch.args(), backend="triton"), ref)
+        if not err < 1e-4:
+            raise RuntimeError(f"{name}: rel L2 {err:.2e} against dense attention")
+        ours_s = median_s(lambda b=batch: kernels.paged_attention(*b.args(), backend="triton"), 3)
+        ref_s = median_s(lambda b=batch: kernels.paged_attention_ref(*b.args()), 3)
+        lines.append(f"| {name} | {ours_s * 1e3:.2f} | {ref_s * 1e3:.2f} | {err:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for the table and JSON")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="a small CPU run through Triton's interpreter"
+    )
+    parser.add_argument("--out", type=Path, help="also write the table and JSON to this folder")
     parser.add_argument("--sweep", action="store_true", help="also time launch-config grids")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compiles)")
     parser.add_argument("--only", default="", help="comma list: decode,prefill,write_kv")
@@ -671,9 +736,19 @@ def main(argv: list[str] | None = None) -> int:
         "default: choose_config's pick)",
     )
     args = parser.parse_args(argv)
+    command = "PYTHONPATH=. python3 " + " ".join(["benchmarks/bench_kernels.py", *sys.argv[1:]])
+    if args.smoke:
+        table = smoke(command)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "kernels-cpu-smoke.md").write_text(table)
+        print(table, flush=True)
+        return 0
     if not torch.cuda.is_available():
-        print("bench_kernels needs a CUDA device", file=sys.stderr)
+        print("bench_kernels needs a CUDA device (or --smoke, on the CPU)", file=sys.stderr)
         return 2
+    if args.out is None:
+        parser.error("--out DIR is needed for the GPU run (bench.json is written as it goes)")
     s = BenchSettings(merge_reads=args.merge_reads)
     parts = set(args.only.split(",")) if args.only else {"decode", "prefill", "write_kv"}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -703,7 +778,6 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:
             traceback.print_exc()
     json_path.write_text(json.dumps(results, indent=1, default=str))
-    command = "PYTHONPATH=. python3 " + " ".join(["benchmarks/bench_kernels.py", *sys.argv[1:]])
     table = render(results, command)
     (args.out / "kernels-h200.md").write_text(table)
     print(table, flush=True)

@@ -14,6 +14,10 @@ whose resident memory is sampled every second: "flat" means no upward trend afte
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_load.py \\
         --out benchmarks/results/load-cpu.md
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_load.py --smoke    # seconds
+
+Prints a Markdown report (date, machine, command first); exits 1 on any error, mismatch or
+block left in use.
 """
 
 from __future__ import annotations
@@ -54,7 +58,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=10.0, help="seconds before RSS is 'warm'")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the markdown report here (also printed)")
-    return p.parse_args()
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the smallest run: 4 clients for 5 s, pools in the server process, 1 s warm-up "
+        "(seconds; the figures mean little)",
+    )
+    args = p.parse_args()
+    if args.smoke:
+        args.clients, args.duration, args.workers, args.warmup = 4, 5.0, "local", 1.0
+    return args
 
 
 def service_config(args: argparse.Namespace) -> ServiceConfig:

@@ -17,7 +17,8 @@ shares this process's GIL with the model. ``--target`` uses a service started el
 (e.g. ``kvcache serve``) whose layout fits the profile's model.
 
 Usage (from the repository root):
-    .venv/bin/python benchmarks/bench_transformers.py            # CPU smoke, fp32, tiny Llama
+    .venv/bin/python benchmarks/bench_transformers.py            # CPU, fp32, tiny Llama
+    .venv/bin/python benchmarks/bench_transformers.py --smoke    # the same, smallest (seconds)
     python3 benchmarks/bench_transformers.py --h200 --out benchmarks/results
         # CUDA, bf16, a 1.1B-parameter Llama-shaped config (16 layers, 32 query / 8 KV heads)
 """
@@ -98,6 +99,16 @@ CPU = Profile(
     new_tokens=32,
     repeats=2,
     blocks_per_worker=256,
+)
+
+SMOKE = replace(
+    CPU,
+    name="cpu-smoke-min",
+    num_layers=2,
+    batch_sizes=(2,),
+    prompt_len=16,
+    new_tokens=4,
+    repeats=1,
 )
 
 H200 = Profile(
@@ -259,7 +270,9 @@ def run(p: Profile, use_ray: bool, target: str | None) -> dict[str, Any]:
         if external
         else ("ray" if use_ray else "in-process") + " pools",
         rows=rows,
-        device=torch.cuda.get_device_name(0) if p.device == "cuda" else platform.processor(),
+        device=torch.cuda.get_device_name(0)
+        if p.device == "cuda"
+        else f"CPU ({platform.processor() or platform.machine()})",
         torch=torch.__version__,
         transformers=transformers.__version__,
         python=platform.python_version(),
@@ -268,9 +281,43 @@ def run(p: Profile, use_ray: bool, target: str | None) -> dict[str, Any]:
     )
 
 
+def report(result: dict[str, Any]) -> str:
+    """The Markdown table of a `run` result, with its date, command and device first."""
+    p = result["profile"]
+    lines = [
+        f"# transformers through the service ({p['name']})",
+        "",
+        f"- date: {result['date']}",
+        f"- command: `{result['command']}`",
+        f"- device: {result['device']}; torch {result['torch']}, transformers "
+        f"{result['transformers']}, python {result['python']}",
+        f"- model: Llama-shaped, {p['num_layers']} layers, {p['num_q_heads']} query / "
+        f"{p['num_kv_heads']} KV heads, head_dim {p['head_dim']}, {p['dtype']}; prompts up to "
+        f"{p['prompt_len']} tokens, {p['new_tokens']} new tokens, greedy; median of "
+        f"{p['repeats']}; service: {result['service']}",
+        "",
+        "| batch | own tok/s | service tok/s | share in RPCs | prefix reuse tok/s "
+        "| prefilled with reuse | same tokens as own |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['batch']} | {r['own_tok_s']:.1f} | {r['service_tok_s']:.1f} | "
+            f"{r['rpc_share']:.0%} | {r['prefix_tok_s']:.1f} | "
+            f"{r['prefix_prefill_tokens']} of {r['prompt_tokens']} | {r['same_tokens_as_own']:.1%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--h200", action="store_true", help="CUDA bf16 1.1B Llama-shaped config")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--h200", action="store_true", help="CUDA bf16 1.1B Llama-shaped config")
+    size.add_argument(
+        "--smoke", action="store_true", help="the smallest CPU run (seconds; figures mean nothing)"
+    )
     parser.add_argument("--ray", action="store_true", help="KV pools in Ray actors")
     parser.add_argument(
         "--target",
@@ -281,10 +328,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int)
     parser.add_argument("--new-tokens", type=int)
     parser.add_argument("--repeats", type=int)
-    parser.add_argument("--out", type=Path, help="directory for bench_transformers_<profile>.json")
+    parser.add_argument(
+        "--out", type=Path, help="directory for bench_transformers_<profile>.json and .md"
+    )
     args = parser.parse_args()
 
-    p = H200 if args.h200 else CPU
+    p = H200 if args.h200 else SMOKE if args.smoke else CPU
     if p.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--h200 needs a CUDA device")
     if args.batch_sizes:
@@ -294,11 +343,14 @@ def main() -> None:
             p = replace(p, **{name: getattr(args, name)})
     log(f"profile {p.name}: {p}")
     result = run(p, args.ray, args.target)
+    text = report(result)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"bench_transformers_{p.name}.json"
         path.write_text(json.dumps(result, indent=2))
-        log(f"wrote {path}")
+        path.with_suffix(".md").write_text(text)
+        log(f"wrote {path} and its .md")
+    print(text, flush=True)
 
 
 if __name__ == "__main__":
