@@ -51,7 +51,7 @@ from cache_service.prefix_index import (
     IndexEntry,
     PrefixIndex,
     Salt,
-    block_key,
+    chain_keys,
     encode_tokens,
     make_salt,
     pack_tokens,
@@ -924,17 +924,12 @@ class BlockManager:
             SequenceNotFound, SequenceLost.
         """
         seq = self._resolve(tenant, seq_id)
-        stride = self._bs * TOKEN_BYTES
         data = encode_tokens(seq.tokens[: len(seq.keys) * self._bs])
-        parent = ROOT_KEY
-        added = 0
         public = self._salts_for(tenant, seq.namespace)[1].salt
-        for i in range(len(seq.keys)):
-            chunk = data[i * stride : (i + 1) * stride]
-            key = block_key(parent, public, chunk)
+        added = 0
+        for i, (parent, key, chunk) in enumerate(chain_keys(ROOT_KEY, public, data, self._bs)):
             entry = IndexEntry(seq.table[i], parent, None, chunk, seq.namespace)
             added += self._index.publish(key, entry)
-            parent = key
         return added
 
     def set_tenant_quota(
@@ -1254,15 +1249,14 @@ class BlockManager:
         salt = self._salts_for(seq.tenant, seq.namespace)[0].salt
         keys = seq.keys
         bs = self._bs
-        parent = keys[-1] if keys else ROOT_KEY
-        for i in range(len(keys), upto):
-            chunk = encode_tokens(seq.tokens[i * bs : (i + 1) * bs])
-            key = block_key(parent, salt, chunk)
+        first = len(keys)
+        data = encode_tokens(seq.tokens[first * bs : upto * bs])
+        chain = chain_keys(keys[-1] if keys else ROOT_KEY, salt, data, bs)
+        for i, (parent, key, chunk) in enumerate(chain, start=first):
             self._index.publish(
                 key, IndexEntry(seq.table[i], parent, seq.tenant, chunk, seq.namespace)
             )
             keys.append(key)
-            parent = key
 
 
 MAX_NAMESPACE = 256
