@@ -357,13 +357,8 @@ class BlockManager:
         held = self._tenant_blocks.get(tenant, {})
         self._check_block_quota(tenant, sum(1 for b in blocks if b not in held))
 
-        available = {w: p.available for w, p in self._pools.items()}
-        for block in blocks:
-            if self._pools[block.worker_id].is_cached(block.index):
-                available[block.worker_id] -= 1
         cached = len(blocks) * self._bs
-        needed = max(1, -(-(len(prompt) - cached) // self._bs))
-        home = choose_home(blocks[-1].worker_id if blocks else None, needed, available)
+        home = self._home_for(blocks, len(prompt))
 
         tenant_blocks = self._tenant_blocks.setdefault(tenant, {})
         for block in blocks:
@@ -1105,6 +1100,17 @@ class BlockManager:
             salts = (make_salt(tenant, fingerprint, namespace), public)
             self._salts[(tenant, namespace)] = salts
         return salts
+
+    def _home_for(self, adopted: list[PhysicalBlock], prompt_len: int) -> str | None:
+        """Home worker of a new sequence adopting `adopted` (before they are adopted) for
+        a prompt of `prompt_len` tokens (see placement.choose_home)."""
+        available = {w: p.available for w, p in self._pools.items()}
+        for block in adopted:
+            # Adopting a cached-free block takes it out of what that worker can evict.
+            if self._pools[block.worker_id].is_cached(block.index):
+                available[block.worker_id] -= 1
+        needed = max(1, -(-(prompt_len - len(adopted) * self._bs) // self._bs))
+        return choose_home(adopted[-1].worker_id if adopted else None, needed, available)
 
     def _new_id(self, requested: str | None) -> str:
         if requested is None:

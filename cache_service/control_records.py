@@ -165,7 +165,7 @@ def from_records(cls: type[BlockManager], records: dict[str, Any]) -> BlockManag
             prefix_query_tokens=dict(c["prefix_query_tokens"]),
             prefix_hit_tokens=dict(c["prefix_hit_tokens"]),
         )
-        # Absent in snapshots taken before per-tenant quotas existed: none then.
+        # Optional: absent means no tenant has a quota of its own.
         for q in records.get("tenant_quotas", []):
             m.set_tenant_quota(q["tenant"], q["max_blocks"], q["max_sequences"])
         m.check_integrity()

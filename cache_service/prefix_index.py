@@ -71,7 +71,8 @@ class IndexEntry(NamedTuple):
 
 def make_salt(owner: str | None, layout_fingerprint: str, namespace: str = "") -> Salt:
     """The salt of a tenant (owner = its name) or of the public owner (owner None), in a
-    namespace ("" = the default namespace, whose salts predate namespaces and are unchanged)."""
+    namespace ("" = the default namespace: nothing is added to the salted material, so a
+    namespace's salt never equals the default one's)."""
     # Length-prefixed fields: no (owner, fingerprint, namespace) can spell another's material.
     fingerprint = layout_fingerprint.encode()
     if owner is None:
