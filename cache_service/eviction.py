@@ -10,7 +10,8 @@ only; the pool keeps the reference counts and the free list, the manager the ind
 What every policy must keep, because the pool, its undo journal, snapshots and the
 write-ahead log rely on it:
 
-- Each operation is O(1) (or at worst O(log candidates)): they run on the request path.
+- Each operation is cheap and never O(candidates): they run on the request path (all of
+  LRU's are O(1)).
 - Deterministic: the same calls give the same victims, so a replayed log gets the same
   blocks it got when it was written.
 - `order()` lists the candidates such that calling `on_cached_free` with each, in that
