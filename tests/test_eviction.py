@@ -198,3 +198,15 @@ def test_a_store_reopens_only_with_the_policy_it_was_written_with(
         recover(store, BlockManagerConfig(BS, 1, "fp", eviction_policy="mru-test"))
     assert recover(store, BlockManagerConfig(BS, 1, "fp")).manager.workers() == {"w0": 4}
     store.close()
+
+
+def test_the_coordinator_builds_its_manager_with_the_configured_policy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cache_service.config import LayoutConfig
+    from cache_service.coordinator import Coordinator
+
+    monkeypatch.setitem(EVICTION_POLICIES, "mru-test", MostRecentFirst)
+    config = CoordinatorConfig(eviction_policy="mru-test")
+    coordinator = Coordinator(LayoutConfig().kv_layout(), [], config)
+    assert coordinator.block_manager.config.eviction_policy == "mru-test"
