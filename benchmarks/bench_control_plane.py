@@ -11,6 +11,10 @@ Figures:
 * ``memory``: a pool of N blocks filled with sequences whose lengths are drawn from a
   log-normal (ShareGPT-like) distribution clipped to [1, max_len]: sequences held with paged
   blocks versus reserving max_len contiguous slots per sequence (target >= 3x).
+* ``eviction``: a pool whose every block is cached-free; each round allocates one block (the
+  eviction policy picks the victim), publishes it and frees it back to cached-free, then
+  adopts one cached block as a prefix hit and frees it. Rounds per second at two pool sizes:
+  equal rates show each eviction-policy operation is O(1), not O(cached blocks).
 * ``shared_prefix``: 100 sequences with one 1024-token system prompt and distinct 64-token
   suffixes: blocks used with prefix sharing versus without; also across 10 tenants with
   the system prompt published public.
@@ -38,6 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cache_service.block_manager import BlockManager, BlockManagerConfig, PoolExhausted
+from cache_service.block_pool import BlockPool
 
 BLOCK_SIZE = 16
 NUM_LAYERS = 32
@@ -137,6 +142,55 @@ def bench_lookup(prompt_tokens: int, repeats: int, rng: random.Random) -> dict[s
         "create_median_ms": statistics.median(creates),
         "create_p90_ms": sorted(creates)[int(0.9 * (len(creates) - 1))],
     }
+
+
+# ---- eviction churn ----------------------------------------------------------------------
+
+
+def bench_eviction(num_blocks: int, rounds: int, rng: random.Random) -> float:
+    """Rounds per second of evict-publish-free plus adopt-free on a pool of `num_blocks`
+    cached-free blocks (one worker)."""
+    m = manager(num_blocks=num_blocks)
+    prompts = [[rng.randrange(VOCAB) for _ in range(BLOCK_SIZE)] for _ in range(num_blocks)]
+    for prompt in prompts:
+        m.free("t", compute(m, "t", prompt))
+    fresh = [[rng.randrange(VOCAB) for _ in range(BLOCK_SIZE)] for _ in range(rounds)]
+    # Each round's hit adopts the block the round published (the most recently released).
+    hits = [[*tokens, 0] for tokens in fresh]
+    start = time.perf_counter()
+    for tokens, hit in zip(fresh, hits, strict=True):
+        m.free("t", compute(m, "t", tokens))
+        m.free("t", m.create_sequence("t", hit).seq_id)
+    elapsed = time.perf_counter() - start
+    stats = m.stats()
+    if (
+        stats.workers["w0"].cached_free != num_blocks
+        or stats.evictions != rounds
+        or stats.prefix_hit_tokens["t"] != rounds * BLOCK_SIZE
+    ):
+        raise RuntimeError(f"eviction bench: {stats} after {rounds} rounds")
+    return rounds / elapsed
+
+
+def bench_pool_eviction(num_blocks: int, rounds: int) -> float:
+    """Pool transitions per second on one BlockPool whose blocks are all cached-free: per
+    round, take (evicting a victim), release it cached-free, re-adopt it, release it again."""
+    pool = BlockPool("w0", num_blocks)
+    for _ in range(num_blocks):
+        pool.take()
+    for index in range(num_blocks):
+        pool.decref(index, True)
+    take, incref, decref = pool.take, pool.incref, pool.decref
+    start = time.perf_counter()
+    for _ in range(rounds):
+        index, evicted = take()
+        decref(index, True)
+        incref(index)
+        decref(index, True)
+    elapsed = time.perf_counter() - start
+    if pool.num_cached != num_blocks or not evicted:
+        raise RuntimeError("pool eviction bench: blocks left the cached-free set")
+    return 4 * rounds / elapsed
 
 
 # ---- memory efficiency --------------------------------------------------------------------
@@ -257,6 +311,16 @@ def main() -> None:
     lookup = bench_lookup(32768, 10 if args.quick else 50, rng)
     dist = LengthDist()
     memory = bench_memory(16384, dist, rng)
+    eviction_rounds = 2_000 if args.quick else 20_000
+    eviction = {
+        blocks: best_of(repeats, lambda b=blocks: bench_eviction(b, eviction_rounds, rng))
+        for blocks in (1024, 65536)
+    }
+    pool_rounds = 20_000 if args.quick else 200_000
+    pool_eviction = {
+        blocks: best_of(repeats, lambda b=blocks: bench_pool_eviction(b, pool_rounds))
+        for blocks in (1024, 65536)
+    }
     shared = bench_shared_prefix(100, 1024, 64, 1, rng)
     shared_public = bench_shared_prefix(100, 1024, 64, 10, rng)
 
@@ -297,6 +361,19 @@ def main() -> None:
         f"{memory['utilization']:.3f}, fragmentation {memory['fragmentation']:.4f}, "
         f"tokens / slots {memory['token_fill']:.3f} | >= 3x: {ok(memory['ratio'] >= 3)} |",
     ]
+    for blocks, (rate, runs) in eviction.items():
+        lines.append(
+            f"| eviction: {blocks} cached-free blocks, {eviction_rounds} rounds of evict + "
+            f"publish + free and adopt + free (median of {len(runs)}) | {rate:,.0f} rounds/s "
+            f"(runs: {', '.join(f'{r:,.0f}' for r in runs)}) | same at both sizes (O(1)) |"
+        )
+    for blocks, (rate, runs) in pool_eviction.items():
+        lines.append(
+            f"| pool transitions: {blocks} cached-free blocks, {pool_rounds} rounds of take "
+            f"(evicting) + release + adopt + release (median of {len(runs)}) | "
+            f"{rate:,.0f} transitions/s (runs: {', '.join(f'{r:,.0f}' for r in runs)}) "
+            "| same at both sizes (O(1)) |"
+        )
     for name, result in (("one tenant", shared), ("10 tenants, public prefix", shared_public)):
         lines.append(
             f"| shared prefix ({name}): 100 sequences = 1024-token system prompt + 64-token "

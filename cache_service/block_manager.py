@@ -44,6 +44,7 @@ from cache_service.errors import (
     SequenceLost,
     SequenceNotFound,
 )
+from cache_service.eviction import DEFAULT_EVICTION_POLICY, check_policy_name, make_policy
 from cache_service.placement import choose_home, plan_growth
 from cache_service.prefix_index import (
     ROOT_KEY,
@@ -51,7 +52,7 @@ from cache_service.prefix_index import (
     IndexEntry,
     PrefixIndex,
     Salt,
-    block_key,
+    chain_keys,
     encode_tokens,
     make_salt,
     pack_tokens,
@@ -125,6 +126,9 @@ class BlockManagerConfig:
             The default for tenants without a quota of their own (`set_tenant_quota`).
         tenant_quota_sequences: most live sequences per tenant; None: no limit. Same
             default rule.
+        eviction_policy: name of the policy choosing which cached-free block each pool
+            evicts next (cache_service.eviction.EVICTION_POLICIES; "lru": least recently
+            released first).
     """
 
     block_size: int
@@ -132,6 +136,7 @@ class BlockManagerConfig:
     layout_fingerprint: str
     tenant_quota_blocks: int | None = None
     tenant_quota_sequences: int | None = None
+    eviction_policy: str = DEFAULT_EVICTION_POLICY
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_layers"):
@@ -146,6 +151,10 @@ class BlockManagerConfig:
                 raise ValueError(
                     f"BlockManagerConfig.{name} must be None or a positive int, got {value!r}"
                 )
+        try:
+            check_policy_name(self.eviction_policy)
+        except ValueError as exc:
+            raise ValueError(f"BlockManagerConfig.eviction_policy: {exc}") from None
 
 
 class LostSequence(NamedTuple):
@@ -164,14 +173,14 @@ class _Undo:
     table: int
     last: PhysicalBlock | None
     home: str | None
-    # Blocks taken, in order, and whether each came off the cached-free LRU.
+    # Blocks taken, in order, and whether each was an evicted cached-free block.
     taken: list[tuple[PhysicalBlock, bool]]
     cow_src: PhysicalBlock | None = None
 
 
 class _Journal:
     """What the prepare_write calls of one `prepare_writes` batch changed, so that a failing
-    item can put every earlier one back exactly (free-list and LRU order included).
+    item can put every earlier one back exactly (free-list and eviction order included).
 
     Index entries of cached-free blocks a batch evicts are removed only once the whole
     batch succeeded: nothing in prepare_write reads the index, and a failed batch then has
@@ -239,7 +248,9 @@ class BlockManager:
         _check_name("worker_id", worker_id)
         if worker_id in self._pools:
             raise InvalidRequest(f"worker {worker_id!r} is already registered")
-        self._pools[worker_id] = BlockPool(worker_id, num_blocks)
+        self._pools[worker_id] = BlockPool(
+            worker_id, num_blocks, make_policy(self.config.eviction_policy)
+        )
 
     def workers(self) -> dict[str, int]:
         """Registered worker ids and their pool sizes in blocks, in the order added."""
@@ -347,13 +358,8 @@ class BlockManager:
         held = self._tenant_blocks.get(tenant, {})
         self._check_block_quota(tenant, sum(1 for b in blocks if b not in held))
 
-        available = {w: p.available for w, p in self._pools.items()}
-        for block in blocks:
-            if self._pools[block.worker_id].is_cached(block.index):
-                available[block.worker_id] -= 1
         cached = len(blocks) * self._bs
-        needed = max(1, -(-(len(prompt) - cached) // self._bs))
-        home = choose_home(blocks[-1].worker_id if blocks else None, needed, available)
+        home = self._home_for(blocks, len(prompt))
 
         tenant_blocks = self._tenant_blocks.setdefault(tenant, {})
         for block in blocks:
@@ -401,8 +407,9 @@ class BlockManager:
     def free(self, tenant: str, seq_id: str) -> None:
         """Release a sequence (or clear the tombstone of a lost one).
 
-        Its blocks are released last block first, so when they stay cached-free the tail of
-        a prefix is evicted before its head (a head without its tail is still useful).
+        Its blocks are released last block first, so when they stay cached-free an
+        order-of-release policy (LRU) evicts the tail of a prefix before its head (a head
+        without its tail is still useful).
 
         Raises:
             SequenceNotFound.
@@ -543,7 +550,7 @@ class BlockManager:
         """`prepare_write` for several sequences of one tenant, all or nothing.
 
         Items are prepared in order (so an earlier one gets blocks first); when one fails,
-        every earlier one is put back exactly as it was (blocks, free-list and LRU order,
+        every earlier one is put back exactly as it was (blocks, free-list and eviction order,
         evicted prefix-index entries, counters) and the error is raised: a failed batch
         changes nothing, like every other failed call.
 
@@ -876,7 +883,7 @@ class BlockManager:
     def lookup(self, tenant: str, token_ids: SequenceABC[int], namespace: str = "") -> int:
         """Tokens of this prompt that `create_sequence` would adopt right now (same cap).
 
-        No side effects: nothing is counted, nothing moves in the LRU.
+        No side effects: nothing is counted, no block's eviction order changes.
         """
         _check_name("tenant", tenant)
         check_namespace(namespace)
@@ -937,7 +944,7 @@ class BlockManager:
             raise InvalidRequest(
                 f"tenant {tenant!r} holds no pin of this {len(prompt)}-token prefix"
             )
-        # Tail first, as in `free`: the head of a prefix outlives its tail in the LRU.
+        # Tail first, as in `free`: the head of a prefix outlives its tail under LRU.
         for block in reversed(pin.blocks):
             self._release(block)
             _unref(self._pinned, block)
@@ -956,17 +963,12 @@ class BlockManager:
             SequenceNotFound, SequenceLost.
         """
         seq = self._resolve(tenant, seq_id)
-        stride = self._bs * TOKEN_BYTES
         data = encode_tokens(seq.tokens[: len(seq.keys) * self._bs])
-        parent = ROOT_KEY
-        added = 0
         public = self._salts_for(tenant, seq.namespace)[1].salt
-        for i in range(len(seq.keys)):
-            chunk = data[i * stride : (i + 1) * stride]
-            key = block_key(parent, public, chunk)
+        added = 0
+        for i, (parent, key, chunk) in enumerate(chain_keys(ROOT_KEY, public, data, self._bs)):
             entry = IndexEntry(seq.table[i], parent, None, chunk, seq.namespace)
             added += self._index.publish(key, entry)
-            parent = key
         return added
 
     def set_tenant_quota(
@@ -1006,7 +1008,7 @@ class BlockManager:
         return released
 
     def evict(self, max_blocks: int | None = None, worker_id: str | None = None) -> int:
-        """Reclaim cached-free blocks now, least recently released first.
+        """Reclaim cached-free blocks now, in each pool's eviction order.
 
         Args:
             max_blocks: at most this many (None: all of them).
@@ -1024,7 +1026,7 @@ class BlockManager:
         evicted = 0
         for pool in pools:
             while left is None or left > 0:
-                index = pool.evict_oldest()
+                index = pool.evict_next()
                 if index is None:
                     break
                 block = PhysicalBlock(pool.worker_id, index)
@@ -1130,6 +1132,17 @@ class BlockManager:
             salts = (make_salt(tenant, fingerprint, namespace), public)
             self._salts[(tenant, namespace)] = salts
         return salts
+
+    def _home_for(self, adopted: list[PhysicalBlock], prompt_len: int) -> str | None:
+        """Home worker of a new sequence adopting `adopted` (before they are adopted) for
+        a prompt of `prompt_len` tokens (see placement.choose_home)."""
+        available = {w: p.available for w, p in self._pools.items()}
+        for block in adopted:
+            # Adopting a cached-free block takes it out of what that worker can evict.
+            if self._pools[block.worker_id].is_cached(block.index):
+                available[block.worker_id] -= 1
+        needed = max(1, -(-(prompt_len - len(adopted) * self._bs) // self._bs))
+        return choose_home(adopted[-1].worker_id if adopted else None, needed, available)
 
     def _new_id(self, requested: str | None) -> str:
         if requested is None:
@@ -1286,15 +1299,14 @@ class BlockManager:
         salt = self._salts_for(seq.tenant, seq.namespace)[0].salt
         keys = seq.keys
         bs = self._bs
-        parent = keys[-1] if keys else ROOT_KEY
-        for i in range(len(keys), upto):
-            chunk = encode_tokens(seq.tokens[i * bs : (i + 1) * bs])
-            key = block_key(parent, salt, chunk)
+        first = len(keys)
+        data = encode_tokens(seq.tokens[first * bs : upto * bs])
+        chain = chain_keys(keys[-1] if keys else ROOT_KEY, salt, data, bs)
+        for i, (parent, key, chunk) in enumerate(chain, start=first):
             self._index.publish(
                 key, IndexEntry(seq.table[i], parent, seq.tenant, chunk, seq.namespace)
             )
             keys.append(key)
-            parent = key
 
 
 MAX_NAMESPACE = 256

@@ -1,20 +1,19 @@
-"""One worker's block pool as bookkeeping: reference counts, a free list, a cached-free LRU.
+"""One worker's block pool as bookkeeping: reference counts, a free list, cached-free blocks.
 
 A block is in exactly one of three states:
 - used: reference count > 0 (block tables and pins hold it);
 - cached-free: count 0 but still published in the prefix index, so a later prompt can adopt
-  it; evictable, least recently released first;
+  it; evictable, in the order the pool's eviction policy gives (cache_service.eviction);
 - free: count 0 and holds nothing anyone can find.
 
-Every operation is O(1): the free list is a stack, the cached-free set an insertion-ordered
-dict used as an LRU queue.
+Free blocks are handed out before any cached-free one is evicted. Every operation is O(1):
+the free list is a stack, and eviction policies are O(1) per operation.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 from cache_service.errors import InvalidRequest, PoolExhausted
+from cache_service.eviction import EvictionPolicy, LRUPolicy
 
 __all__ = ["BlockPool"]
 
@@ -27,18 +26,25 @@ class BlockPool:
     block's index entries when `take` reports that it evicted one.
     """
 
-    __slots__ = ("_cached", "_free", "_refcount", "_used", "num_blocks", "worker_id")
+    __slots__ = ("_free", "_policy", "_refcount", "_used", "num_blocks", "worker_id")
 
-    def __init__(self, worker_id: str, num_blocks: int) -> None:
-        """Create a pool of `num_blocks` free blocks (ids 0 .. num_blocks-1)."""
+    def __init__(
+        self, worker_id: str, num_blocks: int, policy: EvictionPolicy | None = None
+    ) -> None:
+        """Create a pool of `num_blocks` free blocks (ids 0 .. num_blocks-1) whose
+        cached-free blocks leave in `policy`'s order (an empty policy; None: LRUPolicy)."""
         if type(num_blocks) is not int or num_blocks < 1:
             raise InvalidRequest(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if policy is None:
+            policy = LRUPolicy()
+        elif len(policy):
+            raise InvalidRequest(f"worker {worker_id!r}: a new pool needs an empty policy")
         self.worker_id = worker_id
         self.num_blocks = num_blocks
         self._refcount = [0] * num_blocks
         # Reversed so that pops hand out 0, 1, 2, ...: deterministic and easy to read in tests.
         self._free = list(range(num_blocks - 1, -1, -1))
-        self._cached: OrderedDict[int, None] = OrderedDict()
+        self._policy = policy
         self._used = 0
 
     # ---- counts -------------------------------------------------------------------------
@@ -51,7 +57,7 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         """Unreferenced blocks still findable in the prefix index (evictable)."""
-        return len(self._cached)
+        return len(self._policy)
 
     @property
     def num_used(self) -> int:
@@ -61,7 +67,7 @@ class BlockPool:
     @property
     def available(self) -> int:
         """Blocks an allocation can get: free plus evictable cached-free."""
-        return len(self._free) + len(self._cached)
+        return len(self._free) + len(self._policy)
 
     def refcount(self, index: int) -> int:
         """Reference count of block `index`."""
@@ -69,7 +75,7 @@ class BlockPool:
 
     def is_cached(self, index: int) -> bool:
         """Whether block `index` is cached-free."""
-        return index in self._cached
+        return index in self._policy
 
     # ---- transitions --------------------------------------------------------------------
 
@@ -77,8 +83,9 @@ class BlockPool:
         """Allocate one block with reference count 1.
 
         Returns:
-            (index, evicted): evicted is True when the block came off the cached-free LRU,
-            in which case the caller must drop its prefix-index entries.
+            (index, evicted): evicted is True when the block was a cached-free one (the
+            policy's next victim), in which case the caller must drop its prefix-index
+            entries.
 
         Raises:
             PoolExhausted: nothing free or cached-free (callers check `available` first, so
@@ -87,18 +94,21 @@ class BlockPool:
         if self._free:
             index = self._free.pop()
             evicted = False
-        elif self._cached:
-            index, _ = self._cached.popitem(last=False)
-            evicted = True
         else:
-            raise PoolExhausted(f"worker {self.worker_id!r}: all {self.num_blocks} blocks in use")
+            victim = self._policy.pop_victim()
+            if victim is None:
+                raise PoolExhausted(
+                    f"worker {self.worker_id!r}: all {self.num_blocks} blocks in use"
+                )
+            index = victim
+            evicted = True
         self._refcount[index] = 1
         self._used += 1
         return index, evicted
 
     def untake(self, index: int, evicted: bool) -> None:
         """Undo a `take` of block `index` whose batch failed: the block goes back exactly
-        where it came from (end of the free list, or oldest end of the cached-free LRU).
+        where it came from (end of the free list, or the policy's next victim again).
 
         Undoing several takes in reverse order restores both orders exactly, so the next
         allocation returns what it would have returned without the failed batch.
@@ -114,8 +124,7 @@ class BlockPool:
         self._refcount[index] = 0
         self._used -= 1
         if evicted:
-            self._cached[index] = None
-            self._cached.move_to_end(index, last=False)
+            self._policy.put_back(index)
         else:
             self._free.append(index)
 
@@ -123,18 +132,19 @@ class BlockPool:
         """Add a reference; a cached-free block becomes used again (a prefix hit)."""
         count = self._refcount[index]
         if count == 0:
-            if index not in self._cached:
+            try:
+                self._policy.on_reused(index)
+            except KeyError:
                 raise InvalidRequest(
                     f"worker {self.worker_id!r}: block {index} is free; only used or "
                     "cached-free blocks can gain a reference"
-                )
-            del self._cached[index]
+                ) from None
             self._used += 1
         self._refcount[index] = count + 1
 
     def decref(self, index: int, keep_cached: bool) -> None:
-        """Drop a reference. At zero the block becomes cached-free (most recently used end of
-        the LRU) if `keep_cached`, else free."""
+        """Drop a reference. At zero the block becomes cached-free (an eviction candidate)
+        if `keep_cached`, else free."""
         count = self._refcount[index] - 1
         if count < 0:
             raise InvalidRequest(f"worker {self.worker_id!r}: block {index} has no reference")
@@ -142,26 +152,20 @@ class BlockPool:
         if count == 0:
             self._used -= 1
             if keep_cached:
-                self._cached[index] = None
+                self._policy.on_cached_free(index)
             else:
                 self._free.append(index)
 
-    def evict_oldest(self) -> int | None:
-        """Move the least recently released cached-free block to the free list.
+    def evict_next(self) -> int | None:
+        """Move the policy's next victim from the cached-free blocks to the free list.
 
         Returns:
             its index, or None when nothing is cached-free.
         """
-        if not self._cached:
-            return None
-        index, _ = self._cached.popitem(last=False)
-        self._free.append(index)
+        index = self._policy.pop_victim()
+        if index is not None:
+            self._free.append(index)
         return index
-
-    def uncache(self, index: int) -> None:
-        """A cached-free block lost its index entries: make it free."""
-        del self._cached[index]
-        self._free.append(index)
 
     # ---- views for integrity checks and snapshots --------------------------------------
 
@@ -170,8 +174,9 @@ class BlockPool:
         return list(self._free)
 
     def cached_order(self) -> list[int]:
-        """Cached-free blocks, least recently released (next evicted) first."""
-        return list(self._cached)
+        """Cached-free blocks in the eviction policy's `order()` (LRU: next evicted first),
+        which rebuilds the policy on `restore`."""
+        return self._policy.order()
 
     def refcounts(self) -> list[int]:
         """A copy of every block's reference count."""
@@ -185,13 +190,15 @@ class BlockPool:
         refcounts: list[int],
         free_order: list[int],
         cached_order: list[int],
+        policy: EvictionPolicy | None = None,
     ) -> BlockPool:
-        """Rebuild a pool from a snapshot (see `free_order`, `cached_order`, `refcounts`).
+        """Rebuild a pool from a snapshot (see `free_order`, `cached_order`, `refcounts`),
+        its cached-free blocks fed to `policy` (empty; None: LRUPolicy) in `cached_order`.
 
         Raises:
             InvalidRequest: the three parts do not describe every block exactly once.
         """
-        pool = cls(worker_id, num_blocks)
+        pool = cls(worker_id, num_blocks, policy)
         if len(refcounts) != num_blocks or any(type(c) is not int or c < 0 for c in refcounts):
             raise InvalidRequest(
                 f"worker {worker_id!r}: need {num_blocks} non-negative reference counts"
@@ -205,6 +212,7 @@ class BlockPool:
             )
         pool._refcount = list(refcounts)
         pool._free = list(free_order)
-        pool._cached = OrderedDict.fromkeys(cached_order)
+        for index in cached_order:
+            pool._policy.on_cached_free(index)
         pool._used = len(used)
         return pool

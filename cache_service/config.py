@@ -5,7 +5,8 @@ A file mirrors the dataclasses, one section per group; every field is optional::
     layout:      {num_layers: 4, num_kv_heads: 2, head_dim: 64, block_size: 16, dtype: float32}
     workers:     {num_workers: 2, blocks_per_worker: 512, device: cpu, ray_address: null}
     server:      {host: 127.0.0.1, port: 50051, max_message_bytes: 268435456}
-    coordinator: {batch_window_ms: 0.5, max_batch_items: 256, coalesce_layers: true}
+    coordinator: {batch_window_ms: 0.5, max_batch_items: 256, coalesce_layers: true,
+                  eviction_policy: lru}
     metrics:     {enabled: true, host: 127.0.0.1, port: 9400}
     shared_memory: {enabled: true, max_region_bytes: 268435456, max_regions_per_tenant: 16,
                     max_total_bytes: 4294967296, idle_timeout_s: 600}
@@ -33,6 +34,7 @@ from typing import Any
 import yaml
 
 from cache_service.event_loop import EVENT_LOOPS
+from cache_service.eviction import DEFAULT_EVICTION_POLICY, check_policy_name
 
 __all__ = [
     "ConfigError",
@@ -322,6 +324,10 @@ class CoordinatorConfig:
         health_check_interval_s: how often idle workers are probed for a restart (a new
             epoch) or death, seconds; 0 disables the probe (failed calls still notice).
         tenant_quota_blocks: blocks any one tenant may hold (None: no quota).
+        eviction_policy: which cached-free block a pool evicts when it needs one and has
+            no free block (cache_service.eviction; docs/architecture.md "Eviction order"):
+            "lru" (least recently released first) is the one built in. A write-ahead store
+            must be reopened with the policy it was written with.
         correctness_check_fraction: share of worker rounds (attend / append-and-attend)
             recomputed by the torch reference and compared, in [0, 1]; 0 disables the
             online correctness check (cache_service.correctness_check). Rounds that merged
@@ -350,6 +356,7 @@ class CoordinatorConfig:
     worker_timeout_s: float = 60.0
     health_check_interval_s: float = 5.0
     tenant_quota_blocks: int | None = None
+    eviction_policy: str = DEFAULT_EVICTION_POLICY
     correctness_check_fraction: float = 0.01
     correctness_check_sequences: int | None = None
     coalesce_layers: bool = True
@@ -365,6 +372,10 @@ class CoordinatorConfig:
         _non_negative("coordinator.health_check_interval_s", self.health_check_interval_s)
         if self.tenant_quota_blocks is not None:
             _positive_int("coordinator.tenant_quota_blocks", self.tenant_quota_blocks)
+        try:
+            check_policy_name(self.eviction_policy)
+        except ValueError as exc:
+            raise ConfigError(f"coordinator.eviction_policy: {exc}") from None
         _non_negative("coordinator.correctness_check_fraction", self.correctness_check_fraction)
         if self.correctness_check_sequences is not None:
             _positive_int(

@@ -4,9 +4,9 @@ Shape of `to_records()` (version 1); ids, tenants and worker ids are strings, ke
 
     {"version": 1,
      "config": {block_size, num_layers, layout_fingerprint, tenant_quota_blocks,
-                tenant_quota_sequences},
+                tenant_quota_sequences, eviction_policy},
      "workers": [{"worker_id", "num_blocks", "free": [index, ...] (next handed out last),
-                  "cached": [index, ...] (next evicted first)}],        # in the order added
+                  "cached": [index, ...] (eviction order; lru: next evicted first)}],        # in the order added
      "sequences": [{"seq_id", "tenant", "tokens": [int], "table": [[worker_id, index]],
                     "written": [int per layer], "keys": [hex], "home": worker_id | None,
                     "namespace": str}],
@@ -19,14 +19,14 @@ Shape of `to_records()` (version 1); ids, tenants and worker ids are strings, ke
                   "prefix_hit_tokens": {tenant: int}},
      "tenant_quotas": [{"tenant", "max_blocks", "max_sequences"}]}   # absent: none
 
-"namespace" ("" = the default prefix-cache namespace) is absent from records written before
-namespaces existed; they restore into the default namespace.
+"namespace" ("" = the default prefix-cache namespace) and "eviction_policy" may be absent;
+absent means the default namespace and the default policy ("lru").
 
 The blocks waiting for `take_released` are not stored: they only feed the workers' debug
 poisoning, and a block replayed as released long ago may have been reused since.
 
 Reference counts are not stored: they are the table and pin references, recounted on
-restore. Free-list and LRU orders are stored because they decide which block the next
+restore. Free-list and eviction orders are stored because they decide which block the next
 allocation returns, and a log replayed after the snapshot must get the same slots.
 """
 
@@ -38,6 +38,7 @@ from cache_service.accounting import CacheCounters
 from cache_service.block_pool import BlockPool
 from cache_service.control_types import PhysicalBlock
 from cache_service.errors import IntegrityError, InvalidRequest
+from cache_service.eviction import make_policy
 from cache_service.prefix_index import IndexEntry, decode_tokens, encode_tokens
 from cache_service.sequence import Sequence
 
@@ -61,6 +62,7 @@ def to_records(manager: BlockManager) -> dict[str, Any]:
             "layout_fingerprint": cfg.layout_fingerprint,
             "tenant_quota_blocks": cfg.tenant_quota_blocks,
             "tenant_quota_sequences": cfg.tenant_quota_sequences,
+            "eviction_policy": cfg.eviction_policy,
         },
         "workers": [
             {
@@ -130,7 +132,7 @@ def from_records(cls: type[BlockManager], records: dict[str, Any]) -> BlockManag
         InvalidRequest: wrong version, missing or mistyped fields, or records that describe
             an inconsistent state (the integrity report is in the message).
     """
-    from cache_service.block_manager import BlockManagerConfig, LostSequence, Pin, _ref
+    from cache_service.block_manager import BlockManagerConfig, LostSequence
 
     if not isinstance(records, dict) or records.get("version") != RECORDS_VERSION:
         raise InvalidRequest(f"records must be a dict with version {RECORDS_VERSION}")
@@ -139,64 +141,22 @@ def from_records(cls: type[BlockManager], records: dict[str, Any]) -> BlockManag
         m = cls(config)
         for w in records["workers"]:
             m.add_worker(w["worker_id"], w["num_blocks"])
+        # Reference counts are recounted from the tables and pins, per worker.
         refcounts = {w: [0] * pool.num_blocks for w, pool in m._pools.items()}
-
-        def block_of(pair: list[Any]) -> PhysicalBlock:
-            worker_id, index = pair
-            if worker_id not in refcounts or type(index) is not int:
-                raise InvalidRequest(f"block {pair!r} is not in a registered worker")
-            if not 0 <= index < len(refcounts[worker_id]):
-                raise InvalidRequest(f"block {pair!r} is out of range")
-            return PhysicalBlock(worker_id, index)
-
-        for s in records["sequences"]:
-            table = [block_of(pair) for pair in s["table"]]
-            seq = Sequence(
-                seq_id=s["seq_id"],
-                tenant=s["tenant"],
-                tokens=[int(t) for t in s["tokens"]],
-                table=table,
-                written=[int(w) for w in s["written"]],
-                keys=[bytes.fromhex(k) for k in s["keys"]],
-                home=s["home"],
-                namespace=s.get("namespace", ""),
-            )
-            if seq.seq_id in m._seqs:
-                raise InvalidRequest(f"sequence {seq.seq_id!r} appears twice")
-            m._seqs[seq.seq_id] = seq
-            m._tenant_seqs[seq.tenant] = m._tenant_seqs.get(seq.tenant, 0) + 1
-            counts = m._tenant_blocks.setdefault(seq.tenant, {})
-            for block in table:
-                refcounts[block.worker_id][block.index] += 1
-                _ref(counts, block)
+        _restore_sequences(m, records["sequences"], refcounts)
         for lost in records["lost"]:
             m._lost[lost["seq_id"]] = LostSequence(lost["tenant"], lost["worker_id"])
-        for e in records["index"]:
-            block = block_of([e["worker_id"], e["index"]])
-            entry = IndexEntry(
-                block,
-                bytes.fromhex(e["parent"]),
-                e["owner"],
-                encode_tokens(e["tokens"]),
-                e.get("namespace", ""),
-            )
-            if not m._index.publish(bytes.fromhex(e["key"]), entry):
-                raise InvalidRequest(f"index key {e['key'][:12]} appears twice")
-        for pin_record in records["pins"]:
-            blocks = [block_of(pair) for pair in pin_record["blocks"]]
-            count = pin_record["count"]
-            if type(count) is not int or count < 1:
-                raise InvalidRequest(f"pin count must be a positive int, got {count!r}")
-            data = encode_tokens(pin_record["tokens"])
-            pin_key = (pin_record["tenant"], pin_record.get("namespace", ""), data)
-            m._pins[pin_key] = Pin(blocks, count)
-            for block in blocks:
-                refcounts[block.worker_id][block.index] += count
-                m._pinned[block] = m._pinned.get(block, 0) + count
+        _restore_index(m, records["index"], refcounts)
+        _restore_pins(m, records["pins"], refcounts)
         for w in records["workers"]:
             worker_id = w["worker_id"]
             m._pools[worker_id] = BlockPool.restore(
-                worker_id, w["num_blocks"], refcounts[worker_id], w["free"], w["cached"]
+                worker_id,
+                w["num_blocks"],
+                refcounts[worker_id],
+                w["free"],
+                w["cached"],
+                make_policy(config.eviction_policy),
             )
         c = records["counters"]
         m._counters = CacheCounters(
@@ -205,7 +165,7 @@ def from_records(cls: type[BlockManager], records: dict[str, Any]) -> BlockManag
             prefix_query_tokens=dict(c["prefix_query_tokens"]),
             prefix_hit_tokens=dict(c["prefix_hit_tokens"]),
         )
-        # Snapshots written before per-tenant quotas existed have none.
+        # Optional: absent means no tenant has a quota of its own.
         for q in records.get("tenant_quotas", []):
             m.set_tenant_quota(q["tenant"], q["max_blocks"], q["max_sequences"])
         m.check_integrity()
@@ -214,3 +174,81 @@ def from_records(cls: type[BlockManager], records: dict[str, Any]) -> BlockManag
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidRequest(f"malformed records: {type(exc).__name__}: {exc}") from None
     return m
+
+
+def _block_of(pair: list[Any], refcounts: dict[str, list[int]]) -> PhysicalBlock:
+    """A recorded [worker_id, index] as a block of a registered worker.
+
+    Raises:
+        InvalidRequest: unknown worker or index out of its pool.
+    """
+    worker_id, index = pair
+    if worker_id not in refcounts or type(index) is not int:
+        raise InvalidRequest(f"block {pair!r} is not in a registered worker")
+    if not 0 <= index < len(refcounts[worker_id]):
+        raise InvalidRequest(f"block {pair!r} is out of range")
+    return PhysicalBlock(worker_id, index)
+
+
+def _restore_sequences(
+    m: BlockManager, sequences: list[dict[str, Any]], refcounts: dict[str, list[int]]
+) -> None:
+    """Add the recorded sequences, counting their table references."""
+    from cache_service.block_manager import _ref
+
+    for s in sequences:
+        table = [_block_of(pair, refcounts) for pair in s["table"]]
+        seq = Sequence(
+            seq_id=s["seq_id"],
+            tenant=s["tenant"],
+            tokens=[int(t) for t in s["tokens"]],
+            table=table,
+            written=[int(w) for w in s["written"]],
+            keys=[bytes.fromhex(k) for k in s["keys"]],
+            home=s["home"],
+            namespace=s.get("namespace", ""),
+        )
+        if seq.seq_id in m._seqs:
+            raise InvalidRequest(f"sequence {seq.seq_id!r} appears twice")
+        m._seqs[seq.seq_id] = seq
+        m._tenant_seqs[seq.tenant] = m._tenant_seqs.get(seq.tenant, 0) + 1
+        counts = m._tenant_blocks.setdefault(seq.tenant, {})
+        for block in table:
+            refcounts[block.worker_id][block.index] += 1
+            _ref(counts, block)
+
+
+def _restore_index(
+    m: BlockManager, index: list[dict[str, Any]], refcounts: dict[str, list[int]]
+) -> None:
+    """Publish the recorded index entries, in their recorded order."""
+    for e in index:
+        block = _block_of([e["worker_id"], e["index"]], refcounts)
+        entry = IndexEntry(
+            block,
+            bytes.fromhex(e["parent"]),
+            e["owner"],
+            encode_tokens(e["tokens"]),
+            e.get("namespace", ""),
+        )
+        if not m._index.publish(bytes.fromhex(e["key"]), entry):
+            raise InvalidRequest(f"index key {e['key'][:12]} appears twice")
+
+
+def _restore_pins(
+    m: BlockManager, pins: list[dict[str, Any]], refcounts: dict[str, list[int]]
+) -> None:
+    """Add the recorded pins, counting their references."""
+    from cache_service.block_manager import Pin
+
+    for pin_record in pins:
+        blocks = [_block_of(pair, refcounts) for pair in pin_record["blocks"]]
+        count = pin_record["count"]
+        if type(count) is not int or count < 1:
+            raise InvalidRequest(f"pin count must be a positive int, got {count!r}")
+        data = encode_tokens(pin_record["tokens"])
+        pin_key = (pin_record["tenant"], pin_record.get("namespace", ""), data)
+        m._pins[pin_key] = Pin(blocks, count)
+        for block in blocks:
+            refcounts[block.worker_id][block.index] += count
+            m._pinned[block] = m._pinned.get(block, 0) + count

@@ -523,6 +523,7 @@ class Coordinator:
                 num_layers=layout.num_layers,
                 layout_fingerprint=layout.fingerprint(),
                 tenant_quota_blocks=self.config.tenant_quota_blocks,
+                eviction_policy=self.config.eviction_policy,
             )
         )
         self._pool_dtype = layout.torch_dtype()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 from cache_service.control_types import PhysicalBlock
@@ -29,6 +29,7 @@ __all__ = [
     "PrefixIndex",
     "Salt",
     "block_key",
+    "chain_keys",
     "decode_tokens",
     "encode_tokens",
     "make_salt",
@@ -70,7 +71,8 @@ class IndexEntry(NamedTuple):
 
 def make_salt(owner: str | None, layout_fingerprint: str, namespace: str = "") -> Salt:
     """The salt of a tenant (owner = its name) or of the public owner (owner None), in a
-    namespace ("" = the default namespace, whose salts predate namespaces and are unchanged)."""
+    namespace ("" = the default namespace: nothing is added to the salted material, so a
+    namespace's salt never equals the default one's)."""
     # Length-prefixed fields: no (owner, fingerprint, namespace) can spell another's material.
     fingerprint = layout_fingerprint.encode()
     if owner is None:
@@ -127,9 +129,40 @@ def decode_tokens(data: bytes) -> list[int]:
     return packed.tolist()
 
 
-def block_key(parent: bytes, salt: bytes, token_bytes: bytes) -> bytes:
-    """Key of a block: sha256(parent key || salt || token bytes), 32 bytes."""
-    return _sha256(parent + salt + token_bytes).digest()
+def block_key(parent: bytes, salt: bytes, tokens: bytes) -> bytes:
+    """Key of a block, 32 bytes: sha256(parent key || salt || tokens).
+
+    The one place a key is computed (publishing, matching and the integrity check all call
+    it), so the encoding cannot drift between them.
+
+    Args:
+        parent: key of the previous block of the prefix (ROOT_KEY for the first), 32 bytes.
+        salt: the owner's `Salt.salt`, 32 bytes.
+        tokens: the block's token ids from `token_bytes` (block_size * 8 bytes).
+    """
+    return _sha256(parent + salt + tokens).digest()
+
+
+def chain_keys(
+    parent: bytes, salt: bytes, tokens: bytes, block_size: int
+) -> Iterator[tuple[bytes, bytes, bytes]]:
+    """Keys of consecutive full blocks, each chained on the one before.
+
+    Args:
+        parent: key of the block before the first (ROOT_KEY at the start of a prompt).
+        salt: the owner's `Salt.salt`.
+        tokens: whole blocks of token bytes (`encode_tokens`), block_size * 8 bytes each.
+        block_size: tokens per block.
+
+    Yields:
+        (parent key, key, the block's token bytes) per block, in order.
+    """
+    stride = block_size * TOKEN_BYTES
+    for start in range(0, len(tokens) - stride + 1, stride):
+        chunk = tokens[start : start + stride]
+        key = block_key(parent, salt, chunk)
+        yield parent, key, chunk
+        parent = key
 
 
 class PrefixIndex:
@@ -217,7 +250,7 @@ class PrefixIndex:
         for i in range(max_blocks):
             chunk = token_bytes[i * stride : (i + 1) * stride]
             for owner, salt in salts:
-                key = _sha256(parent + salt + chunk).digest()
+                key = block_key(parent, salt, chunk)
                 entry = entries.get(key)
                 if (
                     entry is not None

@@ -44,6 +44,7 @@ from cache_service.control_types import (
     WritePlan,
 )
 from cache_service.errors import CacheError
+from cache_service.eviction import DEFAULT_EVICTION_POLICY
 from cache_service.store import MetadataStore, StoreError
 
 __all__ = [
@@ -532,14 +533,16 @@ def _check_config(store: MetadataStore, config: BlockManagerConfig) -> None:
     stored = store.get_meta(_CONFIG_META_KEY)
     if stored is None:
         return
-    # Only the fields that decide block contents and prefix keys must match; quotas may
-    # change between runs (they apply to new calls, not to the replayed ones).
+    # Only the fields that decide block contents, prefix keys and which block each
+    # replayed call gets must match; quotas may change between runs (they apply to new
+    # calls, not to the replayed ones). Stores that predate eviction_policy used LRU.
     was, now = json.loads(stored), _config_json(config)
-    for name in ("block_size", "num_layers", "layout_fingerprint"):
+    was.setdefault("eviction_policy", DEFAULT_EVICTION_POLICY)
+    for name in ("block_size", "num_layers", "layout_fingerprint", "eviction_policy"):
         if was.get(name) != now[name]:
             raise RecoveryError(
                 f"the store was written with {name}={was.get(name)!r} but the service is "
-                f"configured with {now[name]!r}; use another store path or the old layout"
+                f"configured with {now[name]!r}; use another store path or the stored setting"
             )
 
 

@@ -47,7 +47,7 @@ def test_adopting_a_cached_block_takes_it_off_the_lru() -> None:
     pool.decref(0, keep_cached=True)
     # Released again, it is now the most recently used.
     assert pool.cached_order() == [1, 0]
-    assert pool.evict_oldest() == 1
+    assert pool.evict_next() == 1
     assert pool.free_order() == [1]
 
 
