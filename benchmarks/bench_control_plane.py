@@ -1,4 +1,4 @@
-"""CPU benchmarks of the control plane (cache_service/block_manager.py): pure Python, no GPU.
+"""CPU benchmarks of the control plane (cache_service/control/block_manager.py): pure Python, no GPU.
 
 Figures:
 * ``append``: one-token appends (prepare_write + commit_write, all layers at once) to 256
@@ -41,8 +41,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cache_service.block_manager import BlockManager, BlockManagerConfig, PoolExhausted
-from cache_service.block_pool import BlockPool
+from cache_service.control.block_manager import BlockManager, BlockManagerConfig, PoolExhausted
+from cache_service.control.block_pool import BlockPool
 
 BLOCK_SIZE = 16
 NUM_LAYERS = 32

@@ -31,9 +31,7 @@ from pathlib import Path
 
 import torch
 
-from cache_service.client import KVCacheClient
-from cache_service.config import ServiceConfig
-from cache_service.load_gen import (
+from cache_service.cli.load_gen import (
     OPS,
     LoadConfig,
     LoadResult,
@@ -43,6 +41,8 @@ from cache_service.load_gen import (
     run_load,
     scrape_metric,
 )
+from cache_service.client import KVCacheClient
+from cache_service.config import ServiceConfig
 
 MiB = 2**20
 

@@ -23,7 +23,7 @@ Three measurements in one run (issue 10), each explicit about what it times:
    aggregate(N) / (N x aggregate(1)).
 
 2. **Cross-GPU prefix sharing.** Sequences whose shared prefix blocks live on worker 0 and
-   whose own suffix blocks live on worker 1, attended through ``cache_service.attention_plan``
+   whose own suffix blocks live on worker 1, attended through ``cache_service.engine.attention_plan``
    (per-worker partials + LSE merge), checked against float64 dense attention; timed per
    layer against first copying the prefix to worker 1 (``transfer_blocks``, once) and
    attending there alone. Reports the copy, the extra cost of the merge per layer and per
@@ -77,14 +77,14 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kernels  # noqa: E402
-from cache_service.attention_plan import (  # noqa: E402
+from cache_service.control.types import Segment, SequenceView  # noqa: E402
+from cache_service.engine.attention_plan import (  # noqa: E402
     AttentionPlan,
     merge_partials,
     plan_attention,
     run_attention,
 )
-from cache_service.control_types import Segment, SequenceView  # noqa: E402
-from cache_service.worker_clients import RayWorkerClient, transfer_blocks  # noqa: E402
+from cache_service.engine.worker_clients import RayWorkerClient, transfer_blocks  # noqa: E402
 from kernels.testing import PagedBatch, dense_attention  # noqa: E402
 from workers.layout import KVLayout  # noqa: E402
 

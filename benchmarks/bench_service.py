@@ -46,7 +46,8 @@ from typing import Any
 import torch
 
 from cache_service import event_loop
-from cache_service.bench import (
+from cache_service.api.server import start_service
+from cache_service.cli.bench import (
     BenchConfig,
     BenchResult,
     fill_bases,
@@ -56,7 +57,6 @@ from cache_service.bench import (
 )
 from cache_service.config import CoordinatorConfig, ServiceConfig
 from cache_service.event_loop import EVENT_LOOPS
-from cache_service.server import start_service
 from workers.actor import PoolWorker
 from workers.config import PoolConfig
 from workers.layout import KVLayout

@@ -10,9 +10,9 @@ A file mirrors the dataclasses, one section per group; every field is optional::
     metrics:     {enabled: true, host: 127.0.0.1, port: 9400}
     shared_memory: {enabled: true, max_region_bytes: 268435456, max_regions_per_tenant: 16,
                     max_total_bytes: 4294967296, idle_timeout_s: 600}
-    auth_file: null          # token file (cache_service.auth); null: no authentication
+    auth_file: null          # token file (cache_service.api.auth); null: no authentication
     tls: null                # {cert_file, key_file, client_ca_file}; null: plaintext
-    store_path: null         # write-ahead metadata store (SQLite); null: none (cache_service.store)
+    store_path: null         # write-ahead metadata store (SQLite); null: none (cache_service.engine.store)
     log_level: INFO
     log_format: text         # or json (one JSON object per line)
 
@@ -33,8 +33,8 @@ from typing import Any
 
 import yaml
 
+from cache_service.control.eviction import DEFAULT_EVICTION_POLICY, check_policy_name
 from cache_service.event_loop import EVENT_LOOPS
-from cache_service.eviction import DEFAULT_EVICTION_POLICY, check_policy_name
 
 __all__ = [
     "ConfigError",
@@ -220,9 +220,9 @@ class ServerConfig:
             uses for Append / import).
         shutdown_grace_s: seconds in-flight calls get to finish at shutdown.
         max_in_flight_per_client: calls one client connection may have in flight; more are
-            refused with RESOURCE_EXHAUSTED (cache_service.inflight). 0: no limit.
+            refused with RESOURCE_EXHAUSTED (cache_service.api.inflight). 0: no limit.
         local_sessions: also serve Session messages over a Unix domain socket on this
-            host (cache_service.local_sessions): a same-host client's per-layer calls then
+            host (cache_service.api.local_sessions): a same-host client's per-layer calls then
             skip gRPC's threads on both sides. Only the server's user can connect;
             authentication is the same. Not offered by a TLS server.
         local_session_dir: where the socket's private directory is made (default: the
@@ -325,12 +325,12 @@ class CoordinatorConfig:
             epoch) or death, seconds; 0 disables the probe (failed calls still notice).
         tenant_quota_blocks: blocks any one tenant may hold (None: no quota).
         eviction_policy: which cached-free block a pool evicts when it needs one and has
-            no free block (cache_service.eviction; docs/architecture.md "Eviction order"):
+            no free block (cache_service.control.eviction; docs/architecture.md "Eviction order"):
             "lru" (least recently released first) is the one built in. A write-ahead store
             must be reopened with the policy it was written with.
         correctness_check_fraction: share of worker rounds (attend / append-and-attend)
             recomputed by the torch reference and compared, in [0, 1]; 0 disables the
-            online correctness check (cache_service.correctness_check). Rounds that merged
+            online correctness check (cache_service.engine.correctness_check). Rounds that merged
             calls of several layers are not sampled. A checked round answers its callers
             first; its check runs beside the traffic (kvcache_correctness_check_seconds
             shows how long), its recomputation outside the worker's lock.
@@ -426,7 +426,7 @@ class MetricsConfig:
 @dataclass(frozen=True)
 class SharedMemoryConfig:
     """Shared-memory regions for the tensors of same-host clients' batch calls
-    (CreateSharedRegion; cache_service.shared_regions).
+    (CreateSharedRegion; cache_service.wire.shared_regions).
 
     Attributes:
         enabled: serve CreateSharedRegion. False: it answers FAILED_PRECONDITION and clients

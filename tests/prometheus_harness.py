@@ -314,8 +314,8 @@ def promtool_check_exprs(exprs: list[str], workdir: Path, timeout_s: float = 60.
 def exported_metric_names() -> set[str]:
     """Every sample name (with _total, _bucket, ...) a ServiceMetrics exports once each of
     its methods ran and a real BlockManager with a sequence on it is bound."""
-    from cache_service.block_manager import BlockManager, BlockManagerConfig
-    from cache_service.metrics import ServiceMetrics
+    from cache_service.control.block_manager import BlockManager, BlockManagerConfig
+    from cache_service.obs.metrics import ServiceMetrics
 
     bm = BlockManager(BlockManagerConfig(4, 1, "layout"))
     bm.add_worker("w0", 4)

@@ -12,11 +12,11 @@ from typing import Any
 import torch
 from workers_support import dense_attention
 
+from cache_service.api.server import RunningService, start_service
 from cache_service.config import CoordinatorConfig, ServiceConfig
-from cache_service.coordinator import Coordinator
+from cache_service.engine.coordinator import Coordinator
+from cache_service.engine.worker_clients import LocalWorkerClient
 from cache_service.event_loop import loop_factory
-from cache_service.server import RunningService, start_service
-from cache_service.worker_clients import LocalWorkerClient
 from workers.config import PoolConfig
 from workers.layout import KVLayout
 

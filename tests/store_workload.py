@@ -14,7 +14,7 @@ import random
 import secrets as _secrets
 from typing import Any
 
-from cache_service.block_manager import BlockManager, BlockManagerConfig
+from cache_service.control.block_manager import BlockManager, BlockManagerConfig
 from cache_service.errors import CacheError
 
 CONFIG = BlockManagerConfig(
@@ -60,14 +60,14 @@ class SeededIds:
 
 def seed_ids(seed: int) -> None:
     """Make block_manager draw reproducible ids (swaps its `secrets` module attribute)."""
-    import cache_service.block_manager as bm
+    import cache_service.control.block_manager as bm
 
     bm.secrets = SeededIds(seed)  # type: ignore[assignment]
 
 
 def restore_ids() -> None:
     """Undo seed_ids."""
-    import cache_service.block_manager as bm
+    import cache_service.control.block_manager as bm
 
     bm.secrets = _secrets  # type: ignore[assignment]
 
@@ -206,8 +206,8 @@ def _child_main(argv: list[str]) -> None:
     """
     import sys
 
-    from cache_service.recovery import DurableBlockManager
-    from cache_service.store import MetadataStore, StoreConfig
+    from cache_service.engine.recovery import DurableBlockManager
+    from cache_service.engine.store import MetadataStore, StoreConfig
 
     path, seed, checkpoint_every = argv[0], int(argv[1]), int(argv[2])
     group_every = int(argv[3]) if len(argv) > 3 else 0

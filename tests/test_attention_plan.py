@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from workers_support import Segment, SequenceView, dense_attention, place_sequence, rel_err
 
-from cache_service.attention_plan import (
+from cache_service.engine.attention_plan import (
     AttentionPlan,
     AttentionPlanError,
     KernelEntry,
@@ -23,8 +23,8 @@ from cache_service.attention_plan import (
     plan_attention,
     run_attention,
 )
-from cache_service.worker_clients import LocalWorkerClient
-from cache_service.worker_interface import AttentionResult
+from cache_service.engine.worker_clients import LocalWorkerClient
+from cache_service.engine.worker_interface import AttentionResult
 from workers.config import PoolConfig
 from workers.layout import KVLayout
 from workers.pool import KVPool
@@ -315,7 +315,7 @@ def test_run_attention_writes_then_attends_across_local_workers():
 def test_with_the_block_manager_a_prefill_chunk_spilling_to_a_second_worker():
     """The real control plane places a sequence on worker a until it is full, then on b;
     a 7-token chunk written across the boundary attends exactly like dense attention."""
-    from cache_service.block_manager import BlockManager, BlockManagerConfig
+    from cache_service.control.block_manager import BlockManager, BlockManagerConfig
 
     gen = torch.Generator().manual_seed(7)
     manager = BlockManager(BlockManagerConfig(BS, LAYOUT.num_layers, LAYOUT.fingerprint()))

@@ -14,8 +14,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from cache_service import auth
-from cache_service.auth import (
+from cache_service.api import auth
+from cache_service.api.auth import (
     AuthConfigError,
     AuthInterceptor,
     Permission,

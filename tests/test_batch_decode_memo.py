@@ -1,4 +1,4 @@
-"""The servicer's memo of decoded AppendAttendBatch requests (cache_service.batch_decode_memo).
+"""The servicer's memo of decoded AppendAttendBatch requests (cache_service.api.batch_decode_memo).
 
 Real shared-memory regions in a temporary directory, real requests as a client encodes
 them: a decode step's later layers reuse the first layer's decode and hold the regions as
@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
-from cache_service.batch_decode_memo import BatchDecodeMemo
+from cache_service.api.batch_decode_memo import BatchDecodeMemo
 from cache_service.config import SharedMemoryConfig
+from cache_service.engine.worker_interface import AttentionResult
 from cache_service.errors import InvalidRequest, SharedRegionNotFound
-from cache_service.request_codec import SharedTensor, encode_append_attend_batch
-from cache_service.shared_regions import SharedRegions
-from cache_service.worker_interface import AttentionResult
+from cache_service.wire.request_codec import SharedTensor, encode_append_attend_batch
+from cache_service.wire.shared_regions import SharedRegions
 from workers.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from service_support import LAYOUT, ServiceHarness, local_workers, service_config
 
-from cache_service.bench import BenchConfig, fill_bases, free_bases, run_decode_bench
+from cache_service.cli.bench import BenchConfig, fill_bases, free_bases, run_decode_bench
 
 pytestmark = pytest.mark.timeout(120)
 

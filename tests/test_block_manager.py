@@ -1,4 +1,4 @@
-"""Unit tests of the control-plane facade (cache_service/block_manager.py), rule by rule."""
+"""Unit tests of the control-plane facade (cache_service/control/block_manager.py), rule by rule."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from cache_service import prefix_index
-from cache_service.block_manager import (
+from cache_service.control import prefix_index
+from cache_service.control.block_manager import (
     BlockCopy,
     BlockManager,
     BlockManagerConfig,

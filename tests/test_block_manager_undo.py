@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from cache_service.block_manager import (
+from cache_service.control.block_manager import (
     BlockCopy,
     BlockManager,
     BlockManagerConfig,
@@ -38,13 +38,13 @@ from cache_service.block_manager import (
     TenantQuota,
     WriteCursor,
 )
-from cache_service.recovery import (
+from cache_service.engine.recovery import (
     DurableBlockManager,
     cancel_unfinished_writes,
     drop_unfinished_copies,
     recover,
 )
-from cache_service.store import MetadataStore, StoreConfig
+from cache_service.engine.store import MetadataStore, StoreConfig
 from tests.store_workload import CONFIG, OPS, TENANTS, Workload
 
 BS = 4

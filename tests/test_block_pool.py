@@ -1,10 +1,10 @@
-"""Unit tests of one worker's block bookkeeping (cache_service/block_pool.py)."""
+"""Unit tests of one worker's block bookkeeping (cache_service/control/block_pool.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from cache_service.block_pool import BlockPool
+from cache_service.control.block_pool import BlockPool
 from cache_service.errors import InvalidRequest, PoolExhausted
 
 

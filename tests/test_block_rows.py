@@ -1,4 +1,4 @@
-"""The cached int32 block-id rows of block tables (cache_service.block_rows and
+"""The cached int32 block-id rows of block tables (cache_service.control.block_rows and
 BlockManager.block_ids): always exactly the table, through growth, copy-on-write, cancelled
 and rolled-back writes, forks, frees, evictions, lost workers and snapshots."""
 
@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from cache_service.block_manager import (
+from cache_service.control.block_manager import (
     BlockManager,
     BlockManagerConfig,
     CacheError,
@@ -19,7 +19,7 @@ from cache_service.block_manager import (
     SequenceLost,
     SequenceNotFound,
 )
-from cache_service.block_rows import BlockRow
+from cache_service.control.block_rows import BlockRow
 
 BS = 4
 L = 3
@@ -213,8 +213,8 @@ def test_spread_and_lost_sequences() -> None:
 
 
 def test_snapshots_and_the_durable_wrapper(tmp_path) -> None:
-    from cache_service.recovery import DurableBlockManager
-    from cache_service.store import MetadataStore, StoreConfig
+    from cache_service.engine.recovery import DurableBlockManager
+    from cache_service.engine.store import MetadataStore, StoreConfig
 
     bm = manager()
     s = bm.create_sequence("t").seq_id

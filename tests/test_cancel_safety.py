@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from cache_service.cancel_safety import run_to_completion
+from cache_service.engine.cancel_safety import run_to_completion
 
 
 def test_a_result_or_an_error_comes_back_as_from_a_plain_await() -> None:

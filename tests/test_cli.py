@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from service_support import ServiceHarness, local_workers, service_config
 
-from cache_service.bench import BenchConfig, run_decode_bench
 from cache_service.cli import build_parser, main, service_config_from_args
+from cache_service.cli.bench import BenchConfig, run_decode_bench
 from cache_service.client import KVCacheClient
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,7 +150,7 @@ class Skewed:
 
 
 def test_the_demo_check_catches_wrong_outputs() -> None:
-    from cache_service.demo import DemoConfig, run_clients
+    from cache_service.cli.demo import DemoConfig, run_clients
 
     workers = [Skewed(w) for w in local_workers(1, 64)]
     with ServiceHarness(service_config(), workers) as svc:

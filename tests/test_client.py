@@ -26,7 +26,7 @@ from cache_service.client import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from cache_service.tensor_codec import tensor_to_proto
+from cache_service.wire.tensor_codec import tensor_to_proto
 
 LAYOUT = pb.KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4,
                      kv_dtype=pb.DTYPE_FLOAT32, fingerprint="f", bytes_per_block=256)  # fmt: skip

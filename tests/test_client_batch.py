@@ -28,7 +28,7 @@ from cache_service.client import (
     KVCacheClient,
     NotFoundError,
 )
-from cache_service.tensor_codec import tensor_from_proto, tensor_to_proto
+from cache_service.wire.tensor_codec import tensor_from_proto, tensor_to_proto
 
 D, HKV, NL = LAYOUT.head_dim, LAYOUT.num_kv_heads, LAYOUT.num_layers
 

@@ -35,7 +35,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from cache_service.block_manager import (
+from cache_service.control.block_manager import (
     BlockManager,
     BlockManagerConfig,
     CacheError,

@@ -17,10 +17,10 @@ import pytest
 import torch
 from service_support import HQ, LAYOUT, dense_attention
 
-import cache_service.coordinator as coordinator_module
+import cache_service.engine.coordinator as coordinator_module
 from cache_service.config import CoordinatorConfig
-from cache_service.coordinator import AppendAttendItem, Coordinator, _Batcher, _Part
-from cache_service.worker_clients import LocalWorkerClient, RayWorkerClient
+from cache_service.engine.coordinator import AppendAttendItem, Coordinator, _Batcher, _Part
+from cache_service.engine.worker_clients import LocalWorkerClient, RayWorkerClient
 from workers.config import PoolConfig
 
 HKV, D = LAYOUT.num_kv_heads, LAYOUT.head_dim

@@ -15,7 +15,7 @@ import pytest
 import torch
 from service_support import HQ, LAYOUT, dense_attention, run_coordinator
 
-from cache_service.coordinator import AppendAttendItem, AttendItem, Coordinator
+from cache_service.engine.coordinator import AppendAttendItem, AttendItem, Coordinator
 from cache_service.errors import InvalidRequest
 
 HKV, D, L = LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.num_layers

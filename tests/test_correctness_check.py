@@ -17,8 +17,12 @@ from service_support import LAYOUT, Mirror, ServiceHarness, service_config
 
 from cache_service.client import AppendAttendItem, AttendItem, KVCacheClient
 from cache_service.config import ConfigError
-from cache_service.correctness_check import CorrectnessChecker, compare_outputs, tolerance_for
-from cache_service.worker_clients import LocalWorkerClient
+from cache_service.engine.correctness_check import (
+    CorrectnessChecker,
+    compare_outputs,
+    tolerance_for,
+)
+from cache_service.engine.worker_clients import LocalWorkerClient
 from workers.config import PoolConfig
 
 HQ, HKV, D = 4, LAYOUT.num_kv_heads, LAYOUT.head_dim

@@ -12,11 +12,11 @@ import pytest
 import torch
 from service_support import ServiceHarness, service_config
 
-from cache_service import client_shared_memory
 from cache_service.client import KVCacheClient
+from cache_service.client import shared_memory as client_shared_memory
 from cache_service.config import SharedMemoryConfig
-from cache_service.shared_regions import SharedRegions
-from cache_service.worker_clients import LocalWorkerClient
+from cache_service.engine.worker_clients import LocalWorkerClient
+from cache_service.wire.shared_regions import SharedRegions
 from workers.actor import PoolWorker
 from workers.config import PoolConfig
 from workers.decode_graphs import _packed_span, bucket_width

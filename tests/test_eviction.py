@@ -1,4 +1,4 @@
-"""The eviction-policy seam (cache_service/eviction.py): LRU order, reuse, undo, a custom
+"""The eviction-policy seam (cache_service/control/eviction.py): LRU order, reuse, undo, a custom
 policy plugged in by name, and clear errors for unknown names."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from cache_service.block_manager import BlockManager, BlockManagerConfig, PoolExhausted
-from cache_service.block_pool import BlockPool
 from cache_service.config import ConfigError, CoordinatorConfig, load_config
+from cache_service.control.block_manager import BlockManager, BlockManagerConfig, PoolExhausted
+from cache_service.control.block_pool import BlockPool
+from cache_service.control.eviction import EVICTION_POLICIES, LRUPolicy, make_policy
+from cache_service.engine.recovery import DurableBlockManager, RecoveryError, recover
+from cache_service.engine.store import MetadataStore, StoreConfig
 from cache_service.errors import InvalidRequest
-from cache_service.eviction import EVICTION_POLICIES, LRUPolicy, make_policy
-from cache_service.recovery import DurableBlockManager, RecoveryError, recover
-from cache_service.store import MetadataStore, StoreConfig
 
 BS = 4
 
@@ -204,7 +204,7 @@ def test_the_coordinator_builds_its_manager_with_the_configured_policy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from cache_service.config import LayoutConfig
-    from cache_service.coordinator import Coordinator
+    from cache_service.engine.coordinator import Coordinator
 
     monkeypatch.setitem(EVICTION_POLICIES, "mru-test", MostRecentFirst)
     config = CoordinatorConfig(eviction_policy="mru-test")

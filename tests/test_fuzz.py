@@ -20,7 +20,7 @@ from service_support import HQ, LAYOUT, ServiceHarness, local_workers, service_c
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service._proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
-from cache_service.tensor_codec import tensor_to_proto
+from cache_service.wire.tensor_codec import tensor_to_proto
 
 pytestmark = pytest.mark.timeout(90)
 

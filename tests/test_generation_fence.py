@@ -17,10 +17,10 @@ import grpc
 import pytest
 import torch
 
-from cache_service.coordinator import AttendItem, Coordinator
-from cache_service.status_mapping import WorkerLost, status_for
-from cache_service.store import MetadataStore, StoreConfig
-from cache_service.worker_clients import LocalWorkerClient, RayWorkerClient
+from cache_service.api.status_mapping import WorkerLost, status_for
+from cache_service.engine.coordinator import AttendItem, Coordinator
+from cache_service.engine.store import MetadataStore, StoreConfig
+from cache_service.engine.worker_clients import LocalWorkerClient, RayWorkerClient
 from workers.actor import PoolWorker
 from workers.config import PoolConfig
 from workers.description import FencedEpoch

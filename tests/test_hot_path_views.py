@@ -14,15 +14,15 @@ import pytest
 import torch
 from service_support import HQ, LAYOUT, dense_attention, run_coordinator
 
-import cache_service.coordinator as coordinator_module
-from cache_service.attention_plan import (
+import cache_service.engine.coordinator as coordinator_module
+from cache_service.control.types import Segment, SequenceView
+from cache_service.engine.attention_plan import (
     AttentionPlanError,
     OneWorkerView,
     plan_attention,
     run_attention,
 )
-from cache_service.control_types import Segment, SequenceView
-from cache_service.coordinator import AppendAttendItem, Coordinator, JoinedFields
+from cache_service.engine.coordinator import AppendAttendItem, Coordinator, JoinedFields
 
 HKV, D, BS = LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.block_size
 

@@ -18,11 +18,11 @@ import torch
 from service_support import dense_attention, run_coordinator
 from test_block_manager import unchanged
 
-from cache_service.block_manager import BlockManager, BlockManagerConfig
-from cache_service.coordinator import AppendAttendItem, Coordinator, StackedAppendAttend
+from cache_service.api.status_mapping import WorkerLost
+from cache_service.control.block_manager import BlockManager, BlockManagerConfig
+from cache_service.engine.coordinator import AppendAttendItem, Coordinator, StackedAppendAttend
+from cache_service.engine.layer_steps import LayerStep, LayerStepCache
 from cache_service.errors import InvalidRequest, SequenceLost, SequenceNotFound
-from cache_service.layer_steps import LayerStep, LayerStepCache
-from cache_service.status_mapping import WorkerLost
 from workers.layout import KVLayout
 
 BS = 4
@@ -97,7 +97,7 @@ def test_anything_that_changes_the_plan_makes_a_write_unrepeatable(change: str) 
         return
     elif change == "table_changed":
         # What a copy-on-write or a rolled-back reservation does to a table: any change
-        # but growth drops its block row (cache_service.block_rows).
+        # but growth drops its block row (cache_service.control.block_rows).
         seq = m._seqs[seqs[1]]
         seq.truncate_table(len(seq.table))
     elif change == "freed":
@@ -460,7 +460,7 @@ def watch_finite_checks(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], lis
     """Record how the coordinator checks rounds for NaN/inf: the parts of each round it
     checked part by part (after a worker refused it), and the rounds whose values it
     summed itself (each as its number of parts)."""
-    import cache_service.coordinator as coordinator_module
+    import cache_service.engine.coordinator as coordinator_module
 
     looked_at: list[int] = []
     joined: list[int] = []
@@ -679,7 +679,7 @@ def test_rounds_coalescing_the_same_steps_plan_once_and_stay_exact() -> None:
     async def scenario(coord: Coordinator) -> None:
         import asyncio
 
-        import cache_service.coordinator as coord_mod
+        import cache_service.engine.coordinator as coord_mod
 
         groups = [[(await coord.create_sequence("t")).seq_id for _ in range(2)] for _ in range(3)]
         models = [Model(g) for g in groups]
@@ -755,8 +755,8 @@ def test_commit_repeated_commits_as_commit_writes_does_and_refuses_a_moved_layer
 
 
 def test_a_repeated_commit_is_logged_and_recovered(tmp_path: Any) -> None:
-    from cache_service.recovery import DurableBlockManager, recover
-    from cache_service.store import MetadataStore, StoreConfig
+    from cache_service.engine.recovery import DurableBlockManager, recover
+    from cache_service.engine.store import MetadataStore, StoreConfig
 
     config = BlockManagerConfig(block_size=BS, num_layers=LAYERS, layout_fingerprint="fp")
     path = str(tmp_path / "steps.db")
@@ -819,7 +819,7 @@ def test_a_failure_making_the_answer_keeps_no_write(monkeypatch, path: str) -> N
     # The answer (the output in the query's dtype) is made before the commit on every
     # path: a failure there (a cast out of memory, here injected) fails the call and
     # keeps none of its writes; the same call then succeeds, equal to dense attention.
-    import cache_service.coordinator as coordinator_mod
+    import cache_service.engine.coordinator as coordinator_mod
 
     def fail(*args: Any, **kwargs: Any) -> Any:
         raise MemoryError("an injected failure making the answer")

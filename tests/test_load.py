@@ -12,9 +12,9 @@ import os
 import pytest
 from service_support import ServiceHarness, service_config
 
+from cache_service.cli.load_gen import LoadConfig, run_load
 from cache_service.client import KVCacheClient
-from cache_service.load_gen import LoadConfig, run_load
-from cache_service.worker_clients import LocalWorkerClient
+from cache_service.engine.worker_clients import LocalWorkerClient
 from workers.config import PoolConfig
 from workers.layout import KVLayout
 

@@ -32,7 +32,6 @@ from service_support import (
 )
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
-from cache_service.call_stream import StreamBroken
 from cache_service.client import (
     InternalError,
     InvalidArgumentError,
@@ -41,9 +40,10 @@ from cache_service.client import (
     NotFoundError,
     UnauthenticatedError,
 )
-from cache_service.local_frames import FrameBuffer, FrameError, frame
-from cache_service.local_session_stream import LocalSessionStream, LocalSessionUnreachable
-from cache_service.session_codec import APPEND_ATTEND_BATCH, session_message
+from cache_service.client.call_stream import StreamBroken
+from cache_service.client.local_session_stream import LocalSessionStream, LocalSessionUnreachable
+from cache_service.wire.local_frames import FrameBuffer, FrameError, frame
+from cache_service.wire.session_codec import APPEND_ATTEND_BATCH, session_message
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -163,7 +163,7 @@ def test_a_decode_steps_later_layers_are_answered_without_a_task(monkeypatch, ca
     # repeats: answered from its round's callback (`serve_now`), bit for bit what the same
     # calls answer the usual way (a twin client sending bytes). With
     # server.local_session_callbacks off, every call takes a task, with the same answers.
-    import cache_service.server as server_mod
+    import cache_service.api.server as server_mod
 
     real = server_mod.SharedRegions
     monkeypatch.setattr(
@@ -194,7 +194,7 @@ def test_a_call_answered_without_a_task_fails_with_its_status_and_changes_nothin
     # A repeated layer's call that fails in its round (a fault injected into the worker)
     # is answered from the callback with its error status; its writes are cancelled, the
     # session goes on, and the same call then succeeds.
-    import cache_service.server as server_mod
+    import cache_service.api.server as server_mod
 
     real = server_mod.SharedRegions
     monkeypatch.setattr(
@@ -446,7 +446,7 @@ def test_stopping_the_server_deletes_the_socket_and_its_directory() -> None:
 
 
 def test_the_socket_directory_must_give_a_short_enough_path(tmp_path) -> None:
-    from cache_service.local_sessions import LocalSessions
+    from cache_service.api.local_sessions import LocalSessions
 
     async def start(parent: str) -> None:
         sessions = LocalSessions(None, None, "default", 1024)  # type: ignore[arg-type]
@@ -489,7 +489,7 @@ class _Sessions:
     """A LocalSessions on its own event-loop thread, answering every call with an echo."""
 
     def __init__(self, parent: str, max_sessions: int) -> None:
-        from cache_service.local_sessions import LocalSessions
+        from cache_service.api.local_sessions import LocalSessions
 
         async def serve_call(request: pb.SessionRequest, tenant: str) -> bytes:
             return pb.SessionResponse(call_id=request.call_id).SerializeToString()

@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from cache_service.metrics import ServiceMetrics
+from cache_service.obs.metrics import ServiceMetrics
 
 
 def value(metrics: ServiceMetrics, name: str, **labels: str) -> float | None:
@@ -324,7 +324,7 @@ def test_http_server_serves_and_stops() -> None:
 
 def test_stats_read_on_the_owning_loop_and_failures_counted() -> None:
     """bind_stats(loop=...) runs fn on the loop thread, never on the scrape thread."""
-    from cache_service.accounting import CacheStats, WorkerStats
+    from cache_service.control.accounting import CacheStats, WorkerStats
 
     metrics = ServiceMetrics(bytes_per_block=2048)
     calls: list[int] = []

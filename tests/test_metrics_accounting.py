@@ -13,8 +13,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cache_service.block_manager import BlockManager, BlockManagerConfig
-from cache_service.metrics import ServiceMetrics
+from cache_service.control.block_manager import BlockManager, BlockManagerConfig
+from cache_service.obs.metrics import ServiceMetrics
 from workers.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")

@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from service_support import ServiceHarness, local_workers, service_config
 
 from cache_service.client import KVCacheClient
-from cache_service.metrics import ServiceMetrics
-from cache_service.metrics_loop import probe_loop_lag
+from cache_service.obs.loop import probe_loop_lag
+from cache_service.obs.metrics import ServiceMetrics
 
 CPU = "kvcache_event_loop_cpu_seconds_total"
 

@@ -29,6 +29,7 @@ from prometheus_harness import (
     substitute_variables,
 )
 
+from cache_service.api.server import start_service
 from cache_service.client import (
     AppendAttendItem,
     AttendItem,
@@ -47,8 +48,7 @@ from cache_service.config import (
     ServiceConfig,
     WorkersConfig,
 )
-from cache_service.server import start_service
-from cache_service.worker_clients import LocalWorkerClient
+from cache_service.engine.worker_clients import LocalWorkerClient
 from workers.config import PoolConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,9 +23,9 @@ import pytest
 import torch
 from workers_support import dense_attention, rel_err
 
-from cache_service.attention_plan import plan_attention, run_attention
-from cache_service.control_types import Segment, SequenceView
-from cache_service.worker_clients import transfer_blocks
+from cache_service.control.types import Segment, SequenceView
+from cache_service.engine.attention_plan import plan_attention, run_attention
+from cache_service.engine.worker_clients import transfer_blocks
 
 NUM_GPUS = torch.cuda.device_count()
 pytestmark = [

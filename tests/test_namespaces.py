@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 
-from cache_service.block_manager import BlockManager, BlockManagerConfig, InvalidRequest
 from cache_service.client import InvalidArgumentError, KVCacheClient
 from cache_service.config import (
     LayoutConfig,
@@ -20,9 +19,10 @@ from cache_service.config import (
     ServiceConfig,
     WorkersConfig,
 )
+from cache_service.control.block_manager import BlockManager, BlockManagerConfig, InvalidRequest
+from cache_service.engine.recovery import DurableBlockManager, recover
+from cache_service.engine.store import MetadataStore, StoreConfig
 from cache_service.integrations.embedded import EmbeddedService
-from cache_service.recovery import DurableBlockManager, recover
-from cache_service.store import MetadataStore, StoreConfig
 
 BS = 4
 LAYERS = 2

@@ -31,9 +31,9 @@ import yaml
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service._proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
-from cache_service.local_sessions import DIR_PREFIX
-from cache_service.shared_regions import default_directory
-from cache_service.worker_channel import ARENA_PREFIX, remove_orphan_arenas
+from cache_service.api.local_sessions import DIR_PREFIX
+from cache_service.wire.shared_regions import default_directory
+from cache_service.wire.worker_channel import ARENA_PREFIX, remove_orphan_arenas
 from workers.owned_files import owned_prefix, owner_alive, parse_owner, reclaim_orphans
 from workers.shared_files import create_mapped
 

@@ -1,4 +1,4 @@
-"""Unit tests of the prefix-hash index (cache_service/prefix_index.py)."""
+"""Unit tests of the prefix-hash index (cache_service/control/prefix_index.py)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,8 @@ import hashlib
 
 import pytest
 
-from cache_service import prefix_index
-from cache_service.control_types import PhysicalBlock
-from cache_service.errors import InvalidRequest
-from cache_service.prefix_index import (
+from cache_service.control import prefix_index
+from cache_service.control.prefix_index import (
     ROOT_KEY,
     IndexEntry,
     PrefixIndex,
@@ -18,6 +16,8 @@ from cache_service.prefix_index import (
     encode_tokens,
     make_salt,
 )
+from cache_service.control.types import PhysicalBlock
+from cache_service.errors import InvalidRequest
 
 BS = 4
 FP = "layout-a"

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
-from cache_service.request_codec import (
+from cache_service.wire.request_codec import (
     encode_append_attend,
     encode_append_attend_batch,
     encode_attend,
     encode_attend_batch,
 )
-from cache_service.tensor_codec import TensorCodecError, tensor_to_proto
+from cache_service.wire.tensor_codec import TensorCodecError, tensor_to_proto
 
 Batch = tuple[list[str], list[list[int]], list[torch.Tensor], list[torch.Tensor], list]
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from cache_service.running_checks import RunningCheck, RunningChecks
+from cache_service.engine.running_checks import RunningCheck, RunningChecks
 
 
 def check(seqs: set[str], blocks: dict[str, set[int]]) -> RunningCheck:

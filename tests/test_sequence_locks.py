@@ -1,4 +1,4 @@
-"""cache_service.sequence_locks: batches of per-sequence locks (pure asyncio logic)."""
+"""cache_service.engine.sequence_locks: batches of per-sequence locks (pure asyncio logic)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from cache_service.sequence_locks import SequenceLocks
+from cache_service.engine.sequence_locks import SequenceLocks
 
 
 async def _waiting_batch(

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
-from cache_service.auth import AuthInterceptor, bearer_metadata, parse_token_document
-from cache_service.handler_cache import HandlerCache
-from cache_service.inflight import InFlightLimiter, InFlightLimitInterceptor
-from cache_service.metrics import ServiceMetrics
-from cache_service.result_codec import encode_batch_result, encode_results
-from cache_service.tensor_codec import TensorCodecError, tensor_to_proto
-from cache_service.wire_decode import RequestDecodeInterceptor
-from cache_service.worker_interface import AttentionResult
+from cache_service.api.auth import AuthInterceptor, bearer_metadata, parse_token_document
+from cache_service.api.inflight import InFlightLimiter, InFlightLimitInterceptor
+from cache_service.api.result_codec import encode_batch_result, encode_results
+from cache_service.api.wire_decode import RequestDecodeInterceptor
+from cache_service.engine.worker_interface import AttentionResult
+from cache_service.obs.metrics import ServiceMetrics
+from cache_service.wire.handler_cache import HandlerCache
+from cache_service.wire.tensor_codec import TensorCodecError, tensor_to_proto
 
 # -- reply encoding ----------------------------------------------------------------------
 
@@ -213,7 +213,7 @@ def test_metrics_count_every_call_and_code_with_cached_children() -> None:
 
 
 def test_auth_wraps_once_per_tenant_and_binds_the_right_one() -> None:
-    from cache_service.auth import current_principal
+    from cache_service.api.auth import current_principal
 
     doc = {"tokens": {"tok-aaaaaaaaaaaaaaaa": "acme", "tok-bbbbbbbbbbbbbbbb": "globex"}}
     interceptor = AuthInterceptor(parse_token_document(doc))
@@ -251,7 +251,7 @@ def test_auth_wraps_once_per_tenant_and_binds_the_right_one() -> None:
 
 
 def test_joined_decode_hands_back_the_span_it_decoded_into() -> None:
-    from cache_service.tensor_codec import joined_from_protos, joined_view, tensor_to_proto
+    from cache_service.wire.tensor_codec import joined_from_protos, joined_view, tensor_to_proto
 
     rows = torch.randn(5, 1, 2, 3)
     tensors, span = joined_from_protos([tensor_to_proto(r) for r in rows], "k{}", ndim=3)

@@ -21,7 +21,7 @@ from test_service_errors import Bystander
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service._proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from cache_service.client import AppendAttendItem, InvalidArgumentError, KVCacheClient
-from cache_service.local_session_stream import LocalSessionStream
+from cache_service.client.local_session_stream import LocalSessionStream
 
 D, HKV = LAYOUT.head_dim, LAYOUT.num_kv_heads
 WORKERS, BLOCKS = 2, 16

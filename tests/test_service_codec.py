@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
-from cache_service.tensor_codec import (
+from cache_service.wire.tensor_codec import (
     TensorCodecError,
     joined_view,
     row_payloads,

@@ -74,7 +74,7 @@ def test_missing_file_and_unknown_override_are_refused(tmp_path: Path) -> None:
 
 
 def test_server_torch_threads_default_depends_on_where_pools_run() -> None:
-    from cache_service.server import server_torch_threads
+    from cache_service.api.server import server_torch_threads
 
     base = ServiceConfig()
     cpu_pools = base.with_overrides({"workers.in_process": True, "workers.device": "cpu"})

@@ -241,7 +241,7 @@ def test_shared_memory_tensors_reach_the_ray_workers_in_place(svc, monkeypatch) 
     # read its key, value and query (and write its outputs) where they lie. Results equal
     # the bytes path's, bit for bit; a non-finite input is still refused with nothing
     # changed, its output slot included.
-    import cache_service.batch_decode_memo as memo_mod
+    import cache_service.api.batch_decode_memo as memo_mod
 
     slots: list[tuple[int, int]] = []
     real_outputs = memo_mod.shared_outputs

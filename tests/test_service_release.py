@@ -17,7 +17,7 @@ import torch
 from service_support import HQ, LAYOUT, Mirror, ServiceHarness, service_config
 
 from cache_service.client import AttendItem, DataLossError, KVCacheClient
-from cache_service.worker_clients import LocalWorkerClient
+from cache_service.engine.worker_clients import LocalWorkerClient
 from workers.config import PoolConfig
 
 pytestmark = pytest.mark.timeout(60)

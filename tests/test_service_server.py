@@ -33,7 +33,7 @@ from cache_service.client import (
     UnauthenticatedError,
     UnavailableError,
 )
-from cache_service.metrics import ServiceMetrics
+from cache_service.obs.metrics import ServiceMetrics
 from workers.layout import KVLayout
 
 D, HKV = LAYOUT.head_dim, LAYOUT.num_kv_heads

@@ -6,9 +6,9 @@ import grpc
 import pytest
 
 from cache_service import errors as ce
-from cache_service.attention_plan import AttentionPlanError
-from cache_service.status_mapping import ServiceUnavailable, WorkerLost, status_for
-from cache_service.tensor_codec import TensorCodecError
+from cache_service.api.status_mapping import ServiceUnavailable, WorkerLost, status_for
+from cache_service.engine.attention_plan import AttentionPlanError
+from cache_service.wire.tensor_codec import TensorCodecError
 from workers import errors as we
 
 C = grpc.StatusCode

@@ -15,9 +15,9 @@ import pytest
 import torch
 from service_support import LAYOUT, ServiceHarness, local_workers, service_config
 
+from cache_service.api.status_mapping import status_for
 from cache_service.client import KVCacheClient, UnavailableError
-from cache_service.status_mapping import status_for
-from cache_service.store import StoreError, StoreLockedError
+from cache_service.engine.store import StoreError, StoreLockedError
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,7 +20,7 @@ from cache_service.client import (
     KVCacheClient,
     ResourceExhaustedError,
 )
-from cache_service.control_types import TenantQuota
+from cache_service.control.types import TenantQuota
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -24,7 +24,6 @@ from service_support import (
 )
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
-from cache_service.call_stream import CallStream
 from cache_service.client import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -33,7 +32,8 @@ from cache_service.client import (
     NotFoundError,
     UnavailableError,
 )
-from cache_service.session_codec import APPEND_ATTEND_BATCH, session_message
+from cache_service.client.call_stream import CallStream
+from cache_service.wire.session_codec import APPEND_ATTEND_BATCH, session_message
 
 D, HKV, NL = LAYOUT.head_dim, LAYOUT.num_kv_heads, LAYOUT.num_layers
 SERVICE = "kvcache.v1.KVCache"
@@ -217,7 +217,7 @@ def test_a_sessions_calls_name_its_connection_to_the_batcher(svc, transport) -> 
     # The batcher counts a client's parts by its connection (call_origin): every call of
     # one session names the same origin, two clients' sessions different ones, and a
     # unary call none (the batcher then goes by the first sequence).
-    import cache_service.coordinator as coordinator_module
+    import cache_service.engine.coordinator as coordinator_module
 
     seen: list[tuple[str, int | None]] = []
     real = coordinator_module._Batcher.submit

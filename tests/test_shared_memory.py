@@ -32,7 +32,6 @@ from service_support import (
     service_config,
 )
 
-from cache_service import client_shared_memory
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service._proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from cache_service.client import (
@@ -41,6 +40,7 @@ from cache_service.client import (
     KVCacheClient,
     SharedMemoryUnavailable,
 )
+from cache_service.client import shared_memory as client_shared_memory
 from cache_service.config import ConfigError, SharedMemoryConfig
 from cache_service.errors import (
     InvalidRequest,
@@ -48,10 +48,10 @@ from cache_service.errors import (
     SharedMemoryLimit,
     SharedRegionNotFound,
 )
-from cache_service.request_codec import SharedTensor, encode_append_attend_batch
-from cache_service.shared_regions import SharedRegions, default_directory
-from cache_service.tensor_codec import tensor_from_proto, tensor_to_proto
-from cache_service.wire_format import shared_slice
+from cache_service.wire.format import shared_slice
+from cache_service.wire.request_codec import SharedTensor, encode_append_attend_batch
+from cache_service.wire.shared_regions import SharedRegions, default_directory
+from cache_service.wire.tensor_codec import tensor_from_proto, tensor_to_proto
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -818,14 +818,14 @@ def test_a_zero_copy_reader_gives_views_and_holds_their_region(tmp_path: Path) -
 
 
 def test_zero_copy_reads_answer_like_the_bytes_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    import cache_service.batch_decode_memo as memo_mod
-    import cache_service.server as server_mod
+    import cache_service.api.batch_decode_memo as memo_mod
+    import cache_service.api.server as server_mod
 
     real = server_mod.SharedRegions
     monkeypatch.setattr(
         server_mod, "SharedRegions", lambda *a, **k: real(*a, **{**k, "pin_for_cuda": True})
     )
-    import cache_service.shared_regions as regions_mod
+    import cache_service.wire.shared_regions as regions_mod
 
     copied = []  # outputs copied into a slot (not produced in place)
     real_payload = regions_mod.tensor_payload
@@ -896,8 +896,8 @@ def test_zero_copy_reads_answer_like_the_bytes_path(monkeypatch: pytest.MonkeyPa
 def test_shared_rounds_copy_each_callers_rows_into_its_slot(monkeypatch) -> None:
     # Clients calling in step share worker rounds; each caller's rows go straight into its
     # own output slot (no reply-side copy on the short path) and equal dense attention.
-    import cache_service.server as server_mod
-    import cache_service.shared_regions as regions_mod
+    import cache_service.api.server as server_mod
+    import cache_service.wire.shared_regions as regions_mod
 
     real = server_mod.SharedRegions
     monkeypatch.setattr(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cache_service.store import (
+from cache_service.engine.store import (
     MetadataStore,
     StoreConfig,
     StoreCorruptError,
@@ -133,7 +133,7 @@ def test_a_second_writer_is_locked_out(tmp_path: Path) -> None:
     # Another process, too.
     probe = (
         "import sys\n"
-        "from cache_service.store import MetadataStore, StoreConfig, StoreLockedError\n"
+        "from cache_service.engine.store import MetadataStore, StoreConfig, StoreLockedError\n"
         "try:\n"
         f"    MetadataStore(StoreConfig({str(path)!r}, busy_timeout_s=0.1))\n"
         "except StoreLockedError:\n"

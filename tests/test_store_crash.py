@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from cache_service.block_manager import BlockManager
-from cache_service.recovery import LOGGED_OPS, recover
-from cache_service.store import MetadataStore, StoreConfig
+from cache_service.control.block_manager import BlockManager
+from cache_service.engine.recovery import LOGGED_OPS, recover
+from cache_service.engine.store import MetadataStore, StoreConfig
 from tests.store_workload import CONFIG, Workload, restore_ids, seed_ids
 
 pytestmark = pytest.mark.timeout(120)

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache_service.block_manager import BlockManager, BlockManagerConfig
-from cache_service.control_types import SeqRef
+from cache_service.control.block_manager import BlockManager, BlockManagerConfig
+from cache_service.control.types import SeqRef
+from cache_service.engine.recovery import DurableBlockManager, RecoveryError, recover
+from cache_service.engine.store import MetadataStore, StoreConfig, StoreError
 from cache_service.errors import InvalidRequest, SequenceNotFound
-from cache_service.recovery import DurableBlockManager, RecoveryError, recover
-from cache_service.store import MetadataStore, StoreConfig, StoreError
 from tests.store_workload import CONFIG, Workload
 
 pytestmark = pytest.mark.timeout(120)

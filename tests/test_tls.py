@@ -21,7 +21,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from cache_service.tls import (
+from cache_service.wire.tls import (
     ClientTLSConfig,
     ServerTLSConfig,
     TLSConfigError,
@@ -264,7 +264,7 @@ def test_bad_pem_settings_raise_errors_naming_the_field(pki: Pki, tmp_path: Path
 
 def test_token_call_credentials_over_tls_reach_the_auth_interceptor(pki: Pki) -> None:
     """grpc.access_token_call_credentials sends the header the AuthInterceptor parses."""
-    from cache_service.auth import AuthInterceptor, current_principal, parse_token_document
+    from cache_service.api.auth import AuthInterceptor, current_principal, parse_token_document
 
     token = "tls-token-0123456789abcdef"
     table = parse_token_document({"tokens": {token: "acme"}})

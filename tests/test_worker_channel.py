@@ -25,7 +25,7 @@ import pytest
 import torch
 from workers_support import dense_attention, rel_err
 
-from cache_service.worker_channel import (
+from cache_service.wire.worker_channel import (
     ChannelBroken,
     ChannelOptions,
     ChannelPool,

@@ -10,7 +10,7 @@ import time
 import torch
 from service_support import LAYOUT
 
-from cache_service.worker_clients import LocalWorkerClient
+from cache_service.engine.worker_clients import LocalWorkerClient
 from workers.config import PoolConfig
 
 

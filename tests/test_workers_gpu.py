@@ -17,8 +17,8 @@ import pytest
 import torch
 from workers_support import dense_attention, place_sequence, rel_err
 
-from cache_service.attention_plan import plan_attention, run_attention
-from cache_service.worker_clients import RayWorkerClient
+from cache_service.engine.attention_plan import plan_attention, run_attention
+from cache_service.engine.worker_clients import RayWorkerClient
 from workers.config import PoolConfig
 from workers.errors import PoolAllocationError
 from workers.layout import KVLayout
@@ -248,7 +248,7 @@ def test_sequence_spanning_two_gpu_workers_matches_dense(gpu_ray):
             await clients[worker].write(epochs[worker], 1, slots, k[start:hi], v[start:hi])
             segments.append((worker, start, blocks))
             start += count * 16
-        from cache_service.block_manager import Segment, SequenceView
+        from cache_service.control.block_manager import Segment, SequenceView
 
         view = SequenceView(seq_len, tuple(Segment(*s) for s in segments))
         plan = plan_attention([view], [n], 16)
@@ -332,7 +332,7 @@ def test_decode_steps_over_the_worker_channel_equal_ray_calls(gpu_ray, tcp, in_f
     # output lie in a shared file (as a client's region does): the worker maps and
     # page-locks it and reads and writes them there.
     ray, namespace = gpu_ray
-    from cache_service.worker_channel import ChannelOptions
+    from cache_service.wire.worker_channel import ChannelOptions
     from workers.launcher import LaunchConfig, launch_workers, shutdown_workers
     from workers.shared_files import SHARED_FILES, create_mapped
     from workers.staging import packed_offsets

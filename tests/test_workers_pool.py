@@ -15,7 +15,7 @@ import torch
 from workers_support import dense_attention, place_sequence, rel_err, write_tokens
 
 import kernels
-from cache_service.worker_clients import LocalWorkerClient, transfer_blocks
+from cache_service.engine.worker_clients import LocalWorkerClient, transfer_blocks
 from workers.actor import PoolWorker
 from workers.config import PoolConfig
 from workers.errors import (
@@ -92,7 +92,7 @@ def test_layout_refuses_bad_fields(kwargs, field):
 def test_pure_modules_import_neither_torch_nor_ray():
     code = (
         "import sys; import workers, workers.layout, workers.errors, workers.description, "
-        "workers.config, cache_service.worker_interface; "
+        "workers.config, cache_service.engine.worker_interface; "
         "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -18,9 +18,9 @@ from workers_support import Segment, SequenceView, dense_attention, rel_err
 
 ray = pytest.importorskip("ray")
 
-from cache_service.attention_plan import plan_attention, run_attention  # noqa: E402
-from cache_service.worker_channel import ChannelOptions  # noqa: E402
-from cache_service.worker_clients import RayWorkerClient, transfer_blocks  # noqa: E402
+from cache_service.engine.attention_plan import plan_attention, run_attention  # noqa: E402
+from cache_service.engine.worker_clients import RayWorkerClient, transfer_blocks  # noqa: E402
+from cache_service.wire.worker_channel import ChannelOptions  # noqa: E402
 from workers.config import PoolConfig  # noqa: E402
 from workers.errors import (  # noqa: E402
     InvalidWorkerRequest,

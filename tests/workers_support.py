@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cache_service.block_manager import Segment, SequenceView
+from cache_service.control.block_manager import Segment, SequenceView
 from workers.pool import KVPool
 
 __all__ = [

@@ -14,7 +14,7 @@ from a generation lower than the highest one seen is refused with
 
 Tensors arrive on the host, move to the pool's device here, and results go back as host
 tensors. The class is plain Python so it also runs in-process
-(``cache_service.worker_clients.LocalWorkerClient``); :data:`PoolWorkerActor` is its Ray
+(``cache_service.engine.worker_clients.LocalWorkerClient``); :data:`PoolWorkerActor` is its Ray
 actor class, which packs its tensor results with :mod:`workers.transport` (raw bytes as
 numpy arrays: out-of-band, zero-copy through Ray's object store instead of torch's in-band
 pickling); callers see plain torch tensors. ``RayWorkerClient`` packs the tensors it sends
@@ -200,7 +200,7 @@ class PoolWorker:
     def channel_address(self, tcp: bool = False) -> ChannelAddress:
         """Where this worker's channel listens, starting it on the first call: a caller on
         the same node sends its per-layer data calls there instead of through Ray
-        (``cache_service.worker_channel``); with ``tcp``, callers on other nodes too (a
+        (``cache_service.wire.worker_channel``); with ``tcp``, callers on other nodes too (a
         TCP listener on this node's address, opened on the first such request)."""
         if self._channel is None:
             self._channel = ChannelServer(

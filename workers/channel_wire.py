@@ -1,6 +1,6 @@
 """The worker channel's messages: a data call and its reply as small pickles whose tensors
 lie in an arena both processes map. Pure (no I/O); the two ends are
-:mod:`workers.channel_server` (in the worker) and ``cache_service.worker_channel`` (in the
+:mod:`workers.channel_server` (in the worker) and ``cache_service.wire.worker_channel`` (in the
 coordinator).
 
 Why a channel beside Ray's own calls: an actor call carrying a decode step's tensors

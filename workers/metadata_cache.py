@@ -1,7 +1,7 @@
 """Attention metadata validated once and kept on the pool's device across calls.
 
 A decode step calls the pool once per layer with the same block tables, sequence lengths
-and query offsets (the coordinator plans the step once: cache_service.layer_steps). Checking
+and query offsets (the coordinator plans the step once: cache_service.engine.layer_steps). Checking
 them (every block id inside the pool, lengths within the tables, offsets ordered) and
 copying them to the device each time cost about 0.2 ms of host time per call on the H200
 host, against 83 us of GPU time for the whole write-and-attend. The caller names such

@@ -653,7 +653,7 @@ class KVPool:
         its time and would otherwise hold up every call behind it. Whatever those calls
         write lands in slots the reference does not read (positions past `seq_lens`, other
         layers, other blocks) unless a block it reads was freed and reused meanwhile, and
-        the coordinator discards such a check (cache_service.running_checks).
+        the coordinator discards such a check (cache_service.engine.running_checks).
         """
         result = self._attend_on_device(
             inputs.layer,

@@ -23,7 +23,7 @@ __all__ = ["SHARED_FILES", "NoRoom", "create_mapped", "unlink_quietly"]
 # Files of this process (the coordinator's shared regions) that a worker on this node may
 # map too, as the address range of this process's mapping and the file's path: a worker
 # channel names a tensor lying in one by file and offset instead of copying it into its
-# arena (cache_service.worker_channel). Values: (path, size in bytes). The owner adds a file
+# arena (cache_service.wire.worker_channel). Values: (path, size in bytes). The owner adds a file
 # once it is mapped and removes it before the file is unlinked.
 SHARED_FILES: AddressRanges[tuple[str, int]] = AddressRanges()
 

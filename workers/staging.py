@@ -47,7 +47,7 @@ def packed_offsets(tensors: Sequence[Staged]) -> tuple[list[int], int]:
     bytes; a tensor in parts is its parts back to back), and the total bytes: the layout
     :meth:`HostStager.to_device` sends.
 
-    A client's shared region (cache_service.client_shared_memory) lays a call's tensors
+    A client's shared region (cache_service.client.shared_memory) lays a call's tensors
     out by the same rule, so decode graphs load them from there in one copy
     (workers.decode_graphs); a test holds the two in step."""
     offsets = []

@@ -27,12 +27,12 @@ class EmbeddedService:
         start_timeout_s: how long to wait for the service to come up, seconds.
 
     Raises:
-        whatever `cache_service.server.start_service` raises (bad config, workers that
+        whatever `cache_service.api.server.start_service` raises (bad config, workers that
         cannot start, a port that cannot be bound); TimeoutError if it does not start.
     """
 
     def __init__(self, config: ServiceConfig, start_timeout_s: float = 120.0) -> None:
-        from cache_service.server import start_service
+        from cache_service.api.server import start_service
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(

@@ -1,0 +1,266 @@
+"""The prefix-hash index: finds cached full blocks of a prompt, chained block by block.
+
+A block's key is sha256(parent key || salt || its token ids as uint64 LE), where the salt folds
+in the owner (one tenant, or the shared public salt), the KV layout fingerprint and the
+sequence's namespace (the model identity a caller gives; empty = the default namespace), so
+tenants never match each other's blocks and caches of different layouts never match at all.
+The first block's parent is 32 zero bytes. Every part has a fixed width, so the encoding is
+unambiguous.
+
+On a hit the stored entry must also agree on parent key, owner and token bytes: since the
+parent was itself verified, a match is exact token-for-token back to the first block, and a
+hash collision can never hand out another prompt's KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
+
+from cache_service.control.types import PhysicalBlock
+from cache_service.errors import InvalidRequest
+
+__all__ = [
+    "ROOT_KEY",
+    "IndexEntry",
+    "PrefixIndex",
+    "Salt",
+    "block_key",
+    "chain_keys",
+    "decode_tokens",
+    "encode_tokens",
+    "make_salt",
+    "pack_tokens",
+    "token_bytes",
+]
+
+ROOT_KEY = bytes(32)
+# Token ids are hashed as 8-byte little-endian unsigned ints.
+TOKEN_BYTES = 8
+_sha256 = hashlib.sha256
+
+
+class Salt(NamedTuple):
+    """An owner of index entries: a tenant name, or None for the public (shared) namespace,
+    and the 32-byte salt its keys are hashed with."""
+
+    owner: str | None
+    salt: bytes
+
+
+class IndexEntry(NamedTuple):
+    """A published block: where it is, and what was hashed to find it.
+
+    Attributes:
+        block: the physical block holding the KV.
+        parent: key of the previous block of the prefix (ROOT_KEY for the first).
+        owner: tenant whose salt the key was hashed with; None for public.
+        tokens: the block's token ids, uint64 little-endian bytes (block_size * 8 bytes).
+        namespace: namespace whose salt the key was hashed with ("" = the default).
+    """
+
+    block: PhysicalBlock
+    parent: bytes
+    owner: str | None
+    tokens: bytes
+    namespace: str = ""
+
+
+def make_salt(owner: str | None, layout_fingerprint: str, namespace: str = "") -> Salt:
+    """The salt of a tenant (owner = its name) or of the public owner (owner None), in a
+    namespace ("" = the default namespace: nothing is added to the salted material, so a
+    namespace's salt never equals the default one's)."""
+    # Length-prefixed fields: no (owner, fingerprint, namespace) can spell another's material.
+    fingerprint = layout_fingerprint.encode()
+    if owner is None:
+        material = b"public" + len(fingerprint).to_bytes(4, "little") + fingerprint
+    else:
+        name = owner.encode()
+        material = (
+            b"tenant"
+            + len(name).to_bytes(4, "little")
+            + name
+            + len(fingerprint).to_bytes(4, "little")
+            + fingerprint
+        )
+    if namespace:
+        ns = namespace.encode()
+        material += b"namespace" + len(ns).to_bytes(4, "little") + ns
+    return Salt(owner, hashlib.sha256(material).digest())
+
+
+def pack_tokens(token_ids: Iterable[int]) -> array:
+    """Validate token ids and pack them as unsigned 64-bit ints (C speed, no per-id loop).
+
+    Raises:
+        InvalidRequest: not a sequence of ints, or an id outside [0, 2**64).
+    """
+    if isinstance(token_ids, (str, bytes, bytearray)):
+        raise InvalidRequest("token ids must be a sequence of ints, not a string")
+    try:
+        # "Q" rejects negative ids and non-ints by itself, which is the whole validation.
+        return array("Q", token_ids)
+    except (TypeError, OverflowError, ValueError) as exc:
+        raise InvalidRequest(f"token ids must be ints in [0, 2**64): {exc}") from None
+
+
+def token_bytes(packed: array) -> bytes:
+    """Packed token ids as little-endian bytes (8 per token): what keys are hashed over."""
+    if sys.byteorder == "big":  # pragma: no cover - every supported machine is little-endian
+        packed = array("Q", packed)
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def encode_tokens(token_ids: Iterable[int]) -> bytes:
+    """`token_bytes(pack_tokens(token_ids))`."""
+    return token_bytes(pack_tokens(token_ids))
+
+
+def decode_tokens(data: bytes) -> list[int]:
+    """Inverse of `encode_tokens`."""
+    packed = array("Q")
+    packed.frombytes(data)
+    if sys.byteorder == "big":  # pragma: no cover
+        packed.byteswap()
+    return packed.tolist()
+
+
+def block_key(parent: bytes, salt: bytes, tokens: bytes) -> bytes:
+    """Key of a block, 32 bytes: sha256(parent key || salt || tokens).
+
+    The one place a key is computed (publishing, matching and the integrity check all call
+    it), so the encoding cannot drift between them.
+
+    Args:
+        parent: key of the previous block of the prefix (ROOT_KEY for the first), 32 bytes.
+        salt: the owner's `Salt.salt`, 32 bytes.
+        tokens: the block's token ids from `token_bytes` (block_size * 8 bytes).
+    """
+    return _sha256(parent + salt + tokens).digest()
+
+
+def chain_keys(
+    parent: bytes, salt: bytes, tokens: bytes, block_size: int
+) -> Iterator[tuple[bytes, bytes, bytes]]:
+    """Keys of consecutive full blocks, each chained on the one before.
+
+    Args:
+        parent: key of the block before the first (ROOT_KEY at the start of a prompt).
+        salt: the owner's `Salt.salt`.
+        tokens: whole blocks of token bytes (`encode_tokens`), block_size * 8 bytes each.
+        block_size: tokens per block.
+
+    Yields:
+        (parent key, key, the block's token bytes) per block, in order.
+    """
+    stride = block_size * TOKEN_BYTES
+    for start in range(0, len(tokens) - stride + 1, stride):
+        chunk = tokens[start : start + stride]
+        key = block_key(parent, salt, chunk)
+        yield parent, key, chunk
+        parent = key
+
+
+class PrefixIndex:
+    """Published blocks by key, and the keys of each published block.
+
+    A block may carry more than one key: one under its tenant's salt and one under the
+    public salt once its prefix is published for everyone.
+    """
+
+    __slots__ = ("_by_block", "_entries", "block_size")
+
+    def __init__(self, block_size: int) -> None:
+        """An empty index for blocks of `block_size` tokens."""
+        self.block_size = block_size
+        self._entries: dict[bytes, IndexEntry] = {}
+        self._by_block: dict[PhysicalBlock, list[bytes]] = {}
+
+    def __len__(self) -> int:
+        """Number of keys."""
+        return len(self._entries)
+
+    def is_published(self, block: PhysicalBlock) -> bool:
+        """Whether any key points at `block` (it then stays findable when unreferenced)."""
+        return block in self._by_block
+
+    def keys_of(self, block: PhysicalBlock) -> list[bytes]:
+        """The keys pointing at `block` (empty if none)."""
+        return list(self._by_block.get(block, ()))
+
+    def get(self, key: bytes) -> IndexEntry | None:
+        """The entry under `key`, if any."""
+        return self._entries.get(key)
+
+    def entries(self) -> Iterable[tuple[bytes, IndexEntry]]:
+        """Every (key, entry), in publication order."""
+        return self._entries.items()
+
+    def publish(self, key: bytes, entry: IndexEntry) -> bool:
+        """Add `entry` under `key` unless the key is taken.
+
+        Returns:
+            True if added; False if another block already serves this exact prefix (the
+            first one published stays; the caller's block is then simply not findable).
+        """
+        if key in self._entries:
+            return False
+        self._entries[key] = entry
+        keys = self._by_block.get(entry.block)
+        if keys is None:
+            self._by_block[entry.block] = [key]
+        else:
+            keys.append(key)
+        return True
+
+    def remove_block(self, block: PhysicalBlock) -> int:
+        """Drop every key of `block` (evicted, or its worker lost). Returns how many."""
+        keys = self._by_block.pop(block, ())
+        for key in keys:
+            del self._entries[key]
+        return len(keys)
+
+    def blocks_on(self, worker_id: str) -> list[PhysicalBlock]:
+        """Published blocks of one worker (O(published blocks); for worker loss)."""
+        return [b for b in self._by_block if b.worker_id == worker_id]
+
+    def match(
+        self, salts: Sequence[Salt], token_bytes: bytes, max_blocks: int
+    ) -> list[tuple[bytes, PhysicalBlock]]:
+        """The longest chain of published blocks that spells the start of a prompt.
+
+        Args:
+            salts: owners to try at each block, in order of preference (the tenant's own,
+                then public).
+            token_bytes: the prompt, from `encode_tokens`.
+            max_blocks: stop after this many blocks.
+
+        Returns:
+            (key, block) per matched block, in logical order.
+        """
+        stride = self.block_size * TOKEN_BYTES
+        max_blocks = min(max_blocks, len(token_bytes) // stride)
+        entries = self._entries
+        parent = ROOT_KEY
+        found: list[tuple[bytes, PhysicalBlock]] = []
+        for i in range(max_blocks):
+            chunk = token_bytes[i * stride : (i + 1) * stride]
+            for owner, salt in salts:
+                key = block_key(parent, salt, chunk)
+                entry = entries.get(key)
+                if (
+                    entry is not None
+                    and entry.tokens == chunk
+                    and entry.parent == parent
+                    and entry.owner == owner
+                ):
+                    break
+            else:
+                return found
+            found.append((key, entry.block))
+            parent = key
+        return found

@@ -1,0 +1,784 @@
+"""Attention for sequences whose blocks span several workers.
+
+A sequence's block table is a list of segments, each a contiguous run of logical blocks on
+one worker (``SequenceView``/``Segment`` of ``cache_service.control.block_manager``). Each worker
+attends over its own keys only and returns output + log-sum-exp; the partials merge exactly
+(``kernels.merge_attention_states``), as a split-KV kernel merges its partitions.
+
+Causality decides what each query sees of a segment holding keys ``[a, b)``. A query at
+absolute position ``p``
+
+* ``p < a`` sees nothing of it (no entry; its LSE counts as -inf);
+* ``a <= p < b`` sees keys ``a..p``: a run of such queries is one kernel entry whose blocks
+  start at ``a`` (a block boundary), with ``seq_len = p_last - a + 1`` and those queries as
+  its last rows - positions relative to ``a`` keep the causal mask right;
+* ``p >= b`` sees the whole segment: a one-query entry with ``seq_len = b - a`` (its only
+  query sits at the last position, so a causal launch shows it every key).
+
+Without ``causal`` every query sees the whole segment: its queries go in chunks of at most
+``b - a`` rows (the kernel needs rows <= seq_len per entry). A sequence on one worker stays
+one entry and needs no merge. Every worker gets one batch, i.e. one kernel launch per layer.
+
+Planning (:func:`plan_attention`) is pure; :meth:`WorkerBatch.kernel_args` and
+:func:`merge_partials` build and combine tensors; :func:`run_attention` drives the workers.
+
+The hot path (a decode step: every sequence on one worker) passes :class:`OneWorkerView`
+views, whose block ids are one int32 array each (kept across calls by the block manager):
+planning then does no per-block Python work, and the kernel's block table is assembled from
+those arrays with a few numpy calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+import kernels
+from cache_service.control.types import Segment
+from cache_service.engine.worker_interface import AttentionResult, WorkerClient
+from workers.kernel_warmup import padded_table_width
+from workers.parts import joined
+
+__all__ = [
+    "AttentionPlan",
+    "AttentionPlanError",
+    "KernelEntry",
+    "LayerPages",
+    "OneWorkerView",
+    "SegmentLike",
+    "SequenceViewLike",
+    "WorkerBatch",
+    "WorkerWrite",
+    "merge_partials",
+    "plan_attention",
+    "run_attention",
+]
+
+
+class AttentionPlanError(ValueError):
+    """A sequence view, query count or worker mapping is inconsistent; nothing was sent."""
+
+
+class SegmentLike(Protocol):
+    """A contiguous run of a block table on one worker."""
+
+    @property
+    def worker_id(self) -> str: ...
+
+    @property
+    def start_token(self) -> int: ...
+
+    @property
+    def block_indices(self) -> Sequence[int]: ...
+
+
+class SequenceViewLike(Protocol):
+    """One sequence's written length and its segments, in logical order."""
+
+    @property
+    def seq_len(self) -> int: ...
+
+    @property
+    def segments(self) -> Sequence[SegmentLike]: ...
+
+
+class OneWorkerView:
+    """A :class:`SequenceViewLike` whose keys all live on one worker, its block ids as one
+    int32 array (``BlockManager.block_ids``): planned without per-block Python work.
+
+    Args:
+        seq_len: keys written (the kernel's seq_len), >= 0.
+        worker_id: the worker holding every block.
+        block_ids: int32 ``[n]`` physical block indices in logical order, covering at
+            least ``seq_len`` tokens; read only (it is not copied). Negative ids are refused
+            when the kernel's block table is built (:meth:`WorkerBatch.kernel_args`).
+
+    Raises:
+        AttentionPlanError: block_ids is not a 1-D int32 array.
+    """
+
+    __slots__ = ("block_ids", "seq_len", "worker_id")
+
+    def __init__(self, seq_len: int, worker_id: str, block_ids: np.ndarray) -> None:
+        if type(block_ids) is not np.ndarray or block_ids.dtype != np.int32 or block_ids.ndim != 1:
+            _fail("OneWorkerView.block_ids must be a 1-D int32 numpy array")
+        self.seq_len = seq_len
+        self.worker_id = worker_id
+        self.block_ids = block_ids
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """The generic form: one segment (block ids as a tuple of ints; slow, O(blocks))."""
+        if not len(self.block_ids):
+            return ()
+        return (Segment(self.worker_id, 0, tuple(self.block_ids.tolist())),)
+
+    def __repr__(self) -> str:
+        return (
+            f"OneWorkerView(seq_len={self.seq_len}, worker_id={self.worker_id!r}, "
+            f"blocks={len(self.block_ids)})"
+        )
+
+
+class KernelEntry(NamedTuple):
+    """One sequence row of a worker's kernel batch.
+
+    Attributes:
+        sequence: index of the sequence in the planned call.
+        block_indices: the worker's physical blocks, logical order (the entry's block table):
+            a tuple of ints, or a read-only int32 array for a :class:`OneWorkerView`.
+        seq_len: keys the entry sees, counted from its first block.
+        first_row: row of its first query in the call's query tensor.
+        num_rows: its queries: rows ``first_row .. first_row + num_rows - 1`` (the entry's
+            last ``num_rows`` positions).
+        part: merge slot (the segment's index within its sequence).
+
+    A NamedTuple: a plan makes one per sequence per call, and tuples are built in C.
+    """
+
+    sequence: int
+    block_indices: tuple[int, ...] | np.ndarray
+    seq_len: int
+    first_row: int
+    num_rows: int
+    part: int
+
+
+@dataclass(frozen=True)
+class WorkerBatch:
+    """Everything one worker computes for a call: one kernel launch."""
+
+    worker_id: str
+    entries: tuple[KernelEntry, ...]
+
+    @functools.cached_property
+    def num_rows(self) -> int:
+        """Query rows the worker computes (rows may repeat across entries)."""
+        return sum(e.num_rows for e in self.entries)
+
+    @functools.cached_property
+    def _rows(self) -> tuple[int, ...]:
+        return tuple(e.first_row + i for e in self.entries for i in range(e.num_rows))
+
+    @functools.cached_property
+    def _rows_in_order(self) -> bool:
+        """Whether the rows are 0, 1, ..., num_rows - 1 (the usual case: no gather)."""
+        row = 0
+        for e in self.entries:
+            if e.first_row != row:
+                return False
+            row += e.num_rows
+        return True
+
+    def rows(self) -> list[int]:
+        """The call's query row of each of the worker's query rows, in order."""
+        return list(self._rows)
+
+    def covers_in_order(self, num_rows: int) -> bool:
+        """Whether the worker's rows are exactly the call's rows ``0 .. num_rows - 1``."""
+        return self._rows_in_order and self.num_rows == num_rows
+
+    def kernel_args(
+        self, query: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The worker's ``(query [R, Hq, D], block_tables int32 [S, max_blocks], seq_lens int32
+        [S], query_start_loc int32 [S + 1])`` for the call's ``query [T, Hq, D]``.
+
+        Raises:
+            AttentionPlanError: a block id of a :class:`OneWorkerView` is negative.
+        """
+        if self.covers_in_order(query.shape[0]):
+            q = query
+        else:
+            q = query.index_select(
+                0, torch.tensor(self._rows, dtype=torch.long, device=query.device)
+            )
+        return (q, *self.metadata_args())
+
+    def metadata_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`kernel_args` less the query: ``(block_tables int32 [S, max_blocks],
+        seq_lens int32 [S], query_start_loc int32 [S + 1])``."""
+        tables, seq_lens, starts = self._metadata
+        return torch.from_numpy(tables), torch.from_numpy(seq_lens), torch.from_numpy(starts)
+
+    def page_base(self, num_layers: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(block tables x num_layers, int32 [S, max_blocks]; each entry's sequence index,
+        [S])``: what `LayerPages.page_tables` adds each round's layers to, made once per
+        batch (a recorded plan serves every round of its steps, on whichever layers).
+
+        Raises:
+            AttentionPlanError: a page id of some layer would pass int32.
+        """
+        kept = self._page_bases.get(num_layers)
+        if kept is None:
+            blocks = self._metadata[0]
+            # Block ids are >= 0: the largest one bounds every page id.
+            top = (np.iinfo(np.int32).max - (num_layers - 1)) // num_layers
+            if blocks.size and int(blocks.max()) > top:
+                _fail("page ids pass int32: too many blocks x layers for one launch")
+            kept = self._page_bases[num_layers] = (blocks * np.int32(num_layers), self.sequences)
+        return kept
+
+    @functools.cached_property
+    def sequences(self) -> np.ndarray:
+        """int64 ``[S]``: the call's sequence index of each entry."""
+        return np.array([e.sequence for e in self.entries], dtype=np.int64)
+
+    @functools.cached_property
+    def _page_bases(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        return {}
+
+    @functools.cached_property
+    def metadata_key(self) -> int:
+        """A random id naming this batch's kernel metadata (`kernel_args` less the query)
+        for the worker, which then validates and copies it once for every call that runs
+        this batch (a decode step's recorded plan: every layer)."""
+        return secrets.randbits(63)
+
+    @functools.cached_property
+    def _metadata(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """int32 block tables ``[S, max_blocks]``, seq_lens ``[S]``, query_start_loc
+        ``[S + 1]`` of the entries: built once per batch (a decode step's recorded plan
+        serves every layer; the workers only read them)."""
+        entries = self.entries
+        n = len(entries)
+        tables = _block_table([e.block_indices for e in entries])
+        seq_lens = np.fromiter((e.seq_len for e in entries), dtype=np.int32, count=n)
+        starts = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(
+            np.fromiter((e.num_rows for e in entries), dtype=np.int32, count=n), out=starts[1:]
+        )
+        return tables, seq_lens, starts
+
+
+def _block_table(rows: list[tuple[int, ...] | np.ndarray]) -> np.ndarray:
+    """int32 ``[len(rows), w]``, w the longest row padded as the kernels want it
+    (`workers.kernel_warmup.padded_table_width`), each row zero-padded: one array for the
+    whole batch. Arrays (from :class:`OneWorkerView`) are copied in with numpy; tuples go
+    through one flat list (numpy parses nested lists slowly)."""
+    lengths = [len(r) for r in rows]
+    width = padded_table_width(max(lengths))
+    if all(type(r) is np.ndarray for r in rows):
+        if min(lengths) == width:
+            table = np.concatenate(rows).reshape(len(rows), width)
+        else:
+            table = np.zeros((len(rows), width), dtype=np.int32)
+            for i, r in enumerate(rows):
+                table[i, : len(r)] = r
+        # The views' ids were not checked one by one (that would cost a pass per row).
+        if table.size and int(table.min()) < 0:
+            _fail("a block id of a OneWorkerView is negative")
+        return table
+    flat: list[int] = []
+    for r, length in zip(rows, lengths, strict=True):
+        flat += r.tolist() if type(r) is np.ndarray else r
+        if length < width:
+            flat += (0,) * (width - length)
+    table = np.array(flat, dtype=np.int32).reshape(len(rows), width)
+    if any(type(r) is np.ndarray for r in rows) and table.size and int(table.min()) < 0:
+        _fail("a block id of a OneWorkerView is negative")
+    return table
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Per-worker kernel batches of one attention call over one layer.
+
+    Attributes:
+        num_rows: query rows of the call (T); sequence s owns the ``num_queries[s]`` rows
+            after those of sequences ``0..s-1``.
+        num_parts: most partials any row gets (1: no merge, no LSE needed).
+        causal: the causal flag every worker launch uses.
+        batches: one per worker, in order of first use.
+    """
+
+    num_rows: int
+    num_parts: int
+    causal: bool
+    batches: tuple[WorkerBatch, ...]
+
+    @property
+    def needs_merge(self) -> bool:
+        return self.num_parts > 1
+
+
+def _fail(message: str) -> None:
+    raise AttentionPlanError(message)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _block_ids_ok(blocks: tuple[object, ...]) -> bool:
+    """Every entry an int >= 0 (not a bool); plain ints, the usual case, at C speed."""
+    if set(map(type, blocks)) == {int}:
+        return min(blocks) >= 0  # type: ignore[type-var]
+    return all(_is_int(b) and b >= 0 for b in blocks)  # type: ignore[operator]
+
+
+def _effective_segments(
+    s: int, view: SequenceViewLike, block_size: int
+) -> list[tuple[str, int, int, tuple[int, ...] | np.ndarray]]:
+    """``(worker_id, a, b, blocks)`` for each segment holding keys ``[a, b)`` of the
+    sequence, ``b <= seq_len``, blocks trimmed to those keys; validates the view."""
+    seq_len = view.seq_len
+    if not _is_int(seq_len) or seq_len < 0:
+        _fail(f"views[{s}].seq_len must be an int >= 0, got {seq_len!r}")
+    if type(view) is OneWorkerView:
+        ids = view.block_ids
+        needed = -(-seq_len // block_size)
+        if len(ids) < needed:
+            _fail(
+                f"views[{s}] covers {len(ids) * block_size} tokens with its blocks but seq_len "
+                f"is {seq_len}"
+            )
+        return [(view.worker_id, 0, seq_len, ids[:needed])] if seq_len else []
+    out = []
+    expected_start = 0
+    for j, seg in enumerate(view.segments):
+        where = f"views[{s}].segments[{j}]"
+        blocks = tuple(seg.block_indices)
+        if seg.start_token != expected_start:
+            _fail(
+                f"{where}.start_token is {seg.start_token}, expected {expected_start} (segments "
+                "must be contiguous runs in logical order)"
+            )
+        if not blocks:
+            _fail(f"{where} holds no block")
+        if not _block_ids_ok(blocks):
+            _fail(f"{where}.block_indices must be ints >= 0, got {list(blocks)}")
+        a = expected_start
+        expected_start += len(blocks) * block_size
+        if a >= seq_len:
+            continue  # reserved ahead of this layer's written length: no key there yet
+        b = min(expected_start, seq_len)
+        out.append((seg.worker_id, a, b, blocks[: -(-(b - a) // block_size)]))
+    if expected_start < seq_len:
+        _fail(f"views[{s}] covers {expected_start} tokens with its blocks but seq_len is {seq_len}")
+    return out
+
+
+def plan_attention(
+    views: Sequence[SequenceViewLike],
+    num_queries: Sequence[int],
+    block_size: int,
+    *,
+    causal: bool = True,
+    sliding_window: int | None = None,
+) -> AttentionPlan:
+    """Split a batch of sequences' attention into one kernel batch per worker.
+
+    Args:
+        views: each sequence's seq_len (KV tokens, the new ones included) and segments.
+        num_queries: query rows of each sequence; its rows are its last positions
+            ``seq_len - n .. seq_len - 1``; ``0 <= n <= seq_len``.
+        block_size: tokens per block.
+        causal: causal attention (else every query sees every key of its sequence).
+        sliding_window: the window the kernels will apply; only allowed for sequences on
+            one worker (a window does not survive the re-basing of whole-segment entries).
+
+    Raises:
+        AttentionPlanError: an inconsistent view or query count (named in the message).
+    """
+    if not _is_int(block_size) or block_size < 1:
+        _fail(f"block_size must be a positive int, got {block_size!r}")
+    if len(num_queries) != len(views):
+        _fail(f"num_queries has {len(num_queries)} entries for {len(views)} views")
+    per_worker: dict[str, list[KernelEntry]] = {}
+    num_parts = 1
+    row = 0
+    for s, (view, n) in enumerate(zip(views, num_queries, strict=True)):
+        if type(view) is OneWorkerView and causal:
+            # The hot path (decode, prefill on one worker): one segment holding every key,
+            # so one entry with all the sequence's queries as its last rows - what the
+            # general code below computes, without its per-segment work. Anything unusual
+            # (bad values, no queries) takes the general code and its checks.
+            seq_len = view.seq_len
+            if type(seq_len) is int and type(n) is int and 0 < n <= seq_len:
+                needed = -(-seq_len // block_size)
+                ids = view.block_ids
+                if len(ids) >= needed:
+                    entries = per_worker.get(view.worker_id)
+                    if entries is None:
+                        entries = per_worker[view.worker_id] = []
+                    entries.append(KernelEntry(s, ids[:needed], seq_len, row, n, 0))
+                    row += n
+                    continue
+        segments = _effective_segments(s, view, block_size)
+        if not _is_int(n) or not 0 <= n <= view.seq_len:
+            _fail(f"num_queries[{s}] must be an int in [0, seq_len={view.seq_len}], got {n!r}")
+        if n == 0:
+            continue
+        if sliding_window is not None and len(segments) > 1:
+            _fail(
+                f"sequence {s} spans {len(segments)} worker segments; sliding_window is only "
+                "supported for sequences on one worker"
+            )
+        num_parts = max(num_parts, len(segments))
+        first_pos = view.seq_len - n  # absolute position of the sequence's first query
+        for part, (worker, a, b, blocks) in enumerate(segments):
+            entries = per_worker.setdefault(worker, [])
+            if not causal:
+                width = b - a
+                for i0 in range(0, n, width):
+                    m = min(width, n - i0)
+                    entries.append(KernelEntry(s, blocks, b - a, row + i0, m, part))
+                continue
+            # Queries i with a <= first_pos + i < b see keys a..p: one entry.
+            i_lo = max(0, a - first_pos)
+            i_hi = min(n, b - first_pos)
+            if i_lo < i_hi:
+                p_last = first_pos + i_hi - 1
+                length = p_last - a + 1
+                entries.append(
+                    KernelEntry(
+                        s, blocks[: -(-length // block_size)], length, row + i_lo, i_hi - i_lo, part
+                    )
+                )
+            # Queries at or past b see the whole segment: one single-query entry each.
+            for i in range(max(0, b - first_pos), n):
+                entries.append(KernelEntry(s, blocks, b - a, row + i, 1, part))
+        row += n
+    batches = tuple(WorkerBatch(w, tuple(e)) for w, e in per_worker.items() if e)
+    return AttentionPlan(num_rows=row, num_parts=num_parts, causal=causal, batches=batches)
+
+
+def merge_partials(plan: AttentionPlan, results: Mapping[str, AttentionResult]) -> AttentionResult:
+    """Combine the workers' outputs into the call's ``(out [T, Hq, D], lse [T, Hq] | None)``.
+
+    Args:
+        plan: the plan the workers ran.
+        results: each batch's worker's result, rows in the batch's order; LSEs are needed
+            when ``plan.needs_merge``.
+
+    Returns:
+        The merged output in the workers' dtype; lse when every worker returned one (always
+        after a merge).
+
+    Raises:
+        AttentionPlanError: a worker's result is missing or has the wrong number of rows.
+    """
+    if not plan.batches:
+        _fail("the plan has no query rows; nothing to merge")
+    for batch in plan.batches:
+        res = results.get(batch.worker_id)
+        if res is None:
+            _fail(f"no result from worker {batch.worker_id!r}")
+        if res.out.shape[0] != batch.num_rows:
+            _fail(
+                f"worker {batch.worker_id!r} returned {res.out.shape[0]} rows, the plan has "
+                f"{batch.num_rows}"
+            )
+        if plan.needs_merge and res.lse is None:
+            _fail(f"worker {batch.worker_id!r} returned no LSE but the plan needs a merge")
+    first = results[plan.batches[0].worker_id].out
+    _, num_heads, head_dim = first.shape
+    if not plan.needs_merge:
+        if len(plan.batches) == 1 and plan.batches[0].covers_in_order(plan.num_rows):
+            return results[plan.batches[0].worker_id]  # the common case: one worker, in order
+        out = first.new_empty((plan.num_rows, num_heads, head_dim))
+        with_lse = all(results[b.worker_id].lse is not None for b in plan.batches)
+        lse = torch.empty((plan.num_rows, num_heads), dtype=torch.float32) if with_lse else None
+        for batch in plan.batches:
+            res = results[batch.worker_id]
+            rows = torch.tensor(batch.rows(), dtype=torch.long, device=out.device)
+            out[rows] = res.out
+            if lse is not None:
+                lse[rows] = res.lse
+        return AttentionResult(out, lse)
+    outs = first.new_zeros((plan.num_parts, plan.num_rows, num_heads, head_dim))
+    lses = torch.full(
+        (plan.num_parts, plan.num_rows, num_heads), float("-inf"), dtype=torch.float32
+    )
+    for batch in plan.batches:
+        res = results[batch.worker_id]
+        rows = torch.tensor(batch.rows(), dtype=torch.long)
+        parts = torch.tensor(
+            [e.part for e in batch.entries for _ in range(e.num_rows)], dtype=torch.long
+        )
+        outs[parts, rows] = res.out.to(outs.device)
+        lses[parts, rows] = res.lse.to(lses.device)  # type: ignore[union-attr]
+    out, lse = kernels.merge_attention_states(outs, lses)
+    return AttentionResult(out, lse)
+
+
+@dataclass(frozen=True)
+class WorkerWrite:
+    """New tokens for one worker, written before its attention in the same call.
+
+    Attributes:
+        slot_mapping: int ``[n]`` flat slots on that worker (negative: skip).
+        key, value: ``[n, Hkv, D]`` in the pool dtype, or given in parts (lists of
+            ``[n_i, Hkv, D]``, a round's callers' rows: see :func:`run_attention`).
+        slot_layers: for a round over several layers (`LayerPages`), each new token's
+            layer (``[n]``; the slots are per layer); None otherwise.
+    """
+
+    slot_mapping: torch.Tensor | Sequence[int]
+    key: torch.Tensor | list[torch.Tensor]
+    value: torch.Tensor | list[torch.Tensor]
+    slot_layers: list[int] | None = None
+
+    def joined(self) -> WorkerWrite:
+        """This write with key and value each one tensor (parts concatenated)."""
+        if isinstance(self.key, torch.Tensor) and isinstance(self.value, torch.Tensor):
+            return self
+        return replace(self, key=joined(self.key), value=joined(self.value))
+
+
+@dataclass(frozen=True)
+class LayerPages:
+    """A round whose sequences are on several layers: the pool addressed as pages of every
+    layer, page ``block * num_layers + layer`` (workers.pool.KVPool.write_and_attend_pages).
+
+    Attributes:
+        seq_layers: int64 ``[num sequences]``, the layer of each planned sequence.
+        num_layers: the layout's layers.
+        block_size: the layout's tokens per block (page slots of the writes).
+    """
+
+    seq_layers: np.ndarray
+    num_layers: int
+    block_size: int
+
+    def layers_of(self, batch: WorkerBatch) -> list[int]:
+        """The layer of each of `batch`'s sequences (KVPool.write_and_attend_layers)."""
+        return self.seq_layers[batch.sequences].tolist()
+
+    def page_slots(self, write: WorkerWrite) -> list[int]:
+        """`write`'s per-layer slots as slots of pages (page ``block * num_layers +
+        layer``; negative slots stay skipped).
+
+        Raises:
+            AttentionPlanError: the write names no layers for its slots.
+        """
+        if write.slot_layers is None:
+            _fail("a write of a round over several layers names no layer for its slots")
+        bs, n = self.block_size, self.num_layers
+        return [
+            ((s // bs) * n + layer) * bs + s % bs if s >= 0 else s
+            for s, layer in zip(list(write.slot_mapping), write.slot_layers, strict=True)  # type: ignore[arg-type]
+        ]
+
+    def page_tables(self, batch: WorkerBatch) -> torch.Tensor:
+        """int32 ``[S, max_blocks]``: `batch`'s block tables as page tables.
+
+        Raises:
+            AttentionPlanError: a page id past int32.
+        """
+        base, sequences = batch.page_base(self.num_layers)
+        return torch.from_numpy(base + self.seq_layers[sequences].astype(np.int32)[:, None])
+
+
+async def run_attention(
+    plan: AttentionPlan,
+    query: torch.Tensor | list[torch.Tensor],
+    layer: int | LayerPages,
+    clients: Mapping[str, WorkerClient],
+    epochs: Mapping[str, str],
+    *,
+    writes: Mapping[str, WorkerWrite] | None = None,
+    return_lse: bool = False,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    out: torch.Tensor | list[torch.Tensor] | None = None,
+    check_finite: bool = False,
+) -> AttentionResult:
+    """Run one layer's step on every worker concurrently, then merge.
+
+    A worker with writes and queries gets one ``write_and_attend`` call, one with only
+    writes a ``write``, one with only queries an ``attend`` (with `LayerPages`:
+    ``write_and_attend_pages`` and ``attend_pages``, and writes only where it attends).
+
+    Args:
+        plan: from :func:`plan_attention`.
+        query: ``[plan.num_rows, Hq, D]`` in the pool dtype (host); or in parts (a list,
+            rows joined in order: a round's callers' queries where each put its own), with
+            the writes' keys and values in parts too and `out` a list of one part per
+            query part (or None). Parts travel as they are to a round over pages
+            (`LayerPages`) that one worker writes and computes in order (the worker reads
+            each part where it lies and writes each output part in place); any other plan
+            joins them first.
+        layer: layer index, or the layers of a round over several (each write then names
+            its new tokens' layers, `WorkerWrite.slot_layers`, its slots per layer).
+        clients, epochs: every worker of the plan and of ``writes``, with the epoch expected.
+        writes: new tokens per worker, written before that worker attends.
+        return_lse: also return the merged LSE (asks every worker for it).
+        scale, softcap, sliding_window: as in ``kernels.paged_attention``.
+        out: host memory ``[plan.num_rows, Hq, D]`` (the query's dtype) for the output:
+            where one worker writes and computes every row in order (nothing to merge),
+            its write_and_attend is asked to copy its output there (a worker in this
+            process does; the result is then that tensor), sparing a copy. A list (with
+            a query in parts): the result's ``out`` is that list where the worker
+            delivered into it, else one tensor of the rows.
+        check_finite: the writing workers' write_and_attend (or write_and_attend_pages)
+            refuse non-finite inputs (workers.errors.NonFiniteInput); for plans where every
+            row is written and read by one worker (the caller checks that).
+
+    Raises:
+        AttentionPlanError: a worker has no client or epoch, ``query`` has the wrong
+            number of rows, or (LayerPages) a worker only writes or a page id passes int32;
+            nothing was sent.
+        WorkerError: a worker failed (StaleEpochError, InvalidWorkerRequest, ...). Workers
+            that did not fail may have written their tokens.
+    """
+    writes = writes or {}
+    options = {"causal": plan.causal, "scale": scale, "softcap": softcap}
+    if sliding_window is not None:
+        options["sliding_window"] = sliding_window
+    pages = layer if isinstance(layer, LayerPages) else None
+    if not isinstance(query, torch.Tensor):
+        if pages is not None and one_writer_in_order(plan, writes):
+            parts_out = out if isinstance(out, list) else None
+            return await _run_in_parts(
+                plan, query, pages, clients, epochs, writes, return_lse, options, parts_out,
+                check_finite,
+            )  # fmt: skip
+        query, writes = joined(query), {w: wr.joined() for w, wr in writes.items()}
+    if not isinstance(out, torch.Tensor):
+        out = None
+    if query.shape[0] != plan.num_rows:
+        _fail(f"query has {query.shape[0]} rows, the plan has {plan.num_rows}")
+    workers = [b.worker_id for b in plan.batches]
+    workers += [w for w in writes if w not in workers]
+    for w in workers:
+        if w not in clients or w not in epochs:
+            _fail(f"worker {w!r} of the plan has no client or no epoch")
+    want_lse = return_lse or plan.needs_merge
+    if out is not None and not (
+        len(plan.batches) == 1
+        and not plan.needs_merge
+        and plan.batches[0].covers_in_order(plan.num_rows)
+        and plan.batches[0].worker_id in writes
+        and out.shape == query.shape
+        and out.dtype == query.dtype
+    ):
+        out = None
+
+    attending = {b.worker_id for b in plan.batches}
+    if pages is not None and set(writes) - attending:
+        _fail(f"worker(s) {sorted(set(writes) - attending)} have writes but no attention")
+
+    # Every batch's arguments first: one that cannot be built fails the call before any
+    # worker was sent anything.
+    args = [batch.kernel_args(query) for batch in plan.batches]
+    if pages is not None:
+        args = [
+            (q, pages.page_tables(b), lens, starts)
+            for b, (q, _, lens, starts) in zip(plan.batches, args, strict=True)
+        ]
+
+    async def one(batch: WorkerBatch, batch_args: tuple[torch.Tensor, ...]) -> AttentionResult:
+        w = batch.worker_id
+        q, tables, lens, starts = batch_args
+        if pages is not None:
+            if w in writes:
+                wr = writes[w]
+                return await clients[w].write_and_attend_pages(
+                    epochs[w], pages.page_slots(wr), wr.key, wr.value, *batch_args,
+                    return_lse=want_lse, check_finite=check_finite, **options,
+                )  # fmt: skip
+            return await clients[w].attend_pages(
+                epochs[w], *batch_args, return_lse=want_lse, **options
+            )
+        if w in writes:
+            wr = writes[w]
+            # Only a call that names an output passes one (other clients need not know it).
+            into: dict[str, Any] = {} if out is None else {"out": out}
+            if check_finite:
+                into["check_finite"] = True
+            return await clients[w].write_and_attend(
+                epochs[w], layer, wr.slot_mapping, wr.key, wr.value,
+                q, tables, lens, starts, return_lse=want_lse,
+                metadata_key=batch.metadata_key, **options, **into,
+            )  # fmt: skip
+        return await clients[w].attend(
+            epochs[w], layer, q, tables, lens, starts, return_lse=want_lse,
+            metadata_key=batch.metadata_key, **options,
+        )  # fmt: skip
+
+    write_only = [
+        clients[w].write(epochs[w], layer, wr.slot_mapping, wr.key, wr.value)
+        for w, wr in writes.items()
+        if w not in attending
+    ]
+    if len(plan.batches) == 1 and not write_only:  # one worker: no task to spawn
+        outcome = [await one(plan.batches[0], args[0])]
+    else:
+        outcome = await asyncio.gather(
+            *(one(b, a) for b, a in zip(plan.batches, args, strict=True)), *write_only
+        )
+    results = {b.worker_id: r for b, r in zip(plan.batches, outcome, strict=False)}
+    if not plan.batches:
+        return AttentionResult(
+            query.new_empty((0, *query.shape[1:])),
+            torch.empty((0, query.shape[1]), dtype=torch.float32) if return_lse else None,
+        )
+    return merge_partials(plan, results)
+
+
+def one_writer_in_order(plan: AttentionPlan, writes: Mapping[str, object]) -> bool:
+    """Whether one worker computes every row of `plan` in order (nothing to merge) and is
+    the only one writing (`writes`: by worker): a round's parts can then go to it as they
+    are (:func:`run_attention`)."""
+    return (
+        len(plan.batches) == 1
+        and not plan.needs_merge
+        and plan.batches[0].covers_in_order(plan.num_rows)
+        and set(writes) == {plan.batches[0].worker_id}
+    )
+
+
+async def _run_in_parts(
+    plan: AttentionPlan,
+    query: list[torch.Tensor],
+    pages: LayerPages,
+    clients: Mapping[str, WorkerClient],
+    epochs: Mapping[str, str],
+    writes: Mapping[str, WorkerWrite],
+    return_lse: bool,
+    options: dict[str, Any],
+    out: list[torch.Tensor] | None,
+    check_finite: bool,
+) -> AttentionResult:
+    """`run_attention` of a round over pages given in parts, for a plan that one worker
+    writes and computes in order (`one_writer_in_order`): one write_and_attend_layers
+    with the parts as they are, the batch's recorded metadata (its key: a round of the same
+    steps repeats it, whichever layers) and each sequence's and new token's layer."""
+    rows = sum(q.shape[0] for q in query)
+    if rows != plan.num_rows:
+        _fail(f"query has {rows} rows, the plan has {plan.num_rows}")
+    if out is not None and not (
+        len(out) == len(query)
+        and all(o.shape == q.shape and o.dtype == q.dtype for o, q in zip(out, query, strict=True))
+    ):
+        out = None
+    (batch,) = plan.batches
+    w = batch.worker_id
+    if w not in clients or w not in epochs:
+        _fail(f"worker {w!r} of the plan has no client or no epoch")
+    wr = writes[w]
+    if wr.slot_layers is None:
+        _fail("a write of a round over several layers names no layer for its slots")
+    into: dict[str, Any] = {} if out is None else {"out": out}
+    result = await clients[w].write_and_attend_layers(
+        epochs[w], pages.layers_of(batch), wr.slot_layers, wr.slot_mapping, wr.key, wr.value,
+        query, *batch.metadata_args(), metadata_key=batch.metadata_key,
+        return_lse=return_lse, check_finite=check_finite, **options, **into,
+    )  # fmt: skip
+    got = result.out
+    if isinstance(got, list):
+        if out is None or len(got) != len(out):
+            _fail(f"worker {w!r} returned {len(got)} output parts for {len(query)} query parts")
+    elif got.shape[0] != rows:
+        _fail(f"worker {w!r} returned {got.shape[0]} rows, the plan has {rows}")
+    return result

@@ -1,0 +1,107 @@
+"""Planning once per decode step instead of once per layer.
+
+A model's decode step calls append-and-attend once per layer with the same sequences and
+the same new token ids: every layer writes the same positions into the same slots and
+attends over the same block ids, so the slots, the attention views and the kernel batch
+are the same for all of them. Only the first layer of the step has to reserve positions
+and plan; the coordinator keeps what it planned as a :class:`LayerStep` and the other
+layers reuse it after `BlockManager.repeatable` confirmed that nothing about those
+sequences changed in between (see its docstring for what is checked).
+
+What a step holds is immutable once built (views are read-only snapshots of the block
+ids), except `plan`, which the first run fills in.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from cache_service.control.block_manager import WriteSnapshot
+from cache_service.engine.attention_plan import AttentionPlan, OneWorkerView
+
+__all__ = ["LayerStep", "LayerStepCache"]
+
+_Key = tuple[str, tuple[str, ...]]  # (tenant, the batch's sequence ids in order)
+
+
+@dataclass(slots=True)
+class LayerStep:
+    """One batch's planned write-and-attend, reusable by the step's other layers.
+
+    Attributes:
+        snapshot: the writes as the block manager planned them.
+        worker_id: the one worker holding every sequence (and every new slot).
+        num_queries: query rows of each sequence (the same for all).
+        views: per sequence, what attention reads after the write (seq_len = start + n).
+        slots: flat slots of the new tokens, sequence by sequence (n per sequence).
+        plan: the kernel batch for exactly these views and query rows, once computed.
+        lock_order: the batch's sequence ids, distinct and sorted: the order the
+            coordinator takes their locks in, worked out once for every layer.
+    """
+
+    snapshot: WriteSnapshot
+    worker_id: str
+    num_queries: list[int]
+    views: list[OneWorkerView]
+    slots: list[int]
+    plan: AttentionPlan | None = None
+    lock_order: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.lock_order = tuple(sorted(set(self.snapshot.seq_ids)))
+
+
+class LayerStepCache:
+    """The latest :class:`LayerStep` per (tenant, batch of sequence ids), least recently
+    used dropped first beyond `capacity` (one entry per client batch in flight)."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self._capacity = capacity
+        self._steps: OrderedDict[_Key, LayerStep] = OrderedDict()
+        # seq_id -> keys of the steps naming it: a freed sequence's steps go at once
+        # (a step holds the sequence's bookkeeping alive).
+        self._by_seq: dict[str, set[_Key]] = {}
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def get(self, tenant: str, seq_ids: tuple[str, ...]) -> LayerStep | None:
+        """The step recorded for this batch, if any (marks it recently used)."""
+        key = (tenant, seq_ids)
+        step = self._steps.get(key)
+        if step is not None:
+            self._steps.move_to_end(key)
+        return step
+
+    def put(self, step: LayerStep) -> None:
+        """Record `step` for its batch, replacing the previous one."""
+        key = (step.snapshot.tenant, step.snapshot.seq_ids)
+        if key not in self._steps:
+            for seq_id in key[1]:
+                self._by_seq.setdefault(seq_id, set()).add(key)
+        self._steps[key] = step
+        self._steps.move_to_end(key)
+        if len(self._steps) > self._capacity:
+            self._drop(next(iter(self._steps)))
+
+    def discard(self, tenant: str, seq_ids: tuple[str, ...]) -> None:
+        """Forget the batch's step (nothing if none)."""
+        if (tenant, seq_ids) in self._steps:
+            self._drop((tenant, seq_ids))
+
+    def forget_sequence(self, seq_id: str) -> None:
+        """Forget every step naming `seq_id` (it was freed)."""
+        for key in list(self._by_seq.get(seq_id, ())):
+            self._drop(key)
+
+    def _drop(self, key: _Key) -> None:
+        del self._steps[key]
+        for seq_id in key[1]:
+            keys = self._by_seq.get(seq_id)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._by_seq[seq_id]
