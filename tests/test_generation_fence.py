@@ -17,8 +17,9 @@ import grpc
 import pytest
 import torch
 
-from cache_service.api.status_mapping import WorkerLost, status_for
+from cache_service.api.status_mapping import status_for
 from cache_service.engine.coordinator import AttendItem, Coordinator
+from cache_service.engine.errors import WorkerLost
 from cache_service.engine.store import MetadataStore, StoreConfig
 from cache_service.engine.worker_clients import LocalWorkerClient, RayWorkerClient
 from workers.actor import PoolWorker

@@ -18,9 +18,9 @@ import torch
 from service_support import dense_attention, run_coordinator
 from test_block_manager import unchanged
 
-from cache_service.api.status_mapping import WorkerLost
 from cache_service.control.block_manager import BlockManager, BlockManagerConfig
 from cache_service.engine.coordinator import AppendAttendItem, Coordinator, StackedAppendAttend
+from cache_service.engine.errors import WorkerLost
 from cache_service.engine.layer_steps import LayerStep, LayerStepCache
 from cache_service.errors import InvalidRequest, SequenceLost, SequenceNotFound
 from workers.layout import KVLayout

@@ -6,8 +6,9 @@ import grpc
 import pytest
 
 from cache_service import errors as ce
-from cache_service.api.status_mapping import ServiceUnavailable, WorkerLost, status_for
+from cache_service.api.status_mapping import status_for
 from cache_service.engine.attention_plan import AttentionPlanError
+from cache_service.engine.errors import ServiceUnavailable, WorkerLost
 from cache_service.wire.tensor_codec import TensorCodecError
 from workers import errors as we
 

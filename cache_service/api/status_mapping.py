@@ -16,44 +16,12 @@ import grpc
 
 from cache_service import errors as ce
 from cache_service.engine.attention_plan import AttentionPlanError
+from cache_service.engine.errors import ServiceUnavailable, WorkerLost
 from cache_service.engine.store import StoreError
 from cache_service.wire.tensor_codec import TensorCodecError
 from workers import errors as we
 
-__all__ = [
-    "ServiceError",
-    "ServiceUnavailable",
-    "Status",
-    "WorkerLost",
-    "status_for",
-]
-
-
-class ServiceError(Exception):
-    """Base of the errors the coordinator itself raises (besides the control plane's)."""
-
-
-class ServiceUnavailable(ServiceError):
-    """No worker can serve the call (none registered, all lost, or the server is stopping)."""
-
-
-class WorkerLost(ServiceError):
-    """A worker holding blocks of the call's sequences died or restarted during the call.
-
-    Attributes:
-        worker_id: the worker.
-        seq_ids: the caller's sequences that lost blocks (they now fail with DATA_LOSS).
-    """
-
-    def __init__(self, worker_id: str, seq_ids: list[str], reason: str) -> None:
-        self.worker_id = worker_id
-        self.seq_ids = seq_ids
-        self.reason = reason
-        lost = f" sequences {seq_ids}" if seq_ids else " sequences of this call"
-        super().__init__(
-            f"worker {worker_id!r} was lost ({reason}); the KV of{lost} is gone: free "
-            "them and recompute (create again, append the prompt)"
-        )
+__all__ = ["Status", "status_for"]
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,6 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from cache_service.api.status_mapping import ServiceUnavailable, WorkerLost
 from cache_service.config import CoordinatorConfig
 from cache_service.control.block_manager import BlockManager, BlockManagerConfig
 from cache_service.control.types import (
@@ -67,6 +66,7 @@ from cache_service.engine.call_origin import current_origin
 from cache_service.engine.cancel_safety import run_to_completion
 from cache_service.engine.correctness_check import CorrectnessChecker
 from cache_service.engine.eager_tasks import start_eagerly
+from cache_service.engine.errors import ServiceUnavailable, WorkerLost
 from cache_service.engine.layer_steps import LayerStep, LayerStepCache
 from cache_service.engine.running_checks import RunningCheck, RunningChecks
 from cache_service.engine.sequence_locks import SequenceLocks
@@ -496,7 +496,7 @@ class Coordinator:
 
     Tenants are plain names; the server passes the authenticated one ("default" without
     authentication). Errors: the control plane's (`cache_service.errors`),
-    `status_mapping.ServiceUnavailable` / `WorkerLost`, and `InvalidRequest` for arguments
+    `engine.errors.ServiceUnavailable` / `WorkerLost`, and `InvalidRequest` for arguments
     that do not fit the layout; all leave the state unchanged unless documented.
     """
 
