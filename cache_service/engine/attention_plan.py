@@ -3,7 +3,7 @@
 A sequence's block table is a list of segments, each a contiguous run of logical blocks on
 one worker (``SequenceView``/``Segment`` of ``cache_service.control.block_manager``). Each worker
 attends over its own keys only and returns output + log-sum-exp; the partials merge exactly
-(``kernels.merge_attention_states``), as a split-KV kernel merges its partitions.
+(``workers.partials.merge_states``), as a split-KV kernel merges its partitions.
 
 Causality decides what each query sees of a segment holding keys ``[a, b)``. A query at
 absolute position ``p``
@@ -40,10 +40,10 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
-import kernels
 from cache_service.control.types import Segment
 from cache_service.engine.worker_interface import AttentionResult, WorkerClient
 from workers.kernel_warmup import padded_table_width
+from workers.partials import merge_states
 from workers.parts import joined
 
 __all__ = [
@@ -506,7 +506,7 @@ def merge_partials(plan: AttentionPlan, results: Mapping[str, AttentionResult]) 
         )
         outs[parts, rows] = res.out.to(outs.device)
         lses[parts, rows] = res.lse.to(lses.device)  # type: ignore[union-attr]
-    out, lse = kernels.merge_attention_states(outs, lses)
+    out, lse = merge_states(outs, lses)
     return AttentionResult(out, lse)
 
 
