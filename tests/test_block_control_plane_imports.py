@@ -18,6 +18,7 @@ PURE_MODULES = [
     "cache_service.control.block_manager",
     "cache_service.control.integrity",
     "cache_service.control.records",
+    "cache_service.control.state",
 ]
 FORBIDDEN = ("torch", "triton", "ray", "grpc", "google.protobuf", "numpy")
 

@@ -17,11 +17,12 @@ import secrets
 from array import array
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from cache_service.control.accounting import CacheCounters, CacheStats, WorkerStats, collect_stats
 from cache_service.control.block_pool import BlockPool
-from cache_service.control.eviction import DEFAULT_EVICTION_POLICY, check_policy_name, make_policy
+from cache_service.control.eviction import make_policy
+from cache_service.control.integrity import check_integrity
 from cache_service.control.placement import choose_home, plan_growth
 from cache_service.control.prefix_index import (
     ROOT_KEY,
@@ -35,7 +36,9 @@ from cache_service.control.prefix_index import (
     pack_tokens,
     token_bytes,
 )
+from cache_service.control.records import from_records, to_records
 from cache_service.control.sequence import Sequence, segments_of
+from cache_service.control.state import BlockManagerConfig, LostSequence, Pin
 from cache_service.control.types import (
     BlockCopy,
     CancelledWrite,
@@ -113,57 +116,6 @@ class WriteSnapshot:
     rows: tuple[Any, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class BlockManagerConfig:
-    """Static settings of a block manager.
-
-    Attributes:
-        block_size: token slots per block (> 0).
-        num_layers: model layers each block holds K/V for (> 0).
-        layout_fingerprint: `KVLayout.fingerprint()`; salts every prefix key.
-        tenant_quota_blocks: most distinct blocks one tenant's sequences may reference
-            (a block shared by several of its sequences counts once); None: no limit.
-            The default for tenants without a quota of their own (`set_tenant_quota`).
-        tenant_quota_sequences: most live sequences per tenant; None: no limit. Same
-            default rule.
-        eviction_policy: name of the policy choosing which cached-free block each pool
-            evicts next (cache_service.control.eviction.EVICTION_POLICIES; "lru": least recently
-            released first).
-    """
-
-    block_size: int
-    num_layers: int
-    layout_fingerprint: str
-    tenant_quota_blocks: int | None = None
-    tenant_quota_sequences: int | None = None
-    eviction_policy: str = DEFAULT_EVICTION_POLICY
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "num_layers"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"BlockManagerConfig.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.layout_fingerprint, str) or not self.layout_fingerprint:
-            raise ValueError("BlockManagerConfig.layout_fingerprint must be a non-empty str")
-        for name in ("tenant_quota_blocks", "tenant_quota_sequences"):
-            value = getattr(self, name)
-            if value is not None and (type(value) is not int or value < 1):
-                raise ValueError(
-                    f"BlockManagerConfig.{name} must be None or a positive int, got {value!r}"
-                )
-        try:
-            check_policy_name(self.eviction_policy)
-        except ValueError as exc:
-            raise ValueError(f"BlockManagerConfig.eviction_policy: {exc}") from None
-
-
-class LostSequence(NamedTuple):
-    """Tombstone of a sequence failed by a lost worker (kept until its client frees it)."""
-
-    tenant: str
-    worker_id: str
-
-
 @dataclass(slots=True)
 class _Undo:
     """How to put one sequence back as it was before one prepare_write of a batch."""
@@ -193,15 +145,6 @@ class _Journal:
         self.released = {w: len(ids) for w, ids in released.items()}
         self.steps: list[_Undo] = []
         self.evicted: list[PhysicalBlock] = []
-
-
-@dataclass(slots=True)
-class Pin:
-    """One pinned prefix of one tenant: the blocks it holds a reference on, and how many
-    times it was pinned (each pin adds one reference per block)."""
-
-    blocks: list[PhysicalBlock]
-    count: int
 
 
 class BlockManager:
@@ -1056,16 +999,12 @@ class BlockManager:
         on its tokens); table lengths match reserved tokens; tenant counts and stats agree
         with a recount.
         """
-        from cache_service.control.integrity import check_integrity
-
         check_integrity(self)
 
     # ---- snapshots ----------------------------------------------------------------------
 
     def to_records(self) -> dict[str, Any]:
         """The whole state as plain JSON-able data (see control_records.py)."""
-        from cache_service.control.records import to_records
-
         return to_records(self)
 
     @classmethod
@@ -1075,8 +1014,6 @@ class BlockManager:
         Raises:
             InvalidRequest: malformed or inconsistent records.
         """
-        from cache_service.control.records import from_records
-
         return from_records(cls, records)
 
     # ---- internals ----------------------------------------------------------------------

@@ -39,6 +39,7 @@ from cache_service.control.block_pool import BlockPool
 from cache_service.control.eviction import make_policy
 from cache_service.control.prefix_index import IndexEntry, decode_tokens, encode_tokens
 from cache_service.control.sequence import Sequence
+from cache_service.control.state import BlockManagerConfig, LostSequence, Pin
 from cache_service.control.types import PhysicalBlock
 from cache_service.errors import IntegrityError, InvalidRequest
 
@@ -132,8 +133,6 @@ def from_records(cls: type[BlockManager], records: dict[str, Any]) -> BlockManag
         InvalidRequest: wrong version, missing or mistyped fields, or records that describe
             an inconsistent state (the integrity report is in the message).
     """
-    from cache_service.control.block_manager import BlockManagerConfig, LostSequence
-
     if not isinstance(records, dict) or records.get("version") != RECORDS_VERSION:
         raise InvalidRequest(f"records must be a dict with version {RECORDS_VERSION}")
     try:
@@ -194,8 +193,6 @@ def _restore_sequences(
     m: BlockManager, sequences: list[dict[str, Any]], refcounts: dict[str, list[int]]
 ) -> None:
     """Add the recorded sequences, counting their table references."""
-    from cache_service.control.block_manager import _ref
-
     for s in sequences:
         table = [_block_of(pair, refcounts) for pair in s["table"]]
         seq = Sequence(
@@ -215,7 +212,7 @@ def _restore_sequences(
         counts = m._tenant_blocks.setdefault(seq.tenant, {})
         for block in table:
             refcounts[block.worker_id][block.index] += 1
-            _ref(counts, block)
+            counts[block] = counts.get(block, 0) + 1
 
 
 def _restore_index(
@@ -239,8 +236,6 @@ def _restore_pins(
     m: BlockManager, pins: list[dict[str, Any]], refcounts: dict[str, list[int]]
 ) -> None:
     """Add the recorded pins, counting their references."""
-    from cache_service.control.block_manager import Pin
-
     for pin_record in pins:
         blocks = [_block_of(pair, refcounts) for pair in pin_record["blocks"]]
         count = pin_record["count"]
