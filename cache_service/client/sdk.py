@@ -43,6 +43,20 @@ import torch
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service._proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from cache_service.client.call_stream import CallStream, StreamBroken
+from cache_service.client.errors import (
+    DataLossError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    KVCacheError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+from cache_service.client.layout import ServiceLayout
 from cache_service.client.local_session_stream import (
     LocalSessionStream,
     LocalSessionUnavailable,
@@ -90,6 +104,7 @@ __all__ = [
     "ResourceExhaustedError",
     "SequenceHandle",
     "ServiceInfo",
+    "ServiceLayout",
     "ServiceStats",
     "SharedMemoryUnavailable",
     "UnauthenticatedError",
@@ -103,55 +118,6 @@ _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.floa
 
 
 # ------------------------------------------------------------------------------ errors
-
-
-class KVCacheError(Exception):
-    """A call failed. `code` is the gRPC status code, `message` the server's explanation."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
-
-
-class InvalidArgumentError(KVCacheError):
-    """Bad shapes, dtypes, token counts or layer numbers."""
-
-
-class NotFoundError(KVCacheError):
-    """Unknown sequence id."""
-
-
-class ResourceExhaustedError(KVCacheError):
-    """No room in the pools after eviction, or a tenant quota; free sequences or wait."""
-
-
-class FailedPreconditionError(KVCacheError):
-    """The sequence is not in the state the call needs (e.g. a layer not yet written)."""
-
-
-class DataLossError(KVCacheError):
-    """The sequence's blocks were lost with a worker: free it and recompute."""
-
-
-class UnavailableError(KVCacheError):
-    """The server or its workers cannot serve now; retry later."""
-
-
-class UnauthenticatedError(KVCacheError):
-    """Missing or unknown bearer token."""
-
-
-class PermissionDeniedError(KVCacheError):
-    """The tenant lacks a permission the call needs."""
-
-
-class DeadlineExceededError(KVCacheError):
-    """The call did not finish within its deadline."""
-
-
-class InternalError(KVCacheError):
-    """A server bug or another unexpected status."""
 
 
 _ERRORS: dict[grpc.StatusCode, type[KVCacheError]] = {
@@ -218,7 +184,7 @@ class ServiceInfo:
     """What `info()` returns.
 
     Attributes:
-        layout: the cache layout, a `workers.layout.KVLayout`.
+        layout: the cache layout (`ServiceLayout`).
         workers: the worker pools.
         total_blocks: blocks over all serving workers.
         capacity_tokens: total_blocks * block_size.
@@ -229,7 +195,7 @@ class ServiceInfo:
             none); see `KVCacheClient`'s local_session.
     """
 
-    layout: Any
+    layout: ServiceLayout
     workers: tuple[WorkerInfo, ...]
     total_blocks: int
     capacity_tokens: int
@@ -672,11 +638,9 @@ class KVCacheClient:
 
     def info(self, *, timeout_s: float | None = None) -> ServiceInfo:
         """The layout, workers and capacity of the service."""
-        from workers.layout import KVLayout
-
         r = self._call(self._stub.GetInfo, pb.GetInfoRequest(), timeout_s=timeout_s, retry=True)
         lay = r.layout
-        layout = KVLayout(
+        layout = ServiceLayout(
             num_layers=lay.num_layers,
             num_kv_heads=lay.num_kv_heads,
             head_dim=lay.head_dim,

@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 import torch
 
+from cache_service.client.errors import KVCacheError, ResourceExhaustedError
 from cache_service.wire.request_codec import SharedTensor, SliceRef
 from cache_service.wire.tensor_codec import (
     TensorCodecError,
@@ -359,9 +360,6 @@ class SharedMemoryPath:
         return self._make(needed, timeout_s)
 
     def _make(self, needed: int, timeout_s: float | None) -> _Mapped | None:
-        # client.py imports this module: its error types are looked up when used.
-        from cache_service.client import KVCacheError, ResourceExhaustedError
-
         size = _region_size(needed)
         try:
             try:
@@ -415,8 +413,6 @@ class SharedMemoryPath:
                 self._release_quietly(region.region_id)
 
     def _release_quietly(self, region_id: str) -> None:
-        from cache_service.client import KVCacheError
-
         try:
             self._release(region_id, 5.0)
         except KVCacheError:  # gone already, or the server is away: it reaps idle regions
