@@ -32,7 +32,7 @@ import torch
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service.api.request_decode import decode_append_attend_batch
 from cache_service.api.shared_outputs import SharedOutputs, batch_reply, shared_outputs
-from cache_service.engine.coordinator import StackedAppendAttend
+from cache_service.engine.values import StackedAppendAttend
 from cache_service.engine.worker_interface import AttentionResult
 from cache_service.wire.shared_regions import MappedRegion, OutputSlot, RegionReader, SharedRegions
 from workers.layout import KVLayout

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
-from cache_service.engine.coordinator import (
+from cache_service.engine.values import (
     AppendAttendItem,
     AttendItem,
     JoinedFields,
