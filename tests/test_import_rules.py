@@ -6,7 +6,7 @@ still a dependency; it only hides a cycle from the interpreter). Imports under
 
 Layers, lowest first; a layer imports only itself and the layers its `LAYERS` entry names:
 
-    kernels < workers < base (errors, config, event_loop, _proto) < control < wire
+    kernels < workers < base (errors, config, event_loop, _proto, control.eviction) < control < wire
             < client, obs < engine < api < integrations < cli
 
 - `control` is pure: `cache_service.errors` only, and no torch, Triton, Ray, gRPC or numpy;
@@ -40,6 +40,9 @@ MODULE_LAYERS = {
     "cache_service.event_loop": "base",
     "cache_service._proto": "base",
     "cache_service.health_probe": "cli",  # `python -m cache_service.health_probe`
+    # The eviction policies import nothing of cache_service, so the config can check a
+    # policy name when it loads.
+    "cache_service.control.eviction": "base",
 }
 PACKAGE_LAYERS = {
     "kernels": "kernels",
@@ -58,7 +61,7 @@ LAYERS: dict[str, set[str]] = {
     "kernels": set(),
     "workers": {"kernels"},
     "base": {"workers"},
-    "control": {"cache_service.errors"},
+    "control": {"cache_service.errors", "cache_service.control.eviction"},
     "wire": {"base", "workers"},
     "client": {"cache_service._proto", "wire"},
     "obs": {"base", "control", "wire"},
