@@ -102,7 +102,7 @@ def test_bad_batches_are_refused_and_change_nothing(svc) -> None:
             client.append_attend_batch(0, seqs, [[1, 2, 3], [4]], k2, k2, q)
         with pytest.raises(ValueError, match=r"token_ids\[1\] holds 1 ids but key has 2 new"):
             client.append_attend_batch(0, seqs, [[1, 2], [4]], k2, k2, q)
-        with pytest.raises(ValueError, match="at least one sequence"):
+        with pytest.raises(InvalidArgumentError, match="seq_ids is empty: attend_batch needs"):
             client.attend_batch(0, [], q[:0])
         # The server's refusals: wrong head_dim, unknown sequence, duplicate sequence.
         with pytest.raises(InvalidArgumentError, match="key"):

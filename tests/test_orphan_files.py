@@ -7,11 +7,15 @@ ports): coordinators A and C each create a shared region and serve local session
 folder; A gets SIGKILL; B starts: A's region file and socket folder are gone, C's are
 intact (C still serves its region and sessions). Then B and C stop with SIGTERM and their
 files go too (the orderly path). The unit tests pin the owner rules with a real process
-killed outright and a reused process id.
+killed outright and a reused process id, and the ownership lock: a live owner whose
+process id looks dead to the reclaimer (another pid namespace sharing /dev/shm) keeps its
+files, and an owner that loses its new name to a reclaimer before it locks it makes
+another.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import signal
@@ -34,7 +38,15 @@ from cache_service._proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from cache_service.api.local_sessions import DIR_PREFIX
 from cache_service.wire.shared_regions import default_directory
 from cache_service.wire.worker_channel import ARENA_PREFIX, remove_orphan_arenas
-from workers.owned_files import owned_prefix, owner_alive, parse_owner, reclaim_orphans
+from workers import owned_files, shared_files
+from workers.owned_files import (
+    make_owned_dir,
+    owned_prefix,
+    owner_alive,
+    parse_owner,
+    reclaim_orphans,
+    remove_owned_dir,
+)
 from workers.shared_files import create_mapped
 
 pytestmark = pytest.mark.timeout(300)
@@ -70,12 +82,12 @@ def base36(n: int) -> str:
 # ---- the owner rules, with a real process killed outright -------------------------------
 
 _CHILD = """
-import os, sys, tempfile, time
-from workers.owned_files import owned_prefix
+import os, sys, time
+from workers.owned_files import make_owned_dir, owned_prefix
 from workers.shared_files import create_mapped
 d = sys.argv[1]
-path, _ = create_mapped(d, owned_prefix("kvcache-arena-"), 4096)
-folder = tempfile.mkdtemp(prefix=owned_prefix("kvcache-local-"), dir=d)
+path, mm = create_mapped(d, owned_prefix("kvcache-arena-"), 4096)
+folder, lock = make_owned_dir(d, "kvcache-local-")
 print(path, folder, flush=True)
 time.sleep(600)
 """
@@ -107,7 +119,7 @@ def test_a_killed_makers_files_go_and_a_live_ones_stay() -> None:
         assert parse_owner(os.path.basename(dead_file), "kvcache-arena-").pid == child.pid
         # This process's own files; a name without an owner; another kind's name.
         mine, _ = create_mapped(d, owned_prefix("kvcache-arena-"), 4096)
-        my_folder = tempfile.mkdtemp(prefix=owned_prefix("kvcache-local-"), dir=d)
+        my_folder, my_lock = make_owned_dir(d, "kvcache-local-")
         foreign, _ = create_mapped(d, "kvcache-arena-", 4096)
         # This process's id with another start time: the id was reused by a new process.
         me = parse_owner(os.path.basename(mine), "kvcache-arena-")
@@ -120,6 +132,97 @@ def test_a_killed_makers_files_go_and_a_live_ones_stay() -> None:
         assert sorted(removed) == sorted([dead_file, reused, dead_folder])
         for kept in (mine, my_folder, foreign):
             assert os.path.exists(kept), kept
+        remove_owned_dir(my_folder, my_lock)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def start_owner(d: str) -> tuple[subprocess.Popen[str], str, str]:
+    """A real process that creates an arena file and a folder in ``d`` (holding both) and
+    sleeps; with the paths it printed."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, d],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    line = child.stdout.readline().split()
+    assert len(line) == 2, f"the owner exited with {child.wait(timeout=30)}"
+    return child, line[0], line[1]
+
+
+def reclaim_all(d: str) -> list[str]:
+    return sorted(reclaim_orphans(d, "kvcache-arena-") + reclaim_orphans(d, "kvcache-local-"))
+
+
+def test_a_live_owner_that_looks_dead_keeps_its_files_and_a_killed_ones_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    d = tempfile.mkdtemp(prefix="kvlock")
+    try:
+        child, region, folder = start_owner(d)
+        try:
+            # A client maps the owner's file as usual: the owner's lock is no obstacle.
+            with open(region, "r+b") as f, mmap.mmap(f.fileno(), 4096) as client_map:
+                client_map[:4] = b"seen"
+            # Another pid namespace: the reclaimer sees no live process behind any name.
+            with monkeypatch.context() as m:
+                m.setattr(owned_files, "owner_alive", lambda owner: False)
+                assert reclaim_all(d) == []
+            # A name stating a process id that no process has: the lock still decides.
+            pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+            renamed = os.path.join(d, f"kvcache-arena-{base36(pid_max + 1)}-{base36(5)}-ef56")
+            os.rename(region, renamed)
+            assert not owner_alive(parse_owner(os.path.basename(renamed), "kvcache-arena-"))
+            assert reclaim_all(d) == []
+            assert os.path.isfile(renamed) and os.path.isdir(folder)
+        finally:
+            child.kill()
+            child.wait(timeout=30)
+        # Killed: the kernel dropped its locks, and whatever the pid check says, its files go.
+        with monkeypatch.context() as m:
+            m.setattr(owned_files, "owner_alive", lambda owner: False)
+            assert reclaim_all(d) == sorted([renamed, folder])
+        assert os.listdir(d) == []
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_an_owner_that_loses_its_new_name_before_locking_it_makes_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The race of the module docstring, played in order: a reclaimer (to which the owner's
+    process id looks dead) runs between the owner's create and its lock."""
+    d = tempfile.mkdtemp(prefix="kvrace")
+    monkeypatch.setattr(owned_files, "owner_alive", lambda owner: False)
+    lost: list[str] = []
+    real_claim = owned_files.claim
+
+    def claim_after_a_reclaimer(fd: int, path: str) -> bool:
+        if not lost:
+            lost.extend(reclaim_all(d))
+            assert lost == [path]
+        return real_claim(fd, path)
+
+    try:
+        fds_before = len(os.listdir("/proc/self/fd"))
+        monkeypatch.setattr(shared_files, "claim", claim_after_a_reclaimer)
+        path, mm = create_mapped(d, owned_prefix("kvcache-arena-"), 4096)
+        assert path != lost[0] and os.listdir(d) == [os.path.basename(path)]
+        assert reclaim_all(d) == []  # locked from the moment it was kept
+
+        lost.clear()
+        monkeypatch.setattr(owned_files, "claim", claim_after_a_reclaimer)
+        folder, lock = make_owned_dir(d, "kvcache-local-")
+        assert folder != lost[0] and os.path.isdir(folder)
+        assert reclaim_all(d) == []
+
+        # Letting go leaves no descriptor behind, and then the files are anyone's.
+        mm.close()
+        os.close(lock)
+        assert len(os.listdir("/proc/self/fd")) == fds_before
+        assert reclaim_all(d) == sorted([path, folder])
     finally:
         shutil.rmtree(d, ignore_errors=True)
 

@@ -7,10 +7,13 @@ port on every transport:
   bystander sequence are unchanged;
 - token ids and key / value rows that disagree are named as such, not as a shape error;
 - an empty Attend / AppendAttend is INVALID_ARGUMENT, as empty batch calls are (unary,
-  Session stream and local session).
+  Session stream and local session); the client SDK refuses every empty call itself,
+  before sending, with the error class the server's INVALID_ARGUMENT maps to.
 """
 
 from __future__ import annotations
+
+import socket
 
 import grpc
 import pytest
@@ -132,8 +135,9 @@ def test_empty_calls_are_invalid_on_every_transport(svc, client) -> None:
             assert "empty" in info.value.details(), info.value.details()
     refused(svc, by, lambda: client.attend(0, []), "items is empty")
     refused(svc, by, lambda: client.append_attend(0, []), "items is empty")
-    # The batch calls' other transports (the client refuses an empty batch itself, so the
-    # requests go raw): the gRPC Session stream and the same-host local session.
+    refused(svc, by, lambda: client.attend_batch(0, [], rand(0, 1, HQ, D)), "seq_ids is empty")
+    # The other transports (the client refuses an empty call itself, so the requests go
+    # raw): the gRPC Session stream and the same-host local session.
     empty = [
         pb.SessionRequest(call_id=1, attend_batch=pb.AttendBatchRequest(layer=0)),
         pb.SessionRequest(call_id=2, append_attend_batch=pb.AppendAttendBatchRequest(layer=0)),
@@ -155,3 +159,28 @@ def test_empty_calls_are_invalid_on_every_transport(svc, client) -> None:
         assert "empty" in reply.error.message, reply.error.message
     svc.check_integrity()
     by.assert_unchanged()
+
+
+def test_the_client_refuses_every_empty_call_before_sending() -> None:
+    """Every form of the per-layer call, empty, raises InvalidArgumentError (the class
+    of the server's INVALID_ARGUMENT) from the client itself: its server's port has no
+    listener, so a call that was sent would end UNAVAILABLE instead."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    q, kv = rand(0, 1, HQ, D), rand(0, 1, HKV, D)
+    with KVCacheClient(f"127.0.0.1:{port}", timeout_s=20, max_attempts=1) as nowhere:
+        for call, needle in (
+            (lambda: nowhere.attend(0, []), "items is empty: attend needs at least one item"),
+            (lambda: nowhere.append_attend(0, []), "items is empty: append_attend needs"),
+            (lambda: nowhere.attend_batch(0, [], q), "seq_ids is empty: attend_batch needs"),
+            (
+                lambda: nowhere.append_attend_batch(0, [], [], kv, kv, q),
+                "seq_ids is empty: append_attend_batch needs at least one sequence",
+            ),
+        ):
+            with pytest.raises(InvalidArgumentError) as info:
+                call()
+            assert info.value.code is grpc.StatusCode.INVALID_ARGUMENT
+            assert needle in info.value.message, info.value.message
+            assert "nothing was sent" in info.value.message

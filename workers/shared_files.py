@@ -7,6 +7,11 @@ can open it), is created exclusively and without following links, and has its bl
 allocated at creation: a tmpfs file that is only truncated is sparse, and when the file
 system fills up (a container's /dev/shm is 64 MiB by default) touching a page beyond its
 room kills the toucher with SIGBUS. Allocating turns that into an error here.
+
+The creator owns the file (workers.owned_files): it holds the file's ownership lock on the
+descriptor its mapping keeps, from before the file has any content until the mapping is
+closed, so a reclaimer never removes a file whose creator lives. Processes that only map
+the file take no lock.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import mmap
 import os
 import secrets
 
+from workers.owned_files import claim
 from workers.pinned_ranges import AddressRanges
 
 __all__ = ["SHARED_FILES", "NoRoom", "create_mapped", "unlink_quietly"]
@@ -27,6 +33,9 @@ __all__ = ["SHARED_FILES", "NoRoom", "create_mapped", "unlink_quietly"]
 # once it is mapped and removes it before the file is unlinked.
 SHARED_FILES: AddressRanges[tuple[str, int]] = AddressRanges()
 
+# Names tried (each lost only to a reclaimer of another process that got in first).
+_ATTEMPTS = 8
+
 
 class NoRoom(OSError):
     """The file system has no room for the file (ENOSPC)."""
@@ -34,21 +43,39 @@ class NoRoom(OSError):
 
 def create_mapped(directory: str, prefix: str, size: int) -> tuple[str, mmap.mmap]:
     """A new file of ``size`` bytes in ``directory``, named ``prefix`` + 32 random hex
-    digits, mapped read-write and shared; nothing is left behind on failure.
+    digits, mapped read-write and shared, and owned by this process until the mapping is
+    closed (workers.owned_files); nothing is left behind on failure.
 
     Raises:
         NoRoom: the file system cannot hold ``size`` more bytes.
-        OSError: the file could not be created or mapped.
+        OSError: the file could not be created, locked or mapped.
     """
-    path = os.path.join(directory, prefix + secrets.token_hex(16))
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
     flags |= getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(path, flags, 0o600)
+    for _ in range(_ATTEMPTS):
+        path = os.path.join(directory, prefix + secrets.token_hex(16))
+        fd = os.open(path, flags, 0o600)
+        # A reclaimer may remove the name before the lock is taken: then take another.
+        try:
+            if claim(fd, path):
+                break
+        except BaseException:
+            os.close(fd)
+            unlink_quietly(path)
+            raise
+        os.close(fd)
+    else:
+        raise OSError(
+            errno.EAGAIN,
+            f"could not create a file in {directory}: {_ATTEMPTS} new ones were removed "
+            "before they were locked",
+        )
     try:
         os.fchmod(fd, 0o600)  # exactly 0600 whatever the umask (it can only remove bits)
         os.ftruncate(fd, size)
         _allocate(fd, size, directory)
-        return path, mmap.mmap(fd, size)  # MAP_SHARED, read-write; keeps its own fd
+        # MAP_SHARED, read-write. The mmap keeps a duplicate of fd, and with it the lock.
+        return path, mmap.mmap(fd, size)
     except BaseException:
         unlink_quietly(path)
         raise

@@ -22,7 +22,6 @@ import collections
 import contextlib
 import logging
 import os
-import shutil
 import tempfile
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -36,7 +35,7 @@ from cache_service.engine.call_origin import origin_scope
 from cache_service.engine.eager_tasks import start_eagerly
 from cache_service.wire.local_frames import FrameBuffer, FrameError, frame
 from cache_service.wire.session_codec import session_error
-from workers.owned_files import owned_prefix, reclaim_orphans
+from workers.owned_files import make_owned_dir, reclaim_orphans, remove_owned_dir
 
 __all__ = ["SOCKET_NAME", "Authenticate", "LocalSessions", "hello_status"]
 
@@ -99,6 +98,7 @@ class LocalSessions:
         self._on_change = on_change
         self._server: asyncio.AbstractServer | None = None
         self._directory: str | None = None
+        self._directory_lock = -1  # the descriptor holding the directory's ownership lock
         self._connections: set[_Connection] = set()
         self._draining = False
         self.calls = 0  # calls answered (tests and diagnostics)
@@ -125,9 +125,9 @@ class LocalSessions:
             OSError: the directory or the socket could not be made.
         """
         # A folder of a server that was killed is never removed by it: the first server to
-        # start after it removes it (its name states its maker: workers.owned_files).
+        # start after it removes it (this server holds its own's lock: workers.owned_files).
         reclaim_orphans(parent or tempfile.gettempdir(), DIR_PREFIX)
-        directory = tempfile.mkdtemp(prefix=owned_prefix(DIR_PREFIX), dir=parent)  # mode 0700
+        directory, lock = make_owned_dir(parent, DIR_PREFIX)  # mode 0700
         path = os.path.join(directory, SOCKET_NAME)
         try:
             if len(os.fsencode(path)) > _MAX_PATH_BYTES:
@@ -140,9 +140,9 @@ class LocalSessions:
             self._server = await loop.create_unix_server(lambda: _Connection(self), path)
             os.chmod(path, 0o600)
         except BaseException:
-            shutil.rmtree(directory, ignore_errors=True)
+            remove_owned_dir(directory, lock)
             raise
-        self._directory = directory
+        self._directory, self._directory_lock = directory, lock
         return path
 
     def end(self) -> None:
@@ -169,8 +169,8 @@ class LocalSessions:
                 await asyncio.wait_for(self._server.wait_closed(), timeout=1.0)
             self._server = None
         if self._directory is not None:
-            shutil.rmtree(self._directory, ignore_errors=True)
-            self._directory = None
+            remove_owned_dir(self._directory, self._directory_lock)
+            self._directory, self._directory_lock = None, -1
 
     # -- used by _Connection ---------------------------------------------------------------
 

@@ -33,7 +33,7 @@ import random
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -922,7 +922,12 @@ class KVCacheClient:
 
         Returns, per item in order, the output ``[n, num_q_heads, head_dim]`` (the query's
         dtype), or with return_lse an ``(output, lse)`` pair, lse float32 ``[n, num_q_heads]``.
+
+        Raises:
+            InvalidArgumentError: ``items`` is empty (refused here, before sending), or
+                the server refused the request.
         """
+        _check_not_empty(items, "items", "attend", "item")
         req = encode_attend(layer, [i.seq_id for i in items], [i.query for i in items], return_lse)
         r = self._call(self._attend_raw, req, timeout_s=timeout_s, retry=True)
         return _results(r.results, return_lse)
@@ -938,7 +943,12 @@ class KVCacheClient:
         """Write this layer's new K/V and attend, for a batch of sequences, in one RPC.
 
         Returns what `attend` returns, one entry per item.
+
+        Raises:
+            InvalidArgumentError: ``items`` is empty (refused here, before sending), or
+                the server refused the request.
         """
+        _check_not_empty(items, "items", "append_attend", "item")
         # Each field of all items goes to bytes in one copy when the items' tensors are
         # rows of one tensor, as a model's batch usually is.
         req = encode_append_attend(
@@ -984,10 +994,12 @@ class KVCacheClient:
             return_lse an ``(output, lse)`` pair, lse float32 ``[batch, m, num_q_heads]``.
 
         Raises:
+            InvalidArgumentError: ``seq_ids`` is empty (refused here, before sending), or
+                the server refused the request.
             ValueError: the tensors are not 4-D or their batch sizes differ from seq_ids.
         """
         ids = _id_rows(token_ids)
-        _check_batch(seq_ids, ids, key=key, value=value, query=query)
+        _check_batch("append_attend_batch", seq_ids, ids, key=key, value=value, query=query)
         return self._batch(
             APPEND_ATTEND_BATCH,
             self._append_attend_batch_raw,
@@ -1011,8 +1023,8 @@ class KVCacheClient:
     ) -> Any:
         """`attend` for a batch in a model's layout: query ``[batch, m, num_q_heads,
         head_dim]``, row i for sequence i. Returns the output (and lse) as
-        `append_attend_batch` does."""
-        _check_batch(seq_ids, None, query=query)
+        `append_attend_batch` does; raises as it does."""
+        _check_batch("attend_batch", seq_ids, None, query=query)
         return self._batch(
             ATTEND_BATCH,
             self._attend_batch_raw,
@@ -1114,12 +1126,26 @@ def _id_rows(token_ids: Sequence[Sequence[int]] | torch.Tensor) -> list[list[int
     return rows
 
 
+def _check_not_empty(values: Sized, field: str, call: str, what: str) -> None:
+    """Refuse a call with nothing in ``field`` before sending it, with the error the
+    server's INVALID_ARGUMENT gives (an empty call is a caller's mistake, not a request
+    for nothing), so every form of every call fails alike."""
+    if len(values) == 0:
+        raise InvalidArgumentError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{field} is empty: {call} needs at least one {what} (refused by the client; "
+            "nothing was sent)",
+        )
+
+
 def _check_batch(
-    seq_ids: Sequence[str], token_ids: Sequence[Sequence[int]] | None, **tensors: torch.Tensor
+    call: str,
+    seq_ids: Sequence[str],
+    token_ids: Sequence[Sequence[int]] | None,
+    **tensors: torch.Tensor,
 ) -> None:
+    _check_not_empty(seq_ids, "seq_ids", call, "sequence")
     batch = len(seq_ids)
-    if batch == 0:
-        raise ValueError("a batch call needs at least one sequence")
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor) or t.ndim != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
