@@ -237,7 +237,7 @@ class ServerConfig:
             permanent generation (`gc.freeze`; undone at stop): full collections then walk
             only what was made since, not the hundreds of thousands of long-lived objects of
             torch, Triton and gRPC. Without it a full collection stalled the event loop for
-            92-107 ms on the 2-core VM (benchmarks/results/service-cpu.md, seventh session).
+            about 100 ms on a 2-core host (benchmarks/results/archive/service-cpu.md).
         torch_threads: torch intra-op CPU threads in the server process. None (default):
             torch's own choice when the pools run in-process on the CPU (their attention
             uses them), else 1: the coordinator's tensor work is small copies and checks,

@@ -4,8 +4,8 @@ or uvloop (opt-in: `pip install 'paged-kvcache-service[uvloop]'`).
 The coordinator is one event-loop thread, and under concurrent clients that thread is what
 they share: every call's socket reads and writes (local sessions, the worker channel,
 gRPC's completion queue), its task and future wake-ups and its timers go through the loop's
-machinery, which uvloop implements in C over libuv. Measured on the H200 host (sixteenth
-session, benchmarks/results/service-h200.md): no gain that stands out of the host's noise.
+machinery, which uvloop implements in C over libuv. On the H200 host
+(benchmarks/results/archive/service-h200.md) it gains nothing that stands out of the noise.
 In process without sockets the coordinator spent more CPU per call on uvloop (296-315 us
 against 217-288 us), with local-session clients over sockets its throughput was steadier
 (552-571 against 368-575 tokens/s) but not higher at the median, and the Ray row's

@@ -391,6 +391,53 @@ def run_decode_bench(
     # stops when the last one finishes.
     per_client: list[list[float]] = [[] for _ in range(cfg.clients)]
     errors: list[BaseException] = []
+    workers, barrier, queue = _make_clients(target, token, cfg, processes, per_client, errors)
+    for w in workers:
+        w.start()
+    finished = threading.Event()
+    if processes:
+        # A client process that dies without reaching the barrier (a crash at import) would
+        # leave everyone waiting: break the barrier instead.
+        threading.Thread(target=_watch, args=(workers, barrier, finished), daemon=True).start()
+    server_cpu = None
+    try:
+        barrier.wait()
+        t0 = time.perf_counter()
+        cpu0 = server_cpu_clock() if server_cpu_clock is not None else 0.0
+        barrier.wait()
+        wall = time.perf_counter() - t0
+        if server_cpu_clock is not None:
+            server_cpu = server_cpu_clock() - cpu0
+    except threading.BrokenBarrierError:
+        wall = 0.0
+    finished.set()
+    if processes:
+        _collect_process_times(len(workers), queue, per_client, errors)
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
+    result = BenchResult(cfg, layers)
+    result.call_seconds = [x for times in per_client for x in times]
+    result.wall_seconds = wall
+    result.server_cpu_seconds = server_cpu
+    result.tokens = cfg.steps * cfg.batch * cfg.clients
+    return result
+
+
+def _make_clients(
+    target: str,
+    token: str | None,
+    cfg: BenchConfig,
+    processes: bool,
+    per_client: list[list[float]],
+    errors: list[BaseException],
+) -> tuple[list[Any], Any, Any]:
+    """The clients, not started: ``(threads or processes, the barrier of cfg.clients + 1
+    parties, the queue the processes report on or None)``. A thread appends its step times
+    (seconds) to ``per_client[i]`` and its error to `errors`; a process reports both on
+    the queue."""
+    queue: Any = None
     if processes:
         ctx = multiprocessing.get_context("spawn")
         barrier: Any = ctx.Barrier(cfg.clients + 1)
@@ -413,42 +460,20 @@ def run_decode_bench(
             )
             for i in range(cfg.clients)
         ]
-    for w in workers:
-        w.start()
-    finished = threading.Event()
-    if processes:
-        # A client process that dies without reaching the barrier (a crash at import) would
-        # leave everyone waiting: break the barrier instead.
-        threading.Thread(target=_watch, args=(workers, barrier, finished), daemon=True).start()
-    server_cpu = None
-    try:
-        barrier.wait()
-        t0 = time.perf_counter()
-        cpu0 = server_cpu_clock() if server_cpu_clock is not None else 0.0
-        barrier.wait()
-        wall = time.perf_counter() - t0
-        if server_cpu_clock is not None:
-            server_cpu = server_cpu_clock() - cpu0
-    except threading.BrokenBarrierError:
-        wall = 0.0
-    finished.set()
-    if processes:
-        for _ in workers:
-            try:
-                seed, times, error = queue.get(timeout=30)
-            except Exception:  # queue.Empty: a process died without reporting
-                errors.append(RuntimeError("a client process died; see its stderr"))
-                break
-            per_client[seed - _FIRST_SEED] = times
-            if error is not None:
-                errors.append(RuntimeError(f"client {seed - _FIRST_SEED}: {error}"))
-    for w in workers:
-        w.join()
-    if errors:
-        raise errors[0]
-    result = BenchResult(cfg, layers)
-    result.call_seconds = [x for times in per_client for x in times]
-    result.wall_seconds = wall
-    result.server_cpu_seconds = server_cpu
-    result.tokens = cfg.steps * cfg.batch * cfg.clients
-    return result
+    return workers, barrier, queue
+
+
+def _collect_process_times(
+    clients: int, queue: Any, per_client: list[list[float]], errors: list[BaseException]
+) -> None:
+    """Read each client process's ``(seed, step times, error)`` report into `per_client` and
+    `errors`; a process that died without reporting adds an error and ends the reading."""
+    for _ in range(clients):
+        try:
+            seed, times, error = queue.get(timeout=30)
+        except Exception:  # queue.Empty: a process died without reporting
+            errors.append(RuntimeError("a client process died; see its stderr"))
+            break
+        per_client[seed - _FIRST_SEED] = times
+        if error is not None:
+            errors.append(RuntimeError(f"client {seed - _FIRST_SEED}: {error}"))

@@ -19,8 +19,9 @@ Without ``causal`` every query sees the whole segment: its queries go in chunks 
 ``b - a`` rows (the kernel needs rows <= seq_len per entry). A sequence on one worker stays
 one entry and needs no merge. Every worker gets one batch, i.e. one kernel launch per layer.
 
-Planning (:func:`plan_attention`) is pure; :meth:`WorkerBatch.kernel_args` and
-:func:`merge_partials` build and combine tensors; :func:`run_attention` drives the workers.
+Planning (:func:`plan_attention`) is pure; :meth:`WorkerBatch.kernel_args`
+(``engine.worker_batch``) and :func:`merge_partials` build and combine tensors;
+:func:`run_attention` drives the workers.
 
 The hot path (a decode step: every sequence on one worker) passes :class:`OneWorkerView`
 views, whose block ids are one int32 array each (kept across calls by the block manager):
@@ -31,18 +32,16 @@ those arrays with a few numpy calls.
 from __future__ import annotations
 
 import asyncio
-import functools
-import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from cache_service.control.types import Segment
+from cache_service.engine.worker_batch import AttentionPlanError, KernelEntry, WorkerBatch
 from cache_service.engine.worker_interface import AttentionResult, WorkerClient
-from workers.kernel_warmup import padded_table_width
 from workers.partials import merge_states
 from workers.parts import joined
 
@@ -60,10 +59,6 @@ __all__ = [
     "plan_attention",
     "run_attention",
 ]
-
-
-class AttentionPlanError(ValueError):
-    """A sequence view, query count or worker mapping is inconsistent; nothing was sent."""
 
 
 class SegmentLike(Protocol):
@@ -125,166 +120,6 @@ class OneWorkerView:
             f"OneWorkerView(seq_len={self.seq_len}, worker_id={self.worker_id!r}, "
             f"blocks={len(self.block_ids)})"
         )
-
-
-class KernelEntry(NamedTuple):
-    """One sequence row of a worker's kernel batch.
-
-    Attributes:
-        sequence: index of the sequence in the planned call.
-        block_indices: the worker's physical blocks, logical order (the entry's block table):
-            a tuple of ints, or a read-only int32 array for a :class:`OneWorkerView`.
-        seq_len: keys the entry sees, counted from its first block.
-        first_row: row of its first query in the call's query tensor.
-        num_rows: its queries: rows ``first_row .. first_row + num_rows - 1`` (the entry's
-            last ``num_rows`` positions).
-        part: merge slot (the segment's index within its sequence).
-
-    A NamedTuple: a plan makes one per sequence per call, and tuples are built in C.
-    """
-
-    sequence: int
-    block_indices: tuple[int, ...] | np.ndarray
-    seq_len: int
-    first_row: int
-    num_rows: int
-    part: int
-
-
-@dataclass(frozen=True)
-class WorkerBatch:
-    """Everything one worker computes for a call: one kernel launch."""
-
-    worker_id: str
-    entries: tuple[KernelEntry, ...]
-
-    @functools.cached_property
-    def num_rows(self) -> int:
-        """Query rows the worker computes (rows may repeat across entries)."""
-        return sum(e.num_rows for e in self.entries)
-
-    @functools.cached_property
-    def _rows(self) -> tuple[int, ...]:
-        return tuple(e.first_row + i for e in self.entries for i in range(e.num_rows))
-
-    @functools.cached_property
-    def _rows_in_order(self) -> bool:
-        """Whether the rows are 0, 1, ..., num_rows - 1 (the usual case: no gather)."""
-        row = 0
-        for e in self.entries:
-            if e.first_row != row:
-                return False
-            row += e.num_rows
-        return True
-
-    def rows(self) -> list[int]:
-        """The call's query row of each of the worker's query rows, in order."""
-        return list(self._rows)
-
-    def covers_in_order(self, num_rows: int) -> bool:
-        """Whether the worker's rows are exactly the call's rows ``0 .. num_rows - 1``."""
-        return self._rows_in_order and self.num_rows == num_rows
-
-    def kernel_args(
-        self, query: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The worker's ``(query [R, Hq, D], block_tables int32 [S, max_blocks], seq_lens int32
-        [S], query_start_loc int32 [S + 1])`` for the call's ``query [T, Hq, D]``.
-
-        Raises:
-            AttentionPlanError: a block id of a :class:`OneWorkerView` is negative.
-        """
-        if self.covers_in_order(query.shape[0]):
-            q = query
-        else:
-            q = query.index_select(
-                0, torch.tensor(self._rows, dtype=torch.long, device=query.device)
-            )
-        return (q, *self.metadata_args())
-
-    def metadata_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`kernel_args` less the query: ``(block_tables int32 [S, max_blocks],
-        seq_lens int32 [S], query_start_loc int32 [S + 1])``."""
-        tables, seq_lens, starts = self._metadata
-        return torch.from_numpy(tables), torch.from_numpy(seq_lens), torch.from_numpy(starts)
-
-    def page_base(self, num_layers: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(block tables x num_layers, int32 [S, max_blocks]; each entry's sequence index,
-        [S])``: what `LayerPages.page_tables` adds each round's layers to, made once per
-        batch (a recorded plan serves every round of its steps, on whichever layers).
-
-        Raises:
-            AttentionPlanError: a page id of some layer would pass int32.
-        """
-        kept = self._page_bases.get(num_layers)
-        if kept is None:
-            blocks = self._metadata[0]
-            # Block ids are >= 0: the largest one bounds every page id.
-            top = (np.iinfo(np.int32).max - (num_layers - 1)) // num_layers
-            if blocks.size and int(blocks.max()) > top:
-                _fail("page ids pass int32: too many blocks x layers for one launch")
-            kept = self._page_bases[num_layers] = (blocks * np.int32(num_layers), self.sequences)
-        return kept
-
-    @functools.cached_property
-    def sequences(self) -> np.ndarray:
-        """int64 ``[S]``: the call's sequence index of each entry."""
-        return np.array([e.sequence for e in self.entries], dtype=np.int64)
-
-    @functools.cached_property
-    def _page_bases(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        return {}
-
-    @functools.cached_property
-    def metadata_key(self) -> int:
-        """A random id naming this batch's kernel metadata (`kernel_args` less the query)
-        for the worker, which then validates and copies it once for every call that runs
-        this batch (a decode step's recorded plan: every layer)."""
-        return secrets.randbits(63)
-
-    @functools.cached_property
-    def _metadata(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """int32 block tables ``[S, max_blocks]``, seq_lens ``[S]``, query_start_loc
-        ``[S + 1]`` of the entries: built once per batch (a decode step's recorded plan
-        serves every layer; the workers only read them)."""
-        entries = self.entries
-        n = len(entries)
-        tables = _block_table([e.block_indices for e in entries])
-        seq_lens = np.fromiter((e.seq_len for e in entries), dtype=np.int32, count=n)
-        starts = np.zeros(n + 1, dtype=np.int32)
-        np.cumsum(
-            np.fromiter((e.num_rows for e in entries), dtype=np.int32, count=n), out=starts[1:]
-        )
-        return tables, seq_lens, starts
-
-
-def _block_table(rows: list[tuple[int, ...] | np.ndarray]) -> np.ndarray:
-    """int32 ``[len(rows), w]``, w the longest row padded as the kernels want it
-    (`workers.kernel_warmup.padded_table_width`), each row zero-padded: one array for the
-    whole batch. Arrays (from :class:`OneWorkerView`) are copied in with numpy; tuples go
-    through one flat list (numpy parses nested lists slowly)."""
-    lengths = [len(r) for r in rows]
-    width = padded_table_width(max(lengths))
-    if all(type(r) is np.ndarray for r in rows):
-        if min(lengths) == width:
-            table = np.concatenate(rows).reshape(len(rows), width)
-        else:
-            table = np.zeros((len(rows), width), dtype=np.int32)
-            for i, r in enumerate(rows):
-                table[i, : len(r)] = r
-        # The views' ids were not checked one by one (that would cost a pass per row).
-        if table.size and int(table.min()) < 0:
-            _fail("a block id of a OneWorkerView is negative")
-        return table
-    flat: list[int] = []
-    for r, length in zip(rows, lengths, strict=True):
-        flat += r.tolist() if type(r) is np.ndarray else r
-        if length < width:
-            flat += (0,) * (width - length)
-    table = np.array(flat, dtype=np.int32).reshape(len(rows), width)
-    if any(type(r) is np.ndarray for r in rows) and table.size and int(table.min()) < 0:
-        _fail("a block id of a OneWorkerView is negative")
-    return table
 
 
 @dataclass(frozen=True)
@@ -426,29 +261,50 @@ def plan_attention(
         first_pos = view.seq_len - n  # absolute position of the sequence's first query
         for part, (worker, a, b, blocks) in enumerate(segments):
             entries = per_worker.setdefault(worker, [])
-            if not causal:
-                width = b - a
-                for i0 in range(0, n, width):
-                    m = min(width, n - i0)
-                    entries.append(KernelEntry(s, blocks, b - a, row + i0, m, part))
-                continue
-            # Queries i with a <= first_pos + i < b see keys a..p: one entry.
-            i_lo = max(0, a - first_pos)
-            i_hi = min(n, b - first_pos)
-            if i_lo < i_hi:
-                p_last = first_pos + i_hi - 1
-                length = p_last - a + 1
-                entries.append(
-                    KernelEntry(
-                        s, blocks[: -(-length // block_size)], length, row + i_lo, i_hi - i_lo, part
-                    )
-                )
-            # Queries at or past b see the whole segment: one single-query entry each.
-            for i in range(max(0, b - first_pos), n):
-                entries.append(KernelEntry(s, blocks, b - a, row + i, 1, part))
+            _add_segment_entries(
+                entries, s, part, a, b, blocks, first_pos, n, row, causal, block_size
+            )
         row += n
     batches = tuple(WorkerBatch(w, tuple(e)) for w, e in per_worker.items() if e)
     return AttentionPlan(num_rows=row, num_parts=num_parts, causal=causal, batches=batches)
+
+
+def _add_segment_entries(
+    entries: list[KernelEntry],
+    s: int,
+    part: int,
+    a: int,
+    b: int,
+    blocks: tuple[int, ...] | np.ndarray,
+    first_pos: int,
+    n: int,
+    row: int,
+    causal: bool,
+    block_size: int,
+) -> None:
+    """Append the entries of sequence `s`'s segment holding keys ``[a, b)`` (merge slot
+    `part`, `blocks` its blocks) for its `n` queries at positions ``first_pos ..`` (call
+    rows ``row ..``): the cases of the module docstring."""
+    if not causal:
+        width = b - a
+        for i0 in range(0, n, width):
+            m = min(width, n - i0)
+            entries.append(KernelEntry(s, blocks, b - a, row + i0, m, part))
+        return
+    # Queries i with a <= first_pos + i < b see keys a..p: one entry.
+    i_lo = max(0, a - first_pos)
+    i_hi = min(n, b - first_pos)
+    if i_lo < i_hi:
+        p_last = first_pos + i_hi - 1
+        length = p_last - a + 1
+        entries.append(
+            KernelEntry(
+                s, blocks[: -(-length // block_size)], length, row + i_lo, i_hi - i_lo, part
+            )
+        )
+    # Queries at or past b see the whole segment: one single-query entry each.
+    for i in range(max(0, b - first_pos), n):
+        entries.append(KernelEntry(s, blocks, b - a, row + i, 1, part))
 
 
 def merge_partials(plan: AttentionPlan, results: Mapping[str, AttentionResult]) -> AttentionResult:
@@ -602,12 +458,11 @@ async def run_attention(
     Args:
         plan: from :func:`plan_attention`.
         query: ``[plan.num_rows, Hq, D]`` in the pool dtype (host); or in parts (a list,
-            rows joined in order: a round's callers' queries where each put its own), with
-            the writes' keys and values in parts too and `out` a list of one part per
-            query part (or None). Parts travel as they are to a round over pages
-            (`LayerPages`) that one worker writes and computes in order (the worker reads
-            each part where it lies and writes each output part in place); any other plan
-            joins them first.
+            rows joined in order: a round's callers' queries where each put its own), the
+            writes' keys/values in parts too and `out` one part per query part (or None).
+            Parts travel as they are to a round over pages (`LayerPages`) that one worker
+            writes and computes in order (it reads and writes each part in place); any
+            other plan joins them first.
         layer: layer index, or the layers of a round over several (each write then names
             its new tokens' layers, `WorkerWrite.slot_layers`, its slots per layer).
         clients, epochs: every worker of the plan and of ``writes``, with the epoch expected.
@@ -616,10 +471,10 @@ async def run_attention(
         scale, softcap, sliding_window: as in ``kernels.paged_attention``.
         out: host memory ``[plan.num_rows, Hq, D]`` (the query's dtype) for the output:
             where one worker writes and computes every row in order (nothing to merge),
-            its write_and_attend is asked to copy its output there (a worker in this
-            process does; the result is then that tensor), sparing a copy. A list (with
-            a query in parts): the result's ``out`` is that list where the worker
-            delivered into it, else one tensor of the rows.
+            its write_and_attend is asked to copy its output there, sparing a copy (a
+            worker in this process does; the result is then that tensor). A list (query in
+            parts): the result's ``out`` is that list if the worker delivered into it, else one
+            tensor of the rows.
         check_finite: the writing workers' write_and_attend (or write_and_attend_pages)
             refuse non-finite inputs (workers.errors.NonFiniteInput); for plans where every
             row is written and read by one worker (the caller checks that).
@@ -644,8 +499,96 @@ async def run_attention(
                 check_finite,
             )  # fmt: skip
         query, writes = joined(query), {w: wr.joined() for w, wr in writes.items()}
-    if not isinstance(out, torch.Tensor):
-        out = None
+    attending = {b.worker_id for b in plan.batches}
+    _check_call(plan, query, writes, clients, epochs, pages, attending)
+    out = _direct_out(plan, query, writes, out)
+    want_lse = return_lse or plan.needs_merge
+    args = _batch_args(plan, query, pages)
+    outcome = await _send(
+        plan, args, layer, pages, clients, epochs, writes, attending, want_lse, options, out,
+        check_finite,
+    )  # fmt: skip
+    results = {b.worker_id: r for b, r in zip(plan.batches, outcome, strict=False)}
+    if not plan.batches:
+        return _empty_result(query, return_lse)
+    return merge_partials(plan, results)
+
+
+def _empty_result(query: torch.Tensor, return_lse: bool) -> AttentionResult:
+    """The result of a call without query rows: out ``[0, Hq, D]``, lse float32 ``[0, Hq]``."""
+    return AttentionResult(
+        query.new_empty((0, *query.shape[1:])),
+        torch.empty((0, query.shape[1]), dtype=torch.float32) if return_lse else None,
+    )
+
+
+def _batch_args(
+    plan: AttentionPlan, query: torch.Tensor, pages: LayerPages | None
+) -> list[tuple[torch.Tensor, ...]]:
+    """Each batch's ``(query, tables, seq_lens, query_start_loc)`` (`WorkerBatch.kernel_args`;
+    over pages, the tables as page tables). `run_attention` builds them all before sending:
+    one that cannot be built fails the call before any worker was sent anything."""
+    args = [batch.kernel_args(query) for batch in plan.batches]
+    if pages is not None:
+        args = [
+            (q, pages.page_tables(b), lens, starts)
+            for b, (q, _, lens, starts) in zip(plan.batches, args, strict=True)
+        ]
+    return args
+
+
+async def _send(
+    plan: AttentionPlan,
+    args: list[tuple[torch.Tensor, ...]],
+    layer: int | LayerPages,
+    pages: LayerPages | None,
+    clients: Mapping[str, WorkerClient],
+    epochs: Mapping[str, str],
+    writes: Mapping[str, WorkerWrite],
+    attending: set[str],
+    want_lse: bool,
+    options: dict[str, Any],
+    out: torch.Tensor | None,
+    check_finite: bool,
+) -> list[Any]:
+    """Every worker's call of `run_attention`, concurrently: each batch's (`_call_worker`,
+    `args` its arguments) and a ``write`` for each worker that writes but does not attend.
+    Returns their results, the batches' first; one batch and nothing else is awaited
+    directly (no task to spawn)."""
+    write_only = [
+        clients[w].write(epochs[w], layer, wr.slot_mapping, wr.key, wr.value)
+        for w, wr in writes.items()
+        if w not in attending
+    ]
+    if len(plan.batches) == 1 and not write_only:
+        result = await _call_worker(
+            plan.batches[0], args[0], layer, pages, clients, epochs, writes, want_lse, options,
+            out, check_finite,
+        )  # fmt: skip
+        return [result]
+    return await asyncio.gather(
+        *(
+            _call_worker(
+                b, a, layer, pages, clients, epochs, writes, want_lse, options, out, check_finite
+            )
+            for b, a in zip(plan.batches, args, strict=True)
+        ),
+        *write_only,
+    )
+
+
+def _check_call(
+    plan: AttentionPlan,
+    query: torch.Tensor,
+    writes: Mapping[str, WorkerWrite],
+    clients: Mapping[str, WorkerClient],
+    epochs: Mapping[str, str],
+    pages: LayerPages | None,
+    attending: set[str],
+) -> None:
+    """Refuse a call `run_attention` cannot send: wrong query rows, a worker without a
+    client or epoch, or (over pages) a worker that writes but does not attend (`attending`:
+    the plan's workers)."""
     if query.shape[0] != plan.num_rows:
         _fail(f"query has {query.shape[0]} rows, the plan has {plan.num_rows}")
     workers = [b.worker_id for b in plan.batches]
@@ -653,8 +596,21 @@ async def run_attention(
     for w in workers:
         if w not in clients or w not in epochs:
             _fail(f"worker {w!r} of the plan has no client or no epoch")
-    want_lse = return_lse or plan.needs_merge
-    if out is not None and not (
+    if pages is not None and set(writes) - attending:
+        _fail(f"worker(s) {sorted(set(writes) - attending)} have writes but no attention")
+
+
+def _direct_out(
+    plan: AttentionPlan,
+    query: torch.Tensor,
+    writes: Mapping[str, WorkerWrite],
+    out: torch.Tensor | list[torch.Tensor] | None,
+) -> torch.Tensor | None:
+    """`out` where the plan's one worker writes and computes every row in order (it can
+    deliver its output there), else None."""
+    if not isinstance(out, torch.Tensor):
+        return None
+    if (
         len(plan.batches) == 1
         and not plan.needs_merge
         and plan.batches[0].covers_in_order(plan.num_rows)
@@ -662,68 +618,50 @@ async def run_attention(
         and out.shape == query.shape
         and out.dtype == query.dtype
     ):
-        out = None
+        return out
+    return None
 
-    attending = {b.worker_id for b in plan.batches}
-    if pages is not None and set(writes) - attending:
-        _fail(f"worker(s) {sorted(set(writes) - attending)} have writes but no attention")
 
-    # Every batch's arguments first: one that cannot be built fails the call before any
-    # worker was sent anything.
-    args = [batch.kernel_args(query) for batch in plan.batches]
+async def _call_worker(
+    batch: WorkerBatch,
+    batch_args: tuple[torch.Tensor, ...],
+    layer: int | LayerPages,
+    pages: LayerPages | None,
+    clients: Mapping[str, WorkerClient],
+    epochs: Mapping[str, str],
+    writes: Mapping[str, WorkerWrite],
+    want_lse: bool,
+    options: dict[str, Any],
+    out: torch.Tensor | None,
+    check_finite: bool,
+) -> AttentionResult:
+    """One worker's part of `run_attention`: write and attend, or attend only (over pages
+    with `LayerPages`)."""
+    w = batch.worker_id
+    q, tables, lens, starts = batch_args
     if pages is not None:
-        args = [
-            (q, pages.page_tables(b), lens, starts)
-            for b, (q, _, lens, starts) in zip(plan.batches, args, strict=True)
-        ]
-
-    async def one(batch: WorkerBatch, batch_args: tuple[torch.Tensor, ...]) -> AttentionResult:
-        w = batch.worker_id
-        q, tables, lens, starts = batch_args
-        if pages is not None:
-            if w in writes:
-                wr = writes[w]
-                return await clients[w].write_and_attend_pages(
-                    epochs[w], pages.page_slots(wr), wr.key, wr.value, *batch_args,
-                    return_lse=want_lse, check_finite=check_finite, **options,
-                )  # fmt: skip
-            return await clients[w].attend_pages(
-                epochs[w], *batch_args, return_lse=want_lse, **options
-            )
         if w in writes:
             wr = writes[w]
-            # Only a call that names an output passes one (other clients need not know it).
-            into: dict[str, Any] = {} if out is None else {"out": out}
-            if check_finite:
-                into["check_finite"] = True
-            return await clients[w].write_and_attend(
-                epochs[w], layer, wr.slot_mapping, wr.key, wr.value,
-                q, tables, lens, starts, return_lse=want_lse,
-                metadata_key=batch.metadata_key, **options, **into,
+            return await clients[w].write_and_attend_pages(
+                epochs[w], pages.page_slots(wr), wr.key, wr.value, *batch_args,
+                return_lse=want_lse, check_finite=check_finite, **options,
             )  # fmt: skip
-        return await clients[w].attend(
-            epochs[w], layer, q, tables, lens, starts, return_lse=want_lse,
-            metadata_key=batch.metadata_key, **options,
+        return await clients[w].attend_pages(epochs[w], *batch_args, return_lse=want_lse, **options)
+    if w in writes:
+        wr = writes[w]
+        # Only a call that names an output passes one (other clients need not know it).
+        into: dict[str, Any] = {} if out is None else {"out": out}
+        if check_finite:
+            into["check_finite"] = True
+        return await clients[w].write_and_attend(
+            epochs[w], layer, wr.slot_mapping, wr.key, wr.value,
+            q, tables, lens, starts, return_lse=want_lse,
+            metadata_key=batch.metadata_key, **options, **into,
         )  # fmt: skip
-
-    write_only = [
-        clients[w].write(epochs[w], layer, wr.slot_mapping, wr.key, wr.value)
-        for w, wr in writes.items()
-        if w not in attending
-    ]
-    if len(plan.batches) == 1 and not write_only:  # one worker: no task to spawn
-        outcome = [await one(plan.batches[0], args[0])]
-    else:
-        outcome = await asyncio.gather(
-            *(one(b, a) for b, a in zip(plan.batches, args, strict=True)), *write_only
-        )
-    results = {b.worker_id: r for b, r in zip(plan.batches, outcome, strict=False)}
-    if not plan.batches:
-        return AttentionResult(
-            query.new_empty((0, *query.shape[1:])),
-            torch.empty((0, query.shape[1]), dtype=torch.float32) if return_lse else None,
-        )
-    return merge_partials(plan, results)
+    return await clients[w].attend(
+        epochs[w], layer, q, tables, lens, starts, return_lse=want_lse,
+        metadata_key=batch.metadata_key, **options,
+    )  # fmt: skip
 
 
 def one_writer_in_order(plan: AttentionPlan, writes: Mapping[str, object]) -> bool:

@@ -170,9 +170,16 @@ class ServiceMetrics:
         self._epochs: dict[str, str] = {}
         self._stats_collector: CacheStatsCollector | None = None
         self._loop_collector: LoopCPUCollector | None = None
-        p = prefix
-        reg = registry
+        # Registered in this order, which is the order of the exposition.
+        self._add_rpc_metrics(prefix, registry)
+        self._add_worker_call_metrics(prefix, registry)
+        self._add_token_metrics(prefix, registry)
+        self._add_correctness_metrics(prefix, registry)
+        self._add_worker_state_metrics(prefix, registry)
+        self._add_host_metrics(prefix, registry)
 
+    def _add_rpc_metrics(self, p: str, reg: CollectorRegistry) -> None:
+        """gRPC requests: counts and latency by service, method and status code."""
         self.rpc_requests = Counter(
             f"{p}_rpc_requests",
             "gRPC requests handled, by service, method and final status code.",
@@ -188,6 +195,9 @@ class ServiceMetrics:
             buckets=RPC_BUCKETS,
             registry=reg,
         )
+
+    def _add_worker_call_metrics(self, p: str, reg: CollectorRegistry) -> None:
+        """Coordinator -> worker calls: latency, batch size and coalescing."""
         self.worker_call_duration = Histogram(
             f"{p}_worker_call_duration_seconds",
             "Time of one coordinator -> worker call (one coalesced layer batch: KV writes and "
@@ -217,6 +227,9 @@ class ServiceMetrics:
             ["worker"],
             registry=reg,
         )
+
+    def _add_token_metrics(self, p: str, reg: CollectorRegistry) -> None:
+        """Tokens written and attended, and sequences lost with a worker."""
         self.tokens_appended = Counter(
             f"{p}_tokens_appended", "Tokens whose K/V were written (per layer batch).", registry=reg
         )
@@ -228,6 +241,9 @@ class ServiceMetrics:
             "Sequences failed with DATA_LOSS because a worker holding their blocks was lost.",
             registry=reg,
         )
+
+    def _add_correctness_metrics(self, p: str, reg: CollectorRegistry) -> None:
+        """The online correctness checks: mismatches, their time, discarded checks."""
         self.correctness_mismatches = Counter(
             f"{p}_correctness_mismatches",
             "Online correctness checks whose attention output differed from the reference, "
@@ -249,6 +265,9 @@ class ServiceMetrics:
             "have been reused).",
             registry=reg,
         )
+
+    def _add_worker_state_metrics(self, p: str, reg: CollectorRegistry) -> None:
+        """Per-layer data calls by path, and each worker's liveness and restarts."""
         self._data_call_children: dict[tuple[str, str], Any] = {}
         self._worker_call_children: dict[str, tuple[Any, Any]] = {}
         self.worker_data_calls = Counter(
@@ -273,6 +292,9 @@ class ServiceMetrics:
             ["worker"],
             registry=reg,
         )
+
+    def _add_host_metrics(self, p: str, reg: CollectorRegistry) -> None:
+        """The coordinator process: shared memory, local sessions, event-loop lag."""
         self.shared_memory_regions = Gauge(
             f"{p}_shared_memory_regions",
             "Shared-memory regions held for same-host clients' tensors (all tenants).",

@@ -44,7 +44,16 @@ def stats_families(stats: CacheStats, prefix: str, bytes_per_block: int | None) 
         ratios, prefix-cache counters per tenant, evictions, copy-on-write copies, pinned
         blocks and active sequences.
     """
-    p = prefix
+    return [
+        *_pool_families(stats, prefix, bytes_per_block),
+        *_cluster_families(stats, prefix),
+        *_prefix_families(stats, prefix),
+        *_sequence_families(stats, prefix),
+    ]
+
+
+def _pool_families(stats: CacheStats, p: str, bytes_per_block: int | None) -> list[Metric]:
+    """Per-worker pool gauges: blocks by state, ratios, slots, and bytes if the size is known."""
     capacity = GaugeMetricFamily(
         f"{p}_pool_capacity_blocks", "Blocks in the worker's KV pool.", labels=["worker"]
     )
@@ -103,24 +112,29 @@ def stats_families(stats: CacheStats, prefix: str, bytes_per_block: int | None) 
         if held_bytes is not None and capacity_bytes is not None:
             held_bytes.add_metric([worker_id], w.used * bytes_per_block)
             capacity_bytes.add_metric([worker_id], w.total * bytes_per_block)
+    return families
 
-    families.append(
+
+def _cluster_families(stats: CacheStats, p: str) -> list[Metric]:
+    """Cluster-wide utilization and fragmentation ratios, as the control plane computes them."""
+    return [
         GaugeMetricFamily(
             f"{p}_cluster_utilization_ratio",
             "Used blocks over the capacity of every live worker (0..1), as the control "
             "plane computes it.",
             value=stats.utilization,
-        )
-    )
-    families.append(
+        ),
         GaugeMetricFamily(
             f"{p}_cluster_fragmentation_ratio",
             "Unfilled over allocated token slots across every live worker (0..1), as the "
             "control plane computes it.",
             value=stats.fragmentation,
-        )
-    )
+        ),
+    ]
 
+
+def _prefix_families(stats: CacheStats, p: str) -> list[Metric]:
+    """Prefix-cache counters per tenant, evictions, copy-on-write copies, pinned blocks."""
     queries = CounterMetricFamily(
         f"{p}_prefix_query_tokens",
         "Prompt tokens looked up in the prefix index, per tenant.",
@@ -134,42 +148,39 @@ def stats_families(stats: CacheStats, prefix: str, bytes_per_block: int | None) 
     for tenant in sorted(stats.prefix_query_tokens):
         queries.add_metric([tenant], stats.prefix_query_tokens[tenant])
         hits.add_metric([tenant], stats.prefix_hit_tokens.get(tenant, 0))
-    families += [queries, hits]
-
-    families.append(
+    return [
+        queries,
+        hits,
         CounterMetricFamily(
             f"{p}_prefix_evictions",
             "Cached-free blocks reclaimed by the allocator (dropped from the prefix index).",
             value=stats.evictions,
-        )
-    )
-    families.append(
+        ),
         CounterMetricFamily(
             f"{p}_cow_copies",
             "Copy-on-write block copies (a write into a shared, partly filled block).",
             value=stats.cow_copies,
-        )
-    )
-    families.append(
+        ),
         GaugeMetricFamily(
             f"{p}_pinned_blocks", "Blocks pinned in the prefix cache.", value=stats.pinned_blocks
-        )
-    )
-    families.append(
+        ),
+    ]
+
+
+def _sequence_families(stats: CacheStats, p: str) -> list[Metric]:
+    """Sequences holding a block table, and those lost with a worker but not yet freed."""
+    return [
         GaugeMetricFamily(
             f"{p}_active_sequences",
             "Sequences that hold a block table (created, not freed, not lost).",
             value=stats.active_sequences,
-        )
-    )
-    families.append(
+        ),
         GaugeMetricFamily(
             f"{p}_lost_sequences_pending",
             "Sequences failed by a lost worker whose client has not freed them yet.",
             value=stats.lost_sequences,
-        )
-    )
-    return families
+        ),
+    ]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,480 @@
+"""One generation request through the service: a left-padded batch of service sequences.
+
+:class:`GenerationSession` owns one service sequence per batch row. Per forward it checks
+the step's inputs against the session and plans which columns each row sends
+(:meth:`~GenerationSession.begin_step`), sends each layer's new keys/values and queries in
+one RPC (:meth:`~GenerationSession.attend`) and commits the step once every layer attended
+(:meth:`~GenerationSession.end_step`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cache_service.client import AppendAttendItem, DataLossError, NotFoundError
+from cache_service.integrations.batch_plan import BatchPlan, RowSlice
+from cache_service.integrations.model_features import describe_model
+from cache_service.integrations.service_attention import SERVICE_ATTENTION, ActiveStep
+from cache_service.integrations.service_cache import ServiceKVCache
+
+if TYPE_CHECKING:
+    from cache_service.client import SequenceHandle
+    from cache_service.integrations.service_model import ServiceModel
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """How a :class:`GenerationSession` uses the service.
+
+    Attributes:
+        reuse_prefix: create each sequence with its prompt so the service adopts the longest
+            cached prefix (the prefill then computes only the rest). False starts every
+            sequence empty.
+        free_on_close: free the sequences when the session closes. Their full blocks stay
+            in the service's prefix cache either way.
+    """
+
+    reuse_prefix: bool = True
+    free_on_close: bool = True
+
+
+@dataclass
+class SessionStats:
+    """What a session sent to the service (counts are per layer: every layer sends the same).
+
+    Attributes:
+        cached_tokens: per row, prompt tokens the service already held at creation.
+        prompt_tokens: per row, prompt length without padding.
+        step_columns: per forward, columns the model computed.
+        step_tokens: per forward, tokens sent to the service for each row.
+        rpc_calls: append-and-attend calls (one per layer per forward).
+        rpc_seconds: wall time spent inside them, seconds.
+    """
+
+    cached_tokens: list[int]
+    prompt_tokens: list[int]
+    step_columns: list[int] = field(default_factory=list)
+    step_tokens: list[list[int]] = field(default_factory=list)
+    rpc_calls: int = 0
+    rpc_seconds: float = 0.0
+
+    @property
+    def prefill_tokens(self) -> list[int]:
+        """Per row, tokens the first forward (the prefill) sent."""
+        return list(self.step_tokens[0]) if self.step_tokens else []
+
+
+class GenerationSession:
+    """One request: a left-padded batch whose rows are service sequences.
+
+    Open it with :meth:`ServiceModel.session`; pass :attr:`cache` to ``generate()`` as
+    ``past_key_values`` (or call :meth:`generate`). Closing frees the sequences.
+    """
+
+    def __init__(
+        self,
+        owner: ServiceModel,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        config: SessionConfig,
+    ) -> None:
+        if input_ids.ndim != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+            raise ValueError(
+                f"input_ids must be [batch, columns], got shape {tuple(input_ids.shape)}"
+            )
+        if input_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+        mask = normalise_mask(attention_mask, input_ids.shape)
+        pads = left_padding(mask)
+        self._owner = owner
+        self._config = config
+        self.input_ids = input_ids.detach().cpu()
+        self.attention_mask = mask
+        prompts = [self.input_ids[b, pads[b] :].tolist() for b in range(len(pads))]
+        owner.check_span(max(len(p) for p in prompts), 0)
+        self._handles: list[SequenceHandle] = []
+        self._closed = False
+        self._broken: str | None = None
+        self._active: ActiveStep | None = None
+        try:
+            for prompt in prompts:
+                handle = owner.client.create_sequence(
+                    prompt if config.reuse_prefix else None, namespace=owner.namespace
+                )
+                self._handles.append(handle)
+            cached = [int(h.num_cached_tokens) for h in self._handles]
+            self._seq_ids = [h.seq_id for h in self._handles]
+            self.plan = BatchPlan(pads, cached, int(input_ids.shape[1]))
+        except BaseException:
+            self._free_all(suppress=True)
+            raise
+        self.stats = SessionStats(cached_tokens=cached, prompt_tokens=[len(p) for p in prompts])
+        self.cache = ServiceKVCache(self, owner.layout.num_layers)
+
+    @property
+    def seq_ids(self) -> list[str]:
+        """Service sequence id of each row (kept after the session closes)."""
+        return list(self._seq_ids)
+
+    def generate(self, **generate_kwargs: Any) -> Any:
+        """Run ``model.generate`` on the session's prompt with the service as KV cache.
+
+        Keyword arguments go to ``generate`` (``max_new_tokens``, ``do_sample``, ...);
+        ``input_ids``, ``attention_mask`` and ``past_key_values`` are the session's.
+        """
+        for key in ("input_ids", "attention_mask", "past_key_values", "use_cache"):
+            if key in generate_kwargs:
+                raise ValueError(f"{key!r} is set by the session; do not pass it")
+        defaults = generate_kwargs.get("generation_config") or self._owner.model.generation_config
+        for key in ("num_beams", "num_return_sequences"):
+            if (generate_kwargs.get(key) or getattr(defaults, key, 1) or 1) > 1:
+                # Both multiply the batch rows, and each row here is one service sequence.
+                raise NotImplementedError(
+                    f"{key} > 1 is not supported through the service: open one row per sample"
+                )
+        self._owner.check_span(
+            max(self.stats.prompt_tokens), new_tokens(generate_kwargs, defaults, self.plan)
+        )
+        device = self._owner.model.device
+        return self._owner.model.generate(
+            input_ids=self.input_ids.to(device),
+            attention_mask=self.attention_mask.to(device),
+            past_key_values=self.cache,
+            use_cache=True,
+            **generate_kwargs,
+        )
+
+    def close(self) -> None:
+        """Free the sequences (if the config says so). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._owner._sessions.discard(self)
+        if self._config.free_on_close:
+            self._free_all(suppress=False)
+
+    def __enter__(self) -> GenerationSession:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as close_error:  # the original error matters more
+            exc.add_note(f"closing the service session also failed: {close_error!r}")
+
+    # --- called by the model hooks and the attention function --------------------------
+
+    def begin_step(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> tuple[ActiveStep, torch.Tensor]:
+        """Check a forward's inputs against the session and plan what each row sends.
+
+        Args:
+            input_ids: int ``[batch, q]``, columns ``[consumed, consumed + q)`` of the batch.
+            attention_mask: 0/1 ``[batch, consumed + q]`` or None.
+            position_ids: int ``[batch or 1, q]`` or None.
+
+        Returns:
+            (the step, the position ids ``[batch, q]`` the model must use).
+        """
+        self._check_usable()
+        plan = self.plan
+        if input_ids.ndim != 2 or input_ids.shape[0] != plan.batch_size:
+            raise ValueError(
+                f"input_ids must be [{plan.batch_size}, q] for this session, got {tuple(input_ids.shape)}"
+            )
+        q = int(input_ids.shape[1])
+        start = plan.consumed
+        ids = input_ids.detach().cpu()
+        if start < plan.prompt_columns:
+            stop = min(start + q, plan.prompt_columns)
+            if not torch.equal(ids[:, : stop - start], self.input_ids[:, start:stop]):
+                raise ValueError(
+                    f"input_ids columns {start}..{stop} differ from the session's prompt; "
+                    "open a new session for another prompt"
+                )
+        if attention_mask is not None:
+            self._check_mask(attention_mask, start, q)
+        step = plan.plan(q)
+        longest = max(r.start_position + r.count for r in step.rows)
+        span = self._owner.span
+        if span is not None and longest > span.size:
+            raise NotImplementedError(
+                f"{describe_model(self._owner.model)} limits attention to {span.size} tokens "
+                f"({span.source}); this step would make a sequence {longest} tokens long, "
+                "and the service computes full causal attention only"
+            )
+        expected_positions = torch.zeros(plan.batch_size, q, dtype=torch.long)
+        token_ids = []
+        for row in step.rows:
+            offset = row.first_column - start
+            expected_positions[row.row] = torch.arange(q) - offset + row.start_position
+            token_ids.append(ids[row.row, offset:].tolist())
+        if position_ids is not None:
+            given = position_ids.detach().cpu().expand(plan.batch_size, q)
+            for row in step.rows:
+                offset = row.first_column - start
+                if row.count and not torch.equal(
+                    given[row.row, offset:], expected_positions[row.row, offset:]
+                ):
+                    raise ValueError(
+                        f"row {row.row}: position_ids {given[row.row, offset:].tolist()} do not "
+                        f"match the service positions starting at {row.start_position}"
+                    )
+        self._active = ActiveStep(self, step, token_ids)
+        return self._active, expected_positions.clamp_min(0)
+
+    def end_step(self, step: ActiveStep, failed: bool) -> None:
+        """Commit a finished forward; a forward that failed or skipped layers breaks the session."""
+        self._active = None
+        missing = set(range(self._owner.layout.num_layers)) - step.layers_done
+        if failed or missing:
+            # Some layers may have written and others not: the sequences are inconsistent.
+            self._broken = (
+                f"forward step {step.plan.index} failed"
+                if failed
+                else f"layers {sorted(missing)} did not attend through the service"
+            )
+            if not failed:
+                raise RuntimeError(
+                    f"{self._broken}: the model is not routed to {SERVICE_ATTENTION!r}"
+                )
+            return
+        self.plan.commit(step.plan)
+        self.stats.step_columns.append(step.plan.num_columns)
+        self.stats.step_tokens.append([r.count for r in step.plan.rows])
+
+    def attend(
+        self,
+        step: ActiveStep,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float | None,
+    ) -> torch.Tensor:
+        """Append one layer's new K/V and attend its queries, for every row, in one RPC.
+
+        Args:
+            layer: the model's layer index (= the service's).
+            query: ``[batch, q_heads, q, head_dim]`` after rotary embedding.
+            key, value: ``[batch, kv_heads, q, head_dim]`` after rotary embedding (keys).
+            scaling: the model's softmax scale (None = ``head_dim ** -0.5``).
+
+        Returns:
+            ``[batch, q, q_heads, head_dim]`` in the query's dtype; zeros where nothing
+            was sent (padding, cached prefix).
+        """
+        self._check_attend(step, layer, query, key, value)
+        batch, num_q_heads, q, head_dim = query.shape
+        rows = [r for r in step.plan.rows if r.count]
+        width = max((r.count for r in rows), default=0)
+        # One device-to-host copy per tensor per layer (the client sends CPU bytes), not one
+        # per row; K/V go in the service's KV dtype, queries in the model's (the output
+        # comes back in the query's dtype).
+        kv_dtype = self._owner.kv_dtype
+        q_host = query[:, :, q - width :, :].transpose(1, 2).to("cpu")
+        k_host = key[:, :, q - width :, :].transpose(1, 2).to("cpu", kv_dtype)
+        v_host = value[:, :, q - width :, :].transpose(1, 2).to("cpu", kv_dtype)
+        # The service applies head_dim ** -0.5; another model scale is folded into the query.
+        factor = 1.0 if scaling is None else scaling * math.sqrt(head_dim)
+        if not math.isclose(factor, 1.0, rel_tol=1e-6):
+            q_host = q_host * factor
+        out = torch.zeros(batch, q, num_q_heads, head_dim, dtype=query.dtype)
+        outputs = self._append_attend(step, layer, rows, width, k_host, v_host, q_host)
+        if len(outputs) != len(rows):
+            raise RuntimeError(f"service returned {len(outputs)} outputs for {len(rows)} rows")
+        for r, o in zip(rows, outputs, strict=True):
+            if tuple(o.shape) != (r.count, num_q_heads, head_dim):
+                raise RuntimeError(
+                    f"service output for row {r.row} has shape {tuple(o.shape)}, "
+                    f"expected {(r.count, num_q_heads, head_dim)}"
+                )
+            out[r.row, q - r.count :] = o
+        step.layers_done.add(layer)
+        return out.to(query.device)
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _check_attend(
+        self,
+        step: ActiveStep,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
+        """Refuse an attention call outside the current step, repeated, or of the wrong shape."""
+        if step is not self._active:
+            raise RuntimeError("attention called outside the session's current forward step")
+        if layer in step.layers_done:
+            raise RuntimeError(f"layer {layer} attended twice in one forward step")
+        layout = self._owner.layout
+        if not 0 <= layer < layout.num_layers:
+            raise ValueError(
+                f"attention layer_idx {layer} is outside the model's {layout.num_layers} layers"
+            )
+        _, num_q_heads, q, head_dim = query.shape
+        if (num_q_heads, head_dim, tuple(key.shape[1:])) != (
+            layout.num_q_heads,
+            layout.head_dim,
+            (layout.num_kv_heads, q, head_dim),
+        ) or tuple(value.shape) != tuple(key.shape):
+            raise ValueError(
+                f"layer {layer}: query {tuple(query.shape)} / key {tuple(key.shape)} do not "
+                f"match the model layout {layout}"
+            )
+
+    def _append_attend(
+        self,
+        step: ActiveStep,
+        layer: int,
+        rows: list[RowSlice],
+        width: int,
+        k_host: torch.Tensor,
+        v_host: torch.Tensor,
+        q_host: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        """Send the rows' new K/V and queries of one layer in one RPC; one output per row.
+
+        ``k_host``/``v_host``/``q_host`` are ``[batch, width, heads, head_dim]`` on the host,
+        right-aligned: row ``r`` sends its last ``r.count`` of the ``width`` columns. A
+        failed call breaks the session (some layers may have written and others not).
+        """
+        batch = k_host.shape[0]
+        client = self._owner.client
+        # Every row sending the same number of tokens (a decode step, an unpadded prefill):
+        # the batch goes as [batch, ...] tensors, the cheaper form of the call.
+        uniform = [r.row for r in rows] == list(range(batch)) and all(
+            r.count == width for r in rows
+        )
+        t0 = time.perf_counter()
+        try:
+            if uniform:
+                stacked = client.append_attend_batch(
+                    layer,
+                    [self._seq_ids[r.row] for r in rows],
+                    [step.token_ids[r.row] for r in rows],
+                    k_host,
+                    v_host,
+                    q_host,
+                )
+                outputs = list(stacked)
+            else:
+                items = [
+                    AppendAttendItem(
+                        seq_id=self._seq_ids[r.row],
+                        token_ids=step.token_ids[r.row],
+                        key=k_host[r.row, width - r.count :],
+                        value=v_host[r.row, width - r.count :],
+                        query=q_host[r.row, width - r.count :],
+                    )
+                    for r in rows
+                ]
+                outputs = client.append_attend(layer, items)
+        except BaseException:
+            self._broken = f"append_attend failed on layer {layer} of step {step.plan.index}"
+            raise
+        self.stats.rpc_seconds += time.perf_counter() - t0
+        self.stats.rpc_calls += 1
+        return outputs
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("the service session is closed")
+        if self._broken is not None:
+            raise RuntimeError(
+                f"the service session is unusable ({self._broken}); its sequences may be "
+                "partly written: close it and open a new one"
+            )
+        if self._active is not None:
+            raise RuntimeError("a forward step of this session is already running")
+
+    def _check_mask(self, attention_mask: torch.Tensor, start: int, q: int) -> None:
+        if attention_mask.ndim != 2:
+            raise ValueError(
+                f"only 2D 0/1 attention masks are supported, got shape {tuple(attention_mask.shape)}"
+            )
+        if attention_mask.shape != (self.plan.batch_size, start + q):
+            raise ValueError(
+                f"attention_mask must be [{self.plan.batch_size}, {start + q}] at this step, "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        got = attention_mask[:, start:].detach().cpu().to(torch.long)
+        want = torch.tensor(self.plan.expected_mask(start, start + q), dtype=torch.long)
+        if not torch.equal(got, want):
+            raise ValueError(
+                "attention_mask must keep the session's left padding and mark every new "
+                f"column as a token (columns {start}..{start + q})"
+            )
+
+    def _free_all(self, suppress: bool) -> None:
+        """Free every sequence (trying all of them); raise the first failure unless suppress."""
+        errors = []
+        for handle in self._handles:
+            try:
+                self._owner.client.free(handle.seq_id)
+            except (NotFoundError, DataLossError):
+                pass  # already gone (freed elsewhere, or lost with a worker)
+            except Exception as e:
+                errors.append(e)
+        self._handles = []
+        if errors and not suppress:
+            raise RuntimeError(
+                f"freeing {len(errors)} sequence(s) failed: {errors[0]!r}"
+            ) from errors[0]
+
+
+def new_tokens(generate_kwargs: dict[str, Any], defaults: Any, plan: BatchPlan) -> int:
+    """The most tokens ``generate()`` may add to a row, from its kwargs or generation config."""
+    new = generate_kwargs.get("max_new_tokens")
+    if new is None and "max_length" in generate_kwargs:
+        return max(0, int(generate_kwargs["max_length"]) - plan.prompt_columns)
+    if new is None:
+        new = getattr(defaults, "max_new_tokens", None)
+    if new is None:
+        max_length = getattr(defaults, "max_length", None) or 20
+        return max(0, int(max_length) - plan.prompt_columns)
+    return int(new)
+
+
+def normalise_mask(attention_mask: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
+    if attention_mask is None:
+        return torch.ones(tuple(shape), dtype=torch.long)
+    if tuple(attention_mask.shape) != tuple(shape):
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} differs from input_ids {tuple(shape)}"
+        )
+    mask = attention_mask.detach().cpu().to(torch.long)
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+    return mask
+
+
+def left_padding(mask: torch.Tensor) -> list[int]:
+    """Padding columns per row; raises unless every row is ``0 .. 0 1 .. 1`` with a token."""
+    pads = []
+    for b in range(mask.shape[0]):
+        row = mask[b]
+        n_tokens = int(row.sum())
+        if n_tokens == 0:
+            raise ValueError(f"row {b} has no tokens (all padding)")
+        pad = row.shape[0] - n_tokens
+        if int(row[pad:].sum()) != n_tokens:
+            raise ValueError(
+                f"row {b} is not left-padded: the service needs padding_side='left' "
+                "(all padding before the first token)"
+            )
+        pads.append(pad)
+    return pads
