@@ -32,8 +32,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from kernels.launch import CachedLauncher, DirectLaunch, current_stream_handle, hooks_installed
+from kernels import launch_plans
+from kernels.launch import CachedLauncher, current_stream_handle
+from kernels.launch_plans import LaunchPlan, keep_plan
 from kernels.merge_states import merge_partitions, pdl_supported
+from kernels.split_buffers import split_buffers
 from kernels.validation import AttentionProblem, KernelArgumentError
 
 __all__ = [
@@ -1043,7 +1046,7 @@ def paged_attention_triton(
             device_index,
             stream,
         )
-        plan = _PLANS.get(plan_key)
+        plan = launch_plans.PLANS.get(plan_key)
         if plan is not None:
             result = plan.launch(
                 stream, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out
@@ -1056,91 +1059,6 @@ def paged_attention_triton(
         return_lse=return_lse, out=out, config=config, diagnostic=_diagnostic,
         plan_key=plan_key,
     )  # fmt: skip
-
-
-class _LaunchPlan:
-    """The launch of one call shape with everything but the tensors' addresses worked out:
-    grid, scalar arguments, compile-time constants, the compiled kernel, the split path's
-    buffers (this stream's; kept alive here).
-
-    Valid for calls whose plan key matches (see :func:`paged_attention_triton`) and whose
-    tensors all start on 16-byte boundaries, as they did when the kernel was compiled
-    (Triton specializes pointers on that); :meth:`launch` declines other calls, calls
-    under CUDA-graph capture (which need buffers the graph owns) and calls a launch hook
-    must see.
-    """
-
-    __slots__ = ("buffers", "grid", "head", "lse_shape", "out_shape", "part_ptrs", "run", "tail")
-
-    def __init__(
-        self,
-        launch: DirectLaunch,
-        grid: tuple[int, int, int],
-        tail: tuple,
-        out_shape: tuple[int, int, int],
-        return_lse: bool,
-        buffers: tuple[torch.Tensor, ...],
-    ) -> None:
-        self.run = launch.run
-        self.head = launch.head
-        self.grid = grid
-        self.tail = tail
-        self.out_shape = out_shape
-        self.lse_shape = out_shape[:2] if return_lse else None
-        self.buffers = buffers
-        # Partial outputs, their LSEs and the merge counters; None unsplit (the kernel never
-        # reads them then, the output's address stands in).
-        self.part_ptrs = tuple(b.data_ptr() for b in buffers) if buffers else None
-
-    def launch(
-        self,
-        stream: int,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        out: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Launch on ``stream`` (the current one, a raw handle); None (nothing launched) when
-        the plan does not apply."""
-        if torch.cuda.is_current_stream_capturing() or hooks_installed():
-            return None
-        q_ptr = query.data_ptr()
-        k_ptr = key_cache.data_ptr()
-        v_ptr = value_cache.data_ptr()
-        bt_ptr = block_tables.data_ptr()
-        sl_ptr = seq_lens.data_ptr()
-        qsl_ptr = query_start_loc.data_ptr()
-        if out is not None:
-            o_ptr = out.data_ptr()
-            if (q_ptr | k_ptr | v_ptr | bt_ptr | sl_ptr | qsl_ptr | o_ptr) & 15:
-                return None
-        elif (q_ptr | k_ptr | v_ptr | bt_ptr | sl_ptr | qsl_ptr) & 15:
-            return None
-        else:
-            out = query.new_empty(self.out_shape)  # the caching allocator aligns it
-            o_ptr = out.data_ptr()
-        if self.lse_shape is not None:
-            lse = query.new_empty(self.lse_shape, dtype=torch.float32)
-            lse_ptr = lse.data_ptr()
-        else:
-            lse = None
-            lse_ptr = o_ptr
-        grid = self.grid
-        self.run(
-            grid[0], grid[1], grid[2], stream, *self.head,
-            q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, qsl_ptr, o_ptr, lse_ptr,
-            *(self.part_ptrs or (o_ptr, o_ptr, o_ptr)), *self.tail,
-        )  # fmt: skip
-        return out, lse
-
-
-# Plans by call shape (see paged_attention_triton). A service sees a few shapes per model;
-# the bound only caps what unusual callers (a table width per step) can pin, buffers included.
-_PLANS: dict[tuple, _LaunchPlan] = {}
-_MAX_PLANS = 256
 
 
 def _launch_and_plan(
@@ -1205,7 +1123,7 @@ def _launch_and_plan(
     grid_q = num_q_programs(T, problem.num_seqs, config.block_q)
     fused = split and config.fused_merge
     if split:
-        part_out, part_lse, counters = _split_buffers(
+        part_out, part_lse, counters = split_buffers(
             device, T * Hq * parts, D, grid_q * problem.num_kv_heads if fused else 0,
             cached_counters,
         )  # fmt: skip
@@ -1293,9 +1211,7 @@ def _launch_and_plan(
         and not torch.cuda.is_current_stream_capturing()
         and (out_given or out.stride() == (Hq * D, D, 1))
     ):
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[plan_key] = _LaunchPlan(
+        plan = LaunchPlan(
             launch,
             grid,
             (*scalars, *constexprs.values()),
@@ -1303,6 +1219,7 @@ def _launch_and_plan(
             return_lse,
             (part_out, part_lse, counters) if split else (),
         )
+        keep_plan(plan_key, plan)
     return out, lse
 
 
@@ -1342,70 +1259,6 @@ def _prev_pow2(x: int) -> int:
 
 
 _ATTENTION_LAUNCHER = CachedLauncher(_paged_attention_kernel)
-
-# Per (device, stream): the split path's float32 partials (outputs, then LSEs) and its
-# zeroed int32 merge counters, one lookup for both.
-_SPLIT_BUFFERS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _split_buffers(
-    device: torch.device, rows: int, head_dim: int, n_counters: int, cached_in_capture: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(part_out [rows * head_dim], part_lse [rows], counters [n_counters])``: float32
-    partial outputs and LSEs, and zeroed int32 arrival counters for the fused merge.
-
-    Kept per (device, stream) and grown on demand: launches on one stream run in order, so
-    a call's kernels cannot overwrite what the previous call's kernels still read; separate
-    streams get separate buffers because their launches may overlap. The kernel leaves
-    every counter it used at zero again, so one counter buffer serves every call on a
-    stream. Under CUDA-graph capture the buffers are fresh allocations the graph owns (the
-    counters' zero-fill then runs with every replay), unless ``cached_in_capture``
-    (diagnostic only: the counters stay the per-device eager buffer, unsafe if two captured
-    graphs or streams use it at once).
-    """
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        partials = torch.empty(max(rows * (head_dim + 1), 1), dtype=torch.float32, device=device)
-        counters = None
-        if not cached_in_capture:
-            counters = torch.zeros(max(n_counters, 1), dtype=torch.int32, device=device)
-    else:
-        if device.type == "cuda":
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            key = (device, current_stream_handle(index))
-        else:
-            key = (device, 0)
-        partials, counters = _split_buffers_at(key, device, rows * (head_dim + 1), n_counters)
-    if cached_in_capture:
-        # One per-device counter buffer, eager and under capture alike (an eager call
-        # creates it before capture, or the capture records its allocation).
-        counters = _split_buffers_at((device, -1), device, 0, n_counters)[1]
-    return (
-        partials[: rows * head_dim],
-        partials[rows * head_dim : rows * (head_dim + 1)],
-        counters[:n_counters],
-    )
-
-
-def _split_buffers_at(
-    key: tuple[torch.device, int], device: torch.device, numel: int, n_counters: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (partials, counters) pair under ``key``, each grown to at least its size."""
-    pair = _SPLIT_BUFFERS.get(key)
-    if pair is None or pair[0].numel() < numel or pair[1].numel() < n_counters:
-        old_p, old_c = pair if pair is not None else (None, None)
-        partials = (
-            old_p
-            if old_p is not None and old_p.numel() >= numel
-            else torch.empty(max(numel, 1024), dtype=torch.float32, device=device)
-        )
-        counters = (
-            old_c
-            if old_c is not None and old_c.numel() >= n_counters
-            else torch.zeros(max(n_counters, 1024), dtype=torch.int32, device=device)
-        )
-        pair = (partials, counters)
-        _SPLIT_BUFFERS[key] = pair
-    return pair
 
 
 def _parse_diagnostic(names: str) -> tuple[int, bool, bool]:
