@@ -33,7 +33,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from kernels import launch_plans
-from kernels.launch import CachedLauncher, current_stream_handle
+from kernels.launch import CachedLauncher, DirectLaunch, current_stream_handle
 from kernels.launch_plans import LaunchPlan, keep_plan
 from kernels.merge_states import merge_partitions, pdl_supported
 from kernels.split_buffers import split_buffers
@@ -1094,30 +1094,16 @@ def _launch_and_plan(
     lse = torch.empty(T, Hq, dtype=torch.float32, device=device) if return_lse else None
     if T == 0:
         return out, lse
-    if config is None:
-        config = choose_config(problem, query.dtype, num_sms(device))
-    if config.block_m < config.block_q * problem.group:
-        raise KernelArgumentError(
-            f"AttentionConfig.block_m={config.block_m} cannot hold block_q={config.block_q} "
-            f"tokens x {problem.group} heads"
-        )
+    config = _checked_config(problem, query.dtype, device, config)
     # Partitions split each tile's own KV range on the device; at least one tile of the
     # table's capacity each, so none is empty for a sequence that fills its table.
-    max_tiles = _cdiv(problem.max_kv_len, config.tile_n)
-    parts = max(1, min(config.num_partitions, max_tiles))
-
+    parts = max(1, min(config.num_partitions, _cdiv(problem.max_kv_len, config.tile_n)))
     scale = D**-0.5 if scale is None else float(scale)
-    use_softcap = softcap is not None
-    qk_scale = scale if use_softcap else scale * _LOG2E
-    plannable = plan_key is not None
-    if not (seq_lens.is_contiguous() and query_start_loc.is_contiguous()):
-        seq_lens = seq_lens.contiguous()
-        query_start_loc = query_start_loc.contiguous()
-        plannable = False  # a plan launches the caller's tensors as they are
-    if block_tables.stride(1) != 1:  # the kernel walks a row with unit stride
-        block_tables = block_tables.contiguous()
-        plannable = False
-
+    qk_scale = scale if softcap is not None else scale * _LOG2E
+    block_tables, seq_lens, query_start_loc, as_given = _kernel_indices(
+        block_tables, seq_lens, query_start_loc
+    )
+    plannable = plan_key is not None and as_given  # a plan launches the caller's tensors
     diag, unguarded_loops, cached_counters = _parse_diagnostic(diagnostic)
     split = parts > 1
     grid_q = num_q_programs(T, problem.num_seqs, config.block_q)
@@ -1127,17 +1113,105 @@ def _launch_and_plan(
             device, T * Hq * parts, D, grid_q * problem.num_kv_heads if fused else 0,
             cached_counters,
         )  # fmt: skip
-        if not fused:
-            counters = out
+        counters = counters if fused else out
         plannable = plannable and fused  # the separate merge is a second launch
     else:
         part_out = part_lse = counters = out  # never dereferenced
     lse_arg = lse if lse is not None else out  # never dereferenced without WRITE_LSE
     # Programmatic dependent launch lets the merge kernel's launch overlap this kernel's tail.
     pdl = split and not fused and pdl_supported(device)
-
     grid = (grid_q, problem.num_kv_heads, parts)
-    scalars = (
+    tensors = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out)
+    tensors = (*tensors, lse_arg, part_out, part_lse, counters)
+    scalars = _scalar_args(problem, grid_q, parts, tensors, qk_scale, softcap, sliding_window)
+    constexprs = _constexpr_args(
+        problem, config, query.dtype, parts, causal=causal, sliding_window=sliding_window,
+        use_softcap=softcap is not None, fused=fused, return_lse=return_lse, pdl=pdl,
+        unguarded_loops=unguarded_loops, diag=diag,
+    )  # fmt: skip
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    launch = _ATTENTION_LAUNCHER(grid, (*tensors, *scalars), constexprs, **options)
+    if split and not fused:
+        merge_partitions(
+            part_out.view(T, Hq, parts, D), part_lse.view(T, Hq, parts), out, lse, pdl=pdl
+        )
+    if plannable and launch is not None and (out_given or out.stride() == (Hq * D, D, 1)):
+        buffers = (part_out, part_lse, counters) if split else ()
+        tail = (*scalars, *constexprs.values())
+        _keep_plan(plan_key, launch, grid, tensors, tail, (T, Hq, D), return_lse, buffers)  # type: ignore[arg-type]
+    return out, lse
+
+
+def _kernel_indices(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """The index tensors as the kernel reads them (contiguous lengths and offsets, table
+    rows of unit stride), and whether they are the caller's own (no copy was needed)."""
+    as_given = True
+    if not (seq_lens.is_contiguous() and query_start_loc.is_contiguous()):
+        seq_lens = seq_lens.contiguous()
+        query_start_loc = query_start_loc.contiguous()
+        as_given = False
+    if block_tables.stride(1) != 1:  # the kernel walks a row with unit stride
+        block_tables = block_tables.contiguous()
+        as_given = False
+    return block_tables, seq_lens, query_start_loc, as_given
+
+
+def _keep_plan(
+    plan_key: tuple,
+    launch: DirectLaunch,
+    grid: tuple[int, int, int],
+    tensors: tuple[torch.Tensor, ...],
+    tail: tuple,
+    out_shape: tuple[int, int, int],
+    return_lse: bool,
+    buffers: tuple[torch.Tensor, ...],
+) -> None:
+    """Keep the launch just made as the plan of its call shape, unless a later call could
+    not reuse it: a tensor off 16-byte alignment (the compiled kernel assumed it), or a
+    launch under CUDA-graph capture (its buffers are the graph's own)."""
+    if any(t.data_ptr() % 16 for t in tensors) or torch.cuda.is_current_stream_capturing():
+        return
+    keep_plan(plan_key, LaunchPlan(launch, grid, tail, out_shape, return_lse, buffers))
+
+
+def _checked_config(
+    problem: AttentionProblem,
+    dtype: torch.dtype,
+    device: torch.device,
+    config: AttentionConfig | None,
+) -> AttentionConfig:
+    """`config`, or :func:`choose_config`'s for this device when None, checked against the
+    problem (a query tile's rows must hold ``block_q`` tokens times the group's heads).
+
+    Raises:
+        KernelArgumentError: a config whose ``block_m`` is too small.
+    """
+    if config is None:
+        config = choose_config(problem, dtype, num_sms(device))
+    if config.block_m < config.block_q * problem.group:
+        raise KernelArgumentError(
+            f"AttentionConfig.block_m={config.block_m} cannot hold block_q={config.block_q} "
+            f"tokens x {problem.group} heads"
+        )
+    return config
+
+
+def _scalar_args(
+    problem: AttentionProblem,
+    grid_q: int,
+    parts: int,
+    tensors: tuple[torch.Tensor, ...],
+    qk_scale: float,
+    softcap: float | None,
+    sliding_window: int | None,
+) -> tuple:
+    """The kernel's runtime scalars after its tensors (``num_seqs`` .. ``window``), from the
+    launch's tensors (query, key_cache, value_cache, block_tables, ..., out, ...)."""
+    query, key_cache, value_cache, block_tables = tensors[:4]
+    out = tensors[6]
+    return (
         problem.num_seqs,
         grid_q,
         parts,
@@ -1150,12 +1224,31 @@ def _launch_and_plan(
         out.stride(0),
         out.stride(1),
         qk_scale,
-        float(softcap) if use_softcap else 1.0,
+        float(softcap) if softcap is not None else 1.0,
         int(sliding_window) if sliding_window is not None else 0,
     )
-    constexprs = {
-        "HEAD_DIM": D,
-        "HEAD_DIM_PAD": max(16, _next_pow2(D)),
+
+
+def _constexpr_args(
+    problem: AttentionProblem,
+    config: AttentionConfig,
+    dtype: torch.dtype,
+    parts: int,
+    *,
+    causal: bool,
+    sliding_window: int | None,
+    use_softcap: bool,
+    fused: bool,
+    return_lse: bool,
+    pdl: bool,
+    unguarded_loops: bool,
+    diag: int,
+) -> dict[str, object]:
+    """The kernel's compile-time constants, in its signature's order."""
+    split = parts > 1
+    return {
+        "HEAD_DIM": problem.head_dim,
+        "HEAD_DIM_PAD": max(16, _next_pow2(problem.head_dim)),
         "BLOCK_SIZE": problem.block_size,
         "GROUP": problem.group,
         "BLOCK_M": config.block_m,
@@ -1167,7 +1260,7 @@ def _launch_and_plan(
         "SPLIT": split,
         "FUSED_MERGE": fused,
         "WRITE_LSE": return_lse,
-        "DOT_PRECISION": _dot_precision(query.dtype),
+        "DOT_PRECISION": _dot_precision(dtype),
         "LAUNCH_DEPENDENTS": pdl,
         # The early reads rely on slot == query token and on the program starting at tile
         # 0, which hold for unsplit one-token tiles without a window.
@@ -1179,48 +1272,6 @@ def _launch_and_plan(
         "DIAG": diag,
         **_merge_constexprs(fused and config.merge_reads == "batched", problem, config, parts),
     }
-    tensors = (
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        out,
-        lse_arg,
-        part_out,
-        part_lse,
-        counters,
-    )
-    launch = _ATTENTION_LAUNCHER(
-        grid,
-        (*tensors, *scalars),
-        constexprs,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    if split and not fused:
-        merge_partitions(
-            part_out.view(T, Hq, parts, D), part_lse.view(T, Hq, parts), out, lse, pdl=pdl
-        )
-    if (
-        plannable
-        and launch is not None
-        and not any(t.data_ptr() % 16 for t in tensors)
-        # Under capture the buffers are the graph's own: never reused outside it.
-        and not torch.cuda.is_current_stream_capturing()
-        and (out_given or out.stride() == (Hq * D, D, 1))
-    ):
-        plan = LaunchPlan(
-            launch,
-            grid,
-            (*scalars, *constexprs.values()),
-            (T, Hq, D),
-            return_lse,
-            (part_out, part_lse, counters) if split else (),
-        )
-        keep_plan(plan_key, plan)
-    return out, lse
 
 
 def _merge_constexprs(
