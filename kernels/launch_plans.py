@@ -20,11 +20,11 @@ class LaunchPlan:
     grid, scalar arguments, compile-time constants, the compiled kernel, the split path's
     buffers (this stream's; kept alive here).
 
-    Valid for calls whose plan key matches (see :func:`kernels.attention.paged_attention_triton`) and whose
-    tensors all start on 16-byte boundaries, as they did when the kernel was compiled
-    (Triton specializes pointers on that); :meth:`launch` declines other calls, calls
-    under CUDA-graph capture (which need buffers the graph owns) and calls a launch hook
-    must see.
+    Valid for calls whose plan key matches (see
+    :func:`kernels.attention.paged_attention_triton`) and whose tensors all start on
+    16-byte boundaries, as they did when the kernel was compiled (Triton specializes
+    pointers on that); :meth:`launch` declines other calls, calls under CUDA-graph capture
+    (which need buffers the graph owns) and calls a launch hook must see.
     """
 
     __slots__ = ("buffers", "grid", "head", "lse_shape", "out_shape", "part_ptrs", "run", "tail")
