@@ -149,6 +149,45 @@ def paged_attention(
         KernelArgumentError: a malformed argument (named in the message); nothing is written.
     """
     problem = check_paged_attention_args(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        scale=scale, sliding_window=sliding_window, softcap=softcap, out=out,
+        check_values=check_values,
+    )  # fmt: skip
+    if _use_triton(backend, query.device):
+        from kernels.attention import paged_attention_triton
+
+        o, lse = paged_attention_triton(
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, problem,
+            scale=scale, causal=causal, sliding_window=sliding_window, softcap=softcap,
+            return_lse=return_lse, out=out,
+        )  # fmt: skip
+    else:
+        o, lse = _attention_in_torch(
+            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+            scale=scale, causal=causal, sliding_window=sliding_window, softcap=softcap, out=out,
+        )  # fmt: skip
+    return (o, lse) if return_lse else o
+
+
+def _attention_in_torch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float | None,
+    causal: bool,
+    sliding_window: int | None,
+    softcap: float | None,
+    out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`paged_attention`'s torch backend on validated arguments (the batched torch
+    path on CUDA, the reference elsewhere): ``(out, lse)``, the output copied into `out`
+    when given."""
+    torch_path = paged_attention_torch if query.device.type == "cuda" else paged_attention_ref
+    o, lse = torch_path(
         query,
         key_cache,
         value_cache,
@@ -156,47 +195,14 @@ def paged_attention(
         seq_lens,
         query_start_loc,
         scale=scale,
+        causal=causal,
         sliding_window=sliding_window,
         softcap=softcap,
-        out=out,
-        check_values=check_values,
     )
-    if _use_triton(backend, query.device):
-        from kernels.attention import paged_attention_triton
-
-        o, lse = paged_attention_triton(
-            query,
-            key_cache,
-            value_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            problem,
-            scale=scale,
-            causal=causal,
-            sliding_window=sliding_window,
-            softcap=softcap,
-            return_lse=return_lse,
-            out=out,
-        )
-    else:
-        torch_path = paged_attention_torch if query.device.type == "cuda" else paged_attention_ref
-        o, lse = torch_path(
-            query,
-            key_cache,
-            value_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            scale=scale,
-            causal=causal,
-            sliding_window=sliding_window,
-            softcap=softcap,
-        )
-        if out is not None:
-            out.copy_(o)
-            o = out
-    return (o, lse) if return_lse else o
+    if out is not None:
+        out.copy_(o)
+        o = out
+    return o, lse
 
 
 def merge_attention_states(

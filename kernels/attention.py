@@ -15,8 +15,9 @@ partition program of each tile to finish merges them (``AttentionConfig.fused_me
 launch per call. Otherwise :mod:`kernels.merge_states` merges them in a second launch (the
 same math as ``merge_attention_states``). The fused merge reads the partials either all up
 front (``merge_reads="batched"``, what ``choose_config`` picks: all LSEs in one load, the
-output reads issued back to back) or in dependent steps (``"serial"``, the v8 merge and the
-dataclass's default).
+output reads issued back to back) or in dependent steps (``"serial"``, the dataclass's
+default). The heuristics' measurements (H200 sweeps) are in
+benchmarks/results/archive/notes-kernels.md.
 
 Offsets that can pass 2**31 elements (block index times the pool's block stride, query and
 output rows) are computed in int64.
@@ -32,8 +33,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from kernels.launch import CachedLauncher, DirectLaunch, current_stream_handle, hooks_installed
+from kernels import launch_plans
+from kernels.launch import CachedLauncher, DirectLaunch, current_stream_handle
+from kernels.launch_plans import LaunchPlan, keep_plan
 from kernels.merge_states import merge_partitions, pdl_supported
+from kernels.split_buffers import split_buffers
 from kernels.validation import AttentionProblem, KernelArgumentError
 
 __all__ = [
@@ -51,19 +55,18 @@ _LOG2E = 1.4426950408889634
 _MAX_HEAD_DIM = 256
 # Partials the fused merge reads per step ([rows, chunk, head_dim] float32 in registers).
 _MERGE_CHUNK = tl.constexpr(4)
-# The fused merge's read strategies (AttentionConfig.merge_reads), the old one first.
+# The fused merge's read strategies (AttentionConfig.merge_reads).
 MERGE_READS = ("serial", "batched")
 # Default registers per thread the batched merge may fill with output partials in flight
 # (AttentionConfig.merge_read_regs): one read of all partials when they fit, else two
 # chunks of half this (one summed, one prefetched). The split decode build must keep its
 # residency: 3 programs per SM, bound by its 70 KB of shared memory (the grid asks for 2).
-# sm_90 build, bf16, head_dim 128, group 4: serial 118 registers; batched 116 at 8
-# partitions (one read), 146 at 32 (chunks of 8; ptxas still issues most reads up front),
-# 168 with one read of 32 (budget 128); none spills (notes-kernels.md, v9).
+# No budget here makes the sm_90 build (bf16, head_dim 128, group 4) spill.
 _MERGE_READ_REGS = 64
 
-# Diagnostic-only kernel variants (benchmarks/diag_fixed.py, notes-kernels.md v8), selected
-# by the launcher's private ``_diagnostic`` argument; never used by the public API. Only
+# Diagnostic-only kernel variants for timing experiments (results in
+# benchmarks/results/archive/diag-fixed-h200.md), selected by the launcher's private
+# ``_diagnostic`` argument; never used by the public API. Only
 # _DIAG_RELAXED_COUNTER still computes the output (without the ordering the merge needs);
 # the _DIAG_MERGE_* variants write it, wrong; the others leave it unwritten.
 _DIAG_OFF = tl.constexpr(0)
@@ -79,7 +82,7 @@ _DIAG_MERGE_ONE_READ = tl.constexpr(7)  # it reads the first _MERGE_CHUNK partia
 # "cached_counters" keeps the fused merge's counters in one buffer per device even under
 # CUDA-graph capture (no zero-fill kernel captured with each call; unsafe if two captured
 # graphs or streams use it concurrently), and "unguarded_loops" runs the tile loops even
-# when empty (the v7 kernel; the guard that skips them is the default since v8).
+# when empty (the guard that skips them is the default).
 _DIAG_CODES = {
     "no_merge": _DIAG_NO_MERGE.value,
     "no_stores": _DIAG_NO_STORES.value,
@@ -105,17 +108,16 @@ class AttentionConfig:
         num_warps, num_stages: Triton launch options (warps per program, pipeline depth).
         fused_merge: with a split, the last partition program of each tile merges the
             partials (one launch); else a separate merge kernel runs after. ``choose_config``
-            fuses: on the H200 the two cost about the same GPU time (B=4 x 16384: 71.0 vs
-            70.8 us, B=1 x 32768: 44.3 vs 41.8, graph replay) but the second launch cost
-            40-65 us more host time, which made a call host-bound (notes-kernels.md, v5).
+            fuses: on the H200 the two cost about the same GPU time, but the second launch
+            adds enough host time to make a call host-bound.
         early_ids: decode (``block_q == 1``, no sliding window) issues the query load and the
             first tiles' block-id reads at program start, in parallel with the sequence
             lookup, on the lookup's even-split guess (re-read on a miss): one dependent
             round trip less before the first K/V load.
         ids_ahead: tiles between a block-id read and the K/V loads that use it (1 or 2).
         merge_reads: how the fused merge reads the partials (see ``MERGE_READS``):
-            "serial" (the v8 merge: an online merge over ``[block_m, 4, head_dim]`` loads,
-            each read waiting for the previous one's math) or "batched" (the v9 merge: all
+            "serial" (an online merge over ``[block_m, 4, head_dim]`` loads, each read
+            waiting for the previous one's math) or "batched" (all
             LSEs in one load, then the output partials of the tile's real rows in
             independent, prefetched loads). No effect without a fused split.
         merge_read_regs: registers per thread the batched merge may fill with partials in
@@ -159,9 +161,8 @@ class SplitPolicy:
 
     Two per SM is what a decode program with 128-token tiles keeps resident (registers) and
     what measured fastest for small batches. A batch that already gives every SM a program
-    runs faster unsplit (B=32 x L=2048 on the H200: 67.9 us unsplit vs 82.7 us in two
-    partitions, benchmarks/notes-kernels.md): the merge and the partials cost more than the
-    second program per SM gains."""
+    runs faster unsplit (B=32 x L=2048 on the H200): the merge and the partials cost more
+    than the second program per SM gains."""
 
     target_programs_per_sm: float = 2.0
     split_below_programs_per_sm: float = 1.0
@@ -208,9 +209,7 @@ def choose_config(
     # Row and tile caps keep each program's registers and shared memory within budget (checked
     # against the sm_90 compiler's resource report): float32 dots run as exact FMA loops that
     # spill above 16 x 16 tiles; head_dim 256 halves the 16-bit tiles.
-    # Tile sizes from the H200 sweeps (benchmarks/notes-kernels.md, v5): 64-token decode
-    # tiles with two stages beat 128-token ones at every batch (B=64 x 4096: 247.9 vs 251.8
-    # us, B=128 x 512: 69.2 vs 73.7, B=256 x 128: 40.2 vs 50.0, graph replay).
+    # 64-token decode tiles with two stages beat 128-token ones at every batch measured.
     if dtype == torch.float32:
         max_rows, tile_n, num_warps, num_stages = 16, 16, 4, 2
     elif decode:
@@ -237,19 +236,17 @@ def choose_config(
         base < policy.split_below_programs_per_sm * sm_count
         and problem.max_kv_len > policy.min_partition_tokens
     ):
-        # Rounded down: a split that overshoots the target (B=4 x 16384: 9 partitions, 288
-        # programs) measured slower than one just under it (8, 256 programs).
+        # Rounded down: a split that overshoots the target measured slower than one just
+        # under it (B=4 x 16384: 8 partitions, not 9).
         parts = min(max(1, target // base), _cdiv(problem.max_kv_len, policy.min_partition_tokens))
         # The batched merge pads the partition count to a power of two (its LSE read) and
-        # sizes its output reads by it: one just above a power of two (B=1: 33 of 264
-        # programs' worth) doubles the merge's padded lanes for 3% more programs. H200,
-        # B=1 x 32768, graph replay: 33 partitions 41.6 us, 32 39.9 (notes, v10).
+        # sizes its output reads by it: a count just above a power of two doubles the
+        # merge's padded lanes for a few percent more programs, which measured slower.
         if 8 * _prev_pow2(parts) >= 7 * parts:
             parts = _prev_pow2(parts)
     if parts > 1 and dtype != torch.float32:
         # Three stages let the K/V loads run two tiles ahead of the block-id reads, which
-        # `_attend_tiles` issues one tile ahead (B=1 x 32768: 41.5 us with 3 stages, 45.6
-        # with 2; B=4 x 16384: 70.4 vs 78.0, graph replay).
+        # `_attend_tiles` issues one tile ahead (faster than 2 stages for long split decodes).
         num_stages = 3
     return AttentionConfig(
         block_m=block_m,
@@ -259,17 +256,12 @@ def choose_config(
         num_warps=num_warps,
         num_stages=num_stages,
         fused_merge=parts > 1,
-        # Early block-id reads measured a small gain unsplit (do_bench vs SDPA: B=256 x 128
-        # 1.153x vs 1.115x, B=128 x 512 0.981x vs 0.975x, B=64 x 4096 0.985x vs 0.989x)
-        # but cost 5.6 us at B=4 x 16384 split (graph replay 75.0 vs 69.4): notes, v7.
+        # Early block-id reads measured a small gain unsplit but a loss split.
         early_ids=decode and parts == 1,
-        # The batched merge's independent reads beat the serial ones on the H200 (graph
-        # replay B=1 x 32768: 40.8 vs 42.3 us, B=4 x 16384: 69.0 vs 69.3; paired do_bench
-        # vs SDPA 0.990x and 1.017x against 0.634x (a host-bound mode) and 1.006x): notes, v9.
+        # The batched merge's independent reads beat the serial ones on the H200.
         merge_reads="batched",
         # All 32 partials of B=1 x 32768 in one read (168 registers, still 3 programs per
-        # SM) instead of four chunks of 8: graph replay 39.0 vs 39.9 us, paired do_bench vs
-        # SDPA 1.041x vs 1.008x (33 partitions, v9: 0.980x); notes, v10.
+        # SM) beat four chunks of 8.
         merge_read_regs=128 if d_pad <= 128 else _MERGE_READ_REGS,
     )
 
@@ -395,9 +387,8 @@ def _attend_tiles(
     offs_n = tl.arange(0, TILE_N)
     dims = tl.arange(0, HEAD_DIM_PAD)
     # Block ids are read IDS_AHEAD tiles ahead, so a tile's K/V loads never wait on the
-    # table read that gives their addresses: one tile ahead with 3 pipeline stages took
-    # B=1 x 32768 decode from 47.8 to 41.5 us and B=4 x 16384 from 80.1 to 70.4 us
-    # (notes-kernels.md, v5).
+    # table read that gives their addresses (with 3 pipeline stages: the split decode
+    # configurations, see choose_config).
     block = block0.to(tl.int64)
     if IDS_AHEAD == 2:
         block_a = block1
@@ -620,9 +611,7 @@ def _paged_attention_kernel(
     if SPLIT:
         # Partitions split this tile's own KV range, read on the device, not the block
         # table's capacity the launcher knows: a sequence much shorter than its table
-        # would leave most partitions empty and the rest long. (An equal-length batch
-        # gains little: B=4 x 16384 with one spare table column went from 33-tile to
-        # 32-tile programs, 68.9 -> 68.7 us in graph replay; notes, v10.)
+        # would leave most partitions empty and the rest long.
         tiles_per_part = tl.cdiv(tl.maximum(tile_hi - tile_lo, 0), num_parts)
         t_begin = tile_lo + part * tiles_per_part
         t_end = tl.minimum(tile_hi, t_begin + tiles_per_part)
@@ -670,9 +659,7 @@ def _paged_attention_kernel(
         # An empty loop is not free: its ids read waits a round trip after the previous
         # loop has drained, and its pipeline prologue / epilogue still run. Decode at a
         # tile-aligned length (every partition of B=1 x 32768) has no masked tile at all.
-        # Skipping empty loops gained at every decode case on the H200 (do_bench x SDPA:
-        # B=1 x 32768 0.930 -> 0.958, B=4 x 16384 0.987 -> 0.999, B=128 x 512 0.981 ->
-        # 1.002, B=256 x 128 1.143 -> 1.196, B=64 x 4096 0.985 -> 0.990; notes, v8).
+        # Skipping empty loops measured faster at every decode case on the H200.
         if t_begin < t_split:
             acc, m_i, l_i = _attend_tiles(
                 acc, m_i, l_i, q, k_head, v_head, table_row, ids0, ids1, stride_kb, stride_vb,
@@ -873,6 +860,42 @@ def _weighted_sum(o_c, w):
 
 
 @triton.jit
+def _chunked_weighted_sum(
+    po_rows,
+    pl_rows,
+    num_parts,
+    m_shift,
+    row_valid,
+    dims,
+    dim_valid,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
+    PARTS_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """``sum_p w_p out_p`` ``[MERGE_ROWS, HEAD_DIM_PAD]`` float32 over partials
+    ``[0, PARTS_PAD)`` read ``CHUNK`` at a time, each chunk's reads issued before the
+    previous chunk is summed (one chunk prefetched)."""
+    acc = tl.zeros([MERGE_ROWS, HEAD_DIM_PAD], dtype=tl.float32)
+    o_c, w_c = _weighted_chunk(
+        po_rows, pl_rows, 0, num_parts, m_shift, row_valid, dims, dim_valid, HEAD_DIM, CHUNK
+    )
+    for start in tl.static_range(CHUNK, PARTS_PAD, CHUNK):
+        # Issue chunk `start` before summing the previous one: its loads need nothing
+        # the sum produces, so they are in flight while it runs.
+        o_n, w_n = _weighted_chunk(
+            po_rows, pl_rows, start, num_parts, m_shift, row_valid, dims, dim_valid,
+            HEAD_DIM, CHUNK,
+        )  # fmt: skip
+        acc += _weighted_sum(o_c, w_c)
+        o_c = o_n
+        w_c = w_n
+    acc += _weighted_sum(o_c, w_c)
+    return acc
+
+
+@triton.jit
 def _merge_batched_and_store(
     part_out_ptr,
     part_lse_ptr,
@@ -895,24 +918,12 @@ def _merge_batched_and_store(
     PARTS_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """The v9 fused merge: merge the tile's ``num_parts`` float32 partials and store the
-    result (``out`` in its dtype, ``lse`` float32 natural log when ``WRITE_LSE``).
-
-    Same math as ``merge_attention_states``: ``m = max_p lse_p``, ``w_p = exp(lse_p - m)``,
-    ``out = sum_p w_p out_p / sum_p w_p``, ``lse = m + log(sum_p w_p)``; rows with no key
-    anywhere get 0 / -inf. Unlike the serial merge (an online max, each read's math before
-    the next read), every global read here has an address known up front:
-
-    * the LSEs ``[MERGE_ROWS, PARTS_PAD]`` of all partials in one load (a few hundred bytes),
-      giving the max and the denominator at once;
-    * the output partials ``[MERGE_ROWS, CHUNK, HEAD_DIM_PAD]`` in ``PARTS_PAD / CHUNK``
-      loads: one when ``CHUNK == PARTS_PAD``, else each chunk is issued before the previous
-      one is summed (one chunk prefetched), so reads overlap instead of queueing.
-
-    Only the tile's real rows are read: ``MERGE_ROWS`` = ``BLOCK_Q * GROUP`` rounded up to
-    a power of two (4 of the 16 rows a decode tile pads to for ``tl.dot`` at group 4).
-    Partials are ``[T, Hq, P, D]`` / ``[T, Hq, P]`` contiguous (the launcher's buffers).
-    """
+    """The batched fused merge: merge the tile's ``num_parts`` float32 partials (``[T, Hq,
+    P, D]`` / ``[T, Hq, P]``, the launcher's buffers) and store ``out`` in its dtype and,
+    with ``WRITE_LSE``, the float32 natural-log ``lse``. The math of
+    ``merge_attention_states``; unlike the serial merge every read's address is known up
+    front: all LSEs in one load, then the output partials of the tile's real rows
+    (``MERGE_ROWS``, see ``_merge_constexprs``) in one load or chunk by chunk, prefetched."""
     rows = tl.arange(0, MERGE_ROWS)
     q_idx = q_lo + rows // GROUP
     row_valid = (rows < BLOCK_Q * GROUP) & (q_idx < n_q)
@@ -947,21 +958,10 @@ def _merge_batched_and_store(
     if CHUNK == PARTS_PAD:
         acc = _weighted_sum(o_all, tl.exp(lse_all - m_shift[:, None]))
     else:
-        acc = tl.zeros([MERGE_ROWS, HEAD_DIM_PAD], dtype=tl.float32)
-        o_c, w_c = _weighted_chunk(
-            po_rows, pl_rows, 0, num_parts, m_shift, row_valid, dims, dim_valid, HEAD_DIM, CHUNK
-        )
-        for start in tl.static_range(CHUNK, PARTS_PAD, CHUNK):
-            # Issue chunk `start` before summing the previous one: its loads need nothing
-            # the sum produces, so they are in flight while it runs.
-            o_n, w_n = _weighted_chunk(
-                po_rows, pl_rows, start, num_parts, m_shift, row_valid, dims, dim_valid,
-                HEAD_DIM, CHUNK,
-            )  # fmt: skip
-            acc += _weighted_sum(o_c, w_c)
-            o_c = o_n
-            w_c = w_n
-        acc += _weighted_sum(o_c, w_c)
+        acc = _chunked_weighted_sum(
+            po_rows, pl_rows, num_parts, m_shift, row_valid, dims, dim_valid,
+            HEAD_DIM, HEAD_DIM_PAD, MERGE_ROWS, PARTS_PAD, CHUNK,
+        )  # fmt: skip
     seen = den > 0.0
     out = acc / tl.where(seen, den, 1.0)[:, None]
     out_rows = out_ptr + q_row * stride_ot + head * stride_oh
@@ -1043,7 +1043,7 @@ def paged_attention_triton(
             device_index,
             stream,
         )
-        plan = _PLANS.get(plan_key)
+        plan = launch_plans.PLANS.get(plan_key)
         if plan is not None:
             result = plan.launch(
                 stream, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out
@@ -1056,91 +1056,6 @@ def paged_attention_triton(
         return_lse=return_lse, out=out, config=config, diagnostic=_diagnostic,
         plan_key=plan_key,
     )  # fmt: skip
-
-
-class _LaunchPlan:
-    """The launch of one call shape with everything but the tensors' addresses worked out:
-    grid, scalar arguments, compile-time constants, the compiled kernel, the split path's
-    buffers (this stream's; kept alive here).
-
-    Valid for calls whose plan key matches (see :func:`paged_attention_triton`) and whose
-    tensors all start on 16-byte boundaries, as they did when the kernel was compiled
-    (Triton specializes pointers on that); :meth:`launch` declines other calls, calls
-    under CUDA-graph capture (which need buffers the graph owns) and calls a launch hook
-    must see.
-    """
-
-    __slots__ = ("buffers", "grid", "head", "lse_shape", "out_shape", "part_ptrs", "run", "tail")
-
-    def __init__(
-        self,
-        launch: DirectLaunch,
-        grid: tuple[int, int, int],
-        tail: tuple,
-        out_shape: tuple[int, int, int],
-        return_lse: bool,
-        buffers: tuple[torch.Tensor, ...],
-    ) -> None:
-        self.run = launch.run
-        self.head = launch.head
-        self.grid = grid
-        self.tail = tail
-        self.out_shape = out_shape
-        self.lse_shape = out_shape[:2] if return_lse else None
-        self.buffers = buffers
-        # Partial outputs, their LSEs and the merge counters; None unsplit (the kernel never
-        # reads them then, the output's address stands in).
-        self.part_ptrs = tuple(b.data_ptr() for b in buffers) if buffers else None
-
-    def launch(
-        self,
-        stream: int,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        out: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Launch on ``stream`` (the current one, a raw handle); None (nothing launched) when
-        the plan does not apply."""
-        if torch.cuda.is_current_stream_capturing() or hooks_installed():
-            return None
-        q_ptr = query.data_ptr()
-        k_ptr = key_cache.data_ptr()
-        v_ptr = value_cache.data_ptr()
-        bt_ptr = block_tables.data_ptr()
-        sl_ptr = seq_lens.data_ptr()
-        qsl_ptr = query_start_loc.data_ptr()
-        if out is not None:
-            o_ptr = out.data_ptr()
-            if (q_ptr | k_ptr | v_ptr | bt_ptr | sl_ptr | qsl_ptr | o_ptr) & 15:
-                return None
-        elif (q_ptr | k_ptr | v_ptr | bt_ptr | sl_ptr | qsl_ptr) & 15:
-            return None
-        else:
-            out = query.new_empty(self.out_shape)  # the caching allocator aligns it
-            o_ptr = out.data_ptr()
-        if self.lse_shape is not None:
-            lse = query.new_empty(self.lse_shape, dtype=torch.float32)
-            lse_ptr = lse.data_ptr()
-        else:
-            lse = None
-            lse_ptr = o_ptr
-        grid = self.grid
-        self.run(
-            grid[0], grid[1], grid[2], stream, *self.head,
-            q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, qsl_ptr, o_ptr, lse_ptr,
-            *(self.part_ptrs or (o_ptr, o_ptr, o_ptr)), *self.tail,
-        )  # fmt: skip
-        return out, lse
-
-
-# Plans by call shape (see paged_attention_triton). A service sees a few shapes per model;
-# the bound only caps what unusual callers (a table width per step) can pin, buffers included.
-_PLANS: dict[tuple, _LaunchPlan] = {}
-_MAX_PLANS = 256
 
 
 def _launch_and_plan(
@@ -1176,50 +1091,126 @@ def _launch_and_plan(
     lse = torch.empty(T, Hq, dtype=torch.float32, device=device) if return_lse else None
     if T == 0:
         return out, lse
-    if config is None:
-        config = choose_config(problem, query.dtype, num_sms(device))
-    if config.block_m < config.block_q * problem.group:
-        raise KernelArgumentError(
-            f"AttentionConfig.block_m={config.block_m} cannot hold block_q={config.block_q} "
-            f"tokens x {problem.group} heads"
-        )
+    config = _checked_config(problem, query.dtype, device, config)
     # Partitions split each tile's own KV range on the device; at least one tile of the
     # table's capacity each, so none is empty for a sequence that fills its table.
-    max_tiles = _cdiv(problem.max_kv_len, config.tile_n)
-    parts = max(1, min(config.num_partitions, max_tiles))
-
+    parts = max(1, min(config.num_partitions, _cdiv(problem.max_kv_len, config.tile_n)))
     scale = D**-0.5 if scale is None else float(scale)
-    use_softcap = softcap is not None
-    qk_scale = scale if use_softcap else scale * _LOG2E
-    plannable = plan_key is not None
-    if not (seq_lens.is_contiguous() and query_start_loc.is_contiguous()):
-        seq_lens = seq_lens.contiguous()
-        query_start_loc = query_start_loc.contiguous()
-        plannable = False  # a plan launches the caller's tensors as they are
-    if block_tables.stride(1) != 1:  # the kernel walks a row with unit stride
-        block_tables = block_tables.contiguous()
-        plannable = False
-
+    qk_scale = scale if softcap is not None else scale * _LOG2E
+    block_tables, seq_lens, query_start_loc, as_given = _kernel_indices(
+        block_tables, seq_lens, query_start_loc
+    )
+    plannable = plan_key is not None and as_given  # a plan launches the caller's tensors
     diag, unguarded_loops, cached_counters = _parse_diagnostic(diagnostic)
     split = parts > 1
     grid_q = num_q_programs(T, problem.num_seqs, config.block_q)
     fused = split and config.fused_merge
     if split:
-        part_out, part_lse, counters = _split_buffers(
+        part_out, part_lse, counters = split_buffers(
             device, T * Hq * parts, D, grid_q * problem.num_kv_heads if fused else 0,
             cached_counters,
         )  # fmt: skip
-        if not fused:
-            counters = out
+        counters = counters if fused else out
         plannable = plannable and fused  # the separate merge is a second launch
     else:
         part_out = part_lse = counters = out  # never dereferenced
     lse_arg = lse if lse is not None else out  # never dereferenced without WRITE_LSE
     # Programmatic dependent launch lets the merge kernel's launch overlap this kernel's tail.
     pdl = split and not fused and pdl_supported(device)
-
     grid = (grid_q, problem.num_kv_heads, parts)
-    scalars = (
+    tensors = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out)
+    tensors = (*tensors, lse_arg, part_out, part_lse, counters)
+    scalars = _scalar_args(problem, grid_q, parts, tensors, qk_scale, softcap, sliding_window)
+    constexprs = _constexpr_args(
+        problem, config, query.dtype, parts, causal=causal, sliding_window=sliding_window,
+        use_softcap=softcap is not None, fused=fused, return_lse=return_lse, pdl=pdl,
+        unguarded_loops=unguarded_loops, diag=diag,
+    )  # fmt: skip
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    launch = _ATTENTION_LAUNCHER(grid, (*tensors, *scalars), constexprs, **options)
+    if split and not fused:
+        merge_partitions(
+            part_out.view(T, Hq, parts, D), part_lse.view(T, Hq, parts), out, lse, pdl=pdl
+        )
+    if plannable and launch is not None and (out_given or out.stride() == (Hq * D, D, 1)):
+        buffers = (part_out, part_lse, counters) if split else ()
+        tail = (*scalars, *constexprs.values())
+        _keep_plan(plan_key, launch, grid, tensors, tail, (T, Hq, D), return_lse, buffers)
+    return out, lse
+
+
+def _kernel_indices(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """The index tensors as the kernel reads them (contiguous lengths and offsets, table
+    rows of unit stride), and whether they are the caller's own (no copy was needed)."""
+    as_given = True
+    if not (seq_lens.is_contiguous() and query_start_loc.is_contiguous()):
+        seq_lens = seq_lens.contiguous()
+        query_start_loc = query_start_loc.contiguous()
+        as_given = False
+    if block_tables.stride(1) != 1:  # the kernel walks a row with unit stride
+        block_tables = block_tables.contiguous()
+        as_given = False
+    return block_tables, seq_lens, query_start_loc, as_given
+
+
+def _keep_plan(
+    plan_key: tuple | None,
+    launch: DirectLaunch,
+    grid: tuple[int, int, int],
+    tensors: tuple[torch.Tensor, ...],
+    tail: tuple,
+    out_shape: tuple[int, int, int],
+    return_lse: bool,
+    buffers: tuple[torch.Tensor, ...],
+) -> None:
+    """Keep the launch just made as the plan of its call shape, unless a later call could
+    not reuse it: a tensor off 16-byte alignment (the compiled kernel assumed it), or a
+    launch under CUDA-graph capture (its buffers are the graph's own)."""
+    if plan_key is None or any(t.data_ptr() % 16 for t in tensors):
+        return
+    if torch.cuda.is_current_stream_capturing():
+        return
+    keep_plan(plan_key, LaunchPlan(launch, grid, tail, out_shape, return_lse, buffers))
+
+
+def _checked_config(
+    problem: AttentionProblem,
+    dtype: torch.dtype,
+    device: torch.device,
+    config: AttentionConfig | None,
+) -> AttentionConfig:
+    """`config`, or :func:`choose_config`'s for this device when None, checked against the
+    problem (a query tile's rows must hold ``block_q`` tokens times the group's heads).
+
+    Raises:
+        KernelArgumentError: a config whose ``block_m`` is too small.
+    """
+    if config is None:
+        config = choose_config(problem, dtype, num_sms(device))
+    if config.block_m < config.block_q * problem.group:
+        raise KernelArgumentError(
+            f"AttentionConfig.block_m={config.block_m} cannot hold block_q={config.block_q} "
+            f"tokens x {problem.group} heads"
+        )
+    return config
+
+
+def _scalar_args(
+    problem: AttentionProblem,
+    grid_q: int,
+    parts: int,
+    tensors: tuple[torch.Tensor, ...],
+    qk_scale: float,
+    softcap: float | None,
+    sliding_window: int | None,
+) -> tuple:
+    """The kernel's runtime scalars after its tensors (``num_seqs`` .. ``window``), from the
+    launch's tensors (query, key_cache, value_cache, block_tables, ..., out, ...)."""
+    query, key_cache, value_cache, block_tables = tensors[:4]
+    out = tensors[6]
+    return (
         problem.num_seqs,
         grid_q,
         parts,
@@ -1232,12 +1223,31 @@ def _launch_and_plan(
         out.stride(0),
         out.stride(1),
         qk_scale,
-        float(softcap) if use_softcap else 1.0,
+        float(softcap) if softcap is not None else 1.0,
         int(sliding_window) if sliding_window is not None else 0,
     )
-    constexprs = {
-        "HEAD_DIM": D,
-        "HEAD_DIM_PAD": max(16, _next_pow2(D)),
+
+
+def _constexpr_args(
+    problem: AttentionProblem,
+    config: AttentionConfig,
+    dtype: torch.dtype,
+    parts: int,
+    *,
+    causal: bool,
+    sliding_window: int | None,
+    use_softcap: bool,
+    fused: bool,
+    return_lse: bool,
+    pdl: bool,
+    unguarded_loops: bool,
+    diag: int,
+) -> dict[str, object]:
+    """The kernel's compile-time constants, in its signature's order."""
+    split = parts > 1
+    return {
+        "HEAD_DIM": problem.head_dim,
+        "HEAD_DIM_PAD": max(16, _next_pow2(problem.head_dim)),
         "BLOCK_SIZE": problem.block_size,
         "GROUP": problem.group,
         "BLOCK_M": config.block_m,
@@ -1249,7 +1259,7 @@ def _launch_and_plan(
         "SPLIT": split,
         "FUSED_MERGE": fused,
         "WRITE_LSE": return_lse,
-        "DOT_PRECISION": _dot_precision(query.dtype),
+        "DOT_PRECISION": _dot_precision(dtype),
         "LAUNCH_DEPENDENTS": pdl,
         # The early reads rely on slot == query token and on the program starting at tile
         # 0, which hold for unsplit one-token tiles without a window.
@@ -1261,56 +1271,13 @@ def _launch_and_plan(
         "DIAG": diag,
         **_merge_constexprs(fused and config.merge_reads == "batched", problem, config, parts),
     }
-    tensors = (
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        out,
-        lse_arg,
-        part_out,
-        part_lse,
-        counters,
-    )
-    launch = _ATTENTION_LAUNCHER(
-        grid,
-        (*tensors, *scalars),
-        constexprs,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    if split and not fused:
-        merge_partitions(
-            part_out.view(T, Hq, parts, D), part_lse.view(T, Hq, parts), out, lse, pdl=pdl
-        )
-    if (
-        plannable
-        and launch is not None
-        and not any(t.data_ptr() % 16 for t in tensors)
-        # Under capture the buffers are the graph's own: never reused outside it.
-        and not torch.cuda.is_current_stream_capturing()
-        and (out_given or out.stride() == (Hq * D, D, 1))
-    ):
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[plan_key] = _LaunchPlan(
-            launch,
-            grid,
-            (*scalars, *constexprs.values()),
-            (T, Hq, D),
-            return_lse,
-            (part_out, part_lse, counters) if split else (),
-        )
-    return out, lse
 
 
 def _merge_constexprs(
     batched: bool, problem: AttentionProblem, config: AttentionConfig, parts: int
 ) -> dict[str, int | bool]:
     """The batched merge's compile-time sizes (all 1 / False for the serial merge, so its
-    builds are the v8 ones): real rows of a tile (``block_q * group`` rounded up to a power
+    builds do not vary with them): real rows of a tile (``block_q * group`` rounded up to a power
     of two, at most ``block_m``), partitions padded to a power of two, and partitions per
     output read, sized so the reads in flight fill about ``config.merge_read_regs``
     registers per thread (one read when all fit, else two chunks of half that)."""
@@ -1342,70 +1309,6 @@ def _prev_pow2(x: int) -> int:
 
 
 _ATTENTION_LAUNCHER = CachedLauncher(_paged_attention_kernel)
-
-# Per (device, stream): the split path's float32 partials (outputs, then LSEs) and its
-# zeroed int32 merge counters, one lookup for both.
-_SPLIT_BUFFERS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _split_buffers(
-    device: torch.device, rows: int, head_dim: int, n_counters: int, cached_in_capture: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(part_out [rows * head_dim], part_lse [rows], counters [n_counters])``: float32
-    partial outputs and LSEs, and zeroed int32 arrival counters for the fused merge.
-
-    Kept per (device, stream) and grown on demand: launches on one stream run in order, so
-    a call's kernels cannot overwrite what the previous call's kernels still read; separate
-    streams get separate buffers because their launches may overlap. The kernel leaves
-    every counter it used at zero again, so one counter buffer serves every call on a
-    stream. Under CUDA-graph capture the buffers are fresh allocations the graph owns (the
-    counters' zero-fill then runs with every replay), unless ``cached_in_capture``
-    (diagnostic only: the counters stay the per-device eager buffer, unsafe if two captured
-    graphs or streams use it at once).
-    """
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        partials = torch.empty(max(rows * (head_dim + 1), 1), dtype=torch.float32, device=device)
-        counters = None
-        if not cached_in_capture:
-            counters = torch.zeros(max(n_counters, 1), dtype=torch.int32, device=device)
-    else:
-        if device.type == "cuda":
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            key = (device, current_stream_handle(index))
-        else:
-            key = (device, 0)
-        partials, counters = _split_buffers_at(key, device, rows * (head_dim + 1), n_counters)
-    if cached_in_capture:
-        # One per-device counter buffer, eager and under capture alike (an eager call
-        # creates it before capture, or the capture records its allocation).
-        counters = _split_buffers_at((device, -1), device, 0, n_counters)[1]
-    return (
-        partials[: rows * head_dim],
-        partials[rows * head_dim : rows * (head_dim + 1)],
-        counters[:n_counters],
-    )
-
-
-def _split_buffers_at(
-    key: tuple[torch.device, int], device: torch.device, numel: int, n_counters: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (partials, counters) pair under ``key``, each grown to at least its size."""
-    pair = _SPLIT_BUFFERS.get(key)
-    if pair is None or pair[0].numel() < numel or pair[1].numel() < n_counters:
-        old_p, old_c = pair if pair is not None else (None, None)
-        partials = (
-            old_p
-            if old_p is not None and old_p.numel() >= numel
-            else torch.empty(max(numel, 1024), dtype=torch.float32, device=device)
-        )
-        counters = (
-            old_c
-            if old_c is not None and old_c.numel() >= n_counters
-            else torch.zeros(max(n_counters, 1024), dtype=torch.int32, device=device)
-        )
-        pair = (partials, counters)
-        _SPLIT_BUFFERS[key] = pair
-    return pair
 
 
 def _parse_diagnostic(names: str) -> tuple[int, bool, bool]:

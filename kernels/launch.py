@@ -1,13 +1,14 @@
 """Low-overhead launches of compiled Triton kernels.
 
-Triton's ``kernel[grid](...)`` binds and specializes every argument on every call: about
-35-40 us of host time for a kernel with ~35 arguments on the H200 host (Triton 3.6,
-benchmarks/notes-kernels.md), longer than a decode kernel at small batch, so the GPU waits
-for the host. `CachedLauncher` does that work once per specialization. It keys a call by
-what Triton specializes on (each tensor's dtype and 16-byte alignment; each integer being 1,
-a multiple of 16, or outside int32; the compile-time constants and launch options), launches
-through the JIT the first time and keeps the compiled kernel it returns, and afterwards
-calls the compiled kernel's launcher directly with the same arguments.
+Triton's ``kernel[grid](...)`` binds and specializes every argument on every call: tens
+of microseconds of host time for a kernel with ~35 arguments (Triton 3.6 on the H200 host:
+benchmarks/results/archive/notes-kernels.md), longer than a decode kernel at small batch,
+so the GPU waits for the host. `CachedLauncher` does that work once per specialization.
+It keys a call by what Triton specializes on (each tensor's dtype and 16-byte alignment;
+each integer being 1, a multiple of 16, or outside int32; the compile-time constants and
+launch options), launches through the JIT the first time and keeps the compiled kernel it
+returns, and afterwards calls the compiled kernel's launcher directly with the same
+arguments.
 
 Two calls with the same key get the same compiled kernel from Triton too, so the direct
 launch runs exactly the binary the JIT would have chosen. Under the interpreter, with a

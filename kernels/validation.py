@@ -263,6 +263,23 @@ def _check_attention_metadata(
         query_start_loc=query_start_loc,
     )
 
+    _check_options(scale, sliding_window, softcap)
+    if out is not None:
+        _check_out(out, query)
+    return AttentionProblem(
+        num_q_tokens=num_q_tokens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_seqs=num_seqs,
+        max_blocks=max_blocks,
+    )
+
+
+def _check_options(scale: float | None, sliding_window: int | None, softcap: float | None) -> None:
+    """The attention options' types and ranges (each may be None)."""
     if scale is not None and (
         isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale)
     ):
@@ -281,26 +298,18 @@ def _check_attention_metadata(
     ):
         _fail(f"softcap must be a positive finite float or None, got {softcap!r}")
 
-    if out is not None:
-        _require_tensor("out", out)
-        if out.shape != query.shape:
-            _fail(f"out shape {tuple(out.shape)} differs from query shape {tuple(query.shape)}")
-        if out.dtype != query.dtype:
-            _fail(f"out dtype {out.dtype} differs from query dtype {query.dtype}")
-        _require_same_device("query", query, out=out)
-        if out.numel() > 0 and out.stride(2) != 1:
-            _fail(f"out must be contiguous in head_dim, got strides {tuple(out.stride())}")
 
-    return AttentionProblem(
-        num_q_tokens=num_q_tokens,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        num_seqs=num_seqs,
-        max_blocks=max_blocks,
-    )
+def _check_out(out: torch.Tensor, query: torch.Tensor) -> None:
+    """A caller's output tensor: the query's shape, dtype and device, unit stride in
+    head_dim."""
+    _require_tensor("out", out)
+    if out.shape != query.shape:
+        _fail(f"out shape {tuple(out.shape)} differs from query shape {tuple(query.shape)}")
+    if out.dtype != query.dtype:
+        _fail(f"out dtype {out.dtype} differs from query dtype {query.dtype}")
+    _require_same_device("query", query, out=out)
+    if out.numel() > 0 and out.stride(2) != 1:
+        _fail(f"out must be contiguous in head_dim, got strides {tuple(out.stride())}")
 
 
 def _check_attention_values(

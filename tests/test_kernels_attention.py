@@ -681,7 +681,7 @@ def test_gpu_cached_launch_respects_specialization() -> None:
 
 @pytest.mark.gpu
 def test_gpu_launch_plans_repeat_every_call_shape() -> None:
-    """The launcher's per-shape plans (kernels.attention._LaunchPlan): calls alternating
+    """The launcher's per-shape plans (kernels.launch_plans.LaunchPlan): calls alternating
     between shapes, split (fused merge) and unsplit, with and without ``out`` and LSE, on
     two streams, each repeated so most go through a plan; every result against dense."""
     shapes = ((61, [8192]), (62, [300, 4096, 17]), (63, [64] * 200))

@@ -45,7 +45,7 @@ def test_interpreter_always_goes_through_the_jit(monkeypatch) -> None:
     assert len(calls) == 3 and calls[0] == ((1, 1, 1), (7,), {"N": 4, "num_warps": 4})
 
 
-# --- Launch plans of the paged-attention launcher (kernels.attention._LaunchPlan) --------
+# --- Launch plans of the paged-attention launcher (kernels.launch_plans.LaunchPlan) --------
 # On a CPU-only machine the compiled kernel is replaced by a recorder, so these check the
 # host logic: the plan launches exactly the arguments the full path passed (tensors as
 # their addresses), once per call shape, and declines what it cannot launch.
@@ -86,6 +86,8 @@ def recorded(monkeypatch: pytest.MonkeyPatch):
     """The attention launcher with a recording kernel, direct launches on, CUDA queries
     stubbed (capture state switchable through the returned dict)."""
     import kernels.attention as attention
+    import kernels.launch_plans as launch_plans
+    import kernels.split_buffers as split_buffers
 
     kernel = _Recorder()
     real = attention._ATTENTION_LAUNCHER._fn
@@ -95,9 +97,10 @@ def recorded(monkeypatch: pytest.MonkeyPatch):
     launcher._direct = True
     state = {"capturing": False, "jit": jit, "kernel": kernel}
     monkeypatch.setattr(attention, "_ATTENTION_LAUNCHER", launcher)
-    monkeypatch.setattr(attention, "_PLANS", {})
-    monkeypatch.setattr(attention, "_SPLIT_BUFFERS", {})
+    monkeypatch.setattr(launch_plans, "PLANS", {})
+    monkeypatch.setattr(split_buffers, "_BUFFERS", {})
     monkeypatch.setattr(attention, "current_stream_handle", lambda device: 0)
+    monkeypatch.setattr(split_buffers, "current_stream_handle", lambda device: 0)
     monkeypatch.setattr(launch_module, "current_stream_handle", lambda device: 0)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])

@@ -1,6 +1,6 @@
 """The registry of page-locked host ranges (workers.pinned_ranges): its range logic and
 thread safety on any machine, that workers.cuda_pinning keeps it (with a fake CUDA
-runtime), and the pool's pinned test answering from it; on a GPU, against the driver."""
+runtime), and the pool's pinned test (workers.delivery) answering from it; on a GPU, against the driver."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-import workers.pool as pool_mod
+import workers.delivery as delivery_mod
 from workers import cuda_pinning
 from workers.pinned_ranges import REGISTERED, PinnedRanges
 
@@ -143,22 +143,22 @@ def test_the_pools_pinned_test_answers_registered_memory_without_asking(monkeypa
     REGISTERED.add(base.data_ptr(), 8192)
     try:
         # (A CPU-only machine pins nothing: True can only come from the registry.)
-        assert pool_mod._is_pinned_host(key) and asked == []
-        assert not pool_mod._is_pinned_host(strided) and len(asked) == 1  # asked
-        assert not pool_mod._is_pinned_host(empty) and len(asked) == 2  # asked
+        assert delivery_mod.is_pinned_host(key) and asked == []
+        assert not delivery_mod.is_pinned_host(strided) and len(asked) == 1  # asked
+        assert not delivery_mod.is_pinned_host(empty) and len(asked) == 2  # asked
         outside = torch.zeros(64, dtype=torch.float16)
-        assert not pool_mod._is_pinned_host(outside) and len(asked) == 3
+        assert not delivery_mod.is_pinned_host(outside) and len(asked) == 3
     finally:
         REGISTERED.remove(base.data_ptr())
-    assert not pool_mod._is_pinned_host(key) and len(asked) == 4  # forgotten: asked
+    assert not delivery_mod.is_pinned_host(key) and len(asked) == 4  # forgotten: asked
 
 
 def test_a_range_ending_inside_a_tensor_does_not_cover_it():
     base = torch.zeros(4096, dtype=torch.uint8)
     REGISTERED.add(base.data_ptr(), 1024)
     try:
-        assert pool_mod._is_pinned_host(base[:1024])
-        assert not pool_mod._is_pinned_host(base[512:1536])  # half outside: asked
+        assert delivery_mod.is_pinned_host(base[:1024])
+        assert not delivery_mod.is_pinned_host(base[512:1536])  # half outside: asked
     finally:
         REGISTERED.remove(base.data_ptr())
 
@@ -173,20 +173,20 @@ def test_registered_memory_is_pinned_to_the_driver_too_until_unpinned(monkeypatc
         views = [
             buffer[i << 16 : (i + 1) << 16].view(torch.float16).view(256, 128) for i in range(3)
         ]
-        assert not any(pool_mod._is_pinned_host(v) for v in views)
+        assert not any(delivery_mod.is_pinned_host(v) for v in views)
         assert cuda_pinning.pin(buffer)
         try:
             assert all(v.is_pinned() for v in views)  # what the registry answers for
             asked = _counting_is_pinned(monkeypatch)
-            assert all(pool_mod._is_pinned_host(v) for v in views) and asked == []
+            assert all(delivery_mod.is_pinned_host(v) for v in views) and asked == []
             monkeypatch.undo()
         finally:
             cuda_pinning.unpin(buffer)
         # Unregistered: the registry has forgotten it and the driver says pageable.
         assert not REGISTERED.covers(buffer.data_ptr(), 1)
         assert not any(v.is_pinned() for v in views)
-        assert not any(pool_mod._is_pinned_host(v) for v in views)
+        assert not any(delivery_mod.is_pinned_host(v) for v in views)
         del views, buffer  # (the mapping closes once nothing views it)
     # A pinned tensor torch allocated (not registered here) is still found pinned.
-    assert pool_mod._is_pinned_host(torch.empty(64, pin_memory=True))
-    assert not pool_mod._is_pinned_host(torch.empty(64, device="cuda"))
+    assert delivery_mod.is_pinned_host(torch.empty(64, pin_memory=True))
+    assert not delivery_mod.is_pinned_host(torch.empty(64, device="cuda"))

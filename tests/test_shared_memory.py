@@ -855,10 +855,10 @@ def test_zero_copy_reads_answer_like_the_bytes_path(monkeypatch: pytest.MonkeyPa
                 return outputs
 
             monkeypatch.setattr(memo_mod, "shared_outputs", recorded)
-            import workers.pool as pool_mod
+            import workers.delivery as delivery_mod
 
             refused = []  # refusals by the worker's own check (the short path)
-            real_refuse = pool_mod._refuse_non_finite
+            real_refuse = delivery_mod.refuse_non_finite
 
             def counted(finite: Any) -> None:
                 try:
@@ -867,7 +867,7 @@ def test_zero_copy_reads_answer_like_the_bytes_path(monkeypatch: pytest.MonkeyPa
                     refused.append(1)
                     raise
 
-            monkeypatch.setattr(pool_mod, "_refuse_non_finite", counted)
+            monkeypatch.setattr(delivery_mod, "refuse_non_finite", counted)
             mm = next(iter(_regions(harness)._regions.values())).mm
             for layer in range(NL):
                 before = harness.stats()

@@ -1,9 +1,10 @@
 """Per-layer CUDA graphs of a decode step's write-and-attend.
 
 One layer's write-and-attend of a decode batch launches three kernels (write_kv, the slot
-fingerprints, paged attention). On the H200 host their launches cost about 0.2 ms of host
-time against about 90 us of GPU time for batch 32 of Llama-3-8B (benchmarks/results/
-service-h200.md, pool_call_breakdown). Replayed as one CUDA graph they cost one launch.
+fingerprints, paged attention). Launched one by one they cost more host time than the GPU
+spends on them for a decode batch (measured per call in
+benchmarks/results/archive/service-h200.md, pool_call_breakdown). Replayed as one CUDA
+graph they cost one launch.
 
 A graph bakes in addresses and launch configurations, hence:
 
@@ -232,23 +233,7 @@ class DecodeGraphs:
             return None
         if layer == PAGES and self._pages_body is None:
             return None
-        tables = entry.block_tables
-        first_key, first_value, first_query = (_first(t) for t in (key, value, query))
-        # Shapes as torch.Size: tuples (hashed and compared as the ints they hold), not
-        # converted per call.
-        signature = (
-            joined_shape(key),
-            first_key.dtype,
-            first_value.dtype,
-            joined_shape(query),
-            first_query.dtype,
-            entry.slots.shape,
-            tables.shape[0],
-            bucket_width(tables.shape[1]),
-            options,
-            check_finite,
-            None if layers is None else layers.shape,
-        )
+        signature = _signature(entry, key, value, query, options, check_finite, layers)
         with self._lock:
             cls = self._classes.get(signature)
             if cls is not None:
@@ -459,6 +444,37 @@ class DecodeGraphs:
             graph.capture_end()
         current.wait_stream(self._stream)
         return graph, outputs
+
+
+def _signature(
+    entry: CachedMetadata,
+    key: Staged,
+    value: Staged,
+    query: Staged,
+    options: AttendOptions,
+    check_finite: bool,
+    layers: torch.Tensor | None,
+) -> tuple:
+    """The shape class of a call (`DecodeGraphs.run`'s arguments; ``entry.slots`` set):
+    shapes and dtypes, the slot count, the batch, the bucketed table width, the options,
+    the finite check and the layer vector's shape."""
+    tables = entry.block_tables
+    first_key, first_value, first_query = (_first(t) for t in (key, value, query))
+    # Shapes as torch.Size: tuples (hashed and compared as the ints they hold), not
+    # converted per call.
+    return (
+        joined_shape(key),
+        first_key.dtype,
+        first_value.dtype,
+        joined_shape(query),
+        first_query.dtype,
+        entry.slots.shape,  # type: ignore[union-attr]
+        tables.shape[0],
+        bucket_width(tables.shape[1]),
+        options,
+        check_finite,
+        None if layers is None else layers.shape,
+    )
 
 
 def _first(t: Staged) -> torch.Tensor:

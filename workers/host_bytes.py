@@ -5,9 +5,9 @@ in parts) copies a few dozen KB per caller from the caller's shared region into 
 staging buffer, and its output rows back into each caller's slot. Done with torch
 (``host[a:b].view(shape).copy_(part)``), each copy is three dispatched ops, and the copy
 itself releases the GIL: on a worker whose other channel thread is unpickling the next
-request, taking the GIL back costs tens of microseconds per op (benchmarks/results/
-service-h200.md, twenty-second session: the stager's packing was 452 us of a 1.2 ms
-round). A plain ``memmove`` called without releasing the GIL costs about a microsecond
+request, taking the GIL back costs tens of microseconds per op (in a measured coalesced
+round the stager's packing was over a third of the round: benchmarks/results/archive/
+service-h200.md). A plain ``memmove`` called without releasing the GIL costs about a microsecond
 plus the bytes (a 64 KB part: a few microseconds).
 
 Only for small copies (`MAX_HELD_BYTES`): a bulk prefill's megabytes go through torch,

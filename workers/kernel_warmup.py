@@ -5,8 +5,8 @@ the H200 host, on the thread that launches, so on a server's event loop. The dec
 attention kernel's variant follows its launch configuration (`kernels.attention.
 choose_config`: the split count from the batch size and the context length), and a server
 that coalesces concurrent calls meets new batch sizes while serving: a py-spy profile of
-the service's concurrency benchmark found 72% of its session calls' time in compiles
-(benchmarks/results/service-h200.md, seventh session). A pool that knows its model's query
+the service's concurrency benchmark found most of its session calls' time in compiles
+(benchmarks/results/archive/service-h200.md). A pool that knows its model's query
 heads launches one small attention per distinct configuration before it serves
 (`KVPool.warm_up`); these are those launches' shapes.
 """

@@ -1,10 +1,10 @@
 """Attention metadata validated once and kept on the pool's device across calls.
 
 A decode step calls the pool once per layer with the same block tables, sequence lengths
-and query offsets (the coordinator plans the step once: cache_service.engine.layer_steps). Checking
-them (every block id inside the pool, lengths within the tables, offsets ordered) and
-copying them to the device each time cost about 0.2 ms of host time per call on the H200
-host, against 83 us of GPU time for the whole write-and-attend. The caller names such
+and query offsets (the coordinator plans the step once: cache_service.engine.layer_steps).
+Checking them (every block id inside the pool, lengths within the tables, offsets ordered)
+and copying them to the device on every call would cost more host time than the GPU spends
+on the whole write-and-attend of a decode layer. The caller names such
 metadata with a `metadata_key` it never reuses for other content (a random 63-bit id per
 kernel batch); the pool validates and copies it on the first call and keeps the device
 copies under the key, least recently used dropped first.
@@ -12,15 +12,20 @@ copies under the key, least recently used dropped first.
 What a hit still checks: that the call has as many query rows as the cached offsets end
 with, and the shapes of the tensors passed (a caller bug is refused, never served stale).
 A write's slots are kept too, and reused only when the call passes equal slots (a list
-comparison: about a microsecond for a decode batch); other slots are validated as usual.
+comparison, cheap for a decode batch); other slots are validated as usual.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
+
+from workers.checks import check_query
+from workers.errors import InvalidWorkerRequest
+from workers.layout import KVLayout
 
 __all__ = ["CachedMetadata", "MetadataCache"]
 
@@ -97,3 +102,89 @@ class MetadataCache:
 
     def clear(self) -> None:
         self._entries.clear()
+
+    def lookup(
+        self,
+        metadata_key: int | None,
+        layout: KVLayout,
+        query: torch.Tensor,
+        block_tables: object,
+        seq_lens: object,
+        query_start_loc: object,
+    ) -> CachedMetadata | None:
+        """The device copies kept under `metadata_key`, after checking that this call fits
+        them (query shape and rows, the shapes of the index tensors passed); None when the
+        key is None or unknown (validate and stage as usual).
+
+        Raises:
+            InvalidWorkerRequest: a malformed key, or a call that does not fit the
+                metadata its key names (a caller reusing a key for other content).
+        """
+        if metadata_key is None:
+            return None
+        if type(metadata_key) is not int:
+            raise InvalidWorkerRequest(
+                f"metadata_key must be an int or None, got {type(metadata_key).__name__}"
+            )
+        entry = self.get(metadata_key)
+        if entry is None:
+            return None
+        check_query(layout, query)
+        # Compared as torch.Size (a tuple: equal to the tuples they hold); tuples for the
+        # message only.
+        given = (_shape(block_tables), _shape(seq_lens), _shape(query_start_loc))
+        if query.shape[0] != entry.num_rows or given != entry.shapes():
+            shown = tuple(None if s is None else tuple(s) for s in given)
+            raise InvalidWorkerRequest(
+                f"metadata_key {metadata_key} names metadata of {entry.num_rows} query rows "
+                f"and index shapes {[list(x) for x in entry.shapes()]}; this call has "
+                f"{query.shape[0]} rows and {shown}: a key must name one content"
+            )
+        return entry
+
+    def remember(
+        self,
+        metadata_key: int | None,
+        staged: Sequence[torch.Tensor],
+        num_rows: int,
+        slot_mapping: object = None,
+        slots: torch.Tensor | None = None,
+    ) -> None:
+        """Keep validated index tensors (already on the device: views the next staged copy
+        overwrites, hence the copies) under `metadata_key`, with a write's slots as in
+        :meth:`keep`."""
+        if metadata_key is not None:
+            tables, lens, starts = (t.clone() for t in staged)
+            entry = CachedMetadata(tables, lens, starts, num_rows)
+            self.keep(metadata_key, entry, slot_mapping, slots)
+
+    def keep(
+        self,
+        metadata_key: int | None,
+        entry: CachedMetadata,
+        slot_mapping: object = None,
+        slots: torch.Tensor | None = None,
+    ) -> None:
+        """Store `entry` under `metadata_key` (None: nothing is kept); with a write's
+        `slot_mapping` as passed and its validated device `slots` (a staged view, hence the
+        copy), those too, so the key's other layers skip validating and copying them."""
+        if metadata_key is None:
+            return
+        if slots is not None and (source := _slot_source(slot_mapping)) is not None:
+            entry = replace(entry, slot_source=source, slots=slots.clone())
+        self.put(metadata_key, entry)
+
+
+def _shape(t: object) -> torch.Size | None:
+    """A tensor's shape; None for anything else (a list of ints, say)."""
+    return t.shape if isinstance(t, torch.Tensor) else None
+
+
+def _slot_source(slot_mapping: object) -> list[int] | torch.Tensor | None:
+    """A copy of a write's slot mapping as its caller passed it (a list or a tensor), to
+    recognise the same slots in a later call (CachedMetadata.same_slots); None otherwise."""
+    if type(slot_mapping) is list:
+        return list(slot_mapping)
+    if isinstance(slot_mapping, torch.Tensor):
+        return slot_mapping.clone()
+    return None

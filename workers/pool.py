@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import torch
@@ -29,63 +28,33 @@ from workers.checks import (
     check_block_ids,
     check_layer,
     check_new_kv,
-    check_query,
     check_write,
 )
 from workers.config import PoolConfig
 from workers.decode_graphs import PAGES, DecodeGraphs
-from workers.errors import InvalidWorkerRequest, NonFiniteInput, PoolAllocationError
+from workers.delivery import AttendResult, Delivery, PartsResult, guard_finite, host_out
+from workers.errors import InvalidWorkerRequest, PoolAllocationError
 from workers.fingerprints import BadSlot, SlotFingerprints
 from workers.kernel_warmup import decode_warm_up_launches, dummy_decode_inputs
 from workers.layout import KVLayout
-from workers.metadata_cache import CachedMetadata, MetadataCache
-from workers.parts import TensorParts, check_out_parts, fill, joined, on_host, stand_in
-from workers.pinned_ranges import REGISTERED
-from workers.sizing import free_device_bytes, resolve_num_blocks
-from workers.staging import HostStager, Staged
+from workers.metadata_cache import MetadataCache
+from workers.pages import check_page_count, layer_vector, page_caches, to_pages
+from workers.parts import check_out_parts, joined, on_host, stand_in
+from workers.reference_check import ReferenceInputs, reference_attention
+from workers.sizing import free_device_bytes, resolve_device, resolve_num_blocks
+from workers.staging import HostStager, Staged, attend_inputs, write_inputs
 
-__all__ = ["KVPool", "ReferenceInputs", "resolve_device"]
+__all__ = [
+    "AttendResult",
+    "IndexLike",
+    "KVPool",
+    "PartsResult",
+    "ReferenceInputs",
+    "resolve_device",
+]
 
 IndexLike = torch.Tensor | Sequence[int]
-_INT32_MAX = 2**31 - 1
-AttendResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-# An output delivered in parts (write_and_attend_pages' `out`), with the LSE if asked.
-PartsResult = TensorParts | tuple[TensorParts, torch.Tensor]
 _T = TypeVar("_T")
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``device`` as a torch device; None picks the current CUDA device if any, else CPU.
-
-    A bare "cuda" becomes "cuda:<current>", so the pool reports the GPU it really uses.
-    """
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise PoolAllocationError(f"device {device!r} asked for, but CUDA is not available")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    elif dev.type != "cpu":
-        raise PoolAllocationError(f"pools live on 'cuda' or 'cpu' devices, got {device!r}")
-    return dev
-
-
-@dataclass(frozen=True)
-class ReferenceInputs:
-    """An online check's recomputation, staged (`KVPool.reference_inputs`): the layer,
-    query ``[T, Hq, D]``, int32 block tables ``[S, max_blocks]``, seq_lens ``[S]`` and
-    query_start_loc ``[S + 1]`` on the pool's device (tensors of its own), the options, and
-    the slots whose data no longer matches its fingerprint."""
-
-    layer: int
-    query: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
-    options: AttendOptions
-    bad: list[BadSlot]
 
 
 class KVPool:
@@ -140,6 +109,7 @@ class KVPool:
         )
         # Requests arrive on the host: a GPU pool takes each request's tensors in one copy.
         self._stager = HostStager(self._device) if self._device.type == "cuda" else None
+        self._delivery = Delivery(self._device, self._stager)
         # The attention metadata of recent decode steps, validated and on the device.
         self._metadata = MetadataCache()
         self._graphs = (
@@ -290,15 +260,15 @@ class KVPool:
         options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
         check_layer(layer, self._layout.num_layers)
         batch = (block_tables, seq_lens, query_start_loc)
-        entry = self._cached_metadata(metadata_key, query, *batch)
+        entry = self._metadata.lookup(metadata_key, self._layout, query, *batch)
         if entry is not None:
             (q,) = self._on_device(query)
             result = self._attend_on_device(layer, q, *entry.tables(), options)
-            return self._deliver(result, to_host)
+            return self._delivery.deliver(result, to_host)
         indices = check_attend(self._layout, self._num_blocks, layer, query, *batch)
-        staged = self._on_device(*_attend_inputs(query, *indices))
-        self._remember_metadata(metadata_key, staged[1:], query.shape[0])
-        return self._deliver(self._attend_on_device(layer, *staged, options), to_host)
+        staged = self._on_device(*attend_inputs(query, *indices))
+        self._metadata.remember(metadata_key, staged[1:], query.shape[0])
+        return self._delivery.deliver(self._attend_on_device(layer, *staged, options), to_host)
 
     def warm_up(self, num_q_heads: Sequence[int], max_batch: int) -> int:
         """Compile, before serving, the kernel variants that decode calls will need: one
@@ -379,53 +349,44 @@ class KVPool:
         Raises:
             InvalidWorkerRequest: a malformed argument; NonFiniteInput (check_finite).
         """
-        if out is not None and not (
-            to_host
-            and out.device.type == "cpu"
-            and out.dtype == self._data.dtype
-            and out.shape == query.shape
-            and out.is_contiguous()
-        ):
-            out = None
+        out = host_out(out, to_host, self._data.dtype, query.shape)
         options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
         check_layer(layer, self._layout.num_layers)
         batch = (block_tables, seq_lens, query_start_loc)
-        entry = self._cached_metadata(metadata_key, query, *batch)
+        entry = self._metadata.lookup(metadata_key, self._layout, query, *batch)
         if entry is not None and entry.slots is not None and entry.same_slots(slot_mapping):
             # Another layer of the step: slots validated and on the device already.
             check_new_kv(self._layout, layer, entry.slots.shape[0], key, value)
-            pinned = self._pinned_host(key, value, query)
+            pinned = self._delivery.pinned_host(key, value, query)
             if self._graphs is not None:
                 replayed = self._graphs.run(
                     layer, entry, key, value, query, options, pinned, check_finite
                 )
                 if replayed is not None:
                     # A replay's results live in the graph's memory: copied out here.
-                    return self._finish(
+                    return self._delivery.finish(
                         replayed, options, to_host, owned=False, wait=pinned, out=out
                     )
             k, v, q = self._on_device(key, value, query, pinned=pinned)
             done = self._write_and_attend_on_device(
                 layer, entry.slots, k, v, q, *entry.tables(), options, check_finite
             )
-            return self._finish(done, options, to_host, wait=pinned, out=out)
+            return self._delivery.finish(done, options, to_host, wait=pinned, out=out)
         slots = check_write(self._layout, self._num_blocks, layer, slot_mapping, key, value)
         if entry is not None:
-            staged = self._on_device(*_write_inputs(slots, key, value), query)
+            staged = self._on_device(*write_inputs(slots, key, value), query)
             # The key's other layers will find these slots kept.
-            self._keep_metadata(metadata_key, entry, slot_mapping, staged[0])
+            self._metadata.keep(metadata_key, entry, slot_mapping, staged[0])
             done = self._write_and_attend_on_device(
                 layer, *staged, *entry.tables(), options, check_finite
             )
-            return self._finish(done, options, to_host, out=out)
+            return self._delivery.finish(done, options, to_host, out=out)
         indices = check_attend(self._layout, self._num_blocks, layer, query, *batch)
         # Both halves' tensors reach the device in one staged copy.
-        staged = self._on_device(
-            *_write_inputs(slots, key, value), *_attend_inputs(query, *indices)
-        )
-        self._remember_metadata(metadata_key, staged[4:], query.shape[0], slot_mapping, staged[0])
+        staged = self._on_device(*write_inputs(slots, key, value), *attend_inputs(query, *indices))
+        self._metadata.remember(metadata_key, staged[4:], query.shape[0], slot_mapping, staged[0])
         done = self._write_and_attend_on_device(layer, *staged, options, check_finite)
-        return self._finish(done, options, to_host, out=out)
+        return self._delivery.finish(done, options, to_host, out=out)
 
     def write_and_attend_pages(
         self,
@@ -469,16 +430,14 @@ class KVPool:
         batch = (block_tables, seq_lens, query_start_loc)
         indices = check_attend(self._layout, pages, 0, whole[2], *batch)
         outs = None if out is None else check_out_parts(out, whole[2])
-        staged = self._on_device(
-            *_write_inputs(slots, key, value), *_attend_inputs(query, *indices)
-        )
+        staged = self._on_device(*write_inputs(slots, key, value), *attend_inputs(query, *indices))
         slots_on, k, v, q = staged[:4]
-        slots_on, finite = self._guarded(slots_on, k, v, q, check_finite)
+        slots_on, finite = guard_finite(slots_on, k, v, q, check_finite)
         self._write_pages_on_device(slots_on, k, v)
         result = self._attend_on_device(None, *staged[3:], options)
         if finite is None and not to_host and outs is None:
             return result
-        return self._deliver(result, to_host, finite=finite, out=outs)
+        return self._delivery.deliver(result, to_host, finite=finite, out=outs)
 
     def write_and_attend_layers(
         self,
@@ -524,18 +483,14 @@ class KVPool:
         """
         options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
         lay = self._layout
-        if self._num_blocks * lay.num_layers > _INT32_MAX:
-            raise InvalidWorkerRequest(
-                f"{self._num_blocks} blocks x {lay.num_layers} layers are too many pages for "
-                "one launch (int32 page ids); call per layer"
-            )
+        check_page_count(self._num_blocks, lay)
         whole = (stand_in("key", key), stand_in("value", value), stand_in("query", query))
         batch = (block_tables, seq_lens, query_start_loc)
         outs = None if out is None else check_out_parts(out, whole[2])
-        entry = self._cached_metadata(metadata_key, whole[2], *batch)
+        entry = self._metadata.lookup(metadata_key, self._layout, whole[2], *batch)
         if entry is not None and entry.slots is not None and entry.same_slots(slot_mapping):
             check_new_kv(lay, 0, entry.slots.shape[0], whole[0], whole[1])
-            layers = _layer_vector(
+            layers = layer_vector(
                 seq_layers, slot_layers, entry.block_tables.shape[0], entry.slots.shape[0], lay
             )
             if self._graphs is not None:
@@ -543,23 +498,23 @@ class KVPool:
                     PAGES, entry, key, value, query, options, False, check_finite, layers
                 )
                 if replayed is not None:
-                    return self._finish(replayed, options, to_host, owned=False, out=outs)
+                    return self._delivery.finish(replayed, options, to_host, owned=False, out=outs)
             k, v, q, layers_on = self._on_device(key, value, query, layers)
             done = self._write_and_attend_layers_on_device(
                 entry.slots, k, v, q, *entry.tables(), layers_on, options, check_finite
             )
-            return self._finish(done, options, to_host, out=outs)
+            return self._delivery.finish(done, options, to_host, out=outs)
         slots = check_write(lay, self._num_blocks, 0, slot_mapping, whole[0], whole[1])
         indices = check_attend(lay, self._num_blocks, 0, whole[2], *batch)
-        layers = _layer_vector(seq_layers, slot_layers, indices[0].shape[0], slots.shape[0], lay)
+        layers = layer_vector(seq_layers, slot_layers, indices[0].shape[0], slots.shape[0], lay)
         staged = self._on_device(
-            *_write_inputs(slots, key, value), *_attend_inputs(query, *indices), layers
+            *write_inputs(slots, key, value), *attend_inputs(query, *indices), layers
         )
-        self._remember_metadata(
+        self._metadata.remember(
             metadata_key, staged[4:7], whole[2].shape[0], slot_mapping, staged[0]
         )
         done = self._write_and_attend_layers_on_device(*staged, options, check_finite)
-        return self._finish(done, options, to_host, out=outs)
+        return self._delivery.finish(done, options, to_host, out=outs)
 
     def attend_pages(
         self,
@@ -582,7 +537,7 @@ class KVPool:
             self._layout, pages, 0, query, block_tables, seq_lens, query_start_loc
         )
         return self._attend_on_device(
-            None, *self._on_device(*_attend_inputs(query, *indices)), options
+            None, *self._on_device(*attend_inputs(query, *indices)), options
         )
 
     def reference_attend(
@@ -637,7 +592,7 @@ class KVPool:
             self._layout, self._num_blocks, layer, query, block_tables, seq_lens, query_start_loc
         )
         # Own copies: the stager's views last only until its next request.
-        on_device = self._on_device(*_attend_inputs(query, tables, lens, starts))
+        on_device = self._on_device(*attend_inputs(query, tables, lens, starts))
         q, t, n, s = (x.clone() for x in on_device)
         bad: list[BadSlot] = []
         if self._fingerprints is not None:
@@ -655,16 +610,8 @@ class KVPool:
         layers, other blocks) unless a block it reads was freed and reused meanwhile, and
         the coordinator discards such a check (cache_service.engine.running_checks).
         """
-        result = self._attend_on_device(
-            inputs.layer,
-            inputs.query,
-            inputs.block_tables,
-            inputs.seq_lens,
-            inputs.query_start_loc,
-            inputs.options,
-            reference=True,
-        )
-        return result if isinstance(result, tuple) else (result, None)
+        layer = inputs.layer
+        return reference_attention(inputs, self._data[:, layer, 0], self._data[:, layer, 1])
 
     def copy_blocks(self, src: IndexLike, dst: IndexLike) -> None:
         """Copy whole blocks (all layers, K and V) ``src[i] -> dst[i]`` (copy-on-write).
@@ -720,76 +667,6 @@ class KVPool:
     def _to_device(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return t.to(device=self._device, dtype=dtype)
 
-    def _cached_metadata(
-        self,
-        metadata_key: int | None,
-        query: torch.Tensor,
-        block_tables: object,
-        seq_lens: object,
-        query_start_loc: object,
-    ) -> CachedMetadata | None:
-        """The device copies kept under `metadata_key`, after checking that this call fits
-        them (query shape and rows, the shapes of the index tensors passed); None when the
-        key is None or unknown (validate and stage as usual).
-
-        Raises:
-            InvalidWorkerRequest: a malformed key, or a call that does not fit the
-                metadata its key names (a caller reusing a key for other content).
-        """
-        if metadata_key is None:
-            return None
-        if type(metadata_key) is not int:
-            raise InvalidWorkerRequest(
-                f"metadata_key must be an int or None, got {type(metadata_key).__name__}"
-            )
-        entry = self._metadata.get(metadata_key)
-        if entry is None:
-            return None
-        check_query(self._layout, query)
-        # Compared as torch.Size (a tuple: equal to the tuples they hold); tuples for the
-        # message only.
-        given = (_shape(block_tables), _shape(seq_lens), _shape(query_start_loc))
-        if query.shape[0] != entry.num_rows or given != entry.shapes():
-            shown = tuple(None if s is None else tuple(s) for s in given)
-            raise InvalidWorkerRequest(
-                f"metadata_key {metadata_key} names metadata of {entry.num_rows} query rows "
-                f"and index shapes {[list(x) for x in entry.shapes()]}; this call has "
-                f"{query.shape[0]} rows and {shown}: a key must name one content"
-            )
-        return entry
-
-    def _remember_metadata(
-        self,
-        metadata_key: int | None,
-        staged: Sequence[torch.Tensor],
-        num_rows: int,
-        slot_mapping: object = None,
-        slots: torch.Tensor | None = None,
-    ) -> None:
-        """Keep validated index tensors (already on the device: views the next staged copy
-        overwrites, hence the copies) under `metadata_key`, with a write's slots as in
-        :meth:`_keep_metadata`."""
-        if metadata_key is not None:
-            tables, lens, starts = (t.clone() for t in staged)
-            entry = CachedMetadata(tables, lens, starts, num_rows)
-            self._keep_metadata(metadata_key, entry, slot_mapping, slots)
-
-    def _keep_metadata(
-        self,
-        metadata_key: int | None,
-        entry: CachedMetadata,
-        slot_mapping: object = None,
-        slots: torch.Tensor | None = None,
-    ) -> None:
-        """Store `entry` under `metadata_key` (None: nothing is kept); with a write's
-        `slot_mapping` as passed and its validated device `slots` (a staged view, hence the
-        copy), those too, so the key's other layers skip validating and copying them."""
-        if metadata_key is None:
-            return
-        if slots is not None and (source := _slot_source(slot_mapping)) is not None:
-            entry = replace(entry, slot_source=source, slots=slots.clone())
-        self._metadata.put(metadata_key, entry)
-
     def _write_and_attend_on_device(
         self,
         layer: int,
@@ -806,7 +683,7 @@ class KVPool:
         """The write (guarded by `check_finite`), then the attention, on validated device
         tensors: what every write_and_attend path runs, and what a decode graph captures.
         Returns (out, lse or None, finite flag or None)."""
-        slots, finite = self._guarded(slots, key, value, query, check_finite)
+        slots, finite = guard_finite(slots, key, value, query, check_finite)
         self._write_on_device(layer, slots, key, value)
         result = self._attend_on_device(
             layer, query, block_tables, seq_lens, query_start_loc, options
@@ -831,139 +708,12 @@ class KVPool:
         slots computed here from the per-layer ones and `layers` (int32 ``[S + n]``, each
         sequence's then each new token's layer), then the guarded write and the attention
         over pages. What a graph over pages captures (workers.decode_graphs.PAGES)."""
-        n_layers, bs = self._layout.num_layers, self._layout.block_size
-        num_seqs = block_tables.shape[0]
-        seq_layers, slot_layers = layers[:num_seqs], layers[num_seqs:]
-        # Padded table entries (past a sequence's length, never read) stay valid pages.
-        tables = block_tables * n_layers + seq_layers[:, None]
-        pages = torch.where(
-            slots >= 0, ((slots // bs) * n_layers + slot_layers) * bs + slots % bs, slots
-        )
-        pages, finite = self._guarded(pages, key, value, query, check_finite)
+        tables, pages = to_pages(block_tables, slots, layers, self._layout)
+        pages, finite = guard_finite(pages, key, value, query, check_finite)
         self._write_pages_on_device(pages, key, value)
         result = self._attend_on_device(None, query, tables, seq_lens, query_start_loc, options)
         out, lse = result if isinstance(result, tuple) else (result, None)
         return out, lse, finite
-
-    @staticmethod
-    def _guarded(
-        slots: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        query: torch.Tensor,
-        check_finite: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """With `check_finite`, the slots masked to -1 (skipped by the write) unless every
-        value of key, value and query is finite, and that flag (a 0-d bool tensor on the
-        device, read once the call's results are on the host); else the slots as given."""
-        if not check_finite or slots.numel() == 0:
-            return slots, None
-        finite = torch.isfinite(key).all() & torch.isfinite(value).all()
-        finite &= torch.isfinite(query).all()
-        return torch.where(finite, slots, -1), finite
-
-    def _finish(
-        self,
-        done: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
-        options: AttendOptions,
-        to_host: bool,
-        *,
-        owned: bool = True,
-        wait: bool = False,
-        out: torch.Tensor | TensorParts | None = None,
-    ) -> AttendResult | PartsResult:
-        """`_deliver` of `_write_and_attend_on_device`'s (or its over-layers form's) (out,
-        lse, finite flag)."""
-        got, lse, finite = done
-        result = (got, lse) if options.return_lse else got
-        return self._deliver(result, to_host, owned=owned, wait=wait, out=out, finite=finite)
-
-    def _deliver(
-        self,
-        result: AttendResult,
-        to_host: bool,
-        *,
-        owned: bool = True,
-        wait: bool = False,
-        out: torch.Tensor | TensorParts | None = None,
-        finite: torch.Tensor | None = None,
-    ) -> AttendResult | PartsResult:
-        """An attention result as the caller gets it: on the host in pinned memory (one
-        copy each and one wait; `to_host`; the output into `out` when given: a list takes
-        the output's rows part by part, and the result holds that list), else on the
-        device, copied when not `owned` (a graph's memory, which the next replay
-        overwrites). `wait`: the call's inputs are still being copied out of the caller's
-        pinned memory (`_pinned_host`), so the call does not return before the device is
-        done with them. `finite`: the call's flag from `_guarded`; False raises
-        NonFiniteInput, read before anything reaches `out` (a refused call leaves the
-        caller's memory as it was)."""
-        if type(out) is list:
-            return self._deliver_parts(result, out, finite)
-        tensors = result if isinstance(result, tuple) else (result,)
-        if finite is not None and out is not None:
-            # Waits for the flag before `out` is touched; the copy into `out` then waits
-            # again. Kept as two: the flag is known only once the call's kernels ran, and
-            # the copy may start only after it is. One wait would mean copying the output
-            # elsewhere (pinned staging) and then into `out` on the CPU: a host copy of
-            # the whole output for one wait, no clear gain.
-            _refuse_non_finite(finite)
-            finite = None
-        if out is not None:
-            # The output straight into the caller's memory (write_and_attend checked it).
-            out.copy_(tensors[0], non_blocking=True)
-            tensors = (out, *tensors[1:])
-            owned = True
-        if to_host and self._device.type == "cuda":
-            host = [] if out is None else [out]
-            for t in tensors[len(host) :]:
-                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                h.copy_(t, non_blocking=True)
-                host.append(h)
-            torch.cuda.current_stream(self._device).synchronize()
-            tensors = tuple(host)
-        else:
-            if not owned:
-                tensors = tuple(t.clone() for t in tensors)
-            if wait:
-                torch.cuda.current_stream(self._device).synchronize()
-        if finite is not None:
-            _refuse_non_finite(finite)
-        return tensors if isinstance(result, tuple) else tensors[0]  # type: ignore[return-value]
-
-    def _deliver_parts(
-        self, result: AttendResult, out: TensorParts, finite: torch.Tensor | None
-    ) -> PartsResult:
-        """`_deliver` of an output in parts: the flag read first (a refused call leaves
-        `out` as it was), then each part's rows copied into its part of `out`, the LSE (if
-        any) to the host, one wait. A GPU pool's output without LSE goes through the
-        stager's pinned buffer (`HostStager.to_host_parts`: one transfer with the flag, one
-        wait, host copies)."""
-        got, lse = result if isinstance(result, tuple) else (result, None)
-        stager = self._stager
-        if (
-            lse is None
-            and stager is not None
-            and got.is_cuda
-            and got.numel() * got.element_size() <= stager.max_bytes
-        ):
-            # One transfer and one wait for the rows and the flag, then host copies.
-            _refuse_non_finite(stager.to_host_parts(got, out, finite))
-            return out
-        if finite is not None:
-            _refuse_non_finite(finite)
-        fill(out, got)
-        if lse is not None:
-            lse = lse.to("cpu", non_blocking=self._device.type == "cuda")
-        if self._device.type == "cuda":
-            torch.cuda.current_stream(self._device).synchronize()
-        return out if lse is None else (out, lse)
-
-    def _pinned_host(self, *tensors: torch.Tensor) -> bool:
-        """Whether a GPU pool's inputs all lie in the caller's page-locked host memory (a
-        shared region the server registered with CUDA): then they go to the device by DMA
-        straight from there, with no staging copy on the CPU, and the call must not
-        return before those copies are done (`_deliver`'s wait)."""
-        return self._stager is not None and all(_is_pinned_host(t) for t in tensors)
 
     def _on_device(self, *tensors: Staged, pinned: bool = False) -> list[torch.Tensor]:
         """``tensors`` on the pool's device (one given in parts joined: workers.parts):
@@ -987,7 +737,7 @@ class KVPool:
     def _write_checked(
         self, layer: int | None, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> None:
-        self._write_on_device(layer, *self._on_device(*_write_inputs(slots, key, value)))
+        self._write_on_device(layer, *self._on_device(*write_inputs(slots, key, value)))
 
     def _write_on_device(
         self, layer: int | None, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -1018,19 +768,16 @@ class KVPool:
         if slots.shape[0] == 0:
             return
         key, value = key.contiguous(), value.contiguous()
-        self._kernel(kernels.write_kv, key, value, *self._page_caches(), slots)
+        self._kernel(
+            kernels.write_kv,
+            key,
+            value,
+            *page_caches(self._data, self._num_blocks, self._layout),
+            slots,
+        )
         if self._fingerprints is not None:
             dtype = self._data.dtype
             self._fingerprints.record_pages(slots, key.to(dtype), value.to(dtype))
-
-    def _page_caches(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of every layer as pages ``[num_blocks * L, Hkv, block_size, D]`` (views:
-        page ``b * L + l`` is block b of layer l; dim 0 strides over the K/V pair)."""
-        lay = self._layout
-        pages = self._data.view(
-            self._num_blocks * lay.num_layers, 2, lay.num_kv_heads, lay.block_size, lay.head_dim
-        )
-        return pages[:, 0], pages[:, 1]
 
     def _attend_on_device(
         self,
@@ -1040,13 +787,11 @@ class KVPool:
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
         options: AttendOptions,
-        *,
-        reference: bool = False,
     ) -> AttendResult:
         """The attention with validated arguments already on the pool's device, over one
         layer (None: over pages of every layer, see write_and_attend_pages)."""
         if layer is None:
-            key_cache, value_cache = self._page_caches()
+            key_cache, value_cache = page_caches(self._data, self._num_blocks, self._layout)
         else:
             key_cache, value_cache = self._data[:, layer, 0], self._data[:, layer, 1]
         args = (
@@ -1064,99 +809,4 @@ class KVPool:
             softcap=options.softcap,
             return_lse=options.return_lse,
         )
-        if reference:
-            # The torch reference whatever the pool's backend, its errors as they are.
-            return kernels.paged_attention(*args, **kwargs, backend="torch", check_values=False)
         return self._kernel(kernels.paged_attention, *args, **kwargs)
-
-
-def _layer_vector(
-    seq_layers: object, slot_layers: object, num_seqs: int, num_slots: int, layout: KVLayout
-) -> torch.Tensor:
-    """Host int32 ``[num_seqs + num_slots]``: each sequence's layer then each new token's,
-    validated (one per sequence and per token, each within the layout).
-
-    Raises:
-        InvalidWorkerRequest: anything else.
-    """
-    for name, given, count in (
-        ("seq_layers", seq_layers, num_seqs),
-        ("slot_layers", slot_layers, num_slots),
-    ):
-        if type(given) is not list or len(given) != count:
-            shown = len(given) if isinstance(given, list) else type(given).__name__
-            raise InvalidWorkerRequest(
-                f"{name} must be a list of {count} layers (one per "
-                f"{'sequence' if name == 'seq_layers' else 'new token'}), got {shown}"
-            )
-        if given and (
-            not all(type(x) is int for x in given)
-            or min(given) < 0
-            or max(given) >= layout.num_layers
-        ):
-            raise InvalidWorkerRequest(
-                f"{name} must hold layer indices in [0, {layout.num_layers}), got {given}"
-            )
-    return torch.tensor(seq_layers + slot_layers, dtype=torch.int32)  # type: ignore[operator]
-
-
-def _shape(t: object) -> torch.Size | None:
-    """A tensor's shape; None for anything else (a list of ints, say)."""
-    return t.shape if isinstance(t, torch.Tensor) else None
-
-
-def _is_pinned_host(t: torch.Tensor) -> bool:
-    """``t.device.type == "cpu" and t.is_pinned()``, answered from the registrations the
-    process made itself (`workers.pinned_ranges.REGISTERED`: the shared regions) when
-    `t`'s bytes lie in one, without the driver call ``is_pinned()`` makes (about 5 us);
-    other tensors are asked as before. A registered range is exact (its owner removes it
-    before unregistering), and a wrong answer would only cost speed (see that module)."""
-    if not t.is_cpu:
-        return False
-    nbytes = t.nbytes
-    # Contiguous: its bytes are [data_ptr, data_ptr + nbytes). (Empty: asked as before.)
-    if nbytes and t.is_contiguous() and REGISTERED.covers(t.data_ptr(), nbytes):
-        return True
-    return t.is_pinned()
-
-
-def _refuse_non_finite(finite: torch.Tensor | bool) -> None:
-    """NonFiniteInput unless the call's flag (`KVPool._guarded`, or its value read on the
-    host) says every value was finite (reading a device flag waits for the device; the
-    write was masked otherwise)."""
-    if not bool(finite):
-        raise NonFiniteInput(
-            "the key, value or query holds NaN or infinite values; nothing was written"
-        )
-
-
-def _slot_source(slot_mapping: object) -> list[int] | torch.Tensor | None:
-    """A copy of a write's slot mapping as its caller passed it (a list or a tensor), to
-    recognise the same slots in a later call (CachedMetadata.same_slots); None otherwise."""
-    if type(slot_mapping) is list:
-        return list(slot_mapping)
-    if isinstance(slot_mapping, torch.Tensor):
-        return slot_mapping.clone()
-    return None
-
-
-def _write_inputs(
-    slots: torch.Tensor, key: Staged, value: Staged
-) -> tuple[torch.Tensor, Staged, Staged]:
-    """A write's tensors in the dtypes the kernels take (slots int64)."""
-    return slots.to(torch.int64), key, value
-
-
-def _attend_inputs(
-    query: Staged,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-) -> tuple[Staged, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An attention call's tensors in the dtypes the kernels take (index tensors int32)."""
-    return (
-        query,
-        block_tables.to(torch.int32),
-        seq_lens.to(torch.int32),
-        query_start_loc.to(torch.int32),
-    )

@@ -1,4 +1,5 @@
-"""How many blocks a pool gets: from a count, or from a fraction of free device memory."""
+"""Where a pool lives and how many blocks it gets: from a count, or from a fraction of free
+device memory."""
 
 from __future__ import annotations
 
@@ -9,7 +10,28 @@ import torch
 from workers.config import PoolConfig
 from workers.errors import PoolAllocationError
 
-__all__ = ["blocks_for_fraction", "free_device_bytes", "resolve_num_blocks"]
+__all__ = ["blocks_for_fraction", "free_device_bytes", "resolve_device", "resolve_num_blocks"]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``device`` as a torch device; None picks the current CUDA device if any, else CPU.
+
+    A bare "cuda" becomes "cuda:<current>", so the pool reports the GPU it really uses.
+
+    Raises:
+        PoolAllocationError: CUDA asked for but not available, or another device type.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise PoolAllocationError(f"device {device!r} asked for, but CUDA is not available")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise PoolAllocationError(f"pools live on 'cuda' or 'cpu' devices, got {device!r}")
+    return dev
 
 
 def blocks_for_fraction(free_bytes: int, fraction: float, bytes_per_block: int) -> int:

@@ -23,7 +23,14 @@ import torch
 from workers.host_bytes import copy_from, copy_to
 from workers.parts import joined, joined_shape
 
-__all__ = ["HostStager", "Staged", "bytes_as", "packed_offsets"]
+__all__ = [
+    "HostStager",
+    "Staged",
+    "attend_inputs",
+    "bytes_as",
+    "packed_offsets",
+    "write_inputs",
+]
 
 _ALIGN = 256  # bytes; kernels want 16-byte aligned rows, allocators give 256
 
@@ -34,6 +41,28 @@ def _round_up(n: int, k: int) -> int:
 
 # A tensor to stage: one tensor, or one given in parts (workers.parts: rows joined on dim 0).
 Staged = torch.Tensor | Sequence[torch.Tensor]
+
+
+def write_inputs(
+    slots: torch.Tensor, key: Staged, value: Staged
+) -> tuple[torch.Tensor, Staged, Staged]:
+    """A write's tensors in the dtypes the kernels take (slots int64)."""
+    return slots.to(torch.int64), key, value
+
+
+def attend_inputs(
+    query: Staged,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> tuple[Staged, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An attention call's tensors in the dtypes the kernels take (index tensors int32)."""
+    return (
+        query,
+        block_tables.to(torch.int32),
+        seq_lens.to(torch.int32),
+        query_start_loc.to(torch.int32),
+    )
 
 
 def _nbytes(t: Staged) -> int:
