@@ -16,27 +16,34 @@ from __future__ import annotations
 import secrets
 from array import array
 from collections.abc import Sequence as SequenceABC
-from dataclasses import dataclass
 from typing import Any
 
+from cache_service.control import (
+    pins,
+    prefix_sharing,
+    quotas,
+    repeated_writes,
+    validation,
+    worker_loss,
+    write_path,
+)
 from cache_service.control.accounting import CacheCounters, CacheStats, WorkerStats, collect_stats
 from cache_service.control.block_pool import BlockPool
 from cache_service.control.eviction import make_policy
 from cache_service.control.integrity import check_integrity
-from cache_service.control.placement import choose_home, plan_growth
+from cache_service.control.placement import choose_home
 from cache_service.control.prefix_index import (
-    ROOT_KEY,
-    TOKEN_BYTES,
-    IndexEntry,
     PrefixIndex,
     Salt,
-    chain_keys,
-    encode_tokens,
     make_salt,
     pack_tokens,
     token_bytes,
 )
+from cache_service.control.prefix_sharing import publish
+from cache_service.control.quotas import ref as _ref
+from cache_service.control.quotas import unref as _unref
 from cache_service.control.records import from_records, to_records
+from cache_service.control.repeated_writes import WriteSnapshot
 from cache_service.control.sequence import Sequence, segments_of
 from cache_service.control.state import BlockManagerConfig, LostSequence, Pin
 from cache_service.control.types import (
@@ -52,6 +59,11 @@ from cache_service.control.types import (
     WriteCursor,
     WritePlan,
 )
+from cache_service.control.validation import MAX_NAMESPACE as MAX_NAMESPACE
+from cache_service.control.validation import check_name as _check_name
+from cache_service.control.validation import check_namespace
+from cache_service.control.validation import not_found as _not_found
+from cache_service.control.write_journal import Journal
 from cache_service.errors import (
     CacheError,
     InvalidRequest,
@@ -90,62 +102,6 @@ __all__ = [
     "WriteSnapshot",
 ]
 
-# Ids and tenant names are echoed in messages and stored in snapshots: keep them bounded.
-_MAX_NAME = 256
-
-
-@dataclass(frozen=True, slots=True)
-class WriteSnapshot:
-    """A batch of one-layer writes as planned, for `BlockManager.repeatable` (see
-    `BlockManager.snapshot_writes`).
-
-    Attributes:
-        tenant: the writes' tenant.
-        seq_ids: the sequences, in batch order.
-        starts: per sequence, the first position written.
-        num_tokens: tokens each sequence wrote.
-        seqs / rows: the live sequence objects and their block rows at the time (identity
-            is what `repeatable` checks; read them only through the manager).
-    """
-
-    tenant: str
-    seq_ids: tuple[str, ...]
-    starts: tuple[int, ...]
-    num_tokens: int
-    seqs: tuple[Sequence, ...]
-    rows: tuple[Any, ...]
-
-
-@dataclass(slots=True)
-class _Undo:
-    """How to put one sequence back as it was before one prepare_write of a batch."""
-
-    seq: Sequence
-    tokens: int
-    table: int
-    last: PhysicalBlock | None
-    home: str | None
-    # Blocks taken, in order, and whether each was an evicted cached-free block.
-    taken: list[tuple[PhysicalBlock, bool]]
-    cow_src: PhysicalBlock | None = None
-
-
-class _Journal:
-    """What the prepare_write calls of one `prepare_writes` batch changed, so that a failing
-    item can put every earlier one back exactly (free-list and eviction order included).
-
-    Index entries of cached-free blocks a batch evicts are removed only once the whole
-    batch succeeded: nothing in prepare_write reads the index, and a failed batch then has
-    nothing to re-publish (re-publishing would change the index's order).
-    """
-
-    def __init__(self, counters: CacheCounters, released: dict[str, list[int]]) -> None:
-        self.evictions = counters.evictions
-        self.cow_copies = counters.cow_copies
-        self.released = {w: len(ids) for w, ids in released.items()}
-        self.steps: list[_Undo] = []
-        self.evicted: list[PhysicalBlock] = []
-
 
 class BlockManager:
     """Block tables, reference counts, the prefix index and per-worker pools.
@@ -178,7 +134,7 @@ class BlockManager:
         # `take_released`, per worker: the workers poison them in debug mode. Not part of
         # the durable state: a release that never reached a worker costs only that check.
         self._released: dict[str, list[int]] = {}
-        self._journal: _Journal | None = None
+        self._journal: Journal | None = None
 
     # ---- workers ------------------------------------------------------------------------
 
@@ -213,39 +169,7 @@ class BlockManager:
         Raises:
             InvalidRequest: unknown worker.
         """
-        if not isinstance(worker_id, str) or worker_id not in self._pools:
-            raise InvalidRequest(f"unknown worker {worker_id!r}")
-        affected = [
-            seq
-            for seq in self._seqs.values()
-            if any(block.worker_id == worker_id for block in seq.table)
-        ]
-        for seq in affected:
-            tenant_blocks = self._tenant_blocks[seq.tenant]
-            for block in reversed(seq.table):
-                if block.worker_id != worker_id:
-                    self._release(block)
-                _unref(tenant_blocks, block)
-            self._forget(seq)
-            self._lost[seq.seq_id] = LostSequence(seq.tenant, worker_id)
-        for key, pin in list(self._pins.items()):
-            kept = [b for b in pin.blocks if b.worker_id != worker_id]
-            if len(kept) != len(pin.blocks):
-                if kept:
-                    pin.blocks = kept
-                else:
-                    del self._pins[key]
-        for block in [b for b in self._pinned if b.worker_id == worker_id]:
-            del self._pinned[block]
-        for block in self._index.blocks_on(worker_id):
-            self._index.remove_block(block)
-        for seq in self._seqs.values():
-            if seq.home == worker_id:
-                seq.home = None
-        del self._pools[worker_id]
-        # Its pool is gone: nothing there to poison any more.
-        self._released.pop(worker_id, None)
-        return [SeqRef(seq.tenant, seq.seq_id) for seq in affected]
+        return worker_loss.lose_worker(self, worker_id)
 
     # ---- sequences ----------------------------------------------------------------------
 
@@ -435,54 +359,7 @@ class BlockManager:
             differ from reserved ones), QuotaExceeded, PoolExhausted (all or nothing: not
             enough blocks even after evicting every cached-free one).
         """
-        seq = self._resolve(tenant, seq_id)
-        start = self._start_of(seq, layer)
-        tokens = pack_tokens(token_ids).tolist()
-        n = len(tokens)
-        if n == 0:
-            raise InvalidRequest("token_ids is empty")
-        bs = self._bs
-        reserved = len(seq.tokens)
-        end = start + n
-        if end > reserved:
-            self._check_length(
-                "token_ids",
-                end,
-                f" would make sequence {seq_id!r} {end} tokens long ({n} at {start})",
-            )
-        overlap = min(end, reserved) - start
-        if overlap > 0 and seq.tokens[start : start + overlap] != tokens[:overlap]:
-            for i in range(overlap):
-                if seq.tokens[start + i] != tokens[i]:
-                    raise InvalidRequest(
-                        f"position {start + i} is reserved for token {seq.tokens[start + i]}, "
-                        f"got {tokens[i]} (layer {layer})"
-                    )
-        copies: list[BlockCopy] = []
-        table = seq.table
-        if end > reserved:
-            new_blocks = -(-end // bs) - len(table)
-            cow_src: PhysicalBlock | None = None
-            if reserved % bs:
-                last = table[-1]
-                if self._pools[last.worker_id].refcount(last.index) > 1:
-                    cow_src = last
-            if self._journal is not None:
-                self._journal.steps.append(
-                    _Undo(seq, reserved, len(table), table[-1] if table else None, seq.home, [])
-                )
-            if new_blocks or cow_src is not None:
-                copies = self._grow(seq, new_blocks, cow_src)
-            seq.tokens.extend(tokens[overlap:])
-        if n == 1:
-            block = table[start // bs]
-            slots = [(block.worker_id, block.index * bs + start % bs)]
-        else:
-            slots = []
-            for pos in range(start, end):
-                block = table[pos // bs]
-                slots.append((block.worker_id, block.index * bs + pos % bs))
-        return WritePlan(start, slots, copies)
+        return write_path.prepare_write(self, tenant, seq_id, layer, token_ids)
 
     def prepare_writes(
         self,
@@ -508,29 +385,7 @@ class BlockManager:
             What prepare_write raises; InvalidRequest for an empty batch or a sequence
             named twice. PoolExhausted / QuotaExceeded name the failing item.
         """
-        items = _batch_items(writes, "token_ids")
-        if not items:
-            raise InvalidRequest("writes is empty")
-        journal = self._journal = _Journal(self._counters, self._released)
-        plans: list[WritePlan] = []
-        try:
-            for i, (seq_id, token_ids) in enumerate(items):
-                try:
-                    plans.append(self.prepare_write(tenant, seq_id, layer, token_ids))
-                except (PoolExhausted, QuotaExceeded) as exc:
-                    raise type(exc)(
-                        f"{exc} (write {i + 1} of {len(items)}, sequence {seq_id!r}; the "
-                        "batch reserved nothing)"
-                    ) from None
-        except BaseException:
-            self._journal = None
-            self._roll_back(journal)
-            raise
-        self._journal = None
-        for block in journal.evicted:
-            self._index.remove_block(block)
-            self._note_released(block)
-        return plans
+        return write_path.prepare_writes(self, tenant, layer, writes)
 
     def cancel_write(self, tenant: str, seq_id: str) -> CancelledWrite:
         """Release the positions reserved past the sequence's longest written layer: what
@@ -547,29 +402,7 @@ class BlockManager:
         Raises:
             SequenceNotFound, SequenceLost.
         """
-        seq = self._resolve(tenant, seq_id)
-        bs = self._bs
-        start = max(seq.written)
-        keep = -(-start // bs)
-        if start % bs:
-            last = seq.table[keep - 1]
-            shared = self._pools[last.worker_id].refcount(last.index) > 1
-            if shared or self._index.is_published(last):
-                # Shared with a fork taken while this reservation was held (or written and
-                # published by one): its other users hold these positions too, a block has
-                # one fill, and published KV must not be overwritten with other tokens'.
-                # They stay reserved: a write there must repeat their tokens.
-                start = min(len(seq.tokens), keep * bs)
-        num_tokens = len(seq.tokens) - start
-        dropped = tuple(seq.table[keep:])
-        if dropped:
-            tenant_blocks = self._tenant_blocks[tenant]
-            for block in reversed(dropped):
-                self._release(block)
-                _unref(tenant_blocks, block)
-            seq.truncate_table(keep)
-        del seq.tokens[start:]
-        return CancelledWrite(start, num_tokens, dropped)
+        return write_path.cancel_write(self, tenant, seq_id)
 
     def commit_write(self, tenant: str, seq_id: str, layer: int | None, num_tokens: int) -> None:
         """Advance written(layer) by `num_tokens` after the worker wrote them.
@@ -601,16 +434,7 @@ class BlockManager:
             What commit_write raises, naming the write; InvalidRequest for a sequence named
             twice.
         """
-        items = _batch_items(writes, "num_tokens")
-        checked: list[tuple[Sequence, int]] = []
-        for i, (seq_id, num_tokens) in enumerate(items):
-            try:
-                seq = self._resolve(tenant, seq_id)
-                checked.append((seq, self._committed_length(seq, layer, num_tokens)))
-            except CacheError as exc:
-                raise type(exc)(f"{exc} (write {i + 1} of {len(items)})") from None
-        for seq, new in checked:
-            self._apply_commit(seq, layer, new)
+        write_path.commit_writes(self, tenant, layer, writes)
 
     def commit_repeated(self, snapshot: WriteSnapshot, layer: int) -> None:
         """`commit_writes` of the snapshot's writes on `layer` (snapshot.num_tokens per
@@ -624,16 +448,7 @@ class BlockManager:
             InvalidRequest: a sequence's `layer` is no longer at the snapshot's start (the
                 caller broke the contract); nothing was committed.
         """
-        pairs = list(zip(snapshot.seqs, snapshot.starts, strict=True))
-        for i, (seq, start) in enumerate(pairs):
-            if seq.written[layer] != start:
-                raise InvalidRequest(
-                    f"layer {layer} of {snapshot.seq_ids[i]!r} stands at {seq.written[layer]}, "
-                    f"not at the snapshot's {start}: check repeatable() under the same locks"
-                )
-        n = snapshot.num_tokens
-        for seq, start in pairs:
-            self._apply_commit(seq, layer, start + n)
+        repeated_writes.commit_repeated(self, snapshot, layer)
 
     def _committed_length(self, seq: Sequence, layer: int | None, num_tokens: object) -> int:
         """written(layer) after committing `num_tokens` more, checked against the reserved
@@ -661,7 +476,7 @@ class BlockManager:
         if new // self._bs > len(seq.keys):
             low = min(seq.written)
             if low // self._bs > len(seq.keys):
-                self._publish(seq, low // self._bs)
+                publish(self, seq, low // self._bs)
 
     # ---- repeated writes (the other layers of a decode step) ----------------------------
 
@@ -681,22 +496,7 @@ class BlockManager:
             SequenceNotFound, SequenceLost; InvalidRequest when seq_ids and plans differ
             in length.
         """
-        if len(seq_ids) != len(plans):
-            raise InvalidRequest(f"{len(seq_ids)} seq_ids for {len(plans)} write plans")
-        if not plans:
-            return None
-        n = len(plans[0].slots)
-        seqs: list[Sequence] = []
-        rows: list[Any] = []
-        for seq_id, plan in zip(seq_ids, plans, strict=True):
-            seq = self._resolve(tenant, seq_id)
-            row = seq.row
-            if plan.copies or len(plan.slots) != n or row is None or not row.matches(seq.table):
-                return None
-            seqs.append(seq)
-            rows.append(row)
-        starts = tuple(plan.start for plan in plans)
-        return WriteSnapshot(tenant, tuple(seq_ids), starts, n, tuple(seqs), tuple(rows))
+        return repeated_writes.snapshot_writes(self, tenant, seq_ids, plans)
 
     def repeatable(
         self, snapshot: WriteSnapshot, layer: int, token_ids: SequenceABC[object]
@@ -719,36 +519,7 @@ class BlockManager:
         Read only; False for anything unusual (the caller plans from scratch then, and
         that path raises the precise error).
         """
-        n = snapshot.num_tokens
-        if (
-            type(layer) is not int
-            or not 0 <= layer < self._num_layers
-            or len(token_ids) != n * len(snapshot.seq_ids)
-        ):
-            return False
-        live = self._seqs
-        for i, (seq_id, seq, row, start) in enumerate(
-            zip(snapshot.seq_ids, snapshot.seqs, snapshot.rows, snapshot.starts, strict=True)
-        ):
-            if (
-                live.get(seq_id) is not seq
-                or seq.written[layer] != start
-                or seq.row is not row
-                or not row.matches(seq.table)
-                or len(seq.tokens) < start + n
-            ):
-                return False
-            if n == 1:
-                token = token_ids[i]
-                if type(token) is not int or seq.tokens[start] != token:
-                    return False
-            else:
-                mine = token_ids[i * n : (i + 1) * n]
-                if any(type(t) is not int for t in mine) or seq.tokens[start : start + n] != list(
-                    mine
-                ):
-                    return False
-        return True
+        return repeated_writes.repeatable(self, snapshot, layer, token_ids)
 
     # ---- attention ----------------------------------------------------------------------
 
@@ -803,24 +574,6 @@ class BlockManager:
         worker (a sequence spills across workers), times block_size; 0 with no worker."""
         return sum(p.num_blocks for p in self._pools.values()) * self._bs
 
-    def _check_length(self, field: str, tokens: int, what: str | None = None) -> None:
-        """Refuse `tokens` tokens for one sequence past `max_sequence_tokens` (before the
-        call counts or changes anything). With no worker registered, the call's own
-        PoolExhausted says so instead.
-
-        Raises:
-            InvalidRequest: naming `field`, the length and the capacity.
-        """
-        cap = self.max_sequence_tokens()
-        if tokens <= cap or not self._pools:
-            return
-        blocks = cap // self._bs
-        said = what if what is not None else f" has {tokens} tokens"
-        raise InvalidRequest(
-            f"{field}{said}, more than any sequence can hold on this service: {cap} tokens "
-            f"({blocks} blocks of {self._bs} tokens over {len(self._pools)} workers)"
-        )
-
     # ---- prefix cache -------------------------------------------------------------------
 
     def lookup(self, tenant: str, token_ids: SequenceABC[int], namespace: str = "") -> int:
@@ -828,17 +581,7 @@ class BlockManager:
 
         No side effects: nothing is counted, no block's eviction order changes.
         """
-        _check_name("tenant", tenant)
-        check_namespace(namespace)
-        prompt = pack_tokens(token_ids)
-        self._check_length("token_ids", len(prompt))
-        data = token_bytes(prompt)
-        if not prompt:
-            return 0
-        matched = self._index.match(
-            self._salts_for(tenant, namespace), data, (len(prompt) - 1) // self._bs
-        )
-        return len(matched) * self._bs
+        return prefix_sharing.lookup(self, tenant, token_ids, namespace)
 
     def pin(self, tenant: str, token_ids: SequenceABC[int], namespace: str = "") -> int:
         """Keep the cached full blocks of this prefix from eviction until `unpin`.
@@ -850,24 +593,7 @@ class BlockManager:
         Returns:
             Tokens pinned (0 if none of it is cached; nothing is recorded then).
         """
-        _check_name("tenant", tenant)
-        check_namespace(namespace)
-        prompt = pack_tokens(token_ids)
-        self._check_length("token_ids", len(prompt))
-        data = token_bytes(prompt)
-        full = len(prompt) // self._bs
-        key = _pin_key(tenant, namespace, data[: full * self._bs * TOKEN_BYTES])
-        pin = self._pins.get(key)
-        if pin is None:
-            matched = self._index.match(self._salts_for(tenant, namespace), data, full)
-            if not matched:
-                return 0
-            pin = self._pins[key] = Pin([block for _, block in matched], 0)
-        for block in pin.blocks:
-            self._pools[block.worker_id].incref(block.index)
-            self._pinned[block] = self._pinned.get(block, 0) + 1
-        pin.count += 1
-        return len(pin.blocks) * self._bs
+        return pins.pin(self, tenant, token_ids, namespace)
 
     def unpin(self, tenant: str, token_ids: SequenceABC[int], namespace: str = "") -> None:
         """Undo one `pin` of the same prefix by the same tenant.
@@ -875,25 +601,7 @@ class BlockManager:
         Raises:
             InvalidRequest: this tenant holds no pin of this prefix.
         """
-        _check_name("tenant", tenant)
-        check_namespace(namespace)
-        prompt = pack_tokens(token_ids)
-        data = token_bytes(prompt)
-        key = _pin_key(
-            tenant, namespace, data[: (len(prompt) // self._bs) * self._bs * TOKEN_BYTES]
-        )
-        pin = self._pins.get(key)
-        if pin is None:
-            raise InvalidRequest(
-                f"tenant {tenant!r} holds no pin of this {len(prompt)}-token prefix"
-            )
-        # Tail first, as in `free`: the head of a prefix outlives its tail under LRU.
-        for block in reversed(pin.blocks):
-            self._release(block)
-            _unref(self._pinned, block)
-        pin.count -= 1
-        if pin.count == 0:
-            del self._pins[key]
+        pins.unpin(self, tenant, token_ids, namespace)
 
     def publish_public(self, tenant: str, seq_id: str) -> int:
         """Make the sequence's published blocks (full, every layer written) findable by
@@ -905,14 +613,7 @@ class BlockManager:
         Raises:
             SequenceNotFound, SequenceLost.
         """
-        seq = self._resolve(tenant, seq_id)
-        data = encode_tokens(seq.tokens[: len(seq.keys) * self._bs])
-        public = self._salts_for(tenant, seq.namespace)[1].salt
-        added = 0
-        for i, (parent, key, chunk) in enumerate(chain_keys(ROOT_KEY, public, data, self._bs)):
-            entry = IndexEntry(seq.table[i], parent, None, chunk, seq.namespace)
-            added += self._index.publish(key, entry)
-        return added
+        return prefix_sharing.publish_public(self, tenant, seq_id)
 
     def set_tenant_quota(
         self, tenant: str, max_blocks: int | None = None, max_sequences: int | None = None
@@ -925,14 +626,7 @@ class BlockManager:
         Raises:
             InvalidRequest: bad tenant name, or a limit that is not None or a positive int.
         """
-        _check_name("tenant", tenant)
-        for name, value in (("max_blocks", max_blocks), ("max_sequences", max_sequences)):
-            if value is not None and (type(value) is not int or value < 1):
-                raise InvalidRequest(f"{name} must be None or a positive int, got {value!r}")
-        if max_blocks is None and max_sequences is None:
-            self._quotas.pop(tenant, None)
-        else:
-            self._quotas[tenant] = TenantQuota(max_blocks, max_sequences)
+        quotas.set_tenant_quota(self, tenant, max_blocks, max_sequences)
 
     def tenant_quotas(self) -> dict[str, TenantQuota]:
         """Tenants with their own quota (see `set_tenant_quota`), in the order set."""
@@ -960,26 +654,7 @@ class BlockManager:
         Returns:
             Blocks evicted.
         """
-        if max_blocks is not None and (type(max_blocks) is not int or max_blocks < 0):
-            raise InvalidRequest(f"max_blocks must be None or an int >= 0, got {max_blocks!r}")
-        if worker_id is not None and worker_id not in self._pools:
-            raise InvalidRequest(f"unknown worker {worker_id!r}")
-        pools = [self._pools[worker_id]] if worker_id is not None else self._pools.values()
-        left = max_blocks
-        evicted = 0
-        for pool in pools:
-            while left is None or left > 0:
-                index = pool.evict_next()
-                if index is None:
-                    break
-                block = PhysicalBlock(pool.worker_id, index)
-                self._index.remove_block(block)
-                self._note_released(block)
-                evicted += 1
-                if left is not None:
-                    left -= 1
-        self._counters.evictions += evicted
-        return evicted
+        return prefix_sharing.evict(self, max_blocks, worker_id)
 
     # ---- accounting ---------------------------------------------------------------------
 
@@ -1004,7 +679,7 @@ class BlockManager:
     # ---- snapshots ----------------------------------------------------------------------
 
     def to_records(self) -> dict[str, Any]:
-        """The whole state as plain JSON-able data (see control_records.py)."""
+        """The whole state as plain JSON-able data (see cache_service/control/records.py)."""
         return to_records(self)
 
     @classmethod
@@ -1018,57 +693,15 @@ class BlockManager:
 
     # ---- internals ----------------------------------------------------------------------
 
-    def _resolve(self, tenant: str, seq_id: str) -> Sequence:
-        seq = self._seqs.get(seq_id) if isinstance(seq_id, str) else None
-        if seq is not None and seq.tenant == tenant:
-            return seq
-        lost = self._lost.get(seq_id) if isinstance(seq_id, str) else None
-        if lost is not None and lost.tenant == tenant:
-            raise SequenceLost(
-                f"sequence {seq_id!r} lost its KV blocks with worker {lost.worker_id!r}; "
-                "free it and recompute"
-            )
-        raise _not_found(seq_id)
-
-    def _written_on(self, seq: Sequence, layer: int, caller: str) -> int:
-        """written(layer) of a resolved sequence, refusing None, a bad layer and nothing
-        written (what attending over one layer needs)."""
-        if layer is None:
-            raise InvalidRequest(f"{caller} needs one layer, got None")
-        self._check_layer(layer)
-        seq_len = seq.written[layer]
-        if seq_len == 0:
-            raise LayerNotWritten(f"layer {layer} of sequence {seq.seq_id!r} has nothing written")
-        return seq_len
-
-    def _check_layer(self, layer: object) -> None:
-        if type(layer) is not int or not 0 <= layer < self._num_layers:
-            raise InvalidRequest(
-                f"layer must be an int in [0, {self._num_layers}) or None, got {layer!r}"
-            )
-
-    def _start_of(self, seq: Sequence, layer: int | None) -> int:
-        written = seq.written
-        if layer is None:
-            first = written[0]
-            if written.count(first) != len(written):
-                raise InvalidRequest(
-                    "layer=None needs every layer's written length equal, got "
-                    f"min {min(written)} max {max(written)}"
-                )
-            return first
-        self._check_layer(layer)
-        return written[layer]
-
-    def _salts_for(self, tenant: str, namespace: str = "") -> tuple[Salt, Salt]:
-        """(the tenant's salt, the public salt) of one namespace, cached."""
-        salts = self._salts.get((tenant, namespace))
-        if salts is None:
-            fingerprint = self.config.layout_fingerprint
-            public = self._public if not namespace else make_salt(None, fingerprint, namespace)
-            salts = (make_salt(tenant, fingerprint, namespace), public)
-            self._salts[(tenant, namespace)] = salts
-        return salts
+    # Checks and lookups that live with their subject, bound here as methods (no extra call).
+    _resolve = validation.resolve
+    _written_on = validation.written_on
+    _check_layer = validation.check_layer
+    _start_of = validation.start_of
+    _check_length = validation.check_length
+    _check_sequence_quota = quotas.check_sequence_quota
+    _check_block_quota = quotas.check_block_quota
+    _salts_for = prefix_sharing.salts_for
 
     def _home_for(self, adopted: list[PhysicalBlock], prompt_len: int) -> str | None:
         """Home worker of a new sequence adopting `adopted` (before they are adopted) for
@@ -1092,45 +725,6 @@ class BlockManager:
             raise InvalidRequest(f"sequence id {requested!r} is already in use")
         return requested
 
-    def _check_sequence_quota(self, tenant: str) -> None:
-        own = self._quotas.get(tenant)
-        quota = own.max_sequences if own is not None else None
-        if quota is None:
-            quota = self.config.tenant_quota_sequences
-        if quota is not None and self._tenant_seqs.get(tenant, 0) >= quota:
-            live = self._tenant_seqs.get(tenant, 0)
-            raise QuotaExceeded(
-                f"tenant {tenant!r} has {live} live sequences, its quota is {quota} sequences"
-            )
-
-    def _check_block_quota(self, tenant: str, new_blocks: int) -> None:
-        own = self._quotas.get(tenant)
-        quota = own.max_blocks if own is not None else None
-        if quota is None:
-            quota = self.config.tenant_quota_blocks
-        if quota is not None and new_blocks > 0:
-            held = len(self._tenant_blocks.get(tenant, ()))
-            if held + new_blocks > quota:
-                raise QuotaExceeded(
-                    f"tenant {tenant!r} holds {held} blocks; {new_blocks} more would pass its "
-                    f"quota of {quota}"
-                )
-
-    def _take(self, worker_id: str) -> PhysicalBlock:
-        index, evicted = self._pools[worker_id].take()
-        block = PhysicalBlock(worker_id, index)
-        journal = self._journal
-        if journal is not None:
-            journal.steps[-1].taken.append((block, evicted))
-        if evicted:
-            self._counters.evictions += 1
-            if journal is not None:
-                journal.evicted.append(block)  # dropped from the index if the batch succeeds
-            else:
-                self._index.remove_block(block)
-                self._note_released(block)
-        return block
-
     def _release(self, block: PhysicalBlock) -> None:
         pool = self._pools[block.worker_id]
         keep = self._index.is_published(block)
@@ -1141,31 +735,6 @@ class BlockManager:
     def _note_released(self, block: PhysicalBlock) -> None:
         self._released.setdefault(block.worker_id, []).append(block.index)
 
-    def _roll_back(self, journal: _Journal) -> None:
-        """Undo every step of a failed batch, last first (see _Journal)."""
-        for step in reversed(journal.steps):
-            seq = step.seq
-            tenant_blocks = self._tenant_blocks[seq.tenant]
-            for block, evicted in reversed(step.taken):
-                self._pools[block.worker_id].untake(block.index, evicted)
-                _unref(tenant_blocks, block)
-            if step.cow_src is not None:
-                self._pools[step.cow_src.worker_id].incref(step.cow_src.index)
-                _ref(tenant_blocks, step.cow_src)
-            del seq.tokens[step.tokens :]
-            seq.truncate_table(step.table)
-            if step.last is not None:
-                seq.replace_last_block(step.last)
-            seq.home = step.home
-        self._counters.evictions = journal.evictions
-        self._counters.cow_copies = journal.cow_copies
-        for worker_id in list(self._released):
-            kept = journal.released.get(worker_id, 0)
-            if kept:
-                del self._released[worker_id][kept:]
-            else:
-                del self._released[worker_id]
-
     def _forget(self, seq: Sequence) -> None:
         del self._seqs[seq.seq_id]
         left = self._tenant_seqs[seq.tenant] - 1
@@ -1175,136 +744,3 @@ class BlockManager:
             # Its last sequence is gone, so it references no block any more.
             del self._tenant_seqs[seq.tenant]
             del self._tenant_blocks[seq.tenant]
-
-    def _grow(
-        self, seq: Sequence, new_blocks: int, cow_src: PhysicalBlock | None
-    ) -> list[BlockCopy]:
-        """Reserve `new_blocks` more blocks, and a copy of `cow_src` (the sequence's shared,
-        partly filled last block) if given; all or nothing. Returns the copies to run."""
-        tenant_blocks = self._tenant_blocks[seq.tenant]
-        delta = new_blocks
-        if cow_src is not None:
-            # The copy is a new block for the tenant; the source stops counting only if no
-            # other of its sequences still uses it.
-            delta += 0 if tenant_blocks[cow_src] == 1 else 1
-        self._check_block_quota(seq.tenant, delta)
-
-        home = seq.home
-        home_pool = self._pools.get(home) if home is not None else None
-        if cow_src is None and home_pool is not None and home_pool.available >= new_blocks:
-            plan = [(home, new_blocks)] if new_blocks else []
-        else:
-            available = {w: p.available for w, p in self._pools.items()}
-            if cow_src is not None:
-                # A copy runs inside one worker, so the copy lives where its source does.
-                if available[cow_src.worker_id] < 1:
-                    raise PoolExhausted(
-                        f"copy-on-write of a shared block needs a free block on worker "
-                        f"{cow_src.worker_id!r}, which has none"
-                    )
-                available[cow_src.worker_id] -= 1
-            growth = plan_growth(home, new_blocks, available) if new_blocks else []
-            if growth is None:
-                raise PoolExhausted(
-                    f"need {new_blocks} more blocks; {sum(available.values())} free or "
-                    f"evictable across {len(available)} workers"
-                )
-            plan = growth
-
-        copies: list[BlockCopy] = []
-        if cow_src is not None:
-            dst = self._take(cow_src.worker_id)
-            copies.append(BlockCopy(cow_src.worker_id, cow_src.index, dst.index))
-            seq.replace_last_block(dst)
-            self._release(cow_src)
-            _unref(tenant_blocks, cow_src)
-            if self._journal is not None:
-                self._journal.steps[-1].cow_src = cow_src
-            tenant_blocks[dst] = 1
-            self._counters.cow_copies += 1
-        table = seq.table
-        for worker_id, count in plan:
-            for _ in range(count):
-                block = self._take(worker_id)
-                table.append(block)
-                tenant_blocks[block] = 1
-            seq.home = worker_id
-        return copies
-
-    def _publish(self, seq: Sequence, upto: int) -> None:
-        """Publish blocks len(seq.keys) .. upto-1 of `seq` under its tenant's salt."""
-        salt = self._salts_for(seq.tenant, seq.namespace)[0].salt
-        keys = seq.keys
-        bs = self._bs
-        first = len(keys)
-        data = encode_tokens(seq.tokens[first * bs : upto * bs])
-        chain = chain_keys(keys[-1] if keys else ROOT_KEY, salt, data, bs)
-        for i, (parent, key, chunk) in enumerate(chain, start=first):
-            self._index.publish(
-                key, IndexEntry(seq.table[i], parent, seq.tenant, chunk, seq.namespace)
-            )
-            keys.append(key)
-
-
-MAX_NAMESPACE = 256
-"""Characters a prefix-cache namespace may have."""
-
-
-def check_namespace(namespace: object) -> None:
-    """Raise InvalidRequest unless `namespace` is a printable str of at most 256 characters
-    ("" is the default namespace)."""
-    if not isinstance(namespace, str):
-        raise InvalidRequest(f"namespace must be a str, got {type(namespace).__name__}")
-    if len(namespace) > MAX_NAMESPACE or not namespace.isprintable():
-        raise InvalidRequest(
-            f"namespace must be printable and at most {MAX_NAMESPACE} characters, got "
-            f"{len(namespace)} characters{'' if namespace.isprintable() else ' (unprintable)'}"
-        )
-
-
-def _pin_key(tenant: str, namespace: str, data: bytes) -> tuple[str, str, bytes]:
-    """Key of a pin in `_pins`: (tenant, namespace, the pinned full blocks' token bytes)."""
-    return (tenant, namespace, data)
-
-
-def _check_name(what: str, value: object) -> None:
-    if not isinstance(value, str) or not value or len(value) > _MAX_NAME:
-        raise InvalidRequest(f"{what} must be a non-empty str of at most {_MAX_NAME} characters")
-
-
-def _batch_items(writes: SequenceABC[Any], second: str) -> list[tuple[Any, Any]]:
-    """A batch of ``(seq_id, <second>)`` pairs as a list, each sequence at most once.
-
-    Raises:
-        InvalidRequest: an item that is not a pair, a seq_id that is not a str, a sequence
-            named twice.
-    """
-    items = list(writes)
-    seen: set[str] = set()
-    for item in items:
-        if not isinstance(item, tuple | list) or len(item) != 2:
-            raise InvalidRequest(f"each write must be a (seq_id, {second}) pair")
-        if not isinstance(item[0], str):
-            raise InvalidRequest("each write's seq_id must be a str")
-        if item[0] in seen:
-            raise InvalidRequest(f"sequence {item[0]!r} appears twice in one batch")
-        seen.add(item[0])
-    return items
-
-
-def _not_found(seq_id: object) -> SequenceNotFound:
-    # One message for unknown ids and ids of other tenants: nothing to probe.
-    shown = seq_id if isinstance(seq_id, str) and len(seq_id) <= _MAX_NAME else "<invalid>"
-    return SequenceNotFound(f"no sequence {shown!r} for this tenant")
-
-
-def _ref(counts: dict[PhysicalBlock, int], block: PhysicalBlock) -> None:
-    counts[block] = counts.get(block, 0) + 1
-
-
-def _unref(counts: dict[PhysicalBlock, int], block: PhysicalBlock) -> None:
-    left = counts[block] - 1
-    if left:
-        counts[block] = left
-    else:
-        del counts[block]

@@ -1,0 +1,116 @@
+"""Repeating a planned batch of one-layer writes on the other layers of a decode step.
+
+`snapshot_writes` remembers a batch `prepare_writes` planned; `repeatable` tells, read only,
+whether the same tokens written on another layer would get the very same plan; then
+`commit_repeated` commits them without looking any sequence up again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cache_service.control.sequence import Sequence
+from cache_service.control.types import WritePlan
+from cache_service.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from cache_service.control.block_manager import BlockManager
+
+__all__ = ["WriteSnapshot", "commit_repeated", "repeatable", "snapshot_writes"]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteSnapshot:
+    """A batch of one-layer writes as planned, for `BlockManager.repeatable` (see
+    `BlockManager.snapshot_writes`).
+
+    Attributes:
+        tenant: the writes' tenant.
+        seq_ids: the sequences, in batch order.
+        starts: per sequence, the first position written.
+        num_tokens: tokens each sequence wrote.
+        seqs / rows: the live sequence objects and their block rows at the time (identity
+            is what `repeatable` checks; read them only through the manager).
+    """
+
+    tenant: str
+    seq_ids: tuple[str, ...]
+    starts: tuple[int, ...]
+    num_tokens: int
+    seqs: tuple[Sequence, ...]
+    rows: tuple[Any, ...]
+
+
+def snapshot_writes(
+    m: BlockManager, tenant: str, seq_ids: SequenceABC[str], plans: SequenceABC[WritePlan]
+) -> WriteSnapshot | None:
+    """`BlockManager.snapshot_writes`: the snapshot, or None when the batch does not
+    qualify."""
+    if len(seq_ids) != len(plans):
+        raise InvalidRequest(f"{len(seq_ids)} seq_ids for {len(plans)} write plans")
+    if not plans:
+        return None
+    n = len(plans[0].slots)
+    seqs: list[Sequence] = []
+    rows: list[Any] = []
+    for seq_id, plan in zip(seq_ids, plans, strict=True):
+        seq = m._resolve(tenant, seq_id)
+        row = seq.row
+        if plan.copies or len(plan.slots) != n or row is None or not row.matches(seq.table):
+            return None
+        seqs.append(seq)
+        rows.append(row)
+    starts = tuple(plan.start for plan in plans)
+    return WriteSnapshot(tenant, tuple(seq_ids), starts, n, tuple(seqs), tuple(rows))
+
+
+def repeatable(
+    m: BlockManager, snapshot: WriteSnapshot, layer: int, token_ids: SequenceABC[object]
+) -> bool:
+    """`BlockManager.repeatable`: whether writing `token_ids` on `layer` now would be
+    planned exactly as the snapshot's writes were."""
+    n = snapshot.num_tokens
+    if (
+        type(layer) is not int
+        or not 0 <= layer < m._num_layers
+        or len(token_ids) != n * len(snapshot.seq_ids)
+    ):
+        return False
+    live = m._seqs
+    for i, (seq_id, seq, row, start) in enumerate(
+        zip(snapshot.seq_ids, snapshot.seqs, snapshot.rows, snapshot.starts, strict=True)
+    ):
+        if (
+            live.get(seq_id) is not seq
+            or seq.written[layer] != start
+            or seq.row is not row
+            or not row.matches(seq.table)
+            or len(seq.tokens) < start + n
+        ):
+            return False
+        if n == 1:
+            token = token_ids[i]
+            if type(token) is not int or seq.tokens[start] != token:
+                return False
+        else:
+            mine = token_ids[i * n : (i + 1) * n]
+            if any(type(t) is not int for t in mine) or seq.tokens[start : start + n] != list(mine):
+                return False
+    return True
+
+
+def commit_repeated(m: BlockManager, snapshot: WriteSnapshot, layer: int) -> None:
+    """`BlockManager.commit_repeated`: commit snapshot.num_tokens per sequence on `layer`,
+    all or nothing."""
+    pairs = list(zip(snapshot.seqs, snapshot.starts, strict=True))
+    for i, (seq, start) in enumerate(pairs):
+        if seq.written[layer] != start:
+            raise InvalidRequest(
+                f"layer {layer} of {snapshot.seq_ids[i]!r} stands at {seq.written[layer]}, "
+                f"not at the snapshot's {start}: check repeatable() under the same locks"
+            )
+    n = snapshot.num_tokens
+    for seq, start in pairs:
+        m._apply_commit(seq, layer, start + n)
