@@ -29,6 +29,7 @@ from cache_service.control_types import (
     Segment,
     SeqRef,
     SequenceInfo,
+    SequenceSummary,
     SequenceView,
     TenantQuota,
     WriteCursor,
@@ -430,6 +431,33 @@ class BlockManager:
             num_blocks=len(seq.table),
             workers=tuple(workers),
         )
+
+    def list_sequences(
+        self, tenant: str, after: str = "", limit: int = 100
+    ) -> tuple[list[SequenceSummary], bool]:
+        """A page of the tenant's sequences, live and lost, in seq_id order.
+
+        O(sequences of all tenants) per page: an occasional call (a client looking for
+        sequences it lost track of), not a per-step one.
+
+        Args:
+            after: list ids greater than this one ("" from the start).
+            limit: at most this many (>= 1).
+
+        Returns:
+            (the page, whether more follow).
+        """
+        ids = [s for s, seq in self._seqs.items() if seq.tenant == tenant and s > after]
+        ids += [s for s, lost in self._lost.items() if lost.tenant == tenant and s > after]
+        ids.sort()
+        page = []
+        for seq_id in ids[:limit]:
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                page.append(SequenceSummary(seq_id, 0, (), True))
+            else:
+                page.append(SequenceSummary(seq_id, len(seq.tokens), tuple(seq.written), False))
+        return page, len(ids) > limit
 
     def write_cursor(self, tenant: str, seq_id: str, layer: int | None) -> WriteCursor:
         """Where the next write of `layer` (None: all layers, whose lengths must be equal)
