@@ -836,6 +836,14 @@ class BlockManager:
         """
         return self._written_on(self._resolve(tenant, seq_id), layer, "written_length")
 
+    def written_lengths(self, tenant: str, seq_id: str) -> tuple[int, ...]:
+        """written(l) of every layer, O(layers) (no token ids copied).
+
+        Raises:
+            SequenceNotFound, SequenceLost.
+        """
+        return tuple(self._resolve(tenant, seq_id).written)
+
     def block_ids(self, tenant: str, seq_id: str, num_blocks: int) -> tuple[str, memoryview] | None:
         """The first `num_blocks` physical block indices of the sequence's table as a
         read-only view of packed int32 (``numpy.frombuffer(view, numpy.int32)`` reads it

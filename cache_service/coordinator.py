@@ -723,10 +723,10 @@ class Coordinator:
         """The sequence `seq_id` of `tenant` as a create's answer, or None if there is none
         (a lost one raises SequenceLost: DATA_LOSS, as any call on it would)."""
         try:
-            info = self.block_manager.sequence_info(tenant, seq_id)
+            written = self.block_manager.written_lengths(tenant, seq_id)
         except SequenceNotFound:
             return None
-        return CreatedSequence(seq_id, min(info.written))
+        return CreatedSequence(seq_id, min(written))
 
     def list_sequences(self, tenant: str, after: str = "", limit: int = 100) -> Any:
         """A page of the tenant's sequences (`BlockManager.list_sequences`)."""

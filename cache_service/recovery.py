@@ -90,6 +90,7 @@ _READ_ONLY = frozenset(
         "snapshot_writes",
         "sequence_info",
         "list_sequences",
+        "written_lengths",
         "write_cursor",
         "written_length",
         "unfinished_writes",

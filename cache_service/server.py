@@ -325,22 +325,44 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     ) -> pb.CreateSequenceResponse:
         prompt = list(request.prompt_token_ids) or None
         request_id = check_request_id(request.request_id)
-        with deadline_scope(commit_deadline(request.timeout_us, context.time_remaining())):
+
+        async def create() -> pb.CreateSequenceResponse:
             created = await self._coord.create_sequence(tenant, prompt, request_id)
-        return pb.CreateSequenceResponse(
-            seq_id=created.seq_id, num_cached_tokens=created.num_cached_tokens
-        )
+            return pb.CreateSequenceResponse(
+                seq_id=created.seq_id, num_cached_tokens=created.num_cached_tokens
+            )
+
+        deadline = commit_deadline(request.timeout_us, context.time_remaining())
+        return await self._create_once(tenant, request_id, deadline, create)
 
     @_rpc
     async def ForkSequence(
         self, request: pb.ForkSequenceRequest, context: Any, tenant: str
     ) -> pb.ForkSequenceResponse:
         request_id = check_request_id(request.request_id)
-        with deadline_scope(commit_deadline(request.timeout_us, context.time_remaining())):
-            created = await self._coord.fork(tenant, _seq_id(request.seq_id), request_id)
-        return pb.ForkSequenceResponse(
-            seq_id=created.seq_id, num_cached_tokens=created.num_cached_tokens
-        )
+        seq_id = _seq_id(request.seq_id)
+
+        async def fork() -> pb.ForkSequenceResponse:
+            created = await self._coord.fork(tenant, seq_id, request_id)
+            return pb.ForkSequenceResponse(
+                seq_id=created.seq_id, num_cached_tokens=created.num_cached_tokens
+            )
+
+        deadline = commit_deadline(request.timeout_us, context.time_remaining())
+        return await self._create_once(tenant, request_id, deadline, fork)
+
+    async def _create_once(
+        self, tenant: str, request_id: str, deadline: float, call: Callable[[], Any]
+    ) -> Any:
+        """A create or fork under its commit deadline, through the ledger when it has a
+        request id (a repeat answers the first reply; a DEADLINE_EXCEEDED is remembered).
+        The coordinator checks the deadline itself, after looking for the sequence the
+        request id names: a retry after a restart (ledger empty, sequence recovered) finds
+        it even with its deadline passed."""
+        with deadline_scope(deadline):
+            if not request_id:
+                return await call()
+            return await self._ledger.run(tenant, request_id, call)
 
     @_rpc
     async def FreeSequence(
