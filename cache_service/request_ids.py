@@ -11,8 +11,7 @@ runs afresh.
 Bounded: ids are kept for `ttl_s` and at most `max_ids` of them (the oldest go first);
 replies are kept up to `max_reply_bytes` in all, beyond which the oldest replies are
 dropped but their "applied" mark stays (a retry then gets ALREADY_EXISTS). Lookups and
-records are O(1) dict operations; expiry pops from the old end of an insertion-ordered
-dict. Not thread-safe: the servicer uses it from the event loop only.
+records are O(1) dict operations; expiry pops from the old end of an OrderedDict. Not thread-safe: the servicer uses it from the event loop only.
 
 Creates need no ledger: their sequence id is derived from the request id
 (`request_seq_id`), which the write-ahead log already keeps durable.
@@ -26,6 +25,7 @@ import asyncio
 import base64
 import hashlib
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -110,9 +110,11 @@ class RequestLedger:
         self._max_ids = max_ids
         self._max_bytes = max_reply_bytes
         self._clock = clock
-        self._entries: dict[tuple[str, str], _Entry] = {}
-        # Keys of entries holding a reply, oldest first (dict order) -> the reply's bytes.
-        self._with_reply: dict[tuple[str, str], int] = {}
+        # OrderedDicts, not dicts: taking the oldest item of a plain dict again and again
+        # walks over the slots deleted before it (O(n) each time until it resizes).
+        self._entries: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
+        # Keys of entries holding a reply, oldest first -> the reply's bytes.
+        self._with_reply: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._reply_bytes = 0
 
     def __len__(self) -> int:
@@ -168,7 +170,13 @@ class RequestLedger:
             late = DeadlinePassed(_late(request_id))
             self.finish(key, entry, late)
             raise late
-        return await self.run_held(key, entry, call)
+        try:
+            reply = await call()
+        except BaseException as exc:
+            self.finish(key, entry, exc)
+            raise
+        self.finish(key, entry, reply)
+        return reply
 
     async def run_held(
         self, key: tuple[str, str], entry: _Entry, call: Callable[[], Awaitable[_T]]
@@ -198,7 +206,8 @@ class RequestLedger:
     def begin(self, key: tuple[str, str], deadline: float = 0.0) -> _Entry:
         """Record a new id's call as running (the caller checked it is unknown); deadline:
         its commit deadline (monotonic seconds, 0.0: none)."""
-        self._expire()
+        if self._entries:
+            self._expire()
         entry = _Entry(self._clock(), deadline)
         self._entries[key] = entry
         return entry
@@ -214,14 +223,18 @@ class RequestLedger:
         else:
             entry.state = _APPLIED
             entry.reply = outcome
-            entry.size = len(outcome) if isinstance(outcome, bytes | bytearray) else 64
-            self._with_reply[key] = entry.size
-            self._reply_bytes += entry.size
-            self._trim_replies()
-        waiters, entry.waiters = entry.waiters, None
-        for waiter in waiters or ():
-            if not waiter.done():
-                waiter.set_result(None)
+            size = len(outcome) if type(outcome) is bytes else 64
+            entry.size = size
+            self._with_reply[key] = size
+            self._reply_bytes += size
+            if self._reply_bytes > self._max_bytes:
+                self._trim_replies()
+        waiters = entry.waiters
+        if waiters is not None:
+            entry.waiters = None
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
 
     def _replay(self, request_id: str, entry: _Entry) -> Any:
         if entry.state == _DEADLINE:

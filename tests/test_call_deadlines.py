@@ -210,3 +210,28 @@ def test_a_call_already_past_its_deadline_changes_nothing() -> None:
         assert "DEADLINE_EXCEEDED" in str(caught.value)
         assert _written(h, seq.seq_id) == (0, 0)
         h.check_integrity()
+
+
+def test_the_commit_deadline_is_the_earlier_one_and_keeps_a_reply_margin() -> None:
+    from cache_service.call_deadline import (
+        REPLY_MARGIN_S,
+        REPLY_MARGIN_SHARE,
+        check_deadline,
+        commit_deadline,
+    )
+    from cache_service.errors import DeadlinePassed
+
+    assert commit_deadline(0, None) == 0.0  # no deadline at all
+    before = time.monotonic()
+    # timeout_us wins when it is the earlier; the gRPC deadline counts in full then.
+    assert before + 0.3 <= commit_deadline(300_000, 2.0) <= time.monotonic() + 0.3
+    assert before + 0.2 <= commit_deadline(900_000, 0.2) <= time.monotonic() + 0.2
+    # Without timeout_us the gRPC deadline counts less the reply margin.
+    for left in (1.0, 0.1):
+        margin = min(REPLY_MARGIN_S, left * REPLY_MARGIN_SHARE)
+        got = commit_deadline(0, left)
+        assert before + left - margin <= got <= time.monotonic() + left - margin
+    check_deadline(0.0)
+    check_deadline(time.monotonic() + 60)
+    with pytest.raises(DeadlinePassed, match="nothing was changed"):
+        check_deadline(time.monotonic() - 1)
