@@ -8,7 +8,10 @@ modules stay free of grpc imports.
 from __future__ import annotations
 
 __all__ = [
+    "DEADLINE_VERDICT",
+    "AlreadyApplied",
     "CacheError",
+    "DeadlinePassed",
     "IntegrityError",
     "InvalidRequest",
     "LayerNotWritten",
@@ -90,3 +93,18 @@ class SharedMemoryLimit(CacheError):
 class SharedMemoryDisabled(CacheError):
     """The server has shared memory turned off (``shared_memory.enabled: false``): tensors
     travel as bytes."""
+
+
+# Every DEADLINE_EXCEEDED the server itself answers says this: a client tells the server's
+# verdict ("not applied") from its own transport's timeout (no verdict) by it.
+DEADLINE_VERDICT = "passed before it could commit; nothing was changed"
+
+
+class DeadlinePassed(CacheError):
+    """The call's commit deadline passed before it could commit; what it reserved was
+    undone (DEADLINE_EXCEEDED). Its message contains DEADLINE_VERDICT."""
+
+
+class AlreadyApplied(CacheError):
+    """A retried request id whose first call was applied and whose reply is no longer
+    kept (ALREADY_EXISTS): nothing was applied again."""

@@ -40,6 +40,7 @@ class Scripted(pb_grpc.KVCacheServicer):
         self.calls: dict[str, int] = {}
         self.metadata: list[Any] = []
         self.freed: list[str] = []
+        self.request_ids: dict[str, list[str]] = {}
         self.delay_s = 0.0
 
     def _enter(self, name: str, context: grpc.ServicerContext) -> None:
@@ -60,6 +61,7 @@ class Scripted(pb_grpc.KVCacheServicer):
         return pb.LookupResponse(num_cached_tokens=len(request.token_ids) // 4 * 4)
 
     def CreateSequence(self, request, context):
+        self.request_ids.setdefault("CreateSequence", []).append(request.request_id)
         self._enter("CreateSequence", context)
         return pb.CreateSequenceResponse(seq_id="s1", num_cached_tokens=0)
 
@@ -105,17 +107,19 @@ def test_retries_stop_after_max_attempts(server) -> None:
     assert servicer.calls["GetInfo"] == 3
 
 
-def test_writes_are_never_retried(server) -> None:
+def test_writes_are_never_retried_and_creates_only_with_their_request_id(server) -> None:
     servicer, address = server
     servicer.fail["CreateSequence"] = [grpc.StatusCode.UNAVAILABLE]
     servicer.fail["AppendAttend"] = [grpc.StatusCode.UNAVAILABLE]
     with KVCacheClient(address) as client:
-        with pytest.raises(UnavailableError, match="scripted failure of CreateSequence"):
-            client.create_sequence([1, 2])
+        # A create is idempotent by its request id: retried with the same one.
+        assert client.create_sequence([1, 2]).seq_id == "s1"
+        ids = servicer.request_ids["CreateSequence"]
+        assert len(ids) == 2 and ids[0] == ids[1] and ids[0]
         t = torch.ones(1, 1, 4)
         with pytest.raises(UnavailableError):
             client.append_attend(0, [AppendAttendItem("s1", [1], t, t, t)])
-    assert servicer.calls == {"CreateSequence": 1, "AppendAttend": 1}
+    assert servicer.calls == {"CreateSequence": 2, "AppendAttend": 1}
 
 
 def test_reads_are_not_retried_on_other_statuses(server) -> None:

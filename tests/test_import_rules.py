@@ -11,7 +11,7 @@ Layers, lowest first; a layer imports only itself and the layers its `LAYERS` en
 
 - `control` is pure: `cache_service.errors` only, and no torch, Triton, Ray, gRPC or numpy;
 - `kernels` and `workers` never import `cache_service`; `kernels` never imports `workers`;
-- the client imports only `wire` and the proto, and nothing it loads (transitively) is the
+- the client imports only `wire`, the proto and `cache_service.errors`, and nothing it loads (transitively) is the
   engine, the API, metrics or `workers`: a model executor's process loads none of them;
 - nothing imports `cache_service.cli` or the integrations but themselves;
 - the engine imports no gRPC: it raises domain errors, the API maps them to statuses;
@@ -63,7 +63,9 @@ LAYERS: dict[str, set[str]] = {
     "base": {"workers"},
     "control": {"cache_service.errors", "cache_service.control.eviction"},
     "wire": {"base", "workers"},
-    "client": {"cache_service._proto", "wire"},
+    # cache_service.errors imports nothing: the client reads the server's deadline verdict
+    # text from it.
+    "client": {"cache_service._proto", "cache_service.errors", "wire"},
     "obs": {"base", "control", "wire"},
     "engine": {"base", "control", "wire", "workers"},
     "api": {"base", "control", "wire", "obs", "engine", "workers"},

@@ -6,7 +6,8 @@ token ids, and the same shared-memory slices for key, value, query and output (t
 writes each layer's tensors into the same place). Decoding such a request and checking its
 slices is a good part of the event loop's time for a call, so the servicer keeps what it
 made of the step's first call: the batch (views of the client's region) and the output
-slots. The step's other calls find it by their bytes with the layer left out and skip the
+slots. The step's other calls find it by their bytes with the layer (and each call's own
+request_id and timeout_us) left out and skip the
 decode and the range checks; a call that differs in anything else decodes as before. The
 reply to a call whose output the coordinator produced in the client's slot is the same on
 every layer too (the slot's place, dtype and shape), so it is encoded once per entry, and
@@ -263,17 +264,22 @@ class BatchDecodeMemo:
 
 
 def _memo_key(tenant: str, request: pb.AppendAttendBatchRequest) -> tuple[str, bytes] | None:
-    """The request's bytes without its layer, for a request whose three tensors all lie in
-    shared memory; None for one that carries bytes (never kept)."""
+    """The request's bytes without its layer, request id and timeout (each call has its
+    own), for a request whose three tensors all lie in shared memory; None for one that
+    carries bytes (never kept)."""
     if not (
         request.key.HasField("shared")
         and request.value.HasField("shared")
         and request.query.HasField("shared")
     ):
         return None
-    layer = request.layer
+    layer, request_id, timeout_us = request.layer, request.request_id, request.timeout_us
     request.layer = 0
+    request.request_id = ""
+    request.timeout_us = 0
     try:
         return tenant, request.SerializeToString(deterministic=True)
     finally:
         request.layer = layer
+        request.request_id = request_id
+        request.timeout_us = timeout_us

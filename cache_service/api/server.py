@@ -52,9 +52,11 @@ from cache_service.api.status_mapping import status_for
 from cache_service.api.wire_decode import RequestDecodeInterceptor
 from cache_service.config import ServiceConfig, SharedMemoryConfig
 from cache_service.control.types import TenantQuota
+from cache_service.engine.call_deadline import check_deadline, commit_deadline, deadline_scope
 from cache_service.engine.call_origin import origin_scope
 from cache_service.engine.coordinator import Coordinator
 from cache_service.engine.eager_tasks import start_eagerly
+from cache_service.engine.request_ids import MAX_REQUEST_ID_BYTES, RequestLedger, check_request_id
 from cache_service.engine.store import MetadataStore, StoreConfig
 from cache_service.engine.worker_interface import AttentionResult
 from cache_service.errors import InvalidRequest
@@ -96,6 +98,9 @@ DEFAULT_TENANT = "default"
 METHOD_PERMISSIONS = {f"/{SERVICE_NAME}/PublishPublic": Permission.PUBLISH_PUBLIC}
 
 log = logging.getLogger("kvcache.server")
+# ListSequences page sizes: the default (page_size 0) and the largest accepted.
+_DEFAULT_PAGE_SIZE = 100
+_MAX_PAGE_SIZE = 1000
 # SessionRequest.call kinds: (their name in logs and metrics, their SessionResponse field).
 _SESSION_CALLS = {
     "append_attend_batch": ("Session.AppendAttendBatch", APPEND_ATTEND_BATCH),
@@ -227,6 +232,23 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         # The local sessions' socket (start_service sets it once they serve); GetInfo
         # tells clients, which on this host may then send their session calls there.
         self.local_session_socket = ""
+        # Outcomes of recent request ids: a retried mutating call is applied once.
+        self._ledger = RequestLedger()
+
+    async def _once(
+        self,
+        tenant: str,
+        request_id: str,
+        deadline: float,
+        call: Callable[[], Any],
+    ) -> Any:
+        """Run a mutating call (`call()` is its coroutine) under its commit `deadline`
+        (`call_deadline`) and, when it has a request id, at most once (`RequestLedger`)."""
+        with deadline_scope(deadline):
+            if not request_id:
+                check_deadline(deadline)  # already late: refuse before doing anything
+                return await call()
+            return await self._ledger.run(tenant, check_request_id(request_id), call, deadline)
 
     def _shared_reader(self, tenant: str) -> RegionReader:
         """Reads the tenant's `Tensor.shared` payloads for one call (copies, or views held
@@ -303,19 +325,47 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         self, request: pb.CreateSequenceRequest, context: Any, tenant: str
     ) -> pb.CreateSequenceResponse:
         prompt = list(request.prompt_token_ids) or None
-        created = await self._coord.create_sequence(tenant, prompt, request.namespace)
-        return pb.CreateSequenceResponse(
-            seq_id=created.seq_id, num_cached_tokens=created.num_cached_tokens
-        )
+        request_id = check_request_id(request.request_id)
+
+        async def create() -> pb.CreateSequenceResponse:
+            created = await self._coord.create_sequence(
+                tenant, prompt, request.namespace, request_id
+            )
+            return pb.CreateSequenceResponse(
+                seq_id=created.seq_id, num_cached_tokens=created.num_cached_tokens
+            )
+
+        deadline = commit_deadline(request.timeout_us, context.time_remaining())
+        return await self._create_once(tenant, request_id, deadline, create)
 
     @_rpc
     async def ForkSequence(
         self, request: pb.ForkSequenceRequest, context: Any, tenant: str
     ) -> pb.ForkSequenceResponse:
-        created = await self._coord.fork(tenant, _seq_id(request.seq_id))
-        return pb.ForkSequenceResponse(
-            seq_id=created.seq_id, num_cached_tokens=created.num_cached_tokens
-        )
+        request_id = check_request_id(request.request_id)
+        seq_id = _seq_id(request.seq_id)
+
+        async def fork() -> pb.ForkSequenceResponse:
+            created = await self._coord.fork(tenant, seq_id, request_id)
+            return pb.ForkSequenceResponse(
+                seq_id=created.seq_id, num_cached_tokens=created.num_cached_tokens
+            )
+
+        deadline = commit_deadline(request.timeout_us, context.time_remaining())
+        return await self._create_once(tenant, request_id, deadline, fork)
+
+    async def _create_once(
+        self, tenant: str, request_id: str, deadline: float, call: Callable[[], Any]
+    ) -> Any:
+        """A create or fork under its commit deadline, through the ledger when it has a
+        request id (a repeat answers the first reply; a DEADLINE_EXCEEDED is remembered).
+        The coordinator checks the deadline itself, after looking for the sequence the
+        request id names: a retry after a restart (ledger empty, sequence recovered) finds
+        it even with its deadline passed."""
+        with deadline_scope(deadline):
+            if not request_id:
+                return await call()
+            return await self._ledger.run(tenant, request_id, call)
 
     @_rpc
     async def FreeSequence(
@@ -323,6 +373,24 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
     ) -> pb.FreeSequenceResponse:
         await self._coord.free(tenant, _seq_id(request.seq_id))
         return pb.FreeSequenceResponse()
+
+    @_rpc
+    async def ListSequences(
+        self, request: pb.ListSequencesRequest, context: Any, tenant: str
+    ) -> pb.ListSequencesResponse:
+        size = request.page_size or _DEFAULT_PAGE_SIZE
+        if size > _MAX_PAGE_SIZE:
+            raise InvalidRequest(f"page_size is {size}; at most {_MAX_PAGE_SIZE} are allowed")
+        page, more = self._coord.list_sequences(tenant, request.page_token, size)
+        return pb.ListSequencesResponse(
+            sequences=[
+                pb.SequenceEntry(
+                    seq_id=e.seq_id, num_tokens=e.num_tokens, written=e.written, lost=e.lost
+                )
+                for e in page
+            ],
+            next_page_token=page[-1].seq_id if more and page else "",
+        )
 
     @_rpc
     async def Lookup(
@@ -358,13 +426,19 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         try:
             head, key, value = await _read_append(request_iterator)
             layer = head.layer if head.HasField("layer") else None
-            start = await self._coord.append(
-                tenant, _seq_id(head.seq_id), layer, list(head.token_ids), key, value
-            )
+
+            async def append() -> pb.AppendResponse:
+                start = await self._coord.append(
+                    tenant, _seq_id(head.seq_id), layer, list(head.token_ids), key, value
+                )
+                return pb.AppendResponse(start_position=start, num_tokens=len(head.token_ids))
+
+            deadline = commit_deadline(head.timeout_us, context.time_remaining())
+            reply = await self._once(tenant, head.request_id, deadline, append)
         except Exception as exc:
             await _abort(context, "Append", tenant, exc, t0)
         log.debug("rpc ok", extra=_fields("Append", tenant, "OK", t0))
-        return pb.AppendResponse(start_position=start, num_tokens=len(head.token_ids))
+        return reply
 
     @_rpc
     async def Attend(self, request: pb.AttendRequest, context: Any, tenant: str) -> bytes:
@@ -377,16 +451,27 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         self, request: pb.AppendAttendRequest, context: Any, tenant: str
     ) -> bytes:
         items, joined = decode_append_attend(request)
-        results = await self._coord.append_attend(
-            tenant, request.layer, items, request.return_lse, joined=joined
-        )
-        return encode_results(results, request.return_lse)  # an encoded AppendAttendResponse
+
+        async def append_attend() -> bytes:
+            results = await self._coord.append_attend(
+                tenant, request.layer, items, request.return_lse, joined=joined
+            )
+            return encode_results(results, request.return_lse)  # an AppendAttendResponse
+
+        deadline = commit_deadline(request.timeout_us, context.time_remaining())
+        return await self._once(tenant, request.request_id, deadline, append_attend)
 
     @_rpc
     async def AppendAttendBatch(
         self, request: pb.AppendAttendBatchRequest, context: Any, tenant: str
     ) -> bytes:
-        return await self._append_attend_batch(request, tenant)
+        deadline = commit_deadline(request.timeout_us, context.time_remaining())
+        return await self._once(
+            tenant,
+            request.request_id,
+            deadline,
+            functools.partial(self._append_attend_batch, request, tenant),
+        )
 
     @_rpc
     async def AttendBatch(self, request: pb.AttendBatchRequest, context: Any, tenant: str) -> bytes:
@@ -459,11 +544,16 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             )
 
     async def _session_call(
-        self, request: pb.SessionRequest, tenant: str, short_path: bool = True
+        self,
+        request: pb.SessionRequest,
+        tenant: str,
+        short_path: bool = True,
+        held: tuple[Any, Any] | None = None,
     ) -> bytes:
         """One session call's encoded SessionResponse: its reply, or its error status.
         short_path: False to take an AppendAttendBatch the full way (`session_call_now`
-        after the worker refused its values)."""
+        after the worker refused its values); held: the request id's ledger record that
+        `session_call_now` began (key, entry), to finish instead of a new one."""
         t0 = time.perf_counter()
         kind = request.WhichOneof("call")
         name = _SESSION_CALLS.get(kind, ("Session", 0))[0]
@@ -472,8 +562,16 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 raise InvalidRequest(
                     "the SessionRequest carries no call: set append_attend_batch or attend_batch"
                 )
-            if not short_path and kind == "append_attend_batch":
-                reply = await self._append_attend_batch(request.append_attend_batch, tenant, False)
+            if kind == "append_attend_batch":
+                body = request.append_attend_batch
+                run = functools.partial(self._append_attend_batch, body, tenant, short_path)
+                # A stream message has no gRPC deadline: timeout_us is its only one.
+                deadline = commit_deadline(body.timeout_us)
+                if held is not None:  # `session_call_now` began this request id's record
+                    with deadline_scope(deadline):
+                        reply = await self._ledger.run_held(*held, run)
+                else:
+                    reply = await self._once(tenant, body.request_id, deadline, run)
             else:
                 reply = await getattr(self, f"_{kind}")(getattr(request, kind), tenant)
         except Exception as exc:
@@ -507,23 +605,32 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             return False
         t0 = time.perf_counter()
         body = request.append_attend_batch
+        request_id = body.request_id
+        ledger = self._ledger
+        if request_id and (
+            len(request_id) > MAX_REQUEST_ID_BYTES // 4 or ledger.known(tenant, request_id)
+        ):
+            return False  # a retry, or a long id to check: the usual way answers it
+        deadline = commit_deadline(body.timeout_us)
         call = self._batch_decoder.kept(tenant, body)
         if call is None:
             return False
+        held = None
 
         def finished(outcome: AttentionResult | BaseException | None) -> None:
             if outcome is None:
                 call.close()
-                self._full_path_later(request, tenant, origin, answer)
+                self._full_path_later(request, tenant, origin, answer, held)
                 return
             name = _SESSION_CALLS["append_attend_batch"][0]
             with call:
                 try:
                     if not isinstance(outcome, AttentionResult):
                         raise outcome
-                    reply = session_message(
-                        request.call_id, APPEND_ATTEND_BATCH, call.reply(outcome)
-                    )
+                    inner = call.reply(outcome)
+                    if held is not None:
+                        ledger.finish(*held, inner)
+                    reply = session_message(request.call_id, APPEND_ATTEND_BATCH, inner)
                     self._observe_session_call(name, "OK", t0)
                 except BaseException as exc:  # the call's error, answered as its status
                     error = (
@@ -531,18 +638,25 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                         if isinstance(exc, Exception)
                         else RuntimeError(f"the call was interrupted: {exc!r}")
                     )
+                    if held is not None:
+                        ledger.finish(*held, error)
                     reply = self._session_error(request, name, tenant, error, t0)
             answer(reply)
 
         try:
-            taken = self._coord.repeat_now(
-                tenant, body.layer, call.batch, body.return_lse, call.output_view, call.rows,
-                origin, finished,
-            )  # fmt: skip
+            with deadline_scope(deadline):  # `repeat_now` hands it to the round's callback
+                taken = self._coord.repeat_now(
+                    tenant, body.layer, call.batch, body.return_lse, call.output_view,
+                    call.rows, origin, finished,
+                )  # fmt: skip
         except Exception:
             taken = False  # the usual way raises it again, with its status
         if not taken:
             call.close()
+        elif request_id:
+            # Recorded as running now: the round's callback (`finished`) comes later.
+            key = (tenant, request_id)
+            held = (key, ledger.begin(key, deadline))
         return taken
 
     def _full_path_later(
@@ -551,13 +665,15 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         tenant: str,
         origin: int,
         answer: Callable[[bytes], None],
+        held: tuple[Any, Any] | None = None,
     ) -> None:
         """`session_call_now`'s call after the worker refused its values: the full path (in
-        a task), which finds whose and says so; its reply to `answer`."""
+        a task), which finds whose and says so; its reply to `answer`. held: as in
+        `_session_call`."""
 
         async def full() -> None:
             with origin_scope(origin):
-                answer(await self._session_call(request, tenant, short_path=False))
+                answer(await self._session_call(request, tenant, short_path=False, held=held))
 
         task = start_eagerly(full())
         self._full_paths.add(task)

@@ -44,6 +44,8 @@ _TABLE: tuple[tuple[type[BaseException], grpc.StatusCode, str], ...] = (
     (ce.SharedRegionNotFound, grpc.StatusCode.NOT_FOUND, ""),
     (ce.SharedMemoryLimit, grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
     (ce.SharedMemoryDisabled, grpc.StatusCode.FAILED_PRECONDITION, ""),
+    (ce.DeadlinePassed, grpc.StatusCode.DEADLINE_EXCEEDED, ""),
+    (ce.AlreadyApplied, grpc.StatusCode.ALREADY_EXISTS, ""),
     (TensorCodecError, grpc.StatusCode.INVALID_ARGUMENT, ""),
     (AttentionPlanError, grpc.StatusCode.INVALID_ARGUMENT, ""),
     (we.InvalidWorkerRequest, grpc.StatusCode.INVALID_ARGUMENT, ""),

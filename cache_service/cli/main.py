@@ -155,7 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="send [batch, ...] tensors (append_attend_batch) or one item per sequence",
     )
 
-    for name, text in (("info", "layout, workers and capacity"), ("stats", "pool statistics")):
+    for name, text in (
+        ("info", "layout, workers and capacity"),
+        ("stats", "pool statistics"),
+        ("sequences", "the caller's tenant's sequences (live and lost), to find and free them"),
+    ):
         p = sub.add_parser(name, help=text)
         p.add_argument("--target", default="127.0.0.1:50051", help="server host:port")
         p.add_argument("--token", help="bearer token")
@@ -337,6 +341,25 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sequences(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from cache_service.client import KVCacheClient
+
+    with KVCacheClient(args.target, token=args.token, timeout_s=args.timeout) as client:
+        entries = client.list_sequences()
+    t = Table(title=f"Sequences of this tenant ({len(entries)})")
+    for col in ("seq_id", "tokens", "written per layer", "state"):
+        t.add_column(col)
+    for e in entries:
+        written = ",".join(str(w) for w in e.written) if e.written else "-"
+        state = "[red]lost[/red] (free it)" if e.lost else "live"
+        t.add_row(e.seq_id, str(e.num_tokens), written, state)
+    Console(width=200).print(t)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `kvcache`; returns the exit status."""
     parser = build_parser()
@@ -353,6 +376,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(args)
         if args.command == "info":
             return _info(args)
+        if args.command == "sequences":
+            return _sequences(args)
         return _stats(args)
     except (ConfigError, ValueError, EventLoopUnavailable) as exc:
         print(f"kvcache {args.command}: {exc}", file=sys.stderr)

@@ -11,10 +11,21 @@ Example::
                     layer, [AppendAttendItem(seq.seq_id, new, k[layer], v[layer], q[layer])]
                 )
 
-Every call has a deadline (`timeout_s` of the client, or per call). Only calls that read
-and change nothing are retried, and only on UNAVAILABLE (the server or a worker was not
-reachable): info, lookup, attend, export, stats. Errors surface as `KVCacheError`
-subclasses carrying the gRPC status code and the server's message.
+Every call has a deadline (`timeout_s` of the client, or per call). Calls that read and
+change nothing are retried on UNAVAILABLE (the server or a worker was not reachable):
+info, lookup, attend, export, stats. Errors surface as `KVCacheError` subclasses carrying
+the gRPC status code and the server's message.
+
+Mutating calls (create_sequence, fork, append, append_attend, append_attend_batch) carry a
+request id (generated, or the caller's `request_id=`) and their deadline as the server's
+commit deadline (`timeout_us`). The client waits `deadline_grace_s` beyond it for the
+server's verdict: the server answers OK only for a call it committed and DEADLINE_EXCEEDED
+only for one it did not (it undid it). Without a verdict within the grace (a slow or lost
+reply), the client asks again with the same request id, which the server answers with the
+first call's outcome without applying it twice; if even that finds no answer the call
+raises UNAVAILABLE naming the request id ("outcome unknown": retry with it). creates and
+forks are also retried on UNAVAILABLE with the same request id (idempotent, and durable
+across a coordinator restart).
 
 A client on the server's host sends the batch calls' tensors (`append_attend_batch`,
 `attend_batch`) through a shared-memory region instead of the message when it can
@@ -30,6 +41,7 @@ from __future__ import annotations
 import functools
 import itertools
 import random
+import secrets
 import struct
 import threading
 import time
@@ -63,7 +75,9 @@ from cache_service.client.local_session_stream import (
     LocalSessionUnreachable,
 )
 from cache_service.client.shared_memory import SharedMemoryPath, SharedMemoryUnavailable, Staged
+from cache_service.errors import DEADLINE_VERDICT
 from cache_service.wire.request_codec import (
+    call_fields,
     encode_append_attend,
     encode_append_attend_batch,
     encode_attend,
@@ -102,6 +116,7 @@ __all__ = [
     "NotFoundError",
     "PermissionDeniedError",
     "ResourceExhaustedError",
+    "SequenceEntry",
     "SequenceHandle",
     "ServiceInfo",
     "ServiceLayout",
@@ -238,6 +253,20 @@ class ServiceStats:
         """Cached / looked-up prompt tokens over all tenants (0 when nothing was looked up)."""
         queried = sum(q for q, _ in self.prefix.values())
         return sum(h for _, h in self.prefix.values()) / queried if queried else 0.0
+
+
+@dataclass(frozen=True)
+class SequenceEntry:
+    """One sequence of the tenant (`list_sequences`).
+
+    seq_id: its id; num_tokens: reserved positions; written: per layer, tokens whose K/V
+    are stored; lost: its blocks were on a worker that died (free it).
+    """
+
+    seq_id: str
+    num_tokens: int
+    written: tuple[int, ...]
+    lost: bool
 
 
 @dataclass(frozen=True)
@@ -391,6 +420,9 @@ class KVCacheClient:
             gRPC stream; decided on the first batch call, and again after the socket
             went away. False: always gRPC. True: the local socket, raising
             `LocalSessionUnavailable` where "auto" would use gRPC. Needs `session`.
+        deadline_grace_s: how long a mutating call waits beyond its deadline for the
+            server's verdict (see the module's docstring), seconds; also the deadline of
+            each follow-up asking for it.
     """
 
     def __init__(
@@ -406,6 +438,7 @@ class KVCacheClient:
         shared_memory: bool | str = "auto",
         session: bool = True,
         local_session: bool | str = "auto",
+        deadline_grace_s: float = 0.5,
     ) -> None:
         if shared_memory not in (True, False, "auto"):
             raise ValueError(f"shared_memory must be True, False or 'auto', got {shared_memory!r}")
@@ -415,6 +448,8 @@ class KVCacheClient:
             raise ValueError("local_session=True needs session=True (it carries the session)")
         if not (isinstance(timeout_s, int | float) and timeout_s > 0):
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        if not (isinstance(deadline_grace_s, int | float) and deadline_grace_s > 0):
+            raise ValueError(f"deadline_grace_s must be > 0 seconds, got {deadline_grace_s!r}")
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts!r}")
         if stream_chunk_bytes < 1 or stream_chunk_bytes > max_message_bytes // 2:
@@ -423,6 +458,10 @@ class KVCacheClient:
         self.timeout_s = float(timeout_s)
         self._chunk = int(stream_chunk_bytes)
         self._attempts = int(max_attempts)
+        self._grace = float(deadline_grace_s)
+        # Request ids: this client's random prefix and a counter (unique per tenant).
+        self._id_prefix = secrets.token_hex(8)
+        self._id_counter = itertools.count(1)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         options = [
             ("grpc.max_send_message_length", max_message_bytes),
@@ -546,6 +585,73 @@ class KVCacheClient:
                     raise error from None
                 time.sleep(pause)
 
+    def new_request_id(self) -> str:
+        """A fresh request id (this client's random prefix and a counter)."""
+        return f"{self._id_prefix}-{next(self._id_counter)}"
+
+    def _mutate(
+        self,
+        method: Callable[..., Any],
+        build: Callable[[str, int], Any],
+        *,
+        timeout_s: float | None,
+        request_id: str | None,
+        retry_unavailable: bool = False,
+    ) -> Any:
+        """Run one mutating RPC: `build(request_id, timeout_us)` makes its request. The
+        gRPC deadline is the commit deadline plus the grace; a DEADLINE_EXCEEDED that is not
+        the server's verdict asks for it (`_verdict`). retry_unavailable: retry UNAVAILABLE
+        with the same request id (calls idempotent even across a restart: creates)."""
+        budget = self.timeout_s if timeout_s is None else float(timeout_s)
+        rid = request_id or self.new_request_id()
+        deadline = time.monotonic() + budget
+        attempt = 0
+        while True:
+            attempt += 1
+            remaining = max(deadline - time.monotonic(), 1e-6)
+            request = build(rid, _micros(remaining))
+            try:
+                return method(request, timeout=remaining + self._grace, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                error = _error_from_rpc(exc)
+            if isinstance(error, DeadlineExceededError) and DEADLINE_VERDICT not in error.message:
+                return self._verdict(method, build(rid, 1), rid)
+            if not (
+                retry_unavailable
+                and isinstance(error, UnavailableError)
+                and attempt < self._attempts
+            ):
+                raise error from None
+            pause = min(0.05 * 2 ** (attempt - 1), 1.0) * (0.5 + random.random() / 2)
+            if time.monotonic() + pause >= deadline:
+                raise error from None
+            time.sleep(pause)
+
+    def _verdict(self, method: Callable[..., Any], request: Any, request_id: str) -> Any:
+        """The outcome of a mutating call that got no verdict in time: ask again with its
+        request id and a passed deadline; the server answers the first call's outcome (or
+        DEADLINE_EXCEEDED for one it never saw), never applying it twice.
+
+        Raises:
+            UnavailableError: no answer in `max_attempts` tries of `deadline_grace_s` each
+                (the outcome is unknown: retry with the same request_id).
+        """
+        for _ in range(self._attempts):
+            try:
+                return method(request, timeout=self._grace, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                error = _error_from_rpc(exc)
+            if not isinstance(error, DeadlineExceededError | UnavailableError) or (
+                DEADLINE_VERDICT in error.message
+            ):
+                raise error from None
+        raise UnavailableError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"no verdict from the server for request_id {request_id!r} within the deadline "
+            "and its grace: the call may or may not have been applied; retry it with the "
+            "same request_id to find out (it is never applied twice)",
+        )
+
     def _batch_call(
         self,
         field: int,
@@ -554,36 +660,47 @@ class KVCacheClient:
         *,
         timeout_s: float | None,
         retry: bool,
+        request_id: str | None = None,
     ) -> Any:
         """One batch call (`field`: session_codec.APPEND_ATTEND_BATCH or ATTEND_BATCH) with
         its encoded request: a message of the session stream when there is one and it is
         free, else the unary `method`. Returns the parsed reply; raises what `_call` does.
+        A call that is not `retry` (safe to repeat) is a mutating one: it carries a request
+        id (`request_id`, or a fresh one) and its commit deadline (see `_mutate`).
         """
+        mutating = not retry
+        rid = (request_id or self.new_request_id()) if mutating else ""
         stream: CallStream | LocalSessionStream | None = self._session
         if stream is not None:
             budget = self.timeout_s if timeout_s is None else float(timeout_s)
             if not self._local_decided:
                 self._choose_local(budget)
             call_id = next(self._call_ids)
-            message = session_message(call_id, field, request)
+            # A mutating call waits the grace beyond its commit deadline for the verdict.
+            wait = budget + self._grace if mutating else budget
+            body = request + call_fields(rid, _micros(budget)) if mutating else request
+            message = session_message(call_id, field, body)
             try:
                 local = self._local
                 if local is not None:
                     try:
-                        raw = local.call(message, budget)
+                        raw = local.call(message, wait)
                     except LocalSessionUnreachable:
                         # The socket went away (a restarted server has a new one): nothing
                         # was sent. Look again on the next call; this one takes gRPC.
                         self._forget_local(local)
-                        raw = stream.call(message, budget)
+                        raw = stream.call(message, wait)
                 else:
-                    raw = stream.call(message, budget)
+                    raw = stream.call(message, wait)
             except StreamBroken as exc:
                 if exc.code == grpc.StatusCode.UNIMPLEMENTED:
                     # A server without sessions: nothing ran; unary calls from now on.
                     self._session = None
                     stream.close()
                     raw = None
+                elif mutating and exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # No verdict within the grace (the stream was dropped): ask for it.
+                    return self._verdict(method, request + call_fields(rid, 1), rid)
                 else:
                     error = _ERRORS.get(exc.code, InternalError)(exc.code, exc.details)
                     if not (retry and isinstance(error, UnavailableError)):
@@ -591,6 +708,13 @@ class KVCacheClient:
                     raw = None  # a safe call: the unary path retries it with backoff
             if raw is not None:
                 return _session_result(raw, call_id, field)
+        if mutating:
+            return self._mutate(
+                method,
+                lambda rid, us: request + call_fields(rid, us),
+                timeout_s=timeout_s,
+                request_id=rid,
+            )
         return self._call(method, request, timeout_s=timeout_s, retry=retry)
 
     def _choose_local(self, budget: float) -> None:
@@ -732,16 +856,25 @@ class KVCacheClient:
         return_lse: bool,
         timeout_s: float | None,
         retry: bool,
+        request_id: str | None = None,
     ) -> Any:
         """A batch call (`field` and its unary `method`; `encode` takes `inputs`, the last
         of them the query): through the shared region when there is one, else with the
-        tensors' bytes. Returns the output (and lse) as the public batch calls do."""
+        tensors' bytes. Returns the output (and lse) as the public batch calls do.
+        request_id: a mutating call's (not `retry`), or None for a fresh one."""
+        if not retry and request_id is None:
+            # One id for the call, also when it falls back from the region to bytes.
+            request_id = self.new_request_id()
         staged = self._stage(inputs, inputs[-1], return_lse, timeout_s)
         if staged is not None:
-            result = self._shared_call(field, method, staged, encode, return_lse, timeout_s, retry)
+            result = self._shared_call(
+                field, method, staged, encode, return_lse, timeout_s, retry, request_id
+            )
             if result is not None:
                 return result
-        reply = self._batch_call(field, method, encode(*inputs), timeout_s=timeout_s, retry=retry)
+        reply = self._batch_call(
+            field, method, encode(*inputs), timeout_s=timeout_s, retry=retry, request_id=request_id
+        )
         return _batch_results(reply, return_lse)
 
     def _shared_call(
@@ -753,6 +886,7 @@ class KVCacheClient:
         return_lse: bool,
         timeout_s: float | None,
         retry: bool,
+        request_id: str | None = None,
     ) -> Any:
         """One batch call through the region; None when the server no longer knows the
         region (the caller then sends bytes: nothing happened, the region is checked
@@ -760,7 +894,9 @@ class KVCacheClient:
         try:
             lse_to = staged.outputs[1] if return_lse else None
             request = encode(*staged.inputs, output_to=staged.outputs[0], lse_to=lse_to)
-            reply = self._batch_call(field, method, request, timeout_s=timeout_s, retry=retry)
+            reply = self._batch_call(
+                field, method, request, timeout_s=timeout_s, retry=retry, request_id=request_id
+            )
             out = staged.output(reply.output, 0, "output")
             return (out, staged.output(reply.lse, 1, "lse")) if return_lse else out
         except NotFoundError as exc:
@@ -779,27 +915,69 @@ class KVCacheClient:
         *,
         namespace: str = "",
         timeout_s: float | None = None,
+        request_id: str | None = None,
     ) -> SequenceHandle:
         """Start a sequence; with a prompt, `num_cached_tokens` of it are already cached.
 
         `namespace` names the model whose K/V the sequence holds: only prefixes cached in
         the same namespace are adopted ("" = the default namespace).
+
+        Idempotent by `request_id` (a fresh one when None): retried on UNAVAILABLE (e.g. a
+        coordinator restart) with the same id, which answers the sequence a first attempt
+        made instead of leaving it orphaned.
         """
-        req = pb.CreateSequenceRequest(
-            prompt_token_ids=_ids(prompt_token_ids or ()), namespace=namespace
+        ids = _ids(prompt_token_ids or ())
+
+        def build(rid: str, timeout_us: int) -> pb.CreateSequenceRequest:
+            return pb.CreateSequenceRequest(
+                prompt_token_ids=ids, namespace=namespace, request_id=rid, timeout_us=timeout_us
+            )
+
+        r = self._mutate(
+            self._stub.CreateSequence,
+            build,
+            timeout_s=timeout_s,
+            request_id=request_id,
+            retry_unavailable=True,
         )
-        r = self._call(self._stub.CreateSequence, req, timeout_s=timeout_s, retry=False)
         return SequenceHandle(self, r.seq_id, r.num_cached_tokens)
 
-    def fork(self, seq_id: str, *, timeout_s: float | None = None) -> SequenceHandle:
-        """A new sequence sharing every block of `seq_id`."""
-        r = self._call(
+    def fork(
+        self, seq_id: str, *, timeout_s: float | None = None, request_id: str | None = None
+    ) -> SequenceHandle:
+        """A new sequence sharing every block of `seq_id` (idempotent by `request_id`, as
+        `create_sequence`)."""
+        r = self._mutate(
             self._stub.ForkSequence,
-            pb.ForkSequenceRequest(seq_id=seq_id),
+            lambda rid, us: pb.ForkSequenceRequest(seq_id=seq_id, request_id=rid, timeout_us=us),
             timeout_s=timeout_s,
-            retry=False,
+            request_id=request_id,
+            retry_unavailable=True,
         )
         return SequenceHandle(self, r.seq_id, r.num_cached_tokens)
+
+    def list_sequences(
+        self, *, page_size: int = 0, timeout_s: float | None = None
+    ) -> list[SequenceEntry]:
+        """Every sequence of this client's tenant (live and lost), in seq_id order: to find
+        and free sequences the client lost track of. Pages of `page_size` (0: the
+        server's default) are fetched until the last."""
+        entries: list[SequenceEntry] = []
+        token = ""
+        while True:
+            r = self._call(
+                self._stub.ListSequences,
+                pb.ListSequencesRequest(page_size=page_size, page_token=token),
+                timeout_s=timeout_s,
+                retry=True,
+            )
+            entries += [
+                SequenceEntry(e.seq_id, int(e.num_tokens), tuple(e.written), e.lost)
+                for e in r.sequences
+            ]
+            token = r.next_page_token
+            if not token:
+                return entries
 
     def free(self, seq_id: str, *, timeout_s: float | None = None) -> None:
         """Release a sequence."""
@@ -864,8 +1042,10 @@ class KVCacheClient:
         layer: int | None = None,
         *,
         timeout_s: float | None = None,
+        request_id: str | None = None,
     ) -> int:
-        """Write new tokens' K/V; returns the first position written.
+        """Write new tokens' K/V; returns the first position written (idempotent by
+        `request_id`, a fresh one when None).
 
         Args:
             seq_id: the sequence.
@@ -875,8 +1055,14 @@ class KVCacheClient:
                 head_dim]``. float16 / bfloat16 / float32.
             layer: the layer, or None for all.
         """
-        requests = self._append_stream(seq_id, token_ids, key, value, layer)
-        r = self._call(self._stub.Append, requests, timeout_s=timeout_s, retry=False)
+        messages = self._append_stream(seq_id, token_ids, key, value, layer)
+
+        def build(rid: str, timeout_us: int) -> Iterator[pb.AppendRequest]:
+            messages[0].request_id = rid
+            messages[0].timeout_us = timeout_us
+            return iter(messages)
+
+        r = self._mutate(self._stub.Append, build, timeout_s=timeout_s, request_id=request_id)
         return int(r.start_position)
 
     def _append_stream(
@@ -886,7 +1072,7 @@ class KVCacheClient:
         key: torch.Tensor,
         value: torch.Tensor,
         layer: int | None,
-    ) -> Iterator[pb.AppendRequest]:
+    ) -> list[pb.AppendRequest]:
         head = pb.AppendRequest(
             seq_id=seq_id,
             token_ids=_ids(token_ids),
@@ -908,7 +1094,7 @@ class KVCacheClient:
                 setattr(msg, name, bytes(take))
                 view, room = view[len(take) :], room - len(take)
         messages.append(msg)
-        return iter(messages)
+        return messages
 
     def attend(
         self,
@@ -939,8 +1125,10 @@ class KVCacheClient:
         return_lse: bool = False,
         *,
         timeout_s: float | None = None,
+        request_id: str | None = None,
     ) -> list[Any]:
-        """Write this layer's new K/V and attend, for a batch of sequences, in one RPC.
+        """Write this layer's new K/V and attend, for a batch of sequences, in one RPC
+        (idempotent by `request_id`, a fresh one when None).
 
         Returns what `attend` returns, one entry per item.
 
@@ -960,7 +1148,12 @@ class KVCacheClient:
             [i.query for i in items],
             return_lse,
         )
-        r = self._call(self._append_attend_raw, req, timeout_s=timeout_s, retry=False)
+        r = self._mutate(
+            self._append_attend_raw,
+            lambda rid, us: req + call_fields(rid, us),
+            timeout_s=timeout_s,
+            request_id=request_id,
+        )
         return _results(r.results, return_lse)
 
     def append_attend_batch(
@@ -974,8 +1167,10 @@ class KVCacheClient:
         return_lse: bool = False,
         *,
         timeout_s: float | None = None,
+        request_id: str | None = None,
     ) -> Any:
-        """`append_attend` for a batch in a model's layout: one RPC, row i is sequence i.
+        """`append_attend` for a batch in a model's layout: one RPC, row i is sequence i
+        (idempotent by `request_id`, a fresh one when None).
 
         The fast form of the per-layer call (the AppendAttendBatch RPC): each whole-batch
         tensor travels as one tensor, with no per-sequence framing, and so does the reply.
@@ -1010,6 +1205,7 @@ class KVCacheClient:
             return_lse,
             timeout_s,
             retry=False,
+            request_id=request_id,
         )
 
     def attend_batch(
@@ -1094,6 +1290,11 @@ class KVCacheClient:
         for start in range(self._chunk, len(view), self._chunk):
             messages.append(pb.ImportBlocksRequest(data=bytes(view[start : start + self._chunk])))
         return iter(messages)
+
+
+def _micros(seconds: float) -> int:
+    """A timeout_us: `seconds` in whole microseconds, at least 1 (0 would mean none)."""
+    return max(1, int(seconds * 1e6))
 
 
 def _ids(token_ids: Iterable[int]) -> list[int]:

@@ -54,6 +54,7 @@ from cache_service.control.types import (
     Segment,
     SeqRef,
     SequenceInfo,
+    SequenceSummary,
     SequenceView,
     TenantQuota,
     WriteCursor,
@@ -313,6 +314,33 @@ class BlockManager:
             workers=tuple(workers),
         )
 
+    def list_sequences(
+        self, tenant: str, after: str = "", limit: int = 100
+    ) -> tuple[list[SequenceSummary], bool]:
+        """A page of the tenant's sequences, live and lost, in seq_id order.
+
+        O(sequences of all tenants) per page: an occasional call (a client looking for
+        sequences it lost track of), not a per-step one.
+
+        Args:
+            after: list ids greater than this one ("" from the start).
+            limit: at most this many (>= 1).
+
+        Returns:
+            (the page, whether more follow).
+        """
+        ids = [s for s, seq in self._seqs.items() if seq.tenant == tenant and s > after]
+        ids += [s for s, lost in self._lost.items() if lost.tenant == tenant and s > after]
+        ids.sort()
+        page = []
+        for seq_id in ids[:limit]:
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                page.append(SequenceSummary(seq_id, 0, (), True))
+            else:
+                page.append(SequenceSummary(seq_id, len(seq.tokens), tuple(seq.written), False))
+        return page, len(ids) > limit
+
     def write_cursor(self, tenant: str, seq_id: str, layer: int | None) -> WriteCursor:
         """Where the next write of `layer` (None: all layers, whose lengths must be equal)
         starts and the token ids already reserved from there on; O(those positions), so a
@@ -542,6 +570,14 @@ class BlockManager:
             SequenceNotFound, SequenceLost, InvalidRequest (bad layer), LayerNotWritten.
         """
         return self._written_on(self._resolve(tenant, seq_id), layer, "written_length")
+
+    def written_lengths(self, tenant: str, seq_id: str) -> tuple[int, ...]:
+        """written(l) of every layer, O(layers) (no token ids copied).
+
+        Raises:
+            SequenceNotFound, SequenceLost.
+        """
+        return tuple(self._resolve(tenant, seq_id).written)
 
     def block_ids(self, tenant: str, seq_id: str, num_blocks: int) -> tuple[str, memoryview] | None:
         """The first `num_blocks` physical block indices of the sequence's table as a

@@ -16,6 +16,7 @@ __all__ = [
     "Segment",
     "SeqRef",
     "SequenceInfo",
+    "SequenceSummary",
     "SequenceView",
     "TenantQuota",
     "WriteCursor",
@@ -171,3 +172,16 @@ class SequenceInfo:
     written: tuple[int, ...]
     num_blocks: int
     workers: tuple[str, ...]
+
+
+class SequenceSummary(NamedTuple):
+    """One sequence of a tenant, as ListSequences reports it.
+
+    seq_id: its id; num_tokens: reserved positions; written: per layer, the written
+    length; lost: its blocks were on a lost worker (then num_tokens is 0, written empty).
+    """
+
+    seq_id: str
+    num_tokens: int
+    written: tuple[int, ...]
+    lost: bool

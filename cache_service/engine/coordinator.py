@@ -11,7 +11,9 @@ Request path of one append-and-attend (one layer, a batch of sequences):
    arrive within `batch_window_ms` go to the worker as one `write_and_attend`, i.e. one
    KV-write launch and one attention launch for all of them; a lone caller (no recent
    concurrent traffic on that batcher, nothing in flight) goes at once, without the window;
-5. when every part of the call has its output, `commit_write` each item and answer.
+5. when every part of the call has its output, check the call's commit deadline
+   (`call_deadline`: past it, cancel every reservation and answer DEADLINE_EXCEEDED), then
+   `commit_write` each item and answer.
 
 A sequence spread over several workers (a prefix cached on another GPU, a sequence larger
 than a pool) is computed by every worker holding keys and merged by log-sum-exp
@@ -62,12 +64,14 @@ from cache_service.engine.attention_plan import (
     plan_attention,
     run_attention,
 )
+from cache_service.engine.call_deadline import check_deadline, current_deadline
 from cache_service.engine.call_origin import current_origin
 from cache_service.engine.cancel_safety import run_to_completion
 from cache_service.engine.correctness_check import CorrectnessChecker
 from cache_service.engine.eager_tasks import start_eagerly
 from cache_service.engine.errors import ServiceUnavailable, WorkerLost
 from cache_service.engine.layer_steps import LayerStep, LayerStepCache
+from cache_service.engine.request_ids import request_seq_id
 from cache_service.engine.running_checks import RunningCheck, RunningChecks
 from cache_service.engine.sequence_locks import SequenceLocks
 from cache_service.engine.store import MetadataStore, StoreError
@@ -87,6 +91,7 @@ from cache_service.errors import (
     LayerNotWritten,
     PoolExhausted,
     SequenceLost,
+    SequenceNotFound,
 )
 from cache_service.wire.tensor_codec import joined_view
 from workers.errors import (
@@ -574,20 +579,58 @@ class Coordinator:
     # -- sequences -------------------------------------------------------------------------
 
     async def create_sequence(
-        self, tenant: str, prompt_token_ids: Sequence[int] | None = None, namespace: str = ""
+        self,
+        tenant: str,
+        prompt_token_ids: Sequence[int] | None = None,
+        namespace: str = "",
+        request_id: str = "",
     ) -> CreatedSequence:
         """Start a sequence in a prefix-cache namespace ("" = the default), adopting the
-        longest prefix of its prompt cached in that namespace."""
-        self._require_workers()
-        return self.block_manager.create_sequence(tenant, prompt_token_ids, namespace=namespace)
+        longest prefix of its prompt cached in that namespace.
 
-    async def fork(self, tenant: str, seq_id: str) -> CreatedSequence:
+        request_id: makes the create idempotent: the sequence's id is derived from
+        (tenant, request_id) (`request_seq_id`), so a retry answers the sequence the first
+        call made (num_cached_tokens: tokens written on every layer of it now), also after
+        a restart that recovered it from the write-ahead log.
+        """
+        self._require_workers()
+        seq_id = None
+        if request_id:
+            seq_id = request_seq_id(tenant, request_id)
+            existing = self._existing(tenant, seq_id)
+            if existing is not None:
+                return existing
+        check_deadline()
+        return self.block_manager.create_sequence(
+            tenant, prompt_token_ids, seq_id=seq_id, namespace=namespace
+        )
+
+    async def fork(self, tenant: str, seq_id: str, request_id: str = "") -> CreatedSequence:
         """A sequence sharing every block of `seq_id`; num_cached_tokens = tokens written
-        on every layer of the source."""
+        on every layer of the source. request_id: as in `create_sequence`."""
+        new_seq_id = request_seq_id(tenant, request_id) if request_id else None
         async with self._locked([seq_id]):
-            new_id = self.block_manager.fork(tenant, seq_id)
+            if new_seq_id is not None:
+                existing = self._existing(tenant, new_seq_id)
+                if existing is not None:
+                    return existing
+            check_deadline()
+            new_id = self.block_manager.fork(tenant, seq_id, new_seq_id=new_seq_id)
             info = self.block_manager.sequence_info(tenant, new_id)
             return CreatedSequence(new_id, min(info.written))
+
+    def _existing(self, tenant: str, seq_id: str) -> CreatedSequence | None:
+        """The sequence `seq_id` of `tenant` as a create's answer, or None if there is none
+        (a lost one raises SequenceLost: DATA_LOSS, as any call on it would)."""
+        try:
+            written = self.block_manager.written_lengths(tenant, seq_id)
+        except SequenceNotFound:
+            return None
+        return CreatedSequence(seq_id, min(written))
+
+    def list_sequences(self, tenant: str, after: str = "", limit: int = 100) -> Any:
+        """A page of the tenant's sequences (`BlockManager.list_sequences`)."""
+        return self.block_manager.list_sequences(tenant, after, limit)
 
     async def free(self, tenant: str, seq_id: str) -> None:
         """Release a sequence (waits for a call in flight on it)."""
@@ -673,6 +716,7 @@ class Coordinator:
             try:
                 # A deadline passing now must not release the lock under calls in flight.
                 await run_to_completion(copy_then_write())
+                check_deadline()
                 self.block_manager.commit_write(tenant, seq_id, layer, n)
             except BaseException:
                 self._cancel_writes(tenant, [seq_id])
@@ -800,6 +844,7 @@ class Coordinator:
                     answer = [_stacked(len(items), parts, outputs, queries[0].dtype, return_lse)]
                 else:
                     answer = _reassemble(len(items), parts, outputs, [q.dtype for q in queries])
+                check_deadline()
                 # All or nothing: every write is checked before any is committed.
                 self.block_manager.commit_writes(
                     tenant, layer, [(it.seq_id, len(it.token_ids)) for it in items]
@@ -914,6 +959,7 @@ class Coordinator:
                 rows_of = [(list(range(len(batch.seq_ids))), part)]
                 (output,) = await self._execute(layer, rows_of, batch.query.shape[2])
                 answer = _repeat_answer(batch, output, return_lse)
+                check_deadline()
                 self._repeat_committed(layer, step, part)
             except NonFiniteInput:
                 # Refused before anything was written; the full path's check names the
@@ -964,7 +1010,9 @@ class Coordinator:
             self._locks.release(step.lock_order)
             return False
         part.future.add_done_callback(
-            functools.partial(self._repeated_now, tenant, layer, step, batch, part, finished)
+            functools.partial(
+                self._repeated_now, tenant, layer, step, batch, part, finished, current_deadline()
+            )
         )
         return True
 
@@ -976,11 +1024,14 @@ class Coordinator:
         batch: StackedAppendAttend,
         part: _Part,
         finished: Callable[[AttentionResult | BaseException | None], None],
+        deadline: float,
         future: asyncio.Future[AttentionResult],
     ) -> None:
-        """`repeat_now`'s round is back: commit (or cancel), release, report."""
+        """`repeat_now`'s round is back: commit (or cancel: an error, or past the call's
+        commit `deadline`), release, report."""
         try:
             answer = _repeat_answer(batch, future.result(), part.return_lse)
+            check_deadline(deadline)
             self._repeat_committed(layer, step, part)
         except BaseException as exc:
             self._cancel_writes(tenant, batch.seq_ids)

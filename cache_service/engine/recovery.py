@@ -90,6 +90,8 @@ _READ_ONLY = frozenset(
         "repeatable",
         "snapshot_writes",
         "sequence_info",
+        "list_sequences",
+        "written_lengths",
         "write_cursor",
         "written_length",
         "unfinished_writes",
@@ -300,12 +302,17 @@ class DurableBlockManager:
         tenant: str,
         prompt_token_ids: SequenceABC[int] | None = None,
         namespace: str = "",
+        *,
+        seq_id: str | None = None,
     ) -> CreatedSequence:
-        """BlockManager.create_sequence, logged with the id it drew."""
+        """BlockManager.create_sequence, logged with the id it drew (or was given: an
+        idempotent create's id, derived from its request id; replay passes it back)."""
         prompt_token_ids = _materialize(prompt_token_ids)
         return self._run(
             "create_sequence",
-            lambda: self._manager.create_sequence(tenant, prompt_token_ids, namespace=namespace),
+            lambda: self._manager.create_sequence(
+                tenant, prompt_token_ids, seq_id=seq_id, namespace=namespace
+            ),
             lambda: {
                 "tenant": tenant,
                 "prompt_token_ids": _token_list(prompt_token_ids),
@@ -313,11 +320,12 @@ class DurableBlockManager:
             },
         )
 
-    def fork(self, tenant: str, seq_id: str) -> str:
-        """BlockManager.fork, logged with the id it drew."""
+    def fork(self, tenant: str, seq_id: str, *, new_seq_id: str | None = None) -> str:
+        """BlockManager.fork, logged with the id it drew (or was given, as in
+        `create_sequence`)."""
         return self._run(
             "fork",
-            lambda: self._manager.fork(tenant, seq_id),
+            lambda: self._manager.fork(tenant, seq_id, new_seq_id=new_seq_id),
             lambda: {"tenant": tenant, "seq_id": seq_id},
         )
 

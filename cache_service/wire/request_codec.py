@@ -54,6 +54,7 @@ from cache_service.wire.tensor_codec import row_payloads, tensor_payloads
 
 __all__ = [
     "SharedTensor",
+    "call_fields",
     "encode_append_attend",
     "encode_append_attend_batch",
     "encode_attend",
@@ -83,6 +84,9 @@ _BATCH_QUERY_OF_ATTEND = b"\x1a"  # AttendBatchRequest.query = 3
 _BATCH_LSE_OF_ATTEND = b"\x20\x01"  # return_lse = 4, true
 _BATCH_OUTPUT_TO_OF_ATTEND = b"\x2a"  # output_to = 5
 _BATCH_LSE_TO_OF_ATTEND = b"\x32"  # lse_to = 6
+# request_id = 20 (length-delimited) and timeout_us = 21 (varint) of the mutating requests.
+_REQUEST_ID = b"\xa2\x01"
+_TIMEOUT_US = b"\xa8\x01"
 
 # Ids below 128 are one byte each: looked up, not computed.
 _SMALL = [bytes([i]) for i in range(128)]
@@ -362,6 +366,23 @@ def encode_attend_batch(
             _BATCH_OUTPUT_TO_OF_ATTEND, _BATCH_LSE_TO_OF_ATTEND, output_to, lse_to
         )
     return b"".join(out.parts)
+
+
+def call_fields(request_id: str, timeout_us: int) -> bytes:
+    """The request_id and timeout_us fields of a mutating request, to append to its encoded
+    bytes (protobuf fields may come in any order): b"" for neither.
+
+    Args:
+        request_id: the call's idempotency key ("" for none).
+        timeout_us: the commit deadline, microseconds (0 for none).
+    """
+    parts = []
+    if request_id:
+        rid = request_id.encode()
+        parts += (delimited(_REQUEST_ID, len(rid)), rid)
+    if timeout_us:
+        parts += (_TIMEOUT_US, varint(timeout_us))
+    return b"".join(parts)
 
 
 def _check_lengths(*lists: Sequence[object] | torch.Tensor) -> None:

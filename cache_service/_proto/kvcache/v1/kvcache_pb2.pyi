@@ -103,12 +103,16 @@ class GetInfoResponse(_message.Message):
     def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., total_blocks: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., local_session_socket: _Optional[str] = ...) -> None: ...
 
 class CreateSequenceRequest(_message.Message):
-    __slots__ = ("prompt_token_ids", "namespace")
+    __slots__ = ("prompt_token_ids", "namespace", "request_id", "timeout_us")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_US_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     namespace: str
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ...) -> None: ...
+    request_id: str
+    timeout_us: int
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., namespace: _Optional[str] = ..., request_id: _Optional[str] = ..., timeout_us: _Optional[int] = ...) -> None: ...
 
 class CreateSequenceResponse(_message.Message):
     __slots__ = ("seq_id", "num_cached_tokens")
@@ -119,10 +123,14 @@ class CreateSequenceResponse(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ForkSequenceRequest(_message.Message):
-    __slots__ = ("seq_id",)
+    __slots__ = ("seq_id", "request_id", "timeout_us")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_US_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
-    def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
+    request_id: str
+    timeout_us: int
+    def __init__(self, seq_id: _Optional[str] = ..., request_id: _Optional[str] = ..., timeout_us: _Optional[int] = ...) -> None: ...
 
 class ForkSequenceResponse(_message.Message):
     __slots__ = ("seq_id", "num_cached_tokens")
@@ -191,7 +199,7 @@ class PublishPublicResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AppendRequest(_message.Message):
-    __slots__ = ("seq_id", "layer", "token_ids", "key", "value", "key_data", "value_data")
+    __slots__ = ("seq_id", "layer", "token_ids", "key", "value", "key_data", "value_data", "request_id", "timeout_us")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +207,8 @@ class AppendRequest(_message.Message):
     VALUE_FIELD_NUMBER: _ClassVar[int]
     KEY_DATA_FIELD_NUMBER: _ClassVar[int]
     VALUE_DATA_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_US_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     layer: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -206,7 +216,9 @@ class AppendRequest(_message.Message):
     value: TensorSpec
     key_data: bytes
     value_data: bytes
-    def __init__(self, seq_id: _Optional[str] = ..., layer: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., key: _Optional[_Union[TensorSpec, _Mapping]] = ..., value: _Optional[_Union[TensorSpec, _Mapping]] = ..., key_data: _Optional[bytes] = ..., value_data: _Optional[bytes] = ...) -> None: ...
+    request_id: str
+    timeout_us: int
+    def __init__(self, seq_id: _Optional[str] = ..., layer: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., key: _Optional[_Union[TensorSpec, _Mapping]] = ..., value: _Optional[_Union[TensorSpec, _Mapping]] = ..., key_data: _Optional[bytes] = ..., value_data: _Optional[bytes] = ..., request_id: _Optional[str] = ..., timeout_us: _Optional[int] = ...) -> None: ...
 
 class AppendResponse(_message.Message):
     __slots__ = ("start_position", "num_tokens")
@@ -263,14 +275,18 @@ class AppendAttendItem(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., key: _Optional[_Union[Tensor, _Mapping]] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ..., query: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class AppendAttendRequest(_message.Message):
-    __slots__ = ("layer", "items", "return_lse")
+    __slots__ = ("layer", "items", "return_lse", "request_id", "timeout_us")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     RETURN_LSE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_US_FIELD_NUMBER: _ClassVar[int]
     layer: int
     items: _containers.RepeatedCompositeFieldContainer[AppendAttendItem]
     return_lse: bool
-    def __init__(self, layer: _Optional[int] = ..., items: _Optional[_Iterable[_Union[AppendAttendItem, _Mapping]]] = ..., return_lse: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    timeout_us: int
+    def __init__(self, layer: _Optional[int] = ..., items: _Optional[_Iterable[_Union[AppendAttendItem, _Mapping]]] = ..., return_lse: _Optional[bool] = ..., request_id: _Optional[str] = ..., timeout_us: _Optional[int] = ...) -> None: ...
 
 class AppendAttendResponse(_message.Message):
     __slots__ = ("results",)
@@ -279,7 +295,7 @@ class AppendAttendResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[AttendResult, _Mapping]]] = ...) -> None: ...
 
 class AppendAttendBatchRequest(_message.Message):
-    __slots__ = ("layer", "seq_ids", "token_ids", "key", "value", "query", "return_lse", "output_to", "lse_to")
+    __slots__ = ("layer", "seq_ids", "token_ids", "key", "value", "query", "return_lse", "output_to", "lse_to", "request_id", "timeout_us")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +305,8 @@ class AppendAttendBatchRequest(_message.Message):
     RETURN_LSE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TO_FIELD_NUMBER: _ClassVar[int]
     LSE_TO_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_US_FIELD_NUMBER: _ClassVar[int]
     layer: int
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -298,7 +316,9 @@ class AppendAttendBatchRequest(_message.Message):
     return_lse: bool
     output_to: SharedSlice
     lse_to: SharedSlice
-    def __init__(self, layer: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., key: _Optional[_Union[Tensor, _Mapping]] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ..., query: _Optional[_Union[Tensor, _Mapping]] = ..., return_lse: _Optional[bool] = ..., output_to: _Optional[_Union[SharedSlice, _Mapping]] = ..., lse_to: _Optional[_Union[SharedSlice, _Mapping]] = ...) -> None: ...
+    request_id: str
+    timeout_us: int
+    def __init__(self, layer: _Optional[int] = ..., seq_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., key: _Optional[_Union[Tensor, _Mapping]] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ..., query: _Optional[_Union[Tensor, _Mapping]] = ..., return_lse: _Optional[bool] = ..., output_to: _Optional[_Union[SharedSlice, _Mapping]] = ..., lse_to: _Optional[_Union[SharedSlice, _Mapping]] = ..., request_id: _Optional[str] = ..., timeout_us: _Optional[int] = ...) -> None: ...
 
 class AppendAttendBatchResponse(_message.Message):
     __slots__ = ("output", "lse")
@@ -415,6 +435,34 @@ class ImportBlocksResponse(_message.Message):
     num_cached_tokens: int
     num_tokens: int
     def __init__(self, seq_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class ListSequencesRequest(_message.Message):
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class SequenceEntry(_message.Message):
+    __slots__ = ("seq_id", "num_tokens", "written", "lost")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    num_tokens: int
+    written: _containers.RepeatedScalarFieldContainer[int]
+    lost: bool
+    def __init__(self, seq_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., written: _Optional[_Iterable[int]] = ..., lost: _Optional[bool] = ...) -> None: ...
+
+class ListSequencesResponse(_message.Message):
+    __slots__ = ("sequences", "next_page_token")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceEntry]
+    next_page_token: str
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceEntry, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("worker_id", "total_blocks", "used_blocks", "cached_free_blocks", "free_blocks", "allocated_slots", "filled_slots")

@@ -115,6 +115,11 @@ class KVCacheStub:
                 request_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ImportBlocksRequest.SerializeToString,
                 response_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ImportBlocksResponse.FromString,
                 _registered_method=True)
+        self.ListSequences = channel.unary_unary(
+                '/kvcache.v1.KVCache/ListSequences',
+                request_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ListSequencesRequest.SerializeToString,
+                response_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ListSequencesResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/kvcache.v1.KVCache/GetStats',
                 request_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.GetStatsRequest.SerializeToString,
@@ -263,6 +268,15 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListSequences(self, request, context):
+        """The caller's tenant's sequences (live and lost), in seq_id order, a page at a time:
+        what a client that lost track of a sequence (e.g. a create answered UNAVAILABLE) uses to
+        find and free it. Only the caller's own tenant's sequences are listed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Pool utilization, fragmentation, prefix hits and other counters of the control plane.
         """
@@ -375,6 +389,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.ImportBlocks,
                     request_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ImportBlocksRequest.FromString,
                     response_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ImportBlocksResponse.SerializeToString,
+            ),
+            'ListSequences': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSequences,
+                    request_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ListSequencesRequest.FromString,
+                    response_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ListSequencesResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -825,6 +844,33 @@ class KVCache:
             '/kvcache.v1.KVCache/ImportBlocks',
             cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ImportBlocksRequest.SerializeToString,
             cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ImportBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSequences(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.KVCache/ListSequences',
+            cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ListSequencesRequest.SerializeToString,
+            cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.ListSequencesResponse.FromString,
             options,
             channel_credentials,
             insecure,
