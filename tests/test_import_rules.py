@@ -81,7 +81,7 @@ FORBIDDEN_EXTERNAL = {
     "engine": {"grpc", "google"},
 }
 # module -> the only modules that may import it.
-ONLY_FROM = {"cache_service.engine.coordinator": {"cache_service.api.server"}}
+ONLY_FROM = {"cache_service.engine.coordinator": {"cache_service.api.service"}}
 # layer -> layers that nothing it imports, however indirectly, may belong to.
 FORBIDDEN_TRANSITIVE = {
     "client": {"workers", "kernels", "control", "obs", "engine", "api", "cli", "integrations"},

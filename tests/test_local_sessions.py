@@ -163,11 +163,11 @@ def test_a_decode_steps_later_layers_are_answered_without_a_task(monkeypatch, ca
     # repeats: answered from its round's callback (`serve_now`), bit for bit what the same
     # calls answer the usual way (a twin client sending bytes). With
     # server.local_session_callbacks off, every call takes a task, with the same answers.
-    import cache_service.api.server as server_mod
+    import cache_service.api.service as service_mod
 
-    real = server_mod.SharedRegions
+    real = service_mod.SharedRegions
     monkeypatch.setattr(
-        server_mod, "SharedRegions", lambda *a, **k: real(*a, **{**k, "zero_copy": True})
+        service_mod, "SharedRegions", lambda *a, **k: real(*a, **{**k, "zero_copy": True})
     )
     steps = 3
     config = service_config(**{"server.local_session_callbacks": callbacks})
@@ -194,11 +194,11 @@ def test_a_call_answered_without_a_task_fails_with_its_status_and_changes_nothin
     # A repeated layer's call that fails in its round (a fault injected into the worker)
     # is answered from the callback with its error status; its writes are cancelled, the
     # session goes on, and the same call then succeeds.
-    import cache_service.api.server as server_mod
+    import cache_service.api.service as service_mod
 
-    real = server_mod.SharedRegions
+    real = service_mod.SharedRegions
     monkeypatch.setattr(
-        server_mod, "SharedRegions", lambda *a, **k: real(*a, **{**k, "zero_copy": True})
+        service_mod, "SharedRegions", lambda *a, **k: real(*a, **{**k, "zero_copy": True})
     )
     with ServiceHarness(service_config(), local_workers(1, 64)) as harness:
         local = harness.service.local_sessions

@@ -819,11 +819,11 @@ def test_a_zero_copy_reader_gives_views_and_holds_their_region(tmp_path: Path) -
 
 def test_zero_copy_reads_answer_like_the_bytes_path(monkeypatch: pytest.MonkeyPatch) -> None:
     import cache_service.api.batch_decode_memo as memo_mod
-    import cache_service.api.server as server_mod
+    import cache_service.api.service as service_mod
 
-    real = server_mod.SharedRegions
+    real = service_mod.SharedRegions
     monkeypatch.setattr(
-        server_mod, "SharedRegions", lambda *a, **k: real(*a, **{**k, "pin_for_cuda": True})
+        service_mod, "SharedRegions", lambda *a, **k: real(*a, **{**k, "pin_for_cuda": True})
     )
     import cache_service.wire.shared_regions as regions_mod
 
@@ -896,12 +896,12 @@ def test_zero_copy_reads_answer_like_the_bytes_path(monkeypatch: pytest.MonkeyPa
 def test_shared_rounds_copy_each_callers_rows_into_its_slot(monkeypatch) -> None:
     # Clients calling in step share worker rounds; each caller's rows go straight into its
     # own output slot (no reply-side copy on the short path) and equal dense attention.
-    import cache_service.api.server as server_mod
+    import cache_service.api.service as service_mod
     import cache_service.wire.shared_regions as regions_mod
 
-    real = server_mod.SharedRegions
+    real = service_mod.SharedRegions
     monkeypatch.setattr(
-        server_mod, "SharedRegions", lambda *a, **k: real(*a, **{**k, "pin_for_cuda": True})
+        service_mod, "SharedRegions", lambda *a, **k: real(*a, **{**k, "pin_for_cuda": True})
     )
     copied = []  # outputs the reply had to copy into a slot
     real_payload = regions_mod.tensor_payload

@@ -70,3 +70,30 @@ class DeadlineExceededError(KVCacheError):
 
 class InternalError(KVCacheError):
     """A server bug or another unexpected status."""
+
+
+# The client's error class of each status a call can fail with (others: InternalError).
+STATUS_ERRORS: dict[grpc.StatusCode, type[KVCacheError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.OUT_OF_RANGE: InvalidArgumentError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.DATA_LOSS: DataLossError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+}
+
+
+def error_for(code: grpc.StatusCode, message: str) -> KVCacheError:
+    """The KVCacheError of a call that failed with `code` and the server's `message`."""
+    return STATUS_ERRORS.get(code, InternalError)(code, message)
+
+
+def error_from_rpc(exc: grpc.RpcError) -> KVCacheError:
+    """The KVCacheError of a failed gRPC call (UNKNOWN when it carries no status)."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return error_for(code, details or code.name)
