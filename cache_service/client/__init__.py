@@ -1,11 +1,13 @@
 """Python client of the kvcache.v1 service (`cache_service.client.sdk`), and its transports:
 the Session stream, local sessions over a Unix socket, shared-memory regions.
 
-Imports only `cache_service.wire` (codecs shared with the server) besides itself: never the
+Imports only `cache_service.wire` (codecs shared with the server), the proto and
+`cache_service.errors` besides itself: never the
 engine, the API or `workers` (tests/test_import_rules.py).
 """
 
 from cache_service.client.sdk import (
+    AlreadyAppliedError,
     AppendAttendItem,
     AttendItem,
     DataLossError,
@@ -20,6 +22,7 @@ from cache_service.client.sdk import (
     NotFoundError,
     PermissionDeniedError,
     ResourceExhaustedError,
+    SequenceEntry,
     SequenceHandle,
     ServiceInfo,
     ServiceLayout,
@@ -32,6 +35,7 @@ from cache_service.client.sdk import (
 )
 
 __all__ = [
+    "AlreadyAppliedError",
     "AppendAttendItem",
     "AttendItem",
     "DataLossError",
@@ -46,6 +50,7 @@ __all__ = [
     "NotFoundError",
     "PermissionDeniedError",
     "ResourceExhaustedError",
+    "SequenceEntry",
     "SequenceHandle",
     "ServiceInfo",
     "ServiceLayout",

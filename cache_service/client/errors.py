@@ -9,6 +9,7 @@ from __future__ import annotations
 import grpc
 
 __all__ = [
+    "AlreadyAppliedError",
     "DataLossError",
     "DeadlineExceededError",
     "FailedPreconditionError",
@@ -68,6 +69,11 @@ class DeadlineExceededError(KVCacheError):
     """The call did not finish within its deadline."""
 
 
+class AlreadyAppliedError(KVCacheError):
+    """ALREADY_EXISTS: a retry of a request id whose first call was applied and whose reply
+    the server no longer keeps. The change is in place; do not apply it again."""
+
+
 class InternalError(KVCacheError):
     """A server bug or another unexpected status."""
 
@@ -84,6 +90,7 @@ STATUS_ERRORS: dict[grpc.StatusCode, type[KVCacheError]] = {
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyAppliedError,
 }
 
 

@@ -56,6 +56,7 @@ from cache_service.client.arguments import (
 )
 from cache_service.client.batch_path import BatchPath
 from cache_service.client.errors import (
+    AlreadyAppliedError,
     DataLossError,
     DeadlineExceededError,
     FailedPreconditionError,
@@ -96,6 +97,7 @@ from cache_service.wire.tensor_codec import dtype_from_proto, dtype_to_proto, te
 from cache_service.wire.tls import ClientTLSConfig
 
 __all__ = [
+    "AlreadyAppliedError",
     "AppendAttendItem",
     "AttendItem",
     "DataLossError",
