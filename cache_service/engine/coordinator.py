@@ -37,8 +37,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -64,11 +63,11 @@ from cache_service.engine.attention_plan import (
     plan_attention,
     run_attention,
 )
+from cache_service.engine.batching import Batcher, Part
 from cache_service.engine.call_deadline import check_deadline, current_deadline
 from cache_service.engine.call_origin import current_origin
 from cache_service.engine.cancel_safety import run_to_completion
 from cache_service.engine.correctness_check import CorrectnessChecker
-from cache_service.engine.eager_tasks import start_eagerly
 from cache_service.engine.errors import ServiceUnavailable, WorkerLost
 from cache_service.engine.layer_steps import LayerStep, LayerStepCache
 from cache_service.engine.request_ids import request_seq_id
@@ -120,266 +119,6 @@ _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
 
 
 _Spans = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
-
-
-# ------------------------------------------------------------------------------ batching
-
-
-@dataclass
-class _Part:
-    """One call's work for one group of workers on one layer.
-
-    layer: the layer it writes and attends over.
-    views / num_queries / seq_ids: per sequence of the call in this part, in order.
-    query: the rows of all those sequences, concatenated, pool dtype.
-    writes: worker -> (slots, key, value) of new tokens (pool dtype).
-    """
-
-    views: list[SequenceViewLike]
-    num_queries: list[int]
-    seq_ids: list[str]
-    query: torch.Tensor
-    writes: dict[str, tuple[list[int], torch.Tensor, torch.Tensor]]
-    return_lse: bool
-    layer: int = 0
-    # The kernel plan of exactly these views and query rows, when known (a recorded
-    # step's); _run_parts fills it in when it plans this part alone.
-    plan: AttentionPlan | None = None
-    # Host memory for the part's output (the caller's shared-memory slot): the worker's
-    # when the part runs alone (run_attention's `out`), else the round's rows are copied
-    # there once it is back.
-    out: torch.Tensor | None = None
-    # The recorded step the part repeats (its views, slots and plan are the step's).
-    step: LayerStep | None = None
-    # The client connection the call came on (call_origin), for the batcher; None: none
-    # named (the batcher then goes by the first sequence).
-    origin: int | None = None
-    # False: nobody has checked query / writes for NaN and infinities yet (the stacked
-    # short path leaves that to the worker's device; see _run_parts).
-    finite_checked: bool = True
-    future: asyncio.Future[AttentionResult] = field(init=False)
-
-
-# Adaptive window (see _Batcher): weight of the newest batch in the estimate of how often
-# batches are shared, and the estimate at or above which a lone part waits for the window.
-_SHARED_WEIGHT = 0.5
-_SHARED_THRESHOLD = 0.25
-# Batches whose callers the next batch expects (see _Batcher).
-_RECENT_BATCHES = 4
-
-
-class _Batcher:
-    """Coalesces parts for one (layer, worker, num_q_heads) into one worker call (for one
-    (worker, num_q_heads) and every layer with CoordinatorConfig.coalesce_layers).
-
-    A batch leaves when its window (opened by its first part) has passed and the previous
-    batch of this key has come back, or at once when it holds `max_items` sequences. Under
-    load, calls that arrive while a batch is on the worker gather into the next one instead
-    of queueing behind it one by one.
-
-    The window is adaptive. A batch counts as shared when one of its parts arrived while
-    another part was gathering or a batch was on the worker; `_shared` is a moving estimate
-    of how often recent batches were (each batch weighs `_SHARED_WEIGHT`). A part that finds
-    nothing gathering and nothing in flight while that estimate is below
-    `_SHARED_THRESHOLD` is a lone caller: its batch leaves at once instead of waiting for a
-    window nobody would use. Otherwise it opens the window as above. One shared batch
-    brings the window back; two or three unshared ones in a row drop it again.
-
-    A window also ends early once everyone is there. The batcher knows its callers (a
-    part's caller is the client connection it came on, `call_origin`, else the first
-    sequence it names) and how many parts each sent in its last batch, and expects the
-    callers of its last `_RECENT_BATCHES` batches. Once every expected caller has that many
-    parts pending, the batch leaves as soon as nothing is in flight. Clients that call in
-    step (a model's layers, one call each per round) then wait for each other, not for the
-    clock, and groups of them that drifted apart merge again: a group's batch waits for the
-    others, who come as soon as they had their replies. A client alternating between
-    batches of sequences is one caller with one part per round; threads sharing one
-    connection are one caller with several. A batch that waited its whole window stops
-    expecting the callers it missed that were not in the batch before it either (out of
-    step, or gone), so a caller that leaves holds the others for two windows at most.
-    A batch whose window passed while the batch before it was on the worker waits one more
-    window when that batch's callers are expected: they come straight back with their next
-    parts, and one worker call serves everyone instead of groups that drifted apart taking
-    turns (a straggling group of one or two costs a whole worker call for little).
-
-    With `overlap` (four parts or more expected) the callers in step take turns in two
-    groups instead, so that one group's batch is on the worker while the coordinator takes
-    in the other's parts: a batch leaves, with nothing in flight, once it holds half the
-    parts expected; with one batch in flight, once every expected caller not in that batch
-    has its parts pending. For a worker in another process: with one batch for everyone,
-    the coordinator idles while the batch is on the worker and the worker idles while the
-    coordinator takes in the next parts; two groups keep both busy, for the price of one
-    more worker call per round of every caller (its fixed cost, which would have to
-    outweigh the coordinator's work on all the parts to make one batch better).
-
-    call_later: the timer (delay in seconds, callback) -> handle with ``cancel()``; default
-    the running loop's ``call_later`` (tests pass a fake clock).
-    """
-
-    def __init__(
-        self,
-        key: tuple[int | None, str, int],
-        window_s: float,
-        max_items: int,
-        run: Callable[[tuple[int | None, str, int], list[_Part]], Coroutine[Any, Any, None]],
-        call_later: Callable[[float, Callable[[], None]], Any] | None = None,
-        overlap: bool = False,
-    ) -> None:
-        self._key = key
-        self._window_s = window_s
-        self._max_items = max_items
-        self._run = run
-        self._call_later = call_later
-        self._overlap = overlap
-        self._pending: list[_Part] = []
-        self._items = 0
-        self._timer: Any = None
-        self._due = False  # the pending batch's window has passed
-        self._in_flight = 0
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._shared = 0.0  # moving estimate: how often recent batches were shared
-        self._contended = False  # a part arrived while another was gathering / in flight
-        # Callers of recent batches: caller -> (number of the last batch it was in, its
-        # parts there); the parts the next batch expects of each, in all; the pending
-        # parts of each caller; how many expected callers have all their parts pending
-        # (see the class docstring).
-        self._batches_sent = 0
-        self._last_seen: dict[str | int, tuple[int, int]] = {}
-        self._expected: dict[str | int, int] = {}
-        self._expected_parts = 0
-        self._pending_counts: dict[str | int, int] = {}
-        self._satisfied = 0
-        # The callers of each batch in flight; whether the pending batch's window was
-        # extended once already for callers coming back from the worker.
-        self._flying: dict[asyncio.Task[None], frozenset[str | int]] = {}
-        self._extended = False
-
-    @property
-    def windowed(self) -> bool:
-        """Whether a part arriving at an idle batcher waits for the window (recent batches
-        were shared) rather than leaving at once."""
-        return self._shared >= _SHARED_THRESHOLD
-
-    def submit(self, part: _Part) -> None:
-        idle = not self._pending and self._in_flight == 0
-        if not idle:
-            self._contended = True
-        self._pending.append(part)
-        self._items += len(part.seq_ids)
-        caller = _caller(part)
-        count = self._pending_counts.get(caller, 0) + 1
-        self._pending_counts[caller] = count
-        if count == self._expected.get(caller):
-            self._satisfied += 1
-        if self._items >= self._max_items or (idle and not self.windowed):
-            self._flush()
-        elif self._in_flight == 0 and self._everyone_here():
-            self._flush()
-        elif self._group_ready():
-            self._flush()
-        elif self._timer is None and not self._due:
-            self._start_window()
-
-    def _everyone_here(self) -> bool:
-        """Every caller expected has its parts pending (two or more parts expected)."""
-        return self._expected_parts > 1 and self._satisfied == len(self._expected)
-
-    def _group_ready(self) -> bool:
-        """With `overlap`: whether the pending batch is a group that should leave now (see
-        the class docstring); needs four or more parts expected."""
-        if not self._overlap or not self._pending or self._expected_parts < 4:
-            return False
-        if self._in_flight == 0:
-            return 2 * len(self._pending) >= self._expected_parts
-        if self._in_flight > 1:
-            return False
-        (flying,) = self._flying.values()
-        counts, expected = self._pending_counts, self._expected
-        waiting_for = [c for c in expected if c not in flying]
-        return bool(waiting_for) and all(counts.get(c, 0) >= expected[c] for c in waiting_for)
-
-    def _start_window(self) -> None:
-        if self._call_later is not None:
-            self._timer = self._call_later(self._window_s, self._window_passed)
-        elif self._window_s > 0:
-            self._timer = asyncio.get_running_loop().call_later(self._window_s, self._window_passed)
-        else:
-            # Still merges what arrives in the same event-loop turn.
-            self._timer = asyncio.get_running_loop().call_soon(self._window_passed)
-
-    def _window_passed(self) -> None:
-        self._timer = None
-        self._due = True
-        if self._in_flight == 0:
-            self._flush()
-
-    def _flush(self) -> None:
-        """Send the pending parts as one batch."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        waited_window, self._due = self._due, False
-        self._extended = False
-        parts, self._pending, self._items = self._pending, [], 0
-        counts, self._pending_counts = self._pending_counts, {}
-        self._satisfied = 0
-        if not parts:
-            return
-        self._expect_after(counts, waited_window)
-        # The sample of the batch that leaves now: were other parts arriving while it
-        # gathered, or while the batch before it was on the worker?
-        sample = 1.0 if self._contended else 0.0
-        self._contended = False
-        self._shared += _SHARED_WEIGHT * (sample - self._shared)
-        self._in_flight += 1
-        task = start_eagerly(self._run(self._key, parts))
-        self._tasks.add(task)
-        self._flying[task] = frozenset(counts)
-        task.add_done_callback(self._batch_done)
-
-    def _expect_after(self, counts: dict[str | int, int], waited_window: bool) -> None:
-        """Update the expected callers once a batch left with `counts` parts of each caller
-        (see the class docstring); `waited_window`: it left because its window passed."""
-        self._batches_sent += 1
-        number = self._batches_sent
-        for caller, parts in counts.items():
-            self._last_seen[caller] = (number, parts)
-        # After a whole window, the absent callers of the batch before this one are still
-        # in step (they had their reply later); those absent longer are not.
-        oldest = number - 1 if waited_window else number - _RECENT_BATCHES + 1
-        self._last_seen = {c: seen for c, seen in self._last_seen.items() if seen[0] >= oldest}
-        self._expected = {c: parts for c, (_, parts) in self._last_seen.items()}
-        self._expected_parts = sum(self._expected.values())
-
-    def _batch_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        returning = self._flying.pop(task, frozenset())
-        self._in_flight -= 1
-        if self._in_flight != 0:
-            if self._group_ready():
-                self._flush()
-            return
-        if self._everyone_here() or self._group_ready():
-            self._flush()
-        elif self._due:
-            if not self._extended and any(c in self._expected for c in returning):
-                # Its window passed while the worker was busy, and the callers just answered
-                # are expected: they come straight back, so wait one more window for them
-                # (one worker call for all instead of two groups taking turns).
-                self._extended = True
-                self._due = False
-                self._start_window()
-            else:
-                self._flush()
-
-
-def _caller(part: _Part) -> str | int:
-    """Who sent `part`, for the batcher: its client connection where the call named one,
-    else the first sequence it names (a client's batch of sequences travels together from
-    step to step)."""
-    if part.origin is not None:
-        return part.origin
-    return part.seq_ids[0] if part.seq_ids else id(part)
 
 
 # ------------------------------------------------------------------------------ coordinator
@@ -436,7 +175,7 @@ class Coordinator:
         self._round_plans: OrderedDict[
             tuple[int, ...], tuple[tuple[LayerStep, ...], AttentionPlan]
         ] = OrderedDict()
-        self._batchers: dict[tuple[int | None, str, int], _Batcher] = {}
+        self._batchers: dict[tuple[int | None, str, int], Batcher] = {}
         self._background: set[asyncio.Task[None]] = set()
         # Per worker, the latest release_blocks call (see _flush_released); workers whose
         # pools poison released blocks (debug pools): only they are told.
@@ -1022,7 +761,7 @@ class Coordinator:
         layer: int,
         step: LayerStep,
         batch: StackedAppendAttend,
-        part: _Part,
+        part: Part,
         finished: Callable[[AttentionResult | BaseException | None], None],
         deadline: float,
         future: asyncio.Future[AttentionResult],
@@ -1051,7 +790,7 @@ class Coordinator:
         return_lse: bool,
         out: torch.Tensor | None,
         rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    ) -> _Part | None:
+    ) -> Part | None:
         """Under the step's sequence locks: the call's part when the step still applies
         (another call may have replaced it or moved a sequence meanwhile, or its worker
         may have gone), else None, nothing changed."""
@@ -1066,7 +805,7 @@ class Coordinator:
         part.finite_checked = False
         return part
 
-    def _repeat_committed(self, layer: int, step: LayerStep, part: _Part) -> None:
+    def _repeat_committed(self, layer: int, step: LayerStep, part: Part) -> None:
         """A repeated layer's round is back: its short commit (`repeatable` said yes under
         the locks still held) and the kernel plan the step keeps."""
         self.block_manager.commit_repeated(step.snapshot, layer)
@@ -1139,13 +878,13 @@ class Coordinator:
         value: torch.Tensor,
         return_lse: bool,
         out: torch.Tensor | None = None,
-    ) -> _Part:
+    ) -> Part:
         """The call's one part from a recorded step: its views, slots and kernel plan, with
         this call's queries ``[rows, Hq, D]`` and new K/V ``[tokens, Hkv, D]`` (sequence by
         sequence, cast to the pool's dtype here), and where its output may go (`out`;
         run_attention uses it only where it fits the plan and the pool's dtype)."""
         dtype = self._pool_dtype
-        return _Part(
+        return Part(
             views=step.views,  # type: ignore[arg-type]
             num_queries=step.num_queries,
             seq_ids=list(step.snapshot.seq_ids),
@@ -1162,7 +901,7 @@ class Coordinator:
         tenant: str,
         seq_ids: list[str],
         plans: list[WritePlan],
-        parts: list[tuple[list[int], _Part]],
+        parts: list[tuple[list[int], Part]],
     ) -> None:
         """Record a planned call for the step's other layers when it qualifies: one part
         holding every item in order, every sequence and slot on one worker, the same query
@@ -1404,7 +1143,7 @@ class Coordinator:
         return_lse: bool,
         new: tuple[list[WritePlan], list[torch.Tensor], list[torch.Tensor]] | None = None,
         spans: _Spans = (None, None, None),
-    ) -> list[tuple[list[int], _Part]]:
+    ) -> list[tuple[list[int], Part]]:
         """Group a call's items into parts: one per single worker (coalescible), one for
         the items spread over several workers. Returns (item indices, part) pairs.
 
@@ -1435,7 +1174,7 @@ class Coordinator:
             writes: dict[str, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
             if new is not None:
                 writes = _part_writes(idx, *new, dtype, k_span, v_span)
-            part = _Part(
+            part = Part(
                 views=[views[i] for i in idx],
                 num_queries=[queries[i].shape[0] for i in idx],
                 seq_ids=[seq_ids[i] for i in idx],
@@ -1449,7 +1188,7 @@ class Coordinator:
     # -- internals: execution --------------------------------------------------------------
 
     async def _execute(
-        self, layer: int, parts: list[tuple[list[int], _Part]], hq: int
+        self, layer: int, parts: list[tuple[list[int], Part]], hq: int
     ) -> list[AttentionResult]:
         """Run every part (coalescing single-worker ones); results in part order."""
         loop = asyncio.get_running_loop()
@@ -1486,19 +1225,19 @@ class Coordinator:
         return list(outcome)  # type: ignore[arg-type]
 
     @staticmethod
-    def _answered_by_future(part: _Part, layer: int, origin: int | None) -> None:
+    def _answered_by_future(part: Part, layer: int, origin: int | None) -> None:
         """Ready `part` for a round: the future that answers it, its layer, and the
         caller's connection (`call_origin`) the batcher groups callers by."""
         part.future = asyncio.get_running_loop().create_future()
         part.layer = layer
         part.origin = origin
 
-    def _batcher(self, layer: int, worker_id: str, hq: int) -> _Batcher:
+    def _batcher(self, layer: int, worker_id: str, hq: int) -> Batcher:
         # With coalesce_layers one batcher per worker (and head count) takes every layer.
         key = (None if self.config.coalesce_layers else layer, worker_id, hq)
         batcher = self._batchers.get(key)
         if batcher is None:
-            batcher = self._batchers[key] = _Batcher(
+            batcher = self._batchers[key] = Batcher(
                 key,
                 self.config.batch_window_ms / 1000.0,
                 self.config.max_batch_items,
@@ -1518,7 +1257,7 @@ class Coordinator:
             return client is not None and client.out_of_process
         return overlap
 
-    async def _run_parts(self, key: tuple[int | None, str, int], parts: list[_Part]) -> None:
+    async def _run_parts(self, key: tuple[int | None, str, int], parts: list[Part]) -> None:
         """One worker round for several parts: one plan, one call per worker, results split
         back to each part's future."""
         check_on_device = False
@@ -2025,7 +1764,7 @@ _MAX_ROUND_PLANS = 64
 
 
 def _part_rows(
-    parts: list[_Part], result: AttentionResult
+    parts: list[Part], result: AttentionResult
 ) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor | None]]:
     """Each part's rows of a round's result (out ``[rows, Hq, D]``, lse ``[rows, Hq]`` or
     None), in part order: the result itself for a lone part, the output's parts where the
@@ -2040,7 +1779,7 @@ def _part_rows(
     return outs, ([None] * len(parts) if lse is None else lse.split(sizes))
 
 
-def _round_steps(parts: list[_Part]) -> tuple[LayerStep, ...] | None:
+def _round_steps(parts: list[Part]) -> tuple[LayerStep, ...] | None:
     """The recorded steps of a round of several parts, each part repeating a different
     one, with `parts` put in the one order of that set of steps (so the round's plan, and
     with it the worker's metadata key and graphs, is the same every layer they coalesce
@@ -2054,12 +1793,12 @@ def _round_steps(parts: list[_Part]) -> tuple[LayerStep, ...] | None:
 
 
 def _checked_on_device(
-    parts: list[_Part], plan: AttentionPlan, writes: Mapping[str, WorkerWrite]
+    parts: list[Part], plan: AttentionPlan, writes: Mapping[str, WorkerWrite]
 ) -> bool:
     """Whether the worker checks this round's values for NaN and infinities on its device
     (KVPool.write_and_attend's check_finite, or write_and_attend_pages' for a round over
     several layers; for free where the data goes anyway): a round with a part nobody
-    checked yet (`_Part.finite_checked` False), one worker writing and reading every row.
+    checked yet (`Part.finite_checked` False), one worker writing and reading every row.
 
     A lone part's refusal is its own (the short path then takes the full path, which
     names the culprit). A shared round the worker refuses wrote nothing; `_run_parts` then
@@ -2075,7 +1814,7 @@ def _checked_on_device(
 
 
 def _joined_finite(
-    parts: list[_Part], query: torch.Tensor | list[torch.Tensor], writes: Iterable[WorkerWrite]
+    parts: list[Part], query: torch.Tensor | list[torch.Tensor], writes: Iterable[WorkerWrite]
 ) -> bool:
     """Whether every part of a round is known to hold finite values: checked before, or
     (one pass over the round's joined query, keys and values instead of three per part)
@@ -2091,7 +1830,7 @@ def _joined_finite(
     return True
 
 
-def _finite_parts(parts: list[_Part]) -> list[_Part]:
+def _finite_parts(parts: list[Part]) -> list[Part]:
     """The parts of a round whose values are finite, each checked on its own; the others
     get NonFiniteInput on their futures (the short path then takes the full path, which
     names the culprit)."""
@@ -2266,7 +2005,7 @@ def _part_writes(
 
 def _reassemble(
     num_items: int,
-    parts: list[tuple[list[int], _Part]],
+    parts: list[tuple[list[int], Part]],
     outputs: list[AttentionResult],
     dtypes: list[torch.dtype],
 ) -> list[AttentionResult]:
@@ -2288,7 +2027,7 @@ def _reassemble(
 
 def _stacked(
     num_items: int,
-    parts: list[tuple[list[int], _Part]],
+    parts: list[tuple[list[int], Part]],
     outputs: list[AttentionResult],
     dtype: torch.dtype,
     return_lse: bool,
