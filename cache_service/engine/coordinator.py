@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -50,7 +49,6 @@ from cache_service.control.types import (
     Segment,
     SequenceView,
     TenantQuota,
-    WriteCursor,
     WritePlan,
 )
 from cache_service.engine.attention_plan import (
@@ -69,6 +67,19 @@ from cache_service.engine.call_origin import current_origin
 from cache_service.engine.cancel_safety import run_to_completion
 from cache_service.engine.correctness_check import CorrectnessChecker
 from cache_service.engine.errors import ServiceUnavailable, WorkerLost
+from cache_service.engine.input_checks import (
+    FLOAT_DTYPES,
+    block_shape,
+    check_finite,
+    check_layer,
+    check_new_kv,
+    check_new_rows,
+    check_not_empty,
+    check_queries,
+    check_reserved,
+    check_tensor,
+    sums_finite,
+)
 from cache_service.engine.layer_steps import LayerStep, LayerStepCache
 from cache_service.engine.request_ids import request_seq_id
 from cache_service.engine.running_checks import RunningCheck, RunningChecks
@@ -114,8 +125,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvcache.coordinator")
-
-_FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
 
 
 _Spans = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
@@ -202,7 +211,6 @@ class Coordinator:
         self._checks = RunningChecks()
 
     # -- lifecycle -------------------------------------------------------------------------
-
     async def start(self) -> None:
         """Describe every worker, check its layout and register its pool.
 
@@ -295,7 +303,6 @@ class Coordinator:
         )
 
     # -- read-only -------------------------------------------------------------------------
-
     def workers(self) -> list[WorkerState]:
         """Every known worker, in registration order."""
         return list(self._states.values())
@@ -316,7 +323,6 @@ class Coordinator:
         return self.block_manager.lookup(tenant, token_ids, namespace)
 
     # -- sequences -------------------------------------------------------------------------
-
     async def create_sequence(
         self,
         tenant: str,
@@ -405,7 +411,6 @@ class Coordinator:
                 self.block_manager.set_tenant_quota(tenant, quota.max_blocks, quota.max_sequences)
 
     # -- data ------------------------------------------------------------------------------
-
     async def append(
         self,
         tenant: str,
@@ -424,19 +429,19 @@ class Coordinator:
         if layer is None:
             want = (self.layout.num_layers, n, self.layout.num_kv_heads, self.layout.head_dim)
         else:
-            self._check_layer(layer)
+            check_layer(self.layout, layer)
             want = (n, self.layout.num_kv_heads, self.layout.head_dim)
         if n == 0:
             raise InvalidRequest("token_ids is empty: an append writes at least one token")
-        _check_new_rows("", n, key, value, want)
-        _check_tensor("key", key, want)
-        _check_tensor("value", value, want)
+        check_new_rows("", n, key, value, want)
+        check_tensor("key", key, want)
+        check_tensor("value", value, want)
         async with self._locked([seq_id]):
             try:
                 # Refuses an unknown / lost sequence before changing anything.
                 plan = self.block_manager.prepare_write(tenant, seq_id, layer, token_ids)
             except PoolExhausted:
-                self._require_workers()  # no worker at all: UNAVAILABLE, as before
+                self._require_workers()  # no worker at all: UNAVAILABLE, not RESOURCE_EXHAUSTED
                 raise
             self._flush_released()  # blocks evicted for this write: poisoned first
             key = key.to(self._pool_dtype)
@@ -479,11 +484,11 @@ class Coordinator:
         stacked: the items' queries share one dtype; return one result holding every
         item's rows in item order (out ``[sum m, Hq, D]``) instead of one per item.
         """
-        self._check_layer(layer)
-        _check_not_empty(items, "attend")
+        check_layer(self.layout, layer)
+        check_not_empty(items, "attend")
         queries = [it.query for it in items]
-        hq = self._check_queries(queries)
-        _check_finite(queries, lambda: ((f"items[{i}].query", q) for i, q in enumerate(queries)))
+        hq = check_queries(self.layout, queries)
+        check_finite(queries, lambda: ((f"items[{i}].query", q) for i, q in enumerate(queries)))
         seq_ids = [it.seq_id for it in items]
         async with self._locked(seq_ids):
             views = []
@@ -522,17 +527,17 @@ class Coordinator:
         errors are the same without it.
         stacked: as in `attend`.
         """
-        self._check_layer(layer)
-        _check_not_empty(items, "append_attend")
+        check_layer(self.layout, layer)
+        check_not_empty(items, "append_attend")
         queries = [it.query for it in items]
-        hq = self._check_queries(queries)
+        hq = check_queries(self.layout, queries)
         seq_ids = [it.seq_id for it in items]
         if len(set(seq_ids)) != len(seq_ids):
             dup = next(s for s in seq_ids if seq_ids.count(s) > 1)
             raise InvalidRequest(f"sequence {dup!r} appears twice in one append_attend")
         keys = [it.key for it in items]
         values = [it.value for it in items]
-        self._check_new_kv(items)
+        check_new_kv(self.layout, items)
         spans = _spans(joined, keys, values, queries)
 
         def named() -> Iterable[tuple[str, torch.Tensor]]:
@@ -545,7 +550,7 @@ class Coordinator:
         runs: list[torch.Tensor] = []
         for span, tensors in zip(spans, (keys, values, queries), strict=True):
             runs += tensors if span is None else (span,)
-        _check_finite(runs, named)
+        check_finite(runs, named)
         async with self._locked(seq_ids):
             # The step's other layers reuse what its first layer planned (layer_steps).
             step = self._reusable_step(tenant, layer, seq_ids, items)
@@ -659,9 +664,9 @@ class Coordinator:
         hkv, d = self.layout.num_kv_heads, self.layout.head_dim
         if not (
             type(key) is type(value) is type(query) is torch.Tensor
-            and key.dtype in _FLOAT_DTYPES
-            and value.dtype in _FLOAT_DTYPES
-            and query.dtype in _FLOAT_DTYPES
+            and key.dtype in FLOAT_DTYPES
+            and value.dtype in FLOAT_DTYPES
+            and query.dtype in FLOAT_DTYPES
             and key.shape == (b, n, hkv, d)
             and value.shape == (b, n, hkv, d)
             and query.ndim == 4
@@ -826,7 +831,7 @@ class Coordinator:
         # rows); write_cursor costs O(positions reserved ahead), not O(sequence length).
         for i, it in enumerate(items):
             cursor = self.block_manager.write_cursor(tenant, it.seq_id, layer)
-            _check_reserved(i, cursor, it.token_ids, layer)
+            check_reserved(i, cursor, it.token_ids, layer)
             if it.query.shape[0] > cursor.start + len(it.token_ids):
                 raise InvalidRequest(
                     f"items[{i}]: {it.query.shape[0]} query rows but the sequence will "
@@ -927,7 +932,6 @@ class Coordinator:
         )
 
     # -- export / import -------------------------------------------------------------------
-
     async def export(self, tenant: str, seq_id: str) -> ExportedSequence:
         """The positions written on every layer, as whole blocks."""
         async with self._locked([seq_id]):
@@ -935,7 +939,7 @@ class Coordinator:
             n = min(info.written)
             bs = self.layout.block_size
             if n == 0:
-                empty = torch.empty((0, *self._block_shape()), dtype=self._pool_dtype)
+                empty = torch.empty((0, *block_shape(self.layout)), dtype=self._pool_dtype)
                 return ExportedSequence([], 0, empty)
             layer = info.written.index(n)
             view = self.block_manager.attention_view(tenant, seq_id, layer)
@@ -963,7 +967,7 @@ class Coordinator:
         instead of written. On failure the new sequence is freed again."""
         n = len(token_ids)
         bs = self.layout.block_size
-        _check_tensor("blocks", blocks, (-(-n // bs), *self._block_shape()))
+        check_tensor("blocks", blocks, (-(-n // bs), *block_shape(self.layout)))
         self._require_workers()
         created = self.block_manager.create_sequence(tenant, token_ids)
         try:
@@ -1007,76 +1011,8 @@ class Coordinator:
 
     # -- internals: validation -------------------------------------------------------------
 
-    def _block_shape(self) -> tuple[int, ...]:
-        lay = self.layout
-        return (lay.num_layers, 2, lay.num_kv_heads, lay.block_size, lay.head_dim)
-
-    def _check_layer(self, layer: object) -> None:
-        if type(layer) is not int or not 0 <= layer < self.layout.num_layers:
-            raise InvalidRequest(f"layer must be in [0, {self.layout.num_layers}), got {layer!r}")
-
-    def _check_queries(self, queries: Sequence[torch.Tensor]) -> int:
-        """Validate query tensors ``[m >= 1, Hq, D]`` with one Hq, a multiple of Hkv."""
-        hkv, d = self.layout.num_kv_heads, self.layout.head_dim
-        if queries:
-            # The usual call passes at C speed; anything else gets the detailed checks.
-            q0 = queries[0]
-            if type(q0) is torch.Tensor and q0.ndim == 3:
-                hq = q0.shape[1]
-                if hq >= 1 and hq % hkv == 0:
-                    for q in queries:
-                        if (
-                            type(q) is not torch.Tensor
-                            or q.dtype not in _FLOAT_DTYPES
-                            or q.ndim != 3
-                            or q.shape[0] < 1
-                            or q.shape[1] != hq
-                            or q.shape[2] != d
-                        ):
-                            break
-                    else:
-                        return hq
-        hq = None
-        for i, q in enumerate(queries):
-            _check_tensor(f"items[{i}].query", q, (None, None, d), finite=False)
-            if q.shape[0] < 1:
-                raise InvalidRequest(f"items[{i}].query has no rows")
-            h = q.shape[1]
-            if h < 1 or h % hkv:
-                raise InvalidRequest(
-                    f"items[{i}].query has {h} heads, which is not a positive multiple of the "
-                    f"{hkv} KV heads"
-                )
-            if hq is not None and h != hq:
-                raise InvalidRequest(
-                    f"items[{i}].query has {h} heads, items[0] has {hq}: one call, one head count"
-                )
-            hq = h
-        return hq or 0
-
-    def _check_new_kv(self, items: Sequence[AppendAttendItem]) -> None:
-        """Each item's token ids (n >= 1) and key / value ``[n, Hkv, D]`` of a float dtype."""
-        hkv, d = self.layout.num_kv_heads, self.layout.head_dim
-        for i, it in enumerate(items):
-            n = len(it.token_ids)
-            k, v = it.key, it.value
-            if (
-                n > 0
-                and type(k) is torch.Tensor
-                and type(v) is torch.Tensor
-                and k.dtype in _FLOAT_DTYPES
-                and v.dtype in _FLOAT_DTYPES
-                and k.shape == (n, hkv, d)
-                and v.shape == (n, hkv, d)
-            ):
-                continue
-            if n == 0:
-                raise InvalidRequest(f"items[{i}].token_ids is empty")
-            _check_new_rows(f"items[{i}].", n, k, v, (n, hkv, d))
-            _check_tensor(f"items[{i}].key", k, (n, hkv, d), finite=False)
-            _check_tensor(f"items[{i}].value", v, (n, hkv, d), finite=False)
-
     def _require_workers(self) -> None:
+        """Refuse with UNAVAILABLE while no worker is serving."""
         if not self.block_manager.workers():
             known = len(self._states)
             raise ServiceUnavailable(
@@ -1084,13 +1020,11 @@ class Coordinator:
             )
 
     # -- internals: locking ----------------------------------------------------------------
-
     def _locked(self, seq_ids: Sequence[str]) -> contextlib.AbstractAsyncContextManager[None]:
         # Sorted, so two calls locking overlapping sets cannot deadlock.
         return self._locks.holding(sorted(set(seq_ids)))
 
     # -- internals: planning ---------------------------------------------------------------
-
     def _view_of(self, tenant: str, seq_id: str, layer: int) -> SequenceViewLike:
         """What attending over `layer` reads: a `OneWorkerView` over the cached block ids
         when the sequence lives on one worker (O(1)), else its per-worker segments."""
@@ -1186,7 +1120,6 @@ class Coordinator:
         return out
 
     # -- internals: execution --------------------------------------------------------------
-
     async def _execute(
         self, layer: int, parts: list[tuple[list[int], Part]], hq: int
     ) -> list[AttentionResult]:
@@ -1524,7 +1457,6 @@ class Coordinator:
             raise await self._worker_failed(exc, {worker_id: epoch}, seq_ids) from None
 
     # -- internals: released blocks ---------------------------------------------------------
-
     def _flush_released(self) -> None:
         """Tell the workers which blocks went free (debug pools poison them with NaN).
 
@@ -1605,7 +1537,6 @@ class Coordinator:
         self._flush_released()
 
     # -- internals: failures ---------------------------------------------------------------
-
     async def _worker_failed(
         self,
         exc: StaleEpochError | WorkerUnavailable,
@@ -1693,72 +1624,6 @@ class Coordinator:
 # ------------------------------------------------------------------------------ helpers
 
 
-def _check_not_empty(items: Sequence[object], call: str) -> None:
-    """Refuse a call with no items, as the batch calls refuse no sequences: an empty call
-    is a caller's mistake, not a request for nothing."""
-    if not items:
-        raise InvalidRequest(f"items is empty: an {call} call needs at least one item")
-
-
-def _check_new_rows(prefix: str, n: int, key: object, value: object, want: tuple[int, ...]) -> None:
-    """Name a disagreement between the n token ids and the key / value rows as such (one
-    row per new token) rather than as a shape error. `want` is the full expected shape; the
-    token dimension is the one of size n (the second for all layers at once)."""
-    row_dim = len(want) - 3
-    for name, t in (("key", key), ("value", value)):
-        if (
-            isinstance(t, torch.Tensor)
-            and t.ndim == len(want)
-            and t.shape[row_dim] != n
-            and tuple(t.shape[row_dim + 1 :]) == tuple(want[row_dim + 1 :])
-        ):
-            rows = t.shape[row_dim]
-            raise InvalidRequest(
-                f"{prefix}token_ids has {n} entries but {prefix}{name} has {rows} "
-                f"row{'' if rows == 1 else 's'} (shape {list(t.shape)}): one {name} row per "
-                "new token"
-            )
-
-
-def _check_tensor(
-    name: str, t: torch.Tensor, shape: tuple[int | None, ...], *, finite: bool = True
-) -> None:
-    """A float tensor of the given shape (None: any size), finite unless told otherwise."""
-    if not isinstance(t, torch.Tensor):
-        raise InvalidRequest(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.dtype not in _FLOAT_DTYPES:
-        raise InvalidRequest(f"{name} has dtype {t.dtype}; use float16, bfloat16 or float32")
-    if t.ndim != len(shape) or any(
-        w is not None and g != w for g, w in zip(t.shape, shape, strict=False)
-    ):
-        want = ", ".join("*" if w is None else str(w) for w in shape)
-        raise InvalidRequest(f"{name} has shape {list(t.shape)}, expected [{want}]")
-    if finite:
-        _check_finite([t], lambda: [(name, t)])
-
-
-_FP32_RANGE = (torch.bfloat16, torch.float32)
-
-
-def _check_finite(
-    tensors: Sequence[torch.Tensor], named: Callable[[], Iterable[tuple[str, torch.Tensor]]]
-) -> None:
-    """No NaN / inf anywhere: a NaN key in a shared prefix block would poison every
-    sequence that adopts it.
-
-    Fast pass: the sum of each run of `tensors` (runs: tensors back to back in one
-    storage, see `joined_view`). Any NaN or infinity makes its sum NaN or infinite, so a
-    finite sum clears the run. A sum that is not finite (a culprit, or finite values
-    whose sum overflows) sends every tensor of `named()` through the exact check, which
-    names the first culprit.
-    """
-    if not tensors or _sums_finite(tensors):
-        return
-    for name, t in named():
-        if not bool(torch.isfinite(t).all()):
-            raise InvalidRequest(f"{name} contains NaN or infinite values")
-
-
 # Round plans kept (Coordinator._round_plan): a few per concurrent client is plenty.
 _MAX_ROUND_PLANS = 64
 
@@ -1823,7 +1688,7 @@ def _joined_finite(
         return True
     given = [query, *(t for w in writes for t in (w.key, w.value))]
     joined = [t for g in given for t in (g if isinstance(g, list) else (g,))]  # parts too
-    if not _sums_finite([t.reshape(-1) for t in joined]):
+    if not sums_finite([t.reshape(-1) for t in joined]):
         return False
     for p in parts:
         p.finite_checked = True
@@ -1838,50 +1703,13 @@ def _finite_parts(parts: list[Part]) -> list[Part]:
         if part.finite_checked:
             continue
         tensors = [part.query] + [t for _, k, v in part.writes.values() for t in (k, v)]
-        if _sums_finite([t.reshape(-1) for t in tensors]):
+        if sums_finite([t.reshape(-1) for t in tensors]):
             part.finite_checked = True
         elif not part.future.done():
             part.future.set_exception(
                 NonFiniteInput("a key, value or query holds NaN or infinite values")
             )
     return [p for p in parts if p.finite_checked]
-
-
-def _sums_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """The fast pass of `_check_finite`: every run's sum is finite (so no element is NaN or
-    infinite; False may also mean finite values whose sum overflows)."""
-    # math.isfinite of the Python float: a fraction of what a torch.isfinite call costs.
-    return all(math.isfinite(s.item()) for s in _run_sums(tensors))
-
-
-def _run_sums(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Sums covering every element of `tensors` (float32 or of float32's range): one per
-    run of tensors lying back to back in one storage (so a request decoded by the servicer
-    costs three sums)."""
-    runs: list[torch.Tensor] = []
-    start = 0
-    end_ptr = -1
-    for i, t in enumerate(tensors):
-        # Address arithmetic finds the candidates; joined_view makes sure.
-        ptr = t.data_ptr()
-        if i and ptr != end_ptr:
-            runs.extend(_as_runs(tensors[start:i]))
-            start = i
-        end_ptr = ptr + t.numel() * t.element_size()
-    runs.extend(_as_runs(tensors[start:]))
-    if len(runs) > 8:  # many separate tensors (in-process callers): one sum over a copy
-        return [torch.cat([r.float() for r in runs]).sum()]
-    # bfloat16 and float32 share float32's range, so their own-dtype sum (2.5x faster on
-    # CPU for bfloat16) overflows no sooner; float16's would at 65504.
-    return [r.sum() if r.dtype in _FP32_RANGE else r.sum(dtype=torch.float32) for r in runs]
-
-
-def _as_runs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    if len(tensors) > 1:
-        span = joined_view(tensors)
-        if span is not None:
-            return [span]
-    return [t.reshape(-1) for t in tensors]
 
 
 def _repeat_answer(
@@ -1941,18 +1769,6 @@ def _spans(
         )
         out.append(span if ok else None)
     return out[0], out[1], out[2]
-
-
-def _check_reserved(i: int, cursor: WriteCursor, token_ids: Sequence[int], layer: int) -> None:
-    """Token ids of positions another layer already reserved must match (checked before
-    any reservation, to name the item; the block manager checks again)."""
-    reserved = cursor.reserved
-    for j in range(min(len(reserved), len(token_ids))):
-        if reserved[j] != token_ids[j]:
-            raise InvalidRequest(
-                f"items[{i}]: position {cursor.start + j} holds token {reserved[j]}, got "
-                f"{token_ids[j]} on layer {layer} (every layer must send the same token ids)"
-            )
 
 
 def _group_slots(slots: list[tuple[str, int]]) -> dict[str, tuple[list[int], list[int]]]:
