@@ -837,7 +837,7 @@ def test_a_failure_making_the_answer_keeps_no_write(monkeypatch, path: str) -> N
         batch = stacked(items)
         with monkeypatch.context() as patched:
             patched.setattr(
-                coordinator_mod, "_stacked" if path == "full" else "_repeat_answer", fail
+                coordinator_mod, "stacked_result" if path == "full" else "repeat_answer", fail
             )
             if path == "callback":
                 done: list[Any] = []

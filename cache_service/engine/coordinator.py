@@ -64,6 +64,19 @@ from cache_service.engine.attention_plan import (
 from cache_service.engine.batching import Batcher, Part
 from cache_service.engine.call_deadline import check_deadline, current_deadline
 from cache_service.engine.call_origin import current_origin
+from cache_service.engine.call_tensors import (
+    Spans,
+    blocks_to_tokens,
+    group_slots,
+    in_dtype,
+    item_spans,
+    joined_rows,
+    part_rows,
+    part_writes,
+    reassemble,
+    repeat_answer,
+    stacked_result,
+)
 from cache_service.engine.cancel_safety import run_to_completion
 from cache_service.engine.correctness_check import CorrectnessChecker
 from cache_service.engine.errors import ServiceUnavailable, WorkerLost
@@ -103,7 +116,6 @@ from cache_service.errors import (
     SequenceLost,
     SequenceNotFound,
 )
-from cache_service.wire.tensor_codec import joined_view
 from workers.errors import (
     NonFiniteInput,
     StaleCoordinatorError,
@@ -125,9 +137,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvcache.coordinator")
-
-
-_Spans = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
 # ------------------------------------------------------------------------------ coordinator
@@ -450,7 +459,7 @@ class Coordinator:
             async def copy_then_write() -> None:
                 await self._run_copies(plan, [seq_id])
                 calls = []
-                for worker_id, (rows, slots) in _group_slots(plan.slots).items():
+                for worker_id, (rows, slots) in group_slots(plan.slots).items():
                     idx = torch.tensor(rows, dtype=torch.long)
                     k = key.index_select(-3, idx)
                     v = value.index_select(-3, idx)
@@ -506,8 +515,8 @@ class Coordinator:
         if self.metrics is not None:
             self.metrics.add_attention_tokens(sum(q.shape[0] for q in queries))
         if stacked:
-            return [_stacked(len(items), parts, outputs, queries[0].dtype, return_lse)]
-        return _reassemble(len(items), parts, outputs, [q.dtype for q in queries])
+            return [stacked_result(len(items), parts, outputs, queries[0].dtype, return_lse)]
+        return reassemble(len(items), parts, outputs, [q.dtype for q in queries])
 
     async def append_attend(
         self,
@@ -538,7 +547,7 @@ class Coordinator:
         keys = [it.key for it in items]
         values = [it.value for it in items]
         check_new_kv(self.layout, items)
-        spans = _spans(joined, keys, values, queries)
+        spans = item_spans(joined, keys, values, queries)
 
         def named() -> Iterable[tuple[str, torch.Tensor]]:
             for i, it in enumerate(items):
@@ -575,9 +584,9 @@ class Coordinator:
                     k_span, v_span, q_span = spans
                     part = self._step_part(
                         step,
-                        _rows(queries, dtype, q_span),
-                        _rows(keys, dtype, k_span),
-                        _rows(values, dtype, v_span),
+                        joined_rows(queries, dtype, q_span),
+                        joined_rows(keys, dtype, k_span),
+                        joined_rows(values, dtype, v_span),
                         return_lse,
                     )
                     parts = [(list(range(len(items))), part)]
@@ -585,9 +594,11 @@ class Coordinator:
                 # The answer before the commit: a failure making it (a dtype cast out of
                 # memory) then keeps nothing, as a failed call must.
                 if stacked:
-                    answer = [_stacked(len(items), parts, outputs, queries[0].dtype, return_lse)]
+                    answer = [
+                        stacked_result(len(items), parts, outputs, queries[0].dtype, return_lse)
+                    ]
                 else:
-                    answer = _reassemble(len(items), parts, outputs, [q.dtype for q in queries])
+                    answer = reassemble(len(items), parts, outputs, [q.dtype for q in queries])
                 check_deadline()
                 # All or nothing: every write is checked before any is committed.
                 self.block_manager.commit_writes(
@@ -702,7 +713,7 @@ class Coordinator:
             try:
                 rows_of = [(list(range(len(batch.seq_ids))), part)]
                 (output,) = await self._execute(layer, rows_of, batch.query.shape[2])
-                answer = _repeat_answer(batch, output, return_lse)
+                answer = repeat_answer(batch, output, return_lse)
                 check_deadline()
                 self._repeat_committed(layer, step, part)
             except NonFiniteInput:
@@ -774,7 +785,7 @@ class Coordinator:
         """`repeat_now`'s round is back: commit (or cancel: an error, or past the call's
         commit `deadline`), release, report."""
         try:
-            answer = _repeat_answer(batch, future.result(), part.return_lse)
+            answer = repeat_answer(batch, future.result(), part.return_lse)
             check_deadline(deadline)
             self._repeat_committed(layer, step, part)
         except BaseException as exc:
@@ -893,8 +904,8 @@ class Coordinator:
             views=step.views,  # type: ignore[arg-type]
             num_queries=step.num_queries,
             seq_ids=list(step.snapshot.seq_ids),
-            query=_in_dtype(query, dtype),
-            writes={step.worker_id: (step.slots, _in_dtype(key, dtype), _in_dtype(value, dtype))},
+            query=in_dtype(query, dtype),
+            writes={step.worker_id: (step.slots, in_dtype(key, dtype), in_dtype(value, dtype))},
             return_lse=return_lse,
             plan=step.plan,
             out=out,
@@ -975,7 +986,7 @@ class Coordinator:
             if n > cached:
                 tail = list(token_ids[cached:])
                 async with self._locked([created.seq_id]):
-                    key, value = _blocks_to_tokens(blocks, n)
+                    key, value = blocks_to_tokens(blocks, n)
                     key = key[:, cached:n].to(self._pool_dtype)
                     value = value[:, cached:n].to(self._pool_dtype)
                     plan = self.block_manager.prepare_write(tenant, created.seq_id, None, tail)
@@ -984,7 +995,7 @@ class Coordinator:
                     async def copy_then_write() -> None:
                         await self._run_copies(plan, [created.seq_id])
                         calls = []
-                        for worker_id, (rows, slots) in _group_slots(plan.slots).items():
+                        for worker_id, (rows, slots) in group_slots(plan.slots).items():
                             idx = torch.tensor(rows, dtype=torch.long)
                             calls.append(
                                 self._write_on(
@@ -1076,14 +1087,14 @@ class Coordinator:
         seq_ids: list[str],
         return_lse: bool,
         new: tuple[list[WritePlan], list[torch.Tensor], list[torch.Tensor]] | None = None,
-        spans: _Spans = (None, None, None),
+        spans: Spans = (None, None, None),
     ) -> list[tuple[list[int], Part]]:
         """Group a call's items into parts: one per single worker (coalescible), one for
         the items spread over several workers. Returns (item indices, part) pairs.
 
         new: per item, the write plan and the new tokens' key / value (append-and-attend).
         spans: the keys, values and queries of all items as one flat tensor each, where
-        known (`_spans`); used when one part holds every item.
+        known (`item_spans`); used when one part holds every item.
         Each part gets its items' queries, keys and values as one tensor (per worker) in
         the pool dtype: a view when the items' tensors lie back to back (as the servicer
         decodes them), else one copy.
@@ -1107,12 +1118,12 @@ class Coordinator:
             k_span, v_span, q_span = spans if len(idx) == len(views) else (None, None, None)
             writes: dict[str, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
             if new is not None:
-                writes = _part_writes(idx, *new, dtype, k_span, v_span)
+                writes = part_writes(idx, *new, dtype, k_span, v_span)
             part = Part(
                 views=[views[i] for i in idx],
                 num_queries=[queries[i].shape[0] for i in idx],
                 seq_ids=[seq_ids[i] for i in idx],
-                query=_rows([queries[i] for i in idx], dtype, q_span),
+                query=joined_rows([queries[i] for i in idx], dtype, q_span),
                 writes=writes,
                 return_lse=return_lse,
             )
@@ -1303,7 +1314,7 @@ class Coordinator:
                     self.metrics.observe_worker_call(
                         w, len(seq_ids), elapsed, len(parts), layer is None
                     )
-            outs, lses = _part_rows(parts, result)
+            outs, lses = part_rows(parts, result)
         except (StaleEpochError, WorkerUnavailable) as exc:
             error = await self._worker_failed(exc, epochs, seq_ids)
             for p in parts:
@@ -1628,22 +1639,6 @@ class Coordinator:
 _MAX_ROUND_PLANS = 64
 
 
-def _part_rows(
-    parts: list[Part], result: AttentionResult
-) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor | None]]:
-    """Each part's rows of a round's result (out ``[rows, Hq, D]``, lse ``[rows, Hq]`` or
-    None), in part order: the result itself for a lone part, the output's parts where the
-    worker delivered them in parts, else one ``split`` (a single call however many parts,
-    where slicing costs one per part). `run_attention` has checked that the result holds
-    the plan's rows, which are the parts' in order."""
-    out, lse = result.out, result.lse
-    if len(parts) == 1 and not isinstance(out, list):
-        return (out,), (lse,)
-    sizes = [sum(p.num_queries) for p in parts]
-    outs = out if isinstance(out, list) else out.split(sizes)  # in parts: one per part
-    return outs, ([None] * len(parts) if lse is None else lse.split(sizes))
-
-
 def _round_steps(parts: list[Part]) -> tuple[LayerStep, ...] | None:
     """The recorded steps of a round of several parts, each part repeating a different
     one, with `parts` put in the one order of that set of steps (so the round's plan, and
@@ -1710,158 +1705,3 @@ def _finite_parts(parts: list[Part]) -> list[Part]:
                 NonFiniteInput("a key, value or query holds NaN or infinite values")
             )
     return [p for p in parts if p.finite_checked]
-
-
-def _repeat_answer(
-    batch: StackedAppendAttend, output: AttentionResult, return_lse: bool
-) -> AttentionResult:
-    """A repeated layer's answer: its round's output in the query's dtype (made before
-    the commit, so a failure here keeps nothing)."""
-    out = _in_dtype(output.out, batch.query.dtype)
-    return AttentionResult(out, output.lse if return_lse else None)
-
-
-def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.to(dtype)``, without the call when `t` has that dtype already (the usual case:
-    about 1.6 us a call on the CPU VM, several per part on the hot path)."""
-    return t if t.dtype is dtype else t.to(dtype)
-
-
-def _rows(
-    tensors: list[torch.Tensor], dtype: torch.dtype, span: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The tensors (same trailing dims) concatenated along dim 0, in `dtype`: a view of
-    their memory when they lie back to back in one storage, else one copy.
-
-    span: their `joined_view`, when the caller knows it already."""
-    if len(tensors) == 1:
-        return _in_dtype(tensors[0], dtype)
-    if span is None:
-        span = joined_view(tensors)
-    if span is not None:
-        return _in_dtype(span.view(-1, *tensors[0].shape[1:]), dtype)
-    return torch.cat([t.to(dtype) for t in tensors])
-
-
-def _spans(
-    joined: JoinedFields | None,
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
-    queries: list[torch.Tensor],
-) -> _Spans:
-    """The flat key, value and query spans of `joined` that agree with the items (same
-    dtype, first and last element, element count); None for the others, which then go
-    the general way. A cheap consistency check, not a proof: `joined` comes from the
-    servicer, which decoded the items into those very spans."""
-    if joined is None:
-        return (None, None, None)
-    out: list[torch.Tensor | None] = []
-    for span, tensors in zip(joined, (keys, values, queries), strict=True):
-        ok = (
-            span is not None
-            and span.ndim == 1
-            and span.dtype == tensors[0].dtype
-            and span.is_contiguous()
-            and span.data_ptr() == tensors[0].data_ptr()
-            and span.numel() == sum(map(torch.Tensor.numel, tensors))
-            and tensors[-1].data_ptr() + tensors[-1].numel() * span.element_size()
-            == span.data_ptr() + span.numel() * span.element_size()
-        )
-        out.append(span if ok else None)
-    return out[0], out[1], out[2]
-
-
-def _group_slots(slots: list[tuple[str, int]]) -> dict[str, tuple[list[int], list[int]]]:
-    """worker -> (token rows, flat slots) of a write plan."""
-    out: dict[str, tuple[list[int], list[int]]] = {}
-    for row, (worker_id, slot) in enumerate(slots):
-        rows, flat = out.setdefault(worker_id, ([], []))
-        rows.append(row)
-        flat.append(slot)
-    return out
-
-
-def _part_writes(
-    idx: list[int],
-    plans: list[WritePlan],
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
-    dtype: torch.dtype,
-    k_span: torch.Tensor | None = None,
-    v_span: torch.Tensor | None = None,
-) -> dict[str, tuple[list[int], torch.Tensor, torch.Tensor]]:
-    """worker -> (slots, key rows, value rows) of the new tokens of items `idx`, in item
-    order, in `dtype`. k_span / v_span: the `joined_view` of those items' keys / values,
-    when known."""
-    per: dict[str, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
-    whole = True  # every item's tokens go to one worker, so its rows stay in order
-    for i in idx:
-        slots = plans[i].slots
-        worker_id = slots[0][0]
-        if len(slots) == 1 or all(w == worker_id for w, _ in slots):
-            slot_list, ks, vs = per.setdefault(worker_id, ([], [], []))
-            slot_list.extend([slot for _, slot in slots])
-            ks.append(keys[i])
-            vs.append(values[i])
-            continue
-        whole = False
-        for w, (rows, flat) in _group_slots(slots).items():
-            rows_t = torch.tensor(rows, dtype=torch.long)
-            slot_list, ks, vs = per.setdefault(w, ([], [], []))
-            slot_list.extend(flat)
-            ks.append(keys[i].index_select(0, rows_t))
-            vs.append(values[i].index_select(0, rows_t))
-    if not (whole and len(per) == 1):
-        k_span = v_span = None
-    return {
-        w: (sl, _rows(ks, dtype, k_span), _rows(vs, dtype, v_span))
-        for w, (sl, ks, vs) in per.items()
-    }
-
-
-def _reassemble(
-    num_items: int,
-    parts: list[tuple[list[int], Part]],
-    outputs: list[AttentionResult],
-    dtypes: list[torch.dtype],
-) -> list[AttentionResult]:
-    """Per item, in call order, the rows of its part's output (converted to its dtype:
-    once per part when its items share one)."""
-    results: list[AttentionResult | None] = [None] * num_items
-    for (idx, part), res in zip(parts, outputs, strict=True):
-        kinds = {dtypes[i] for i in idx}
-        one_kind = len(kinds) == 1
-        out = res.out.to(next(iter(kinds))) if one_kind else res.out
-        outs = out.split_with_sizes(part.num_queries)
-        lses = (
-            res.lse.split_with_sizes(part.num_queries) if res.lse is not None else [None] * len(idx)
-        )
-        for i, o, lse in zip(idx, outs, lses, strict=True):
-            results[i] = AttentionResult(o if one_kind else o.to(dtypes[i]), lse)
-    return results  # type: ignore[return-value]
-
-
-def _stacked(
-    num_items: int,
-    parts: list[tuple[list[int], Part]],
-    outputs: list[AttentionResult],
-    dtype: torch.dtype,
-    return_lse: bool,
-) -> AttentionResult:
-    """Every item's rows, in call order, as one result in `dtype`: the part's output itself
-    when one part holds every item in order (the usual call), else one concatenation."""
-    if len(parts) == 1 and parts[0][0] == list(range(num_items)):
-        res = outputs[0]
-        return AttentionResult(_in_dtype(res.out, dtype), res.lse if return_lse else None)
-    per_item = _reassemble(num_items, parts, outputs, [dtype] * num_items)
-    out = torch.cat([r.out for r in per_item])
-    lse = torch.cat([r.lse for r in per_item]) if return_lse else None  # type: ignore[misc]
-    return AttentionResult(out, lse)
-
-
-def _blocks_to_tokens(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[nb, L, 2, Hkv, bs, D]`` -> key, value ``[L, n, Hkv, D]`` (first n positions)."""
-    nb, num_layers, _, hkv, bs, d = blocks.shape
-    # [nb, L, 2, Hkv, bs, D] -> [2, L, nb, bs, Hkv, D] -> [2, L, nb*bs, Hkv, D]
-    t = blocks.permute(2, 1, 0, 4, 3, 5).reshape(2, num_layers, nb * bs, hkv, d)
-    return t[0, :, :n], t[1, :, :n]
