@@ -17,7 +17,7 @@ import pytest
 import torch
 from service_support import HQ, LAYOUT, dense_attention
 
-import cache_service.engine.coordinator as coordinator_module
+import cache_service.engine.rounds as rounds_module
 from cache_service.config import CoordinatorConfig
 from cache_service.engine.batching import Batcher, Part
 from cache_service.engine.coordinator import AppendAttendItem, Coordinator
@@ -488,9 +488,7 @@ def test_a_lone_caller_of_the_coordinator_never_opens_a_window(monkeypatch) -> N
         windows.append(delay)
         return asyncio.get_running_loop().call_soon(callback)
 
-    monkeypatch.setattr(
-        coordinator_module, "Batcher", functools.partial(Batcher, call_later=call_later)
-    )
+    monkeypatch.setattr(rounds_module, "Batcher", functools.partial(Batcher, call_later=call_later))
 
     async def scenario() -> None:
         worker = LocalWorkerClient("w0", PoolConfig(LAYOUT, num_blocks=32))
@@ -521,7 +519,9 @@ def test_a_lone_caller_of_the_coordinator_never_opens_a_window(monkeypatch) -> N
                     assert torch.allclose(res.out.double(), ref, atol=1e-5)
             assert calls == 3 * LAYOUT.num_layers
             assert windows == []
-            assert coord._batchers and not any(b.windowed for b in coord._batchers.values())
+            assert coord._rounds.batchers and not any(
+                b.windowed for b in coord._rounds.batchers.values()
+            )
         finally:
             await coord.close()
             worker.close()
@@ -595,13 +595,13 @@ def test_a_round_over_pages_of_recorded_steps_is_planned_once(monkeypatch) -> No
     from service_support import Mirror, Recording
 
     planned: list[int] = []
-    real_plan = coordinator_module.plan_attention
+    real_plan = rounds_module.plan_attention
 
     def counted(views: Any, nq: Any, *args: Any, **kwargs: Any) -> Any:
         planned.append(len(views))
         return real_plan(views, nq, *args, **kwargs)
 
-    monkeypatch.setattr(coordinator_module, "plan_attention", counted)
+    monkeypatch.setattr(rounds_module, "plan_attention", counted)
 
     layout = dataclasses.replace(LAYOUT, num_layers=4)
 
@@ -673,7 +673,9 @@ def test_overlap_is_on_by_default_for_workers_in_another_process_only() -> None:
         coord = Coordinator(LAYOUT, workers, config)
         await coord.start()
         try:
-            return {w.worker_id: coord._batcher(0, w.worker_id, HQ)._overlap for w in workers}
+            return {
+                w.worker_id: coord._rounds.batcher(0, w.worker_id, HQ)._overlap for w in workers
+            }
         finally:
             await coord.close()
             for w in workers:
@@ -696,7 +698,7 @@ def test_two_groups_in_flight_on_one_worker_answer_every_caller_correctly() -> N
         config = CoordinatorConfig(overlap_rounds=True, correctness_check_fraction=0.0)
         coord = Coordinator(LAYOUT, [worker], config)
         flying, most = [0], [0]
-        run_parts = coord._run_parts
+        run_parts = coord._rounds.run_parts
 
         async def counted(key: Any, parts: list[Part]) -> None:
             flying[0] += 1
@@ -706,7 +708,7 @@ def test_two_groups_in_flight_on_one_worker_answer_every_caller_correctly() -> N
             finally:
                 flying[0] -= 1
 
-        coord._run_parts = counted  # type: ignore[method-assign]
+        coord._rounds.run_parts = counted  # type: ignore[method-assign]
         await coord.start()
         try:
 
@@ -728,7 +730,7 @@ def test_two_groups_in_flight_on_one_worker_answer_every_caller_correctly() -> N
             coord.block_manager.check_integrity()
             stats = coord.block_manager.stats()
             assert stats.active_sequences == 0 and all(w.used == 0 for w in stats.workers.values())
-            assert all(b._overlap for b in coord._batchers.values())
+            assert all(b._overlap for b in coord._rounds.batchers.values())
             return most[0]
         finally:
             await coord.close()

@@ -460,11 +460,11 @@ def watch_finite_checks(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], lis
     """Record how the coordinator checks rounds for NaN/inf: the parts of each round it
     checked part by part (after a worker refused it), and the rounds whose values it
     summed itself (each as its number of parts)."""
-    import cache_service.engine.coordinator as coordinator_module
+    import cache_service.engine.rounds as rounds_module
 
     looked_at: list[int] = []
     joined: list[int] = []
-    real, real_joined = coordinator_module._finite_parts, coordinator_module._joined_finite
+    real, real_joined = rounds_module._finite_parts, rounds_module._joined_finite
 
     def finite_parts(parts: list[Any]) -> list[Any]:
         looked_at.append(len(parts))
@@ -475,8 +475,8 @@ def watch_finite_checks(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], lis
             joined.append(len(parts))
         return real_joined(parts, *a)
 
-    monkeypatch.setattr(coordinator_module, "_finite_parts", finite_parts)
-    monkeypatch.setattr(coordinator_module, "_joined_finite", joined_finite)
+    monkeypatch.setattr(rounds_module, "_finite_parts", finite_parts)
+    monkeypatch.setattr(rounds_module, "_joined_finite", joined_finite)
     return looked_at, joined
 
 
@@ -640,13 +640,13 @@ def test_a_bad_batch_sharing_a_round_fails_alone_and_the_others_stay_exact() -> 
         groups = [[(await coord.create_sequence("t")).seq_id for _ in range(2)] for _ in range(3)]
         models = [Model(g) for g in groups]
         rounds: list[int] = []  # parts per worker round
-        real = coord._run_parts
+        real = coord._rounds.run_parts
 
         async def counted(key: Any, parts: list[Any]) -> None:
             rounds.append(len(parts))
             await real(key, parts)
 
-        coord._run_parts = counted  # type: ignore[method-assign]
+        coord._rounds.run_parts = counted  # type: ignore[method-assign]
         for model in models:  # layer 0 records each batch's step
             items, q = model.items(1, 0)
             res = await coord.append_attend_stacked("t", 0, stacked(items))
@@ -679,27 +679,27 @@ def test_rounds_coalescing_the_same_steps_plan_once_and_stay_exact() -> None:
     async def scenario(coord: Coordinator) -> None:
         import asyncio
 
-        import cache_service.engine.coordinator as coord_mod
+        import cache_service.engine.rounds as rounds_mod
 
         groups = [[(await coord.create_sequence("t")).seq_id for _ in range(2)] for _ in range(3)]
         models = [Model(g) for g in groups]
         sets: list[frozenset[str]] = []  # the sequences of each coalesced round
-        real_run = coord._run_parts
+        real_run = coord._rounds.run_parts
 
         async def counted(key: Any, parts: list[Any]) -> None:
             if len(parts) > 1:
                 sets.append(frozenset(s for p in parts for s in p.seq_ids))
             await real_run(key, parts)
 
-        coord._run_parts = counted  # type: ignore[method-assign]
+        coord._rounds.run_parts = counted  # type: ignore[method-assign]
         planned = [0]
-        real_plan = coord_mod.plan_attention
+        real_plan = rounds_mod.plan_attention
 
         def counting_plan(*args: Any, **kwargs: Any) -> Any:
             planned[0] += 1
             return real_plan(*args, **kwargs)
 
-        coord_mod.plan_attention = counting_plan  # type: ignore[assignment]
+        rounds_mod.plan_attention = counting_plan  # type: ignore[assignment]
         reused = 0  # rounds that found their set's plan
         try:
             for token in range(1, 4):
@@ -720,7 +720,7 @@ def test_rounds_coalescing_the_same_steps_plan_once_and_stay_exact() -> None:
                 assert planned[0] == len(set(sets))
                 reused += len(sets) - len(set(sets))
         finally:
-            coord_mod.plan_attention = real_plan  # type: ignore[assignment]
+            rounds_mod.plan_attention = real_plan  # type: ignore[assignment]
         assert reused > 0, "the same steps never coalesced twice"
         coord.block_manager.check_integrity()
 

@@ -41,7 +41,7 @@ class Part:
     return_lse: bool
     layer: int = 0
     # The kernel plan of exactly these views and query rows, when known (a recorded
-    # step's); _run_parts fills it in when it plans this part alone.
+    # step's); Rounds.run_parts fills it in when it plans this part alone.
     plan: AttentionPlan | None = None
     # Host memory for the part's output (the caller's shared-memory slot): the worker's
     # when the part runs alone (run_attention's `out`), else the round's rows are copied
@@ -53,7 +53,7 @@ class Part:
     # named (the batcher then goes by the first sequence).
     origin: int | None = None
     # False: nobody has checked query / writes for NaN and infinities yet (the stacked
-    # short path leaves that to the worker's device; see _run_parts).
+    # short path leaves that to the worker's device; see Rounds.run_parts).
     finite_checked: bool = True
     future: asyncio.Future[AttentionResult] = field(init=False)
 

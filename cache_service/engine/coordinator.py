@@ -35,7 +35,6 @@ import contextlib
 import functools
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -52,18 +51,11 @@ from cache_service.control.types import (
     WritePlan,
 )
 from cache_service.engine.attention_plan import (
-    AttentionPlan,
-    LayerPages,
     OneWorkerView,
     SequenceViewLike,
-    WorkerWrite,
-    one_writer_in_order,
-    plan_attention,
-    run_attention,
 )
-from cache_service.engine.batching import Batcher, Part
+from cache_service.engine.batching import Part
 from cache_service.engine.call_deadline import check_deadline, current_deadline
-from cache_service.engine.call_origin import current_origin
 from cache_service.engine.call_tensors import (
     Spans,
     blocks_to_tokens,
@@ -71,7 +63,6 @@ from cache_service.engine.call_tensors import (
     in_dtype,
     item_spans,
     joined_rows,
-    part_rows,
     part_writes,
     reassemble,
     repeat_answer,
@@ -91,11 +82,11 @@ from cache_service.engine.input_checks import (
     check_queries,
     check_reserved,
     check_tensor,
-    sums_finite,
 )
 from cache_service.engine.layer_steps import LayerStep, LayerStepCache
 from cache_service.engine.request_ids import request_seq_id
-from cache_service.engine.running_checks import RunningCheck, RunningChecks
+from cache_service.engine.rounds import Rounds, answered_by_future
+from cache_service.engine.running_checks import RunningChecks
 from cache_service.engine.sequence_locks import SequenceLocks
 from cache_service.engine.store import MetadataStore, StoreError
 from cache_service.engine.values import (
@@ -188,12 +179,6 @@ class Coordinator:
         self._locks = SequenceLocks()
         # Per client batch, what its latest append-and-attend planned (layer_steps).
         self._steps = LayerStepCache()
-        # Plans of rounds that coalesced the same recorded steps (see _round_plan), by the
-        # steps' ids; each entry holds its steps, so an id cannot be reused meanwhile.
-        self._round_plans: OrderedDict[
-            tuple[int, ...], tuple[tuple[LayerStep, ...], AttentionPlan]
-        ] = OrderedDict()
-        self._batchers: dict[tuple[int | None, str, int], Batcher] = {}
         self._background: set[asyncio.Task[None]] = set()
         # Per worker, the latest release_blocks call (see _flush_released); workers whose
         # pools poison released blocks (debug pools): only they are told.
@@ -205,8 +190,7 @@ class Coordinator:
         self._store = store
         self.generation: int | None = None
         fraction = self.config.correctness_check_fraction
-        # The online correctness check (cache_service.engine.correctness_check); None when off.
-        self.correctness = (
+        correctness = (
             CorrectnessChecker(
                 fraction,
                 self._pool_dtype,
@@ -218,6 +202,25 @@ class Coordinator:
         )
         # Checks of rounds already answered, and what would void them (running_checks).
         self._checks = RunningChecks()
+        # Batching and the worker calls of every per-layer attention (engine.rounds).
+        self._rounds = Rounds(
+            layout,
+            self.config,
+            self._clients,
+            self._epochs,
+            metrics,
+            correctness,
+            self._checks,
+            self._background,
+            self._released_before_use,
+            self._worker_failed,
+        )
+
+    @property
+    def correctness(self) -> CorrectnessChecker | None:
+        """The online correctness check (cache_service.engine.correctness_check); None when
+        off (CoordinatorConfig.correctness_check_fraction 0)."""
+        return self._rounds.correctness
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -511,7 +514,7 @@ class Coordinator:
                     )
                 views.append(view)
             parts = self._split(views, queries, seq_ids, return_lse)
-            outputs = await self._execute(layer, parts, hq)
+            outputs = await self._rounds.execute(layer, parts, hq)
         if self.metrics is not None:
             self.metrics.add_attention_tokens(sum(q.shape[0] for q in queries))
         if stacked:
@@ -590,7 +593,7 @@ class Coordinator:
                         return_lse,
                     )
                     parts = [(list(range(len(items))), part)]
-                outputs = await self._execute(layer, parts, hq)
+                outputs = await self._rounds.execute(layer, parts, hq)
                 # The answer before the commit: a failure making it (a dtype cast out of
                 # memory) then keeps nothing, as a failed call must.
                 if stacked:
@@ -665,7 +668,7 @@ class Coordinator:
         """The recorded step `batch` can repeat on `layer`, judged by what needs no lock:
         the same batch of sequences, its token and query row counts, tensors of the layout's
         shapes and float dtypes. None: take the full path. Whether every value is finite
-        is left to the round (`_run_parts`): the worker's device checks it where the data
+        is left to the round (`Rounds.run_parts`): the worker's device checks it where the data
         goes anyway, or the coordinator when the round is shared."""
         step = self._recorded_step(tenant, batch.seq_ids)
         if step is None or type(layer) is not int or not 0 <= layer < self.layout.num_layers:
@@ -712,7 +715,7 @@ class Coordinator:
                 return None
             try:
                 rows_of = [(list(range(len(batch.seq_ids))), part)]
-                (output,) = await self._execute(layer, rows_of, batch.query.shape[2])
+                (output,) = await self._rounds.execute(layer, rows_of, batch.query.shape[2])
                 answer = repeat_answer(batch, output, return_lse)
                 check_deadline()
                 self._repeat_committed(layer, step, part)
@@ -756,8 +759,8 @@ class Coordinator:
         try:
             part = self._repeat_part(tenant, layer, step, batch, return_lse, out, rows)
             if part is not None:
-                self._answered_by_future(part, layer, origin)
-                self._batcher(layer, step.worker_id, batch.query.shape[2]).submit(part)
+                answered_by_future(part, layer, origin)
+                self._rounds.batcher(layer, step.worker_id, batch.query.shape[2]).submit(part)
         except BaseException:
             self._locks.release(step.lock_order)
             raise
@@ -1021,7 +1024,6 @@ class Coordinator:
         return ImportedSequence(created.seq_id, cached, n)
 
     # -- internals: validation -------------------------------------------------------------
-
     def _require_workers(self) -> None:
         """Refuse with UNAVAILABLE while no worker is serving."""
         if not self.block_manager.workers():
@@ -1130,292 +1132,10 @@ class Coordinator:
             out.append((idx, part))
         return out
 
-    # -- internals: execution --------------------------------------------------------------
-    async def _execute(
-        self, layer: int, parts: list[tuple[list[int], Part]], hq: int
-    ) -> list[AttentionResult]:
-        """Run every part (coalescing single-worker ones); results in part order."""
-        loop = asyncio.get_running_loop()
-        waits = []
-        origin = current_origin()
-        for _, part in parts:
-            self._answered_by_future(part, layer, origin)
-            if part.step is not None:  # a recorded step lives on one worker
-                workers = {part.step.worker_id}
-            else:
-                workers = set(part.writes)
-                for v in part.views:
-                    if type(v) is OneWorkerView:
-                        workers.add(v.worker_id)
-                    else:
-                        workers.update(seg.worker_id for seg in v.segments)
-            if len(workers) == 1:
-                (worker_id,) = workers
-                self._batcher(layer, worker_id, hq).submit(part)
-            else:
-                task = loop.create_task(self._run_parts((layer, "", hq), [part]))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
-            waits.append(part.future)
-        # Every part must finish (or fail) before the call returns, even when its deadline
-        # passed meanwhile: a write still in flight must not race the next call on the
-        # same sequence (cache_service.engine.cancel_safety).
-        if len(waits) == 1:  # the usual call: one part, no gather to build
-            return [await run_to_completion(waits[0])]
-        outcome = await run_to_completion(asyncio.gather(*waits, return_exceptions=True))
-        for result in outcome:
-            if isinstance(result, BaseException):
-                raise result
-        return list(outcome)  # type: ignore[arg-type]
-
-    @staticmethod
-    def _answered_by_future(part: Part, layer: int, origin: int | None) -> None:
-        """Ready `part` for a round: the future that answers it, its layer, and the
-        caller's connection (`call_origin`) the batcher groups callers by."""
-        part.future = asyncio.get_running_loop().create_future()
-        part.layer = layer
-        part.origin = origin
-
-    def _batcher(self, layer: int, worker_id: str, hq: int) -> Batcher:
-        # With coalesce_layers one batcher per worker (and head count) takes every layer.
-        key = (None if self.config.coalesce_layers else layer, worker_id, hq)
-        batcher = self._batchers.get(key)
-        if batcher is None:
-            batcher = self._batchers[key] = Batcher(
-                key,
-                self.config.batch_window_ms / 1000.0,
-                self.config.max_batch_items,
-                self._run_parts,
-                overlap=self._overlaps(worker_id),
-            )
-        return batcher
-
-    def _overlaps(self, worker_id: str) -> bool:
-        """Whether the batcher of `worker_id`'s calls lets two groups of callers take
-        turns: CoordinatorConfig.overlap_rounds; by default for a worker in another
-        process, not for one in this process (its calls hold the event loop: nothing to
-        overlap with)."""
-        overlap = self.config.overlap_rounds
-        if overlap is None:
-            client = self._clients.get(worker_id)
-            return client is not None and client.out_of_process
-        return overlap
-
-    async def _run_parts(self, key: tuple[int | None, str, int], parts: list[Part]) -> None:
-        """One worker round for several parts: one plan, one call per worker, results split
-        back to each part's future."""
-        check_on_device = False
-        layers = {p.layer for p in parts}
-        # One layer (the usual round): per-layer calls. Several (coalesce_layers): one call
-        # over pages of every layer.
-        layer = parts[0].layer if len(layers) == 1 else None
-        # A round of recorded steps plans as it did on their earlier layers, whether its
-        # parts are on one layer or on several (over pages): the views are the steps'.
-        round_key = _round_steps(parts)
-        if len(parts) == 1:  # the lone caller's round: its part's lists as they are
-            views, nq, seq_ids = parts[0].views, parts[0].num_queries, parts[0].seq_ids
-        else:
-            views = [v for p in parts for v in p.views]
-            nq = [n for p in parts for n in p.num_queries]
-            seq_ids = [s for p in parts for s in p.seq_ids]
-        epochs: dict[str, str] = {}
-        try:
-            if len(parts) == 1 and parts[0].plan is not None:
-                plan = parts[0].plan
-            elif round_key is not None:
-                plan = self._round_plan(round_key, views, nq)
-            else:
-                plan = plan_attention(views, nq, self.layout.block_size)
-                if len(parts) == 1:
-                    parts[0].plan = plan
-            merged: dict[str, list[tuple[list[int], torch.Tensor, torch.Tensor]]] = {}
-            for p in parts:
-                for worker_id, w in p.writes.items():
-                    merged.setdefault(worker_id, []).append(w)
-            # A round of several callers that one worker writes and computes in order goes
-            # to it in parts, as a round over layers (one layer or several): each caller's
-            # query, keys and values where the caller put them, each output part into the
-            # caller's slot (run_attention; the event loop copies nothing), one graph per
-            # round shape on the worker whichever layers. Other rounds join them here, and
-            # a round over several layers that is not one worker's goes over pages.
-            in_parts = len(parts) > 1 and (layer is None or one_writer_in_order(plan, merged))
-            over_layers = layer is None or in_parts
-            slot_layers: dict[str, list[int]] = {}  # over layers: each new token's layer
-            if over_layers:
-                for p in parts:
-                    for worker_id, w in p.writes.items():
-                        slot_layers.setdefault(worker_id, []).extend([p.layer] * len(w[0]))
-            query: torch.Tensor | list[torch.Tensor]
-            if in_parts:
-                query = [p.query for p in parts]
-            else:
-                query = torch.cat([p.query for p in parts]) if len(parts) > 1 else parts[0].query
-            join = list if in_parts else torch.cat
-            writes = {
-                w: WorkerWrite(*ws[0], slot_layers=slot_layers.get(w))
-                if len(ws) == 1
-                else WorkerWrite(
-                    [s for slots, _, _ in ws for s in slots],
-                    join([k for _, k, _ in ws]),
-                    join([v for _, _, v in ws]),
-                    slot_layers.get(w),
-                )
-                for w, ws in merged.items()
-            }
-            into: torch.Tensor | list[torch.Tensor] | None = (
-                parts[0].out if len(parts) == 1 else None
-            )
-            if in_parts and all(p.out is not None for p in parts):
-                into = [p.out for p in parts]  # type: ignore[misc]
-            check_on_device = _checked_on_device(parts, plan, writes)
-            if not check_on_device and not _joined_finite(parts, query, writes.values()):
-                # Someone's values are not finite: find whose, fail those, run the rest.
-                survivors = _finite_parts(parts)
-                if survivors:
-                    await self._run_parts(key, survivors)
-                return
-            workers = {b.worker_id for b in plan.batches} | set(writes)
-            missing = [w for w in workers if w not in self._epochs]
-            if missing:
-                raise SequenceLost(
-                    f"worker(s) {missing} holding blocks of this call were lost; free the "
-                    "sequences and recompute"
-                )
-            await self._released_before_use(workers)
-            epochs = {w: self._epochs[w] for w in workers}
-            t0 = time.perf_counter()
-            return_lse = any(p.return_lse for p in parts)
-            target: int | LayerPages = (
-                layer
-                if not over_layers
-                else LayerPages(
-                    np.repeat(
-                        np.array([p.layer for p in parts], dtype=np.int64),
-                        [len(p.seq_ids) for p in parts],
-                    ),
-                    self.layout.num_layers,
-                    self.layout.block_size,
-                )
-            )
-            result = await run_attention(
-                plan,
-                query,
-                target,
-                self._clients,
-                epochs,
-                writes=writes,
-                return_lse=return_lse,
-                out=into,
-                check_finite=check_on_device,
-            )
-            elapsed = time.perf_counter() - t0
-            if self.metrics is not None:
-                for w in workers:
-                    self.metrics.observe_worker_call(
-                        w, len(seq_ids), elapsed, len(parts), layer is None
-                    )
-            outs, lses = part_rows(parts, result)
-        except (StaleEpochError, WorkerUnavailable) as exc:
-            error = await self._worker_failed(exc, epochs, seq_ids)
-            for p in parts:
-                if not p.future.done():
-                    # Each caller hears of its own sequences only (parts of one round may
-                    # belong to other tenants' calls).
-                    own = list(dict.fromkeys(p.seq_ids))
-                    p.future.set_exception(WorkerLost(error.worker_id, own, error.reason))
-            return
-        except Exception as exc:  # plan / validation errors: every part fails the same way
-            if isinstance(exc, NonFiniteInput) and check_on_device and len(parts) > 1:
-                # The worker refused the shared round, nothing written: find whose values
-                # are not finite (they fail), run the others' again.
-                survivors = _finite_parts(parts)
-                if survivors:
-                    await self._run_parts(key, survivors)
-                return
-            for p in parts:
-                if not p.future.done():
-                    p.future.set_exception(exc)
-            return
-        if layer is not None and self.correctness is not None and self.correctness.sample():
-            await self._start_check(
-                self.correctness, plan, query, layer, epochs, result, seq_ids, nq
-            )
-        for p, out, lse in zip(parts, outs, lses, strict=True):
-            if p.future.done():
-                continue
-            target = p.out
-            if (
-                target is not None
-                and target.data_ptr() != out.data_ptr()  # not produced there already
-                and target.shape == out.shape
-                and target.dtype == out.dtype
-            ):
-                # Rows of a shared round: copied into the caller's output slot here, where
-                # a torch copy costs less than the reply's write of a slice (which skips
-                # an output already in place).
-                target.copy_(out)
-                out = target
-            p.future.set_result(AttentionResult(out, lse))
-
-    async def _start_check(
-        self,
-        checker: CorrectnessChecker,
-        plan: AttentionPlan,
-        query: torch.Tensor | list[torch.Tensor],
-        layer: int,
-        epochs: dict[str, str],
-        result: AttentionResult,
-        seq_ids: list[str],
-        nq: list[int],
-    ) -> None:
-        """Check a round beside the traffic once its callers are answered (see
-        running_checks): registered now, while the callers still hold their sequences, on
-        copies of its query and output (the callers' buffers are theirs to reuse)."""
-        blocks = {
-            b.worker_id: frozenset(int(i) for e in b.entries for i in e.block_indices)
-            for b in plan.batches
-        }
-        check = RunningCheck(frozenset(seq_ids), blocks)
-        # Copies (of the parts, joined, for a round given in parts).
-        query = torch.cat(query) if isinstance(query, list) else query.clone()
-        got = result.out
-        served = AttentionResult(
-            torch.cat(got) if isinstance(got, list) else got.clone(),
-            None if result.lse is None else result.lse.clone(),
-        )
-
-        def run() -> Awaitable[object]:
-            return checker.check(
-                plan, query, layer, self._clients, epochs, served, seq_ids, nq, check.valid
-            )
-
-        task = await self._checks.start(check, run)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     async def checks_finished(self) -> None:
         """Wait for the online correctness checks started so far (they run after their
         rounds answered): their counts and metrics are then final."""
         await self._checks.wait()
-
-    def _round_plan(
-        self, steps: tuple[LayerStep, ...], views: list[SequenceViewLike], nq: list[int]
-    ) -> AttentionPlan:
-        """The plan of a round coalescing exactly these recorded steps (in this order),
-        made once: concurrent clients in step with each other meet again on the next layer,
-        and their steps' views do not change between layers (layer_steps). Kept for the
-        most recent `_MAX_ROUND_PLANS` sets; a new step is a new object, so a stale plan
-        is never found again."""
-        key = tuple(id(s) for s in steps)
-        kept = self._round_plans.get(key)
-        if kept is not None:
-            self._round_plans.move_to_end(key)
-            return kept[1]
-        plan = plan_attention(views, nq, self.layout.block_size)
-        self._round_plans[key] = (steps, plan)
-        while len(self._round_plans) > _MAX_ROUND_PLANS:
-            self._round_plans.popitem(last=False)
-        return plan
 
     async def _run_copies(self, plan: WritePlan, seq_ids: list[str]) -> None:
         await self._run_copies_of([plan], seq_ids)
@@ -1633,75 +1353,3 @@ class Coordinator:
 
 
 # ------------------------------------------------------------------------------ helpers
-
-
-# Round plans kept (Coordinator._round_plan): a few per concurrent client is plenty.
-_MAX_ROUND_PLANS = 64
-
-
-def _round_steps(parts: list[Part]) -> tuple[LayerStep, ...] | None:
-    """The recorded steps of a round of several parts, each part repeating a different
-    one, with `parts` put in the one order of that set of steps (so the round's plan, and
-    with it the worker's metadata key and graphs, is the same every layer they coalesce
-    again); None, `parts` untouched, for anything else (a lone part, one without a step)."""
-    if len(parts) < 2 or any(p.step is None for p in parts):
-        return None
-    if len({id(p.step) for p in parts}) != len(parts):
-        return None
-    parts.sort(key=lambda p: id(p.step))
-    return tuple(p.step for p in parts)  # type: ignore[misc]
-
-
-def _checked_on_device(
-    parts: list[Part], plan: AttentionPlan, writes: Mapping[str, WorkerWrite]
-) -> bool:
-    """Whether the worker checks this round's values for NaN and infinities on its device
-    (KVPool.write_and_attend's check_finite, or write_and_attend_pages' for a round over
-    several layers; for free where the data goes anyway): a round with a part nobody
-    checked yet (`Part.finite_checked` False), one worker writing and reading every row.
-
-    A lone part's refusal is its own (the short path then takes the full path, which
-    names the culprit). A shared round the worker refuses wrote nothing; `_run_parts` then
-    looks part by part (`_finite_parts`) and runs the finite ones again, so one caller's
-    bad values fail only that caller. Any other round is checked here (`_joined_finite`,
-    then `_finite_parts`).
-    """
-    return (
-        not all(p.finite_checked for p in parts)
-        and len(plan.batches) == 1
-        and set(writes) == {plan.batches[0].worker_id}
-    )
-
-
-def _joined_finite(
-    parts: list[Part], query: torch.Tensor | list[torch.Tensor], writes: Iterable[WorkerWrite]
-) -> bool:
-    """Whether every part of a round is known to hold finite values: checked before, or
-    (one pass over the round's joined query, keys and values instead of three per part)
-    all of the round's values sum to a finite number. False: look part by part."""
-    if all(p.finite_checked for p in parts):
-        return True
-    given = [query, *(t for w in writes for t in (w.key, w.value))]
-    joined = [t for g in given for t in (g if isinstance(g, list) else (g,))]  # parts too
-    if not sums_finite([t.reshape(-1) for t in joined]):
-        return False
-    for p in parts:
-        p.finite_checked = True
-    return True
-
-
-def _finite_parts(parts: list[Part]) -> list[Part]:
-    """The parts of a round whose values are finite, each checked on its own; the others
-    get NonFiniteInput on their futures (the short path then takes the full path, which
-    names the culprit)."""
-    for part in parts:
-        if part.finite_checked:
-            continue
-        tensors = [part.query] + [t for _, k, v in part.writes.values() for t in (k, v)]
-        if sums_finite([t.reshape(-1) for t in tensors]):
-            part.finite_checked = True
-        elif not part.future.done():
-            part.future.set_exception(
-                NonFiniteInput("a key, value or query holds NaN or infinite values")
-            )
-    return [p for p in parts if p.finite_checked]
