@@ -371,14 +371,14 @@ def stacked(items: list[AppendAttendItem]) -> StackedAppendAttend:
 def short_paths(coord: Coordinator) -> list[int]:
     """Count the calls that took the short path (a step repeated under the locks)."""
     taken = [0]
-    real = coord._repeat_step
+    real = coord._repeats.repeat_step
 
     async def wrapped(*args: Any, **kwargs: Any) -> Any:
         result = await real(*args, **kwargs)
         taken[0] += result is not None
         return result
 
-    coord._repeat_step = wrapped  # type: ignore[method-assign]
+    coord._repeats.repeat_step = wrapped  # type: ignore[method-assign]
     return taken
 
 
@@ -590,7 +590,7 @@ def test_a_step_replaced_before_the_locks_are_taken_is_not_repeated() -> None:
         await coord.append_attend_stacked("t", 0, stacked(items))
         items, _ = model.items(0, 1)
         batch = stacked(items)
-        stale = coord._stacked_step("t", 1, batch)
+        stale = coord._repeats.stacked_step("t", 1, batch)
         assert stale is not None
         # Meanwhile the next step's layer 0 replaces the recorded step.
         for layer in range(1, LAYERS):
@@ -599,7 +599,7 @@ def test_a_step_replaced_before_the_locks_are_taken_is_not_repeated() -> None:
         nxt, _ = model.items(1, 0)
         await coord.append_attend_stacked("t", 0, stacked(nxt))
         before = coord.block_manager.to_records()
-        assert await coord._repeat_step("t", 1, stale, batch, False) is None
+        assert await coord._repeats.repeat_step("t", 1, stale, batch, False) is None
         assert coord.block_manager.to_records() == before
         coord.block_manager.check_integrity()
 
@@ -625,7 +625,7 @@ def test_a_worker_lost_between_two_layers_fails_the_stacked_call_and_keeps_the_b
             await coord.append_attend_stacked("t", 1, stacked(items))
         coord.block_manager.check_integrity()
         # The step is not repeated afterwards: its worker is no longer the coordinator's.
-        assert coord._stacked_step("t", 1, stacked(items)) is None
+        assert coord._repeats.stacked_step("t", 1, stacked(items)) is None
 
     run(scenario)
 
@@ -820,6 +820,7 @@ def test_a_failure_making_the_answer_keeps_no_write(monkeypatch, path: str) -> N
     # path: a failure there (a cast out of memory, here injected) fails the call and
     # keeps none of its writes; the same call then succeeds, equal to dense attention.
     import cache_service.engine.coordinator as coordinator_mod
+    import cache_service.engine.step_repeats as step_repeats_mod
 
     def fail(*args: Any, **kwargs: Any) -> Any:
         raise MemoryError("an injected failure making the answer")
@@ -836,9 +837,10 @@ def test_a_failure_making_the_answer_keeps_no_write(monkeypatch, path: str) -> N
         items, q = model.items(0, layer)
         batch = stacked(items)
         with monkeypatch.context() as patched:
-            patched.setattr(
-                coordinator_mod, "stacked_result" if path == "full" else "repeat_answer", fail
-            )
+            if path == "full":
+                patched.setattr(coordinator_mod, "stacked_result", fail)
+            else:
+                patched.setattr(step_repeats_mod, "repeat_answer", fail)
             if path == "callback":
                 done: list[Any] = []
                 assert coord.repeat_now("t", layer, batch, True, None, None, 7, done.append)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -55,24 +54,21 @@ from cache_service.engine.attention_plan import (
     SequenceViewLike,
 )
 from cache_service.engine.batching import Part
-from cache_service.engine.call_deadline import check_deadline, current_deadline
+from cache_service.engine.call_deadline import check_deadline
 from cache_service.engine.call_tensors import (
     Spans,
     blocks_to_tokens,
     group_slots,
-    in_dtype,
     item_spans,
     joined_rows,
     part_writes,
     reassemble,
-    repeat_answer,
     stacked_result,
 )
 from cache_service.engine.cancel_safety import run_to_completion
 from cache_service.engine.correctness_check import CorrectnessChecker
 from cache_service.engine.errors import ServiceUnavailable, WorkerLost
 from cache_service.engine.input_checks import (
-    FLOAT_DTYPES,
     block_shape,
     check_finite,
     check_layer,
@@ -83,11 +79,12 @@ from cache_service.engine.input_checks import (
     check_reserved,
     check_tensor,
 )
-from cache_service.engine.layer_steps import LayerStep, LayerStepCache
+from cache_service.engine.layer_steps import LayerStepCache
 from cache_service.engine.request_ids import request_seq_id
-from cache_service.engine.rounds import Rounds, answered_by_future
+from cache_service.engine.rounds import Rounds
 from cache_service.engine.running_checks import RunningChecks
 from cache_service.engine.sequence_locks import SequenceLocks
+from cache_service.engine.step_repeats import StepRepeats
 from cache_service.engine.store import MetadataStore, StoreError
 from cache_service.engine.values import (
     AppendAttendItem,
@@ -108,7 +105,6 @@ from cache_service.errors import (
     SequenceNotFound,
 )
 from workers.errors import (
-    NonFiniteInput,
     StaleCoordinatorError,
     StaleEpochError,
     WorkerError,
@@ -214,6 +210,10 @@ class Coordinator:
             self._background,
             self._released_before_use,
             self._worker_failed,
+        )
+        # A decode step's other layers: recorded steps and the short path (step_repeats).
+        self._repeats = StepRepeats(
+            self, self._locks, self._steps, self._epochs, self._rounds, self._cancel_writes
         )
 
     @property
@@ -565,7 +565,7 @@ class Coordinator:
         check_finite(runs, named)
         async with self._locked(seq_ids):
             # The step's other layers reuse what its first layer planned (layer_steps).
-            step = self._reusable_step(tenant, layer, seq_ids, items)
+            step = self._repeats.reusable_step(tenant, layer, seq_ids, items)
             if step is None:
                 plans = self._prepare_append(tenant, layer, items)
             committed = False
@@ -585,7 +585,7 @@ class Coordinator:
                 else:
                     dtype = self._pool_dtype
                     k_span, v_span, q_span = spans
-                    part = self._step_part(
+                    part = self._repeats.step_part(
                         step,
                         joined_rows(queries, dtype, q_span),
                         joined_rows(keys, dtype, k_span),
@@ -609,7 +609,7 @@ class Coordinator:
                 )
                 committed = True
                 if step is None:
-                    self._remember_step(tenant, seq_ids, plans, parts)
+                    self._repeats.remember_step(tenant, seq_ids, plans, parts)
                 else:
                     step.plan = parts[0][1].plan
             except BaseException:
@@ -652,83 +652,17 @@ class Coordinator:
         short path does not accept (another batch, other tokens, a non-finite value, an
         unusual shape) goes the full way, which raises the precise error.
         """
-        step = self._stacked_step(tenant, layer, batch) if short_path else None
+        step = self._repeats.stacked_step(tenant, layer, batch) if short_path else None
         if step is not None:
-            result = await self._repeat_step(tenant, layer, step, batch, return_lse, out, rows)
+            result = await self._repeats.repeat_step(
+                tenant, layer, step, batch, return_lse, out, rows
+            )
             if result is not None:
                 return result
         (result,) = await self.append_attend(
             tenant, layer, batch.items(), return_lse, joined=batch.joined(), stacked=True
         )
         return result
-
-    def _stacked_step(
-        self, tenant: str, layer: int, batch: StackedAppendAttend
-    ) -> LayerStep | None:
-        """The recorded step `batch` can repeat on `layer`, judged by what needs no lock:
-        the same batch of sequences, its token and query row counts, tensors of the layout's
-        shapes and float dtypes. None: take the full path. Whether every value is finite
-        is left to the round (`Rounds.run_parts`): the worker's device checks it where the data
-        goes anyway, or the coordinator when the round is shared."""
-        step = self._recorded_step(tenant, batch.seq_ids)
-        if step is None or type(layer) is not int or not 0 <= layer < self.layout.num_layers:
-            return None
-        key, value, query = batch.key, batch.value, batch.query
-        b, n, m = len(batch.seq_ids), step.snapshot.num_tokens, step.num_queries[0]
-        hkv, d = self.layout.num_kv_heads, self.layout.head_dim
-        if not (
-            type(key) is type(value) is type(query) is torch.Tensor
-            and key.dtype in FLOAT_DTYPES
-            and value.dtype in FLOAT_DTYPES
-            and query.dtype in FLOAT_DTYPES
-            and key.shape == (b, n, hkv, d)
-            and value.shape == (b, n, hkv, d)
-            and query.ndim == 4
-            and query.shape[:2] == (b, m)
-            and query.shape[3] == d
-            and query.shape[2] >= 1
-            and query.shape[2] % hkv == 0
-            and len(batch.token_ids) == b * n
-            and key.is_contiguous()
-            and value.is_contiguous()
-            and query.is_contiguous()
-        ):
-            return None
-        return step
-
-    async def _repeat_step(
-        self,
-        tenant: str,
-        layer: int,
-        step: LayerStep,
-        batch: StackedAppendAttend,
-        return_lse: bool,
-        out: torch.Tensor | None = None,
-        rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> AttentionResult | None:
-        """Run `batch` on `layer` through `step` (checked by `_stacked_step`); None, having
-        changed nothing, when under the locks the step no longer applies. out, rows: as in
-        `append_attend_stacked`."""
-        async with self._locks.holding(step.lock_order):  # sorted ids, as `_locked` takes
-            part = self._repeat_part(tenant, layer, step, batch, return_lse, out, rows)
-            if part is None:
-                return None
-            try:
-                rows_of = [(list(range(len(batch.seq_ids))), part)]
-                (output,) = await self._rounds.execute(layer, rows_of, batch.query.shape[2])
-                answer = repeat_answer(batch, output, return_lse)
-                check_deadline()
-                self._repeat_committed(layer, step, part)
-            except NonFiniteInput:
-                # Refused before anything was written; the full path's check names the
-                # sequence and tensor.
-                self._cancel_writes(tenant, batch.seq_ids)
-                return None
-            except BaseException:
-                self._cancel_writes(tenant, batch.seq_ids)
-                raise
-        self._count_repeat(batch, step)
-        return answer
 
     def repeat_now(
         self,
@@ -753,89 +687,9 @@ class Coordinator:
         origin: the caller's connection (`call_origin`) for the batcher; out, rows: as in
         `append_attend_stacked`.
         """
-        step = self._stacked_step(tenant, layer, batch)
-        if step is None or not self._locks.try_acquire(step.lock_order):
-            return False
-        try:
-            part = self._repeat_part(tenant, layer, step, batch, return_lse, out, rows)
-            if part is not None:
-                answered_by_future(part, layer, origin)
-                self._rounds.batcher(layer, step.worker_id, batch.query.shape[2]).submit(part)
-        except BaseException:
-            self._locks.release(step.lock_order)
-            raise
-        if part is None:
-            self._locks.release(step.lock_order)
-            return False
-        part.future.add_done_callback(
-            functools.partial(
-                self._repeated_now, tenant, layer, step, batch, part, finished, current_deadline()
-            )
+        return self._repeats.repeat_now(
+            tenant, layer, batch, return_lse, out, rows, origin, finished
         )
-        return True
-
-    def _repeated_now(
-        self,
-        tenant: str,
-        layer: int,
-        step: LayerStep,
-        batch: StackedAppendAttend,
-        part: Part,
-        finished: Callable[[AttentionResult | BaseException | None], None],
-        deadline: float,
-        future: asyncio.Future[AttentionResult],
-    ) -> None:
-        """`repeat_now`'s round is back: commit (or cancel: an error, or past the call's
-        commit `deadline`), release, report."""
-        try:
-            answer = repeat_answer(batch, future.result(), part.return_lse)
-            check_deadline(deadline)
-            self._repeat_committed(layer, step, part)
-        except BaseException as exc:
-            self._cancel_writes(tenant, batch.seq_ids)
-            self._locks.release(step.lock_order)
-            finished(None if isinstance(exc, NonFiniteInput) else exc)
-            return
-        self._locks.release(step.lock_order)
-        self._count_repeat(batch, step)
-        finished(answer)
-
-    def _repeat_part(
-        self,
-        tenant: str,
-        layer: int,
-        step: LayerStep,
-        batch: StackedAppendAttend,
-        return_lse: bool,
-        out: torch.Tensor | None,
-        rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    ) -> Part | None:
-        """Under the step's sequence locks: the call's part when the step still applies
-        (another call may have replaced it or moved a sequence meanwhile, or its worker
-        may have gone), else None, nothing changed."""
-        if self._recorded_step(tenant, batch.seq_ids) is not step or not (
-            self.block_manager.repeatable(step.snapshot, layer, batch.token_ids)
-        ):
-            return None
-        if rows is None:
-            # `_stacked_step` checked the shapes: [b, m, Hq, D] and [b, n, Hkv, D].
-            rows = (batch.query.flatten(0, 1), batch.key.flatten(0, 1), batch.value.flatten(0, 1))
-        part = self._step_part(step, *rows, return_lse, out)
-        part.finite_checked = False
-        return part
-
-    def _repeat_committed(self, layer: int, step: LayerStep, part: Part) -> None:
-        """A repeated layer's round is back: its short commit (`repeatable` said yes under
-        the locks still held) and the kernel plan the step keeps."""
-        self.block_manager.commit_repeated(step.snapshot, layer)
-        step.plan = part.plan
-
-    def _count_repeat(self, batch: StackedAppendAttend, step: LayerStep) -> None:
-        """A committed repeated layer's tokens, in the metrics."""
-        if self.metrics is not None:
-            b = len(batch.seq_ids)
-            self.metrics.add_tokens_appended(b * step.snapshot.num_tokens)
-            self.metrics.add_attention_tokens(b * step.num_queries[0])
 
     def _prepare_append(
         self, tenant: str, layer: int, items: Sequence[AppendAttendItem]
@@ -859,91 +713,6 @@ class Coordinator:
         )
         self._flush_released()  # blocks evicted for these writes: poisoned first
         return plans
-
-    def _recorded_step(self, tenant: str, seq_ids: Sequence[str]) -> LayerStep | None:
-        """The step recorded for this batch (tenant, sequence ids in order), if its worker
-        is still one of the coordinator's."""
-        step = self._steps.get(tenant, tuple(seq_ids))
-        if step is None or step.worker_id not in self._epochs:
-            return None
-        return step
-
-    def _reusable_step(
-        self, tenant: str, layer: int, seq_ids: list[str], items: Sequence[AppendAttendItem]
-    ) -> LayerStep | None:
-        """The recorded step of this batch when this call is another layer of it: the same
-        token ids and query rows per sequence, the worker still known, and the block
-        manager confirming the write would be planned the same (`repeatable`)."""
-        step = self._recorded_step(tenant, seq_ids)
-        if step is None:
-            return None
-        n = step.snapshot.num_tokens
-        m = step.num_queries[0]
-        tokens: list[object] = []
-        for it in items:
-            ids = it.token_ids
-            if len(ids) != n or it.query.shape[0] != m:
-                return None
-            tokens += ids
-        if not self.block_manager.repeatable(step.snapshot, layer, tokens):
-            return None
-        return step
-
-    def _step_part(
-        self,
-        step: LayerStep,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        return_lse: bool,
-        out: torch.Tensor | None = None,
-    ) -> Part:
-        """The call's one part from a recorded step: its views, slots and kernel plan, with
-        this call's queries ``[rows, Hq, D]`` and new K/V ``[tokens, Hkv, D]`` (sequence by
-        sequence, cast to the pool's dtype here), and where its output may go (`out`;
-        run_attention uses it only where it fits the plan and the pool's dtype)."""
-        dtype = self._pool_dtype
-        return Part(
-            views=step.views,  # type: ignore[arg-type]
-            num_queries=step.num_queries,
-            seq_ids=list(step.snapshot.seq_ids),
-            query=in_dtype(query, dtype),
-            writes={step.worker_id: (step.slots, in_dtype(key, dtype), in_dtype(value, dtype))},
-            return_lse=return_lse,
-            plan=step.plan,
-            out=out,
-            step=step,
-        )
-
-    def _remember_step(
-        self,
-        tenant: str,
-        seq_ids: list[str],
-        plans: list[WritePlan],
-        parts: list[tuple[list[int], Part]],
-    ) -> None:
-        """Record a planned call for the step's other layers when it qualifies: one part
-        holding every item in order, every sequence and slot on one worker, the same query
-        rows per sequence, and writes the block manager can snapshot."""
-        self._steps.discard(tenant, tuple(seq_ids))
-        if len(parts) != 1:
-            return
-        idx, part = parts[0]
-        if len(part.writes) != 1 or len(set(part.num_queries)) != 1:
-            return
-        ((worker_id, (slots, _, _)),) = part.writes.items()
-        for v in part.views:
-            if type(v) is not OneWorkerView or v.worker_id != worker_id:
-                return
-        if idx != list(range(len(seq_ids))):
-            return
-        snapshot = self.block_manager.snapshot_writes(tenant, seq_ids, plans)
-        if snapshot is None:
-            return
-        views: list[OneWorkerView] = part.views  # type: ignore[assignment]
-        self._steps.put(
-            LayerStep(snapshot, worker_id, part.num_queries, views, list(slots), part.plan)
-        )
 
     # -- export / import -------------------------------------------------------------------
     async def export(self, tenant: str, seq_id: str) -> ExportedSequence:
