@@ -67,7 +67,7 @@ from cache_service.engine.call_tensors import (
 )
 from cache_service.engine.cancel_safety import run_to_completion
 from cache_service.engine.correctness_check import CorrectnessChecker
-from cache_service.engine.errors import ServiceUnavailable, WorkerLost
+from cache_service.engine.errors import ServiceUnavailable
 from cache_service.engine.input_checks import (
     block_shape,
     check_finite,
@@ -80,6 +80,7 @@ from cache_service.engine.input_checks import (
     check_tensor,
 )
 from cache_service.engine.layer_steps import LayerStepCache
+from cache_service.engine.membership import Membership
 from cache_service.engine.request_ids import request_seq_id
 from cache_service.engine.rounds import Rounds
 from cache_service.engine.running_checks import RunningChecks
@@ -105,7 +106,6 @@ from cache_service.errors import (
     SequenceNotFound,
 )
 from workers.errors import (
-    StaleCoordinatorError,
     StaleEpochError,
     WorkerError,
     WorkerUnavailable,
@@ -180,7 +180,6 @@ class Coordinator:
         # pools poison released blocks (debug pools): only they are told.
         self._releases: dict[str, asyncio.Task[None]] = {}
         self._debug_workers: set[str] = set()
-        self._closed = False
         # The write-ahead metadata store: start() recovers from it and from then on every
         # control-plane mutation is logged before it returns (cache_service.engine.recovery).
         self._store = store
@@ -198,6 +197,17 @@ class Coordinator:
         )
         # Checks of rounds already answered, and what would void them (running_checks).
         self._checks = RunningChecks()
+        # Registration, loss and return of the workers (engine.membership).
+        self._membership = Membership(
+            self,
+            self._clients,
+            self._states,
+            self._epochs,
+            self._debug_workers,
+            self._background,
+            self._flush_released,
+            durable=store is not None,
+        )
         # Batching and the worker calls of every per-layer attention (engine.rounds).
         self._rounds = Rounds(
             layout,
@@ -209,7 +219,7 @@ class Coordinator:
             self._checks,
             self._background,
             self._released_before_use,
-            self._worker_failed,
+            self._membership.worker_failed,
         )
         # A decode step's other layers: recorded steps and the short path (step_repeats).
         self._repeats = StepRepeats(
@@ -241,9 +251,9 @@ class Coordinator:
         if self._store is not None:
             kept = self._recover(self._store, descriptions)
             # Fence older coordinators off these workers before serving (generation fence).
-            await asyncio.gather(*(self._claim(c) for c in self._clients.values()))
+            await asyncio.gather(*(self._membership.claim(c) for c in self._clients.values()))
         for client, desc in zip(self._clients.values(), descriptions, strict=True):
-            self._register(client.worker_id, desc, known=client.worker_id in kept)
+            self._membership.register(client.worker_id, desc, known=client.worker_id in kept)
         self._flush_released()  # blocks recovery freed (cancelled in-flight reservations)
 
     def _recover(self, store: MetadataStore, descriptions: Sequence[Any]) -> set[str]:
@@ -283,7 +293,7 @@ class Coordinator:
 
     async def close(self) -> None:
         """Stop background tasks (call after the server drained its calls)."""
-        self._closed = True
+        self._membership.closed = True
         for task in list(self._background):
             task.cancel()
         for task in list(self._background):
@@ -291,28 +301,6 @@ class Coordinator:
                 await task
         if self._store is not None:
             self._store.close()
-
-    def _register(self, worker_id: str, desc: Any, known: bool = False) -> None:
-        if known:  # recovered from the store with its blocks: already registered
-            pass
-        elif self._store is not None:  # the durable manager logs the epoch with it
-            self.block_manager.add_worker(worker_id, desc.num_blocks, epoch=desc.epoch)  # type: ignore[call-arg]
-        else:
-            self.block_manager.add_worker(worker_id, desc.num_blocks)
-        self._epochs[worker_id] = desc.epoch
-        if getattr(desc, "debug", False):
-            self._debug_workers.add(worker_id)
-        else:
-            self._debug_workers.discard(worker_id)
-        self._states[worker_id] = WorkerState(
-            worker_id, desc.device, desc.num_blocks, desc.epoch, True
-        )
-        if self.metrics is not None:
-            self.metrics.set_worker_state(worker_id, True, desc.epoch)
-        log.info(
-            "worker registered",
-            extra={"worker": worker_id, "epoch": desc.epoch, "blocks": desc.num_blocks},
-        )
 
     # -- read-only -------------------------------------------------------------------------
     def workers(self) -> list[WorkerState]:
@@ -901,6 +889,11 @@ class Coordinator:
             out.append((idx, part))
         return out
 
+    async def check_workers(self) -> None:
+        """Probe every registered worker's epoch once; a changed epoch (a restart nobody
+        noticed yet) or no answer removes it like a failed call would."""
+        await self._membership.check()
+
     async def checks_finished(self) -> None:
         """Wait for the online correctness checks started so far (they run after their
         rounds answered): their counts and metrics are then final."""
@@ -954,7 +947,7 @@ class Coordinator:
         try:
             return await call(self._clients[worker_id], epoch)
         except (StaleEpochError, WorkerUnavailable) as exc:
-            raise await self._worker_failed(exc, {worker_id: epoch}, seq_ids) from None
+            raise await self._membership.worker_failed(exc, {worker_id: epoch}, seq_ids) from None
 
     # -- internals: released blocks ---------------------------------------------------------
     def _flush_released(self) -> None:
@@ -1035,90 +1028,6 @@ class Coordinator:
                 # (the coordinator must restart; recovery cancels it then).
                 continue
         self._flush_released()
-
-    # -- internals: failures ---------------------------------------------------------------
-    async def _worker_failed(
-        self,
-        exc: StaleEpochError | WorkerUnavailable,
-        epochs: dict[str, str],
-        seq_ids: list[str],
-    ) -> WorkerLost:
-        """Drop the failed worker from the control plane (once per epoch) and start
-        watching for its return. Returns the error to raise to the callers."""
-        worker_id = exc.worker_id
-        epoch = epochs.get(worker_id)
-        if epoch is not None and self._epochs.get(worker_id) == epoch:
-            lost = self.block_manager.lose_worker(worker_id)
-            del self._epochs[worker_id]
-            self._flush_released()  # the failed sequences' blocks on the other workers
-            state = self._states[worker_id]
-            self._states[worker_id] = WorkerState(
-                worker_id, state.device, state.num_blocks, state.epoch, False
-            )
-            log.warning(
-                "worker lost",
-                extra={
-                    "worker": worker_id,
-                    "epoch": epoch,
-                    "reason": str(exc),
-                    "lost_sequences": len(lost),
-                },
-            )
-            if self.metrics is not None:
-                self.metrics.add_lost_sequences(len(lost))
-                self.metrics.set_worker_state(worker_id, False, epoch)
-            if not self._closed:
-                task = asyncio.get_running_loop().create_task(self._revive(worker_id))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
-        reason = (
-            "it restarted with an empty pool" if isinstance(exc, StaleEpochError) else exc.reason
-        )
-        return WorkerLost(worker_id, list(dict.fromkeys(seq_ids)), reason)
-
-    async def _claim(self, client: WorkerClient) -> Any:
-        """With a store: claim the worker for this coordinator's generation (its calls
-        carry it from then on; lower generations are refused: `PoolWorker.claim`).
-        Without one (generation None: unfenced), or for a client without `claim`: describe.
-        Returns the worker's description."""
-        claim = getattr(client, "claim", None)
-        if self.generation is None or claim is None:
-            return await client.describe()
-        return await claim(self.generation)
-
-    async def _revive(self, worker_id: str) -> None:
-        """Re-register a lost worker, empty, once it answers again (backoff up to 5 s)."""
-        delay = 0.05
-        while not self._closed:
-            try:
-                desc = await self._claim(self._clients[worker_id])
-            except StaleCoordinatorError as exc:
-                log.error(
-                    "worker not re-registered: this coordinator was superseded",
-                    extra={"worker": worker_id, "reason": str(exc)},
-                )
-                return
-            except WorkerError:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-                continue
-            if worker_id not in self.block_manager.workers():
-                self._register(worker_id, desc)
-            return
-
-    async def check_workers(self) -> None:
-        """Probe every registered worker's epoch once; a changed epoch (a restart nobody
-        noticed yet) or no answer removes it like a failed call would."""
-        for worker_id, epoch in list(self._epochs.items()):
-            try:
-                desc = await self._clients[worker_id].describe()
-            except WorkerUnavailable as exc:
-                await self._worker_failed(exc, {worker_id: epoch}, [])
-                continue
-            if desc.epoch != epoch:
-                await self._worker_failed(
-                    StaleEpochError(worker_id, epoch, desc.epoch), {worker_id: epoch}, []
-                )
 
 
 # ------------------------------------------------------------------------------ helpers
