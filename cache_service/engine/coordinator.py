@@ -46,6 +46,7 @@ from cache_service.control.types import (
     TenantQuota,
     WritePlan,
 )
+from cache_service.engine.block_releases import BlockReleases
 from cache_service.engine.call_deadline import check_deadline
 from cache_service.engine.call_parts import split_parts, view_after_write, view_of
 from cache_service.engine.call_tensors import (
@@ -98,7 +99,6 @@ from cache_service.errors import (
 )
 from workers.errors import (
     StaleEpochError,
-    WorkerError,
     WorkerUnavailable,
 )
 from workers.layout import KVLayout
@@ -167,9 +167,7 @@ class Coordinator:
         # Per client batch, what its latest append-and-attend planned (layer_steps).
         self._steps = LayerStepCache()
         self._background: set[asyncio.Task[None]] = set()
-        # Per worker, the latest release_blocks call (see _flush_released); workers whose
-        # pools poison released blocks (debug pools): only they are told.
-        self._releases: dict[str, asyncio.Task[None]] = {}
+        # Workers whose pools poison released blocks (debug pools): only they are told.
         self._debug_workers: set[str] = set()
         # The write-ahead metadata store: start() recovers from it and from then on every
         # control-plane mutation is logged before it returns (cache_service.engine.recovery).
@@ -188,6 +186,10 @@ class Coordinator:
         )
         # Checks of rounds already answered, and what would void them (running_checks).
         self._checks = RunningChecks()
+        # The release_blocks calls, ordered before any reuse (engine.block_releases).
+        self._released = BlockReleases(
+            self, self._clients, self._epochs, self._debug_workers, self._checks, self._background
+        )
         # Registration, loss and return of the workers (engine.membership).
         self._membership = Membership(
             self,
@@ -196,7 +198,7 @@ class Coordinator:
             self._epochs,
             self._debug_workers,
             self._background,
-            self._flush_released,
+            self._released.flush,
             durable=store is not None,
         )
         # Batching and the worker calls of every per-layer attention (engine.rounds).
@@ -209,7 +211,7 @@ class Coordinator:
             correctness,
             self._checks,
             self._background,
-            self._released_before_use,
+            self._released.released_before_use,
             self._membership.worker_failed,
         )
         # A decode step's other layers: recorded steps and the short path (step_repeats).
@@ -245,7 +247,7 @@ class Coordinator:
             await asyncio.gather(*(self._membership.claim(c) for c in self._clients.values()))
         for client, desc in zip(self._clients.values(), descriptions, strict=True):
             self._membership.register(client.worker_id, desc, known=client.worker_id in kept)
-        self._flush_released()  # blocks recovery freed (cancelled in-flight reservations)
+        self._released.flush()  # blocks recovery freed (cancelled in-flight reservations)
 
     def _recover(self, store: MetadataStore, descriptions: Sequence[Any]) -> set[str]:
         """Rebuild the control plane from the store; returns the workers whose blocks
@@ -372,7 +374,7 @@ class Coordinator:
         """Release a sequence (waits for a call in flight on it)."""
         async with self._locked([seq_id]):
             self.block_manager.free(tenant, seq_id)
-            self._flush_released()
+            self._released.flush()
             self._steps.forget_sequence(seq_id)
 
     async def pin(self, tenant: str, token_ids: Sequence[int], namespace: str = "") -> int:
@@ -382,7 +384,7 @@ class Coordinator:
     async def unpin(self, tenant: str, token_ids: Sequence[int], namespace: str = "") -> None:
         """Undo one pin of this prefix in a namespace."""
         self.block_manager.unpin(tenant, token_ids, namespace)
-        self._flush_released()
+        self._released.flush()
 
     async def publish_public(self, tenant: str, seq_id: str) -> int:
         """Make the sequence's full written blocks findable by every tenant."""
@@ -434,7 +436,7 @@ class Coordinator:
             except PoolExhausted:
                 self._require_workers()  # no worker at all: UNAVAILABLE, not RESOURCE_EXHAUSTED
                 raise
-            self._flush_released()  # blocks evicted for this write: poisoned first
+            self._released.flush()  # blocks evicted for this write: poisoned first
             key = key.to(self._pool_dtype)
             value = value.to(self._pool_dtype)
 
@@ -698,7 +700,7 @@ class Coordinator:
         plans = self.block_manager.prepare_writes(
             tenant, layer, [(it.seq_id, it.token_ids) for it in items]
         )
-        self._flush_released()  # blocks evicted for these writes: poisoned first
+        self._released.flush()  # blocks evicted for these writes: poisoned first
         return plans
 
     # -- export / import -------------------------------------------------------------------
@@ -749,7 +751,7 @@ class Coordinator:
                     key = key[:, cached:n].to(self._pool_dtype)
                     value = value[:, cached:n].to(self._pool_dtype)
                     plan = self.block_manager.prepare_write(tenant, created.seq_id, None, tail)
-                    self._flush_released()  # blocks evicted for this write: poisoned first
+                    self._released.flush()  # blocks evicted for this write: poisoned first
 
                     async def copy_then_write() -> None:
                         await self._run_copies(plan, [created.seq_id])
@@ -773,7 +775,7 @@ class Coordinator:
         except BaseException:
             with contextlib.suppress(Exception):
                 self.block_manager.free(tenant, created.seq_id)
-                self._flush_released()
+                self._released.flush()
             raise
         if self.metrics is not None and n > cached:
             self.metrics.add_tokens_appended((n - cached) * self.layout.num_layers)
@@ -841,7 +843,7 @@ class Coordinator:
         call: Callable[[WorkerClient, str], Awaitable[Any]],
     ) -> Any:
         """Run one worker call with the current epoch; a lost worker becomes WorkerLost."""
-        await self._released_before_use([worker_id])
+        await self._released.released_before_use([worker_id])
         epoch = self._epochs.get(worker_id)
         if epoch is None:
             raise SequenceLost(
@@ -852,69 +854,6 @@ class Coordinator:
             return await call(self._clients[worker_id], epoch)
         except (StaleEpochError, WorkerUnavailable) as exc:
             raise await self._membership.worker_failed(exc, {worker_id: epoch}, seq_ids) from None
-
-    # -- internals: released blocks ---------------------------------------------------------
-    def _flush_released(self) -> None:
-        """Tell the workers which blocks went free (debug pools poison them with NaN).
-
-        Call right after every control-plane step that may free blocks, before any await.
-        Fire and forget, yet ordered before any reuse: the release_blocks call starts now,
-        and every later worker call that can write, copy into or read a block of that
-        worker first waits for the releases started before it (_released_before_use).
-        Reuse needs a prepare_write that runs after this step, so its copy or write is
-        sent after the release has been carried out, and the poison can never land on the
-        new owner's data. (Waiting for completion rather than relying on submission
-        order keeps this true for any WorkerClient, in-process threads included.)
-        """
-        released = self.block_manager.take_released()
-        if not released:
-            return
-        self._checks.blocks_released(released)
-        loop = asyncio.get_running_loop()
-        for worker_id, blocks in released.items():
-            epoch = self._epochs.get(worker_id)
-            if epoch is None or worker_id not in self._debug_workers:
-                continue  # lost (its pool is gone), or a pool that would only check ids
-            task = loop.create_task(
-                self._release_on(worker_id, epoch, blocks, self._releases.get(worker_id))
-            )
-            self._releases[worker_id] = task
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
-    async def _release_on(
-        self,
-        worker_id: str,
-        epoch: str,
-        blocks: list[int],
-        previous: asyncio.Task[None] | None,
-    ) -> None:
-        if previous is not None and not previous.done():
-            await asyncio.wait({previous})  # one after another: the latest implies all
-        try:
-            await self._clients[worker_id].release_blocks(epoch, blocks)
-        except WorkerError as exc:
-            # A dead or restarted worker has no blocks to poison; the next data call on
-            # it notices the loss and handles it.
-            log.warning(
-                "release_blocks failed",
-                extra={"worker": worker_id, "blocks": len(blocks), "reason": str(exc)},
-            )
-
-    async def _released_before_use(self, worker_ids: Iterable[str]) -> None:
-        """Wait for the release_blocks calls already started on these workers.
-
-        Releases still pending in the control plane are sent first: a path that forgot to
-        flush after freeing or evicting still cannot write a block before its poison.
-        """
-        self._flush_released()
-        pending = {
-            task
-            for w in worker_ids
-            if (task := self._releases.get(w)) is not None and not task.done()
-        }
-        if pending:
-            await asyncio.wait(pending)
 
     def _cancel_writes(self, tenant: str, seq_ids: Sequence[str]) -> None:
         """Release what a failed call reserved on these sequences and not committed.
@@ -931,7 +870,7 @@ class Coordinator:
                 # Lost with its worker (nothing left to release), or the store failed
                 # (the coordinator must restart; recovery cancels it then).
                 continue
-        self._flush_released()
+        self._released.flush()
 
 
 # ------------------------------------------------------------------------------ helpers
