@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,14 +46,14 @@ from cache_service.control.types import (
     TenantQuota,
     WritePlan,
 )
+from cache_service.engine.batching import Part
 from cache_service.engine.block_releases import BlockReleases
 from cache_service.engine.call_deadline import check_deadline
 from cache_service.engine.call_parts import split_parts, view_after_write, view_of
 from cache_service.engine.call_tensors import (
+    Spans,
     blocks_to_tokens,
     group_slots,
-    item_spans,
-    joined_rows,
     reassemble,
     stacked_result,
 )
@@ -62,9 +62,9 @@ from cache_service.engine.correctness_check import CorrectnessChecker
 from cache_service.engine.errors import ServiceUnavailable
 from cache_service.engine.input_checks import (
     block_shape,
+    check_append_attend,
     check_finite,
     check_layer,
-    check_new_kv,
     check_new_rows,
     check_not_empty,
     check_queries,
@@ -520,30 +520,9 @@ class Coordinator:
         errors are the same without it.
         stacked: as in `attend`.
         """
-        check_layer(self.layout, layer)
-        check_not_empty(items, "append_attend")
-        queries = [it.query for it in items]
-        hq = check_queries(self.layout, queries)
-        seq_ids = [it.seq_id for it in items]
-        if len(set(seq_ids)) != len(seq_ids):
-            dup = next(s for s in seq_ids if seq_ids.count(s) > 1)
-            raise InvalidRequest(f"sequence {dup!r} appears twice in one append_attend")
-        keys = [it.key for it in items]
-        values = [it.value for it in items]
-        check_new_kv(self.layout, items)
-        spans = item_spans(joined, keys, values, queries)
-
-        def named() -> Iterable[tuple[str, torch.Tensor]]:
-            for i, it in enumerate(items):
-                for name in ("key", "value", "query"):
-                    yield f"items[{i}].{name}", getattr(it, name)
-
-        # Keys, values and queries each as one run (what the servicer decodes into one
-        # buffer per field is checked in three passes); item order names a culprit.
-        runs: list[torch.Tensor] = []
-        for span, tensors in zip(spans, (keys, values, queries), strict=True):
-            runs += tensors if span is None else (span,)
-        check_finite(runs, named)
+        queries, hq, seq_ids, keys, values, spans = check_append_attend(
+            self.layout, layer, items, joined
+        )
         async with self._locked(seq_ids):
             # The step's other layers reuse what its first layer planned (layer_steps).
             step = self._repeats.reusable_step(tenant, layer, seq_ids, items)
@@ -556,32 +535,11 @@ class Coordinator:
                         # Copy-on-write copies run to the end even if the call's deadline
                         # passes: the tables already point at the copies.
                         await run_to_completion(self._run_copies_of(plans, seq_ids))
-                    views = [
-                        view_after_write(
-                            self.block_manager, self.layout.block_size, tenant, s, layer, plan
-                        )
-                        for s, plan in zip(seq_ids, plans, strict=True)
-                    ]
-                    parts = split_parts(
-                        self._pool_dtype,
-                        views,
-                        queries,
-                        seq_ids,
-                        return_lse,
-                        (plans, keys, values),
-                        spans,
+                    parts = self._planned_parts(
+                        tenant, layer, plans, queries, keys, values, seq_ids, spans, return_lse
                     )
                 else:
-                    dtype = self._pool_dtype
-                    k_span, v_span, q_span = spans
-                    part = self._repeats.step_part(
-                        step,
-                        joined_rows(queries, dtype, q_span),
-                        joined_rows(keys, dtype, k_span),
-                        joined_rows(values, dtype, v_span),
-                        return_lse,
-                    )
-                    parts = [(list(range(len(items))), part)]
+                    parts = self._repeats.step_parts(step, queries, keys, values, spans, return_lse)
                 outputs = await self._rounds.execute(layer, parts, hq)
                 # The answer before the commit: a failure making it (a dtype cast out of
                 # memory) then keeps nothing, as a failed call must.
@@ -678,6 +636,29 @@ class Coordinator:
         """
         return self._repeats.repeat_now(
             tenant, layer, batch, return_lse, out, rows, origin, finished
+        )
+
+    def _planned_parts(
+        self,
+        tenant: str,
+        layer: int,
+        plans: list[WritePlan],
+        queries: list[torch.Tensor],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        seq_ids: list[str],
+        spans: Spans,
+        return_lse: bool,
+    ) -> list[tuple[list[int], Part]]:
+        """The parts of an append-and-attend whose writes were just planned: each item's
+        view as it will be after its write, grouped by worker (`split_parts`)."""
+        block_size = self.layout.block_size
+        views = [
+            view_after_write(self.block_manager, block_size, tenant, s, layer, plan)
+            for s, plan in zip(seq_ids, plans, strict=True)
+        ]
+        return split_parts(
+            self._pool_dtype, views, queries, seq_ids, return_lse, (plans, keys, values), spans
         )
 
     def _prepare_append(

@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from cache_service.control.types import WriteCursor
-from cache_service.engine.values import AppendAttendItem
+from cache_service.engine.call_tensors import Spans, item_spans
+from cache_service.engine.values import AppendAttendItem, JoinedFields
 from cache_service.errors import InvalidRequest
 from cache_service.wire.tensor_codec import joined_view
 from workers.layout import KVLayout
@@ -207,3 +208,42 @@ def check_reserved(i: int, cursor: WriteCursor, token_ids: Sequence[int], layer:
                 f"items[{i}]: position {cursor.start + j} holds token {reserved[j]}, got "
                 f"{token_ids[j]} on layer {layer} (every layer must send the same token ids)"
             )
+
+
+def check_append_attend(
+    layout: KVLayout,
+    layer: object,
+    items: Sequence[AppendAttendItem],
+    joined: JoinedFields | None,
+) -> tuple[list[torch.Tensor], int, list[str], list[torch.Tensor], list[torch.Tensor], Spans]:
+    """Every check of an append-and-attend call before it locks anything: the layer, the
+    items (at least one, distinct sequences), their queries, new K/V and finite values.
+
+    Returns (queries, query heads Hq, sequence ids, keys, values, the items' spans in
+    `joined` that agree with them: `item_spans`).
+    """
+    check_layer(layout, layer)
+    check_not_empty(items, "append_attend")
+    queries = [it.query for it in items]
+    hq = check_queries(layout, queries)
+    seq_ids = [it.seq_id for it in items]
+    if len(set(seq_ids)) != len(seq_ids):
+        dup = next(s for s in seq_ids if seq_ids.count(s) > 1)
+        raise InvalidRequest(f"sequence {dup!r} appears twice in one append_attend")
+    keys = [it.key for it in items]
+    values = [it.value for it in items]
+    check_new_kv(layout, items)
+    spans = item_spans(joined, keys, values, queries)
+
+    def named() -> Iterable[tuple[str, torch.Tensor]]:
+        for i, it in enumerate(items):
+            for name in ("key", "value", "query"):
+                yield f"items[{i}].{name}", getattr(it, name)
+
+    # Keys, values and queries each as one run (what the servicer decodes into one
+    # buffer per field is checked in three passes); item order names a culprit.
+    runs: list[torch.Tensor] = []
+    for span, tensors in zip(spans, (keys, values, queries), strict=True):
+        runs += tensors if span is None else (span,)
+    check_finite(runs, named)
+    return queries, hq, seq_ids, keys, values, spans

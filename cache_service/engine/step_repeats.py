@@ -23,7 +23,7 @@ from cache_service.control.types import WritePlan
 from cache_service.engine.attention_plan import OneWorkerView
 from cache_service.engine.batching import Part
 from cache_service.engine.call_deadline import check_deadline, current_deadline
-from cache_service.engine.call_tensors import in_dtype, repeat_answer
+from cache_service.engine.call_tensors import Spans, in_dtype, joined_rows, repeat_answer
 from cache_service.engine.input_checks import FLOAT_DTYPES
 from cache_service.engine.layer_steps import LayerStep, LayerStepCache
 from cache_service.engine.rounds import Rounds, answered_by_future
@@ -286,6 +286,29 @@ class StepRepeats:
             out=out,
             step=step,
         )
+
+    def step_parts(
+        self,
+        step: LayerStep,
+        queries: list[torch.Tensor],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        spans: Spans,
+        return_lse: bool,
+    ) -> list[tuple[list[int], Part]]:
+        """A full-path call that repeats `step` (`reusable_step`) as its one part holding
+        every item in order: the items' queries ``[m, Hq, D]`` and new K/V ``[n, Hkv, D]``
+        joined (views where `spans` or their memory allow)."""
+        dtype = self._pool_dtype
+        k_span, v_span, q_span = spans
+        part = self.step_part(
+            step,
+            joined_rows(queries, dtype, q_span),
+            joined_rows(keys, dtype, k_span),
+            joined_rows(values, dtype, v_span),
+            return_lse,
+        )
+        return [(list(range(len(queries))), part)]
 
     def remember_step(
         self,
