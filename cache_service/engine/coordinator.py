@@ -33,8 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -53,7 +52,6 @@ from cache_service.engine.call_parts import split_parts, view_after_write, view_
 from cache_service.engine.call_tensors import (
     Spans,
     blocks_to_tokens,
-    group_slots,
     reassemble,
     stacked_result,
 )
@@ -88,18 +86,14 @@ from cache_service.engine.values import (
     StackedAppendAttend,
     WorkerState,
 )
+from cache_service.engine.worker_calls import WorkerCalls
 from cache_service.engine.worker_interface import AttentionResult, WorkerClient
 from cache_service.errors import (
     CacheError,
     InvalidRequest,
     LayerNotWritten,
     PoolExhausted,
-    SequenceLost,
     SequenceNotFound,
-)
-from workers.errors import (
-    StaleEpochError,
-    WorkerUnavailable,
 )
 from workers.layout import KVLayout
 
@@ -201,6 +195,14 @@ class Coordinator:
             self._released.flush,
             durable=store is not None,
         )
+        # Copies, writes and exports: worker calls outside rounds (engine.worker_calls).
+        self._calls = WorkerCalls(
+            self._clients,
+            self._epochs,
+            metrics,
+            self._released.released_before_use,
+            self._membership.worker_failed,
+        )
         # Batching and the worker calls of every per-layer attention (engine.rounds).
         self._rounds = Rounds(
             layout,
@@ -252,36 +254,13 @@ class Coordinator:
     def _recover(self, store: MetadataStore, descriptions: Sequence[Any]) -> set[str]:
         """Rebuild the control plane from the store; returns the workers whose blocks
         survived (same epoch and size). Sequences on the others fail with DATA_LOSS."""
-        from cache_service.engine.recovery import (
-            DurableBlockManager,
-            cancel_unfinished_writes,
-            drop_unfinished_copies,
-            reconcile_workers,
-            recover,
-        )
+        from cache_service.engine.recovery import recover_control_plane
 
-        self.generation = store.begin_generation()
-        result = recover(store, self.block_manager.config)
-        durable = DurableBlockManager.from_recovery(result, store)
         live = {d.worker_id: (d.epoch, d.num_blocks) for d in descriptions}
-        kept, lost = reconcile_workers(durable, live)
-        dropped = drop_unfinished_copies(durable)
-        cancelled = cancel_unfinished_writes(durable)
-        self.block_manager = durable  # type: ignore[assignment]
-        if self.metrics is not None and lost:
-            self.metrics.add_lost_sequences(len(lost))
-        log.info(
-            "control plane recovered",
-            extra={
-                "generation": self.generation,
-                "checkpoint_lsn": result.checkpoint_lsn,
-                "replayed": result.replayed,
-                "workers_kept": sorted(kept),
-                "lost_sequences": len(lost),
-                "dropped_unfinished_copies": len(dropped),
-                "cancelled_unfinished_writes": len(cancelled),
-            },
+        durable, self.generation, kept = recover_control_plane(
+            store, self.block_manager.config, live, self.metrics
         )
+        self.block_manager = durable  # type: ignore[assignment]
         return kept
 
     async def close(self) -> None:
@@ -439,20 +418,9 @@ class Coordinator:
             self._released.flush()  # blocks evicted for this write: poisoned first
             key = key.to(self._pool_dtype)
             value = value.to(self._pool_dtype)
-
-            async def copy_then_write() -> None:
-                await self._run_copies(plan, [seq_id])
-                calls = []
-                for worker_id, (rows, slots) in group_slots(plan.slots).items():
-                    idx = torch.tensor(rows, dtype=torch.long)
-                    k = key.index_select(-3, idx)
-                    v = value.index_select(-3, idx)
-                    calls.append(self._write_on(worker_id, layer, slots, k, v, [seq_id]))
-                await asyncio.gather(*calls)
-
             try:
                 # A deadline passing now must not release the lock under calls in flight.
-                await run_to_completion(copy_then_write())
+                await run_to_completion(self._calls.write_planned(plan, layer, key, value, seq_id))
                 check_deadline()
                 self.block_manager.commit_write(tenant, seq_id, layer, n)
             except BaseException:
@@ -534,7 +502,7 @@ class Coordinator:
                     if any(plan.copies for plan in plans):
                         # Copy-on-write copies run to the end even if the call's deadline
                         # passes: the tables already point at the copies.
-                        await run_to_completion(self._run_copies_of(plans, seq_ids))
+                        await run_to_completion(self._calls.run_copies_of(plans, seq_ids))
                     parts = self._planned_parts(
                         tenant, layer, plans, queries, keys, values, seq_ids, spans, return_lse
                     )
@@ -698,7 +666,7 @@ class Coordinator:
             view = self.block_manager.attention_view(tenant, seq_id, layer)
             pieces = await asyncio.gather(
                 *(
-                    self._guarded(
+                    self._calls.guarded(
                         seg.worker_id,
                         [seq_id],
                         lambda c, e, seg=seg: c.export_blocks(e, list(seg.block_indices)),
@@ -733,25 +701,9 @@ class Coordinator:
                     value = value[:, cached:n].to(self._pool_dtype)
                     plan = self.block_manager.prepare_write(tenant, created.seq_id, None, tail)
                     self._released.flush()  # blocks evicted for this write: poisoned first
-
-                    async def copy_then_write() -> None:
-                        await self._run_copies(plan, [created.seq_id])
-                        calls = []
-                        for worker_id, (rows, slots) in group_slots(plan.slots).items():
-                            idx = torch.tensor(rows, dtype=torch.long)
-                            calls.append(
-                                self._write_on(
-                                    worker_id,
-                                    None,
-                                    slots,
-                                    key.index_select(1, idx),
-                                    value.index_select(1, idx),
-                                    [created.seq_id],
-                                )
-                            )
-                        await asyncio.gather(*calls)
-
-                    await run_to_completion(copy_then_write())
+                    await run_to_completion(
+                        self._calls.write_planned(plan, None, key, value, created.seq_id)
+                    )
                     self.block_manager.commit_write(tenant, created.seq_id, None, len(tail))
         except BaseException:
             with contextlib.suppress(Exception):
@@ -785,56 +737,6 @@ class Coordinator:
         """Wait for the online correctness checks started so far (they run after their
         rounds answered): their counts and metrics are then final."""
         await self._checks.wait()
-
-    async def _run_copies(self, plan: WritePlan, seq_ids: list[str]) -> None:
-        await self._run_copies_of([plan], seq_ids)
-
-    async def _run_copies_of(self, plans: list[WritePlan], seq_ids: list[str]) -> None:
-        by_worker: dict[str, tuple[list[int], list[int]]] = {}
-        for plan in plans:
-            for c in plan.copies:
-                src, dst = by_worker.setdefault(c.worker_id, ([], []))
-                src.append(c.src)
-                dst.append(c.dst)
-        await asyncio.gather(
-            *(
-                self._guarded(w, seq_ids, lambda cl, e, s=s, d=d: cl.copy_blocks(e, s, d))
-                for w, (s, d) in by_worker.items()
-            )
-        )
-
-    async def _write_on(
-        self,
-        worker_id: str,
-        layer: int | None,
-        slots: list[int],
-        key: torch.Tensor,
-        value: torch.Tensor,
-        seq_ids: list[str],
-    ) -> None:
-        t0 = time.perf_counter()
-        await self._guarded(worker_id, seq_ids, lambda c, e: c.write(e, layer, slots, key, value))
-        if self.metrics is not None:
-            self.metrics.observe_worker_call(worker_id, 1, time.perf_counter() - t0)
-
-    async def _guarded(
-        self,
-        worker_id: str,
-        seq_ids: list[str],
-        call: Callable[[WorkerClient, str], Awaitable[Any]],
-    ) -> Any:
-        """Run one worker call with the current epoch; a lost worker becomes WorkerLost."""
-        await self._released.released_before_use([worker_id])
-        epoch = self._epochs.get(worker_id)
-        if epoch is None:
-            raise SequenceLost(
-                f"worker {worker_id!r} holding blocks of this call was lost; free the "
-                "sequences and recompute"
-            )
-        try:
-            return await call(self._clients[worker_id], epoch)
-        except (StaleEpochError, WorkerUnavailable) as exc:
-            raise await self._membership.worker_failed(exc, {worker_id: epoch}, seq_ids) from None
 
     def _cancel_writes(self, tenant: str, seq_ids: Sequence[str]) -> None:
         """Release what a failed call reserved on these sequences and not committed.
