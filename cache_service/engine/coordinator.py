@@ -26,6 +26,13 @@ back, empty, as soon as it answers again.
 
 Concurrency: everything that touches the BlockManager runs on one asyncio event loop, so
 each control-plane step is atomic; worker calls are awaited without holding the loop.
+
+The coordinator checks, locks, plans and commits; it owns small collaborators for the
+rest: `rounds.Rounds` (batchers and worker rounds, with `batching`), `step_repeats` (a
+decode step's other layers), `membership` (workers lost and revived), `block_releases`
+(release_blocks ordered before reuse) and `worker_calls` (copies, writes, exports).
+Argument checks are in `input_checks`, the tensors' way into parts and back in
+`call_parts` and `call_tensors`.
 """
 
 from __future__ import annotations
@@ -147,15 +154,7 @@ class Coordinator:
         self._clients: dict[str, WorkerClient] = {w.worker_id: w for w in workers}
         self._states: dict[str, WorkerState] = {}
         self._epochs: dict[str, str] = {}
-        self.block_manager = BlockManager(
-            BlockManagerConfig(
-                block_size=layout.block_size,
-                num_layers=layout.num_layers,
-                layout_fingerprint=layout.fingerprint(),
-                tenant_quota_blocks=self.config.tenant_quota_blocks,
-                eviction_policy=self.config.eviction_policy,
-            )
-        )
+        self.block_manager = BlockManager(_block_manager_config(layout, self.config))
         self._pool_dtype = layout.torch_dtype()
         self._locks = SequenceLocks()
         # Per client batch, what its latest append-and-attend planned (layer_steps).
@@ -167,17 +166,7 @@ class Coordinator:
         # control-plane mutation is logged before it returns (cache_service.engine.recovery).
         self._store = store
         self.generation: int | None = None
-        fraction = self.config.correctness_check_fraction
-        correctness = (
-            CorrectnessChecker(
-                fraction,
-                self._pool_dtype,
-                metrics,
-                sequences=self.config.correctness_check_sequences,
-            )
-            if fraction > 0
-            else None
-        )
+        correctness = _correctness_checker(self.config, self._pool_dtype, metrics)
         # Checks of rounds already answered, and what would void them (running_checks).
         self._checks = RunningChecks()
         # The release_blocks calls, ordered before any reuse (engine.block_releases).
@@ -228,6 +217,7 @@ class Coordinator:
         return self._rounds.correctness
 
     # -- lifecycle -------------------------------------------------------------------------
+
     async def start(self) -> None:
         """Describe every worker, check its layout and register its pool.
 
@@ -275,6 +265,7 @@ class Coordinator:
             self._store.close()
 
     # -- read-only -------------------------------------------------------------------------
+
     def workers(self) -> list[WorkerState]:
         """Every known worker, in registration order."""
         return list(self._states.values())
@@ -294,7 +285,20 @@ class Coordinator:
         """Cached leading tokens of a prompt in a namespace (no side effects)."""
         return self.block_manager.lookup(tenant, token_ids, namespace)
 
+    # -- workers and checks ----------------------------------------------------------------
+
+    async def check_workers(self) -> None:
+        """Probe every registered worker's epoch once; a changed epoch (a restart nobody
+        noticed yet) or no answer removes it like a failed call would."""
+        await self._membership.check()
+
+    async def checks_finished(self) -> None:
+        """Wait for the online correctness checks started so far (they run after their
+        rounds answered): their counts and metrics are then final."""
+        await self._checks.wait()
+
     # -- sequences -------------------------------------------------------------------------
+
     async def create_sequence(
         self,
         tenant: str,
@@ -383,6 +387,7 @@ class Coordinator:
                 self.block_manager.set_tenant_quota(tenant, quota.max_blocks, quota.max_sequences)
 
     # -- data ------------------------------------------------------------------------------
+
     async def append(
         self,
         tenant: str,
@@ -653,6 +658,7 @@ class Coordinator:
         return plans
 
     # -- export / import -------------------------------------------------------------------
+
     async def export(self, tenant: str, seq_id: str) -> ExportedSequence:
         """The positions written on every layer, as whole blocks."""
         async with self._locked([seq_id]):
@@ -715,6 +721,7 @@ class Coordinator:
         return ImportedSequence(created.seq_id, cached, n)
 
     # -- internals: validation -------------------------------------------------------------
+
     def _require_workers(self) -> None:
         """Refuse with UNAVAILABLE while no worker is serving."""
         if not self.block_manager.workers():
@@ -724,19 +731,10 @@ class Coordinator:
             )
 
     # -- internals: locking ----------------------------------------------------------------
+
     def _locked(self, seq_ids: Sequence[str]) -> contextlib.AbstractAsyncContextManager[None]:
         # Sorted, so two calls locking overlapping sets cannot deadlock.
         return self._locks.holding(sorted(set(seq_ids)))
-
-    async def check_workers(self) -> None:
-        """Probe every registered worker's epoch once; a changed epoch (a restart nobody
-        noticed yet) or no answer removes it like a failed call would."""
-        await self._membership.check()
-
-    async def checks_finished(self) -> None:
-        """Wait for the online correctness checks started so far (they run after their
-        rounds answered): their counts and metrics are then final."""
-        await self._checks.wait()
 
     def _cancel_writes(self, tenant: str, seq_ids: Sequence[str]) -> None:
         """Release what a failed call reserved on these sequences and not committed.
@@ -757,3 +755,26 @@ class Coordinator:
 
 
 # ------------------------------------------------------------------------------ helpers
+
+
+def _block_manager_config(layout: KVLayout, config: CoordinatorConfig) -> BlockManagerConfig:
+    """The control plane's configuration for workers of `layout`."""
+    return BlockManagerConfig(
+        block_size=layout.block_size,
+        num_layers=layout.num_layers,
+        layout_fingerprint=layout.fingerprint(),
+        tenant_quota_blocks=config.tenant_quota_blocks,
+        eviction_policy=config.eviction_policy,
+    )
+
+
+def _correctness_checker(
+    config: CoordinatorConfig, pool_dtype: torch.dtype, metrics: Any
+) -> CorrectnessChecker | None:
+    """The online correctness check the config asks for; None when off (fraction 0)."""
+    fraction = config.correctness_check_fraction
+    if fraction <= 0:
+        return None
+    return CorrectnessChecker(
+        fraction, pool_dtype, metrics, sequences=config.correctness_check_sequences
+    )
