@@ -1,4 +1,4 @@
-"""The coordinator's adaptive batching window (`coordinator._Batcher`).
+"""The coordinator's adaptive batching window (`engine.batching.Batcher`).
 
 A lone caller must not wait for the window; calls that overlap must still share one worker
 call. The batcher tests drive a fake clock: a window "passes" only when the test fires its
@@ -17,9 +17,10 @@ import pytest
 import torch
 from service_support import HQ, LAYOUT, dense_attention
 
-import cache_service.engine.coordinator as coordinator_module
+import cache_service.engine.rounds as rounds_module
 from cache_service.config import CoordinatorConfig
-from cache_service.engine.coordinator import AppendAttendItem, Coordinator, _Batcher, _Part
+from cache_service.engine.batching import Batcher, Part
+from cache_service.engine.coordinator import AppendAttendItem, Coordinator
 from cache_service.engine.worker_clients import LocalWorkerClient, RayWorkerClient
 from workers.config import PoolConfig
 
@@ -65,7 +66,7 @@ class Worker:
         self.batches: list[list[str]] = []
         self.gates: list[asyncio.Event] = []
 
-    async def run(self, key: Any, parts: list[_Part]) -> None:
+    async def run(self, key: Any, parts: list[Part]) -> None:
         self.batches.append([s for p in parts for s in p.seq_ids])
         gate = asyncio.Event()
         self.gates.append(gate)
@@ -77,8 +78,8 @@ class Worker:
             await asyncio.sleep(0)
 
 
-def part(*seq_ids: str, origin: int | None = None) -> _Part:
-    return _Part(
+def part(*seq_ids: str, origin: int | None = None) -> Part:
+    return Part(
         views=[],
         num_queries=[1] * len(seq_ids),
         seq_ids=list(seq_ids),
@@ -91,9 +92,9 @@ def part(*seq_ids: str, origin: int | None = None) -> _Part:
 
 def make(
     window_s: float = 0.5, max_items: int = 64, overlap: bool = False
-) -> tuple[_Batcher, Worker, FakeClock]:
+) -> tuple[Batcher, Worker, FakeClock]:
     worker, clock = Worker(), FakeClock()
-    batcher = _Batcher(
+    batcher = Batcher(
         KEY, window_s, max_items, worker.run, call_later=clock.call_later, overlap=overlap
     )
     return batcher, worker, clock
@@ -268,7 +269,7 @@ def test_a_caller_that_leaves_holds_the_others_for_two_windows_at_most() -> None
     asyncio.run(scenario())
 
 
-async def _split_into_two_groups(batcher: _Batcher, worker: Worker, clock: FakeClock) -> None:
+async def _split_into_two_groups(batcher: Batcher, worker: Worker, clock: FakeClock) -> None:
     """Callers a, b, c, d seen together, then "a" and "b" on the worker (after their
     window) while "c" and "d" wait, their window passed."""
     batcher.submit(part("a"))
@@ -339,7 +340,7 @@ def test_the_extra_window_for_returning_callers_is_given_once() -> None:
 
 
 async def _callers_seen(
-    batcher: _Batcher, worker: Worker, clock: FakeClock, names: str = "abcdefgh"
+    batcher: Batcher, worker: Worker, clock: FakeClock, names: str = "abcdefgh"
 ) -> None:
     """Callers `names` seen in the last two batches (the first alone, then the others)."""
     batcher.submit(part(names[0]))
@@ -487,9 +488,7 @@ def test_a_lone_caller_of_the_coordinator_never_opens_a_window(monkeypatch) -> N
         windows.append(delay)
         return asyncio.get_running_loop().call_soon(callback)
 
-    monkeypatch.setattr(
-        coordinator_module, "_Batcher", functools.partial(_Batcher, call_later=call_later)
-    )
+    monkeypatch.setattr(rounds_module, "Batcher", functools.partial(Batcher, call_later=call_later))
 
     async def scenario() -> None:
         worker = LocalWorkerClient("w0", PoolConfig(LAYOUT, num_blocks=32))
@@ -520,7 +519,9 @@ def test_a_lone_caller_of_the_coordinator_never_opens_a_window(monkeypatch) -> N
                     assert torch.allclose(res.out.double(), ref, atol=1e-5)
             assert calls == 3 * LAYOUT.num_layers
             assert windows == []
-            assert coord._batchers and not any(b.windowed for b in coord._batchers.values())
+            assert coord._rounds.batchers and not any(
+                b.windowed for b in coord._rounds.batchers.values()
+            )
         finally:
             await coord.close()
             worker.close()
@@ -594,13 +595,13 @@ def test_a_round_over_pages_of_recorded_steps_is_planned_once(monkeypatch) -> No
     from service_support import Mirror, Recording
 
     planned: list[int] = []
-    real_plan = coordinator_module.plan_attention
+    real_plan = rounds_module.plan_attention
 
     def counted(views: Any, nq: Any, *args: Any, **kwargs: Any) -> Any:
         planned.append(len(views))
         return real_plan(views, nq, *args, **kwargs)
 
-    monkeypatch.setattr(coordinator_module, "plan_attention", counted)
+    monkeypatch.setattr(rounds_module, "plan_attention", counted)
 
     layout = dataclasses.replace(LAYOUT, num_layers=4)
 
@@ -672,7 +673,9 @@ def test_overlap_is_on_by_default_for_workers_in_another_process_only() -> None:
         coord = Coordinator(LAYOUT, workers, config)
         await coord.start()
         try:
-            return {w.worker_id: coord._batcher(0, w.worker_id, HQ)._overlap for w in workers}
+            return {
+                w.worker_id: coord._rounds.batcher(0, w.worker_id, HQ)._overlap for w in workers
+            }
         finally:
             await coord.close()
             for w in workers:
@@ -695,9 +698,9 @@ def test_two_groups_in_flight_on_one_worker_answer_every_caller_correctly() -> N
         config = CoordinatorConfig(overlap_rounds=True, correctness_check_fraction=0.0)
         coord = Coordinator(LAYOUT, [worker], config)
         flying, most = [0], [0]
-        run_parts = coord._run_parts
+        run_parts = coord._rounds.run_parts
 
-        async def counted(key: Any, parts: list[_Part]) -> None:
+        async def counted(key: Any, parts: list[Part]) -> None:
             flying[0] += 1
             most[0] = max(most[0], flying[0])
             try:
@@ -705,7 +708,7 @@ def test_two_groups_in_flight_on_one_worker_answer_every_caller_correctly() -> N
             finally:
                 flying[0] -= 1
 
-        coord._run_parts = counted  # type: ignore[method-assign]
+        coord._rounds.run_parts = counted  # type: ignore[method-assign]
         await coord.start()
         try:
 
@@ -727,7 +730,7 @@ def test_two_groups_in_flight_on_one_worker_answer_every_caller_correctly() -> N
             coord.block_manager.check_integrity()
             stats = coord.block_manager.stats()
             assert stats.active_sequences == 0 and all(w.used == 0 for w in stats.workers.values())
-            assert all(b._overlap for b in coord._batchers.values())
+            assert all(b._overlap for b in coord._rounds.batchers.values())
             return most[0]
         finally:
             await coord.close()

@@ -14,7 +14,7 @@ import pytest
 import torch
 from service_support import HQ, LAYOUT, dense_attention, run_coordinator
 
-import cache_service.engine.coordinator as coordinator_module
+import cache_service.engine.rounds as rounds_module
 from cache_service.control.types import Segment, SequenceView
 from cache_service.engine.attention_plan import (
     AttentionPlanError,
@@ -163,13 +163,13 @@ async def step(
 def spy_views(monkeypatch: pytest.MonkeyPatch) -> list[type]:
     """The types of the views the coordinator plans with."""
     seen: list[type] = []
-    real = coordinator_module.plan_attention
+    real = rounds_module.plan_attention
 
     def spy(views: Any, *args: Any, **kwargs: Any) -> Any:
         seen.extend(type(v) for v in views)
         return real(views, *args, **kwargs)
 
-    monkeypatch.setattr(coordinator_module, "plan_attention", spy)
+    monkeypatch.setattr(rounds_module, "plan_attention", spy)
     return seen
 
 

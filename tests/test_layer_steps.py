@@ -371,14 +371,14 @@ def stacked(items: list[AppendAttendItem]) -> StackedAppendAttend:
 def short_paths(coord: Coordinator) -> list[int]:
     """Count the calls that took the short path (a step repeated under the locks)."""
     taken = [0]
-    real = coord._repeat_step
+    real = coord._repeats.repeat_step
 
     async def wrapped(*args: Any, **kwargs: Any) -> Any:
         result = await real(*args, **kwargs)
         taken[0] += result is not None
         return result
 
-    coord._repeat_step = wrapped  # type: ignore[method-assign]
+    coord._repeats.repeat_step = wrapped  # type: ignore[method-assign]
     return taken
 
 
@@ -460,11 +460,11 @@ def watch_finite_checks(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], lis
     """Record how the coordinator checks rounds for NaN/inf: the parts of each round it
     checked part by part (after a worker refused it), and the rounds whose values it
     summed itself (each as its number of parts)."""
-    import cache_service.engine.coordinator as coordinator_module
+    import cache_service.engine.rounds as rounds_module
 
     looked_at: list[int] = []
     joined: list[int] = []
-    real, real_joined = coordinator_module._finite_parts, coordinator_module._joined_finite
+    real, real_joined = rounds_module._finite_parts, rounds_module._joined_finite
 
     def finite_parts(parts: list[Any]) -> list[Any]:
         looked_at.append(len(parts))
@@ -475,8 +475,8 @@ def watch_finite_checks(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], lis
             joined.append(len(parts))
         return real_joined(parts, *a)
 
-    monkeypatch.setattr(coordinator_module, "_finite_parts", finite_parts)
-    monkeypatch.setattr(coordinator_module, "_joined_finite", joined_finite)
+    monkeypatch.setattr(rounds_module, "_finite_parts", finite_parts)
+    monkeypatch.setattr(rounds_module, "_joined_finite", joined_finite)
     return looked_at, joined
 
 
@@ -590,7 +590,7 @@ def test_a_step_replaced_before_the_locks_are_taken_is_not_repeated() -> None:
         await coord.append_attend_stacked("t", 0, stacked(items))
         items, _ = model.items(0, 1)
         batch = stacked(items)
-        stale = coord._stacked_step("t", 1, batch)
+        stale = coord._repeats.stacked_step("t", 1, batch)
         assert stale is not None
         # Meanwhile the next step's layer 0 replaces the recorded step.
         for layer in range(1, LAYERS):
@@ -599,7 +599,7 @@ def test_a_step_replaced_before_the_locks_are_taken_is_not_repeated() -> None:
         nxt, _ = model.items(1, 0)
         await coord.append_attend_stacked("t", 0, stacked(nxt))
         before = coord.block_manager.to_records()
-        assert await coord._repeat_step("t", 1, stale, batch, False) is None
+        assert await coord._repeats.repeat_step("t", 1, stale, batch, False) is None
         assert coord.block_manager.to_records() == before
         coord.block_manager.check_integrity()
 
@@ -625,7 +625,7 @@ def test_a_worker_lost_between_two_layers_fails_the_stacked_call_and_keeps_the_b
             await coord.append_attend_stacked("t", 1, stacked(items))
         coord.block_manager.check_integrity()
         # The step is not repeated afterwards: its worker is no longer the coordinator's.
-        assert coord._stacked_step("t", 1, stacked(items)) is None
+        assert coord._repeats.stacked_step("t", 1, stacked(items)) is None
 
     run(scenario)
 
@@ -640,13 +640,13 @@ def test_a_bad_batch_sharing_a_round_fails_alone_and_the_others_stay_exact() -> 
         groups = [[(await coord.create_sequence("t")).seq_id for _ in range(2)] for _ in range(3)]
         models = [Model(g) for g in groups]
         rounds: list[int] = []  # parts per worker round
-        real = coord._run_parts
+        real = coord._rounds.run_parts
 
         async def counted(key: Any, parts: list[Any]) -> None:
             rounds.append(len(parts))
             await real(key, parts)
 
-        coord._run_parts = counted  # type: ignore[method-assign]
+        coord._rounds.run_parts = counted  # type: ignore[method-assign]
         for model in models:  # layer 0 records each batch's step
             items, q = model.items(1, 0)
             res = await coord.append_attend_stacked("t", 0, stacked(items))
@@ -679,27 +679,27 @@ def test_rounds_coalescing_the_same_steps_plan_once_and_stay_exact() -> None:
     async def scenario(coord: Coordinator) -> None:
         import asyncio
 
-        import cache_service.engine.coordinator as coord_mod
+        import cache_service.engine.rounds as rounds_mod
 
         groups = [[(await coord.create_sequence("t")).seq_id for _ in range(2)] for _ in range(3)]
         models = [Model(g) for g in groups]
         sets: list[frozenset[str]] = []  # the sequences of each coalesced round
-        real_run = coord._run_parts
+        real_run = coord._rounds.run_parts
 
         async def counted(key: Any, parts: list[Any]) -> None:
             if len(parts) > 1:
                 sets.append(frozenset(s for p in parts for s in p.seq_ids))
             await real_run(key, parts)
 
-        coord._run_parts = counted  # type: ignore[method-assign]
+        coord._rounds.run_parts = counted  # type: ignore[method-assign]
         planned = [0]
-        real_plan = coord_mod.plan_attention
+        real_plan = rounds_mod.plan_attention
 
         def counting_plan(*args: Any, **kwargs: Any) -> Any:
             planned[0] += 1
             return real_plan(*args, **kwargs)
 
-        coord_mod.plan_attention = counting_plan  # type: ignore[assignment]
+        rounds_mod.plan_attention = counting_plan  # type: ignore[assignment]
         reused = 0  # rounds that found their set's plan
         try:
             for token in range(1, 4):
@@ -720,7 +720,7 @@ def test_rounds_coalescing_the_same_steps_plan_once_and_stay_exact() -> None:
                 assert planned[0] == len(set(sets))
                 reused += len(sets) - len(set(sets))
         finally:
-            coord_mod.plan_attention = real_plan  # type: ignore[assignment]
+            rounds_mod.plan_attention = real_plan  # type: ignore[assignment]
         assert reused > 0, "the same steps never coalesced twice"
         coord.block_manager.check_integrity()
 
@@ -820,6 +820,7 @@ def test_a_failure_making_the_answer_keeps_no_write(monkeypatch, path: str) -> N
     # path: a failure there (a cast out of memory, here injected) fails the call and
     # keeps none of its writes; the same call then succeeds, equal to dense attention.
     import cache_service.engine.coordinator as coordinator_mod
+    import cache_service.engine.step_repeats as step_repeats_mod
 
     def fail(*args: Any, **kwargs: Any) -> Any:
         raise MemoryError("an injected failure making the answer")
@@ -836,9 +837,10 @@ def test_a_failure_making_the_answer_keeps_no_write(monkeypatch, path: str) -> N
         items, q = model.items(0, layer)
         batch = stacked(items)
         with monkeypatch.context() as patched:
-            patched.setattr(
-                coordinator_mod, "_stacked" if path == "full" else "_repeat_answer", fail
-            )
+            if path == "full":
+                patched.setattr(coordinator_mod, "stacked_result", fail)
+            else:
+                patched.setattr(step_repeats_mod, "repeat_answer", fail)
             if path == "callback":
                 done: list[Any] = []
                 assert coord.repeat_now("t", layer, batch, True, None, None, 7, done.append)

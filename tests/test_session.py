@@ -219,17 +219,17 @@ def test_a_sessions_calls_name_its_connection_to_the_batcher(svc, transport) -> 
     # The batcher counts a client's parts by its connection (call_origin): every call of
     # one session names the same origin, two clients' sessions different ones, and a
     # unary call none (the batcher then goes by the first sequence).
-    import cache_service.engine.coordinator as coordinator_module
+    import cache_service.engine.batching as batching
 
     seen: list[tuple[str, int | None]] = []
-    real = coordinator_module._Batcher.submit
+    real = batching.Batcher.submit
 
     def spy(self: Any, part: Any) -> None:
         seen.append((part.seq_ids[0], part.origin))
         real(self, part)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(coordinator_module._Batcher, "submit", spy)
+        mp.setattr(batching.Batcher, "submit", spy)
         with (
             KVCacheClient(svc.address, local_session=TRANSPORTS[transport]) as first,
             KVCacheClient(svc.address, local_session=TRANSPORTS[transport]) as second,

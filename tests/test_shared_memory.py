@@ -913,13 +913,13 @@ def test_shared_rounds_copy_each_callers_rows_into_its_slot(monkeypatch) -> None
     with ServiceHarness(config, local_workers(1, 64)) as harness:
         rounds = []
         coord = harness.coordinator
-        real_run = coord._run_parts
+        real_run = coord._rounds.run_parts
 
         async def run_parts(key: Any, parts: list[Any]) -> None:
             rounds.append(len(parts))
             await real_run(key, parts)
 
-        coord._run_parts = run_parts  # type: ignore[method-assign]
+        coord._rounds.run_parts = run_parts  # type: ignore[method-assign]
         in_step = threading.Barrier(clients)
         errors: list[BaseException] = []
 

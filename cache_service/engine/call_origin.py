@@ -2,7 +2,7 @@
 
 A session (a gRPC Session stream, or a local session) names itself for the calls it
 carries; the coordinator's batcher counts a client's parts by that name
-(`coordinator._Batcher`). Without it the batcher falls back to a part's first sequence, so
+(`engine.batching.Batcher`). Without it the batcher falls back to a part's first sequence, so
 one client that alternates between two batches of sequences, each call waiting for the
 one before, would look like two callers that never come together. Calls that name no
 origin (unary RPCs, in-process callers) get that fallback.

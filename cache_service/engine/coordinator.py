@@ -26,54 +26,63 @@ back, empty, as soon as it answers again.
 
 Concurrency: everything that touches the BlockManager runs on one asyncio event loop, so
 each control-plane step is atomic; worker calls are awaited without holding the loop.
+
+The coordinator checks, locks, plans and commits; it owns small collaborators for the
+rest: `rounds.Rounds` (batchers and worker rounds, with `batching`), `step_repeats` (a
+decode step's other layers), `membership` (workers lost and revived), `block_releases`
+(release_blocks ordered before reuse) and `worker_calls` (copies, writes, exports).
+Argument checks are in `input_checks`, the tensors' way into parts and back in
+`call_parts` and `call_tensors`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
-import math
-import time
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from cache_service.config import CoordinatorConfig
 from cache_service.control.block_manager import BlockManager, BlockManagerConfig
 from cache_service.control.types import (
     CreatedSequence,
-    Segment,
-    SequenceView,
     TenantQuota,
-    WriteCursor,
     WritePlan,
 )
-from cache_service.engine.attention_plan import (
-    AttentionPlan,
-    LayerPages,
-    OneWorkerView,
-    SequenceViewLike,
-    WorkerWrite,
-    one_writer_in_order,
-    plan_attention,
-    run_attention,
+from cache_service.engine.batching import Part
+from cache_service.engine.block_releases import BlockReleases
+from cache_service.engine.call_deadline import check_deadline
+from cache_service.engine.call_parts import split_parts, view_after_write, view_of
+from cache_service.engine.call_tensors import (
+    Spans,
+    blocks_to_tokens,
+    reassemble,
+    stacked_result,
 )
-from cache_service.engine.call_deadline import check_deadline, current_deadline
-from cache_service.engine.call_origin import current_origin
 from cache_service.engine.cancel_safety import run_to_completion
 from cache_service.engine.correctness_check import CorrectnessChecker
-from cache_service.engine.eager_tasks import start_eagerly
-from cache_service.engine.errors import ServiceUnavailable, WorkerLost
-from cache_service.engine.layer_steps import LayerStep, LayerStepCache
+from cache_service.engine.errors import ServiceUnavailable
+from cache_service.engine.input_checks import (
+    block_shape,
+    check_append_attend,
+    check_finite,
+    check_layer,
+    check_new_rows,
+    check_not_empty,
+    check_queries,
+    check_reserved,
+    check_tensor,
+)
+from cache_service.engine.layer_steps import LayerStepCache
+from cache_service.engine.membership import Membership
 from cache_service.engine.request_ids import request_seq_id
-from cache_service.engine.running_checks import RunningCheck, RunningChecks
+from cache_service.engine.rounds import Rounds
+from cache_service.engine.running_checks import RunningChecks
 from cache_service.engine.sequence_locks import SequenceLocks
+from cache_service.engine.step_repeats import StepRepeats
 from cache_service.engine.store import MetadataStore, StoreError
 from cache_service.engine.values import (
     AppendAttendItem,
@@ -84,22 +93,14 @@ from cache_service.engine.values import (
     StackedAppendAttend,
     WorkerState,
 )
+from cache_service.engine.worker_calls import WorkerCalls
 from cache_service.engine.worker_interface import AttentionResult, WorkerClient
 from cache_service.errors import (
     CacheError,
     InvalidRequest,
     LayerNotWritten,
     PoolExhausted,
-    SequenceLost,
     SequenceNotFound,
-)
-from cache_service.wire.tensor_codec import joined_view
-from workers.errors import (
-    NonFiniteInput,
-    StaleCoordinatorError,
-    StaleEpochError,
-    WorkerError,
-    WorkerUnavailable,
 )
 from workers.layout import KVLayout
 
@@ -115,271 +116,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvcache.coordinator")
-
-_FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
-
-
-_Spans = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
-
-
-# ------------------------------------------------------------------------------ batching
-
-
-@dataclass
-class _Part:
-    """One call's work for one group of workers on one layer.
-
-    layer: the layer it writes and attends over.
-    views / num_queries / seq_ids: per sequence of the call in this part, in order.
-    query: the rows of all those sequences, concatenated, pool dtype.
-    writes: worker -> (slots, key, value) of new tokens (pool dtype).
-    """
-
-    views: list[SequenceViewLike]
-    num_queries: list[int]
-    seq_ids: list[str]
-    query: torch.Tensor
-    writes: dict[str, tuple[list[int], torch.Tensor, torch.Tensor]]
-    return_lse: bool
-    layer: int = 0
-    # The kernel plan of exactly these views and query rows, when known (a recorded
-    # step's); _run_parts fills it in when it plans this part alone.
-    plan: AttentionPlan | None = None
-    # Host memory for the part's output (the caller's shared-memory slot): the worker's
-    # when the part runs alone (run_attention's `out`), else the round's rows are copied
-    # there once it is back.
-    out: torch.Tensor | None = None
-    # The recorded step the part repeats (its views, slots and plan are the step's).
-    step: LayerStep | None = None
-    # The client connection the call came on (call_origin), for the batcher; None: none
-    # named (the batcher then goes by the first sequence).
-    origin: int | None = None
-    # False: nobody has checked query / writes for NaN and infinities yet (the stacked
-    # short path leaves that to the worker's device; see _run_parts).
-    finite_checked: bool = True
-    future: asyncio.Future[AttentionResult] = field(init=False)
-
-
-# Adaptive window (see _Batcher): weight of the newest batch in the estimate of how often
-# batches are shared, and the estimate at or above which a lone part waits for the window.
-_SHARED_WEIGHT = 0.5
-_SHARED_THRESHOLD = 0.25
-# Batches whose callers the next batch expects (see _Batcher).
-_RECENT_BATCHES = 4
-
-
-class _Batcher:
-    """Coalesces parts for one (layer, worker, num_q_heads) into one worker call (for one
-    (worker, num_q_heads) and every layer with CoordinatorConfig.coalesce_layers).
-
-    A batch leaves when its window (opened by its first part) has passed and the previous
-    batch of this key has come back, or at once when it holds `max_items` sequences. Under
-    load, calls that arrive while a batch is on the worker gather into the next one instead
-    of queueing behind it one by one.
-
-    The window is adaptive. A batch counts as shared when one of its parts arrived while
-    another part was gathering or a batch was on the worker; `_shared` is a moving estimate
-    of how often recent batches were (each batch weighs `_SHARED_WEIGHT`). A part that finds
-    nothing gathering and nothing in flight while that estimate is below
-    `_SHARED_THRESHOLD` is a lone caller: its batch leaves at once instead of waiting for a
-    window nobody would use. Otherwise it opens the window as above. One shared batch
-    brings the window back; two or three unshared ones in a row drop it again.
-
-    A window also ends early once everyone is there. The batcher knows its callers (a
-    part's caller is the client connection it came on, `call_origin`, else the first
-    sequence it names) and how many parts each sent in its last batch, and expects the
-    callers of its last `_RECENT_BATCHES` batches. Once every expected caller has that many
-    parts pending, the batch leaves as soon as nothing is in flight. Clients that call in
-    step (a model's layers, one call each per round) then wait for each other, not for the
-    clock, and groups of them that drifted apart merge again: a group's batch waits for the
-    others, who come as soon as they had their replies. A client alternating between
-    batches of sequences is one caller with one part per round; threads sharing one
-    connection are one caller with several. A batch that waited its whole window stops
-    expecting the callers it missed that were not in the batch before it either (out of
-    step, or gone), so a caller that leaves holds the others for two windows at most.
-    A batch whose window passed while the batch before it was on the worker waits one more
-    window when that batch's callers are expected: they come straight back with their next
-    parts, and one worker call serves everyone instead of groups that drifted apart taking
-    turns (a straggling group of one or two costs a whole worker call for little).
-
-    With `overlap` (four parts or more expected) the callers in step take turns in two
-    groups instead, so that one group's batch is on the worker while the coordinator takes
-    in the other's parts: a batch leaves, with nothing in flight, once it holds half the
-    parts expected; with one batch in flight, once every expected caller not in that batch
-    has its parts pending. For a worker in another process: with one batch for everyone,
-    the coordinator idles while the batch is on the worker and the worker idles while the
-    coordinator takes in the next parts; two groups keep both busy, for the price of one
-    more worker call per round of every caller (its fixed cost, which would have to
-    outweigh the coordinator's work on all the parts to make one batch better).
-
-    call_later: the timer (delay in seconds, callback) -> handle with ``cancel()``; default
-    the running loop's ``call_later`` (tests pass a fake clock).
-    """
-
-    def __init__(
-        self,
-        key: tuple[int | None, str, int],
-        window_s: float,
-        max_items: int,
-        run: Callable[[tuple[int | None, str, int], list[_Part]], Coroutine[Any, Any, None]],
-        call_later: Callable[[float, Callable[[], None]], Any] | None = None,
-        overlap: bool = False,
-    ) -> None:
-        self._key = key
-        self._window_s = window_s
-        self._max_items = max_items
-        self._run = run
-        self._call_later = call_later
-        self._overlap = overlap
-        self._pending: list[_Part] = []
-        self._items = 0
-        self._timer: Any = None
-        self._due = False  # the pending batch's window has passed
-        self._in_flight = 0
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._shared = 0.0  # moving estimate: how often recent batches were shared
-        self._contended = False  # a part arrived while another was gathering / in flight
-        # Callers of recent batches: caller -> (number of the last batch it was in, its
-        # parts there); the parts the next batch expects of each, in all; the pending
-        # parts of each caller; how many expected callers have all their parts pending
-        # (see the class docstring).
-        self._batches_sent = 0
-        self._last_seen: dict[str | int, tuple[int, int]] = {}
-        self._expected: dict[str | int, int] = {}
-        self._expected_parts = 0
-        self._pending_counts: dict[str | int, int] = {}
-        self._satisfied = 0
-        # The callers of each batch in flight; whether the pending batch's window was
-        # extended once already for callers coming back from the worker.
-        self._flying: dict[asyncio.Task[None], frozenset[str | int]] = {}
-        self._extended = False
-
-    @property
-    def windowed(self) -> bool:
-        """Whether a part arriving at an idle batcher waits for the window (recent batches
-        were shared) rather than leaving at once."""
-        return self._shared >= _SHARED_THRESHOLD
-
-    def submit(self, part: _Part) -> None:
-        idle = not self._pending and self._in_flight == 0
-        if not idle:
-            self._contended = True
-        self._pending.append(part)
-        self._items += len(part.seq_ids)
-        caller = _caller(part)
-        count = self._pending_counts.get(caller, 0) + 1
-        self._pending_counts[caller] = count
-        if count == self._expected.get(caller):
-            self._satisfied += 1
-        if self._items >= self._max_items or (idle and not self.windowed):
-            self._flush()
-        elif self._in_flight == 0 and self._everyone_here():
-            self._flush()
-        elif self._group_ready():
-            self._flush()
-        elif self._timer is None and not self._due:
-            self._start_window()
-
-    def _everyone_here(self) -> bool:
-        """Every caller expected has its parts pending (two or more parts expected)."""
-        return self._expected_parts > 1 and self._satisfied == len(self._expected)
-
-    def _group_ready(self) -> bool:
-        """With `overlap`: whether the pending batch is a group that should leave now (see
-        the class docstring); needs four or more parts expected."""
-        if not self._overlap or not self._pending or self._expected_parts < 4:
-            return False
-        if self._in_flight == 0:
-            return 2 * len(self._pending) >= self._expected_parts
-        if self._in_flight > 1:
-            return False
-        (flying,) = self._flying.values()
-        counts, expected = self._pending_counts, self._expected
-        waiting_for = [c for c in expected if c not in flying]
-        return bool(waiting_for) and all(counts.get(c, 0) >= expected[c] for c in waiting_for)
-
-    def _start_window(self) -> None:
-        if self._call_later is not None:
-            self._timer = self._call_later(self._window_s, self._window_passed)
-        elif self._window_s > 0:
-            self._timer = asyncio.get_running_loop().call_later(self._window_s, self._window_passed)
-        else:
-            # Still merges what arrives in the same event-loop turn.
-            self._timer = asyncio.get_running_loop().call_soon(self._window_passed)
-
-    def _window_passed(self) -> None:
-        self._timer = None
-        self._due = True
-        if self._in_flight == 0:
-            self._flush()
-
-    def _flush(self) -> None:
-        """Send the pending parts as one batch."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        waited_window, self._due = self._due, False
-        self._extended = False
-        parts, self._pending, self._items = self._pending, [], 0
-        counts, self._pending_counts = self._pending_counts, {}
-        self._satisfied = 0
-        if not parts:
-            return
-        self._expect_after(counts, waited_window)
-        # The sample of the batch that leaves now: were other parts arriving while it
-        # gathered, or while the batch before it was on the worker?
-        sample = 1.0 if self._contended else 0.0
-        self._contended = False
-        self._shared += _SHARED_WEIGHT * (sample - self._shared)
-        self._in_flight += 1
-        task = start_eagerly(self._run(self._key, parts))
-        self._tasks.add(task)
-        self._flying[task] = frozenset(counts)
-        task.add_done_callback(self._batch_done)
-
-    def _expect_after(self, counts: dict[str | int, int], waited_window: bool) -> None:
-        """Update the expected callers once a batch left with `counts` parts of each caller
-        (see the class docstring); `waited_window`: it left because its window passed."""
-        self._batches_sent += 1
-        number = self._batches_sent
-        for caller, parts in counts.items():
-            self._last_seen[caller] = (number, parts)
-        # After a whole window, the absent callers of the batch before this one are still
-        # in step (they had their reply later); those absent longer are not.
-        oldest = number - 1 if waited_window else number - _RECENT_BATCHES + 1
-        self._last_seen = {c: seen for c, seen in self._last_seen.items() if seen[0] >= oldest}
-        self._expected = {c: parts for c, (_, parts) in self._last_seen.items()}
-        self._expected_parts = sum(self._expected.values())
-
-    def _batch_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        returning = self._flying.pop(task, frozenset())
-        self._in_flight -= 1
-        if self._in_flight != 0:
-            if self._group_ready():
-                self._flush()
-            return
-        if self._everyone_here() or self._group_ready():
-            self._flush()
-        elif self._due:
-            if not self._extended and any(c in self._expected for c in returning):
-                # Its window passed while the worker was busy, and the callers just answered
-                # are expected: they come straight back, so wait one more window for them
-                # (one worker call for all instead of two groups taking turns).
-                self._extended = True
-                self._due = False
-                self._start_window()
-            else:
-                self._flush()
-
-
-def _caller(part: _Part) -> str | int:
-    """Who sent `part`, for the batcher: its client connection where the call named one,
-    else the first sequence it names (a client's batch of sequences travels together from
-    step to step)."""
-    if part.origin is not None:
-        return part.origin
-    return part.seq_ids[0] if part.seq_ids else id(part)
 
 
 # ------------------------------------------------------------------------------ coordinator
@@ -418,49 +154,67 @@ class Coordinator:
         self._clients: dict[str, WorkerClient] = {w.worker_id: w for w in workers}
         self._states: dict[str, WorkerState] = {}
         self._epochs: dict[str, str] = {}
-        self.block_manager = BlockManager(
-            BlockManagerConfig(
-                block_size=layout.block_size,
-                num_layers=layout.num_layers,
-                layout_fingerprint=layout.fingerprint(),
-                tenant_quota_blocks=self.config.tenant_quota_blocks,
-                eviction_policy=self.config.eviction_policy,
-            )
-        )
+        self.block_manager = BlockManager(_block_manager_config(layout, self.config))
         self._pool_dtype = layout.torch_dtype()
         self._locks = SequenceLocks()
         # Per client batch, what its latest append-and-attend planned (layer_steps).
         self._steps = LayerStepCache()
-        # Plans of rounds that coalesced the same recorded steps (see _round_plan), by the
-        # steps' ids; each entry holds its steps, so an id cannot be reused meanwhile.
-        self._round_plans: OrderedDict[
-            tuple[int, ...], tuple[tuple[LayerStep, ...], AttentionPlan]
-        ] = OrderedDict()
-        self._batchers: dict[tuple[int | None, str, int], _Batcher] = {}
         self._background: set[asyncio.Task[None]] = set()
-        # Per worker, the latest release_blocks call (see _flush_released); workers whose
-        # pools poison released blocks (debug pools): only they are told.
-        self._releases: dict[str, asyncio.Task[None]] = {}
+        # Workers whose pools poison released blocks (debug pools): only they are told.
         self._debug_workers: set[str] = set()
-        self._closed = False
         # The write-ahead metadata store: start() recovers from it and from then on every
         # control-plane mutation is logged before it returns (cache_service.engine.recovery).
         self._store = store
         self.generation: int | None = None
-        fraction = self.config.correctness_check_fraction
-        # The online correctness check (cache_service.engine.correctness_check); None when off.
-        self.correctness = (
-            CorrectnessChecker(
-                fraction,
-                self._pool_dtype,
-                metrics,
-                sequences=self.config.correctness_check_sequences,
-            )
-            if fraction > 0
-            else None
-        )
+        correctness = _correctness_checker(self.config, self._pool_dtype, metrics)
         # Checks of rounds already answered, and what would void them (running_checks).
         self._checks = RunningChecks()
+        # The release_blocks calls, ordered before any reuse (engine.block_releases).
+        self._released = BlockReleases(
+            self, self._clients, self._epochs, self._debug_workers, self._checks, self._background
+        )
+        # Registration, loss and return of the workers (engine.membership).
+        self._membership = Membership(
+            self,
+            self._clients,
+            self._states,
+            self._epochs,
+            self._debug_workers,
+            self._background,
+            self._released.flush,
+            durable=store is not None,
+        )
+        # Copies, writes and exports: worker calls outside rounds (engine.worker_calls).
+        self._calls = WorkerCalls(
+            self._clients,
+            self._epochs,
+            metrics,
+            self._released.released_before_use,
+            self._membership.worker_failed,
+        )
+        # Batching and the worker calls of every per-layer attention (engine.rounds).
+        self._rounds = Rounds(
+            layout,
+            self.config,
+            self._clients,
+            self._epochs,
+            metrics,
+            correctness,
+            self._checks,
+            self._background,
+            self._released.released_before_use,
+            self._membership.worker_failed,
+        )
+        # A decode step's other layers: recorded steps and the short path (step_repeats).
+        self._repeats = StepRepeats(
+            self, self._locks, self._steps, self._epochs, self._rounds, self._cancel_writes
+        )
+
+    @property
+    def correctness(self) -> CorrectnessChecker | None:
+        """The online correctness check (cache_service.engine.correctness_check); None when
+        off (CoordinatorConfig.correctness_check_fraction 0)."""
+        return self._rounds.correctness
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -482,49 +236,26 @@ class Coordinator:
         if self._store is not None:
             kept = self._recover(self._store, descriptions)
             # Fence older coordinators off these workers before serving (generation fence).
-            await asyncio.gather(*(self._claim(c) for c in self._clients.values()))
+            await asyncio.gather(*(self._membership.claim(c) for c in self._clients.values()))
         for client, desc in zip(self._clients.values(), descriptions, strict=True):
-            self._register(client.worker_id, desc, known=client.worker_id in kept)
-        self._flush_released()  # blocks recovery freed (cancelled in-flight reservations)
+            self._membership.register(client.worker_id, desc, known=client.worker_id in kept)
+        self._released.flush()  # blocks recovery freed (cancelled in-flight reservations)
 
     def _recover(self, store: MetadataStore, descriptions: Sequence[Any]) -> set[str]:
         """Rebuild the control plane from the store; returns the workers whose blocks
         survived (same epoch and size). Sequences on the others fail with DATA_LOSS."""
-        from cache_service.engine.recovery import (
-            DurableBlockManager,
-            cancel_unfinished_writes,
-            drop_unfinished_copies,
-            reconcile_workers,
-            recover,
-        )
+        from cache_service.engine.recovery import recover_control_plane
 
-        self.generation = store.begin_generation()
-        result = recover(store, self.block_manager.config)
-        durable = DurableBlockManager.from_recovery(result, store)
         live = {d.worker_id: (d.epoch, d.num_blocks) for d in descriptions}
-        kept, lost = reconcile_workers(durable, live)
-        dropped = drop_unfinished_copies(durable)
-        cancelled = cancel_unfinished_writes(durable)
-        self.block_manager = durable  # type: ignore[assignment]
-        if self.metrics is not None and lost:
-            self.metrics.add_lost_sequences(len(lost))
-        log.info(
-            "control plane recovered",
-            extra={
-                "generation": self.generation,
-                "checkpoint_lsn": result.checkpoint_lsn,
-                "replayed": result.replayed,
-                "workers_kept": sorted(kept),
-                "lost_sequences": len(lost),
-                "dropped_unfinished_copies": len(dropped),
-                "cancelled_unfinished_writes": len(cancelled),
-            },
+        durable, self.generation, kept = recover_control_plane(
+            store, self.block_manager.config, live, self.metrics
         )
+        self.block_manager = durable  # type: ignore[assignment]
         return kept
 
     async def close(self) -> None:
         """Stop background tasks (call after the server drained its calls)."""
-        self._closed = True
+        self._membership.closed = True
         for task in list(self._background):
             task.cancel()
         for task in list(self._background):
@@ -532,28 +263,6 @@ class Coordinator:
                 await task
         if self._store is not None:
             self._store.close()
-
-    def _register(self, worker_id: str, desc: Any, known: bool = False) -> None:
-        if known:  # recovered from the store with its blocks: already registered
-            pass
-        elif self._store is not None:  # the durable manager logs the epoch with it
-            self.block_manager.add_worker(worker_id, desc.num_blocks, epoch=desc.epoch)  # type: ignore[call-arg]
-        else:
-            self.block_manager.add_worker(worker_id, desc.num_blocks)
-        self._epochs[worker_id] = desc.epoch
-        if getattr(desc, "debug", False):
-            self._debug_workers.add(worker_id)
-        else:
-            self._debug_workers.discard(worker_id)
-        self._states[worker_id] = WorkerState(
-            worker_id, desc.device, desc.num_blocks, desc.epoch, True
-        )
-        if self.metrics is not None:
-            self.metrics.set_worker_state(worker_id, True, desc.epoch)
-        log.info(
-            "worker registered",
-            extra={"worker": worker_id, "epoch": desc.epoch, "blocks": desc.num_blocks},
-        )
 
     # -- read-only -------------------------------------------------------------------------
 
@@ -575,6 +284,18 @@ class Coordinator:
     async def lookup(self, tenant: str, token_ids: Sequence[int], namespace: str = "") -> int:
         """Cached leading tokens of a prompt in a namespace (no side effects)."""
         return self.block_manager.lookup(tenant, token_ids, namespace)
+
+    # -- workers and checks ----------------------------------------------------------------
+
+    async def check_workers(self) -> None:
+        """Probe every registered worker's epoch once; a changed epoch (a restart nobody
+        noticed yet) or no answer removes it like a failed call would."""
+        await self._membership.check()
+
+    async def checks_finished(self) -> None:
+        """Wait for the online correctness checks started so far (they run after their
+        rounds answered): their counts and metrics are then final."""
+        await self._checks.wait()
 
     # -- sequences -------------------------------------------------------------------------
 
@@ -636,7 +357,7 @@ class Coordinator:
         """Release a sequence (waits for a call in flight on it)."""
         async with self._locked([seq_id]):
             self.block_manager.free(tenant, seq_id)
-            self._flush_released()
+            self._released.flush()
             self._steps.forget_sequence(seq_id)
 
     async def pin(self, tenant: str, token_ids: Sequence[int], namespace: str = "") -> int:
@@ -646,7 +367,7 @@ class Coordinator:
     async def unpin(self, tenant: str, token_ids: Sequence[int], namespace: str = "") -> None:
         """Undo one pin of this prefix in a namespace."""
         self.block_manager.unpin(tenant, token_ids, namespace)
-        self._flush_released()
+        self._released.flush()
 
     async def publish_public(self, tenant: str, seq_id: str) -> int:
         """Make the sequence's full written blocks findable by every tenant."""
@@ -685,37 +406,26 @@ class Coordinator:
         if layer is None:
             want = (self.layout.num_layers, n, self.layout.num_kv_heads, self.layout.head_dim)
         else:
-            self._check_layer(layer)
+            check_layer(self.layout, layer)
             want = (n, self.layout.num_kv_heads, self.layout.head_dim)
         if n == 0:
             raise InvalidRequest("token_ids is empty: an append writes at least one token")
-        _check_new_rows("", n, key, value, want)
-        _check_tensor("key", key, want)
-        _check_tensor("value", value, want)
+        check_new_rows("", n, key, value, want)
+        check_tensor("key", key, want)
+        check_tensor("value", value, want)
         async with self._locked([seq_id]):
             try:
                 # Refuses an unknown / lost sequence before changing anything.
                 plan = self.block_manager.prepare_write(tenant, seq_id, layer, token_ids)
             except PoolExhausted:
-                self._require_workers()  # no worker at all: UNAVAILABLE, as before
+                self._require_workers()  # no worker at all: UNAVAILABLE, not RESOURCE_EXHAUSTED
                 raise
-            self._flush_released()  # blocks evicted for this write: poisoned first
+            self._released.flush()  # blocks evicted for this write: poisoned first
             key = key.to(self._pool_dtype)
             value = value.to(self._pool_dtype)
-
-            async def copy_then_write() -> None:
-                await self._run_copies(plan, [seq_id])
-                calls = []
-                for worker_id, (rows, slots) in _group_slots(plan.slots).items():
-                    idx = torch.tensor(rows, dtype=torch.long)
-                    k = key.index_select(-3, idx)
-                    v = value.index_select(-3, idx)
-                    calls.append(self._write_on(worker_id, layer, slots, k, v, [seq_id]))
-                await asyncio.gather(*calls)
-
             try:
                 # A deadline passing now must not release the lock under calls in flight.
-                await run_to_completion(copy_then_write())
+                await run_to_completion(self._calls.write_planned(plan, layer, key, value, seq_id))
                 check_deadline()
                 self.block_manager.commit_write(tenant, seq_id, layer, n)
             except BaseException:
@@ -740,16 +450,16 @@ class Coordinator:
         stacked: the items' queries share one dtype; return one result holding every
         item's rows in item order (out ``[sum m, Hq, D]``) instead of one per item.
         """
-        self._check_layer(layer)
-        _check_not_empty(items, "attend")
+        check_layer(self.layout, layer)
+        check_not_empty(items, "attend")
         queries = [it.query for it in items]
-        hq = self._check_queries(queries)
-        _check_finite(queries, lambda: ((f"items[{i}].query", q) for i, q in enumerate(queries)))
+        hq = check_queries(self.layout, queries)
+        check_finite(queries, lambda: ((f"items[{i}].query", q) for i, q in enumerate(queries)))
         seq_ids = [it.seq_id for it in items]
         async with self._locked(seq_ids):
             views = []
             for i, it in enumerate(items):
-                view = self._view_of(tenant, it.seq_id, layer)
+                view = view_of(self.block_manager, self.layout.block_size, tenant, it.seq_id, layer)
                 m = it.query.shape[0]
                 if m > view.seq_len:
                     raise LayerNotWritten(
@@ -757,13 +467,13 @@ class Coordinator:
                         f"{it.seq_id!r} has only {view.seq_len} written tokens"
                     )
                 views.append(view)
-            parts = self._split(views, queries, seq_ids, return_lse)
-            outputs = await self._execute(layer, parts, hq)
+            parts = split_parts(self._pool_dtype, views, queries, seq_ids, return_lse)
+            outputs = await self._rounds.execute(layer, parts, hq)
         if self.metrics is not None:
             self.metrics.add_attention_tokens(sum(q.shape[0] for q in queries))
         if stacked:
-            return [_stacked(len(items), parts, outputs, queries[0].dtype, return_lse)]
-        return _reassemble(len(items), parts, outputs, [q.dtype for q in queries])
+            return [stacked_result(len(items), parts, outputs, queries[0].dtype, return_lse)]
+        return reassemble(len(items), parts, outputs, [q.dtype for q in queries])
 
     async def append_attend(
         self,
@@ -783,33 +493,12 @@ class Coordinator:
         errors are the same without it.
         stacked: as in `attend`.
         """
-        self._check_layer(layer)
-        _check_not_empty(items, "append_attend")
-        queries = [it.query for it in items]
-        hq = self._check_queries(queries)
-        seq_ids = [it.seq_id for it in items]
-        if len(set(seq_ids)) != len(seq_ids):
-            dup = next(s for s in seq_ids if seq_ids.count(s) > 1)
-            raise InvalidRequest(f"sequence {dup!r} appears twice in one append_attend")
-        keys = [it.key for it in items]
-        values = [it.value for it in items]
-        self._check_new_kv(items)
-        spans = _spans(joined, keys, values, queries)
-
-        def named() -> Iterable[tuple[str, torch.Tensor]]:
-            for i, it in enumerate(items):
-                for name in ("key", "value", "query"):
-                    yield f"items[{i}].{name}", getattr(it, name)
-
-        # Keys, values and queries each as one run (what the servicer decodes into one
-        # buffer per field is checked in three passes); item order names a culprit.
-        runs: list[torch.Tensor] = []
-        for span, tensors in zip(spans, (keys, values, queries), strict=True):
-            runs += tensors if span is None else (span,)
-        _check_finite(runs, named)
+        queries, hq, seq_ids, keys, values, spans = check_append_attend(
+            self.layout, layer, items, joined
+        )
         async with self._locked(seq_ids):
             # The step's other layers reuse what its first layer planned (layer_steps).
-            step = self._reusable_step(tenant, layer, seq_ids, items)
+            step = self._repeats.reusable_step(tenant, layer, seq_ids, items)
             if step is None:
                 plans = self._prepare_append(tenant, layer, items)
             committed = False
@@ -818,32 +507,21 @@ class Coordinator:
                     if any(plan.copies for plan in plans):
                         # Copy-on-write copies run to the end even if the call's deadline
                         # passes: the tables already point at the copies.
-                        await run_to_completion(self._run_copies_of(plans, seq_ids))
-                    views = [
-                        self._view_after_write(tenant, s, layer, plan)
-                        for s, plan in zip(seq_ids, plans, strict=True)
-                    ]
-                    parts = self._split(
-                        views, queries, seq_ids, return_lse, (plans, keys, values), spans
+                        await run_to_completion(self._calls.run_copies_of(plans, seq_ids))
+                    parts = self._planned_parts(
+                        tenant, layer, plans, queries, keys, values, seq_ids, spans, return_lse
                     )
                 else:
-                    dtype = self._pool_dtype
-                    k_span, v_span, q_span = spans
-                    part = self._step_part(
-                        step,
-                        _rows(queries, dtype, q_span),
-                        _rows(keys, dtype, k_span),
-                        _rows(values, dtype, v_span),
-                        return_lse,
-                    )
-                    parts = [(list(range(len(items))), part)]
-                outputs = await self._execute(layer, parts, hq)
+                    parts = self._repeats.step_parts(step, queries, keys, values, spans, return_lse)
+                outputs = await self._rounds.execute(layer, parts, hq)
                 # The answer before the commit: a failure making it (a dtype cast out of
                 # memory) then keeps nothing, as a failed call must.
                 if stacked:
-                    answer = [_stacked(len(items), parts, outputs, queries[0].dtype, return_lse)]
+                    answer = [
+                        stacked_result(len(items), parts, outputs, queries[0].dtype, return_lse)
+                    ]
                 else:
-                    answer = _reassemble(len(items), parts, outputs, [q.dtype for q in queries])
+                    answer = reassemble(len(items), parts, outputs, [q.dtype for q in queries])
                 check_deadline()
                 # All or nothing: every write is checked before any is committed.
                 self.block_manager.commit_writes(
@@ -851,7 +529,7 @@ class Coordinator:
                 )
                 committed = True
                 if step is None:
-                    self._remember_step(tenant, seq_ids, plans, parts)
+                    self._repeats.remember_step(tenant, seq_ids, plans, parts)
                 else:
                     step.plan = parts[0][1].plan
             except BaseException:
@@ -894,83 +572,17 @@ class Coordinator:
         short path does not accept (another batch, other tokens, a non-finite value, an
         unusual shape) goes the full way, which raises the precise error.
         """
-        step = self._stacked_step(tenant, layer, batch) if short_path else None
+        step = self._repeats.stacked_step(tenant, layer, batch) if short_path else None
         if step is not None:
-            result = await self._repeat_step(tenant, layer, step, batch, return_lse, out, rows)
+            result = await self._repeats.repeat_step(
+                tenant, layer, step, batch, return_lse, out, rows
+            )
             if result is not None:
                 return result
         (result,) = await self.append_attend(
             tenant, layer, batch.items(), return_lse, joined=batch.joined(), stacked=True
         )
         return result
-
-    def _stacked_step(
-        self, tenant: str, layer: int, batch: StackedAppendAttend
-    ) -> LayerStep | None:
-        """The recorded step `batch` can repeat on `layer`, judged by what needs no lock:
-        the same batch of sequences, its token and query row counts, tensors of the layout's
-        shapes and float dtypes. None: take the full path. Whether every value is finite
-        is left to the round (`_run_parts`): the worker's device checks it where the data
-        goes anyway, or the coordinator when the round is shared."""
-        step = self._recorded_step(tenant, batch.seq_ids)
-        if step is None or type(layer) is not int or not 0 <= layer < self.layout.num_layers:
-            return None
-        key, value, query = batch.key, batch.value, batch.query
-        b, n, m = len(batch.seq_ids), step.snapshot.num_tokens, step.num_queries[0]
-        hkv, d = self.layout.num_kv_heads, self.layout.head_dim
-        if not (
-            type(key) is type(value) is type(query) is torch.Tensor
-            and key.dtype in _FLOAT_DTYPES
-            and value.dtype in _FLOAT_DTYPES
-            and query.dtype in _FLOAT_DTYPES
-            and key.shape == (b, n, hkv, d)
-            and value.shape == (b, n, hkv, d)
-            and query.ndim == 4
-            and query.shape[:2] == (b, m)
-            and query.shape[3] == d
-            and query.shape[2] >= 1
-            and query.shape[2] % hkv == 0
-            and len(batch.token_ids) == b * n
-            and key.is_contiguous()
-            and value.is_contiguous()
-            and query.is_contiguous()
-        ):
-            return None
-        return step
-
-    async def _repeat_step(
-        self,
-        tenant: str,
-        layer: int,
-        step: LayerStep,
-        batch: StackedAppendAttend,
-        return_lse: bool,
-        out: torch.Tensor | None = None,
-        rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> AttentionResult | None:
-        """Run `batch` on `layer` through `step` (checked by `_stacked_step`); None, having
-        changed nothing, when under the locks the step no longer applies. out, rows: as in
-        `append_attend_stacked`."""
-        async with self._locks.holding(step.lock_order):  # sorted ids, as `_locked` takes
-            part = self._repeat_part(tenant, layer, step, batch, return_lse, out, rows)
-            if part is None:
-                return None
-            try:
-                rows_of = [(list(range(len(batch.seq_ids))), part)]
-                (output,) = await self._execute(layer, rows_of, batch.query.shape[2])
-                answer = _repeat_answer(batch, output, return_lse)
-                check_deadline()
-                self._repeat_committed(layer, step, part)
-            except NonFiniteInput:
-                # Refused before anything was written; the full path's check names the
-                # sequence and tensor.
-                self._cancel_writes(tenant, batch.seq_ids)
-                return None
-            except BaseException:
-                self._cancel_writes(tenant, batch.seq_ids)
-                raise
-        self._count_repeat(batch, step)
-        return answer
 
     def repeat_now(
         self,
@@ -995,89 +607,32 @@ class Coordinator:
         origin: the caller's connection (`call_origin`) for the batcher; out, rows: as in
         `append_attend_stacked`.
         """
-        step = self._stacked_step(tenant, layer, batch)
-        if step is None or not self._locks.try_acquire(step.lock_order):
-            return False
-        try:
-            part = self._repeat_part(tenant, layer, step, batch, return_lse, out, rows)
-            if part is not None:
-                self._answered_by_future(part, layer, origin)
-                self._batcher(layer, step.worker_id, batch.query.shape[2]).submit(part)
-        except BaseException:
-            self._locks.release(step.lock_order)
-            raise
-        if part is None:
-            self._locks.release(step.lock_order)
-            return False
-        part.future.add_done_callback(
-            functools.partial(
-                self._repeated_now, tenant, layer, step, batch, part, finished, current_deadline()
-            )
+        return self._repeats.repeat_now(
+            tenant, layer, batch, return_lse, out, rows, origin, finished
         )
-        return True
 
-    def _repeated_now(
+    def _planned_parts(
         self,
         tenant: str,
         layer: int,
-        step: LayerStep,
-        batch: StackedAppendAttend,
-        part: _Part,
-        finished: Callable[[AttentionResult | BaseException | None], None],
-        deadline: float,
-        future: asyncio.Future[AttentionResult],
-    ) -> None:
-        """`repeat_now`'s round is back: commit (or cancel: an error, or past the call's
-        commit `deadline`), release, report."""
-        try:
-            answer = _repeat_answer(batch, future.result(), part.return_lse)
-            check_deadline(deadline)
-            self._repeat_committed(layer, step, part)
-        except BaseException as exc:
-            self._cancel_writes(tenant, batch.seq_ids)
-            self._locks.release(step.lock_order)
-            finished(None if isinstance(exc, NonFiniteInput) else exc)
-            return
-        self._locks.release(step.lock_order)
-        self._count_repeat(batch, step)
-        finished(answer)
-
-    def _repeat_part(
-        self,
-        tenant: str,
-        layer: int,
-        step: LayerStep,
-        batch: StackedAppendAttend,
+        plans: list[WritePlan],
+        queries: list[torch.Tensor],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        seq_ids: list[str],
+        spans: Spans,
         return_lse: bool,
-        out: torch.Tensor | None,
-        rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    ) -> _Part | None:
-        """Under the step's sequence locks: the call's part when the step still applies
-        (another call may have replaced it or moved a sequence meanwhile, or its worker
-        may have gone), else None, nothing changed."""
-        if self._recorded_step(tenant, batch.seq_ids) is not step or not (
-            self.block_manager.repeatable(step.snapshot, layer, batch.token_ids)
-        ):
-            return None
-        if rows is None:
-            # `_stacked_step` checked the shapes: [b, m, Hq, D] and [b, n, Hkv, D].
-            rows = (batch.query.flatten(0, 1), batch.key.flatten(0, 1), batch.value.flatten(0, 1))
-        part = self._step_part(step, *rows, return_lse, out)
-        part.finite_checked = False
-        return part
-
-    def _repeat_committed(self, layer: int, step: LayerStep, part: _Part) -> None:
-        """A repeated layer's round is back: its short commit (`repeatable` said yes under
-        the locks still held) and the kernel plan the step keeps."""
-        self.block_manager.commit_repeated(step.snapshot, layer)
-        step.plan = part.plan
-
-    def _count_repeat(self, batch: StackedAppendAttend, step: LayerStep) -> None:
-        """A committed repeated layer's tokens, in the metrics."""
-        if self.metrics is not None:
-            b = len(batch.seq_ids)
-            self.metrics.add_tokens_appended(b * step.snapshot.num_tokens)
-            self.metrics.add_attention_tokens(b * step.num_queries[0])
+    ) -> list[tuple[list[int], Part]]:
+        """The parts of an append-and-attend whose writes were just planned: each item's
+        view as it will be after its write, grouped by worker (`split_parts`)."""
+        block_size = self.layout.block_size
+        views = [
+            view_after_write(self.block_manager, block_size, tenant, s, layer, plan)
+            for s, plan in zip(seq_ids, plans, strict=True)
+        ]
+        return split_parts(
+            self._pool_dtype, views, queries, seq_ids, return_lse, (plans, keys, values), spans
+        )
 
     def _prepare_append(
         self, tenant: str, layer: int, items: Sequence[AppendAttendItem]
@@ -1087,7 +642,7 @@ class Coordinator:
         # rows); write_cursor costs O(positions reserved ahead), not O(sequence length).
         for i, it in enumerate(items):
             cursor = self.block_manager.write_cursor(tenant, it.seq_id, layer)
-            _check_reserved(i, cursor, it.token_ids, layer)
+            check_reserved(i, cursor, it.token_ids, layer)
             if it.query.shape[0] > cursor.start + len(it.token_ids):
                 raise InvalidRequest(
                     f"items[{i}]: {it.query.shape[0]} query rows but the sequence will "
@@ -1099,93 +654,8 @@ class Coordinator:
         plans = self.block_manager.prepare_writes(
             tenant, layer, [(it.seq_id, it.token_ids) for it in items]
         )
-        self._flush_released()  # blocks evicted for these writes: poisoned first
+        self._released.flush()  # blocks evicted for these writes: poisoned first
         return plans
-
-    def _recorded_step(self, tenant: str, seq_ids: Sequence[str]) -> LayerStep | None:
-        """The step recorded for this batch (tenant, sequence ids in order), if its worker
-        is still one of the coordinator's."""
-        step = self._steps.get(tenant, tuple(seq_ids))
-        if step is None or step.worker_id not in self._epochs:
-            return None
-        return step
-
-    def _reusable_step(
-        self, tenant: str, layer: int, seq_ids: list[str], items: Sequence[AppendAttendItem]
-    ) -> LayerStep | None:
-        """The recorded step of this batch when this call is another layer of it: the same
-        token ids and query rows per sequence, the worker still known, and the block
-        manager confirming the write would be planned the same (`repeatable`)."""
-        step = self._recorded_step(tenant, seq_ids)
-        if step is None:
-            return None
-        n = step.snapshot.num_tokens
-        m = step.num_queries[0]
-        tokens: list[object] = []
-        for it in items:
-            ids = it.token_ids
-            if len(ids) != n or it.query.shape[0] != m:
-                return None
-            tokens += ids
-        if not self.block_manager.repeatable(step.snapshot, layer, tokens):
-            return None
-        return step
-
-    def _step_part(
-        self,
-        step: LayerStep,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        return_lse: bool,
-        out: torch.Tensor | None = None,
-    ) -> _Part:
-        """The call's one part from a recorded step: its views, slots and kernel plan, with
-        this call's queries ``[rows, Hq, D]`` and new K/V ``[tokens, Hkv, D]`` (sequence by
-        sequence, cast to the pool's dtype here), and where its output may go (`out`;
-        run_attention uses it only where it fits the plan and the pool's dtype)."""
-        dtype = self._pool_dtype
-        return _Part(
-            views=step.views,  # type: ignore[arg-type]
-            num_queries=step.num_queries,
-            seq_ids=list(step.snapshot.seq_ids),
-            query=_in_dtype(query, dtype),
-            writes={step.worker_id: (step.slots, _in_dtype(key, dtype), _in_dtype(value, dtype))},
-            return_lse=return_lse,
-            plan=step.plan,
-            out=out,
-            step=step,
-        )
-
-    def _remember_step(
-        self,
-        tenant: str,
-        seq_ids: list[str],
-        plans: list[WritePlan],
-        parts: list[tuple[list[int], _Part]],
-    ) -> None:
-        """Record a planned call for the step's other layers when it qualifies: one part
-        holding every item in order, every sequence and slot on one worker, the same query
-        rows per sequence, and writes the block manager can snapshot."""
-        self._steps.discard(tenant, tuple(seq_ids))
-        if len(parts) != 1:
-            return
-        idx, part = parts[0]
-        if len(part.writes) != 1 or len(set(part.num_queries)) != 1:
-            return
-        ((worker_id, (slots, _, _)),) = part.writes.items()
-        for v in part.views:
-            if type(v) is not OneWorkerView or v.worker_id != worker_id:
-                return
-        if idx != list(range(len(seq_ids))):
-            return
-        snapshot = self.block_manager.snapshot_writes(tenant, seq_ids, plans)
-        if snapshot is None:
-            return
-        views: list[OneWorkerView] = part.views  # type: ignore[assignment]
-        self._steps.put(
-            LayerStep(snapshot, worker_id, part.num_queries, views, list(slots), part.plan)
-        )
 
     # -- export / import -------------------------------------------------------------------
 
@@ -1196,13 +666,13 @@ class Coordinator:
             n = min(info.written)
             bs = self.layout.block_size
             if n == 0:
-                empty = torch.empty((0, *self._block_shape()), dtype=self._pool_dtype)
+                empty = torch.empty((0, *block_shape(self.layout)), dtype=self._pool_dtype)
                 return ExportedSequence([], 0, empty)
             layer = info.written.index(n)
             view = self.block_manager.attention_view(tenant, seq_id, layer)
             pieces = await asyncio.gather(
                 *(
-                    self._guarded(
+                    self._calls.guarded(
                         seg.worker_id,
                         [seq_id],
                         lambda c, e, seg=seg: c.export_blocks(e, list(seg.block_indices)),
@@ -1224,7 +694,7 @@ class Coordinator:
         instead of written. On failure the new sequence is freed again."""
         n = len(token_ids)
         bs = self.layout.block_size
-        _check_tensor("blocks", blocks, (-(-n // bs), *self._block_shape()))
+        check_tensor("blocks", blocks, (-(-n // bs), *block_shape(self.layout)))
         self._require_workers()
         created = self.block_manager.create_sequence(tenant, token_ids)
         try:
@@ -1232,35 +702,19 @@ class Coordinator:
             if n > cached:
                 tail = list(token_ids[cached:])
                 async with self._locked([created.seq_id]):
-                    key, value = _blocks_to_tokens(blocks, n)
+                    key, value = blocks_to_tokens(blocks, n)
                     key = key[:, cached:n].to(self._pool_dtype)
                     value = value[:, cached:n].to(self._pool_dtype)
                     plan = self.block_manager.prepare_write(tenant, created.seq_id, None, tail)
-                    self._flush_released()  # blocks evicted for this write: poisoned first
-
-                    async def copy_then_write() -> None:
-                        await self._run_copies(plan, [created.seq_id])
-                        calls = []
-                        for worker_id, (rows, slots) in _group_slots(plan.slots).items():
-                            idx = torch.tensor(rows, dtype=torch.long)
-                            calls.append(
-                                self._write_on(
-                                    worker_id,
-                                    None,
-                                    slots,
-                                    key.index_select(1, idx),
-                                    value.index_select(1, idx),
-                                    [created.seq_id],
-                                )
-                            )
-                        await asyncio.gather(*calls)
-
-                    await run_to_completion(copy_then_write())
+                    self._released.flush()  # blocks evicted for this write: poisoned first
+                    await run_to_completion(
+                        self._calls.write_planned(plan, None, key, value, created.seq_id)
+                    )
                     self.block_manager.commit_write(tenant, created.seq_id, None, len(tail))
         except BaseException:
             with contextlib.suppress(Exception):
                 self.block_manager.free(tenant, created.seq_id)
-                self._flush_released()
+                self._released.flush()
             raise
         if self.metrics is not None and n > cached:
             self.metrics.add_tokens_appended((n - cached) * self.layout.num_layers)
@@ -1268,76 +722,8 @@ class Coordinator:
 
     # -- internals: validation -------------------------------------------------------------
 
-    def _block_shape(self) -> tuple[int, ...]:
-        lay = self.layout
-        return (lay.num_layers, 2, lay.num_kv_heads, lay.block_size, lay.head_dim)
-
-    def _check_layer(self, layer: object) -> None:
-        if type(layer) is not int or not 0 <= layer < self.layout.num_layers:
-            raise InvalidRequest(f"layer must be in [0, {self.layout.num_layers}), got {layer!r}")
-
-    def _check_queries(self, queries: Sequence[torch.Tensor]) -> int:
-        """Validate query tensors ``[m >= 1, Hq, D]`` with one Hq, a multiple of Hkv."""
-        hkv, d = self.layout.num_kv_heads, self.layout.head_dim
-        if queries:
-            # The usual call passes at C speed; anything else gets the detailed checks.
-            q0 = queries[0]
-            if type(q0) is torch.Tensor and q0.ndim == 3:
-                hq = q0.shape[1]
-                if hq >= 1 and hq % hkv == 0:
-                    for q in queries:
-                        if (
-                            type(q) is not torch.Tensor
-                            or q.dtype not in _FLOAT_DTYPES
-                            or q.ndim != 3
-                            or q.shape[0] < 1
-                            or q.shape[1] != hq
-                            or q.shape[2] != d
-                        ):
-                            break
-                    else:
-                        return hq
-        hq = None
-        for i, q in enumerate(queries):
-            _check_tensor(f"items[{i}].query", q, (None, None, d), finite=False)
-            if q.shape[0] < 1:
-                raise InvalidRequest(f"items[{i}].query has no rows")
-            h = q.shape[1]
-            if h < 1 or h % hkv:
-                raise InvalidRequest(
-                    f"items[{i}].query has {h} heads, which is not a positive multiple of the "
-                    f"{hkv} KV heads"
-                )
-            if hq is not None and h != hq:
-                raise InvalidRequest(
-                    f"items[{i}].query has {h} heads, items[0] has {hq}: one call, one head count"
-                )
-            hq = h
-        return hq or 0
-
-    def _check_new_kv(self, items: Sequence[AppendAttendItem]) -> None:
-        """Each item's token ids (n >= 1) and key / value ``[n, Hkv, D]`` of a float dtype."""
-        hkv, d = self.layout.num_kv_heads, self.layout.head_dim
-        for i, it in enumerate(items):
-            n = len(it.token_ids)
-            k, v = it.key, it.value
-            if (
-                n > 0
-                and type(k) is torch.Tensor
-                and type(v) is torch.Tensor
-                and k.dtype in _FLOAT_DTYPES
-                and v.dtype in _FLOAT_DTYPES
-                and k.shape == (n, hkv, d)
-                and v.shape == (n, hkv, d)
-            ):
-                continue
-            if n == 0:
-                raise InvalidRequest(f"items[{i}].token_ids is empty")
-            _check_new_rows(f"items[{i}].", n, k, v, (n, hkv, d))
-            _check_tensor(f"items[{i}].key", k, (n, hkv, d), finite=False)
-            _check_tensor(f"items[{i}].value", v, (n, hkv, d), finite=False)
-
     def _require_workers(self) -> None:
+        """Refuse with UNAVAILABLE while no worker is serving."""
         if not self.block_manager.workers():
             known = len(self._states)
             raise ServiceUnavailable(
@@ -1349,504 +735,6 @@ class Coordinator:
     def _locked(self, seq_ids: Sequence[str]) -> contextlib.AbstractAsyncContextManager[None]:
         # Sorted, so two calls locking overlapping sets cannot deadlock.
         return self._locks.holding(sorted(set(seq_ids)))
-
-    # -- internals: planning ---------------------------------------------------------------
-
-    def _view_of(self, tenant: str, seq_id: str, layer: int) -> SequenceViewLike:
-        """What attending over `layer` reads: a `OneWorkerView` over the cached block ids
-        when the sequence lives on one worker (O(1)), else its per-worker segments."""
-        seq_len = self.block_manager.written_length(tenant, seq_id, layer)
-        ids = self.block_manager.block_ids(tenant, seq_id, -(-seq_len // self.layout.block_size))
-        if ids is not None:
-            worker_id, view = ids
-            return OneWorkerView(seq_len, worker_id, np.frombuffer(view, dtype=np.int32))
-        return self.block_manager.attention_view(tenant, seq_id, layer)
-
-    def _view_after_write(
-        self, tenant: str, seq_id: str, layer: int, plan: WritePlan
-    ) -> SequenceViewLike:
-        """The view of `layer` as it will be once the planned tokens are written: keys
-        ``[0, start + n)``, i.e. the table's first ``ceil((start + n) / block_size)`` blocks.
-
-        A sequence on one worker (the usual case) gets a `OneWorkerView` over the block
-        manager's cached int32 ids (no per-block work); others their per-worker segments.
-        """
-        bs = self.layout.block_size
-        seq_len = plan.start + len(plan.slots)
-        ids = self.block_manager.block_ids(tenant, seq_id, -(-seq_len // bs))
-        if ids is not None:
-            worker_id, view = ids
-            # A read-only int32 array over the cached ids: no copy.
-            return OneWorkerView(seq_len, worker_id, np.frombuffer(view, dtype=np.int32))
-        segments: list[Segment] = []
-        if plan.start > 0:
-            segments = list(self.block_manager.attention_view(tenant, seq_id, layer).segments)
-        num_blocks = -(-plan.start // bs)  # what the view covers: [0, start)
-        # The blocks the new tokens open (a position at a block's first slot), in order,
-        # each joining the last segment when it is on the same worker.
-        for i, (worker_id, slot) in enumerate(plan.slots):
-            if (plan.start + i) // bs != num_blocks:
-                continue
-            block = slot // bs
-            last = segments[-1] if segments else None
-            if last is not None and last.worker_id == worker_id:
-                segments[-1] = Segment(worker_id, last.start_token, (*last.block_indices, block))
-            else:
-                segments.append(Segment(worker_id, num_blocks * bs, (block,)))
-            num_blocks += 1
-        return SequenceView(plan.start + len(plan.slots), tuple(segments))
-
-    def _split(
-        self,
-        views: list[SequenceViewLike],
-        queries: Sequence[torch.Tensor],
-        seq_ids: list[str],
-        return_lse: bool,
-        new: tuple[list[WritePlan], list[torch.Tensor], list[torch.Tensor]] | None = None,
-        spans: _Spans = (None, None, None),
-    ) -> list[tuple[list[int], _Part]]:
-        """Group a call's items into parts: one per single worker (coalescible), one for
-        the items spread over several workers. Returns (item indices, part) pairs.
-
-        new: per item, the write plan and the new tokens' key / value (append-and-attend).
-        spans: the keys, values and queries of all items as one flat tensor each, where
-        known (`_spans`); used when one part holds every item.
-        Each part gets its items' queries, keys and values as one tensor (per worker) in
-        the pool dtype: a view when the items' tensors lie back to back (as the servicer
-        decodes them), else one copy.
-        """
-        groups: dict[str | None, list[int]] = {}
-        for i, view in enumerate(views):
-            if type(view) is OneWorkerView:
-                groups.setdefault(view.worker_id, []).append(i)
-                continue
-            segs = view.segments
-            if len(segs) == 1:
-                key: str | None = segs[0].worker_id
-            else:
-                used = {seg.worker_id for seg in segs if seg.start_token < view.seq_len}
-                key = next(iter(used)) if len(used) == 1 else None
-            groups.setdefault(key, []).append(i)
-        dtype = self._pool_dtype
-        out = []
-        for idx in groups.values():
-            # One part of every item (the usual call): the items' spans are the part's.
-            k_span, v_span, q_span = spans if len(idx) == len(views) else (None, None, None)
-            writes: dict[str, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
-            if new is not None:
-                writes = _part_writes(idx, *new, dtype, k_span, v_span)
-            part = _Part(
-                views=[views[i] for i in idx],
-                num_queries=[queries[i].shape[0] for i in idx],
-                seq_ids=[seq_ids[i] for i in idx],
-                query=_rows([queries[i] for i in idx], dtype, q_span),
-                writes=writes,
-                return_lse=return_lse,
-            )
-            out.append((idx, part))
-        return out
-
-    # -- internals: execution --------------------------------------------------------------
-
-    async def _execute(
-        self, layer: int, parts: list[tuple[list[int], _Part]], hq: int
-    ) -> list[AttentionResult]:
-        """Run every part (coalescing single-worker ones); results in part order."""
-        loop = asyncio.get_running_loop()
-        waits = []
-        origin = current_origin()
-        for _, part in parts:
-            self._answered_by_future(part, layer, origin)
-            if part.step is not None:  # a recorded step lives on one worker
-                workers = {part.step.worker_id}
-            else:
-                workers = set(part.writes)
-                for v in part.views:
-                    if type(v) is OneWorkerView:
-                        workers.add(v.worker_id)
-                    else:
-                        workers.update(seg.worker_id for seg in v.segments)
-            if len(workers) == 1:
-                (worker_id,) = workers
-                self._batcher(layer, worker_id, hq).submit(part)
-            else:
-                task = loop.create_task(self._run_parts((layer, "", hq), [part]))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
-            waits.append(part.future)
-        # Every part must finish (or fail) before the call returns, even when its deadline
-        # passed meanwhile: a write still in flight must not race the next call on the
-        # same sequence (cache_service.engine.cancel_safety).
-        if len(waits) == 1:  # the usual call: one part, no gather to build
-            return [await run_to_completion(waits[0])]
-        outcome = await run_to_completion(asyncio.gather(*waits, return_exceptions=True))
-        for result in outcome:
-            if isinstance(result, BaseException):
-                raise result
-        return list(outcome)  # type: ignore[arg-type]
-
-    @staticmethod
-    def _answered_by_future(part: _Part, layer: int, origin: int | None) -> None:
-        """Ready `part` for a round: the future that answers it, its layer, and the
-        caller's connection (`call_origin`) the batcher groups callers by."""
-        part.future = asyncio.get_running_loop().create_future()
-        part.layer = layer
-        part.origin = origin
-
-    def _batcher(self, layer: int, worker_id: str, hq: int) -> _Batcher:
-        # With coalesce_layers one batcher per worker (and head count) takes every layer.
-        key = (None if self.config.coalesce_layers else layer, worker_id, hq)
-        batcher = self._batchers.get(key)
-        if batcher is None:
-            batcher = self._batchers[key] = _Batcher(
-                key,
-                self.config.batch_window_ms / 1000.0,
-                self.config.max_batch_items,
-                self._run_parts,
-                overlap=self._overlaps(worker_id),
-            )
-        return batcher
-
-    def _overlaps(self, worker_id: str) -> bool:
-        """Whether the batcher of `worker_id`'s calls lets two groups of callers take
-        turns: CoordinatorConfig.overlap_rounds; by default for a worker in another
-        process, not for one in this process (its calls hold the event loop: nothing to
-        overlap with)."""
-        overlap = self.config.overlap_rounds
-        if overlap is None:
-            client = self._clients.get(worker_id)
-            return client is not None and client.out_of_process
-        return overlap
-
-    async def _run_parts(self, key: tuple[int | None, str, int], parts: list[_Part]) -> None:
-        """One worker round for several parts: one plan, one call per worker, results split
-        back to each part's future."""
-        check_on_device = False
-        layers = {p.layer for p in parts}
-        # One layer (the usual round): per-layer calls. Several (coalesce_layers): one call
-        # over pages of every layer.
-        layer = parts[0].layer if len(layers) == 1 else None
-        # A round of recorded steps plans as it did on their earlier layers, whether its
-        # parts are on one layer or on several (over pages): the views are the steps'.
-        round_key = _round_steps(parts)
-        if len(parts) == 1:  # the lone caller's round: its part's lists as they are
-            views, nq, seq_ids = parts[0].views, parts[0].num_queries, parts[0].seq_ids
-        else:
-            views = [v for p in parts for v in p.views]
-            nq = [n for p in parts for n in p.num_queries]
-            seq_ids = [s for p in parts for s in p.seq_ids]
-        epochs: dict[str, str] = {}
-        try:
-            if len(parts) == 1 and parts[0].plan is not None:
-                plan = parts[0].plan
-            elif round_key is not None:
-                plan = self._round_plan(round_key, views, nq)
-            else:
-                plan = plan_attention(views, nq, self.layout.block_size)
-                if len(parts) == 1:
-                    parts[0].plan = plan
-            merged: dict[str, list[tuple[list[int], torch.Tensor, torch.Tensor]]] = {}
-            for p in parts:
-                for worker_id, w in p.writes.items():
-                    merged.setdefault(worker_id, []).append(w)
-            # A round of several callers that one worker writes and computes in order goes
-            # to it in parts, as a round over layers (one layer or several): each caller's
-            # query, keys and values where the caller put them, each output part into the
-            # caller's slot (run_attention; the event loop copies nothing), one graph per
-            # round shape on the worker whichever layers. Other rounds join them here, and
-            # a round over several layers that is not one worker's goes over pages.
-            in_parts = len(parts) > 1 and (layer is None or one_writer_in_order(plan, merged))
-            over_layers = layer is None or in_parts
-            slot_layers: dict[str, list[int]] = {}  # over layers: each new token's layer
-            if over_layers:
-                for p in parts:
-                    for worker_id, w in p.writes.items():
-                        slot_layers.setdefault(worker_id, []).extend([p.layer] * len(w[0]))
-            query: torch.Tensor | list[torch.Tensor]
-            if in_parts:
-                query = [p.query for p in parts]
-            else:
-                query = torch.cat([p.query for p in parts]) if len(parts) > 1 else parts[0].query
-            join = list if in_parts else torch.cat
-            writes = {
-                w: WorkerWrite(*ws[0], slot_layers=slot_layers.get(w))
-                if len(ws) == 1
-                else WorkerWrite(
-                    [s for slots, _, _ in ws for s in slots],
-                    join([k for _, k, _ in ws]),
-                    join([v for _, _, v in ws]),
-                    slot_layers.get(w),
-                )
-                for w, ws in merged.items()
-            }
-            into: torch.Tensor | list[torch.Tensor] | None = (
-                parts[0].out if len(parts) == 1 else None
-            )
-            if in_parts and all(p.out is not None for p in parts):
-                into = [p.out for p in parts]  # type: ignore[misc]
-            check_on_device = _checked_on_device(parts, plan, writes)
-            if not check_on_device and not _joined_finite(parts, query, writes.values()):
-                # Someone's values are not finite: find whose, fail those, run the rest.
-                survivors = _finite_parts(parts)
-                if survivors:
-                    await self._run_parts(key, survivors)
-                return
-            workers = {b.worker_id for b in plan.batches} | set(writes)
-            missing = [w for w in workers if w not in self._epochs]
-            if missing:
-                raise SequenceLost(
-                    f"worker(s) {missing} holding blocks of this call were lost; free the "
-                    "sequences and recompute"
-                )
-            await self._released_before_use(workers)
-            epochs = {w: self._epochs[w] for w in workers}
-            t0 = time.perf_counter()
-            return_lse = any(p.return_lse for p in parts)
-            target: int | LayerPages = (
-                layer
-                if not over_layers
-                else LayerPages(
-                    np.repeat(
-                        np.array([p.layer for p in parts], dtype=np.int64),
-                        [len(p.seq_ids) for p in parts],
-                    ),
-                    self.layout.num_layers,
-                    self.layout.block_size,
-                )
-            )
-            result = await run_attention(
-                plan,
-                query,
-                target,
-                self._clients,
-                epochs,
-                writes=writes,
-                return_lse=return_lse,
-                out=into,
-                check_finite=check_on_device,
-            )
-            elapsed = time.perf_counter() - t0
-            if self.metrics is not None:
-                for w in workers:
-                    self.metrics.observe_worker_call(
-                        w, len(seq_ids), elapsed, len(parts), layer is None
-                    )
-            outs, lses = _part_rows(parts, result)
-        except (StaleEpochError, WorkerUnavailable) as exc:
-            error = await self._worker_failed(exc, epochs, seq_ids)
-            for p in parts:
-                if not p.future.done():
-                    # Each caller hears of its own sequences only (parts of one round may
-                    # belong to other tenants' calls).
-                    own = list(dict.fromkeys(p.seq_ids))
-                    p.future.set_exception(WorkerLost(error.worker_id, own, error.reason))
-            return
-        except Exception as exc:  # plan / validation errors: every part fails the same way
-            if isinstance(exc, NonFiniteInput) and check_on_device and len(parts) > 1:
-                # The worker refused the shared round, nothing written: find whose values
-                # are not finite (they fail), run the others' again.
-                survivors = _finite_parts(parts)
-                if survivors:
-                    await self._run_parts(key, survivors)
-                return
-            for p in parts:
-                if not p.future.done():
-                    p.future.set_exception(exc)
-            return
-        if layer is not None and self.correctness is not None and self.correctness.sample():
-            await self._start_check(
-                self.correctness, plan, query, layer, epochs, result, seq_ids, nq
-            )
-        for p, out, lse in zip(parts, outs, lses, strict=True):
-            if p.future.done():
-                continue
-            target = p.out
-            if (
-                target is not None
-                and target.data_ptr() != out.data_ptr()  # not produced there already
-                and target.shape == out.shape
-                and target.dtype == out.dtype
-            ):
-                # Rows of a shared round: copied into the caller's output slot here, where
-                # a torch copy costs less than the reply's write of a slice (which skips
-                # an output already in place).
-                target.copy_(out)
-                out = target
-            p.future.set_result(AttentionResult(out, lse))
-
-    async def _start_check(
-        self,
-        checker: CorrectnessChecker,
-        plan: AttentionPlan,
-        query: torch.Tensor | list[torch.Tensor],
-        layer: int,
-        epochs: dict[str, str],
-        result: AttentionResult,
-        seq_ids: list[str],
-        nq: list[int],
-    ) -> None:
-        """Check a round beside the traffic once its callers are answered (see
-        running_checks): registered now, while the callers still hold their sequences, on
-        copies of its query and output (the callers' buffers are theirs to reuse)."""
-        blocks = {
-            b.worker_id: frozenset(int(i) for e in b.entries for i in e.block_indices)
-            for b in plan.batches
-        }
-        check = RunningCheck(frozenset(seq_ids), blocks)
-        # Copies (of the parts, joined, for a round given in parts).
-        query = torch.cat(query) if isinstance(query, list) else query.clone()
-        got = result.out
-        served = AttentionResult(
-            torch.cat(got) if isinstance(got, list) else got.clone(),
-            None if result.lse is None else result.lse.clone(),
-        )
-
-        def run() -> Awaitable[object]:
-            return checker.check(
-                plan, query, layer, self._clients, epochs, served, seq_ids, nq, check.valid
-            )
-
-        task = await self._checks.start(check, run)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def checks_finished(self) -> None:
-        """Wait for the online correctness checks started so far (they run after their
-        rounds answered): their counts and metrics are then final."""
-        await self._checks.wait()
-
-    def _round_plan(
-        self, steps: tuple[LayerStep, ...], views: list[SequenceViewLike], nq: list[int]
-    ) -> AttentionPlan:
-        """The plan of a round coalescing exactly these recorded steps (in this order),
-        made once: concurrent clients in step with each other meet again on the next layer,
-        and their steps' views do not change between layers (layer_steps). Kept for the
-        most recent `_MAX_ROUND_PLANS` sets; a new step is a new object, so a stale plan
-        is never found again."""
-        key = tuple(id(s) for s in steps)
-        kept = self._round_plans.get(key)
-        if kept is not None:
-            self._round_plans.move_to_end(key)
-            return kept[1]
-        plan = plan_attention(views, nq, self.layout.block_size)
-        self._round_plans[key] = (steps, plan)
-        while len(self._round_plans) > _MAX_ROUND_PLANS:
-            self._round_plans.popitem(last=False)
-        return plan
-
-    async def _run_copies(self, plan: WritePlan, seq_ids: list[str]) -> None:
-        await self._run_copies_of([plan], seq_ids)
-
-    async def _run_copies_of(self, plans: list[WritePlan], seq_ids: list[str]) -> None:
-        by_worker: dict[str, tuple[list[int], list[int]]] = {}
-        for plan in plans:
-            for c in plan.copies:
-                src, dst = by_worker.setdefault(c.worker_id, ([], []))
-                src.append(c.src)
-                dst.append(c.dst)
-        await asyncio.gather(
-            *(
-                self._guarded(w, seq_ids, lambda cl, e, s=s, d=d: cl.copy_blocks(e, s, d))
-                for w, (s, d) in by_worker.items()
-            )
-        )
-
-    async def _write_on(
-        self,
-        worker_id: str,
-        layer: int | None,
-        slots: list[int],
-        key: torch.Tensor,
-        value: torch.Tensor,
-        seq_ids: list[str],
-    ) -> None:
-        t0 = time.perf_counter()
-        await self._guarded(worker_id, seq_ids, lambda c, e: c.write(e, layer, slots, key, value))
-        if self.metrics is not None:
-            self.metrics.observe_worker_call(worker_id, 1, time.perf_counter() - t0)
-
-    async def _guarded(
-        self,
-        worker_id: str,
-        seq_ids: list[str],
-        call: Callable[[WorkerClient, str], Awaitable[Any]],
-    ) -> Any:
-        """Run one worker call with the current epoch; a lost worker becomes WorkerLost."""
-        await self._released_before_use([worker_id])
-        epoch = self._epochs.get(worker_id)
-        if epoch is None:
-            raise SequenceLost(
-                f"worker {worker_id!r} holding blocks of this call was lost; free the "
-                "sequences and recompute"
-            )
-        try:
-            return await call(self._clients[worker_id], epoch)
-        except (StaleEpochError, WorkerUnavailable) as exc:
-            raise await self._worker_failed(exc, {worker_id: epoch}, seq_ids) from None
-
-    # -- internals: released blocks ---------------------------------------------------------
-
-    def _flush_released(self) -> None:
-        """Tell the workers which blocks went free (debug pools poison them with NaN).
-
-        Call right after every control-plane step that may free blocks, before any await.
-        Fire and forget, yet ordered before any reuse: the release_blocks call starts now,
-        and every later worker call that can write, copy into or read a block of that
-        worker first waits for the releases started before it (_released_before_use).
-        Reuse needs a prepare_write that runs after this step, so its copy or write is
-        sent after the release has been carried out, and the poison can never land on the
-        new owner's data. (Waiting for completion rather than relying on submission
-        order keeps this true for any WorkerClient, in-process threads included.)
-        """
-        released = self.block_manager.take_released()
-        if not released:
-            return
-        self._checks.blocks_released(released)
-        loop = asyncio.get_running_loop()
-        for worker_id, blocks in released.items():
-            epoch = self._epochs.get(worker_id)
-            if epoch is None or worker_id not in self._debug_workers:
-                continue  # lost (its pool is gone), or a pool that would only check ids
-            task = loop.create_task(
-                self._release_on(worker_id, epoch, blocks, self._releases.get(worker_id))
-            )
-            self._releases[worker_id] = task
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
-    async def _release_on(
-        self,
-        worker_id: str,
-        epoch: str,
-        blocks: list[int],
-        previous: asyncio.Task[None] | None,
-    ) -> None:
-        if previous is not None and not previous.done():
-            await asyncio.wait({previous})  # one after another: the latest implies all
-        try:
-            await self._clients[worker_id].release_blocks(epoch, blocks)
-        except WorkerError as exc:
-            # A dead or restarted worker has no blocks to poison; the next data call on
-            # it notices the loss and handles it.
-            log.warning(
-                "release_blocks failed",
-                extra={"worker": worker_id, "blocks": len(blocks), "reason": str(exc)},
-            )
-
-    async def _released_before_use(self, worker_ids: Iterable[str]) -> None:
-        """Wait for the release_blocks calls already started on these workers.
-
-        Releases still pending in the control plane are sent first: a path that forgot to
-        flush after freeing or evicting still cannot write a block before its poison.
-        """
-        self._flush_released()
-        pending = {
-            task
-            for w in worker_ids
-            if (task := self._releases.get(w)) is not None and not task.done()
-        }
-        if pending:
-            await asyncio.wait(pending)
 
     def _cancel_writes(self, tenant: str, seq_ids: Sequence[str]) -> None:
         """Release what a failed call reserved on these sequences and not committed.
@@ -1863,450 +751,30 @@ class Coordinator:
                 # Lost with its worker (nothing left to release), or the store failed
                 # (the coordinator must restart; recovery cancels it then).
                 continue
-        self._flush_released()
-
-    # -- internals: failures ---------------------------------------------------------------
-
-    async def _worker_failed(
-        self,
-        exc: StaleEpochError | WorkerUnavailable,
-        epochs: dict[str, str],
-        seq_ids: list[str],
-    ) -> WorkerLost:
-        """Drop the failed worker from the control plane (once per epoch) and start
-        watching for its return. Returns the error to raise to the callers."""
-        worker_id = exc.worker_id
-        epoch = epochs.get(worker_id)
-        if epoch is not None and self._epochs.get(worker_id) == epoch:
-            lost = self.block_manager.lose_worker(worker_id)
-            del self._epochs[worker_id]
-            self._flush_released()  # the failed sequences' blocks on the other workers
-            state = self._states[worker_id]
-            self._states[worker_id] = WorkerState(
-                worker_id, state.device, state.num_blocks, state.epoch, False
-            )
-            log.warning(
-                "worker lost",
-                extra={
-                    "worker": worker_id,
-                    "epoch": epoch,
-                    "reason": str(exc),
-                    "lost_sequences": len(lost),
-                },
-            )
-            if self.metrics is not None:
-                self.metrics.add_lost_sequences(len(lost))
-                self.metrics.set_worker_state(worker_id, False, epoch)
-            if not self._closed:
-                task = asyncio.get_running_loop().create_task(self._revive(worker_id))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
-        reason = (
-            "it restarted with an empty pool" if isinstance(exc, StaleEpochError) else exc.reason
-        )
-        return WorkerLost(worker_id, list(dict.fromkeys(seq_ids)), reason)
-
-    async def _claim(self, client: WorkerClient) -> Any:
-        """With a store: claim the worker for this coordinator's generation (its calls
-        carry it from then on; lower generations are refused: `PoolWorker.claim`).
-        Without one (generation None: unfenced), or for a client without `claim`: describe.
-        Returns the worker's description."""
-        claim = getattr(client, "claim", None)
-        if self.generation is None or claim is None:
-            return await client.describe()
-        return await claim(self.generation)
-
-    async def _revive(self, worker_id: str) -> None:
-        """Re-register a lost worker, empty, once it answers again (backoff up to 5 s)."""
-        delay = 0.05
-        while not self._closed:
-            try:
-                desc = await self._claim(self._clients[worker_id])
-            except StaleCoordinatorError as exc:
-                log.error(
-                    "worker not re-registered: this coordinator was superseded",
-                    extra={"worker": worker_id, "reason": str(exc)},
-                )
-                return
-            except WorkerError:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-                continue
-            if worker_id not in self.block_manager.workers():
-                self._register(worker_id, desc)
-            return
-
-    async def check_workers(self) -> None:
-        """Probe every registered worker's epoch once; a changed epoch (a restart nobody
-        noticed yet) or no answer removes it like a failed call would."""
-        for worker_id, epoch in list(self._epochs.items()):
-            try:
-                desc = await self._clients[worker_id].describe()
-            except WorkerUnavailable as exc:
-                await self._worker_failed(exc, {worker_id: epoch}, [])
-                continue
-            if desc.epoch != epoch:
-                await self._worker_failed(
-                    StaleEpochError(worker_id, epoch, desc.epoch), {worker_id: epoch}, []
-                )
+        self._released.flush()
 
 
 # ------------------------------------------------------------------------------ helpers
 
 
-def _check_not_empty(items: Sequence[object], call: str) -> None:
-    """Refuse a call with no items, as the batch calls refuse no sequences: an empty call
-    is a caller's mistake, not a request for nothing."""
-    if not items:
-        raise InvalidRequest(f"items is empty: an {call} call needs at least one item")
-
-
-def _check_new_rows(prefix: str, n: int, key: object, value: object, want: tuple[int, ...]) -> None:
-    """Name a disagreement between the n token ids and the key / value rows as such (one
-    row per new token) rather than as a shape error. `want` is the full expected shape; the
-    token dimension is the one of size n (the second for all layers at once)."""
-    row_dim = len(want) - 3
-    for name, t in (("key", key), ("value", value)):
-        if (
-            isinstance(t, torch.Tensor)
-            and t.ndim == len(want)
-            and t.shape[row_dim] != n
-            and tuple(t.shape[row_dim + 1 :]) == tuple(want[row_dim + 1 :])
-        ):
-            rows = t.shape[row_dim]
-            raise InvalidRequest(
-                f"{prefix}token_ids has {n} entries but {prefix}{name} has {rows} "
-                f"row{'' if rows == 1 else 's'} (shape {list(t.shape)}): one {name} row per "
-                "new token"
-            )
-
-
-def _check_tensor(
-    name: str, t: torch.Tensor, shape: tuple[int | None, ...], *, finite: bool = True
-) -> None:
-    """A float tensor of the given shape (None: any size), finite unless told otherwise."""
-    if not isinstance(t, torch.Tensor):
-        raise InvalidRequest(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.dtype not in _FLOAT_DTYPES:
-        raise InvalidRequest(f"{name} has dtype {t.dtype}; use float16, bfloat16 or float32")
-    if t.ndim != len(shape) or any(
-        w is not None and g != w for g, w in zip(t.shape, shape, strict=False)
-    ):
-        want = ", ".join("*" if w is None else str(w) for w in shape)
-        raise InvalidRequest(f"{name} has shape {list(t.shape)}, expected [{want}]")
-    if finite:
-        _check_finite([t], lambda: [(name, t)])
-
-
-_FP32_RANGE = (torch.bfloat16, torch.float32)
-
-
-def _check_finite(
-    tensors: Sequence[torch.Tensor], named: Callable[[], Iterable[tuple[str, torch.Tensor]]]
-) -> None:
-    """No NaN / inf anywhere: a NaN key in a shared prefix block would poison every
-    sequence that adopts it.
-
-    Fast pass: the sum of each run of `tensors` (runs: tensors back to back in one
-    storage, see `joined_view`). Any NaN or infinity makes its sum NaN or infinite, so a
-    finite sum clears the run. A sum that is not finite (a culprit, or finite values
-    whose sum overflows) sends every tensor of `named()` through the exact check, which
-    names the first culprit.
-    """
-    if not tensors or _sums_finite(tensors):
-        return
-    for name, t in named():
-        if not bool(torch.isfinite(t).all()):
-            raise InvalidRequest(f"{name} contains NaN or infinite values")
-
-
-# Round plans kept (Coordinator._round_plan): a few per concurrent client is plenty.
-_MAX_ROUND_PLANS = 64
-
-
-def _part_rows(
-    parts: list[_Part], result: AttentionResult
-) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor | None]]:
-    """Each part's rows of a round's result (out ``[rows, Hq, D]``, lse ``[rows, Hq]`` or
-    None), in part order: the result itself for a lone part, the output's parts where the
-    worker delivered them in parts, else one ``split`` (a single call however many parts,
-    where slicing costs one per part). `run_attention` has checked that the result holds
-    the plan's rows, which are the parts' in order."""
-    out, lse = result.out, result.lse
-    if len(parts) == 1 and not isinstance(out, list):
-        return (out,), (lse,)
-    sizes = [sum(p.num_queries) for p in parts]
-    outs = out if isinstance(out, list) else out.split(sizes)  # in parts: one per part
-    return outs, ([None] * len(parts) if lse is None else lse.split(sizes))
-
-
-def _round_steps(parts: list[_Part]) -> tuple[LayerStep, ...] | None:
-    """The recorded steps of a round of several parts, each part repeating a different
-    one, with `parts` put in the one order of that set of steps (so the round's plan, and
-    with it the worker's metadata key and graphs, is the same every layer they coalesce
-    again); None, `parts` untouched, for anything else (a lone part, one without a step)."""
-    if len(parts) < 2 or any(p.step is None for p in parts):
-        return None
-    if len({id(p.step) for p in parts}) != len(parts):
-        return None
-    parts.sort(key=lambda p: id(p.step))
-    return tuple(p.step for p in parts)  # type: ignore[misc]
-
-
-def _checked_on_device(
-    parts: list[_Part], plan: AttentionPlan, writes: Mapping[str, WorkerWrite]
-) -> bool:
-    """Whether the worker checks this round's values for NaN and infinities on its device
-    (KVPool.write_and_attend's check_finite, or write_and_attend_pages' for a round over
-    several layers; for free where the data goes anyway): a round with a part nobody
-    checked yet (`_Part.finite_checked` False), one worker writing and reading every row.
-
-    A lone part's refusal is its own (the short path then takes the full path, which
-    names the culprit). A shared round the worker refuses wrote nothing; `_run_parts` then
-    looks part by part (`_finite_parts`) and runs the finite ones again, so one caller's
-    bad values fail only that caller. Any other round is checked here (`_joined_finite`,
-    then `_finite_parts`).
-    """
-    return (
-        not all(p.finite_checked for p in parts)
-        and len(plan.batches) == 1
-        and set(writes) == {plan.batches[0].worker_id}
+def _block_manager_config(layout: KVLayout, config: CoordinatorConfig) -> BlockManagerConfig:
+    """The control plane's configuration for workers of `layout`."""
+    return BlockManagerConfig(
+        block_size=layout.block_size,
+        num_layers=layout.num_layers,
+        layout_fingerprint=layout.fingerprint(),
+        tenant_quota_blocks=config.tenant_quota_blocks,
+        eviction_policy=config.eviction_policy,
     )
 
 
-def _joined_finite(
-    parts: list[_Part], query: torch.Tensor | list[torch.Tensor], writes: Iterable[WorkerWrite]
-) -> bool:
-    """Whether every part of a round is known to hold finite values: checked before, or
-    (one pass over the round's joined query, keys and values instead of three per part)
-    all of the round's values sum to a finite number. False: look part by part."""
-    if all(p.finite_checked for p in parts):
-        return True
-    given = [query, *(t for w in writes for t in (w.key, w.value))]
-    joined = [t for g in given for t in (g if isinstance(g, list) else (g,))]  # parts too
-    if not _sums_finite([t.reshape(-1) for t in joined]):
-        return False
-    for p in parts:
-        p.finite_checked = True
-    return True
-
-
-def _finite_parts(parts: list[_Part]) -> list[_Part]:
-    """The parts of a round whose values are finite, each checked on its own; the others
-    get NonFiniteInput on their futures (the short path then takes the full path, which
-    names the culprit)."""
-    for part in parts:
-        if part.finite_checked:
-            continue
-        tensors = [part.query] + [t for _, k, v in part.writes.values() for t in (k, v)]
-        if _sums_finite([t.reshape(-1) for t in tensors]):
-            part.finite_checked = True
-        elif not part.future.done():
-            part.future.set_exception(
-                NonFiniteInput("a key, value or query holds NaN or infinite values")
-            )
-    return [p for p in parts if p.finite_checked]
-
-
-def _sums_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """The fast pass of `_check_finite`: every run's sum is finite (so no element is NaN or
-    infinite; False may also mean finite values whose sum overflows)."""
-    # math.isfinite of the Python float: a fraction of what a torch.isfinite call costs.
-    return all(math.isfinite(s.item()) for s in _run_sums(tensors))
-
-
-def _run_sums(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Sums covering every element of `tensors` (float32 or of float32's range): one per
-    run of tensors lying back to back in one storage (so a request decoded by the servicer
-    costs three sums)."""
-    runs: list[torch.Tensor] = []
-    start = 0
-    end_ptr = -1
-    for i, t in enumerate(tensors):
-        # Address arithmetic finds the candidates; joined_view makes sure.
-        ptr = t.data_ptr()
-        if i and ptr != end_ptr:
-            runs.extend(_as_runs(tensors[start:i]))
-            start = i
-        end_ptr = ptr + t.numel() * t.element_size()
-    runs.extend(_as_runs(tensors[start:]))
-    if len(runs) > 8:  # many separate tensors (in-process callers): one sum over a copy
-        return [torch.cat([r.float() for r in runs]).sum()]
-    # bfloat16 and float32 share float32's range, so their own-dtype sum (2.5x faster on
-    # CPU for bfloat16) overflows no sooner; float16's would at 65504.
-    return [r.sum() if r.dtype in _FP32_RANGE else r.sum(dtype=torch.float32) for r in runs]
-
-
-def _as_runs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    if len(tensors) > 1:
-        span = joined_view(tensors)
-        if span is not None:
-            return [span]
-    return [t.reshape(-1) for t in tensors]
-
-
-def _repeat_answer(
-    batch: StackedAppendAttend, output: AttentionResult, return_lse: bool
-) -> AttentionResult:
-    """A repeated layer's answer: its round's output in the query's dtype (made before
-    the commit, so a failure here keeps nothing)."""
-    out = _in_dtype(output.out, batch.query.dtype)
-    return AttentionResult(out, output.lse if return_lse else None)
-
-
-def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.to(dtype)``, without the call when `t` has that dtype already (the usual case:
-    about 1.6 us a call on the CPU VM, several per part on the hot path)."""
-    return t if t.dtype is dtype else t.to(dtype)
-
-
-def _rows(
-    tensors: list[torch.Tensor], dtype: torch.dtype, span: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The tensors (same trailing dims) concatenated along dim 0, in `dtype`: a view of
-    their memory when they lie back to back in one storage, else one copy.
-
-    span: their `joined_view`, when the caller knows it already."""
-    if len(tensors) == 1:
-        return _in_dtype(tensors[0], dtype)
-    if span is None:
-        span = joined_view(tensors)
-    if span is not None:
-        return _in_dtype(span.view(-1, *tensors[0].shape[1:]), dtype)
-    return torch.cat([t.to(dtype) for t in tensors])
-
-
-def _spans(
-    joined: JoinedFields | None,
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
-    queries: list[torch.Tensor],
-) -> _Spans:
-    """The flat key, value and query spans of `joined` that agree with the items (same
-    dtype, first and last element, element count); None for the others, which then go
-    the general way. A cheap consistency check, not a proof: `joined` comes from the
-    servicer, which decoded the items into those very spans."""
-    if joined is None:
-        return (None, None, None)
-    out: list[torch.Tensor | None] = []
-    for span, tensors in zip(joined, (keys, values, queries), strict=True):
-        ok = (
-            span is not None
-            and span.ndim == 1
-            and span.dtype == tensors[0].dtype
-            and span.is_contiguous()
-            and span.data_ptr() == tensors[0].data_ptr()
-            and span.numel() == sum(map(torch.Tensor.numel, tensors))
-            and tensors[-1].data_ptr() + tensors[-1].numel() * span.element_size()
-            == span.data_ptr() + span.numel() * span.element_size()
-        )
-        out.append(span if ok else None)
-    return out[0], out[1], out[2]
-
-
-def _check_reserved(i: int, cursor: WriteCursor, token_ids: Sequence[int], layer: int) -> None:
-    """Token ids of positions another layer already reserved must match (checked before
-    any reservation, to name the item; the block manager checks again)."""
-    reserved = cursor.reserved
-    for j in range(min(len(reserved), len(token_ids))):
-        if reserved[j] != token_ids[j]:
-            raise InvalidRequest(
-                f"items[{i}]: position {cursor.start + j} holds token {reserved[j]}, got "
-                f"{token_ids[j]} on layer {layer} (every layer must send the same token ids)"
-            )
-
-
-def _group_slots(slots: list[tuple[str, int]]) -> dict[str, tuple[list[int], list[int]]]:
-    """worker -> (token rows, flat slots) of a write plan."""
-    out: dict[str, tuple[list[int], list[int]]] = {}
-    for row, (worker_id, slot) in enumerate(slots):
-        rows, flat = out.setdefault(worker_id, ([], []))
-        rows.append(row)
-        flat.append(slot)
-    return out
-
-
-def _part_writes(
-    idx: list[int],
-    plans: list[WritePlan],
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
-    dtype: torch.dtype,
-    k_span: torch.Tensor | None = None,
-    v_span: torch.Tensor | None = None,
-) -> dict[str, tuple[list[int], torch.Tensor, torch.Tensor]]:
-    """worker -> (slots, key rows, value rows) of the new tokens of items `idx`, in item
-    order, in `dtype`. k_span / v_span: the `joined_view` of those items' keys / values,
-    when known."""
-    per: dict[str, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
-    whole = True  # every item's tokens go to one worker, so its rows stay in order
-    for i in idx:
-        slots = plans[i].slots
-        worker_id = slots[0][0]
-        if len(slots) == 1 or all(w == worker_id for w, _ in slots):
-            slot_list, ks, vs = per.setdefault(worker_id, ([], [], []))
-            slot_list.extend([slot for _, slot in slots])
-            ks.append(keys[i])
-            vs.append(values[i])
-            continue
-        whole = False
-        for w, (rows, flat) in _group_slots(slots).items():
-            rows_t = torch.tensor(rows, dtype=torch.long)
-            slot_list, ks, vs = per.setdefault(w, ([], [], []))
-            slot_list.extend(flat)
-            ks.append(keys[i].index_select(0, rows_t))
-            vs.append(values[i].index_select(0, rows_t))
-    if not (whole and len(per) == 1):
-        k_span = v_span = None
-    return {
-        w: (sl, _rows(ks, dtype, k_span), _rows(vs, dtype, v_span))
-        for w, (sl, ks, vs) in per.items()
-    }
-
-
-def _reassemble(
-    num_items: int,
-    parts: list[tuple[list[int], _Part]],
-    outputs: list[AttentionResult],
-    dtypes: list[torch.dtype],
-) -> list[AttentionResult]:
-    """Per item, in call order, the rows of its part's output (converted to its dtype:
-    once per part when its items share one)."""
-    results: list[AttentionResult | None] = [None] * num_items
-    for (idx, part), res in zip(parts, outputs, strict=True):
-        kinds = {dtypes[i] for i in idx}
-        one_kind = len(kinds) == 1
-        out = res.out.to(next(iter(kinds))) if one_kind else res.out
-        outs = out.split_with_sizes(part.num_queries)
-        lses = (
-            res.lse.split_with_sizes(part.num_queries) if res.lse is not None else [None] * len(idx)
-        )
-        for i, o, lse in zip(idx, outs, lses, strict=True):
-            results[i] = AttentionResult(o if one_kind else o.to(dtypes[i]), lse)
-    return results  # type: ignore[return-value]
-
-
-def _stacked(
-    num_items: int,
-    parts: list[tuple[list[int], _Part]],
-    outputs: list[AttentionResult],
-    dtype: torch.dtype,
-    return_lse: bool,
-) -> AttentionResult:
-    """Every item's rows, in call order, as one result in `dtype`: the part's output itself
-    when one part holds every item in order (the usual call), else one concatenation."""
-    if len(parts) == 1 and parts[0][0] == list(range(num_items)):
-        res = outputs[0]
-        return AttentionResult(_in_dtype(res.out, dtype), res.lse if return_lse else None)
-    per_item = _reassemble(num_items, parts, outputs, [dtype] * num_items)
-    out = torch.cat([r.out for r in per_item])
-    lse = torch.cat([r.lse for r in per_item]) if return_lse else None  # type: ignore[misc]
-    return AttentionResult(out, lse)
-
-
-def _blocks_to_tokens(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[nb, L, 2, Hkv, bs, D]`` -> key, value ``[L, n, Hkv, D]`` (first n positions)."""
-    nb, num_layers, _, hkv, bs, d = blocks.shape
-    # [nb, L, 2, Hkv, bs, D] -> [2, L, nb, bs, Hkv, D] -> [2, L, nb*bs, Hkv, D]
-    t = blocks.permute(2, 1, 0, 4, 3, 5).reshape(2, num_layers, nb * bs, hkv, d)
-    return t[0, :, :n], t[1, :, :n]
+def _correctness_checker(
+    config: CoordinatorConfig, pool_dtype: torch.dtype, metrics: Any
+) -> CorrectnessChecker | None:
+    """The online correctness check the config asks for; None when off (fraction 0)."""
+    fraction = config.correctness_check_fraction
+    if fraction <= 0:
+        return None
+    return CorrectnessChecker(
+        fraction, pool_dtype, metrics, sequences=config.correctness_check_sequences
+    )

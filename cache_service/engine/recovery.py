@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as SequenceABC
 from contextlib import contextmanager
@@ -57,7 +58,10 @@ __all__ = [
     "encode_result",
     "reconcile_workers",
     "recover",
+    "recover_control_plane",
 ]
+
+log = logging.getLogger("kvcache.coordinator")
 
 # The manager's methods that change state. Every one goes through the log; anything not
 # listed here or in _READ_ONLY is refused by the wrapper, so a mutating method added to
@@ -726,3 +730,41 @@ def cancel_unfinished_writes(durable: DurableBlockManager) -> list[SeqRef]:
     for ref in refs:
         durable.cancel_write(ref.tenant, ref.seq_id)
     return refs
+
+
+def recover_control_plane(
+    store: MetadataStore,
+    config: BlockManagerConfig,
+    live: dict[str, tuple[str, int]],
+    metrics: Any = None,
+) -> tuple[DurableBlockManager, int, set[str]]:
+    """A coordinator's start on a store: begin its generation, rebuild the control plane
+    (`recover`), drop the workers that came back other than they were (`live`: worker id
+    -> (epoch, num_blocks) as they describe themselves now), and undo the copies and
+    writes no call finished. Counts the lost sequences in `metrics` (a ServiceMetrics,
+    optional).
+
+    Returns (the durable block manager, the generation, the workers whose blocks
+    survived).
+    """
+    generation = store.begin_generation()
+    result = recover(store, config)
+    durable = DurableBlockManager.from_recovery(result, store)
+    kept, lost = reconcile_workers(durable, live)
+    dropped = drop_unfinished_copies(durable)
+    cancelled = cancel_unfinished_writes(durable)
+    if metrics is not None and lost:
+        metrics.add_lost_sequences(len(lost))
+    log.info(
+        "control plane recovered",
+        extra={
+            "generation": generation,
+            "checkpoint_lsn": result.checkpoint_lsn,
+            "replayed": result.replayed,
+            "workers_kept": sorted(kept),
+            "lost_sequences": len(lost),
+            "dropped_unfinished_copies": len(dropped),
+            "cancelled_unfinished_writes": len(cancelled),
+        },
+    )
+    return durable, generation, kept

@@ -1,0 +1,115 @@
+"""Released blocks: telling the workers whose pools poison them (debug pools) which blocks
+went free, ordered before any later use of those blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from cache_service.engine.running_checks import RunningChecks
+from cache_service.engine.worker_interface import WorkerClient
+from workers.errors import WorkerError
+
+if TYPE_CHECKING:
+    from cache_service.engine.coordinator import Coordinator
+
+__all__ = ["BlockReleases"]
+
+log = logging.getLogger("kvcache.coordinator")
+
+
+class BlockReleases:
+    """The release_blocks calls of one coordinator.
+
+    Args:
+        owner: the coordinator (its `block_manager` is read at each use: recovery
+            replaces it).
+        clients: worker id -> client (the coordinator's dict).
+        epochs: worker id -> epoch of every registered worker (the coordinator's dict).
+        debug_workers: the workers whose pools poison released blocks: only they are told
+            (the coordinator's set).
+        checks: the running correctness checks (a released block voids those reading it).
+        background: the coordinator's background tasks (close() cancels them).
+    """
+
+    def __init__(
+        self,
+        owner: Coordinator,
+        clients: Mapping[str, WorkerClient],
+        epochs: Mapping[str, str],
+        debug_workers: set[str],
+        checks: RunningChecks,
+        background: set[asyncio.Task[None]],
+    ) -> None:
+        self._owner = owner
+        self._clients = clients
+        self._epochs = epochs
+        self._debug_workers = debug_workers
+        self._checks = checks
+        self._background = background
+        # Per worker, the latest release_blocks call (see flush).
+        self._releases: dict[str, asyncio.Task[None]] = {}
+
+    def flush(self) -> None:
+        """Tell the workers which blocks went free (debug pools poison them with NaN).
+
+        Call right after every control-plane step that may free blocks, before any await.
+        Fire and forget, yet ordered before any reuse: the release_blocks call starts now,
+        and every later worker call that can write, copy into or read a block of that
+        worker first waits for the releases started before it (released_before_use).
+        Reuse needs a prepare_write that runs after this step, so its copy or write is
+        sent after the release has been carried out, and the poison can never land on the
+        new owner's data. (Waiting for completion rather than relying on submission
+        order keeps this true for any WorkerClient, in-process threads included.)
+        """
+        released = self._owner.block_manager.take_released()
+        if not released:
+            return
+        self._checks.blocks_released(released)
+        loop = asyncio.get_running_loop()
+        for worker_id, blocks in released.items():
+            epoch = self._epochs.get(worker_id)
+            if epoch is None or worker_id not in self._debug_workers:
+                continue  # lost (its pool is gone), or a pool that would only check ids
+            task = loop.create_task(
+                self._release_on(worker_id, epoch, blocks, self._releases.get(worker_id))
+            )
+            self._releases[worker_id] = task
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _release_on(
+        self,
+        worker_id: str,
+        epoch: str,
+        blocks: list[int],
+        previous: asyncio.Task[None] | None,
+    ) -> None:
+        if previous is not None and not previous.done():
+            await asyncio.wait({previous})  # one after another: the latest implies all
+        try:
+            await self._clients[worker_id].release_blocks(epoch, blocks)
+        except WorkerError as exc:
+            # A dead or restarted worker has no blocks to poison; the next data call on
+            # it notices the loss and handles it.
+            log.warning(
+                "release_blocks failed",
+                extra={"worker": worker_id, "blocks": len(blocks), "reason": str(exc)},
+            )
+
+    async def released_before_use(self, worker_ids: Iterable[str]) -> None:
+        """Wait for the release_blocks calls already started on these workers.
+
+        Releases still pending in the control plane are sent first: a path that forgot to
+        flush after freeing or evicting still cannot write a block before its poison.
+        """
+        self.flush()
+        pending = {
+            task
+            for w in worker_ids
+            if (task := self._releases.get(w)) is not None and not task.done()
+        }
+        if pending:
+            await asyncio.wait(pending)
