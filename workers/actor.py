@@ -220,8 +220,8 @@ class PoolWorker:
         """:meth:`KVPool.run_round` behind the epoch fence (`epoch`: the round's epoch as
         the caller sends it, with its generation when fenced); results on the host (the
         output in `round.out` when given)."""
-        if not _on_channel_thread():
-            round = round.with_tensors(unpack)
+        if self._pack_results and not _on_channel_thread():
+            round = round.with_tensors(unpack)  # packed for Ray's trip (workers.transport)
         return self._run(epoch, lambda: _to_host(self._pool.run_round(round, to_host=True)))
 
     def reference_attend(
