@@ -446,33 +446,25 @@ async def run_attention(
     out: torch.Tensor | list[torch.Tensor] | None = None,
     check_finite: bool = False,
 ) -> AttentionResult:
-    """Run one round on every worker concurrently, then merge.
-
-    Each worker of the plan gets one ``run_round`` (its writes, if any, then its
-    attention; the round carries the batch's key, so a recorded plan's later rounds find
-    their metadata kept on the worker); a worker that writes but does not attend gets a
-    ``write``.
+    """Run one round on every worker concurrently, then merge: one ``run_round`` per
+    worker of the plan (its writes, then its attention, under the batch's key), a
+    ``write`` for a worker that writes but does not attend.
 
     Args:
         plan: from :func:`plan_attention`.
-        query: ``[plan.num_rows, Hq, D]`` in the pool dtype (host); or in parts (a list,
-            rows joined in order: a round's callers' queries where each put its own), the
-            writes' keys/values in parts too and `out` one part per query part (or None).
-            Parts travel as they are to a round that one worker writes and computes in
-            order (it reads and writes each part in place); any other plan joins them
-            first.
+        query: ``[plan.num_rows, Hq, D]`` in the pool dtype (host); or in parts (a list:
+            a round's callers' rows), the writes' K/V in parts too and `out` one part per
+            query part (or None); kept as they are where one worker writes and computes
+            every row in order, joined otherwise.
         layer: layer index, or the layers of a round over several (each write then names
             its new tokens' layers, `WorkerWrite.slot_layers`).
         clients, epochs: every worker of the plan and of ``writes``, with the epoch expected.
         writes: new tokens per worker, written before that worker attends.
         return_lse: also return the merged LSE (asks every worker for it).
         scale, softcap, sliding_window: as in ``kernels.paged_attention``.
-        out: host memory ``[plan.num_rows, Hq, D]`` (the query's dtype) for the output:
-            where one worker writes and computes every row in order (nothing to merge),
-            its round is asked to deliver its output there, sparing a copy (a worker in
-            this process does; the result is then that tensor). A list (query in parts):
-            the result's ``out`` is that list if the worker delivered into it, else one
-            tensor of the rows.
+        out: host memory ``[plan.num_rows, Hq, D]`` (the query's dtype) for the output,
+            used where one worker writes and computes every row in order (a worker that
+            delivers there makes it the result's ``out``); a list for a query in parts.
         check_finite: the writing workers' rounds refuse non-finite inputs
             (workers.errors.NonFiniteInput); for plans where every row is written and read
             by one worker (the caller checks that).
@@ -497,8 +489,7 @@ async def run_attention(
     attending = {b.worker_id for b in plan.batches}
     _check_call(plan, query, writes, clients, epochs, pages, attending)
     direct = _direct_out(plan, query, writes, out)
-    # Each batch's (query, tables, seq_lens, query_start_loc), all built before anything
-    # is sent: one that cannot be built fails the call with no worker sent anything.
+    # Built before anything is sent: one that cannot be built fails the call unsent.
     args = [batch.kernel_args(query) for batch in plan.batches]
     rounds = [
         _round_of(b, a, layer, pages, epochs, writes, options, direct, check_finite)
