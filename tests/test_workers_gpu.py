@@ -24,6 +24,7 @@ from workers.config import PoolConfig
 from workers.errors import PoolAllocationError
 from workers.layout import KVLayout
 from workers.pool import KVPool
+from workers.round import Round
 
 pytestmark = pytest.mark.gpu
 
@@ -209,7 +210,7 @@ def test_one_worker_per_gpu_matches_the_in_process_pool(gpu_ray):
         epoch = descriptions[0].epoch
         ids = list(range(800))
         ray.get(handles[0].import_blocks.remote(epoch, ids, local.export_blocks(ids)))
-        out = ray.get(handles[0].attend.remote(epoch, 0, *args))
+        out = ray.get(handles[0].run_round.remote(epoch, Round(epoch, 0, *args)))
         assert out.device.type == "cpu"
         assert torch.equal(out, attend(local, 0, *args).cpu())
         assert rel_err(out, ref) < TOLERANCE["bfloat16"]
