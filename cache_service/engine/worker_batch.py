@@ -117,7 +117,12 @@ class WorkerBatch:
 
     def metadata_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`kernel_args` less the query: ``(block_tables int32 [S, max_blocks],
-        seq_lens int32 [S], query_start_loc int32 [S + 1])``."""
+        seq_lens int32 [S], query_start_loc int32 [S + 1])``, made once per batch (every
+        round of a planned step sends the same tensors; workers only read them)."""
+        return self._metadata_tensors
+
+    @functools.cached_property
+    def _metadata_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         tables, seq_lens, starts = self._metadata
         return torch.from_numpy(tables), torch.from_numpy(seq_lens), torch.from_numpy(starts)
 
