@@ -86,7 +86,9 @@ from cache_service.engine.attention_plan import (  # noqa: E402
 )
 from cache_service.engine.worker_clients import RayWorkerClient, transfer_blocks  # noqa: E402
 from kernels.testing import PagedBatch, dense_attention  # noqa: E402
+from workers.checks import AttendOptions  # noqa: E402
 from workers.layout import KVLayout  # noqa: E402
+from workers.round import Round  # noqa: E402
 
 PATHS = ("kernel", "worker", "step_e2e", "layer_e2e")
 PATH_MEANING = {
@@ -312,6 +314,10 @@ class AttendArgs:
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.query, self.block_tables, self.seq_lens, self.query_start_loc
 
+    def round(self, epoch: str, layer: int) -> Round:
+        """An attend-only round of these tensors on `layer`."""
+        return Round(epoch, layer, *self.tensors())
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -413,26 +419,26 @@ def actor_kernel_loop(
 def actor_worker_loop(
     worker: Any, epoch: str, args: AttendArgs, rounds: int, start_at: float
 ) -> dict:
-    """Time ``rounds`` x every layer of ``PoolWorker.attend`` inside the actor (no hop):
+    """Time ``rounds`` x every layer of ``PoolWorker.run_round`` (attend only) inside the actor (no hop):
     host inputs, validation, one launch, host output. Host clock."""
     layers = range(worker.pool.layout.num_layers)
     for layer in layers:  # warm-up round
-        out = worker.attend(epoch, layer, *args.tensors())
+        out = worker.run_round(epoch, args.round(epoch, layer))
     _sleep_until(start_at)
     start = time.time()
     t0 = time.perf_counter()
     for _ in range(rounds):
         for layer in layers:
-            out = worker.attend(epoch, layer, *args.tensors())
+            out = worker.run_round(epoch, args.round(epoch, layer))
     seconds = time.perf_counter() - t0
     return {"seconds": seconds, "start": start, "end": time.time(), "out": out}
 
 
 def actor_step(worker: Any, epoch: str, args: AttendArgs) -> list[torch.Tensor]:
-    """One decode step's attention: ``PoolWorker.attend`` on every layer, the outputs of all
+    """One decode step's attention: ``PoolWorker.run_round`` on every layer, the outputs of all
     layers returned (host) as a model executor would receive them."""
     return [
-        worker.attend(epoch, layer, *args.tensors())
+        worker.run_round(epoch, args.round(epoch, layer))
         for layer in range(worker.pool.layout.num_layers)
     ]
 
@@ -545,7 +551,7 @@ def run_concurrent(
                 last = (await call(workers.handles[i], actor_step, epoch, args))[-1]
             else:
                 for layer in range(cfg.num_layers):
-                    last = (await client.attend(epoch, layer, *args.tensors())).out
+                    last = (await client.run_round(args.round(epoch, layer))).out
         seconds = time.perf_counter() - t0
         return WorkerTiming(seconds, start, start + seconds, nbytes), last
 
@@ -725,8 +731,10 @@ async def measure_prefix_sharing(cfg: BenchConfig, workers: Workers, kernel_roun
     for batch in merged.batches:
         q, t, n, st = batch.kernel_args(query)
         client = clients[batch.worker_id]
-        partials[batch.worker_id] = await client.attend(
-            epochs[batch.worker_id], layer, q, t, n, st, return_lse=True
+        partials[batch.worker_id] = await client.run_round(
+            Round(
+                epochs[batch.worker_id], layer, q, t, n, st, options=AttendOptions(return_lse=True)
+            )
         )
     merge_s = []
     for _ in range(warm + cfg.prefix_iters):

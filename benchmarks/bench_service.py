@@ -5,7 +5,7 @@ One measurement is a decode step of `batch` sequences, layer by layer, each laye
 append-and-attend call carrying one new token's K/V and one query row per sequence (what a
 model's attention layer does). The client times every call (serialisation, loopback,
 coordinator, worker, kernels, reply); the in-process baseline times the same
-`PoolWorker.write_and_attend` calls (same shapes, same growing lengths, host results)
+`PoolWorker.run_round` calls (same shapes, same growing lengths, host results)
 without any RPC. Every client runs in its own process; every run decodes forks of contexts
 filled once per service, so each run costs its decode steps only.
 
@@ -60,6 +60,7 @@ from cache_service.event_loop import EVENT_LOOPS
 from workers.actor import PoolWorker
 from workers.config import PoolConfig
 from workers.layout import KVLayout
+from workers.round import Round
 
 
 @dataclass(frozen=True)
@@ -403,7 +404,7 @@ def decode_pool(setup: Setup, steps: int) -> DecodePool:
 
 
 def in_process(setup: Setup) -> tuple[list[float], float]:
-    """The same write_and_attend calls on a PoolWorker in this process.
+    """The same rounds (``run_round``) on a PoolWorker in this process.
 
     Returns (per-call seconds, wall seconds of the timed steps).
     """
@@ -421,10 +422,10 @@ def in_process(setup: Setup) -> tuple[list[float], float]:
             t0 = time.perf_counter()
             # Host results, as the worker returns them to the service; the step's attention
             # metadata kept under one key, as the service's plan for a step is.
-            pool.worker.write_and_attend(
-                pool.epoch, layer, slots, pool.key, pool.key, pool.query, pool.tables,
-                seq_lens, pool.qsl, metadata_key=step,
-            )  # fmt: skip
+            pool.worker.run_round(pool.epoch, Round(
+                pool.epoch, layer, pool.query, pool.tables, seq_lens, pool.qsl, slots,
+                pool.key, pool.key, step_key=step,
+            ))  # fmt: skip
             if step >= warmup:
                 times.append(time.perf_counter() - t0)
         length += 1
@@ -533,7 +534,7 @@ def report(
     if base_times:
         steps = setup.steps / base_wall
         lines.append(
-            f"| in-process `PoolWorker.write_and_attend` (no RPC) | {b50 * 1e3:.3f} | "
+            f"| in-process `PoolWorker.run_round` (no RPC) | {b50 * 1e3:.3f} | "
             f"{percentile(base_times, 99) * 1e3:.3f} | {steps:.2f} | {steps * setup.batch:.1f} "
             "| - | - | - |"
         )

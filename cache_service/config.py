@@ -340,7 +340,7 @@ class CoordinatorConfig:
             are checked whole.
         coalesce_layers: merge concurrent calls for different layers of one worker into
             one worker call as well (one launch of each kernel over pages of every layer,
-            `KVPool.write_and_attend_pages`), not only calls for the same layer: clients
+            `KVPool.run_round`), not only calls for the same layer: clients
             decoding layer by layer are rarely at the same layer at once.
         overlap_rounds: clients calling in step take turns in two groups, one group's
             worker call in flight while the coordinator takes in the other's requests,

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import torch
+from round_calls import round_form
 from workers_support import dense_attention
 
 from cache_service.api.server import RunningService, start_service
@@ -180,23 +181,15 @@ class Mirror:
         return dense_attention(q, torch.cat(self.k[layer]), torch.cat(self.v[layer]))
 
 
-# Recording's data calls and the position of their seq_lens argument (after the epoch).
-_LENS_ARG = {
-    "write_and_attend": 7,
-    "attend": 4,
-    "write_and_attend_pages": 6,
-    "write_and_attend_layers": 8,
-    "attend_pages": 3,
-}
-
-
 class Recording:
     """A WorkerClient proxy that counts data calls and their batch sizes, and can stall.
 
+    Its `calls` count ``write`` and ``run_round``, and each round by its form as well
+    (`round_calls.round_form`: "attend", "one_layer", "over_layers").
+
     delay_s: every data call waits this long before it runs.
-    hold_first: the first attention call (write_and_attend, attend, their _pages forms or
-        write_and_attend_layers)
-        waits until this event is set (it is counted first, so a test can see it arrive).
+    hold_first: the first round waits until this event is set (it is counted first, so a
+        test can see it arrive).
     """
 
     def __init__(
@@ -217,16 +210,18 @@ class Recording:
 
     def __getattr__(self, name: str) -> Any:
         target = getattr(self.inner, name)
-        if name not in _LENS_ARG and name != "write":
+        if name not in ("run_round", "write"):
             return target
 
         async def wrapped(*args: Any, **kwargs: Any) -> Any:
             self.calls[name] += 1
             hold = None
-            if name != "write":
-                lens = args[_LENS_ARG[name]]
+            if name == "run_round":
+                (rnd,) = args
+                self.calls[round_form(rnd)] += 1
                 hold = self.hold_first if not self.batch_sizes else None
-                self.batch_sizes.append(len(lens))
+                lens = rnd.seq_lens
+                self.batch_sizes.append(len(lens) if lens is not None else 0)
             if hold is not None:
                 await asyncio.get_running_loop().run_in_executor(None, hold.wait)
             if self.delay_s:

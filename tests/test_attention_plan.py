@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from round_calls import attend
 from workers_support import Segment, SequenceView, dense_attention, place_sequence, rel_err
 
 from cache_service.engine.attention_plan import (
@@ -26,7 +27,9 @@ from cache_service.engine.attention_plan import (
 from cache_service.engine.worker_clients import LocalWorkerClient
 from cache_service.engine.worker_interface import AttentionResult
 from workers.config import PoolConfig
+from workers.errors import InvalidWorkerRequest
 from workers.layout import KVLayout
+from workers.pages import check_page_count, page_tables
 from workers.pool import KVPool
 
 BS = 4
@@ -38,8 +41,15 @@ def execute(plan: AttentionPlan, query: torch.Tensor, pools: dict[str, KVPool], 
     results = {}
     for batch in plan.batches:
         q, tables, lens, starts = batch.kernel_args(query)
-        value = pools[batch.worker_id].attend(
-            layer, q, tables, lens, starts, causal=plan.causal, return_lse=plan.needs_merge
+        value = attend(
+            pools[batch.worker_id],
+            layer,
+            q,
+            tables,
+            lens,
+            starts,
+            causal=plan.causal,
+            return_lse=plan.needs_merge,
         )
         results[batch.worker_id] = (
             AttentionResult(*value) if isinstance(value, tuple) else AttentionResult(value, None)
@@ -69,30 +79,24 @@ def test_one_worker_is_one_entry_without_merge():
     assert plan.batches[0].entries == (KernelEntry(0, (7, 3, 5), 10, 0, 4, 0),)
 
 
-def test_page_tables_name_each_sequences_layer_and_refuse_int32_overflow():
-    # Page id = block * num_layers + layer, per sequence's layer; padding (block 0) too.
+def test_a_round_over_layers_names_each_sequences_layer_and_the_worker_makes_the_pages():
+    # The coordinator names each sequence's layer; the page ids (block * num_layers +
+    # layer, padding included) are the worker's (workers.pages).
     plan = plan_attention([view(10, ("a", (7, 3, 5))), view(4, ("a", (2,)))], [1, 1], BS)
     (batch,) = plan.batches
     _, tables, _, _ = batch.kernel_args(torch.zeros(2, 4, 16))
-    pages = LayerPages(np.array([1, 0]), 2, 4).page_tables(batch)
-    assert pages.dtype == torch.int32
+    layers = LayerPages(np.array([1, 0])).layers_of(batch)
+    assert layers == [1, 0]
+    pages = page_tables(tables, torch.tensor(layers, dtype=torch.int32), LAYOUT)
     want = tables.to(torch.int64) * 2 + torch.tensor([[1], [0]])
     assert torch.equal(pages.to(torch.int64), want)
     assert pages[0, :3].tolist() == [15, 7, 11] and pages[1, 0].item() == 4
-    # The batch keeps its tables x layers; another round of it on other layers adds those.
-    again = LayerPages(np.array([0, 1]), 2, 4).page_tables(batch)
-    assert torch.equal(again.to(torch.int64), tables.to(torch.int64) * 2 + torch.tensor([[0], [1]]))
-    assert torch.equal(pages.to(torch.int64), want)  # the first round's tables untouched
-    # The largest block id that still fits int32 on 32 layers, and one past it.
-    top = (2**31 - 1 - 31) // 32
-    for block, fits in ((top, True), (top + 1, False)):
-        big = plan_attention([view(1, ("a", (block,)))], [1], BS).batches[0]
-        layer_pages = LayerPages(np.array([31]), 32, 16)
-        if fits:
-            assert layer_pages.page_tables(big)[0, 0].item() == block * 32 + 31
-        else:
-            with pytest.raises(AttentionPlanError, match="page ids pass int32"):
-                layer_pages.page_tables(big)
+    # The most blocks whose pages fit int32 on 32 layers, and one more: refused.
+    deep = KVLayout(num_layers=32, num_kv_heads=2, head_dim=16, block_size=BS, dtype="float32")
+    top = (2**31 - 1) // 32
+    check_page_count(top, deep)
+    with pytest.raises(InvalidWorkerRequest, match="int32 page ids"):
+        check_page_count(top + 1, deep)
 
 
 def test_decode_over_two_workers_splits_into_whole_and_partial_segments():

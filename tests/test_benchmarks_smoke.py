@@ -25,7 +25,7 @@ SMOKE_RUNS = {
         ["--smoke", "--no-ray", "--transports", "local-shm"],
         [
             "- device: CPU",
-            "| in-process `PoolWorker.write_and_attend` (no RPC) |",
+            "| in-process `PoolWorker.run_round` (no RPC) |",
             "| service, pools in the server process, local session",
             "## Concurrency: 2 clients of batch 1 versus one client of batch 1",
         ],

@@ -30,10 +30,7 @@ TIMEOUT_S = 0.3
 SLOW_S = 3 * TIMEOUT_S  # a round this slow always ends past the call's deadline
 
 
-_DATA_CALLS = frozenset(
-    ("write", "attend", "write_and_attend", "write_and_attend_pages", "write_and_attend_layers",
-     "attend_pages")
-)  # fmt: skip
+_DATA_CALLS = frozenset(("write", "run_round"))
 
 
 class Slowed:

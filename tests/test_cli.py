@@ -139,7 +139,7 @@ class Skewed:
 
     def __getattr__(self, name):
         target = getattr(self.inner, name)
-        if name != "write_and_attend":
+        if name != "run_round":
             return target
 
         async def skewed(*args, **kwargs):

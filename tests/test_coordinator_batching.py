@@ -493,14 +493,14 @@ def test_a_lone_caller_of_the_coordinator_never_opens_a_window(monkeypatch) -> N
     async def scenario() -> None:
         worker = LocalWorkerClient("w0", PoolConfig(LAYOUT, num_blocks=32))
         calls = 0
-        inner = worker.write_and_attend
+        inner = worker.run_round
 
         async def counted(*args: Any, **kwargs: Any) -> Any:
             nonlocal calls
             calls += 1
             return await inner(*args, **kwargs)
 
-        worker.write_and_attend = counted  # type: ignore[method-assign]
+        worker.run_round = counted  # type: ignore[method-assign]
         coord = Coordinator(LAYOUT, [worker], CoordinatorConfig(batch_window_ms=3_600_000.0))
         await coord.start()
         try:
@@ -580,9 +580,9 @@ def test_calls_for_different_layers_that_overlap_share_one_worker_call() -> None
             worker.close()
 
     merged = asyncio.run(scenario(True))
-    assert merged == {"write_and_attend": 1, "write_and_attend_layers": 1}
+    assert merged == {"run_round": 2, "one_layer": 1, "over_layers": 1}
     separate = asyncio.run(scenario(False))
-    assert separate == {"write_and_attend": 3}
+    assert separate == {"run_round": 3, "one_layer": 3}
 
 
 def test_a_round_over_pages_of_recorded_steps_is_planned_once(monkeypatch) -> None:
@@ -656,7 +656,7 @@ def test_a_round_over_pages_of_recorded_steps_is_planned_once(monkeypatch) -> No
             worker.close()
 
     rounds, calls = asyncio.run(scenario())
-    assert calls["write_and_attend_layers"] == 2
+    assert calls["over_layers"] == 2
     assert rounds == [1, 0]  # planned on the first meeting only
 
 
@@ -768,9 +768,7 @@ def test_a_round_answered_with_other_rows_fails_every_caller_and_keeps_nothing()
 
             # One good call first, so the batcher expects both callers and they share rounds.
             await asyncio.gather(*(coord.append_attend("t", 0, [item(s)]) for s in seqs))
-            # A shared round goes as write_and_attend_layers (in parts); either way.
-            worker.write_and_attend = shortened(worker.write_and_attend)  # type: ignore[method-assign]
-            worker.write_and_attend_layers = shortened(worker.write_and_attend_layers)  # type: ignore[method-assign]
+            worker.run_round = shortened(worker.run_round)  # type: ignore[method-assign]
             outcome = await asyncio.gather(
                 *(coord.append_attend("t", 1, [item(s)]) for s in seqs), return_exceptions=True
             )

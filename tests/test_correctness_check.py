@@ -180,8 +180,8 @@ class WrongKernelWorker:
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
-    async def write_and_attend(self, *args, **kwargs):
-        result = await self.inner.write_and_attend(*args, **kwargs)
+    async def run_round(self, *args, **kwargs):
+        result = await self.inner.run_round(*args, **kwargs)
         result.out[0] += 0.1
         return result
 

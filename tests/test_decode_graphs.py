@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+from round_calls import attend, write_and_attend
 from service_support import ServiceHarness, service_config
 
 from cache_service.client import KVCacheClient
@@ -176,7 +177,7 @@ def _decode_steps(pool: KVPool, steps: int, *, return_lse: bool, seed: int = 0):
             k = torch.randn(n_seqs, 2, 64, generator=gen).half()
             v = torch.randn(n_seqs, 2, 64, generator=gen).half()
             q = torch.randn(n_seqs, HQ, 64, generator=gen).half()
-            r = pool.write_and_attend(
+            r = write_and_attend(pool,
                 layer, slots, k, v, q, tables, seq_lens, qsl,
                 return_lse=return_lse, metadata_key=key,
             )  # fmt: skip
@@ -261,7 +262,7 @@ def _turns(graphs: bool) -> tuple[KVPool, list[torch.Tensor]]:
             for g, (slots, group_tables, seq_lens) in enumerate(args):
                 k, v = (torch.randn(3, 2, 64, generator=gen).half() for _ in range(2))
                 q = torch.randn(3, HQ, 64, generator=gen).half()
-                out = pool.write_and_attend(
+                out = write_and_attend(pool,
                     layer, slots, k, v, q, group_tables, seq_lens, qsl,
                     metadata_key=100 * step + g,
                 )  # fmt: skip
@@ -314,11 +315,11 @@ def test_a_worker_returns_pinned_host_results_equal_to_the_pools():
         for layer in range(LAYOUT.num_layers):
             k = torch.randn(3, 2, 64, generator=gen).half()
             q = torch.randn(3, HQ, 64, generator=gen).half()
-            out = worker.write_and_attend(
-                epoch, layer, slots, k, k, q, tables, lens, qsl, metadata_key=step_key
+            out = write_and_attend(
+                worker, epoch, layer, slots, k, k, q, tables, lens, qsl, metadata_key=step_key
             )
             assert out.device.type == "cpu" and out.is_pinned()
-            ref = worker.pool.attend(layer, q, tables, lens, qsl)
+            ref = attend(worker.pool, layer, q, tables, lens, qsl)
             torch.testing.assert_close(out, ref.cpu(), atol=2e-3, rtol=2e-3)
 
 
@@ -357,13 +358,13 @@ def test_inputs_in_a_pinned_shared_region_reach_the_pool_without_staging(layout)
             for v in views.values():  # new inputs (and a stale output to overwrite)
                 v.copy_(torch.randn(v.shape, generator=gen).half())
             k, v, q = views["key"], views["value"], views["query"]
-            a = graphed.write_and_attend(
+            a = write_and_attend(graphed,
                 layer, slots, k, v, q, *args, qsl, metadata_key=step, to_host=True,
                 out=views["out"],
             )  # fmt: skip
             assert a.data_ptr() == views["out"].data_ptr()  # produced in the region
-            b = eager.write_and_attend(
-                layer, slots, k.clone(), v.clone(), q.clone(), *args, qsl, metadata_key=step
+            b = write_and_attend(
+                eager, layer, slots, k.clone(), v.clone(), q.clone(), *args, qsl, metadata_key=step
             )
             torch.testing.assert_close(a, b.cpu(), atol=2e-3, rtol=2e-3)
     assert torch.equal(graphed.data, eager.data)
@@ -409,14 +410,14 @@ def test_a_checked_replay_refuses_non_finite_inputs_and_writes_nothing(where):
                 bad = {"key": k, "query": q}[where]
                 bad[1, 0, 5] = float("nan")
                 with pytest.raises(NonFiniteInput, match="nothing was written"):
-                    pool.write_and_attend(
-                        layer, slots, k, v, q, *args, metadata_key=step, check_finite=True
+                    write_and_attend(
+                        pool, layer, slots, k, v, q, *args, metadata_key=step, check_finite=True
                     )
                 assert torch.equal(pool.data, data)
                 assert torch.equal(pool._fingerprints._sums[: pool.num_slots], sums)
                 bad[1, 0, 5] = 0.0  # the same call, repaired, goes through
-            pool.write_and_attend(
-                layer, slots, k, v, q, *args, metadata_key=step, check_finite=True
+            write_and_attend(
+                pool, layer, slots, k, v, q, *args, metadata_key=step, check_finite=True
             )
     assert pool._graphs.replays > 0
 
@@ -478,9 +479,10 @@ def test_checks_beside_the_first_replays_disturb_neither_the_steps_nor_the_check
         """The pool's data call as the worker's channel thread makes it (under its lock)."""
 
         num_blocks = worker.pool.num_blocks
+        pool_like = True  # called as a pool is (round_calls): no epoch argument
 
-        def write_and_attend(self, layer, *args, **kwargs):
-            return worker.write_and_attend(epoch, layer, *args, **kwargs)
+        def run_round(self, rnd, to_host=False):
+            return worker.run_round(epoch, rnd)
 
     stop, checks, errors = threading.Event(), [], []
 

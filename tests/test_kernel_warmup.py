@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from round_calls import attend
 
 from cache_service.config import ConfigError, ServiceConfig
 from kernels.attention import choose_config
@@ -140,6 +141,6 @@ def test_a_warmed_pool_serves_decode_without_compiling() -> None:
             q = torch.randn(seqs, 32, 128, dtype=torch.bfloat16, device="cuda", generator=gen)
             lens = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
             qsl = torch.arange(seqs + 1, dtype=torch.int32, device="cuda")
-            out = pool.attend(0, q, tables, lens, qsl)
+            out = attend(pool, 0, q, tables, lens, qsl)
             assert torch.isfinite(out.float()).all()
     assert variants() == before  # every decode shape found its kernel compiled

@@ -15,15 +15,20 @@ from typing import Any
 
 import pytest
 import torch
+from round_calls import round_form
 from service_support import dense_attention, run_coordinator
 from test_block_manager import unchanged
 
+from cache_service.config import CoordinatorConfig
 from cache_service.control.block_manager import BlockManager, BlockManagerConfig
 from cache_service.engine.coordinator import AppendAttendItem, Coordinator, StackedAppendAttend
 from cache_service.engine.errors import WorkerLost
-from cache_service.engine.layer_steps import LayerStep, LayerStepCache
+from cache_service.engine.steps import Step, StepCache
+from cache_service.engine.worker_clients import LocalWorkerClient
 from cache_service.errors import InvalidRequest, SequenceLost, SequenceNotFound
+from workers.config import PoolConfig
 from workers.layout import KVLayout
+from workers.round import Round
 
 BS = 4
 LAYERS = 3
@@ -149,13 +154,13 @@ def test_commit_writes_is_all_or_nothing_and_names_the_write() -> None:
 
 def test_the_step_cache_forgets_freed_sequences_and_stays_bounded() -> None:
     m = manager()
-    cache = LayerStepCache(capacity=2)
+    cache = StepCache(capacity=2)
 
     steps = []
     for i in range(3):
         seqs = [m.create_sequence("t").seq_id for _ in range(2)]
         _, snap = first_layer(m, seqs, [i, i])
-        steps.append(LayerStep(snap, "w0", [1, 1], [], [0, 0]))
+        steps.append(Step(snap, "w0", [1, 1], [], [0, 0]))
         cache.put(steps[-1])
     assert len(cache) == 2
     assert cache.get("t", steps[0].snapshot.seq_ids) is None  # least recently used: gone
@@ -329,29 +334,48 @@ def test_another_tenant_naming_the_same_batch_does_not_reuse_the_step() -> None:
     run(scenario)
 
 
-def test_a_steps_layers_name_one_metadata_key_for_the_worker() -> None:
-    async def scenario(coord: Coordinator) -> None:
-        seqs = [(await coord.create_sequence("t")).seq_id for _ in range(B)]
-        model = Model(seqs)
-        client = coord._clients["w0"]
-        keys: list[object] = []
-        real = client.write_and_attend
+class KeyRecorder:
+    """A worker client that notes the step key of every round it passes on."""
 
-        async def spy(*args: Any, **kwargs: Any) -> Any:
-            keys.append(kwargs.get("metadata_key"))
-            return await real(*args, **kwargs)
+    def __init__(self, inner: LocalWorkerClient) -> None:
+        self.inner = inner
+        self.keys: list[int | None] = []
 
-        client.write_and_attend = spy  # type: ignore[method-assign]
-        for token in range(3):
-            for layer in range(LAYERS):
-                items, q = model.items(token, layer)
-                model.check(await coord.append_attend("t", layer, items), q)
-        assert all(isinstance(k, int) for k in keys)
-        per_step = [set(keys[i : i + LAYERS]) for i in range(0, len(keys), LAYERS)]
-        assert all(len(s) == 1 for s in per_step)  # one key for every layer of a step
-        assert len(set().union(*per_step)) == 3  # a new key each step
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
-    run(scenario)
+    async def run_round(self, rnd: Round) -> Any:
+        self.keys.append(rnd.step_key)
+        return await self.inner.run_round(rnd)
+
+
+def test_a_steps_later_layers_reach_the_worker_under_the_steps_key() -> None:
+    # Every round of a decode step carries the key the step got when it was planned (its
+    # first layer); the worker validates the step's metadata once and serves the later
+    # layers from the copy it keeps under that key. A new step is a new key.
+    async def main() -> list[int | None]:
+        inner = LocalWorkerClient("w0", PoolConfig(LAYOUT, num_blocks=64))
+        client = KeyRecorder(inner)
+        coord = Coordinator(LAYOUT, [client], CoordinatorConfig(correctness_check_fraction=0.0))
+        await coord.start()
+        try:
+            model = Model([(await coord.create_sequence("t")).seq_id for _ in range(B)])
+            for token in range(3):
+                hits = inner.worker.pool.metadata_hits
+                for layer in range(LAYERS):
+                    items, q = model.items(token, layer)
+                    model.check(await coord.append_attend("t", layer, items), q)
+                assert inner.worker.pool.metadata_hits - hits == LAYERS - 1
+        finally:
+            await coord.close()
+            inner.close()
+        return client.keys
+
+    keys = asyncio.run(main())
+    assert len(keys) == 3 * LAYERS and all(isinstance(k, int) for k in keys)
+    per_step = [set(keys[i : i + LAYERS]) for i in range(0, len(keys), LAYERS)]
+    assert all(len(s) == 1 for s in per_step)  # one key for every layer of a step
+    assert len(set().union(*per_step)) == 3  # a new key each step
 
 
 # ---- the stacked batch's short path (append_attend_stacked) ----------------------------
@@ -489,7 +513,7 @@ def test_a_nan_in_a_shared_round_fails_only_its_caller(monkeypatch, layers) -> N
     # caller alone gets the full path's error and keeps nothing, and the others' outputs
     # equal dense attention. The coordinator never sums a round's values itself. Each
     # caller names host memory for its output (as a shared-memory client's slot is): the
-    # shared round goes to the worker in parts (write_and_attend_layers), each part's
+    # shared round goes to the worker in parts (a round over layers), each part's
     # output written into its caller's memory; the refused caller's memory stays as it was.
     looked_at, joined = watch_finite_checks(monkeypatch)
 
@@ -497,15 +521,16 @@ def test_a_nan_in_a_shared_round_fails_only_its_caller(monkeypatch, layers) -> N
         worker = coord._clients["w0"]
         pages_checked: list[bool] = []  # check_finite of each round over pages
         parts_given: list[tuple[int, int]] = []  # query parts and output parts of each
-        real_pages = worker.write_and_attend_layers
+        real_round = worker.run_round
 
-        async def pages(*args: Any, check_finite: bool = False, **kwargs: Any) -> Any:
-            pages_checked.append(check_finite)
-            query, out = args[6], kwargs.get("out")
-            parts_given.append((len(query), 0 if out is None else len(out)))
-            return await real_pages(*args, check_finite=check_finite, **kwargs)
+        async def pages(rnd: Round) -> Any:
+            if round_form(rnd) == "over_layers":
+                pages_checked.append(rnd.check_finite)
+                out = rnd.out
+                parts_given.append((len(rnd.query), 0 if out is None else len(out)))
+            return await real_round(rnd)
 
-        worker.write_and_attend_layers = pages  # type: ignore[method-assign]
+        worker.run_round = pages  # type: ignore[method-assign]
         models = [Model([(await coord.create_sequence("t")).seq_id for _ in range(B)])
                   for _ in range(3)]  # fmt: skip
         for n, m in enumerate(models):

@@ -207,12 +207,12 @@ def test_a_call_answered_without_a_task_fails_with_its_status_and_changes_nothin
             ids = [client.create_sequence().seq_id for _ in range(2)]
             k, q = _batch(2)
             client.append_attend_batch(0, ids, [[1], [2]], k, k, q)  # plans the step
-            working = worker.write_and_attend
+            working = worker.run_round
 
             async def faulty(*args, **kwargs):
                 raise RuntimeError("an injected worker fault")
 
-            monkeypatch.setattr(worker, "write_and_attend", faulty)
+            monkeypatch.setattr(worker, "run_round", faulty)
             before = local.calls_now
             with pytest.raises(InternalError):
                 client.append_attend_batch(1, ids, [[1], [2]], k, k, q)
@@ -221,7 +221,7 @@ def test_a_call_answered_without_a_task_fails_with_its_status_and_changes_nothin
                 assert harness.service.coordinator.block_manager.sequence_info(
                     "default", s
                 ).written == (1, 0)
-            monkeypatch.setattr(worker, "write_and_attend", working)
+            monkeypatch.setattr(worker, "run_round", working)
             out = client.append_attend_batch(1, ids, [[1], [2]], k, k, q)
             assert local.calls_now == before + 2 and out.shape == q.shape
             for s in ids:

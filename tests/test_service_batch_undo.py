@@ -149,7 +149,7 @@ def test_a_call_failing_on_the_worker_releases_what_it_reserved(svc, client, mon
     a = prefill(client, [1, 2, 3])
     b = Mirror(client.create_sequence().seq_id, NL)
     snap = Snapshot(svc, client, bystander)
-    calls = _refuse_on_workers(svc, "write_and_attend", monkeypatch)
+    calls = _refuse_on_workers(svc, "run_round", monkeypatch)
     # a grows by a block, b by two: reserved, sent, refused by the worker.
     with pytest.raises(InvalidArgumentError, match="refused by the test"):
         client.append_attend(0, [item(a, [4, 5, 6, 7, 8]), item(b, list(range(5)))])

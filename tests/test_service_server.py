@@ -110,7 +110,7 @@ def test_shutdown_drains_calls_in_flight_and_refuses_new_ones() -> None:
 
     t = threading.Thread(target=in_flight)
     t.start()
-    while not slow[0].calls["write_and_attend"]:
+    while not slow[0].calls["one_layer"]:
         time.sleep(0.01)
     svc.stop()  # drains: the call in flight completes
     t.join(10)
@@ -146,9 +146,9 @@ def test_concurrent_calls_for_one_worker_and_layer_share_one_worker_call() -> No
             t.join(30)
         assert not errors, errors
         # Six calls inside one window: far fewer worker calls, each carrying several (a
-        # round of several callers goes in parts, as write_and_attend_layers).
+        # round of several callers goes in parts, over layers).
         calls = workers[0].calls
-        assert calls["write_and_attend"] + calls["write_and_attend_layers"] < len(clients)
+        assert calls["one_layer"] + calls["over_layers"] < len(clients)
         assert max(workers[0].batch_sizes) > 1
         assert sum(workers[0].batch_sizes) == len(clients)
         for c in clients:
@@ -171,13 +171,13 @@ def test_a_full_batch_goes_at_once_without_waiting_for_the_window() -> None:
         ]
         # The first call is alone: it goes at once (no window) and is held on the worker.
         threads[0].start()
-        wait_until(lambda: workers[0].calls["write_and_attend"] == 1)
+        wait_until(lambda: workers[0].calls["one_layer"] == 1)
         # The other two arrive while it is in flight: together they fill a batch, which
         # leaves at once although the first is still on the worker and the window is long
-        # (a round of two callers: in parts, write_and_attend_layers).
+        # (a round of two callers: in parts, over layers).
         for t in threads[1:]:
             t.start()
-        wait_until(lambda: workers[0].calls["write_and_attend_layers"] == 1)
+        wait_until(lambda: workers[0].calls["over_layers"] == 1)
         hold.set()
         for t in threads:
             t.join(20)
@@ -308,8 +308,8 @@ def test_a_sequence_larger_than_one_pool_spans_workers_and_still_equals_dense() 
                 ref, ref_lse = m.reference(layer, q)
                 assert torch.allclose(o.double(), ref, atol=1e-5)
                 assert torch.allclose(lse.double(), ref_lse, atol=1e-4)
-        assert workers[0].calls["write_and_attend"] + workers[0].calls["attend"] > 0
-        assert workers[1].calls["write_and_attend"] + workers[1].calls["attend"] > 0
+        assert workers[0].calls["one_layer"] + workers[0].calls["attend"] > 0
+        assert workers[1].calls["one_layer"] + workers[1].calls["attend"] > 0
         client.free(big.seq_id)
         client.free(small.seq_id)
         svc.check_integrity()

@@ -23,6 +23,7 @@ import time
 
 import pytest
 import torch
+from round_calls import channel_call, write_and_attend
 from workers_support import dense_attention, rel_err
 
 from cache_service.wire.worker_channel import (
@@ -112,23 +113,23 @@ def test_write_and_attend_equals_the_direct_call_and_dense_attention(
         epoch = worker.epoch()
         slots, k, v, q, bt, lens, starts = _step()
         out = torch.full_like(q, float("nan"))
-        ok, got = await chan.call(
-            "write_and_attend", (epoch, 1, slots, k, v, q, bt, lens, starts), {}, out
+        ok, got = await channel_call(
+            chan, "write_and_attend", (epoch, 1, slots, k, v, q, bt, lens, starts), {}, out
         )
         assert ok and got is out
         want, _ = dense_attention(q, k, v)
         assert rel_err(out, want) < 1e-5
-        direct = worker.write_and_attend(epoch, 1, slots, k, v, q, bt, lens, starts)
+        direct = write_and_attend(worker, epoch, 1, slots, k, v, q, bt, lens, starts)
         assert torch.equal(out, direct)
         # LSE, and a result that is the caller's own memory (not a view of the arena).
-        ok, (o2, lse) = await chan.call(
-            "attend", (epoch, 1, q, bt, lens, starts, True, True), {"scale": None}
+        ok, (o2, lse) = await channel_call(
+            chan, "attend", (epoch, 1, q, bt, lens, starts, True, True), {"scale": None}
         )
         assert ok and torch.equal(o2, out)
         _, want_lse = dense_attention(q, k, v)
         assert rel_err(lse, want_lse) < 1e-5
         before = o2.clone()
-        await chan.call("attend", (epoch, 1, q * 2, bt, lens, starts), {})
+        await channel_call(chan, "attend", (epoch, 1, q * 2, bt, lens, starts), {})
         assert torch.equal(o2, before)
         chan.close()
 
@@ -228,7 +229,10 @@ def test_pool_runs_concurrent_calls_on_separate_connections(worker, arena_dir) -
         epoch = worker.epoch()
         await pool.call("write", (epoch, 0, slots, k, v), {})
         results = await asyncio.gather(
-            *[pool.call("attend", (epoch, 0, q * (i + 1), bt, lens, starts), {}) for i in range(6)]
+            *[
+                channel_call(pool, "attend", (epoch, 0, q * (i + 1), bt, lens, starts), {})
+                for i in range(6)
+            ]
         )
         assert pool.open_channels == 2 and pool.calls == 7
         for i, (done, out) in enumerate(results):
@@ -340,7 +344,7 @@ def test_payloads_larger_than_the_socket_buffers_arrive_whole(worker, arena_dir,
         # 64 sequences over the same 16 blocks, 64 query rows each: a 1 MiB output.
         q = torch.randn(64 * n, 4, 16, generator=g)
         tables, lens, starts = [list(range(16))] * 64, [n] * 64, list(range(0, 64 * n + 1, n))
-        ok, out = await chan.call("attend", (epoch, 1, q, tables, lens, starts, False), {})
+        ok, out = await channel_call(chan, "attend", (epoch, 1, q, tables, lens, starts, False), {})
         assert ok and out.shape == q.shape, out
         want, _ = dense_attention(q, k[1], v[1], causal=False)
         assert rel_err(out, want) < 1e-5
@@ -418,27 +422,27 @@ def test_malformed_requests_get_an_error_or_end_the_connection(worker, arena_dir
     ok, err = pickle.loads(exchange(b"not a pickle"))
     assert not ok and type(err).__name__ == "UnpicklingError"
     outside = ArenaTensor(65536 - 4, "float32", (4,))
-    ok, err = pickle.loads(exchange(_raw_request("attend", ("e", 0, outside), ())))
+    ok, err = pickle.loads(exchange(_raw_request("run_round", ("e", 0, outside), ())))
     assert not ok and "outside the arena" in str(err)
     # A shared file never announced; one announced that is not there; one of another size.
     in_file = FileTensor(3, 0, "float32", (4,))
-    ok, err = pickle.loads(exchange(_raw_request("attend", (in_file,), ())))
+    ok, err = pickle.loads(exchange(_raw_request("run_round", (in_file,), ())))
     assert not ok and "shared file 3 was not announced" in str(err)
     gone = ((0, os.path.join(arena_dir, "no-such-file"), 4096),)
-    ok, err = pickle.loads(exchange(_raw_request("attend", (in_file,), gone)))
+    ok, err = pickle.loads(exchange(_raw_request("run_round", (in_file,), gone)))
     assert not ok and type(err) is SharedFileUnavailable and "no-such-file" in str(err)
     other_size = ((3, path, 4096),)
-    ok, err = pickle.loads(exchange(_raw_request("attend", (in_file,), other_size)))
+    ok, err = pickle.loads(exchange(_raw_request("run_round", (in_file,), other_size)))
     assert not ok and type(err) is SharedFileUnavailable and "not 4096" in str(err)
-    ok, err = pickle.loads(exchange(_raw_request("attend", (), "junk")))
+    ok, err = pickle.loads(exchange(_raw_request("run_round", (), "junk")))
     assert not ok and "malformed" in str(err)
     # A reference of no known kind; arguments that are not a tuple; the old layout.
-    odd = pickle.dumps(("attend", 0, (), (), (None,), ((0, "zz", 1),), {}, ()))
+    odd = pickle.dumps(("run_round", 0, (), (), (None,), ((0, "zz", 1),), {}, ()))
     ok, err = pickle.loads(exchange(odd))
     assert not ok and "unknown tensor reference" in str(err)
-    ok, err = pickle.loads(exchange(pickle.dumps(("attend", 0, (), (), "e", (), {}, ()))))
+    ok, err = pickle.loads(exchange(pickle.dumps(("run_round", 0, (), (), "e", (), {}, ()))))
     assert not ok and "must be a tuple and a dict" in str(err)
-    ok, err = pickle.loads(exchange(pickle.dumps(("attend", ("e",), {}, 0, (), ()))))
+    ok, err = pickle.loads(exchange(pickle.dumps(("run_round", ("e",), {}, 0, (), ()))))
     assert not ok and type(err).__name__ == "ValueError"  # six items where eight belong
     try:
         assert exchange(b"x", payload=16) == b""  # closed by the worker
@@ -522,20 +526,22 @@ def test_tensors_in_shared_files_are_read_and_written_where_they_lie(
         out = _in(base, 16384, torch.full_like(q, float("nan")))
         assert _mappings_of(path) == 1
         for layer in (0, 1):
-            ok, got = await chan.call(
-                "write_and_attend", (epoch, layer, slots, k, v, q, bt, lens, starts), {}, out
+            ok, got = await channel_call(
+                chan, "write_and_attend", (epoch, layer, slots, k, v, q, bt, lens, starts), {}, out
             )
             assert ok and got is out
             assert _mappings_of(path) == 2  # the worker's, mapped once
         want, _ = dense_attention(q, k, v)
         assert rel_err(out, want) < 1e-5
-        assert torch.equal(out, worker.write_and_attend(epoch, 1, slots, k, v, q, bt, lens, starts))
+        assert torch.equal(
+            out, write_and_attend(worker, epoch, 1, slots, k, v, q, bt, lens, starts)
+        )
         # The file is deleted (as a released region is): the next call has the worker
         # unmap it.
         SHARED_FILES.remove(base.data_ptr())
         os.unlink(path)
         mine = [t.clone() for t in (k, v, q)]
-        ok, got = await chan.call("attend", (epoch, 1, mine[2], bt, lens, starts), {})
+        ok, got = await channel_call(chan, "attend", (epoch, 1, mine[2], bt, lens, starts), {})
         assert ok and torch.equal(got, out)
         assert _mappings_of(path) == 1  # this process's own mapping only
         chan.close()
@@ -543,20 +549,11 @@ def test_tensors_in_shared_files_are_read_and_written_where_they_lie(
     asyncio.run(run())
 
 
-def _pages_step(layer: int):
-    """`_step` addressed as pages of `layer` (KVPool.write_and_attend_pages)."""
-    slots, k, v, q, bt, lens, starts = _step()
-    n, bs = LAYOUT.num_layers, LAYOUT.block_size
-    pages = bt * n + layer
-    page_slots = [((s // bs) * n + layer) * bs + s % bs for s in slots]
-    return page_slots, k, v, q, pages, lens, starts
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_a_round_in_parts_is_read_and_written_where_its_callers_put_it(
     worker, arena_dir, shared_file, mode
 ) -> None:
-    # A round of two callers over pages, each caller's key, value and query rows and its
+    # A round of two callers in parts, each caller's key, value and query rows and its
     # output slot in its own shared region: the worker reads the parts and writes each
     # output part in place (the result is the list of slots). Without shared memory the
     # parts travel in the arena and the output comes back joined.
@@ -564,7 +561,7 @@ def test_a_round_in_parts_is_read_and_written_where_its_callers_put_it(
         (_, one), (_, two) = shared_file(), shared_file()
         chan = await _connect(worker, mode, 1 << 20, arena_dir)
         epoch = worker.epoch()
-        slots, k, v, q, pages, lens, starts = _pages_step(1)
+        slots, k, v, q, bt, lens, starts = _step()
         rows = (2, 4)
         regions = []
         for base, part in zip((one, two), (slice(0, 2), slice(2, 6)), strict=True):
@@ -573,9 +570,11 @@ def test_a_round_in_parts_is_read_and_written_where_its_callers_put_it(
                 + [_in(base, 16384, torch.full_like(q[part], float("nan")))]
             )
         parts = [list(ts) for ts in zip(*regions, strict=True)]  # key, value, query, out
-        ok, got = await chan.call(
-            "write_and_attend_pages",
-            (epoch, slots, parts[0], parts[1], parts[2], pages, lens, starts),
+        layers = ([1] * len(lens), [1] * len(slots))
+        ok, got = await channel_call(
+            chan,
+            "write_and_attend_layers",
+            (epoch, *layers, slots, parts[0], parts[1], parts[2], bt, lens, starts),
             {"check_finite": True},
             parts[3],
         )
@@ -597,7 +596,7 @@ def test_a_round_in_parts_is_read_and_written_where_its_callers_put_it(
 def test_a_round_over_layers_in_parts_repeats_on_other_layers(
     worker, arena_dir, shared_file
 ) -> None:
-    # Rounds of the same callers on other layers (write_and_attend_layers under one key,
+    # Rounds of the same callers on other layers (one step key,
     # parts and output slots where the callers keep them) go as repeats carrying only the
     # new layers; each round's output is right, written in place.
     async def run():
@@ -615,7 +614,8 @@ def test_a_round_over_layers_in_parts_repeats_on_other_layers(
             ]  # fmt: skip
             out = [_in(base, 16384, torch.full((n_rows, 4, 16), float("nan")))
                    for base, n_rows in zip(bases, (2, 4), strict=True)]  # fmt: skip
-            ok, got = await chan.call(
+            ok, got = await channel_call(
+                chan,
                 "write_and_attend_layers",
                 (epoch, [layer], [layer] * 6, slots, *parts, bt, lens, starts),
                 {"metadata_key": 9, "check_finite": True},
@@ -648,8 +648,8 @@ def test_a_shared_file_the_worker_cannot_map_is_copied_instead(
         k, v, q = _in(base, 0, k), _in(base, 4096, v), _in(gone_base, 8192, q)
         for layer in (0, 1):
             calls = worker.health().calls
-            ok, got = await chan.call(
-                "write_and_attend", (epoch, layer, slots, k, v, q, bt, lens, starts), {}
+            ok, got = await channel_call(
+                chan, "write_and_attend", (epoch, layer, slots, k, v, q, bt, lens, starts), {}
             )
             assert ok and worker.health().calls == calls + 1
             want, _ = dense_attention(q, k, v)
@@ -675,8 +675,8 @@ def test_channels_without_shared_memory_never_name_files(
         slots, k, v, q, bt, lens, starts = _step()
         k, v, q = _in(base, 0, k), _in(base, 4096, v), _in(base, 8192, q)
         out = _in(base, 16384, torch.zeros_like(q))
-        ok, got = await chan.call(
-            "write_and_attend", (epoch, 0, slots, k, v, q, bt, lens, starts), {}, out
+        ok, got = await channel_call(
+            chan, "write_and_attend", (epoch, 0, slots, k, v, q, bt, lens, starts), {}, out
         )
         assert ok and got is out
         want, _ = dense_attention(q, k, v)
@@ -704,10 +704,10 @@ def test_a_connection_without_shared_memory_cannot_name_files(worker, shared_fil
     assert json.loads(exchange(json.dumps(hello).encode()))["ok"]
     files = ((0, path, 1 << 16),)
     ref = FileTensor(0, 0, "float32", (4,))
-    ok, err = pickle.loads(exchange(_raw_request("attend", (ref,), files)))
+    ok, err = pickle.loads(exchange(_raw_request("run_round", (ref,), files)))
     assert not ok and "without shared memory" in str(err)
     assert _mappings_of(path) == 1
-    ok, err = pickle.loads(exchange(_raw_request("attend", ("e",), ())))
+    ok, err = pickle.loads(exchange(_raw_request("run_round", ("e",), ())))
     assert not ok and type(err).__name__ != "ChannelProtocolError"  # the call itself ran
     s.close()
 
@@ -739,7 +739,7 @@ def test_an_idle_connection_unmaps_deleted_files_and_a_late_request_is_copied(
         # Deleted and forgotten by the coordinator, as a released region is.
         path, base = shared_file()
         q = _in(base, 8192, q0)
-        ok, _ = await chan.call("attend", (epoch, 0, q, bt, lens, starts), {})
+        ok, _ = await channel_call(chan, "attend", (epoch, 0, q, bt, lens, starts), {})
         assert ok and _mappings_of(path) == 2
         SHARED_FILES.remove(base.data_ptr())
         os.unlink(path)
@@ -748,12 +748,12 @@ def test_an_idle_connection_unmaps_deleted_files_and_a_late_request_is_copied(
         path2, base2 = shared_file()
         q2 = _in(base2, 8192, q0)
         ok, _ = await chan.call("write", (epoch, 0, slots, k0, v0), {})
-        ok, first = await chan.call("attend", (epoch, 0, q2, bt, lens, starts), {})
+        ok, first = await channel_call(chan, "attend", (epoch, 0, q2, bt, lens, starts), {})
         assert ok and _mappings_of(path2) == 2
         os.unlink(path2)  # still in SHARED_FILES
         assert await asyncio.to_thread(_wait_for, lambda: _mappings_of(path2) == 1)
         calls = worker.health().calls
-        ok, again = await chan.call("attend", (epoch, 0, q2, bt, lens, starts), {})
+        ok, again = await channel_call(chan, "attend", (epoch, 0, q2, bt, lens, starts), {})
         assert ok and torch.equal(again, first) and worker.health().calls == calls + 1
         assert _mappings_of(path2) == 1  # copied, not mapped again
         chan.close()
@@ -776,15 +776,17 @@ def test_a_call_that_does_not_fit_changes_nothing_the_next_one_relies_on(
         q0, bt, lens, starts = _step()[3:]
         chan = await _connect(worker, "shared", 1 << 16, arena_dir)
         path, base = shared_file()
-        ok, _ = await chan.call("attend", (epoch, 0, _in(base, 0, q0), bt, lens, starts), {})
+        ok, _ = await channel_call(
+            chan, "attend", (epoch, 0, _in(base, 0, q0), bt, lens, starts), {}
+        )
         assert ok and _mappings_of(path) == 2
         SHARED_FILES.remove(base.data_ptr())
         os.unlink(path)
         big = torch.zeros(1 << 15)  # 128 KiB: more than the arena
         with pytest.raises(ArenaFull):
-            await chan.call("attend", (epoch, 0, big, bt, lens, starts), {})
+            await channel_call(chan, "attend", (epoch, 0, big, bt, lens, starts), {})
         assert _mappings_of(path) == 2
-        ok, _ = await chan.call("attend", (epoch, 0, q0, bt, lens, starts), {})
+        ok, _ = await channel_call(chan, "attend", (epoch, 0, q0, bt, lens, starts), {})
         assert ok and _mappings_of(path) == 1
         chan.close()
 
@@ -813,8 +815,8 @@ def test_a_decode_steps_other_layers_go_as_repeats_and_read_the_files_anew(
         keyed = {"metadata_key": 11, "check_finite": True}
 
         async def call(layer, *, slots=slots, q=q, kw=keyed):
-            ok, got = await chan.call(
-                "write_and_attend", (epoch, layer, slots, k, v, q, bt, lens, starts), kw, out
+            ok, got = await channel_call(
+                chan, "write_and_attend", (epoch, layer, slots, k, v, q, bt, lens, starts), kw, out
             )
             assert ok and got is out, got
             return out.clone()
@@ -825,7 +827,7 @@ def test_a_decode_steps_other_layers_go_as_repeats_and_read_the_files_anew(
         assert chan.repeats == 1
         assert torch.equal(first, second)  # the same tokens on both layers
         assert torch.equal(
-            second, worker.write_and_attend(epoch, 1, slots, k0, v0, q0, bt, lens, starts)
+            second, write_and_attend(worker, epoch, 1, slots, k0, v0, q0, bt, lens, starts)
         )
         # New values where the old lay: the repeat reads them.
         g = torch.Generator().manual_seed(5)
@@ -872,20 +874,22 @@ def test_a_worker_without_the_call_to_repeat_gets_it_in_full(
         chan = await _connect(worker, "shared", 1 << 20, arena_dir)
         epoch = worker.epoch()
         slots, k0, v0, q0, bt, lens, starts = _tensor_step()
-        ok, _ = await chan.call("attend", (epoch, 0, _in(other_base, 0, q0), bt, lens, starts), {})
+        ok, _ = await channel_call(
+            chan, "attend", (epoch, 0, _in(other_base, 0, q0), bt, lens, starts), {}
+        )
         assert ok and _mappings_of(other) == 2
         k, v, q = _in(base, 0, k0), _in(base, 4096, v0), _in(base, 8192, q0)
         args = (epoch, 0, slots, k, v, q, bt, lens, starts)
         kw = {"metadata_key": 21}
-        ok, first = await chan.call("write_and_attend", args, kw)
+        ok, first = await channel_call(chan, "write_and_attend", args, kw)
         assert ok
         os.unlink(other)  # still in SHARED_FILES: the coordinator would repeat
         assert await asyncio.to_thread(_wait_for, lambda: _mappings_of(other) == 1)
         calls = worker.health().calls
-        ok, again = await chan.call("write_and_attend", (epoch, 1, *args[2:]), kw)
+        ok, again = await channel_call(chan, "write_and_attend", (epoch, 1, *args[2:]), kw)
         assert ok and chan.repeats == 0 and worker.health().calls == calls + 1
         assert torch.equal(again, first)
-        ok, _ = await chan.call("write_and_attend", (epoch, 0, *args[2:]), kw)
+        ok, _ = await channel_call(chan, "write_and_attend", (epoch, 0, *args[2:]), kw)
         assert ok and chan.repeats == 1  # the full call can be repeated again
         chan.close()
 
@@ -956,7 +960,8 @@ def test_repeats_refill_tensors_copied_into_a_shared_arena(worker, arena_dir, mo
         slots, _, _, _, bt, lens, starts = _tensor_step()
         for layer, seed in ((0, 1), (1, 2), (1, 3)):
             _, k, v, q, *_ = _step(seed=seed)
-            ok, got = await chan.call(
+            ok, got = await channel_call(
+                chan,
                 "write_and_attend",
                 (epoch, layer, slots, k, v, q, bt, lens, starts),
                 {"metadata_key": 31},
@@ -981,7 +986,7 @@ def test_the_pool_gives_a_call_the_connection_whose_last_call_it_repeats(worker,
 
         def call(layer: int, key: int):
             args = (epoch, layer, slots, k, v, q * key, bt, lens, starts)
-            return pool.call("write_and_attend", args, {"metadata_key": key})
+            return channel_call(pool, "write_and_attend", args, {"metadata_key": key})
 
         await asyncio.gather(call(0, 1), call(0, 2))  # one connection each
         assert pool.open_channels == 2 and pool.repeats == 0

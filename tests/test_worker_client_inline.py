@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import torch
+from round_calls import round_form
 from service_support import LAYOUT
 
 from cache_service.engine.worker_clients import LocalWorkerClient
 from workers.config import PoolConfig
+from workers.round import Round
 
 
 def _recording_client(inline: bool) -> tuple[LocalWorkerClient, list[tuple[str, str]]]:
@@ -33,10 +36,12 @@ def _recording_client(inline: bool) -> tuple[LocalWorkerClient, list[tuple[str, 
 
         return run
 
-    worker.write_and_attend = traced("write_and_attend", worker.write_and_attend)
-    worker.write_and_attend_layers = traced(
-        "write_and_attend_layers", worker.write_and_attend_layers
-    )
+    rounds = worker.run_round
+
+    def run_round(epoch: Any, rnd: Round) -> Any:
+        return traced(round_form(rnd), rounds)(epoch, rnd)
+
+    worker.run_round = run_round
     worker.write = traced("write", worker.write, delay=0.05)
     return client, seen
 
@@ -63,12 +68,13 @@ def _run(inline: bool, calls) -> list[tuple[str, str]]:
 
 
 async def _one_step(client: LocalWorkerClient) -> None:
-    await client._invoke("write_and_attend", *_step_args(client))
+    epoch, layer, slots, k, v, q, tables, lens, starts = _step_args(client)
+    await client.run_round(Round(epoch, layer, q, tables, lens, starts, slots, k, v))
 
 
 def test_inline_call_runs_on_the_loop_when_the_thread_is_idle() -> None:
     seen = _run(True, _one_step)
-    assert seen == [("write_and_attend", threading.main_thread().name)]
+    assert seen == [("one_layer", threading.main_thread().name)]
 
 
 def test_a_shared_round_over_layers_runs_on_the_loop_too() -> None:
@@ -78,12 +84,10 @@ def test_a_shared_round_over_layers_runs_on_the_loop_too() -> None:
     async def layers_round(client: LocalWorkerClient) -> None:
         epoch, _, slots, k, v, q, tables, lens, starts = _step_args(client)
         index = [torch.tensor(x, dtype=torch.int32) for x in (tables, lens, starts)]
-        await client._invoke(
-            "write_and_attend_layers", epoch, [1], [1], slots, [k], [v], [q], *index
-        )
+        await client.run_round(Round(epoch, [1], [q], *index, slots, [k], [v], [1]))
 
     seen = _run(True, layers_round)
-    assert seen == [("write_and_attend_layers", threading.main_thread().name)]
+    assert seen == [("over_layers", threading.main_thread().name)]
 
 
 def test_inline_call_waits_behind_a_queued_bulk_call() -> None:
@@ -96,7 +100,7 @@ def test_inline_call_waits_behind_a_queued_bulk_call() -> None:
         await bulk
 
     seen = _run(True, bulk_then_step)
-    assert [name for name, _ in seen] == ["write", "write_and_attend"]
+    assert [name for name, _ in seen] == ["write", "one_layer"]
     assert all(thread.startswith("kvpool-w0") for _, thread in seen)
 
 

@@ -15,6 +15,7 @@ import uuid
 
 import pytest
 import torch
+from round_calls import attend, attend_pages, write_and_attend
 from workers_support import dense_attention, place_sequence, rel_err
 
 from cache_service.engine.attention_plan import plan_attention, run_attention
@@ -23,6 +24,7 @@ from workers.config import PoolConfig
 from workers.errors import PoolAllocationError
 from workers.layout import KVLayout
 from workers.pool import KVPool
+from workers.round import Round
 
 pytestmark = pytest.mark.gpu
 
@@ -64,7 +66,7 @@ def batch_case(pool: KVPool, layer: int, seed: int):
 def test_cuda_pool_attention_matches_dense(dtype):
     pool = KVPool(llama_layout(dtype), 800, "cuda")
     args, ref = batch_case(pool, layer=1, seed=0)
-    out, lse = pool.attend(1, *args, return_lse=True)
+    out, lse = attend(pool, 1, *args, return_lse=True)
     assert out.is_cuda and lse.dtype == torch.float32
     assert not torch.isnan(out).any()
     assert rel_err(out.cpu(), ref) < TOLERANCE[dtype]
@@ -91,8 +93,8 @@ def test_staged_write_and_attend_matches_separate_copies():
         qsl = torch.arange(seqs + 1, dtype=torch.int32)
         # Every third step a column-major (non-contiguous) copy of the same table.
         view = tables.t().contiguous().t() if step % 3 == 0 else tables
-        a = staged.write_and_attend(1, slots, k, v, q, view, lens, qsl)
-        b = direct.write_and_attend(1, *(t.cuda() for t in (slots, k, v, q, view, lens, qsl)))
+        a = write_and_attend(staged, 1, slots, k, v, q, view, lens, qsl)
+        b = write_and_attend(direct, 1, *(t.cuda() for t in (slots, k, v, q, view, lens, qsl)))
         assert torch.equal(a, b), f"step {step}"
         lengths = [n + 1 for n in lengths]
     assert torch.equal(staged.data, direct.data)
@@ -208,9 +210,9 @@ def test_one_worker_per_gpu_matches_the_in_process_pool(gpu_ray):
         epoch = descriptions[0].epoch
         ids = list(range(800))
         ray.get(handles[0].import_blocks.remote(epoch, ids, local.export_blocks(ids)))
-        out = ray.get(handles[0].attend.remote(epoch, 0, *args))
+        out = ray.get(handles[0].run_round.remote(epoch, Round(epoch, 0, *args)))
         assert out.device.type == "cpu"
-        assert torch.equal(out, local.attend(0, *args).cpu())
+        assert torch.equal(out, attend(local, 0, *args).cpu())
         assert rel_err(out, ref) < TOLERANCE["bfloat16"]
     finally:
         shutdown_workers(namespace, prefix)
@@ -279,8 +281,8 @@ def test_keyed_metadata_on_the_gpu_answers_like_unkeyed_calls():
         for layer in range(layout.num_layers):
             k = torch.randn(seqs, 8, 128, generator=gen).to(torch.bfloat16)
             q = torch.randn(seqs, 32, 128, generator=gen).to(torch.bfloat16)
-            a = keyed.write_and_attend(layer, slots, k, k, q, tables, lens, qsl, metadata_key=step)
-            b = plain.write_and_attend(layer, slots, k, k, q, tables, lens, qsl)
+            a = write_and_attend(keyed, layer, slots, k, k, q, tables, lens, qsl, metadata_key=step)
+            b = write_and_attend(plain, layer, slots, k, k, q, tables, lens, qsl)
             assert torch.equal(a, b), (step, layer)
         lengths = [n + 1 for n in lengths]
     assert torch.equal(keyed.data, plain.data)
@@ -311,8 +313,8 @@ def test_one_page_addressed_launch_serves_sequences_of_different_layers(dtype):
         starts.append(starts[-1] + n)
         queries.append(q)
         refs.append(dense_attention(q, k, v)[0])
-    out = pool.attend_pages(
-        torch.cat(queries), torch.tensor(tables), torch.tensor(lens), torch.tensor(starts)
+    out = attend_pages(
+        pool, torch.cat(queries), torch.tensor(tables), torch.tensor(lens), torch.tensor(starts)
     )
     assert out.is_cuda and not torch.isnan(out).any()
     assert rel_err(out.cpu(), torch.cat(refs)) < TOLERANCE[dtype]
@@ -394,10 +396,21 @@ def test_decode_steps_over_the_worker_channel_equal_ray_calls(gpu_ray, tcp, in_f
                 (at_k, at_v, at_q), _ = packed_offsets((k, k, q))
                 k, v, q = placed(k, at_k), placed(k.clone(), at_v), placed(q, at_q)
                 out = placed(torch.empty_like(q), 1 << 20)
-                got = await fast.write_and_attend(
-                    epoch, layer, slots, k, v, q, tables, lens, qsl, metadata_key=step, out=out
+                got = await write_and_attend(
+                    fast,
+                    epoch,
+                    layer,
+                    slots,
+                    k,
+                    v,
+                    q,
+                    tables,
+                    lens,
+                    qsl,
+                    metadata_key=step,
+                    out=out,
                 )
-                want = await slow.attend(epoch, layer, q, tables, lens, qsl)
+                want = await attend(slow, epoch, layer, q, tables, lens, qsl)
                 assert got.out is out and torch.equal(out, want.out), (step, layer)
             lengths = [n + 1 for n in lengths]
         assert fast.channel_calls == 8 and fast.ray_data_calls == 0

@@ -12,6 +12,13 @@ import threading
 
 import pytest
 import torch
+from round_calls import (
+    attend,
+    attend_pages,
+    write_and_attend,
+    write_and_attend_layers,
+    write_and_attend_pages,
+)
 from workers_support import dense_attention, place_sequence, rel_err, write_tokens
 
 import kernels
@@ -167,7 +174,7 @@ def test_batched_decode_and_prefill_match_dense(backend):
         qsl.append(qsl[-1] + n)
         queries.append(q)
         refs.append(dense_attention(q, k, v))
-    out, lse = pool.attend(2, torch.cat(queries), tables, lens, qsl, return_lse=True)
+    out, lse = attend(pool, 2, torch.cat(queries), tables, lens, qsl, return_lse=True)
     assert rel_err(out, torch.cat([r[0] for r in refs])) < 1e-5
     assert torch.allclose(lse.double(), torch.cat([r[1] for r in refs]), atol=1e-4)
     # Other layers were not touched by the writes.
@@ -192,9 +199,9 @@ def test_write_and_attend_equals_write_then_attend():
     k, v = torch.randn(2, 2, 16, generator=gen), torch.randn(2, 2, 16, generator=gen)
     q = torch.randn(2, 2, 16, generator=gen)
     args = ([[3, 7, 1]], [10], [0, 2])
-    got = a.write_and_attend(0, [7 * 4 + 0, 7 * 4 + 1], k, v, q, *args)
+    got = write_and_attend(a, 0, [7 * 4 + 0, 7 * 4 + 1], k, v, q, *args)
     b.write(0, [28, 29], k, v)
-    assert torch.equal(got, b.attend(0, q, *args))
+    assert torch.equal(got, attend(b, 0, q, *args))
     assert torch.equal(a.data, b.data)
 
 
@@ -235,11 +242,11 @@ def test_debug_pool_starts_poisoned_and_poisons_released_blocks():
     k = torch.randn(8, 2, 16)
     write_tokens(pool, [1, 3], 0, k, k)
     q = torch.randn(1, 2, 16)
-    assert not torch.isnan(pool.attend(0, q, [[1, 3]], [8], [0, 1])).any()
+    assert not torch.isnan(attend(pool, 0, q, [[1, 3]], [8], [0, 1])).any()
     pool.release_blocks([3])
     assert torch.isnan(pool.data[3]).all() and not torch.isnan(pool.data[1, 0]).any()
     # A stale read of the released block shows up instead of passing silently.
-    assert torch.isnan(pool.attend(0, q, [[1, 3]], [8], [0, 1])).all()
+    assert torch.isnan(attend(pool, 0, q, [[1, 3]], [8], [0, 1])).all()
 
 
 def test_release_outside_debug_changes_nothing():
@@ -284,15 +291,23 @@ BAD_CALLS = [
 ]
 
 
+def _call(pool: KVPool, method: str, *args: object) -> object:
+    """The pool's `method`, or the round of that name (round_calls)."""
+    calls = {"attend": attend, "write_and_attend": write_and_attend}
+    if method in calls:
+        return calls[method](pool, *args)
+    return getattr(pool, method)(*args)
+
+
 @pytest.mark.parametrize(("method", "args", "message"), BAD_CALLS)
 def test_bad_input_is_refused_and_changes_nothing(method, args, message):
     pool = filled_pool(16)
     before = pool.data.clone()
     if message is None:
-        getattr(pool, method)(*args)
+        _call(pool, method, *args)
         return
     with pytest.raises(InvalidWorkerRequest) as info:
-        getattr(pool, method)(*args)
+        _call(pool, method, *args)
     assert message in str(info.value)
     assert torch.equal(pool.data, before)
 
@@ -302,7 +317,7 @@ def test_write_and_attend_checks_the_attention_half_before_writing():
     before = pool.data.clone()
     k = torch.ones(1, 2, 16)
     with pytest.raises(InvalidWorkerRequest, match="block_tables"):
-        pool.write_and_attend(0, [3], k, k, Q, [[0, 99]], [5], [0, 2])
+        write_and_attend(pool, 0, [3], k, k, Q, [[0, 99]], [5], [0, 2])
     assert torch.equal(pool.data, before)
 
 
@@ -313,7 +328,7 @@ def test_write_and_attend_checks_the_attention_half_before_writing():
 def test_bad_attention_options_are_refused(option, value):
     pool = filled_pool(4)
     with pytest.raises(InvalidWorkerRequest, match=option):
-        pool.attend(0, Q, [[0]], [4], [0, 2], **{option: value})
+        attend(pool, 0, Q, [[0]], [4], [0, 2], **{option: value})
 
 
 # -- PoolWorker: epochs ---------------------------------------------------------------------
@@ -342,7 +357,7 @@ def test_each_start_draws_a_new_epoch():
 
 def test_worker_returns_host_tensors_with_lse():
     worker = PoolWorker("w", PoolConfig(LAYOUT, num_blocks=4))
-    out, lse = worker.attend(worker.epoch(), 0, Q, [[0, 1]], [5], [0, 2], True, True)
+    out, lse = attend(worker, worker.epoch(), 0, Q, [[0, 1]], [5], [0, 2], True, True)
     assert out.device.type == "cpu" and lse.dtype == torch.float32 and lse.shape == (2, 4)
 
 
@@ -377,7 +392,7 @@ def test_a_checks_recomputation_runs_outside_the_workers_lock(monkeypatch):
         assert entered.wait(10)
         # While the recomputation is held, another call takes the lock and answers.
         answered: list = []
-        other = threading.Thread(target=lambda: answered.append(worker.attend(epoch, *args)))
+        other = threading.Thread(target=lambda: answered.append(attend(worker, epoch, *args)))
         other.start()
         other.join(5)
         assert answered, "the call waited for the check's recomputation"
@@ -411,13 +426,13 @@ def test_local_client_restart_and_kill():
             epoch = (await client.describe()).epoch
             k = torch.ones(1, 2, 16)
             await client.write(epoch, 0, [1], k, k)
-            result = await client.attend(epoch, 0, Q[:1], [[0]], [2], [0, 1])
+            result = await attend(client, epoch, 0, Q[:1], [[0]], [2], [0, 1])
             assert result.lse is None and result.out.shape == (1, 4, 16)
             client.restart()
             new_epoch = (await client.describe()).epoch
             assert new_epoch != epoch
             with pytest.raises(StaleEpochError):
-                await client.attend(epoch, 0, Q[:1], [[0]], [2], [0, 1])
+                await attend(client, epoch, 0, Q[:1], [[0]], [2], [0, 1])
             assert (await client.export_blocks(new_epoch, [0])).abs().sum() == 0  # empty pool
             client.kill()
             with pytest.raises(WorkerUnavailable, match="killed"):
@@ -475,10 +490,10 @@ def test_a_metadata_key_validates_once_and_answers_like_an_unkeyed_call(monkeypa
     for layer in range(LAYOUT.num_layers):  # one step: every layer, one key
         q = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(layer))
         step = (*args[:3], q, *args[4:])
-        a = keyed.write_and_attend(layer, *step, metadata_key=77)
-        b = plain.write_and_attend(layer, *step)
+        a = write_and_attend(keyed, layer, *step, metadata_key=77)
+        b = write_and_attend(plain, layer, *step)
         assert torch.equal(a, b)
-        assert torch.equal(keyed.attend(layer, q, *args[4:], metadata_key=77), a)
+        assert torch.equal(attend(keyed, layer, q, *args[4:], metadata_key=77), a)
     assert torch.equal(keyed.data, plain.data)
     assert len(checks) == 1 + LAYOUT.num_layers  # the keyed pool checked once; plain each call
 
@@ -496,7 +511,7 @@ def test_a_keys_slots_are_validated_once_and_other_slots_as_usual(monkeypatch, a
     for layer in range(LAYOUT.num_layers):
         args = (layer, given, k + layer, v - layer, q, tables, lens, qsl)
         assert torch.equal(
-            keyed.write_and_attend(*args, metadata_key=9), plain.write_and_attend(*args)
+            write_and_attend(keyed, *args, metadata_key=9), write_and_attend(plain, *args)
         )
     assert torch.equal(keyed.data, plain.data)
     assert len(checks) == 1 + LAYOUT.num_layers  # the keyed pool checked the slots once
@@ -506,11 +521,11 @@ def test_a_keys_slots_are_validated_once_and_other_slots_as_usual(monkeypatch, a
     bad[1] = keyed.num_slots
     before = keyed.data.clone()
     with pytest.raises(InvalidWorkerRequest, match="slot_mapping holds slot"):
-        keyed.write_and_attend(0, bad, k, v, q, tables, lens, qsl, metadata_key=9)
+        write_and_attend(keyed, 0, bad, k, v, q, tables, lens, qsl, metadata_key=9)
     assert torch.equal(keyed.data, before)
     # The key's kept slots are not fooled by a key of the wrong shape either.
     with pytest.raises(InvalidWorkerRequest, match="key must be"):
-        keyed.write_and_attend(0, given, k[:2], v, q, tables, lens, qsl, metadata_key=9)
+        write_and_attend(keyed, 0, given, k[:2], v, q, tables, lens, qsl, metadata_key=9)
     assert torch.equal(keyed.data, before)
 
 
@@ -518,7 +533,7 @@ def test_a_keys_slots_are_validated_once_and_other_slots_as_usual(monkeypatch, a
 def test_a_call_that_does_not_fit_its_keys_metadata_is_refused_and_writes_nothing(change):
     pool = filled_pool(seed=5)
     slots, k, v, q, tables, lens, qsl = _decode_args(pool, seed=6)
-    pool.write_and_attend(0, slots, k, v, q, tables, lens, qsl, metadata_key=5)
+    write_and_attend(pool, 0, slots, k, v, q, tables, lens, qsl, metadata_key=5)
     before = pool.data.clone()
     key: object = 5
     if change == "rows":  # another batch under the same key
@@ -528,25 +543,25 @@ def test_a_call_that_does_not_fit_its_keys_metadata_is_refused_and_writes_nothin
         tables = torch.cat([tables, tables[:, :1]], dim=1)
     else:
         key = "5"
-    with pytest.raises(InvalidWorkerRequest, match="metadata_key"):
-        pool.write_and_attend(1, slots, k, v, q, tables, lens, qsl, metadata_key=key)
+    with pytest.raises(InvalidWorkerRequest, match="step key"):
+        write_and_attend(pool, 1, slots, k, v, q, tables, lens, qsl, metadata_key=key)
     assert torch.equal(pool.data, before)
 
 
 def test_a_metadata_mismatch_names_both_shapes():
     pool = filled_pool(seed=5)
     slots, k, v, q, tables, lens, qsl = _decode_args(pool, seed=6)
-    pool.write_and_attend(0, slots, k, v, q, tables, lens, qsl, metadata_key=5)
+    write_and_attend(pool, 0, slots, k, v, q, tables, lens, qsl, metadata_key=5)
     wide = torch.cat([tables, tables[:, :1]], dim=1)
     with pytest.raises(InvalidWorkerRequest) as info:
-        pool.attend(1, q, wide, lens.tolist(), qsl, metadata_key=5)
+        attend(pool, 1, q, wide, lens.tolist(), qsl, metadata_key=5)
     assert str(info.value) == (
-        "metadata_key 5 names metadata of 3 query rows and index shapes [[3, 3], [3], [4]]; "
+        "step key 5 names metadata of 3 query rows and index shapes [[3, 3], [3], [4]]; "
         "this call has 3 rows and ((3, 4), None, (4,)): a key must name one content"
     )
     # Lists where tensors were passed at first: the same shapes, nothing to compare.
     with pytest.raises(InvalidWorkerRequest, match=r"3 rows and \(None, None, None\)"):
-        pool.attend(1, q, tables.tolist(), lens.tolist(), qsl.tolist(), metadata_key=5)
+        attend(pool, 1, q, tables.tolist(), lens.tolist(), qsl.tolist(), metadata_key=5)
 
 
 NEW_KV = torch.zeros(2, 2, 16)
@@ -635,15 +650,15 @@ def test_page_addressed_calls_equal_per_layer_calls_and_keep_fingerprints(device
     layers = [2, 0, 2]  # three sequences: two on layer 2, one on layer 0
     slots, k, v, q, tables, lens, qsl = _decode_args(paged, seed=10)
     pages, slot_pages = _as_pages(tables, slots, layers)
-    out = paged.write_and_attend_pages(slot_pages, k, v, q, pages.int(), lens, qsl)
+    out = write_and_attend_pages(paged, slot_pages, k, v, q, pages.int(), lens, qsl)
     for i, layer in enumerate(layers):  # the same, one sequence and layer at a time
         one = slice(i, i + 1)
-        ref = plain.write_and_attend(
-            layer, slots[one], k[one], v[one], q[one], tables[one], lens[one], qsl[:2]
+        ref = write_and_attend(
+            plain, layer, slots[one], k[one], v[one], q[one], tables[one], lens[one], qsl[:2]
         )
         assert torch.allclose(out[one], ref, atol=1e-6)
         assert torch.allclose(
-            paged.attend_pages(q[one], pages[one].int(), lens[one], qsl[:2]), ref, atol=1e-6
+            attend_pages(paged, q[one], pages[one].int(), lens[one], qsl[:2]), ref, atol=1e-6
         )
     assert torch.equal(paged.data, plain.data)
     for layer in sorted(set(layers)):
@@ -658,19 +673,19 @@ def test_page_addressed_calls_equal_per_layer_calls_and_keep_fingerprints(device
         assert not written & {(b.block, b.offset) for b in bad}
 
 
-def test_a_page_id_outside_every_layer_is_refused_and_writes_nothing():
+def test_a_block_or_slot_outside_the_pool_in_a_round_over_layers_is_refused():
     pool = filled_pool(seed=11)
     slots, k, v, q, tables, lens, qsl = _decode_args(pool, seed=12)
-    pages = tables.long() * LAYOUT.num_layers
+    seq_layers, slot_layers = [1, 0, 1], [1] * slots.shape[0]
     before = pool.data.clone()
-    bad = pages.clone()
-    bad[1, 0] = pool.num_blocks * LAYOUT.num_layers  # one past the last page
+    bad = tables.clone()
+    bad[1, 0] = pool.num_blocks  # one past the last block (a page id of no layer)
     with pytest.raises(InvalidWorkerRequest, match="block_tables"):
-        pool.write_and_attend_pages(slots, k, v, q, bad.int(), lens, qsl)
+        write_and_attend_layers(pool, seq_layers, slot_layers, slots, k, v, q, bad, lens, qsl)
     too_far = slots.clone()
-    too_far[0] = pool.num_blocks * LAYOUT.num_layers * 4
+    too_far[0] = pool.num_slots
     with pytest.raises(InvalidWorkerRequest, match="slot_mapping"):
-        pool.write_and_attend_pages(too_far, k, v, q, pages.int(), lens, qsl)
+        write_and_attend_layers(pool, seq_layers, slot_layers, too_far, k, v, q, tables, lens, qsl)
     assert torch.equal(pool.data, before)
 
 
@@ -687,15 +702,15 @@ def test_a_checked_page_write_refuses_non_finite_values_and_writes_nothing(devic
     bad[field].view(-1)[5] = float("nan")
     data = pool.data.clone()
     with pytest.raises(NonFiniteInput, match="nothing was written"):
-        pool.write_and_attend_pages(
+        write_and_attend_pages(pool,
             slot_pages, bad["key"], bad["value"], bad["query"], pages, lens, qsl,
             check_finite=True,
         )  # fmt: skip
     assert torch.equal(pool.data, data)
     # Finite values: checked or not, the same answer and the same pool.
     unchecked = filled_pool(seed=13, device=device, fingerprints=True)
-    got = pool.write_and_attend_pages(slot_pages, k, v, q, pages, lens, qsl, check_finite=True)
-    ref = unchecked.write_and_attend_pages(slot_pages, k, v, q, pages, lens, qsl)
+    got = write_and_attend_pages(pool, slot_pages, k, v, q, pages, lens, qsl, check_finite=True)
+    ref = write_and_attend_pages(unchecked, slot_pages, k, v, q, pages, lens, qsl)
     assert torch.equal(got, ref)
     assert torch.equal(pool.data, unchecked.data)
 
@@ -717,12 +732,12 @@ def test_a_round_given_in_parts_answers_as_joined_and_fills_each_out_part(device
     pages, slot_pages = _as_pages(tables, slots, [1, 0, 1])
     rows = [1, 2]
     out = [torch.full((n, 4, 16), float("nan")) for n in rows]
-    got = parted.write_and_attend_pages(
+    got = write_and_attend_pages(parted,
         slot_pages, _in_parts(k, rows), _in_parts(v, rows), _in_parts(q, rows), pages.int(),
         lens, qsl, return_lse=return_lse, to_host=True, check_finite=True, out=out,
     )  # fmt: skip
-    want = joined.write_and_attend_pages(
-        slot_pages, k, v, q, pages.int(), lens, qsl, return_lse=return_lse, to_host=True
+    want = write_and_attend_pages(
+        joined, slot_pages, k, v, q, pages.int(), lens, qsl, return_lse=return_lse, to_host=True
     )
     got_out, got_lse = got if return_lse else (got, None)
     want_out, want_lse = want if return_lse else (want, None)
@@ -757,7 +772,7 @@ def test_a_round_in_parts_that_does_not_fit_is_refused_and_changes_nothing(devic
         if field is not None:
             given[field] = bad
         with pytest.raises(InvalidWorkerRequest, match=message):
-            pool.write_and_attend_pages(
+            write_and_attend_pages(pool,
                 slot_pages, given["key"], given["value"], given["query"], pages.int(), lens,
                 qsl, to_host=True, out=good_out if out is None else out,
             )  # fmt: skip
@@ -767,7 +782,7 @@ def test_a_round_in_parts_that_does_not_fit_is_refused_and_changes_nothing(devic
     bad_q = [parts["query"][0], parts["query"][1].clone()]
     bad_q[1][0, 1, 2] = float("nan")
     with pytest.raises(NonFiniteInput, match="nothing was written"):
-        pool.write_and_attend_pages(
+        write_and_attend_pages(pool,
             slot_pages, parts["key"], parts["value"], bad_q, pages.int(), lens, qsl,
             to_host=True, check_finite=True, out=good_out,
         )  # fmt: skip
@@ -790,7 +805,7 @@ def test_rounds_over_layers_equal_per_layer_calls_under_one_key(device):
         k, v = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, 16, generator=gen)
         q = torch.randn(3, 4, 16, generator=gen)
         out = [torch.full((n, 4, 16), float("nan")) for n in rows]
-        got = layered.write_and_attend_layers(
+        got = write_and_attend_layers(layered,
             layers, layers, slots.tolist(), _in_parts(k, rows), _in_parts(v, rows),
             _in_parts(q, rows), tables, lens, qsl, metadata_key=77, to_host=True,
             check_finite=True, out=out,
@@ -798,7 +813,7 @@ def test_rounds_over_layers_equal_per_layer_calls_under_one_key(device):
         assert [o.data_ptr() for o in got] == [o.data_ptr() for o in out]
         for i, layer in enumerate(layers):
             one = slice(i, i + 1)
-            ref = plain.write_and_attend(
+            ref = write_and_attend(plain,
                 layer, slots[one], k[one], v[one], q[one], tables[one], lens[one], qsl[:2],
                 to_host=True,
             )  # fmt: skip
@@ -812,7 +827,7 @@ def test_a_round_over_layers_with_bad_layers_is_refused_and_writes_nothing():
     pool = filled_pool(seed=28)
     slots, k, v, q, tables, lens, qsl = _decode_args(pool, seed=29)
     good = [0, 1, 2]
-    pool.write_and_attend_layers(good, good, slots.tolist(), k, v, q, tables, lens, qsl,
+    write_and_attend_layers(pool, good, good, slots.tolist(), k, v, q, tables, lens, qsl,
                                  metadata_key=5)  # fmt: skip
     data = pool.data.clone()
     cases = [
@@ -826,7 +841,7 @@ def test_a_round_over_layers_with_bad_layers_is_refused_and_writes_nothing():
     for key in (None, 5):  # validated afresh, and under the key's kept metadata
         for seq_layers, slot_layers, message in cases:
             with pytest.raises(InvalidWorkerRequest, match=message):
-                pool.write_and_attend_layers(
+                write_and_attend_layers(pool,
                     seq_layers, slot_layers, slots.tolist(), k, v, q, tables, lens, qsl,
                     metadata_key=key,
                 )  # fmt: skip
@@ -843,16 +858,16 @@ def test_a_checked_write_refuses_non_finite_values_and_leaves_out_and_the_pool_a
         bad = q.clone()
         bad[1, 2, 3] = float("inf")
         with pytest.raises(NonFiniteInput, match="nothing was written"):
-            pool.write_and_attend(
+            write_and_attend(pool,
                 0, slots, k, v, bad, tables, lens, qsl,
                 metadata_key=key, to_host=True, out=out, check_finite=True,
             )  # fmt: skip
         assert torch.equal(pool.data, data)
         assert torch.equal(out, torch.full((3, 4, 16), 7.0))  # the caller's memory as it was
-    got = pool.write_and_attend(
+    got = write_and_attend(pool,
         0, slots, k, v, q, tables, lens, qsl, metadata_key=21, to_host=True, out=out,
         check_finite=True,
     )  # fmt: skip
     assert got.data_ptr() == out.data_ptr()
-    assert torch.equal(out, filled_pool(device=device).write_and_attend(
+    assert torch.equal(out, write_and_attend(filled_pool(device=device),
         0, slots, k, v, q, tables, lens, qsl).cpu())  # fmt: skip

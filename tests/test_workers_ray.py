@@ -18,6 +18,8 @@ from workers_support import Segment, SequenceView, dense_attention, rel_err
 
 ray = pytest.importorskip("ray")
 
+from round_calls import attend, write_and_attend, write_and_attend_layers  # noqa: E402
+
 from cache_service.engine.attention_plan import plan_attention, run_attention  # noqa: E402
 from cache_service.engine.worker_clients import RayWorkerClient, transfer_blocks  # noqa: E402
 from cache_service.wire.worker_channel import ChannelOptions  # noqa: E402
@@ -101,7 +103,7 @@ def test_write_attend_through_actor_matches_dense(clients):
         blocks = [9, 2, 30]
         await c0.write(epoch, 1, _slots(blocks, 0, 9), k[:9], v[:9])
         # The last two tokens arrive with the step: one call writes them and attends.
-        result = await c0.write_and_attend(
+        result = await write_and_attend(c0,
             epoch, 1, _slots(blocks, 9, 2), k[9:], v[9:], q, [blocks], [11], [0, 3],
             return_lse=True,
         )  # fmt: skip
@@ -172,8 +174,8 @@ def test_bad_input_through_ray_is_refused_and_changes_nothing(clients):
         with pytest.raises(InvalidWorkerRequest, match="key must be"):
             await c2.write(epoch, 0, [0], kv, kv)
         with pytest.raises(InvalidWorkerRequest, match="block_tables"):
-            await c2.write_and_attend(
-                epoch, 0, [0, 1], kv, kv, torch.zeros(1, 2, 16), [[40]], [1], [0, 1]
+            await write_and_attend(
+                c2, epoch, 0, [0, 1], kv, kv, torch.zeros(1, 2, 16), [[40]], [1], [0, 1]
             )
         with pytest.raises(StaleEpochError):
             await c2.write("0" * 16, 0, [0, 1], kv, kv)
@@ -207,12 +209,12 @@ def test_the_worker_channel_gives_the_results_and_errors_of_ray_calls(clients, t
         slots = [40 + i for i in range(7)]  # blocks 10 and 11
         tables, lens, starts = [[10, 11]], [7], [0, 7]
         out = torch.empty_like(q)
-        got = await fast.write_and_attend(epoch, 1, slots, k, v, q, tables, lens, starts, out=out)
+        got = await write_and_attend(fast, epoch, 1, slots, k, v, q, tables, lens, starts, out=out)
         assert got.out is out and fast.channel_calls == 1
         want, want_lse = dense_attention(q, k, v)
         assert rel_err(out, want) < 1e-5
-        slow = await c1.attend(epoch, 1, q, tables, lens, starts, return_lse=True)
-        quick = await fast.attend(epoch, 1, q, tables, lens, starts, return_lse=True)
+        slow = await attend(c1, epoch, 1, q, tables, lens, starts, return_lse=True)
+        quick = await attend(fast, epoch, 1, q, tables, lens, starts, return_lse=True)
         assert torch.equal(slow.out, quick.out) and torch.equal(slow.lse, quick.lse)
         assert rel_err(quick.lse, want_lse) < 1e-5
         # A round over layers given in parts (two callers' rows), through Ray and over the
@@ -221,7 +223,7 @@ def test_the_worker_channel_gives_the_results_and_errors_of_ray_calls(clients, t
         parts = [[t[:3], t[3:]] for t in (k, v, q)]
         index = [torch.tensor(x, dtype=torch.int32) for x in (tables, lens, starts)]
         rounds = [
-            await client.write_and_attend_layers(
+            await write_and_attend_layers(client,
                 epoch, [1], [1] * 7, slots, *parts, *index, metadata_key=4,
                 return_lse=True, out=[torch.empty_like(q[:3]), torch.empty_like(q[3:])],
             )
@@ -272,13 +274,13 @@ def test_killed_workers_are_detected(cluster, channel):
                 pass
             await asyncio.sleep(0.1)
         with pytest.raises(StaleEpochError):
-            await restarting.attend(old, 0, torch.zeros(1, 2, 16), [[1]], [2], [0, 1])
+            await attend(restarting, old, 0, torch.zeros(1, 2, 16), [[1]], [2], [0, 1])
         assert (await restarting.export_blocks(new, [1])).abs().sum() == 0  # empty pool
         await restarting.write(new, 0, [5], torch.ones(1, 2, 16), torch.ones(1, 2, 16))
         # Over a new channel to the restarted worker.
         assert restarting.channel_calls == (2 if channel is not None else 0)
         with pytest.raises(WorkerUnavailable, match=f"{prefix}1"):
-            await dying.attend(dead_epoch, 0, torch.zeros(1, 2, 16), [[1]], [2], [0, 1])
+            await attend(dying, dead_epoch, 0, torch.zeros(1, 2, 16), [[1]], [2], [0, 1])
         restarting.close()
         dying.close()
 

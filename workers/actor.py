@@ -47,6 +47,7 @@ from workers.description import FencedEpoch, WorkerDescription, WorkerHealth
 from workers.errors import StaleCoordinatorError, StaleEpochError
 from workers.fingerprints import BadSlot
 from workers.pool import AttendResult, IndexLike, KVPool, PartsResult, ReferenceInputs
+from workers.round import Round
 from workers.transport import pack_result, unpack
 
 __all__ = ["PoolWorker", "PoolWorkerActor", "new_epoch"]
@@ -74,23 +75,6 @@ def _to_host(result: _T) -> _T:
     if isinstance(result, torch.Tensor):
         return result.cpu()  # type: ignore[return-value]
     return result
-
-
-def _attend_options(
-    causal: bool,
-    return_lse: bool,
-    scale: float | None,
-    sliding_window: int | None,
-    softcap: float | None,
-) -> dict[str, Any]:
-    """The keyword options of the pool's attention methods."""
-    return dict(
-        causal=causal,
-        return_lse=return_lse,
-        scale=scale,
-        sliding_window=sliding_window,
-        softcap=softcap,
-    )
 
 
 class PoolWorker:
@@ -232,158 +216,13 @@ class PoolWorker:
         """:meth:`KVPool.write` behind the epoch fence."""
         self._on_pool(epoch, self._pool.write, layer, slot_mapping, key, value)
 
-    def attend(
-        self,
-        epoch: str,
-        layer: int,
-        query: torch.Tensor,
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: IndexLike,
-        query_start_loc: IndexLike,
-        causal: bool = True,
-        return_lse: bool = False,
-        *,
-        scale: float | None = None,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        metadata_key: int | None = None,
-    ) -> AttendResult:
-        """:meth:`KVPool.attend` behind the epoch fence; results on the host."""
-        batch = (query, block_tables, seq_lens, query_start_loc)
-        options = _attend_options(causal, return_lse, scale, sliding_window, softcap)
-        return self._on_pool(
-            epoch,
-            self._pool.attend,
-            layer,
-            *batch,
-            metadata_key=metadata_key,
-            to_host=True,
-            **options,
-        )
-
-    def write_and_attend(
-        self,
-        epoch: str,
-        layer: int,
-        slot_mapping: IndexLike,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        query: torch.Tensor,
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: IndexLike,
-        query_start_loc: IndexLike,
-        causal: bool = True,
-        return_lse: bool = False,
-        *,
-        scale: float | None = None,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        metadata_key: int | None = None,
-        out: torch.Tensor | None = None,
-        check_finite: bool = False,
-    ) -> AttendResult:
-        """:meth:`KVPool.write_and_attend` (one write launch, one attention launch) behind
-        the epoch fence; results on the host (the output in `out` when given)."""
-        new = (slot_mapping, key, value)
-        batch = (query, block_tables, seq_lens, query_start_loc)
-        options = _attend_options(causal, return_lse, scale, sliding_window, softcap)
-        return self._on_pool(
-            epoch,
-            self._pool.write_and_attend,
-            layer,
-            *new,
-            *batch,
-            metadata_key=metadata_key,
-            to_host=True,
-            out=out,
-            check_finite=check_finite,
-            **options,
-        )
-
-    def write_and_attend_pages(
-        self,
-        epoch: str,
-        slot_mapping: IndexLike,
-        key: torch.Tensor | Sequence[torch.Tensor],
-        value: torch.Tensor | Sequence[torch.Tensor],
-        query: torch.Tensor | Sequence[torch.Tensor],
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: IndexLike,
-        query_start_loc: IndexLike,
-        causal: bool = True,
-        return_lse: bool = False,
-        *,
-        scale: float | None = None,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        check_finite: bool = False,
-        out: Sequence[torch.Tensor] | None = None,
-    ) -> AttendResult | PartsResult:
-        """:meth:`KVPool.write_and_attend_pages` (sequences of several layers, addressed by
-        pages; key, value, query and `out` may be given in parts) behind the epoch fence;
-        results on the host (page-locked, one wait; the output in `out`'s parts when
-        given)."""
-        new = (slot_mapping, key, value)
-        batch = (query, block_tables, seq_lens, query_start_loc)
-        options = _attend_options(causal, return_lse, scale, sliding_window, softcap)
-        into: dict[str, Any] = {} if out is None else {"out": out}
-        return self._on_pool(
-            epoch, self._pool.write_and_attend_pages, *new, *batch, **options,
-            to_host=True, check_finite=check_finite, **into,
-        )  # fmt: skip
-
-    def write_and_attend_layers(
-        self,
-        epoch: str,
-        seq_layers: list[int],
-        slot_layers: list[int],
-        slot_mapping: IndexLike,
-        key: torch.Tensor | Sequence[torch.Tensor],
-        value: torch.Tensor | Sequence[torch.Tensor],
-        query: torch.Tensor | Sequence[torch.Tensor],
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: IndexLike,
-        query_start_loc: IndexLike,
-        causal: bool = True,
-        return_lse: bool = False,
-        *,
-        scale: float | None = None,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        metadata_key: int | None = None,
-        check_finite: bool = False,
-        out: Sequence[torch.Tensor] | None = None,
-    ) -> AttendResult | PartsResult:
-        """:meth:`KVPool.write_and_attend_layers` (sequences of several layers, each layer
-        named; key, value, query and `out` may be given in parts) behind the epoch fence;
-        results on the host (the output in `out`'s parts when given)."""
-        new = (seq_layers, slot_layers, slot_mapping, key, value)
-        batch = (query, block_tables, seq_lens, query_start_loc)
-        options = _attend_options(causal, return_lse, scale, sliding_window, softcap)
-        into: dict[str, Any] = {} if out is None else {"out": out}
-        return self._on_pool(
-            epoch, self._pool.write_and_attend_layers, *new, *batch, **options,
-            metadata_key=metadata_key, to_host=True, check_finite=check_finite, **into,
-        )  # fmt: skip
-
-    def attend_pages(
-        self,
-        epoch: str,
-        query: torch.Tensor,
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: IndexLike,
-        query_start_loc: IndexLike,
-        causal: bool = True,
-        return_lse: bool = False,
-        *,
-        scale: float | None = None,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-    ) -> AttendResult:
-        """:meth:`KVPool.attend_pages` behind the epoch fence; results on the host."""
-        batch = (query, block_tables, seq_lens, query_start_loc)
-        options = _attend_options(causal, return_lse, scale, sliding_window, softcap)
-        return self._on_pool(epoch, self._pool.attend_pages, *batch, **options)
+    def run_round(self, epoch: str | FencedEpoch, round: Round) -> AttendResult | PartsResult:
+        """:meth:`KVPool.run_round` behind the epoch fence (`epoch`: the round's epoch as
+        the caller sends it, with its generation when fenced); results on the host (the
+        output in `round.out` when given)."""
+        if self._pack_results and not _on_channel_thread():
+            round = round.with_tensors(unpack)  # packed for Ray's trip (workers.transport)
+        return self._run(epoch, lambda: _to_host(self._pool.run_round(round, to_host=True)))
 
     def reference_attend(
         self,
@@ -466,6 +305,10 @@ class PoolWorker:
         """A data method called by the channel (on one of its threads, which run nothing
         else): its result with plain tensors, never packed for Ray."""
         _channel_thread.active = True
+        if method == "run_round":
+            # A round travels as its epoch then its fields (Round.wire_fields).
+            round = Round.from_wire(args[0], args[1:], **kwargs)
+            return self.run_round(args[0], round)
         return getattr(self, method)(*args, **kwargs)
 
     def _check_generation(self, generation: int) -> None:

@@ -79,17 +79,7 @@ __all__ = [
 
 log = logging.getLogger("kvcache.channel")
 
-CHANNEL_METHODS = frozenset(
-    {
-        "write",
-        "attend",
-        "write_and_attend",
-        "write_and_attend_pages",
-        "write_and_attend_layers",
-        "attend_pages",
-        "reference_attend",
-    }
-)
+CHANNEL_METHODS = frozenset({"write", "run_round", "reference_attend"})
 
 # Each server's socket lives in a directory of its own, "<temp dir>/<_DIR_PREFIX>xxxx";
 # one without a listening server and unchanged this long is removed by the next server.

@@ -39,13 +39,13 @@ Ray; nothing is unpickled before.
   left them (nothing but the caller writes the arena's inputs). So the caller repeats a
   call whose tensors lie where the last one's did, in the same shared files or in the
   arena, having copied the new values into the arena first, except those
-  :data:`KEYED_ARGUMENTS` names under an unchanged ``metadata_key`` (a key names one
+  :data:`KEYED_ARGUMENTS` names under an unchanged ``step_key`` (a key names one
   content: see ``workers.metadata_cache``). A worker holding no such request (none yet,
   or it unmapped a file since) answers :class:`RepeatUnavailable`: nothing ran.
 * reply: ``(True, value, value_refs)``, the result split, or ``(False, exception)``.
 
 A tensor given in parts (a list of tensors, e.g. the queries of a round's callers, each
-where its caller put it, or their output slots: ``KVPool.write_and_attend_pages``) travels
+where its caller put it, or their output slots: a round of several callers) travels
 as a list of references, each part placed on its own.
 
 Shared files (same node only): a tensor the coordinator holds in a client's shared region
@@ -64,6 +64,7 @@ from typing import Any, NamedTuple
 import torch
 
 from workers.description import FencedEpoch
+from workers.round import WIRE_FIELDS
 from workers.transport import dtype_name, dtype_named
 
 __all__ = [
@@ -159,12 +160,13 @@ class RepeatUnavailable(ChannelProtocolError):
 # replace an argument of one of these types (or a list of them) by another of its type.
 _SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
 
-# Per data method: the positions of its arguments whose content its `metadata_key` names
-# (the attention's index tensors: block tables, sequence lengths, query start offsets).
+# Per data method: the positions of its arguments whose content its `step_key` names (a
+# round's index tensors: block tables, sequence lengths, query start offsets). A round
+# travels as its epoch, then its fields (workers.round.Round.wire_fields).
 KEYED_ARGUMENTS: dict[str, frozenset[int]] = {
-    "write_and_attend": frozenset({6, 7, 8}),
-    "write_and_attend_layers": frozenset({7, 8, 9}),
-    "attend": frozenset({3, 4, 5}),
+    "run_round": frozenset(
+        1 + WIRE_FIELDS.index(name) for name in ("block_tables", "seq_lens", "query_start_loc")
+    ),
 }
 
 

@@ -11,7 +11,7 @@ A graph bakes in addresses and launch configurations, hence:
 * graphs belong to a *shape class*: the tensors' shapes and dtypes, the attention options
   and the block-table width rounded up to a bucket (`bucket_width`: a growing context
   crosses a bucket every few hundred tokens, not every block), and whether the write is
-  guarded by a finite check (KVPool.write_and_attend's check_finite). A class owns the
+  guarded by a finite check (the round's check_finite: KVPool.run_round). A class owns the
   static buffers its graphs read; a call copies its key, value and query into them (one
   transfer through the stager; from page-locked host memory, one DMA of the three when
   they lie there as they lie in the buffers, as a client's shared region lays them out,
@@ -21,7 +21,7 @@ A graph bakes in addresses and launch configurations, hence:
   launcher picks its configuration from shapes alone (``check_values=False``), and a
   padded block table's entries past a sequence's length are never read.
 
-A coordinator's round over several layers (``KVPool.write_and_attend_layers``: sequences of
+A coordinator's round over several layers (``KVPool.run_round`` over pages: sequences of
 different layers in one launch, the pool seen as pages) replays a graph too, under the
 pseudo-layer :data:`PAGES`: its static inputs also hold each sequence's and each new
 token's layer (packed after the query), from which the graph computes the page tables and
@@ -77,7 +77,7 @@ GraphBody = Callable[
 
 # body over pages (slots, key, value, query, block_tables, seq_lens, query_start_loc,
 # layers, options, check_finite) -> as GraphBody: block ids and slots per layer, `layers`
-# int32 [S + n], each sequence's then each new token's layer (KVPool.write_and_attend_layers).
+# int32 [S + n], each sequence's then each new token's layer (KVPool.run_round over pages).
 PagesBody = Callable[
     [
         torch.Tensor,

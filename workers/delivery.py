@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 AttendResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-# An output delivered in parts (write_and_attend_pages' `out`), with the LSE if asked.
+# An output delivered in parts (a round's `out` in parts), with the LSE if asked.
 PartsResult = TensorParts | tuple[TensorParts, torch.Tensor]
 # What the write-and-attend bodies return: (out, lse or None, finite flag or None).
 Done = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -159,7 +159,7 @@ class Delivery:
             refuse_non_finite(finite)
             finite = None
         if out is not None:
-            # The output straight into the caller's memory (write_and_attend checked it).
+            # The output straight into the caller's memory (run_round checked it).
             out.copy_(tensors[0], non_blocking=True)
             tensors = (out, *tensors[1:])
             owned = True

@@ -98,7 +98,7 @@ class SlotFingerprints:
 
     def record_pages(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Fingerprint a write addressed by pages (page ``block * L + layer``, slot ``page *
-        block_size + offset``; see KVPool.write_and_attend_pages): key, value ``[n, Hkv,
+        block_size + offset``; see workers.pages): key, value ``[n, Hkv,
         D]``, each token on its own layer."""
         if slots.numel() != 0:
             self._record(None, slots, key, value)

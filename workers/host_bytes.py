@@ -1,6 +1,6 @@
 """Small host-to-host byte copies that keep the GIL, for a worker's hot path.
 
-A round that coalesces several callers (``KVPool.write_and_attend_layers`` with its tensors
+A round that coalesces several callers (``KVPool.run_round`` with its tensors
 in parts) copies a few dozen KB per caller from the caller's shared region into a pinned
 staging buffer, and its output rows back into each caller's slot. Done with torch
 (``host[a:b].view(shape).copy_(part)``), each copy is three dispatched ops, and the copy

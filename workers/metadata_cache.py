@@ -1,11 +1,11 @@
 """Attention metadata validated once and kept on the pool's device across calls.
 
 A decode step calls the pool once per layer with the same block tables, sequence lengths
-and query offsets (the coordinator plans the step once: cache_service.engine.layer_steps).
+and query offsets (the coordinator plans the step once: cache_service.engine.steps).
 Checking them (every block id inside the pool, lengths within the tables, offsets ordered)
 and copying them to the device on every call would cost more host time than the GPU spends
 on the whole write-and-attend of a decode layer. The caller names such
-metadata with a `metadata_key` it never reuses for other content (a random 63-bit id per
+metadata with a step key (`Round.step_key`) it never reuses for other content (a random 63-bit id per
 kernel batch); the pool validates and copies it on the first call and keeps the device
 copies under the key, least recently used dropped first.
 
@@ -82,6 +82,8 @@ class MetadataCache:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self._capacity = capacity
         self._entries: OrderedDict[int, CachedMetadata] = OrderedDict()
+        # Lookups answered from a kept entry (a planned step's later rounds).
+        self.hits = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -105,74 +107,90 @@ class MetadataCache:
 
     def lookup(
         self,
-        metadata_key: int | None,
+        step_key: int | None,
         layout: KVLayout,
         query: torch.Tensor,
         block_tables: object,
         seq_lens: object,
         query_start_loc: object,
     ) -> CachedMetadata | None:
-        """The device copies kept under `metadata_key`, after checking that this call fits
+        """The device copies kept under `step_key`, after checking that this call fits
         them (query shape and rows, the shapes of the index tensors passed); None when the
-        key is None or unknown (validate and stage as usual).
+        key is None or unknown (validate and stage as usual). A call passing no index
+        tensors (all None) asks for the key's: they must be kept.
 
         Raises:
-            InvalidWorkerRequest: a malformed key, or a call that does not fit the
-                metadata its key names (a caller reusing a key for other content).
+            InvalidWorkerRequest: a malformed key, a call that does not fit the metadata
+                its key names (a caller reusing a key for other content), or one without
+                index tensors whose key names none kept here.
         """
-        if metadata_key is None:
+        given_none = block_tables is None and seq_lens is None and query_start_loc is None
+        if step_key is None:
+            if given_none:
+                raise InvalidWorkerRequest(
+                    "a round without a step key must carry its block tables, lengths and "
+                    "query offsets"
+                )
             return None
-        if type(metadata_key) is not int:
+        if type(step_key) is not int:
             raise InvalidWorkerRequest(
-                f"metadata_key must be an int or None, got {type(metadata_key).__name__}"
+                f"step key must be an int or None, got {type(step_key).__name__}"
             )
-        entry = self.get(metadata_key)
+        entry = self.get(step_key)
         if entry is None:
+            if given_none:
+                raise InvalidWorkerRequest(
+                    f"step key {step_key} names no metadata kept on this worker (never "
+                    "sent, or dropped since): send the round with its block tables"
+                )
             return None
         check_query(layout, query)
         # Compared as torch.Size (a tuple: equal to the tuples they hold); tuples for the
         # message only.
         given = (_shape(block_tables), _shape(seq_lens), _shape(query_start_loc))
+        if given_none:
+            given = entry.shapes()
         if query.shape[0] != entry.num_rows or given != entry.shapes():
             shown = tuple(None if s is None else tuple(s) for s in given)
             raise InvalidWorkerRequest(
-                f"metadata_key {metadata_key} names metadata of {entry.num_rows} query rows "
+                f"step key {step_key} names metadata of {entry.num_rows} query rows "
                 f"and index shapes {[list(x) for x in entry.shapes()]}; this call has "
                 f"{query.shape[0]} rows and {shown}: a key must name one content"
             )
+        self.hits += 1
         return entry
 
     def remember(
         self,
-        metadata_key: int | None,
+        step_key: int | None,
         staged: Sequence[torch.Tensor],
         num_rows: int,
         slot_mapping: object = None,
         slots: torch.Tensor | None = None,
     ) -> None:
         """Keep validated index tensors (already on the device: views the next staged copy
-        overwrites, hence the copies) under `metadata_key`, with a write's slots as in
+        overwrites, hence the copies) under `step_key`, with a write's slots as in
         :meth:`keep`."""
-        if metadata_key is not None:
+        if step_key is not None:
             tables, lens, starts = (t.clone() for t in staged)
             entry = CachedMetadata(tables, lens, starts, num_rows)
-            self.keep(metadata_key, entry, slot_mapping, slots)
+            self.keep(step_key, entry, slot_mapping, slots)
 
     def keep(
         self,
-        metadata_key: int | None,
+        step_key: int | None,
         entry: CachedMetadata,
         slot_mapping: object = None,
         slots: torch.Tensor | None = None,
     ) -> None:
-        """Store `entry` under `metadata_key` (None: nothing is kept); with a write's
+        """Store `entry` under `step_key` (None: nothing is kept); with a write's
         `slot_mapping` as passed and its validated device `slots` (a staged view, hence the
         copy), those too, so the key's other layers skip validating and copying them."""
-        if metadata_key is None:
+        if step_key is None:
             return
         if slots is not None and (source := _slot_source(slot_mapping)) is not None:
             entry = replace(entry, slot_source=source, slots=slots.clone())
-        self.put(metadata_key, entry)
+        self.put(step_key, entry)
 
 
 def _shape(t: object) -> torch.Size | None:

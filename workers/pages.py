@@ -3,8 +3,9 @@
 The pool tensor ``[num_blocks, L, 2, Hkv, block_size, D]`` viewed as
 ``[num_blocks * L, 2, Hkv, block_size, D]`` makes page ``block * L + layer`` block ``block``
 of layer ``layer``; block tables and slots written in page ids let one kernel launch serve
-sequences (and new tokens) of different layers (`KVPool.write_and_attend_pages` /
-`write_and_attend_layers`).
+sequences (and new tokens) of different layers (`KVPool.run_round` of a round over
+several layers). The pool makes the page ids on its device from the round's per-layer
+block ids and slots and each sequence's and new token's layer.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from workers.errors import InvalidWorkerRequest
 from workers.layout import KVLayout
 
-__all__ = ["check_page_count", "layer_vector", "page_caches", "to_pages"]
+__all__ = ["check_page_count", "layer_vector", "page_caches", "page_tables", "to_pages"]
 
 _INT32_MAX = 2**31 - 1
 
@@ -82,10 +83,16 @@ def to_pages(
     new token's layer. Negative slots (skipped by the write) stay as they are."""
     n_layers, bs = layout.num_layers, layout.block_size
     num_seqs = block_tables.shape[0]
-    seq_layers, slot_layers = layers[:num_seqs], layers[num_seqs:]
-    # Padded table entries (past a sequence's length, never read) stay valid pages.
-    tables = block_tables * n_layers + seq_layers[:, None]
+    slot_layers = layers[num_seqs:]
+    tables = page_tables(block_tables, layers, layout)
     pages = torch.where(
         slots >= 0, ((slots // bs) * n_layers + slot_layers) * bs + slots % bs, slots
     )
     return tables, pages
+
+
+def page_tables(block_tables: torch.Tensor, layers: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """Per-layer block tables ``[S, max_blocks]`` as page tables on their device; `layers`
+    int32 ``[S + ...]`` starts with each sequence's layer."""
+    # Padded table entries (past a sequence's length, never read) stay valid pages.
+    return block_tables * layout.num_layers + layers[: block_tables.shape[0], None]

@@ -1,6 +1,6 @@
 """Tensors given in parts: one tensor's rows as a list of tensors, joined along dim 0.
 
-A round that coalesces several callers' calls (``KVPool.write_and_attend_pages``) takes
+A round that coalesces several callers' calls (``KVPool.run_round`` of a round in parts) takes
 each caller's keys, values and queries where the caller put them (its shared region) and
 writes each caller's output rows into that caller's slot, instead of the coordinator
 joining the inputs into one tensor and splitting the output again on its event loop. The

@@ -38,9 +38,10 @@ from workers.fingerprints import BadSlot, SlotFingerprints
 from workers.kernel_warmup import decode_warm_up_launches, dummy_decode_inputs
 from workers.layout import KVLayout
 from workers.metadata_cache import MetadataCache
-from workers.pages import check_page_count, layer_vector, page_caches, to_pages
+from workers.pages import check_page_count, layer_vector, page_caches, page_tables, to_pages
 from workers.parts import check_out_parts, joined, on_host, stand_in
 from workers.reference_check import ReferenceInputs, reference_attention
+from workers.round import Round
 from workers.sizing import free_device_bytes, resolve_device, resolve_num_blocks
 from workers.staging import HostStager, Staged, attend_inputs, write_inputs
 
@@ -50,11 +51,13 @@ __all__ = [
     "KVPool",
     "PartsResult",
     "ReferenceInputs",
+    "Round",
     "resolve_device",
 ]
 
 IndexLike = torch.Tensor | Sequence[int]
 _T = TypeVar("_T")
+_DEFAULT_OPTIONS = AttendOptions()
 
 
 class KVPool:
@@ -216,59 +219,57 @@ class KVPool:
         slots = check_write(self._layout, self._num_blocks, layer, slot_mapping, key, value)
         self._write_checked(layer, slots, key, value)
 
-    def attend(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: IndexLike,
-        query_start_loc: IndexLike,
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        metadata_key: int | None = None,
-        to_host: bool = False,
-    ) -> AttendResult:
-        """Paged attention of a batch of sequences over one layer (one kernel launch).
+    def run_round(self, round: Round, *, to_host: bool = False) -> AttendResult | PartsResult:
+        """One worker call of an attention round (:class:`workers.round.Round`): the write
+        of its new tokens, if it has any, then paged attention over its sequences.
+
+        The pool picks how: a round on one layer with whole tensors runs on that layer (on
+        CUDA, a write under a known step key replays a graph of the write and the
+        attention: :mod:`workers.decode_graphs`); any other round (sequences of several
+        layers, or tensors in parts: a coordinator's round of several callers) runs over
+        pages of every layer, page ``block * num_layers + layer``, whose tables and slots
+        are made here on the device from the round's per-layer ones (one launch of each
+        kernel; on CUDA one graph per round shape under a known key, whichever layers).
+
+        Both halves are validated before the write: a refused round (a malformed argument,
+        NonFiniteInput with ``check_finite``) writes nothing and leaves `round.out`
+        untouched. The round's step key names its metadata (`workers.metadata_cache`):
+        validated and kept on the device on first sight, reused by later rounds under it;
+        a round without index tensors asks for the key's.
 
         Args:
-            layer: layer index.
-            query: ``[T, Hq, D]`` in the pool dtype; rows ``query_start_loc[s]:[s+1]`` are the
-                last tokens of sequence s (query i of n at position ``seq_len - n + i``).
-            block_tables: int ``[S, max_blocks]`` physical block ids of this pool.
-            seq_lens: int ``[S]`` KV tokens per sequence.
-            query_start_loc: int ``[S + 1]``.
-            causal, return_lse, scale, sliding_window, softcap: as in
-                ``kernels.paged_attention``.
-            metadata_key: names (block_tables, seq_lens, query_start_loc) for later calls
-                passing the same content: validated and copied to the device once, then
-                reused (`workers.metadata_cache`). The caller must never name other
-                content with the same key. None: nothing is kept.
-            to_host: return the results on the host (in pinned memory, copied when the call
-                is done) rather than on the pool's device.
+            round: the round (shapes and dtypes in its docstring).
+            to_host: return the results on the host (in pinned memory, copied when the
+                call is done) rather than on the pool's device; with it, `round.out` (host
+                memory of the output's shape and dtype, or one part per query part)
+                receives the output, and the result's output is then `round.out`.
 
         Returns:
-            out ``[T, Hq, D]`` (pool dtype, pool device); with ``return_lse`` also lse float32
-            ``[T, Hq]`` (natural log; -inf for a row that saw no key).
+            out ``[T, Hq, D]`` (pool dtype), or the parts of `round.out`; with
+            ``options.return_lse`` also lse float32 ``[T, Hq]`` (natural log; -inf for a
+            row that saw no key).
 
         Raises:
-            InvalidWorkerRequest: a malformed argument.
+            InvalidWorkerRequest: a malformed argument (a layer outside the layout, layers
+                not one per sequence and per new token, an unknown step key without index
+                tensors); NonFiniteInput (``check_finite``).
         """
-        options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
-        check_layer(layer, self._layout.num_layers)
-        batch = (block_tables, seq_lens, query_start_loc)
-        entry = self._metadata.lookup(metadata_key, self._layout, query, *batch)
-        if entry is not None:
-            (q,) = self._on_device(query)
-            result = self._attend_on_device(layer, q, *entry.tables(), options)
-            return self._delivery.deliver(result, to_host)
-        indices = check_attend(self._layout, self._num_blocks, layer, query, *batch)
-        staged = self._on_device(*attend_inputs(query, *indices))
-        self._metadata.remember(metadata_key, staged[1:], query.shape[0])
-        return self._delivery.deliver(self._attend_on_device(layer, *staged, options), to_host)
+        options = round.options or _DEFAULT_OPTIONS
+        layers = round.layers
+        in_parts = type(round.query) is list or type(round.key) is list
+        if type(layers) is int and not in_parts:
+            if round.slot_mapping is None:
+                return self._attend(layers, round, options, to_host)
+            return self._write_and_attend(layers, round, options, to_host)
+        if round.slot_mapping is None:
+            return self._attend_over_layers(round, options, to_host)
+        return self._write_and_attend_over_layers(round, options, to_host)
+
+    @property
+    def metadata_hits(self) -> int:
+        """Rounds whose metadata (block tables, lengths, query offsets) came from the copy
+        kept under their step key instead of being validated and copied again."""
+        return self._metadata.hits
 
     def warm_up(self, num_q_heads: Sequence[int], max_batch: int) -> int:
         """Compile, before serving, the kernel variants that decode calls will need: one
@@ -310,236 +311,6 @@ class KVPool:
         torch.cuda.synchronize(self._device)
         return len(plans)
 
-    def write_and_attend(
-        self,
-        layer: int,
-        slot_mapping: IndexLike,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        query: torch.Tensor,
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: IndexLike,
-        query_start_loc: IndexLike,
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        metadata_key: int | None = None,
-        to_host: bool = False,
-        out: torch.Tensor | None = None,
-        check_finite: bool = False,
-    ) -> AttendResult:
-        """:meth:`write` then :meth:`attend` on one layer: a model layer's step.
-
-        Both halves are validated before the write, so a bad attention argument leaves the
-        pool unchanged. metadata_key, to_host: as in :meth:`attend`. On CUDA the calls a
-        decode step repeats (another layer under a known key, with its slots) replay a
-        CUDA graph of the write and the attention (:mod:`workers.decode_graphs`).
-
-        out: with `to_host`, host memory of the output's shape and dtype to copy the output
-        into (e.g. a caller's shared-memory slot); the result is then `out`. Ignored when
-        it does not fit.
-        check_finite: refuse a NaN or infinity in key, value or query (NonFiniteInput,
-            nothing written). Checked on the pool's device, where the data goes anyway: the
-            write's slots are masked (negative: skipped) unless every value is finite, so
-            the check costs no extra wait (on CUDA, part of the decode graph).
-
-        Raises:
-            InvalidWorkerRequest: a malformed argument; NonFiniteInput (check_finite).
-        """
-        out = host_out(out, to_host, self._data.dtype, query.shape)
-        options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
-        check_layer(layer, self._layout.num_layers)
-        batch = (block_tables, seq_lens, query_start_loc)
-        entry = self._metadata.lookup(metadata_key, self._layout, query, *batch)
-        if entry is not None and entry.slots is not None and entry.same_slots(slot_mapping):
-            # Another layer of the step: slots validated and on the device already.
-            check_new_kv(self._layout, layer, entry.slots.shape[0], key, value)
-            pinned = self._delivery.pinned_host(key, value, query)
-            if self._graphs is not None:
-                replayed = self._graphs.run(
-                    layer, entry, key, value, query, options, pinned, check_finite
-                )
-                if replayed is not None:
-                    # A replay's results live in the graph's memory: copied out here.
-                    return self._delivery.finish(
-                        replayed, options, to_host, owned=False, wait=pinned, out=out
-                    )
-            k, v, q = self._on_device(key, value, query, pinned=pinned)
-            done = self._write_and_attend_on_device(
-                layer, entry.slots, k, v, q, *entry.tables(), options, check_finite
-            )
-            return self._delivery.finish(done, options, to_host, wait=pinned, out=out)
-        slots = check_write(self._layout, self._num_blocks, layer, slot_mapping, key, value)
-        if entry is not None:
-            staged = self._on_device(*write_inputs(slots, key, value), query)
-            # The key's other layers will find these slots kept.
-            self._metadata.keep(metadata_key, entry, slot_mapping, staged[0])
-            done = self._write_and_attend_on_device(
-                layer, *staged, *entry.tables(), options, check_finite
-            )
-            return self._delivery.finish(done, options, to_host, out=out)
-        indices = check_attend(self._layout, self._num_blocks, layer, query, *batch)
-        # Both halves' tensors reach the device in one staged copy.
-        staged = self._on_device(*write_inputs(slots, key, value), *attend_inputs(query, *indices))
-        self._metadata.remember(metadata_key, staged[4:], query.shape[0], slot_mapping, staged[0])
-        done = self._write_and_attend_on_device(layer, *staged, options, check_finite)
-        return self._delivery.finish(done, options, to_host, out=out)
-
-    def write_and_attend_pages(
-        self,
-        slot_mapping: IndexLike,
-        key: torch.Tensor | Sequence[torch.Tensor],
-        value: torch.Tensor | Sequence[torch.Tensor],
-        query: torch.Tensor | Sequence[torch.Tensor],
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: IndexLike,
-        query_start_loc: IndexLike,
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        to_host: bool = False,
-        check_finite: bool = False,
-        out: Sequence[torch.Tensor] | None = None,
-    ) -> AttendResult | PartsResult:
-        """:meth:`write_and_attend` for sequences of different layers in one call.
-
-        Block ids (in ``block_tables`` and in the blocks of ``slot_mapping``'s slots) are
-        *page* ids: page ``block * num_layers + layer`` is ``block`` of ``layer``, so each
-        sequence (and each new token) names its layer through its pages and one launch of
-        each kernel serves them all. Shapes, options, `to_host`, `check_finite` and errors
-        as in :meth:`write_and_attend`, with ``num_blocks * num_layers`` pages.
-
-        Several callers' rows in one call (a coordinator's round): key, value and query may
-        each be given in parts (a list of host tensors, joined along dim 0:
-        :mod:`workers.parts`), read where they lie; `out`, host memory for the output in
-        parts (contiguous, the pool's dtype, ``[rows_i, Hq, D]`` with the rows adding up
-        to the query's), receives each part's rows (page-locked memory by DMA, one wait),
-        and the result's output is then that list. A refused call (bad arguments,
-        NonFiniteInput) leaves `out` untouched.
-        """
-        options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
-        pages = self._num_blocks * self._layout.num_layers
-        whole = (stand_in("key", key), stand_in("value", value), stand_in("query", query))
-        slots = check_write(self._layout, pages, 0, slot_mapping, *whole[:2])
-        batch = (block_tables, seq_lens, query_start_loc)
-        indices = check_attend(self._layout, pages, 0, whole[2], *batch)
-        outs = None if out is None else check_out_parts(out, whole[2])
-        staged = self._on_device(*write_inputs(slots, key, value), *attend_inputs(query, *indices))
-        slots_on, k, v, q = staged[:4]
-        slots_on, finite = guard_finite(slots_on, k, v, q, check_finite)
-        self._write_pages_on_device(slots_on, k, v)
-        result = self._attend_on_device(None, *staged[3:], options)
-        if finite is None and not to_host and outs is None:
-            return result
-        return self._delivery.deliver(result, to_host, finite=finite, out=outs)
-
-    def write_and_attend_layers(
-        self,
-        seq_layers: Sequence[int],
-        slot_layers: Sequence[int],
-        slot_mapping: IndexLike,
-        key: torch.Tensor | Sequence[torch.Tensor],
-        value: torch.Tensor | Sequence[torch.Tensor],
-        query: torch.Tensor | Sequence[torch.Tensor],
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: IndexLike,
-        query_start_loc: IndexLike,
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        metadata_key: int | None = None,
-        to_host: bool = False,
-        check_finite: bool = False,
-        out: Sequence[torch.Tensor] | None = None,
-    ) -> AttendResult | PartsResult:
-        """:meth:`write_and_attend_pages` with each sequence's layer and each new token's
-        layer given, and block tables and slots per layer (block ids, flat slots) as a
-        one-layer call takes them: a coordinator's round whose callers are on different
-        layers. The pool turns them into pages on its device.
-
-        Args:
-            seq_layers: ``[S]`` the layer of each sequence (row of ``block_tables``).
-            slot_layers: ``[n]`` the layer of each new token (entry of ``slot_mapping``).
-            metadata_key: as in :meth:`write_and_attend`: the block tables, lengths, query
-                offsets and (when equal) slots are validated and kept on the device once
-                per key; a round under a known key checks only its layers, and on CUDA
-                replays a graph of the whole round (:data:`workers.decode_graphs.PAGES`),
-                whichever layers its sequences are on.
-            key, value, query, out, to_host, check_finite and the options: as in
-                :meth:`write_and_attend_pages` (parts too).
-
-        Raises:
-            InvalidWorkerRequest: a malformed argument (a layer outside the layout, layers
-                not one per sequence and per new token); NonFiniteInput (check_finite).
-        """
-        options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
-        lay = self._layout
-        check_page_count(self._num_blocks, lay)
-        whole = (stand_in("key", key), stand_in("value", value), stand_in("query", query))
-        batch = (block_tables, seq_lens, query_start_loc)
-        outs = None if out is None else check_out_parts(out, whole[2])
-        entry = self._metadata.lookup(metadata_key, self._layout, whole[2], *batch)
-        if entry is not None and entry.slots is not None and entry.same_slots(slot_mapping):
-            check_new_kv(lay, 0, entry.slots.shape[0], whole[0], whole[1])
-            layers = layer_vector(
-                seq_layers, slot_layers, entry.block_tables.shape[0], entry.slots.shape[0], lay
-            )
-            if self._graphs is not None:
-                replayed = self._graphs.run(
-                    PAGES, entry, key, value, query, options, False, check_finite, layers
-                )
-                if replayed is not None:
-                    return self._delivery.finish(replayed, options, to_host, owned=False, out=outs)
-            k, v, q, layers_on = self._on_device(key, value, query, layers)
-            done = self._write_and_attend_layers_on_device(
-                entry.slots, k, v, q, *entry.tables(), layers_on, options, check_finite
-            )
-            return self._delivery.finish(done, options, to_host, out=outs)
-        slots = check_write(lay, self._num_blocks, 0, slot_mapping, whole[0], whole[1])
-        indices = check_attend(lay, self._num_blocks, 0, whole[2], *batch)
-        layers = layer_vector(seq_layers, slot_layers, indices[0].shape[0], slots.shape[0], lay)
-        staged = self._on_device(
-            *write_inputs(slots, key, value), *attend_inputs(query, *indices), layers
-        )
-        self._metadata.remember(
-            metadata_key, staged[4:7], whole[2].shape[0], slot_mapping, staged[0]
-        )
-        done = self._write_and_attend_layers_on_device(*staged, options, check_finite)
-        return self._delivery.finish(done, options, to_host, out=outs)
-
-    def attend_pages(
-        self,
-        query: torch.Tensor,
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: IndexLike,
-        query_start_loc: IndexLike,
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-    ) -> AttendResult:
-        """:meth:`attend` for sequences of different layers in one launch: block ids are
-        page ids as in :meth:`write_and_attend_pages`."""
-        options = AttendOptions(causal, return_lse, scale, sliding_window, softcap)
-        pages = self._num_blocks * self._layout.num_layers
-        indices = check_attend(
-            self._layout, pages, 0, query, block_tables, seq_lens, query_start_loc
-        )
-        return self._attend_on_device(
-            None, *self._on_device(*attend_inputs(query, *indices)), options
-        )
-
     def reference_attend(
         self,
         layer: int,
@@ -554,7 +325,7 @@ class KVPool:
         sliding_window: int | None = None,
         softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[BadSlot]]:
-        """:meth:`attend` recomputed by the torch reference, plus a fingerprint check of every
+        """The attention of a round on one layer recomputed by the torch reference, plus a fingerprint check of every
         slot it reads (the online correctness check): :meth:`reference_inputs` then
         :meth:`reference_output`.
 
@@ -667,6 +438,150 @@ class KVPool:
     def _to_device(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return t.to(device=self._device, dtype=dtype)
 
+    def _attend(self, layer: int, r: Round, options: AttendOptions, to_host: bool) -> AttendResult:
+        """An attend-only round on one layer (one kernel launch)."""
+        check_layer(layer, self._layout.num_layers)
+        query, batch = r.query, r.metadata()
+        entry = self._metadata.lookup(r.step_key, self._layout, query, *batch)
+        if entry is not None:
+            (q,) = self._on_device(query)
+            result = self._attend_on_device(layer, q, *entry.tables(), options)
+            return self._delivery.deliver(result, to_host)
+        indices = check_attend(self._layout, self._num_blocks, layer, query, *batch)
+        staged = self._on_device(*attend_inputs(query, *indices))
+        self._metadata.remember(r.step_key, staged[1:], query.shape[0])
+        return self._delivery.deliver(self._attend_on_device(layer, *staged, options), to_host)
+
+    def _write_and_attend(
+        self, layer: int, r: Round, options: AttendOptions, to_host: bool
+    ) -> AttendResult:
+        """A round on one layer with whole tensors: one write launch, one attention launch;
+        on CUDA a graph replay for another layer of a known step (its slots validated and
+        on the device already)."""
+        slot_mapping, key, value, query = r.slot_mapping, r.key, r.value, r.query
+        step_key, check_finite = r.step_key, r.check_finite
+        out = host_out(r.out, to_host, self._data.dtype, query.shape)
+        check_layer(layer, self._layout.num_layers)
+        batch = r.metadata()
+        entry = self._metadata.lookup(step_key, self._layout, query, *batch)
+        if entry is not None and entry.slots is not None and entry.same_slots(slot_mapping):
+            check_new_kv(self._layout, layer, entry.slots.shape[0], key, value)
+            pinned = self._delivery.pinned_host(key, value, query)
+            if self._graphs is not None:
+                replayed = self._graphs.run(
+                    layer, entry, key, value, query, options, pinned, check_finite
+                )
+                if replayed is not None:
+                    # A replay's results live in the graph's memory: copied out here.
+                    return self._delivery.finish(
+                        replayed, options, to_host, owned=False, wait=pinned, out=out
+                    )
+            k, v, q = self._on_device(key, value, query, pinned=pinned)
+            done = self._write_and_attend_on_device(
+                layer, entry.slots, k, v, q, *entry.tables(), options, check_finite
+            )
+            return self._delivery.finish(done, options, to_host, wait=pinned, out=out)
+        slots = check_write(self._layout, self._num_blocks, layer, slot_mapping, key, value)
+        if entry is not None:
+            staged = self._on_device(*write_inputs(slots, key, value), query)
+            # The key's other layers will find these slots kept.
+            self._metadata.keep(step_key, entry, slot_mapping, staged[0])
+            done = self._write_and_attend_on_device(
+                layer, *staged, *entry.tables(), options, check_finite
+            )
+            return self._delivery.finish(done, options, to_host, out=out)
+        indices = check_attend(self._layout, self._num_blocks, layer, query, *batch)
+        # Both halves' tensors reach the device in one staged copy.
+        staged = self._on_device(*write_inputs(slots, key, value), *attend_inputs(query, *indices))
+        self._metadata.remember(step_key, staged[4:], query.shape[0], slot_mapping, staged[0])
+        done = self._write_and_attend_on_device(layer, *staged, options, check_finite)
+        return self._delivery.finish(done, options, to_host, out=out)
+
+    def _write_and_attend_over_layers(
+        self, r: Round, options: AttendOptions, to_host: bool
+    ) -> AttendResult | PartsResult:
+        """A round of several layers or in parts: the write and the attention over pages
+        (`_write_and_attend_layers_on_device`), each caller's tensors read where they lie
+        and each output part delivered into `r.out`'s parts; on CUDA a graph replay of the
+        whole round under a known key, whichever layers its sequences are on."""
+        lay = self._layout
+        check_page_count(self._num_blocks, lay)
+        key, value, query, check_finite = r.key, r.value, r.query, r.check_finite
+        whole = (stand_in("key", key), stand_in("value", value), stand_in("query", query))
+        outs = check_out_parts(r.out, whole[2]) if type(r.out) is list else None
+        entry = self._metadata.lookup(r.step_key, lay, whole[2], *r.metadata())
+        if entry is not None and entry.slots is not None and entry.same_slots(r.slot_mapping):
+            check_new_kv(lay, 0, entry.slots.shape[0], whole[0], whole[1])
+            layers = self._layer_vector(r, entry.block_tables.shape[0], entry.slots.shape[0])
+            if self._graphs is not None:
+                replayed = self._graphs.run(
+                    PAGES, entry, key, value, query, options, False, check_finite, layers
+                )
+                if replayed is not None:
+                    return self._delivery.finish(replayed, options, to_host, owned=False, out=outs)
+            k, v, q, layers_on = self._on_device(key, value, query, layers)
+            done = self._write_and_attend_layers_on_device(
+                entry.slots, k, v, q, *entry.tables(), layers_on, options, check_finite
+            )
+            return self._delivery.finish(done, options, to_host, out=outs)
+        slots = check_write(lay, self._num_blocks, 0, r.slot_mapping, whole[0], whole[1])
+        if entry is not None:
+            layers = self._layer_vector(r, entry.block_tables.shape[0], slots.shape[0])
+            staged = self._on_device(*write_inputs(slots, key, value), query, layers)
+            self._metadata.keep(r.step_key, entry, r.slot_mapping, staged[0])
+            done = self._write_and_attend_layers_on_device(
+                *staged[:4], *entry.tables(), staged[4], options, check_finite
+            )
+            return self._delivery.finish(done, options, to_host, out=outs)
+        indices = check_attend(lay, self._num_blocks, 0, whole[2], *r.metadata())
+        layers = self._layer_vector(r, indices[0].shape[0], slots.shape[0])
+        staged = self._on_device(
+            *write_inputs(slots, key, value), *attend_inputs(query, *indices), layers
+        )
+        self._metadata.remember(
+            r.step_key, staged[4:7], whole[2].shape[0], r.slot_mapping, staged[0]
+        )
+        done = self._write_and_attend_layers_on_device(*staged, options, check_finite)
+        return self._delivery.finish(done, options, to_host, out=outs)
+
+    def _attend_over_layers(self, r: Round, options: AttendOptions, to_host: bool) -> AttendResult:
+        """An attend-only round of sequences on several layers: one launch over pages."""
+        lay = self._layout
+        check_page_count(self._num_blocks, lay)
+        query = r.query
+        whole = stand_in("query", query)
+        entry = self._metadata.lookup(r.step_key, lay, whole, *r.metadata())
+        if entry is not None:
+            layers = self._layer_vector(r, entry.block_tables.shape[0], 0)
+            q, layers_on = self._on_device(query, layers)
+            tables, lens, starts = entry.tables()
+        else:
+            indices = check_attend(lay, self._num_blocks, 0, whole, *r.metadata())
+            layers = self._layer_vector(r, indices[0].shape[0], 0)
+            q, tables, lens, starts, layers_on = self._on_device(
+                *attend_inputs(query, *indices), layers
+            )
+            self._metadata.remember(r.step_key, (tables, lens, starts), whole.shape[0])
+        pages = page_tables(tables, layers_on, lay)
+        result = self._attend_on_device(None, q, pages, lens, starts, options)
+        return self._delivery.deliver(result, to_host)
+
+    def _layer_vector(self, r: Round, num_seqs: int, num_slots: int) -> torch.Tensor:
+        """Host int32 ``[num_seqs + num_slots]``: the layer of each of the round's sequences
+        then of each new token (`r.layers` one int for all, or one per sequence with
+        `r.slot_layers` one per new token), validated.
+
+        Raises:
+            InvalidWorkerRequest: a layer outside the layout, or not one per sequence and
+                per new token.
+        """
+        layers = r.layers
+        if type(layers) is int:
+            check_layer(layers, self._layout.num_layers)
+            return torch.full((num_seqs + num_slots,), layers, dtype=torch.int32)
+        slot_layers = r.slot_layers if num_slots or r.slot_layers is not None else []
+        return layer_vector(layers, slot_layers, num_seqs, num_slots, self._layout)
+
     def _write_and_attend_on_device(
         self,
         layer: int,
@@ -681,7 +596,7 @@ class KVPool:
         check_finite: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The write (guarded by `check_finite`), then the attention, on validated device
-        tensors: what every write_and_attend path runs, and what a decode graph captures.
+        tensors: what every one-layer round runs, and what a decode graph captures.
         Returns (out, lse or None, finite flag or None)."""
         slots, finite = guard_finite(slots, key, value, query, check_finite)
         self._write_on_device(layer, slots, key, value)
@@ -704,7 +619,7 @@ class KVPool:
         options: AttendOptions,
         check_finite: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """write_and_attend_layers on validated device tensors: the page tables and page
+        """A round over layers on validated device tensors: the page tables and page
         slots computed here from the per-layer ones and `layers` (int32 ``[S + n]``, each
         sequence's then each new token's layer), then the guarded write and the attention
         over pages. What a graph over pages captures (workers.decode_graphs.PAGES)."""
@@ -789,7 +704,7 @@ class KVPool:
         options: AttendOptions,
     ) -> AttendResult:
         """The attention with validated arguments already on the pool's device, over one
-        layer (None: over pages of every layer, see write_and_attend_pages)."""
+        layer (None: over pages of every layer, see workers.pages)."""
         if layer is None:
             key_cache, value_cache = page_caches(self._data, self._num_blocks, self._layout)
         else:

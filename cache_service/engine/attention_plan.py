@@ -32,9 +32,10 @@ those arrays with a few numpy calls.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -42,8 +43,10 @@ import torch
 from cache_service.control.types import Segment
 from cache_service.engine.worker_batch import AttentionPlanError, KernelEntry, WorkerBatch
 from cache_service.engine.worker_interface import AttentionResult, WorkerClient
+from workers.checks import AttendOptions
 from workers.partials import merge_states
 from workers.parts import joined
+from workers.round import Round
 
 __all__ = [
     "AttentionPlan",
@@ -208,6 +211,7 @@ def plan_attention(
     *,
     causal: bool = True,
     sliding_window: int | None = None,
+    key: int | None = None,
 ) -> AttentionPlan:
     """Split a batch of sequences' attention into one kernel batch per worker.
 
@@ -219,6 +223,8 @@ def plan_attention(
         causal: causal attention (else every query sees every key of its sequence).
         sliding_window: the window the kernels will apply; only allowed for sequences on
             one worker (a window does not survive the re-basing of whole-segment entries).
+        key: the key of a plan of one batch (a recorded step's: `engine.steps.Step.key`);
+            None, or a plan of several batches: each batch mints its own.
 
     Raises:
         AttentionPlanError: an inconsistent view or query count (named in the message).
@@ -266,6 +272,8 @@ def plan_attention(
             )
         row += n
     batches = tuple(WorkerBatch(w, tuple(e)) for w, e in per_worker.items() if e)
+    if key is not None and len(batches) == 1:
+        batches = (WorkerBatch(batches[0].worker_id, batches[0].entries, key),)
     return AttentionPlan(num_rows=row, num_parts=num_parts, causal=causal, batches=batches)
 
 
@@ -392,46 +400,35 @@ class WorkerWrite:
 
 @dataclass(frozen=True)
 class LayerPages:
-    """A round whose sequences are on several layers: the pool addressed as pages of every
-    layer, page ``block * num_layers + layer`` (workers.pool.KVPool.write_and_attend_pages).
+    """A round whose sequences are on several layers: each planned sequence's layer. The
+    worker addresses its pool as pages of every layer for it (workers.pages).
 
     Attributes:
         seq_layers: int64 ``[num sequences]``, the layer of each planned sequence.
-        num_layers: the layout's layers.
-        block_size: the layout's tokens per block (page slots of the writes).
     """
 
     seq_layers: np.ndarray
-    num_layers: int
-    block_size: int
 
     def layers_of(self, batch: WorkerBatch) -> list[int]:
-        """The layer of each of `batch`'s sequences (KVPool.write_and_attend_layers)."""
+        """The layer of each of `batch`'s sequences (`Round.layers`)."""
         return self.seq_layers[batch.sequences].tolist()
 
-    def page_slots(self, write: WorkerWrite) -> list[int]:
-        """`write`'s per-layer slots as slots of pages (page ``block * num_layers +
-        layer``; negative slots stay skipped).
 
-        Raises:
-            AttentionPlanError: the write names no layers for its slots.
-        """
-        if write.slot_layers is None:
-            _fail("a write of a round over several layers names no layer for its slots")
-        bs, n = self.block_size, self.num_layers
-        return [
-            ((s // bs) * n + layer) * bs + s % bs if s >= 0 else s
-            for s, layer in zip(list(write.slot_mapping), write.slot_layers, strict=True)  # type: ignore[arg-type]
-        ]
+@functools.lru_cache(maxsize=64)
+def round_options(
+    causal: bool,
+    return_lse: bool,
+    scale: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> AttendOptions:
+    """The attention options of a round, validated once per distinct set (a decode step's
+    rounds all share one).
 
-    def page_tables(self, batch: WorkerBatch) -> torch.Tensor:
-        """int32 ``[S, max_blocks]``: `batch`'s block tables as page tables.
-
-        Raises:
-            AttentionPlanError: a page id past int32.
-        """
-        base, sequences = batch.page_base(self.num_layers)
-        return torch.from_numpy(base + self.seq_layers[sequences].astype(np.int32)[:, None])
+    Raises:
+        InvalidWorkerRequest: a malformed option.
+    """
+    return AttendOptions(causal, return_lse, scale, sliding_window, softcap)
 
 
 async def run_attention(
@@ -449,65 +446,64 @@ async def run_attention(
     out: torch.Tensor | list[torch.Tensor] | None = None,
     check_finite: bool = False,
 ) -> AttentionResult:
-    """Run one layer's step on every worker concurrently, then merge.
-
-    A worker with writes and queries gets one ``write_and_attend`` call, one with only
-    writes a ``write``, one with only queries an ``attend`` (with `LayerPages`:
-    ``write_and_attend_pages`` and ``attend_pages``, and writes only where it attends).
+    """Run one round on every worker concurrently, then merge: one ``run_round`` per
+    worker of the plan (its writes, then its attention, under the batch's key), a
+    ``write`` for a worker that writes but does not attend.
 
     Args:
         plan: from :func:`plan_attention`.
-        query: ``[plan.num_rows, Hq, D]`` in the pool dtype (host); or in parts (a list,
-            rows joined in order: a round's callers' queries where each put its own), the
-            writes' keys/values in parts too and `out` one part per query part (or None).
-            Parts travel as they are to a round over pages (`LayerPages`) that one worker
-            writes and computes in order (it reads and writes each part in place); any
-            other plan joins them first.
+        query: ``[plan.num_rows, Hq, D]`` in the pool dtype (host); or in parts (a list:
+            a round's callers' rows), the writes' K/V in parts too and `out` one part per
+            query part (or None); kept as they are where one worker writes and computes
+            every row in order, joined otherwise.
         layer: layer index, or the layers of a round over several (each write then names
-            its new tokens' layers, `WorkerWrite.slot_layers`, its slots per layer).
+            its new tokens' layers, `WorkerWrite.slot_layers`).
         clients, epochs: every worker of the plan and of ``writes``, with the epoch expected.
         writes: new tokens per worker, written before that worker attends.
         return_lse: also return the merged LSE (asks every worker for it).
         scale, softcap, sliding_window: as in ``kernels.paged_attention``.
-        out: host memory ``[plan.num_rows, Hq, D]`` (the query's dtype) for the output:
-            where one worker writes and computes every row in order (nothing to merge),
-            its write_and_attend is asked to copy its output there, sparing a copy (a
-            worker in this process does; the result is then that tensor). A list (query in
-            parts): the result's ``out`` is that list if the worker delivered into it, else one
-            tensor of the rows.
-        check_finite: the writing workers' write_and_attend (or write_and_attend_pages)
-            refuse non-finite inputs (workers.errors.NonFiniteInput); for plans where every
-            row is written and read by one worker (the caller checks that).
+        out: host memory ``[plan.num_rows, Hq, D]`` (the query's dtype) for the output,
+            used where one worker writes and computes every row in order (a worker that
+            delivers there makes it the result's ``out``); a list for a query in parts.
+        check_finite: the writing workers' rounds refuse non-finite inputs
+            (workers.errors.NonFiniteInput); for plans where every row is written and read
+            by one worker (the caller checks that).
 
     Raises:
         AttentionPlanError: a worker has no client or epoch, ``query`` has the wrong
-            number of rows, or (LayerPages) a worker only writes or a page id passes int32;
-            nothing was sent.
+            number of rows, or (LayerPages) a worker only writes; nothing was sent.
         WorkerError: a worker failed (StaleEpochError, InvalidWorkerRequest, ...). Workers
             that did not fail may have written their tokens.
     """
     writes = writes or {}
-    options = {"causal": plan.causal, "scale": scale, "softcap": softcap}
-    if sliding_window is not None:
-        options["sliding_window"] = sliding_window
     pages = layer if isinstance(layer, LayerPages) else None
+    want_lse = return_lse or plan.needs_merge
+    options = round_options(plan.causal, want_lse, scale, sliding_window, softcap)
     if not isinstance(query, torch.Tensor):
         if pages is not None and one_writer_in_order(plan, writes):
             parts_out = out if isinstance(out, list) else None
             return await _run_in_parts(
-                plan, query, pages, clients, epochs, writes, return_lse, options, parts_out,
-                check_finite,
-            )  # fmt: skip
+                plan, query, pages, clients, epochs, writes, options, parts_out, check_finite
+            )
         query, writes = joined(query), {w: wr.joined() for w, wr in writes.items()}
     attending = {b.worker_id for b in plan.batches}
     _check_call(plan, query, writes, clients, epochs, pages, attending)
-    out = _direct_out(plan, query, writes, out)
-    want_lse = return_lse or plan.needs_merge
-    args = _batch_args(plan, query, pages)
-    outcome = await _send(
-        plan, args, layer, pages, clients, epochs, writes, attending, want_lse, options, out,
-        check_finite,
-    )  # fmt: skip
+    direct = _direct_out(plan, query, writes, out)
+    # Built before anything is sent: one that cannot be built fails the call unsent.
+    args = [batch.kernel_args(query) for batch in plan.batches]
+    rounds = [
+        _round_of(b, a, layer, pages, epochs, writes, options, direct, check_finite)
+        for b, a in zip(plan.batches, args, strict=True)
+    ]
+    write_only = [
+        clients[w].write(epochs[w], layer, wr.slot_mapping, wr.key, wr.value)
+        for w, wr in writes.items()
+        if w not in attending
+    ]
+    if len(rounds) == 1 and not write_only:  # one worker: awaited directly, no task
+        outcome = [await clients[rounds[0][0]].run_round(rounds[0][1])]
+    else:
+        outcome = await asyncio.gather(*(clients[w].run_round(r) for w, r in rounds), *write_only)
     results = {b.worker_id: r for b, r in zip(plan.batches, outcome, strict=False)}
     if not plan.batches:
         return _empty_result(query, return_lse)
@@ -522,59 +518,34 @@ def _empty_result(query: torch.Tensor, return_lse: bool) -> AttentionResult:
     )
 
 
-def _batch_args(
-    plan: AttentionPlan, query: torch.Tensor, pages: LayerPages | None
-) -> list[tuple[torch.Tensor, ...]]:
-    """Each batch's ``(query, tables, seq_lens, query_start_loc)`` (`WorkerBatch.kernel_args`;
-    over pages, the tables as page tables). `run_attention` builds them all before sending:
-    one that cannot be built fails the call before any worker was sent anything."""
-    args = [batch.kernel_args(query) for batch in plan.batches]
-    if pages is not None:
-        args = [
-            (q, pages.page_tables(b), lens, starts)
-            for b, (q, _, lens, starts) in zip(plan.batches, args, strict=True)
-        ]
-    return args
-
-
-async def _send(
-    plan: AttentionPlan,
-    args: list[tuple[torch.Tensor, ...]],
+def _round_of(
+    batch: WorkerBatch,
+    batch_args: tuple[torch.Tensor, ...],
     layer: int | LayerPages,
     pages: LayerPages | None,
-    clients: Mapping[str, WorkerClient],
     epochs: Mapping[str, str],
     writes: Mapping[str, WorkerWrite],
-    attending: set[str],
-    want_lse: bool,
-    options: dict[str, Any],
+    options: AttendOptions,
     out: torch.Tensor | None,
     check_finite: bool,
-) -> list[Any]:
-    """Every worker's call of `run_attention`, concurrently: each batch's (`_call_worker`,
-    `args` its arguments) and a ``write`` for each worker that writes but does not attend.
-    Returns their results, the batches' first; one batch and nothing else is awaited
-    directly (no task to spawn)."""
-    write_only = [
-        clients[w].write(epochs[w], layer, wr.slot_mapping, wr.key, wr.value)
-        for w, wr in writes.items()
-        if w not in attending
-    ]
-    if len(plan.batches) == 1 and not write_only:
-        result = await _call_worker(
-            plan.batches[0], args[0], layer, pages, clients, epochs, writes, want_lse, options,
-            out, check_finite,
-        )  # fmt: skip
-        return [result]
-    return await asyncio.gather(
-        *(
-            _call_worker(
-                b, a, layer, pages, clients, epochs, writes, want_lse, options, out, check_finite
-            )
-            for b, a in zip(plan.batches, args, strict=True)
-        ),
-        *write_only,
-    )
+) -> tuple[str, Round]:
+    """One worker's round of `run_attention`: ``(worker id, round)``, its writes (if any)
+    then its attention; over several layers (`pages`) each sequence's layer named."""
+    w = batch.worker_id
+    q, tables, lens, starts = batch_args
+    if pages is None:
+        rnd = Round(epochs[w], layer, q, tables, lens, starts, options=options, step_key=batch.key)  # type: ignore[arg-type]
+    else:
+        # A joined round over layers (parts spread over workers): planned for this call only.
+        rnd = Round(epochs[w], pages.layers_of(batch), q, tables, lens, starts, options=options)
+    wr = writes.get(w)
+    if wr is not None:
+        rnd.slot_mapping, rnd.key, rnd.value = wr.slot_mapping, wr.key, wr.value
+        rnd.slot_layers = wr.slot_layers
+        rnd.check_finite = check_finite
+        if pages is None:
+            rnd.out = out
+    return w, rnd
 
 
 def _check_call(
@@ -587,8 +558,8 @@ def _check_call(
     attending: set[str],
 ) -> None:
     """Refuse a call `run_attention` cannot send: wrong query rows, a worker without a
-    client or epoch, or (over pages) a worker that writes but does not attend (`attending`:
-    the plan's workers)."""
+    client or epoch, or (over several layers) a worker that writes but does not attend
+    (`attending`: the plan's workers)."""
     if query.shape[0] != plan.num_rows:
         _fail(f"query has {query.shape[0]} rows, the plan has {plan.num_rows}")
     workers = [b.worker_id for b in plan.batches]
@@ -598,6 +569,8 @@ def _check_call(
             _fail(f"worker {w!r} of the plan has no client or no epoch")
     if pages is not None and set(writes) - attending:
         _fail(f"worker(s) {sorted(set(writes) - attending)} have writes but no attention")
+    if pages is not None and any(wr.slot_layers is None for wr in writes.values()):
+        _fail("a write of a round over several layers names no layer for its slots")
 
 
 def _direct_out(
@@ -622,48 +595,6 @@ def _direct_out(
     return None
 
 
-async def _call_worker(
-    batch: WorkerBatch,
-    batch_args: tuple[torch.Tensor, ...],
-    layer: int | LayerPages,
-    pages: LayerPages | None,
-    clients: Mapping[str, WorkerClient],
-    epochs: Mapping[str, str],
-    writes: Mapping[str, WorkerWrite],
-    want_lse: bool,
-    options: dict[str, Any],
-    out: torch.Tensor | None,
-    check_finite: bool,
-) -> AttentionResult:
-    """One worker's part of `run_attention`: write and attend, or attend only (over pages
-    with `LayerPages`)."""
-    w = batch.worker_id
-    q, tables, lens, starts = batch_args
-    if pages is not None:
-        if w in writes:
-            wr = writes[w]
-            return await clients[w].write_and_attend_pages(
-                epochs[w], pages.page_slots(wr), wr.key, wr.value, *batch_args,
-                return_lse=want_lse, check_finite=check_finite, **options,
-            )  # fmt: skip
-        return await clients[w].attend_pages(epochs[w], *batch_args, return_lse=want_lse, **options)
-    if w in writes:
-        wr = writes[w]
-        # Only a call that names an output passes one (other clients need not know it).
-        into: dict[str, Any] = {} if out is None else {"out": out}
-        if check_finite:
-            into["check_finite"] = True
-        return await clients[w].write_and_attend(
-            epochs[w], layer, wr.slot_mapping, wr.key, wr.value,
-            q, tables, lens, starts, return_lse=want_lse,
-            metadata_key=batch.metadata_key, **options, **into,
-        )  # fmt: skip
-    return await clients[w].attend(
-        epochs[w], layer, q, tables, lens, starts, return_lse=want_lse,
-        metadata_key=batch.metadata_key, **options,
-    )  # fmt: skip
-
-
 def one_writer_in_order(plan: AttentionPlan, writes: Mapping[str, object]) -> bool:
     """Whether one worker computes every row of `plan` in order (nothing to merge) and is
     the only one writing (`writes`: by worker): a round's parts can then go to it as they
@@ -683,15 +614,14 @@ async def _run_in_parts(
     clients: Mapping[str, WorkerClient],
     epochs: Mapping[str, str],
     writes: Mapping[str, WorkerWrite],
-    return_lse: bool,
-    options: dict[str, Any],
+    options: AttendOptions,
     out: list[torch.Tensor] | None,
     check_finite: bool,
 ) -> AttentionResult:
-    """`run_attention` of a round over pages given in parts, for a plan that one worker
-    writes and computes in order (`one_writer_in_order`): one write_and_attend_layers
-    with the parts as they are, the batch's recorded metadata (its key: a round of the same
-    steps repeats it, whichever layers) and each sequence's and new token's layer."""
+    """`run_attention` of a round given in parts, for a plan that one worker writes and
+    computes in order (`one_writer_in_order`): one round with the parts as they are, the
+    batch's metadata under its key (a round of the same steps repeats it, whichever
+    layers) and each sequence's and new token's layer."""
     rows = sum(q.shape[0] for q in query)
     if rows != plan.num_rows:
         _fail(f"query has {rows} rows, the plan has {plan.num_rows}")
@@ -707,12 +637,12 @@ async def _run_in_parts(
     wr = writes[w]
     if wr.slot_layers is None:
         _fail("a write of a round over several layers names no layer for its slots")
-    into: dict[str, Any] = {} if out is None else {"out": out}
-    result = await clients[w].write_and_attend_layers(
-        epochs[w], pages.layers_of(batch), wr.slot_layers, wr.slot_mapping, wr.key, wr.value,
-        query, *batch.metadata_args(), metadata_key=batch.metadata_key,
-        return_lse=return_lse, check_finite=check_finite, **options, **into,
+    rnd = Round(
+        epochs[w], pages.layers_of(batch), query, *batch.metadata_args(),
+        slot_mapping=wr.slot_mapping, key=wr.key, value=wr.value, slot_layers=wr.slot_layers,
+        options=options, check_finite=check_finite, step_key=batch.key, out=out,
     )  # fmt: skip
+    result = await clients[w].run_round(rnd)
     got = result.out
     if isinstance(got, list):
         if out is None or len(got) != len(out):

@@ -17,7 +17,7 @@ import torch
 
 from cache_service.engine.attention_plan import AttentionPlan, SequenceViewLike
 from cache_service.engine.eager_tasks import start_eagerly
-from cache_service.engine.layer_steps import LayerStep
+from cache_service.engine.steps import Step
 from cache_service.engine.worker_interface import AttentionResult
 
 __all__ = ["Batcher", "Part"]
@@ -48,7 +48,7 @@ class Part:
     # there once it is back.
     out: torch.Tensor | None = None
     # The recorded step the part repeats (its views, slots and plan are the step's).
-    step: LayerStep | None = None
+    step: Step | None = None
     # The client connection the call came on (call_origin), for the batcher; None: none
     # named (the batcher then goes by the first sequence).
     origin: int | None = None

@@ -8,7 +8,7 @@ Request path of one append-and-attend (one layer, a batch of sequences):
 2. lock the call's sequences (a sequence serves one call at a time; free waits too);
 3. `prepare_write` each item (slots, copy-on-write copies), run the copies;
 4. hand each worker's part to that (layer, worker) batcher: parts of concurrent calls that
-   arrive within `batch_window_ms` go to the worker as one `write_and_attend`, i.e. one
+   arrive within `batch_window_ms` go to the worker as one round (`run_round`), i.e. one
    KV-write launch and one attention launch for all of them; a lone caller (no recent
    concurrent traffic on that batcher, nothing in flight) goes at once, without the window;
 5. when every part of the call has its output, check the call's commit deadline
@@ -76,13 +76,13 @@ from cache_service.engine.input_checks import (
     check_reserved,
     check_tensor,
 )
-from cache_service.engine.layer_steps import LayerStepCache
 from cache_service.engine.membership import Membership
 from cache_service.engine.request_ids import request_seq_id
 from cache_service.engine.rounds import Rounds
 from cache_service.engine.running_checks import RunningChecks
 from cache_service.engine.sequence_locks import SequenceLocks
 from cache_service.engine.step_repeats import StepRepeats
+from cache_service.engine.steps import StepCache
 from cache_service.engine.store import MetadataStore, StoreError
 from cache_service.engine.values import (
     AppendAttendItem,
@@ -157,8 +157,8 @@ class Coordinator:
         self.block_manager = BlockManager(_block_manager_config(layout, self.config))
         self._pool_dtype = layout.torch_dtype()
         self._locks = SequenceLocks()
-        # Per client batch, what its latest append-and-attend planned (layer_steps).
-        self._steps = LayerStepCache()
+        # Per client batch, what its latest append-and-attend planned (engine.steps).
+        self._steps = StepCache()
         self._background: set[asyncio.Task[None]] = set()
         # Workers whose pools poison released blocks (debug pools): only they are told.
         self._debug_workers: set[str] = set()
@@ -497,7 +497,7 @@ class Coordinator:
             self.layout, layer, items, joined
         )
         async with self._locked(seq_ids):
-            # The step's other layers reuse what its first layer planned (layer_steps).
+            # The step's other layers reuse what its first layer planned (engine.steps).
             step = self._repeats.reusable_step(tenant, layer, seq_ids, items)
             if step is None:
                 plans = self._prepare_append(tenant, layer, items)
@@ -566,7 +566,7 @@ class Coordinator:
         short_path: False to go the full way at once (`repeat_now`'s worker refused the
         batch's values: the full path says whose).
 
-        The other layers of a decode step (see layer_steps) take a short path: with the
+        The other layers of a decode step (see engine.steps) take a short path: with the
         batch's tensors already stacked, the shape checks are a few comparisons instead of
         three per sequence, and nothing is split into per-sequence items. Anything the
         short path does not accept (another batch, other tokens, a non-finite value, an

@@ -39,8 +39,8 @@ from cache_service.engine.cancel_safety import run_to_completion
 from cache_service.engine.correctness_check import CorrectnessChecker
 from cache_service.engine.errors import WorkerLost
 from cache_service.engine.input_checks import sums_finite
-from cache_service.engine.layer_steps import LayerStep
 from cache_service.engine.running_checks import RunningCheck, RunningChecks
+from cache_service.engine.steps import Step
 from cache_service.engine.worker_interface import AttentionResult, WorkerClient
 from cache_service.errors import SequenceLost
 from workers.errors import NonFiniteInput, StaleEpochError, WorkerUnavailable
@@ -99,10 +99,8 @@ class Rounds:
         self._worker_failed = worker_failed
         self.batchers: dict[BatchKey, Batcher] = {}
         # Plans of rounds that coalesced the same recorded steps (see _round_plan), by the
-        # steps' ids; each entry holds its steps, so an id cannot be reused meanwhile.
-        self._round_plans: OrderedDict[
-            tuple[int, ...], tuple[tuple[LayerStep, ...], AttentionPlan]
-        ] = OrderedDict()
+        # steps' keys (a key names one step: never reused).
+        self._round_plans: OrderedDict[tuple[int, ...], AttentionPlan] = OrderedDict()
 
     async def execute(
         self, layer: int, parts: list[tuple[list[int], Part]], hq: int
@@ -249,7 +247,7 @@ class Rounds:
     def _plan_of(
         self,
         parts: list[Part],
-        round_key: tuple[LayerStep, ...] | None,
+        round_key: tuple[Step, ...] | None,
         views: list[SequenceViewLike],
         nq: list[int],
     ) -> AttentionPlan:
@@ -260,10 +258,13 @@ class Rounds:
             return parts[0].plan
         if round_key is not None:
             return self._round_plan(round_key, views, nq)
-        plan = plan_attention(views, nq, self.layout.block_size)
         if len(parts) == 1:
-            parts[0].plan = plan
-        return plan
+            # A recorded step's plan carries the step's key down to the worker.
+            step = parts[0].step
+            key = None if step is None else step.key
+            plan = parts[0].plan = plan_attention(views, nq, self.layout.block_size, key=key)
+            return plan
+        return plan_attention(views, nq, self.layout.block_size)
 
     def _pages(self, parts: list[Part]) -> LayerPages:
         """Where a round over layers reads and writes: each sequence's layer, in order."""
@@ -271,9 +272,7 @@ class Rounds:
             np.repeat(
                 np.array([p.layer for p in parts], dtype=np.int64),
                 [len(p.seq_ids) for p in parts],
-            ),
-            self.layout.num_layers,
-            self.layout.block_size,
+            )
         )
 
     async def _start_check(
@@ -313,20 +312,20 @@ class Rounds:
         task.add_done_callback(self._background.discard)
 
     def _round_plan(
-        self, steps: tuple[LayerStep, ...], views: list[SequenceViewLike], nq: list[int]
+        self, steps: tuple[Step, ...], views: list[SequenceViewLike], nq: list[int]
     ) -> AttentionPlan:
         """The plan of a round coalescing exactly these recorded steps (in this order),
         made once: concurrent clients in step with each other meet again on the next layer,
-        and their steps' views do not change between layers (layer_steps). Kept for the
-        most recent `_MAX_ROUND_PLANS` sets; a new step is a new object, so a stale plan
-        is never found again."""
-        key = tuple(id(s) for s in steps)
+        and their steps' views do not change between layers (engine.steps). Kept for the
+        most recent `_MAX_ROUND_PLANS` sets, by the steps' keys; a new step has a new key,
+        so a stale plan is never found again."""
+        key = tuple(s.key for s in steps)
         kept = self._round_plans.get(key)
         if kept is not None:
             self._round_plans.move_to_end(key)
-            return kept[1]
+            return kept
         plan = plan_attention(views, nq, self.layout.block_size)
-        self._round_plans[key] = (steps, plan)
+        self._round_plans[key] = plan
         while len(self._round_plans) > _MAX_ROUND_PLANS:
             self._round_plans.popitem(last=False)
         return plan
@@ -430,16 +429,16 @@ def _fail_lost(parts: list[Part], error: WorkerLost) -> None:
 _MAX_ROUND_PLANS = 64
 
 
-def _round_steps(parts: list[Part]) -> tuple[LayerStep, ...] | None:
+def _round_steps(parts: list[Part]) -> tuple[Step, ...] | None:
     """The recorded steps of a round of several parts, each part repeating a different
     one, with `parts` put in the one order of that set of steps (so the round's plan, and
     with it the worker's metadata key and graphs, is the same every layer they coalesce
     again); None, `parts` untouched, for anything else (a lone part, one without a step)."""
     if len(parts) < 2 or any(p.step is None for p in parts):
         return None
-    if len({id(p.step) for p in parts}) != len(parts):
+    if len({p.step.key for p in parts}) != len(parts):  # type: ignore[union-attr]
         return None
-    parts.sort(key=lambda p: id(p.step))
+    parts.sort(key=lambda p: p.step.key)  # type: ignore[union-attr]
     return tuple(p.step for p in parts)  # type: ignore[misc]
 
 
@@ -447,8 +446,7 @@ def _checked_on_device(
     parts: list[Part], plan: AttentionPlan, writes: Mapping[str, WorkerWrite]
 ) -> bool:
     """Whether the worker checks this round's values for NaN and infinities on its device
-    (KVPool.write_and_attend's check_finite, or write_and_attend_pages' for a round over
-    several layers; for free where the data goes anyway): a round with a part nobody
+    (the round's check_finite: KVPool.run_round; for free where the data goes anyway): a round with a part nobody
     checked yet (`Part.finite_checked` False), one worker writing and reading every row.
 
     A lone part's refusal is its own (the short path then takes the full path, which

@@ -1,4 +1,4 @@
-"""A decode step's other layers (see `layer_steps`): what the step's first layer planned
+"""A decode step's other layers (see `steps`): what the step's first layer planned
 is recorded, and each later layer of the same batch of sequences and tokens repeats it.
 
 The full path (`Coordinator.append_attend`) records a qualifying call's plan
@@ -25,9 +25,9 @@ from cache_service.engine.batching import Part
 from cache_service.engine.call_deadline import check_deadline, current_deadline
 from cache_service.engine.call_tensors import Spans, in_dtype, joined_rows, repeat_answer
 from cache_service.engine.input_checks import FLOAT_DTYPES
-from cache_service.engine.layer_steps import LayerStep, LayerStepCache
 from cache_service.engine.rounds import Rounds, answered_by_future
 from cache_service.engine.sequence_locks import SequenceLocks
+from cache_service.engine.steps import Step, StepCache
 from cache_service.engine.values import AppendAttendItem, StackedAppendAttend
 from cache_service.engine.worker_interface import AttentionResult
 from workers.errors import NonFiniteInput
@@ -56,7 +56,7 @@ class StepRepeats:
         self,
         owner: Coordinator,
         locks: SequenceLocks,
-        steps: LayerStepCache,
+        steps: StepCache,
         epochs: Mapping[str, str],
         rounds: Rounds,
         cancel_writes: Callable[[str, Sequence[str]], None],
@@ -70,7 +70,7 @@ class StepRepeats:
         self._rounds = rounds
         self._cancel_writes = cancel_writes
 
-    def stacked_step(self, tenant: str, layer: int, batch: StackedAppendAttend) -> LayerStep | None:
+    def stacked_step(self, tenant: str, layer: int, batch: StackedAppendAttend) -> Step | None:
         """The recorded step `batch` can repeat on `layer`, judged by what needs no lock:
         the same batch of sequences, its token and query row counts, tensors of the layout's
         shapes and float dtypes. None: take the full path. Whether every value is finite
@@ -106,7 +106,7 @@ class StepRepeats:
         self,
         tenant: str,
         layer: int,
-        step: LayerStep,
+        step: Step,
         batch: StackedAppendAttend,
         return_lse: bool,
         out: torch.Tensor | None = None,
@@ -173,7 +173,7 @@ class StepRepeats:
         self,
         tenant: str,
         layer: int,
-        step: LayerStep,
+        step: Step,
         batch: StackedAppendAttend,
         part: Part,
         finished: Callable[[AttentionResult | BaseException | None], None],
@@ -199,7 +199,7 @@ class StepRepeats:
         self,
         tenant: str,
         layer: int,
-        step: LayerStep,
+        step: Step,
         batch: StackedAppendAttend,
         return_lse: bool,
         out: torch.Tensor | None,
@@ -219,20 +219,20 @@ class StepRepeats:
         part.finite_checked = False
         return part
 
-    def _repeat_committed(self, layer: int, step: LayerStep, part: Part) -> None:
+    def _repeat_committed(self, layer: int, step: Step, part: Part) -> None:
         """A repeated layer's round is back: its short commit (`repeatable` said yes under
         the locks still held) and the kernel plan the step keeps."""
         self._owner.block_manager.commit_repeated(step.snapshot, layer)
         step.plan = part.plan
 
-    def _count_repeat(self, batch: StackedAppendAttend, step: LayerStep) -> None:
+    def _count_repeat(self, batch: StackedAppendAttend, step: Step) -> None:
         """A committed repeated layer's tokens, in the metrics."""
         if self._owner.metrics is not None:
             b = len(batch.seq_ids)
             self._owner.metrics.add_tokens_appended(b * step.snapshot.num_tokens)
             self._owner.metrics.add_attention_tokens(b * step.num_queries[0])
 
-    def _recorded_step(self, tenant: str, seq_ids: Sequence[str]) -> LayerStep | None:
+    def _recorded_step(self, tenant: str, seq_ids: Sequence[str]) -> Step | None:
         """The step recorded for this batch (tenant, sequence ids in order), if its worker
         is still one of the coordinator's."""
         step = self._steps.get(tenant, tuple(seq_ids))
@@ -242,7 +242,7 @@ class StepRepeats:
 
     def reusable_step(
         self, tenant: str, layer: int, seq_ids: list[str], items: Sequence[AppendAttendItem]
-    ) -> LayerStep | None:
+    ) -> Step | None:
         """The recorded step of this batch when this call is another layer of it: the same
         token ids and query rows per sequence, the worker still known, and the block
         manager confirming the write would be planned the same (`repeatable`)."""
@@ -263,7 +263,7 @@ class StepRepeats:
 
     def step_part(
         self,
-        step: LayerStep,
+        step: Step,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -289,7 +289,7 @@ class StepRepeats:
 
     def step_parts(
         self,
-        step: LayerStep,
+        step: Step,
         queries: list[torch.Tensor],
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
@@ -336,6 +336,4 @@ class StepRepeats:
         if snapshot is None:
             return
         views: list[OneWorkerView] = part.views  # type: ignore[assignment]
-        self._steps.put(
-            LayerStep(snapshot, worker_id, part.num_queries, views, list(slots), part.plan)
-        )
+        self._steps.put(Step(snapshot, worker_id, part.num_queries, views, list(slots), part.plan))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -18,7 +18,7 @@ import torch
 
 from workers.kernel_warmup import padded_table_width
 
-__all__ = ["AttentionPlanError", "KernelEntry", "WorkerBatch"]
+__all__ = ["AttentionPlanError", "KernelEntry", "WorkerBatch", "mint_key"]
 
 
 class AttentionPlanError(ValueError):
@@ -49,12 +49,27 @@ class KernelEntry(NamedTuple):
     part: int
 
 
+def mint_key() -> int:
+    """A fresh random key (63 bits) naming a planned batch's kernel metadata."""
+    return secrets.randbits(63)
+
+
 @dataclass(frozen=True)
 class WorkerBatch:
-    """Everything one worker computes for a call: one kernel launch."""
+    """Everything one worker computes for a call: one kernel launch.
+
+    Attributes:
+        worker_id: the worker.
+        entries: its kernel entries, in launch order.
+        key: names the batch's kernel metadata (`kernel_args` less the query) for the
+            worker, which validates and copies it once for every round that runs this
+            batch (a planned step's: every layer). Minted with the plan (a recorded step's
+            plan carries the step's key); never names other content.
+    """
 
     worker_id: str
     entries: tuple[KernelEntry, ...]
+    key: int = field(default_factory=mint_key)
 
     @functools.cached_property
     def num_rows(self) -> int:
@@ -102,45 +117,19 @@ class WorkerBatch:
 
     def metadata_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`kernel_args` less the query: ``(block_tables int32 [S, max_blocks],
-        seq_lens int32 [S], query_start_loc int32 [S + 1])``."""
+        seq_lens int32 [S], query_start_loc int32 [S + 1])``, made once per batch (every
+        round of a planned step sends the same tensors; workers only read them)."""
+        return self._metadata_tensors
+
+    @functools.cached_property
+    def _metadata_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         tables, seq_lens, starts = self._metadata
         return torch.from_numpy(tables), torch.from_numpy(seq_lens), torch.from_numpy(starts)
-
-    def page_base(self, num_layers: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(block tables x num_layers, int32 [S, max_blocks]; each entry's sequence index,
-        [S])``: what `LayerPages.page_tables` adds each round's layers to, made once per
-        batch (a recorded plan serves every round of its steps, on whichever layers).
-
-        Raises:
-            AttentionPlanError: a page id of some layer would pass int32.
-        """
-        kept = self._page_bases.get(num_layers)
-        if kept is None:
-            blocks = self._metadata[0]
-            # Block ids are >= 0: the largest one bounds every page id.
-            top = (np.iinfo(np.int32).max - (num_layers - 1)) // num_layers
-            if blocks.size and int(blocks.max()) > top:
-                raise AttentionPlanError(
-                    "page ids pass int32: too many blocks x layers for one launch"
-                )
-            kept = self._page_bases[num_layers] = (blocks * np.int32(num_layers), self.sequences)
-        return kept
 
     @functools.cached_property
     def sequences(self) -> np.ndarray:
         """int64 ``[S]``: the call's sequence index of each entry."""
         return np.array([e.sequence for e in self.entries], dtype=np.int64)
-
-    @functools.cached_property
-    def _page_bases(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        return {}
-
-    @functools.cached_property
-    def metadata_key(self) -> int:
-        """A random id naming this batch's kernel metadata (`kernel_args` less the query)
-        for the worker, which then validates and copies it once for every call that runs
-        this batch (a decode step's recorded plan: every layer)."""
-        return secrets.randbits(63)
 
     @functools.cached_property
     def _metadata(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

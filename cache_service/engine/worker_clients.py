@@ -24,6 +24,7 @@ import asyncio
 import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from workers.config import PoolConfig
 from workers.description import FencedEpoch, WorkerDescription, WorkerHealth
 from workers.errors import WorkerError, WorkerUnavailable
 from workers.fingerprints import BadSlot
+from workers.round import Round
 from workers.transport import pack
 
 __all__ = ["LocalWorkerClient", "RayWorkerClient", "transfer_blocks"]
@@ -44,10 +46,26 @@ IndexLike = torch.Tensor | Sequence[int]
 
 def _wire(value: Any) -> Any:
     """A tensor argument for a Ray call, packed (the actor only reads its inputs, so it may
-    view the object store's buffer); anything else (lists, ObjectRefs, None) as it is."""
+    view the object store's buffer), a round with its tensors packed and without its
+    output (a Ray worker cannot deliver into the caller's memory); anything else (lists,
+    ObjectRefs, None) as it is."""
     if isinstance(value, torch.Tensor):
         return pack(value, readonly=True)
+    if type(value) is Round:
+        return replace(value, out=None).with_tensors(_wire)
     return value
+
+
+def _channel_form(
+    method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    """A data call as the worker channel sends it: ``(args, kwargs, out)``. A round goes
+    as its epoch then its fields (`Round.wire_fields`), its step key as the keyword the
+    channel keys its repeats on, its output memory aside (the channel places it)."""
+    if method != "run_round":
+        return args, kwargs, None
+    epoch, round = args
+    return (epoch, *round.wire_fields()), {"step_key": round.step_key}, round.out
 
 
 def _attention_result(value: Any, return_lse: bool) -> AttentionResult:
@@ -129,151 +147,12 @@ class _WorkerClientBase:
     ) -> None:
         await self._invoke("write", self._fenced(epoch), layer, slot_mapping, key, value)
 
-    async def attend(
-        self,
-        epoch: str,
-        layer: int,
-        query: torch.Tensor,
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: IndexLike,
-        query_start_loc: IndexLike,
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        softcap: float | None = None,
-        sliding_window: int | None = None,
-        metadata_key: int | None = None,
-    ) -> AttentionResult:
-        batch = (query, block_tables, seq_lens, query_start_loc, causal, return_lse)
-        options = {"scale": scale, "softcap": softcap, "sliding_window": sliding_window}
-        if metadata_key is not None:
-            options["metadata_key"] = metadata_key
-        value = await self._invoke("attend", self._fenced(epoch), layer, *batch, **options)
-        return _attention_result(value, return_lse)
-
-    async def write_and_attend(
-        self,
-        epoch: str,
-        layer: int,
-        slot_mapping: IndexLike,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        query: torch.Tensor,
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: IndexLike,
-        query_start_loc: IndexLike,
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        softcap: float | None = None,
-        sliding_window: int | None = None,
-        metadata_key: int | None = None,
-        out: torch.Tensor | None = None,
-        check_finite: bool = False,
-    ) -> AttentionResult:
-        new = (slot_mapping, key, value)
-        batch = (query, block_tables, seq_lens, query_start_loc, causal, return_lse)
-        options = {"scale": scale, "softcap": softcap, "sliding_window": sliding_window}
-        if metadata_key is not None:
-            options["metadata_key"] = metadata_key
-        if out is not None and self._accepts_out:
-            options["out"] = out
-        # Always named: a decode step's calls with and without the check then differ in a
-        # value only, which a worker channel's repeat can carry.
-        options["check_finite"] = check_finite
-        result = await self._invoke(
-            "write_and_attend", self._fenced(epoch), layer, *new, *batch, **options
-        )
-        return _attention_result(result, return_lse)
-
-    async def write_and_attend_pages(
-        self,
-        epoch: str,
-        slot_mapping: IndexLike,
-        key: torch.Tensor | Sequence[torch.Tensor],
-        value: torch.Tensor | Sequence[torch.Tensor],
-        query: torch.Tensor | Sequence[torch.Tensor],
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: IndexLike,
-        query_start_loc: IndexLike,
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        softcap: float | None = None,
-        sliding_window: int | None = None,
-        check_finite: bool = False,
-        out: list[torch.Tensor] | None = None,
-    ) -> AttentionResult:
-        new = (slot_mapping, key, value)
-        batch = (query, block_tables, seq_lens, query_start_loc, causal, return_lse)
-        options: dict[str, Any] = {
-            "scale": scale, "softcap": softcap, "sliding_window": sliding_window
-        }  # fmt: skip
-        # Always named, as in write_and_attend (a channel repeat can carry the value).
-        options["check_finite"] = check_finite
-        if out is not None and self._accepts_out:
-            options["out"] = out
-        result = await self._invoke(
-            "write_and_attend_pages", self._fenced(epoch), *new, *batch, **options
-        )
-        return _attention_result(result, return_lse)
-
-    async def write_and_attend_layers(
-        self,
-        epoch: str,
-        seq_layers: list[int],
-        slot_layers: list[int],
-        slot_mapping: IndexLike,
-        key: torch.Tensor | Sequence[torch.Tensor],
-        value: torch.Tensor | Sequence[torch.Tensor],
-        query: torch.Tensor | Sequence[torch.Tensor],
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: IndexLike,
-        query_start_loc: IndexLike,
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        softcap: float | None = None,
-        sliding_window: int | None = None,
-        metadata_key: int | None = None,
-        check_finite: bool = False,
-        out: list[torch.Tensor] | None = None,
-    ) -> AttentionResult:
-        new = (seq_layers, slot_layers, slot_mapping, key, value)
-        batch = (query, block_tables, seq_lens, query_start_loc, causal, return_lse)
-        options: dict[str, Any] = {
-            "scale": scale, "softcap": softcap, "sliding_window": sliding_window,
-            "metadata_key": metadata_key, "check_finite": check_finite,
-        }  # fmt: skip
-        if out is not None and self._accepts_out:
-            options["out"] = out
-        result = await self._invoke(
-            "write_and_attend_layers", self._fenced(epoch), *new, *batch, **options
-        )
-        return _attention_result(result, return_lse)
-
-    async def attend_pages(
-        self,
-        epoch: str,
-        query: torch.Tensor,
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: IndexLike,
-        query_start_loc: IndexLike,
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        softcap: float | None = None,
-        sliding_window: int | None = None,
-    ) -> AttentionResult:
-        batch = (query, block_tables, seq_lens, query_start_loc, causal, return_lse)
-        options = {"scale": scale, "softcap": softcap, "sliding_window": sliding_window}
-        value = await self._invoke("attend_pages", self._fenced(epoch), *batch, **options)
-        return _attention_result(value, return_lse)
+    async def run_round(self, round: Round) -> AttentionResult:
+        if round.out is not None and not self._accepts_out:
+            round = replace(round, out=None)
+        value = await self._invoke("run_round", self._fenced(round.epoch), round)
+        options = round.options
+        return _attention_result(value, options is not None and options.return_lse)
 
     async def reference_attend(
         self,
@@ -404,11 +283,10 @@ class RayWorkerClient(_WorkerClientBase):
         return getattr(self._handle, method).remote(*args, **kwargs)
 
     async def _invoke(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        out = kwargs.pop("out", None)
         if method not in CHANNEL_METHODS:
             return await self.resolve(self.submit(method, *args, **kwargs))
         if self._channels is not None:
-            path, value = await self._channels.call(method, args, kwargs, out)
+            path, value = await self._channels.call(method, *_channel_form(method, args, kwargs))
             if path is not None:
                 self._last_path = path
                 if self._on_data_call is not None:
@@ -460,8 +338,7 @@ class LocalWorkerClient(_WorkerClientBase):
         config: its pool.
         device: pool device (None: CUDA if available, else CPU).
 
-        inline: run the per-layer calls (``write_and_attend``, ``attend`` and their forms
-            over pages and layers) on the caller's event loop when nothing is queued on the
+        inline: run the attention rounds (``run_round``) on the caller's event loop when nothing is queued on the
             worker's thread, instead of hopping to that thread. For GPU pools: their work is a millisecond or less of host work
             around asynchronous kernels, and the hop (a thread wake-up and the GIL handed
             back and forth) cost about as much again on the H200 host. Bulk calls (whole
@@ -472,16 +349,8 @@ class LocalWorkerClient(_WorkerClientBase):
     is testable without Ray.
     """
 
-    # The per-layer attention calls, in every form (per layer, over pages, over layers).
-    _INLINE_METHODS = frozenset(
-        {
-            "write_and_attend",
-            "attend",
-            "write_and_attend_pages",
-            "write_and_attend_layers",
-            "attend_pages",
-        }
-    )
+    # The per-layer attention rounds.
+    _INLINE_METHODS = frozenset({"run_round"})
     _accepts_out = True
     # How per-layer calls reach the worker (GetInfo's WorkerInfo.data_path).
     data_path = "in_process"

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import torch
 
     from workers.description import WorkerDescription, WorkerHealth
+    from workers.round import Round
 
 __all__ = ["AttentionResult", "WorkerClient"]
 
@@ -37,9 +38,9 @@ class AttentionResult(NamedTuple):
     """One worker's attention output.
 
     Attributes:
-        out: ``[T, Hq, D]`` in the pool's dtype, on the host; or, for a call that gave its
-            output's memory in parts (``write_and_attend_pages``' `out`) and had it
-            delivered there, that list of parts, rows in order.
+        out: ``[T, Hq, D]`` in the pool's dtype, on the host; or, for a round that gave
+            its output's memory in parts (`Round.out`) and had it delivered there, that
+            list of parts, rows in order.
         lse: float32 ``[T, Hq]`` natural-log softmax denominators when asked for (-inf for
             a row that saw no key), else None.
     """
@@ -82,134 +83,18 @@ class WorkerClient(Protocol):
         """Write K/V ``[n, Hkv, D]`` (``[L, n, Hkv, D]`` for layer None) to flat slots."""
         ...
 
-    async def attend(
-        self,
-        epoch: str,
-        layer: int,
-        query: torch.Tensor,
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: torch.Tensor | Sequence[int],
-        query_start_loc: torch.Tensor | Sequence[int],
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        softcap: float | None = None,
-        sliding_window: int | None = None,
-        metadata_key: int | None = None,
-    ) -> AttentionResult:
-        """Paged attention of a batch of sequences over one layer (one kernel launch).
+    async def run_round(self, round: Round) -> AttentionResult:
+        """One worker call of an attention round (``workers.round.Round``; the worker's
+        ``KVPool.run_round``): the round's write, if any, then its attention, both
+        validated before the write, under the epoch `round.epoch`.
 
-        metadata_key: names (block_tables, seq_lens, query_start_loc) for later calls with
-        the same content, which the worker may then skip validating and copying (a random
-        id per kernel batch; never reused for other content). None: no reuse.
+        The worker picks how to run it (one layer, or pages of every layer) and keeps the
+        round's metadata under its step key for the step's later rounds. `round.out`:
+        host memory for the output (one part per query part for a round in parts); a
+        client that can deliver there does (the result's ``out`` is then `round.out`),
+        others return the output. With ``check_finite`` the worker refuses a NaN or
+        infinity with workers.errors.NonFiniteInput, writing nothing.
         """
-        ...
-
-    async def write_and_attend(
-        self,
-        epoch: str,
-        layer: int,
-        slot_mapping: torch.Tensor | Sequence[int],
-        key: torch.Tensor,
-        value: torch.Tensor,
-        query: torch.Tensor,
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: torch.Tensor | Sequence[int],
-        query_start_loc: torch.Tensor | Sequence[int],
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        softcap: float | None = None,
-        sliding_window: int | None = None,
-        metadata_key: int | None = None,
-        out: torch.Tensor | None = None,
-        check_finite: bool = False,
-    ) -> AttentionResult:
-        """:meth:`write` then :meth:`attend` in one call, both validated before the write
-        (metadata_key as in :meth:`attend`). out: host memory for the output (its shape
-        and dtype); a worker in the caller's process copies the output there and returns
-        it, others ignore it. check_finite: the worker refuses a NaN or infinity in key,
-        value or query with workers.errors.NonFiniteInput, writing nothing (checked on its
-        device, where the data goes anyway)."""
-        ...
-
-    async def write_and_attend_pages(
-        self,
-        epoch: str,
-        slot_mapping: torch.Tensor | Sequence[int],
-        key: torch.Tensor | Sequence[torch.Tensor],
-        value: torch.Tensor | Sequence[torch.Tensor],
-        query: torch.Tensor | Sequence[torch.Tensor],
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: torch.Tensor | Sequence[int],
-        query_start_loc: torch.Tensor | Sequence[int],
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        softcap: float | None = None,
-        sliding_window: int | None = None,
-        check_finite: bool = False,
-        out: list[torch.Tensor] | None = None,
-    ) -> AttentionResult:
-        """:meth:`write_and_attend` for sequences of several layers in one launch: block ids
-        (in the tables and in the slots' blocks) are page ids ``block * num_layers +
-        layer`` (workers.pool.KVPool.write_and_attend_pages). check_finite: as in
-        :meth:`write_and_attend`.
-
-        A round of several callers: key, value and query may be given in parts (lists of
-        host tensors, joined along dim 0), and `out` (host memory, one part per caller)
-        asks for the output's rows in those parts. A client that can deliver there does
-        (the result's ``out`` is then that list); otherwise the output comes back as one
-        tensor."""
-        ...
-
-    async def write_and_attend_layers(
-        self,
-        epoch: str,
-        seq_layers: list[int],
-        slot_layers: list[int],
-        slot_mapping: torch.Tensor | Sequence[int],
-        key: torch.Tensor | Sequence[torch.Tensor],
-        value: torch.Tensor | Sequence[torch.Tensor],
-        query: torch.Tensor | Sequence[torch.Tensor],
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: torch.Tensor | Sequence[int],
-        query_start_loc: torch.Tensor | Sequence[int],
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        softcap: float | None = None,
-        sliding_window: int | None = None,
-        metadata_key: int | None = None,
-        check_finite: bool = False,
-        out: list[torch.Tensor] | None = None,
-    ) -> AttentionResult:
-        """:meth:`write_and_attend_pages` with block tables and slots per layer and each
-        sequence's (`seq_layers`) and new token's (`slot_layers`) layer named: the worker
-        makes the pages (workers.pool.KVPool.write_and_attend_layers). metadata_key: as
-        in :meth:`write_and_attend` (a round of recorded steps repeats its metadata whichever
-        layers it is on, and replays a graph)."""
-        ...
-
-    async def attend_pages(
-        self,
-        epoch: str,
-        query: torch.Tensor,
-        block_tables: torch.Tensor | Sequence[Sequence[int]],
-        seq_lens: torch.Tensor | Sequence[int],
-        query_start_loc: torch.Tensor | Sequence[int],
-        *,
-        causal: bool = True,
-        return_lse: bool = False,
-        scale: float | None = None,
-        softcap: float | None = None,
-        sliding_window: int | None = None,
-    ) -> AttentionResult:
-        """:meth:`attend` for sequences of several layers in one launch (page ids)."""
         ...
 
     async def copy_blocks(

@@ -223,14 +223,12 @@ class WorkerChannel:
         """Close the connection (the arena goes with the last reference to it)."""
         self._conn._fail(ChannelBroken("closed by the coordinator"))
 
-    def last_call_was(self, method: str, metadata_key: object) -> bool:
-        """Whether the call this connection may repeat is of `method` with `metadata_key`
+    def last_call_was(self, method: str, step_key: object) -> bool:
+        """Whether the call this connection may repeat is of `method` with `step_key`
         (a hint for choosing among idle connections: the call itself decides)."""
         sent = self._sent
         return (
-            sent is not None
-            and sent.method == method
-            and sent.kwargs.get("metadata_key") == metadata_key
+            sent is not None and sent.method == method and sent.kwargs.get("step_key") == step_key
         )
 
     async def call(
@@ -247,7 +245,7 @@ class WorkerChannel:
         Args:
             out: host memory for the call's (first) output: the worker writes it into the
                 arena and it is copied here; the result then holds ``out`` itself. A list:
-                the output in parts (``write_and_attend_pages``' ``out``), sent only where
+                the output in parts (a round of several callers), sent only where
                 every part lies in a shared file (the worker writes each there, and the
                 result holds the list); else not sent (the output comes back joined).
 

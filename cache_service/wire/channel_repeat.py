@@ -5,7 +5,7 @@ few bytes the worker answers without decoding anything (see ``workers.channel_wi
 A repeat's tensors have the shapes and dtypes of the last call's, each where that call's
 lay: at the same address of the same shared file, or in the arena, which a repeat refills
 in place (a shared arena; the attention's index tensors are not even copied when the call's
-unchanged ``metadata_key`` names them, since a key names one content). `sent_as` records
+unchanged ``step_key`` names them, since a key names one content). `sent_as` records
 what a full call's repeat must match (`SentCall`); `repeat_changes` decides whether a call
 is one and what it changes.
 """
@@ -27,7 +27,7 @@ __all__ = ["Parts", "Place", "SentCall", "repeat_changes", "sent_as"]
 class Place(NamedTuple):
     """Where a tensor of the last full call went: a shared file at address `ptr`; or (ptr
     None) the arena, at `slot` when a repeat copies the new content there first, else (no
-    slot) where the call's metadata_key names the content or, for the output, the content
+    slot) where the call's step_key names the content or, for the output, the content
     does not matter."""
 
     ptr: int | None
@@ -82,14 +82,14 @@ def sent_as(
     value that is neither a tensor nor plain (a list of plain values at most), a tensor
     in parts with a part copied into the arena, an output in parts the worker did not
     write in place, or (not `refillable`: a private arena, whose bytes would have to
-    travel) a tensor copied into the arena that its metadata_key does not name.
+    travel) a tensor copied into the arena that its step_key does not name.
 
     Args:
         in_arena: the call's tensors copied into the arena, by id, with their slots (the
             others lie in shared files).
     """
     keyed = KEYED_ARGUMENTS.get(method, frozenset())
-    if kwargs.get("metadata_key") is None:
+    if kwargs.get("step_key") is None:
         keyed = frozenset()
 
     def sent(value: Any, keyed_here: bool) -> Any:
@@ -161,7 +161,7 @@ def repeat_changes(
         for name, old in sent.kwargs.items():
             new = kwargs.get(name, Place)  # Place: a value no call passes
             # The key vouches for the arena's index tensors, which are not refilled.
-            if not _matches(new, old, name, changes, refills, fixed=name == "metadata_key"):
+            if not _matches(new, old, name, changes, refills, fixed=name == "step_key"):
                 return None
     except Exception:  # a comparison that is not a plain yes or no (a tensor in a list)
         return None

@@ -137,7 +137,7 @@ class ChannelPool:
             WorkerError: the worker's error (one that is not a WorkerError is wrapped).
             WorkerUnavailable: no answer within the timeout.
         """
-        chan = await self._take(method, kwargs.get("metadata_key"))
+        chan = await self._take(method, kwargs.get("step_key"))
         if chan is None:
             return None, None
         repeats_before = chan.repeats
@@ -181,7 +181,7 @@ class ChannelPool:
         self._idle.clear()
         self._wake_all()
 
-    async def _take(self, method: str, metadata_key: object) -> WorkerChannel | None:
+    async def _take(self, method: str, step_key: object) -> WorkerChannel | None:
         """An idle channel (the one whose last call this one may repeat, if any), a new
         one, or one handed over by a call that ends; None: go through Ray."""
         if self._closed:
@@ -189,7 +189,7 @@ class ChannelPool:
         idle = self._idle
         if idle:
             for i in range(len(idle) - 1, -1, -1):
-                if idle[i].last_call_was(method, metadata_key):
+                if idle[i].last_call_was(method, step_key):
                     return idle.pop(i)
             return idle.pop()
         if self._count < self._options.connections and time.monotonic() >= self._retry_at:

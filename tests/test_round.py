@@ -1,0 +1,100 @@
+"""A Round (workers.round) as data: it crosses a process boundary and the worker channel
+unchanged, and a pool serves a round that names its step's metadata by key alone."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from workers.checks import AttendOptions
+from workers.errors import InvalidWorkerRequest
+from workers.layout import KVLayout
+from workers.pool import KVPool
+from workers.round import WIRE_FIELDS, Round
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32")
+
+
+def _pool(seed: int) -> KVPool:
+    pool = KVPool(LAYOUT, 16, "cpu")
+    pool.data.copy_(torch.randn(pool.data.shape, generator=torch.Generator().manual_seed(seed)))
+    return pool
+
+
+def _round(layer: int = 1, step_key: int | None = 7, seed: int = 1) -> Round:
+    """A decode round of 3 sequences (one new token and one query row each)."""
+    gen = torch.Generator().manual_seed(seed)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]], dtype=torch.int32)
+    lens = torch.tensor([5, 9, 12], dtype=torch.int32)
+    slots = [int(tables[s, (n - 1) // 4]) * 4 + (n - 1) % 4 for s, n in enumerate(lens)]
+    k, v = (torch.randn(3, 2, 16, generator=gen) for _ in range(2))
+    q = torch.randn(3, 4, 16, generator=gen)
+    starts = torch.arange(4, dtype=torch.int32)
+    return Round(
+        "e", layer, q, tables, lens, starts, slots, k, v,
+        options=AttendOptions(return_lse=True, scale=0.5), check_finite=True, step_key=step_key,
+    )  # fmt: skip
+
+
+def _same(a: Round, b: Round) -> None:
+    for name in Round.__slots__:
+        x, y = getattr(a, name), getattr(b, name)
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), name
+        else:
+            assert x == y, name
+
+
+def test_a_round_pickles_and_travels_as_its_wire_fields_unchanged() -> None:
+    r = _round()
+    _same(pickle.loads(pickle.dumps(r)), r)
+    fields = r.wire_fields()
+    assert len(fields) == len(WIRE_FIELDS)
+    # Every tensor at the top level (where the channel places it), the options plain.
+    assert type(fields[WIRE_FIELDS.index("options")]) is tuple
+    _same(Round.from_wire("e", fields, step_key=7), r)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ((1, 2), "travels as 11 fields"),
+        ((*_round().wire_fields()[:-2], ("bad",), False), "options must be a 5-tuple"),
+        ((*_round().wire_fields()[:-2], (True, "no", None, None, None), False), "return_lse"),
+    ],
+)
+def test_malformed_wire_fields_are_refused(fields: tuple, message: str) -> None:
+    with pytest.raises(InvalidWorkerRequest, match=message):
+        Round.from_wire("e", fields)
+
+
+def test_a_round_naming_its_steps_metadata_by_key_alone_answers_as_with_it() -> None:
+    # The step's first round sends its metadata; a later round (another layer) may leave
+    # it out and name the step's key only: the same answer as a round that sends it.
+    keyed, plain = _pool(3), _pool(3)
+    first = _round(layer=0)
+    keyed.run_round(first)
+    plain.run_round(_round(layer=0, step_key=None))
+    hits = keyed.metadata_hits
+    later = _round(layer=2, seed=2)
+    later.block_tables = later.seq_lens = later.query_start_loc = None
+    out, lse = keyed.run_round(later)
+    want_out, want_lse = plain.run_round(_round(layer=2, step_key=None, seed=2))
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert keyed.metadata_hits == hits + 1
+    assert torch.equal(keyed.data, plain.data)
+
+
+@pytest.mark.parametrize("step_key", [None, 99])
+def test_a_round_without_metadata_under_no_kept_key_is_refused_and_writes_nothing(
+    step_key: int | None,
+) -> None:
+    pool = _pool(4)
+    before = pool.data.clone()
+    r = _round(step_key=step_key)
+    r.block_tables = r.seq_lens = r.query_start_loc = None
+    with pytest.raises(InvalidWorkerRequest, match="block tables"):
+        pool.run_round(r)
+    assert torch.equal(pool.data, before)
