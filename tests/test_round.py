@@ -98,3 +98,21 @@ def test_a_round_without_metadata_under_no_kept_key_is_refused_and_writes_nothin
     with pytest.raises(InvalidWorkerRequest, match="block tables"):
         pool.run_round(r)
     assert torch.equal(pool.data, before)
+
+
+def test_a_rounds_key_value_and_query_lie_in_the_channel_arena_as_a_graph_loads_them() -> None:
+    # The channel places a message's tensors in argument order; a CUDA worker's decode
+    # graph loads key, value and query in one copy only when they lie at
+    # workers.staging.packed_offsets (on the H100 a field order with the query first left
+    # every decode round to three copies).
+    from workers.channel_wire import ArenaLayout, ArenaViews, split
+    from workers.staging import packed_offsets
+
+    r = _round()
+    layout = ArenaLayout(ArenaViews(torch.zeros(1 << 16, dtype=torch.uint8)))
+    _, refs = split((r.epoch, *r.wire_fields()), layout.put)
+    at = {where: ref for where, *ref in refs}
+    kvq = [at[1 + WIRE_FIELDS.index(name)] for name in ("key", "value", "query")]
+    offsets = [ref[1] for ref in kvq]  # (tag, offset, dtype, shape)
+    want, _ = packed_offsets((r.key, r.value, r.query))
+    assert [o - offsets[0] for o in offsets] == want, refs

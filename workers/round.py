@@ -101,13 +101,13 @@ class Round:
         plain = None if options is None else _plain_options(options)
         return (
             self.layers,
+            self.slot_mapping,
+            self.key,
+            self.value,
             self.query,
             self.block_tables,
             self.seq_lens,
             self.query_start_loc,
-            self.slot_mapping,
-            self.key,
-            self.value,
             self.slot_layers,
             plain,
             self.check_finite,
@@ -129,7 +129,7 @@ class Round:
             raise InvalidWorkerRequest(
                 f"a round travels as {len(WIRE_FIELDS)} fields, got {len(fields)}"
             )
-        (layers, query, tables, lens, starts, slots, key, value, slot_layers, plain, finite) = (
+        (layers, slots, key, value, query, tables, lens, starts, slot_layers, plain, finite) = (
             fields
         )
         if plain is not None and (type(plain) is not tuple or len(plain) != 5):
@@ -142,16 +142,19 @@ class Round:
 
 
 # The names of `Round.wire_fields`, in order (the worker channel's keyed positions count
-# from them: workers.channel_wire.KEYED_ARGUMENTS).
+# from them: workers.channel_wire.KEYED_ARGUMENTS). Key, value and query come one after the
+# other because the channel lays tensors out in the arena in argument order, and a CUDA
+# worker loads the three in one copy when they lie as its graph's buffers do
+# (workers.staging.packed_offsets).
 WIRE_FIELDS = (
     "layers",
+    "slot_mapping",
+    "key",
+    "value",
     "query",
     "block_tables",
     "seq_lens",
     "query_start_loc",
-    "slot_mapping",
-    "key",
-    "value",
     "slot_layers",
     "options",
     "check_finite",
