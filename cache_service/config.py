@@ -349,6 +349,9 @@ class CoordinatorConfig:
             workers in another process (Ray actors: the coordinator's event loop is free
             while their calls run), off for workers in the coordinator's process (their
             calls hold its event loop).
+        kv_event_ring: KV events kept in memory (and in the store's checkpoints) for
+            subscribers resuming from an earlier number (SubscribeKvEvents); one asking for
+            an older one gets OUT_OF_RANGE. About 200 bytes an event.
     """
 
     batch_window_ms: float = 0.5
@@ -361,9 +364,11 @@ class CoordinatorConfig:
     correctness_check_sequences: int | None = None
     coalesce_layers: bool = True
     overlap_rounds: bool | None = None
+    kv_event_ring: int = 4096
 
     def __post_init__(self) -> None:
         _non_negative("coordinator.batch_window_ms", self.batch_window_ms)
+        _positive_int("coordinator.kv_event_ring", self.kv_event_ring)
         _positive_int("coordinator.max_batch_items", self.max_batch_items)
         if not (isinstance(self.worker_timeout_s, int | float) and self.worker_timeout_s > 0):
             raise ConfigError(
