@@ -51,6 +51,8 @@ async def kv_event_batches(
         if after:
             raise InvalidRequest("only_new starts after the newest event: from_sequence must be 0")
         after = feed.log.last_released
+    elif after == 0:  # from the oldest event kept
+        after = feed.log.oldest_kept - 1
     worker = request.worker_id
     if worker and worker not in {w.worker_id for w in coordinator.workers()}:
         raise InvalidRequest(f"unknown worker_id {worker!r}")
