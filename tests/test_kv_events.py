@@ -155,10 +155,12 @@ def test_resuming_from_n_gets_exactly_the_events_after_n() -> None:
         again, _ = _read(h, c, sub.position)
         assert again == everything[2:]
 
-        # only_new starts after the newest event.
+        # only_new starts after the newest event: its first batch, at once, is empty.
         with c.kv_events(only_new=True, timeout_s=20) as sub:
+            batches = sub.batches()
+            assert next(batches) == [] and sub.caught_up and sub.newest_sequence == last
             _prefill(c, list(range(900, 909)), 9)
-            (batch,) = [b for _, b in zip(range(1), sub.batches(), strict=False)]
+            batch = next(batches)
         assert batch and batch[0].sequence == last + 1
 
 

@@ -87,6 +87,7 @@ def _batch(page: KvEventPage) -> pb.KvEventBatch:
         events=[encode_event(e) for e in page.events],
         last_sequence=page.last_sequence,
         oldest_sequence=page.oldest_sequence,
+        newest_sequence=page.newest_sequence,
     )
 
 

@@ -117,6 +117,7 @@ class KvEventSubscription:
         position: every event numbered up to here was read; resume from it.
         stream_id: the numbering's id ("" before the first batch).
         oldest_sequence: the oldest number the service kept, as of the last batch.
+        newest_sequence: the newest number the service had, as of the last batch.
 
     Errors surface as `KVCacheError` subclasses (OUT_OF_RANGE as InvalidArgumentError,
     its message naming the newest or oldest kept number).
@@ -127,12 +128,22 @@ class KvEventSubscription:
         self.position = from_sequence
         self.stream_id = ""
         self.oldest_sequence = 0
+        self.newest_sequence = 0
+
+    @property
+    def caught_up(self) -> bool:
+        """Whether every event released when the last batch was read has been read."""
+        return bool(self.stream_id) and self.position >= self.newest_sequence
+
+    def _note(self, batch: pb.KvEventBatch) -> None:
+        self.stream_id = batch.stream_id
+        self.oldest_sequence = int(batch.oldest_sequence)
+        self.newest_sequence = int(batch.newest_sequence)
 
     def __iter__(self) -> Iterator[KvEvent]:
         try:
             for batch in self._call:
-                self.stream_id = batch.stream_id
-                self.oldest_sequence = int(batch.oldest_sequence)
+                self._note(batch)
                 for message in batch.events:
                     event = decode_event(message)
                     self.position = event.sequence  # a caller stopping here has it
@@ -148,8 +159,7 @@ class KvEventSubscription:
         filtered out; `position` advanced anyway)."""
         try:
             for batch in self._call:
-                self.stream_id = batch.stream_id
-                self.oldest_sequence = int(batch.oldest_sequence)
+                self._note(batch)
                 events = [decode_event(m) for m in batch.events]
                 self.position = int(batch.last_sequence)
                 yield events

@@ -32,12 +32,15 @@ class KvEventPage:
         events: the events it may see, oldest first (may be empty: all filtered out).
         last_sequence: every event numbered up to here was read; resume after it.
         oldest_sequence: the oldest number the ring still keeps.
+        newest_sequence: the newest released number when the page was read (the
+            subscriber has caught up when last_sequence reaches it).
         stream_id: the numbering's id (`KvEventLog.stream_id`).
     """
 
     events: list[KvEvent]
     last_sequence: int
     oldest_sequence: int
+    newest_sequence: int
     stream_id: str
 
 
@@ -76,7 +79,9 @@ class KvEventFeed:
         """Pages of the events after number `after` that `visible` accepts, the kept ones
         first and then each new one as it is released, until `stop` is set or the caller
         stops iterating. A page with no events is yielded when everything read was
-        filtered out, so the subscriber's resume position keeps up.
+        filtered out, so the subscriber's resume position keeps up, and first of all when
+        there is nothing to read yet (the subscriber learns the stream id and the newest
+        number at once).
 
         Args:
             after: resume after this event number (`KvEventLog.check_position` rules).
@@ -100,14 +105,18 @@ class KvEventFeed:
         self._wakers.add(waker)
         self._set_subscribers(1)
         stopper = None if stop is None else asyncio.ensure_future(stop.wait())
+        first = True
         try:
             while stop is None or not stop.is_set():
                 waker.clear()
                 events = log.read(after, page_events)
-                if events:
-                    after = events[-1].sequence
+                if events or first:
+                    first = False
+                    after = events[-1].sequence if events else after
                     shown = [e for e in events if visible(e)]
-                    yield KvEventPage(shown, after, log.oldest_kept, log.stream_id)
+                    yield KvEventPage(
+                        shown, after, log.oldest_kept, log.last_released, log.stream_id
+                    )
                     continue
                 await _wait(waker, stopper)
         finally:

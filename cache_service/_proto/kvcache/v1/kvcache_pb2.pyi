@@ -609,13 +609,15 @@ class KvEvent(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., timestamp_us: _Optional[int] = ..., tenant: _Optional[str] = ..., public: _Optional[bool] = ..., namespace: _Optional[str] = ..., stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllCleared, _Mapping]] = ...) -> None: ...
 
 class KvEventBatch(_message.Message):
-    __slots__ = ("stream_id", "events", "last_sequence", "oldest_sequence")
+    __slots__ = ("stream_id", "events", "last_sequence", "oldest_sequence", "newest_sequence")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     OLDEST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     stream_id: str
     events: _containers.RepeatedCompositeFieldContainer[KvEvent]
     last_sequence: int
     oldest_sequence: int
-    def __init__(self, stream_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., last_sequence: _Optional[int] = ..., oldest_sequence: _Optional[int] = ...) -> None: ...
+    newest_sequence: int
+    def __init__(self, stream_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., last_sequence: _Optional[int] = ..., oldest_sequence: _Optional[int] = ..., newest_sequence: _Optional[int] = ...) -> None: ...
