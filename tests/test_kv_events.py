@@ -328,3 +328,26 @@ def test_the_client_block_hashes_equal_the_prefix_index_keys(
     assert block_hashes(tokens, 4, "fp-xyz", tenant=tenant, namespace=namespace) == expected
     with pytest.raises(ValueError, match="token ids"):
         block_hashes([-1, 0, 0, 0], 4, "fp-xyz")
+
+
+# ---------------------------------------------------------------------------- the CLI
+
+
+def test_kvcache_events_prints_the_kept_events_and_resumes(capsys) -> None:
+    from cache_service.cli.main import main
+
+    with (
+        ServiceHarness(service_config(), workers=local_workers(1, 32)) as h,
+        KVCacheClient(h.address, max_attempts=1) as c,
+    ):
+        prompt = list(range(300, 309))
+        _prefill(c, prompt)
+        key = block_hashes(prompt, BS, c.info().fingerprint)[0].hex()[:16]
+        assert main(["events", "--target", h.address]) == 0
+        out, err = capsys.readouterr()
+        assert out.splitlines()[0].startswith(f"1 stored default w0 gpu [{key} ")
+        assert "resume with --from 1" in err
+        assert main(["events", "--target", h.address, "--from", "1"]) == 0
+        assert capsys.readouterr().out == ""
+        assert main(["events", "--target", h.address, "--from", "7"]) == 1
+        assert "in the future" in capsys.readouterr().err
