@@ -351,3 +351,37 @@ def test_kvcache_events_prints_the_kept_events_and_resumes(capsys) -> None:
         assert capsys.readouterr().out == ""
         assert main(["events", "--target", h.address, "--from", "7"]) == 1
         assert "in the future" in capsys.readouterr().err
+
+
+def test_metrics_count_published_events_and_subscribers_and_shutdown_ends_streams() -> None:
+    from cache_service.client import UnavailableError
+
+    h = ServiceHarness(service_config(), workers=local_workers(2, 32))
+    try:
+        registry = h.coordinator.metrics.registry
+
+        def value(name: str, **labels: str) -> float:
+            return h.call(lambda: registry.get_sample_value(name, labels)) or 0.0
+
+        c = KVCacheClient(h.address, max_attempts=1)
+        _prefill(c, list(range(9)))
+        _prefill(c, list(range(40, 53)))
+        events, _ = _read(h, c)
+        stored = sum(e.type == "stored" for e in events)
+        assert value("kvcache_kv_events_total", type="stored") == stored > 0
+        assert value("kvcache_kv_events_total", type="cleared") == 0
+
+        sub = c.kv_events(only_new=True)
+        batches = sub.batches()
+        assert next(batches) == []  # the stream is open
+        assert value("kvcache_kv_event_subscribers") == 1
+        h.run(h.service.stop(2.0))  # shutdown ends the open stream
+        with pytest.raises(UnavailableError, match="shutting down"):
+            next(batches)
+        c.close()
+    finally:
+        h.loop.call_soon_threadsafe(h.loop.stop)
+        h._thread.join(10)
+        h.loop.close()
+        for w in h.workers or []:
+            w.close()
