@@ -6,7 +6,7 @@ A file mirrors the dataclasses, one section per group; every field is optional::
     workers:     {num_workers: 2, blocks_per_worker: 512, device: cpu, ray_address: null}
     server:      {host: 127.0.0.1, port: 50051, max_message_bytes: 268435456}
     coordinator: {batch_window_ms: 0.5, max_batch_items: 256, coalesce_layers: true,
-                  eviction_policy: lru}
+                  eviction_policy: lru, kv_event_ring: 4096}
     metrics:     {enabled: true, host: 127.0.0.1, port: 9400}
     shared_memory: {enabled: true, max_region_bytes: 268435456, max_regions_per_tenant: 16,
                     max_total_bytes: 4294967296, idle_timeout_s: 600}
@@ -351,7 +351,8 @@ class CoordinatorConfig:
             calls hold its event loop).
         kv_event_ring: KV events kept in memory (and in the store's checkpoints) for
             subscribers resuming from an earlier number (SubscribeKvEvents); one asking for
-            an older one gets OUT_OF_RANGE. About 200 bytes an event.
+            an older one gets OUT_OF_RANGE. An event costs about 150 bytes in a checkpoint
+            plus about 70 per key it carries (a stored chain carries one per block).
     """
 
     batch_window_ms: float = 0.5

@@ -383,11 +383,14 @@ def _events(args: argparse.Namespace) -> int:
             args.from_sequence, worker_id=args.worker, namespace=args.namespace
         ) as sub,
     ):
-        for batch in sub.batches():
-            for event in batch:
-                print(_event_line(event), flush=True)
-            if not args.follow and sub.caught_up:
-                break
+        try:
+            for batch in sub.batches():
+                for event in batch:
+                    print(_event_line(event), flush=True)
+                if not args.follow and sub.caught_up:
+                    break
+        except KeyboardInterrupt:  # Ctrl-C ends --follow: say where to resume
+            pass
         print(
             f"# stream {sub.stream_id}: read up to {sub.position} (resume with --from "
             f"{sub.position}); oldest kept {sub.oldest_sequence}",
