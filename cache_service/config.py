@@ -6,7 +6,7 @@ A file mirrors the dataclasses, one section per group; every field is optional::
     workers:     {num_workers: 2, blocks_per_worker: 512, device: cpu, ray_address: null}
     server:      {host: 127.0.0.1, port: 50051, max_message_bytes: 268435456}
     coordinator: {batch_window_ms: 0.5, max_batch_items: 256, coalesce_layers: true,
-                  eviction_policy: lru}
+                  eviction_policy: lru, kv_event_ring: 4096}
     metrics:     {enabled: true, host: 127.0.0.1, port: 9400}
     shared_memory: {enabled: true, max_region_bytes: 268435456, max_regions_per_tenant: 16,
                     max_total_bytes: 4294967296, idle_timeout_s: 600}
@@ -349,6 +349,10 @@ class CoordinatorConfig:
             workers in another process (Ray actors: the coordinator's event loop is free
             while their calls run), off for workers in the coordinator's process (their
             calls hold its event loop).
+        kv_event_ring: KV events kept in memory (and in the store's checkpoints) for
+            subscribers resuming from an earlier number (SubscribeKvEvents); one asking for
+            an older one gets OUT_OF_RANGE. An event costs about 150 bytes in a checkpoint
+            plus about 70 per key it carries (a stored chain carries one per block).
     """
 
     batch_window_ms: float = 0.5
@@ -361,9 +365,11 @@ class CoordinatorConfig:
     correctness_check_sequences: int | None = None
     coalesce_layers: bool = True
     overlap_rounds: bool | None = None
+    kv_event_ring: int = 4096
 
     def __post_init__(self) -> None:
         _non_negative("coordinator.batch_window_ms", self.batch_window_ms)
+        _positive_int("coordinator.kv_event_ring", self.kv_event_ring)
         _positive_int("coordinator.max_batch_items", self.max_batch_items)
         if not (isinstance(self.worker_timeout_s, int | float) and self.worker_timeout_s > 0):
             raise ConfigError(

@@ -12,6 +12,7 @@ __all__ = [
     "AlreadyApplied",
     "CacheError",
     "DeadlinePassed",
+    "EventsOutOfRange",
     "IntegrityError",
     "InvalidRequest",
     "LayerNotWritten",
@@ -108,3 +109,9 @@ class DeadlinePassed(CacheError):
 class AlreadyApplied(CacheError):
     """A retried request id whose first call was applied and whose reply is no longer
     kept (ALREADY_EXISTS): nothing was applied again."""
+
+
+class EventsOutOfRange(CacheError):
+    """A KV event subscription asked for a position the service cannot serve: a number
+    newer than its newest event, or older than the oldest it keeps (OUT_OF_RANGE; the
+    message names the newest or the oldest kept number)."""

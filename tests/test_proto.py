@@ -58,7 +58,7 @@ def test_the_api_has_every_capability_of_the_issue() -> None:
         "GetInfo", "CreateSequence", "ForkSequence", "FreeSequence", "Lookup", "Pin", "Unpin",
         "PublishPublic", "Append", "Attend", "AppendAttend", "AppendAttendBatch",
         "AttendBatch", "ExportBlocks", "ImportBlocks", "GetStats", "CreateSharedRegion",
-        "ReleaseSharedRegion", "Session", "ListSequences",
+        "ReleaseSharedRegion", "Session", "ListSequences", "SubscribeKvEvents",
     }  # fmt: skip
     # Large payloads stream: Append and ImportBlocks from the client, ExportBlocks back.
     assert methods["Append"].client_streaming and not methods["Append"].server_streaming

@@ -24,6 +24,7 @@ from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service._proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
 from cache_service.api.auth import Permission, current_principal
 from cache_service.api.batch_decode_memo import BatchDecodeMemo
+from cache_service.api.kv_event_stream import kv_event_batches
 from cache_service.api.request_decode import (
     decode_append_attend,
     decode_attend,
@@ -42,6 +43,7 @@ from cache_service.config import SharedMemoryConfig
 from cache_service.engine.call_deadline import check_deadline, commit_deadline, deadline_scope
 from cache_service.engine.call_origin import origin_scope
 from cache_service.engine.eager_tasks import start_eagerly
+from cache_service.engine.errors import ServiceUnavailable
 from cache_service.engine.request_ids import MAX_REQUEST_ID_BYTES, RequestLedger, check_request_id
 from cache_service.engine.worker_interface import AttentionResult
 from cache_service.errors import InvalidRequest
@@ -190,6 +192,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         # Calls of `session_call_now` gone the full way (held: the loop keeps weak refs).
         self._full_paths: set[asyncio.Task[None]] = set()
         self._draining = False
+        # Set at shutdown: ends the KV event streams (they would otherwise never end).
+        self._stop_streams = asyncio.Event()
         self._max_message = max_message_bytes
         self._chunk = stream_chunk_bytes
         self._version = _version()
@@ -656,6 +660,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         """Shutting down: refuse new sessions, end each open one after its call in flight
         (UNAVAILABLE), and the idle ones now."""
         self._draining = True
+        self._stop_streams.set()
         for task in list(self._idle_sessions):
             task.cancel()
 
@@ -704,6 +709,25 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         for start in range(0, len(view), chunk):
             yield pb.ExportBlocksResponse(data=bytes(view[start : start + chunk]))
         log.debug("rpc ok", extra=_fields("ExportBlocks", tenant, "OK", t0))
+
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KvEventBatch]:
+        t0 = time.perf_counter()
+        tenant = _tenant()
+        principal = current_principal()
+        sees_all = principal is None or principal.policy.admin
+        try:
+            if self._draining:
+                raise ServiceUnavailable("the server is shutting down")
+            batches = kv_event_batches(self._coord, request, tenant, sees_all, self._stop_streams)
+            async for batch in batches:
+                yield batch
+            if self._stop_streams.is_set():
+                raise ServiceUnavailable("the server is shutting down; resubscribe elsewhere")
+        except Exception as exc:
+            await _abort(context, "SubscribeKvEvents", tenant, exc, t0)
+        log.debug("rpc ok", extra=_fields("SubscribeKvEvents", tenant, "OK", t0))
 
     async def ImportBlocks(
         self,

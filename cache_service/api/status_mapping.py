@@ -46,6 +46,7 @@ _TABLE: tuple[tuple[type[BaseException], grpc.StatusCode, str], ...] = (
     (ce.SharedMemoryDisabled, grpc.StatusCode.FAILED_PRECONDITION, ""),
     (ce.DeadlinePassed, grpc.StatusCode.DEADLINE_EXCEEDED, ""),
     (ce.AlreadyApplied, grpc.StatusCode.ALREADY_EXISTS, ""),
+    (ce.EventsOutOfRange, grpc.StatusCode.OUT_OF_RANGE, ""),
     (TensorCodecError, grpc.StatusCode.INVALID_ARGUMENT, ""),
     (AttentionPlanError, grpc.StatusCode.INVALID_ARGUMENT, ""),
     (we.InvalidWorkerRequest, grpc.StatusCode.INVALID_ARGUMENT, ""),

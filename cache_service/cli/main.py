@@ -5,6 +5,7 @@
     kvcache bench  [--target HOST:PORT]      decode-step latency/throughput through the RPC
     kvcache info   --target HOST:PORT        layout, workers, capacity
     kvcache stats  --target HOST:PORT        pools, utilization, fragmentation, prefix hits
+    kvcache events --target HOST:PORT        KV events (stored/removed/cleared); --follow
 
 Flags override the configuration file (see cache_service.config for the file format).
 """
@@ -164,6 +165,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--target", default="127.0.0.1:50051", help="server host:port")
         p.add_argument("--token", help="bearer token")
         p.add_argument("--timeout", type=float, default=10.0, help="deadline, seconds")
+
+    events = sub.add_parser("events", help="KV events of the prefix index, one line each")
+    events.add_argument("--target", default="127.0.0.1:50051", help="server host:port")
+    events.add_argument("--token", help="bearer token")
+    events.add_argument(
+        "--from", dest="from_sequence", type=int, default=0,
+        help="print the events after this number (0: from the oldest kept)",
+    )  # fmt: skip
+    events.add_argument("--worker", default="", help="only this worker's events")
+    events.add_argument("--namespace", help="only this prefix-cache namespace's events")
+    events.add_argument(
+        "--follow", action="store_true", help="keep printing new events until Ctrl-C"
+    )
     return parser
 
 
@@ -360,6 +374,47 @@ def _sequences(args: argparse.Namespace) -> int:
     return 0
 
 
+def _events(args: argparse.Namespace) -> int:
+    from cache_service.client import KVCacheClient
+
+    with (
+        KVCacheClient(args.target, token=args.token) as client,
+        client.kv_events(
+            args.from_sequence, worker_id=args.worker, namespace=args.namespace
+        ) as sub,
+    ):
+        try:
+            for batch in sub.batches():
+                for event in batch:
+                    print(_event_line(event), flush=True)
+                if not args.follow and sub.caught_up:
+                    break
+        except KeyboardInterrupt:  # Ctrl-C ends --follow: say where to resume
+            pass
+        print(
+            f"# stream {sub.stream_id}: read up to {sub.position} (resume with --from "
+            f"{sub.position}); oldest kept {sub.oldest_sequence}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _event_line(event: Any) -> str:
+    """One event: number, type, owner, worker and keys (hex, first 16 digits each)."""
+    body = event.body
+    owner = "public" if event.public else event.tenant or "-"
+    if event.namespace:
+        owner += f"/{event.namespace}"
+    worker = body.worker_id or "all workers"
+    if event.type == "cleared":
+        return f"{event.sequence} cleared {worker}"
+    keys = " ".join(h.hex()[:16] for h in body.hashes)
+    line = f"{event.sequence} {event.type} {owner} {worker} {body.medium} [{keys}]"
+    if event.type == "stored":
+        line += f" parent {body.parent.hex()[:16]}"
+    return line
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `kvcache`; returns the exit status."""
     parser = build_parser()
@@ -378,6 +433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _info(args)
         if args.command == "sequences":
             return _sequences(args)
+        if args.command == "events":
+            return _events(args)
         return _stats(args)
     except (ConfigError, ValueError, EventLoopUnavailable) as exc:
         print(f"kvcache {args.command}: {exc}", file=sys.stderr)

@@ -7,9 +7,12 @@ engine, the API or `workers` (tests/test_import_rules.py).
 """
 
 from cache_service.client.sdk import (
+    AllCleared,
     AlreadyAppliedError,
     AppendAttendItem,
     AttendItem,
+    BlockRemoved,
+    BlockStored,
     DataLossError,
     DeadlineExceededError,
     ExportedBlocks,
@@ -18,6 +21,8 @@ from cache_service.client.sdk import (
     InvalidArgumentError,
     KVCacheClient,
     KVCacheError,
+    KvEvent,
+    KvEventSubscription,
     LocalSessionUnavailable,
     NotFoundError,
     PermissionDeniedError,
@@ -32,12 +37,16 @@ from cache_service.client.sdk import (
     UnavailableError,
     WorkerInfo,
     WorkerStats,
+    block_hashes,
 )
 
 __all__ = [
+    "AllCleared",
     "AlreadyAppliedError",
     "AppendAttendItem",
     "AttendItem",
+    "BlockRemoved",
+    "BlockStored",
     "DataLossError",
     "DeadlineExceededError",
     "ExportedBlocks",
@@ -46,6 +55,8 @@ __all__ = [
     "InvalidArgumentError",
     "KVCacheClient",
     "KVCacheError",
+    "KvEvent",
+    "KvEventSubscription",
     "LocalSessionUnavailable",
     "NotFoundError",
     "PermissionDeniedError",
@@ -60,4 +71,5 @@ __all__ = [
     "UnavailableError",
     "WorkerInfo",
     "WorkerStats",
+    "block_hashes",
 ]

@@ -70,8 +70,16 @@ from cache_service.client.errors import (
     UnavailableError,
     error_from_rpc,
 )
+from cache_service.client.kv_events import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    KvEventSubscription,
+)
 from cache_service.client.layout import ServiceLayout
 from cache_service.client.local_session_stream import LocalSessionUnavailable
+from cache_service.client.prefix_hashes import block_hashes
 from cache_service.client.replies import attention_results
 from cache_service.client.shared_memory import SharedMemoryUnavailable
 from cache_service.client.transport import open_channel, raw_unary
@@ -97,9 +105,12 @@ from cache_service.wire.tensor_codec import dtype_from_proto, dtype_to_proto, te
 from cache_service.wire.tls import ClientTLSConfig
 
 __all__ = [
+    "AllCleared",
     "AlreadyAppliedError",
     "AppendAttendItem",
     "AttendItem",
+    "BlockRemoved",
+    "BlockStored",
     "DataLossError",
     "DeadlineExceededError",
     "ExportedBlocks",
@@ -108,6 +119,8 @@ __all__ = [
     "InvalidArgumentError",
     "KVCacheClient",
     "KVCacheError",
+    "KvEvent",
+    "KvEventSubscription",
     "LocalSessionUnavailable",
     "NotFoundError",
     "PermissionDeniedError",
@@ -122,6 +135,7 @@ __all__ = [
     "UnavailableError",
     "WorkerInfo",
     "WorkerStats",
+    "block_hashes",
 ]
 
 MiB = 1 << 20
@@ -692,6 +706,51 @@ class KVCacheClient(BatchPath):
             timeout_s,
             retry=True,
         )
+
+    # -- KV events -------------------------------------------------------------------------
+
+    def kv_events(
+        self,
+        from_sequence: int = 0,
+        *,
+        only_new: bool = False,
+        worker_id: str = "",
+        namespace: str | None = None,
+        max_batch_events: int = 0,
+        timeout_s: float | None = None,
+    ) -> KvEventSubscription:
+        """Subscribe to the prefix index's events (docs/contracts.md "KV events").
+
+        Args:
+            from_sequence: resume after this event number (a subscription's `position`);
+                0: from the oldest event the service keeps.
+            only_new: start after the newest event instead (from_sequence must be 0).
+            worker_id: only this worker's events ("" = every worker).
+            namespace: only this prefix-cache namespace's events (None = every one).
+            max_batch_events: most events per message, 1..4096 (0: the server's 256).
+            timeout_s: end the stream after this long (None: never; `cancel()` ends it).
+
+        Returns:
+            A `KvEventSubscription`; iterate it for `KvEvent`s.
+
+        Raises:
+            ValueError: a negative from_sequence or max_batch_events (the server checks
+                the rest: INVALID_ARGUMENT / OUT_OF_RANGE, raised while iterating).
+        """
+        if type(from_sequence) is not int or from_sequence < 0:
+            raise ValueError(f"from_sequence must be an int >= 0, got {from_sequence!r}")
+        if type(max_batch_events) is not int or max_batch_events < 0:
+            raise ValueError(f"max_batch_events must be an int >= 0, got {max_batch_events!r}")
+        request = pb.SubscribeKvEventsRequest(
+            from_sequence=from_sequence,
+            only_new=only_new,
+            worker_id=worker_id,
+            max_batch_events=max_batch_events,
+        )
+        if namespace is not None:
+            request.namespace = namespace
+        call = self._stub.SubscribeKvEvents(request, timeout=timeout_s, metadata=self._metadata)
+        return KvEventSubscription(call, from_sequence)
 
     # -- export / import -------------------------------------------------------------------
 

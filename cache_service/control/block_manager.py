@@ -31,6 +31,7 @@ from cache_service.control.accounting import CacheCounters, CacheStats, WorkerSt
 from cache_service.control.block_pool import BlockPool
 from cache_service.control.eviction import make_policy
 from cache_service.control.integrity import check_integrity
+from cache_service.control.kv_events import KvEventLog
 from cache_service.control.placement import choose_home
 from cache_service.control.prefix_index import (
     PrefixIndex,
@@ -119,6 +120,9 @@ class BlockManager:
         self._num_layers = config.num_layers
         self._pools: dict[str, BlockPool] = {}
         self._index = PrefixIndex(config.block_size)
+        # What the index gains and loses, numbered for subscribers (KV events).
+        self.events = KvEventLog()
+        self._index.events = self.events
         self._seqs: dict[str, Sequence] = {}
         self._lost: dict[str, LostSequence] = {}
         # Per tenant: block -> how many of the tenant's table entries reference it. Its
@@ -691,6 +695,14 @@ class BlockManager:
             Blocks evicted.
         """
         return prefix_sharing.evict(self, max_blocks, worker_id)
+
+    def attach_events(self, events: KvEventLog) -> None:
+        """Report the index's changes to `events` from now on (recovery continues the log
+        its checkpoint carried)."""
+        if not isinstance(events, KvEventLog):
+            raise TypeError(f"events must be a KvEventLog, got {type(events).__name__}")
+        self.events = events
+        self._index.events = events
 
     # ---- accounting ---------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
+from cache_service.control.kv_events import KvEventLog
 from cache_service.control.types import PhysicalBlock
 from cache_service.errors import InvalidRequest
 
@@ -170,15 +171,20 @@ class PrefixIndex:
 
     A block may carry more than one key: one under its tenant's salt and one under the
     public salt once its prefix is published for everyone.
+
+    Every key added or dropped is reported to `events` (a `KvEventLog`; None reports
+    nothing, as when a snapshot is restored): this class is the one place the index
+    changes, so the KV event stream cannot miss a change.
     """
 
-    __slots__ = ("_by_block", "_entries", "block_size")
+    __slots__ = ("_by_block", "_entries", "block_size", "events")
 
     def __init__(self, block_size: int) -> None:
         """An empty index for blocks of `block_size` tokens."""
         self.block_size = block_size
         self._entries: dict[bytes, IndexEntry] = {}
         self._by_block: dict[PhysicalBlock, list[bytes]] = {}
+        self.events: KvEventLog | None = None
 
     def __len__(self) -> int:
         """Number of keys."""
@@ -207,6 +213,48 @@ class PrefixIndex:
             True if added; False if another block already serves this exact prefix (the
             first one published stays; the caller's block is then simply not findable).
         """
+        if not self._add(key, entry):
+            return False
+        if self.events is not None:
+            self._report_stored([key], entry)
+        return True
+
+    def publish_chain(self, items: Iterable[tuple[bytes, IndexEntry]]) -> int:
+        """`publish` each (key, entry) of one prompt's consecutive blocks, in order.
+
+        Reported as one stored event per run of added keys that chain on one worker.
+
+        Returns:
+            How many keys were added.
+        """
+        added = 0
+        run: list[bytes] = []
+        first: IndexEntry | None = None
+        for key, entry in items:
+            if not self._add(key, entry):
+                if run and first is not None:
+                    self._report_stored(run, first)
+                run, first = [], None
+                continue
+            added += 1
+            if self.events is None:
+                continue
+            if first is not None and (
+                entry.parent != run[-1]
+                or entry.block.worker_id != first.block.worker_id
+                or entry.owner != first.owner
+                or entry.namespace != first.namespace
+            ):
+                self._report_stored(run, first)
+                run, first = [], None
+            if first is None:
+                first = entry
+            run.append(key)
+        if run and first is not None:
+            self._report_stored(run, first)
+        return added
+
+    def _add(self, key: bytes, entry: IndexEntry) -> bool:
         if key in self._entries:
             return False
         self._entries[key] = entry
@@ -217,12 +265,49 @@ class PrefixIndex:
             keys.append(key)
         return True
 
+    def _report_stored(self, keys: list[bytes], first: IndexEntry) -> None:
+        if self.events is not None:
+            self.events.stored(
+                keys,
+                first.parent,
+                first.owner,
+                first.namespace,
+                first.block.worker_id,
+                self.block_size,
+            )
+
     def remove_block(self, block: PhysicalBlock) -> int:
         """Drop every key of `block` (evicted, or its worker lost). Returns how many."""
-        keys = self._by_block.pop(block, ())
-        for key in keys:
-            del self._entries[key]
-        return len(keys)
+        return self.remove_blocks((block,))
+
+    def remove_blocks(self, blocks: Iterable[PhysicalBlock]) -> int:
+        """Drop every key of each block; reported as one removed event per worker, owner
+        and namespace. Returns how many keys were dropped."""
+        dropped: dict[tuple[str, str | None, str], list[bytes]] = {}
+        count = 0
+        for block in blocks:
+            for key in self._by_block.pop(block, ()):
+                entry = self._entries.pop(key)
+                count += 1
+                if self.events is not None:
+                    group = (block.worker_id, entry.owner, entry.namespace)
+                    dropped.setdefault(group, []).append(key)
+        if self.events is not None:
+            for (worker_id, owner, namespace), keys in dropped.items():
+                self.events.removed(keys, owner, namespace, worker_id)
+        return count
+
+    def remove_worker(self, worker_id: str) -> int:
+        """Drop every key of the worker's blocks (its pool is gone); reported as one
+        cleared event for the worker. Returns how many keys were dropped."""
+        count = 0
+        for block in self.blocks_on(worker_id):
+            for key in self._by_block.pop(block):
+                del self._entries[key]
+                count += 1
+        if self.events is not None:
+            self.events.cleared(worker_id)
+        return count
 
     def blocks_on(self, worker_id: str) -> list[PhysicalBlock]:
         """Published blocks of one worker (O(published blocks); for worker loss)."""

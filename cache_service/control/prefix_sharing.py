@@ -52,9 +52,12 @@ def publish(m: BlockManager, seq: Sequence, upto: int) -> None:
     first = len(keys)
     data = encode_tokens(seq.tokens[first * bs : upto * bs])
     chain = chain_keys(keys[-1] if keys else ROOT_KEY, salt, data, bs)
-    for i, (parent, key, chunk) in enumerate(chain, start=first):
-        m._index.publish(key, IndexEntry(seq.table[i], parent, seq.tenant, chunk, seq.namespace))
-        keys.append(key)
+    entries = [
+        (key, IndexEntry(seq.table[i], parent, seq.tenant, chunk, seq.namespace))
+        for i, (parent, key, chunk) in enumerate(chain, start=first)
+    ]
+    m._index.publish_chain(entries)
+    keys.extend(key for key, _ in entries)
 
 
 def publish_public(m: BlockManager, tenant: str, seq_id: str) -> int:
@@ -62,11 +65,10 @@ def publish_public(m: BlockManager, tenant: str, seq_id: str) -> int:
     seq = m._resolve(tenant, seq_id)
     data = encode_tokens(seq.tokens[: len(seq.keys) * m._bs])
     public = salts_for(m, tenant, seq.namespace)[1].salt
-    added = 0
-    for i, (parent, key, chunk) in enumerate(chain_keys(ROOT_KEY, public, data, m._bs)):
-        entry = IndexEntry(seq.table[i], parent, None, chunk, seq.namespace)
-        added += m._index.publish(key, entry)
-    return added
+    return m._index.publish_chain(
+        (key, IndexEntry(seq.table[i], parent, None, chunk, seq.namespace))
+        for i, (parent, key, chunk) in enumerate(chain_keys(ROOT_KEY, public, data, m._bs))
+    )
 
 
 def lookup(m: BlockManager, tenant: str, token_ids: SequenceABC[int], namespace: str) -> int:
@@ -90,17 +92,17 @@ def evict(m: BlockManager, max_blocks: int | None, worker_id: str | None) -> int
         raise InvalidRequest(f"unknown worker {worker_id!r}")
     pools = [m._pools[worker_id]] if worker_id is not None else m._pools.values()
     left = max_blocks
-    evicted = 0
+    evicted: list[PhysicalBlock] = []
     for pool in pools:
         while left is None or left > 0:
             index = pool.evict_next()
             if index is None:
                 break
             block = PhysicalBlock(pool.worker_id, index)
-            m._index.remove_block(block)
+            evicted.append(block)
             m._note_released(block)
-            evicted += 1
             if left is not None:
                 left -= 1
-    m._counters.evictions += evicted
-    return evicted
+    m._index.remove_blocks(evicted)
+    m._counters.evictions += len(evicted)
+    return len(evicted)

@@ -145,7 +145,9 @@ def from_records(cls: type[BlockManager], records: dict[str, Any]) -> BlockManag
         _restore_sequences(m, records["sequences"], refcounts)
         for lost in records["lost"]:
             m._lost[lost["seq_id"]] = LostSequence(lost["tenant"], lost["worker_id"])
+        events, m._index.events = m._index.events, None  # restored keys are not news
         _restore_index(m, records["index"], refcounts)
+        m._index.events = events
         _restore_pins(m, records["pins"], refcounts)
         for w in records["workers"]:
             worker_id = w["worker_id"]

@@ -36,8 +36,7 @@ def lose_worker(m: BlockManager, worker_id: str) -> list[SeqRef]:
         m._forget(seq)
         m._lost[seq.seq_id] = LostSequence(seq.tenant, worker_id)
     _drop_pinned(m, worker_id)
-    for block in m._index.blocks_on(worker_id):
-        m._index.remove_block(block)
+    m._index.remove_worker(worker_id)
     for seq in m._seqs.values():
         if seq.home == worker_id:
             seq.home = None

@@ -108,8 +108,8 @@ def prepare_writes(
         roll_back(m, journal)
         raise
     m._journal = None
+    m._index.remove_blocks(journal.evicted)
     for block in journal.evicted:
-        m._index.remove_block(block)
         m._note_released(block)
     return plans
 

@@ -76,6 +76,7 @@ from cache_service.engine.input_checks import (
     check_reserved,
     check_tensor,
 )
+from cache_service.engine.kv_event_feed import KvEventFeed
 from cache_service.engine.membership import Membership
 from cache_service.engine.request_ids import request_seq_id
 from cache_service.engine.rounds import Rounds
@@ -166,6 +167,8 @@ class Coordinator:
         # control-plane mutation is logged before it returns (cache_service.engine.recovery).
         self._store = store
         self.generation: int | None = None
+        # Subscriptions to the prefix index's events; start() makes it (after recovery).
+        self.kv_events: KvEventFeed | None = None
         correctness = _correctness_checker(self.config, self._pool_dtype, metrics)
         # Checks of rounds already answered, and what would void them (running_checks).
         self._checks = RunningChecks()
@@ -240,6 +243,8 @@ class Coordinator:
         for client, desc in zip(self._clients.values(), descriptions, strict=True):
             self._membership.register(client.worker_id, desc, known=client.worker_id in kept)
         self._released.flush()  # blocks recovery freed (cancelled in-flight reservations)
+        self.block_manager.events.set_capacity(self.config.kv_event_ring)
+        self.kv_events = KvEventFeed(self.block_manager.events, self.metrics)
 
     def _recover(self, store: MetadataStore, descriptions: Sequence[Any]) -> set[str]:
         """Rebuild the control plane from the store; returns the workers whose blocks
@@ -256,6 +261,8 @@ class Coordinator:
     async def close(self) -> None:
         """Stop background tasks (call after the server drained its calls)."""
         self._membership.closed = True
+        if self.kv_events is not None:
+            self.kv_events.close()
         for task in list(self._background):
             task.cancel()
         for task in list(self._background):

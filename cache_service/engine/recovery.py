@@ -26,7 +26,6 @@ Pure: no torch, Ray or gRPC imports.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -38,6 +37,7 @@ from typing import Any
 
 from cache_service.control.block_manager import BlockManager, BlockManagerConfig, WriteSnapshot
 from cache_service.control.eviction import DEFAULT_EVICTION_POLICY
+from cache_service.control.kv_events import KvEventLog
 from cache_service.control.types import (
     BlockCopy,
     CancelledWrite,
@@ -109,6 +109,8 @@ _READ_ONLY = frozenset(
     }
 )
 _CONFIG_META_KEY = "block_manager_config"
+# The KV event stream's id: one per store, so the numbering it names survives restarts.
+_EVENT_STREAM_META_KEY = "kv_event_stream"
 
 
 class RecoveryError(StoreError):
@@ -182,6 +184,16 @@ class DurableBlockManager:
         self._since_checkpoint = store.log_length()
         if store.get_meta(_CONFIG_META_KEY) is None:
             store.set_meta(_CONFIG_META_KEY, json.dumps(_config_json(manager.config)))
+        # KV events become visible once the call that made them is durable: a crash before
+        # that must not take back (and renumber) an event a subscriber already saw.
+        events = manager.events
+        events.auto_release = False
+        stream = store.get_meta(_EVENT_STREAM_META_KEY)
+        if stream is None:
+            store.set_meta(_EVENT_STREAM_META_KEY, events.stream_id)
+        else:
+            events.stream_id = stream
+        events.release()  # what recovery rebuilt is durable already
 
     @classmethod
     def from_recovery(
@@ -204,6 +216,11 @@ class DurableBlockManager:
         return self._manager
 
     @property
+    def events(self) -> KvEventLog:
+        """The manager's KV event log (released as calls become durable)."""
+        return self._manager.events
+
+    @property
     def worker_epochs(self) -> dict[str, str]:
         """Worker id -> the epoch its blocks belong to (a copy)."""
         return dict(self._epochs)
@@ -221,12 +238,20 @@ class DurableBlockManager:
         """Sequences with copy-on-write copies planned and not yet committed (a copy)."""
         return {ref: list(c) for ref, c in self._unfinished.items()}
 
-    def transaction(self) -> contextlib.AbstractContextManager[None]:
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
         """Group the calls inside into one commit (one fsync) - a group commit.
 
         Nothing inside is durable until the block exits; acknowledge after it.
         """
-        return self._store.transaction()
+        with self._store.transaction():
+            yield
+        self._release_events()
+
+    def _release_events(self) -> None:
+        """Publish the KV events of every durable call (none while a commit is open)."""
+        if not self._store.in_transaction:
+            self._manager.events.release()
 
     def _check_usable(self) -> None:
         if self._failed is not None:
@@ -244,10 +269,12 @@ class DurableBlockManager:
         """
         self._check_usable()
         try:
-            return self._store.flush()
+            flushed = self._store.flush()
         except StoreError as exc:
             self._failed = f"flush: {exc}"
             raise
+        self._release_events()
+        return flushed
 
     def _log(self, op: str, args: dict[str, Any], result: Any) -> None:
         try:
@@ -256,6 +283,7 @@ class DurableBlockManager:
             self._failed = f"{op}: {exc}"
             raise StoreError(f"could not log {op}: {exc}") from exc
         _track(op, args, result, self._epochs, self._unfinished)
+        self._release_events()
         self._since_checkpoint += 1
         if self._since_checkpoint >= self._store.config.checkpoint_every:
             self.checkpoint()
@@ -654,6 +682,7 @@ def _checkpoint_state(
             {"tenant": ref.tenant, "seq_id": ref.seq_id, "copies": encode_result(copies)}
             for ref, copies in unfinished.items()
         ],
+        "kv_events": manager.events.to_records(),
     }
 
 
@@ -661,6 +690,8 @@ def _from_checkpoint_state(
     state: dict[str, Any],
 ) -> tuple[BlockManager, dict[SeqRef, list[BlockCopy]]]:
     manager = BlockManager.from_records(state["manager"])
+    if "kv_events" in state:  # absent in checkpoints written before KV events existed
+        manager.attach_events(KvEventLog.from_records(state["kv_events"]))
     unfinished = {
         SeqRef(item["tenant"], item["seq_id"]): [BlockCopy(**c) for c in item["copies"]]
         for item in state["unfinished_copies"]
@@ -674,7 +705,9 @@ def _with_config(manager: BlockManager, config: BlockManagerConfig) -> BlockMana
         return manager
     records = manager.to_records()
     records["config"] = _config_json(config)
-    return BlockManager.from_records(records)
+    rebuilt = BlockManager.from_records(records)
+    rebuilt.attach_events(manager.events)
+    return rebuilt
 
 
 def reconcile_workers(

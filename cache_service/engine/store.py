@@ -352,6 +352,12 @@ class MetadataStore:
             return int(cursor.lastrowid or 0)
 
     @property
+    def in_transaction(self) -> bool:
+        """Whether a commit is open (a `transaction()` block or unflushed deferred
+        appends): appends made now are not durable yet."""
+        return self._in_tx
+
+    @property
     def pending(self) -> int:
         """Deferred appends not yet flushed."""
         return self._deferred

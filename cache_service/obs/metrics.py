@@ -40,6 +40,7 @@ from cache_service.obs.stats import CacheStatsCollector, StatsBinding
 
 if TYPE_CHECKING:
     from cache_service.control.accounting import CacheStats
+    from cache_service.control.kv_events import KvEvent
 
 __all__ = ["MetricsHTTPServer", "ServiceMetrics"]
 
@@ -177,6 +178,7 @@ class ServiceMetrics:
         self._add_correctness_metrics(prefix, registry)
         self._add_worker_state_metrics(prefix, registry)
         self._add_host_metrics(prefix, registry)
+        self._add_kv_event_metrics(prefix, registry)
 
     def _add_rpc_metrics(self, p: str, reg: CollectorRegistry) -> None:
         """gRPC requests: counts and latency by service, method and status code."""
@@ -316,6 +318,23 @@ class ServiceMetrics:
         self.shared_memory_bytes = Gauge(
             f"{p}_shared_memory_bytes",
             "Bytes of the shared-memory regions held (all tenants; in /dev/shm, i.e. memory).",
+            registry=reg,
+        )
+
+    def _add_kv_event_metrics(self, p: str, reg: CollectorRegistry) -> None:
+        """KV events (SubscribeKvEvents): published by type, subscribers."""
+        self.kv_events = Counter(
+            f"{p}_kv_events",
+            "KV events published (made visible to subscribers once durable) by type: "
+            "stored, removed, cleared.",
+            ["type"],
+            registry=reg,
+        )
+        for kind in ("stored", "removed", "cleared"):
+            self.kv_events.labels(type=kind)
+        self.kv_event_subscribers = Gauge(
+            f"{p}_kv_event_subscribers",
+            "Open SubscribeKvEvents streams.",
             registry=reg,
         )
 
@@ -489,6 +508,19 @@ class ServiceMetrics:
         """Report the local sessions open (>= 0; `LocalSessions` calls this on changes)."""
         _check_count("sessions", sessions)
         self.local_sessions.set(sessions)
+
+    def add_kv_events(self, events: list[KvEvent]) -> None:
+        """Count published KV events by type (`KvEventFeed` calls this on each release)."""
+        counts: dict[str, int] = {}
+        for event in events:
+            counts[event.type] = counts.get(event.type, 0) + 1
+        for kind, n in counts.items():
+            self.kv_events.labels(type=kind).inc(n)
+
+    def set_kv_event_subscribers(self, subscribers: int) -> None:
+        """Report the open KV event subscriptions (>= 0)."""
+        _check_count("subscribers", subscribers)
+        self.kv_event_subscribers.set(subscribers)
 
     # -- the coordinator's event loop -------------------------------------------------------
 

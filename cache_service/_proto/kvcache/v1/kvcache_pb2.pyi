@@ -543,3 +543,81 @@ class ReleaseSharedRegionRequest(_message.Message):
 class ReleaseSharedRegionResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class SubscribeKvEventsRequest(_message.Message):
+    __slots__ = ("from_sequence", "only_new", "worker_id", "namespace", "max_batch_events")
+    FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ONLY_NEW_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    from_sequence: int
+    only_new: bool
+    worker_id: str
+    namespace: str
+    max_batch_events: int
+    def __init__(self, from_sequence: _Optional[int] = ..., only_new: _Optional[bool] = ..., worker_id: _Optional[str] = ..., namespace: _Optional[str] = ..., max_batch_events: _Optional[int] = ...) -> None: ...
+
+class BlockStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "block_size", "worker_id", "medium")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_block_hash: bytes
+    block_size: int
+    worker_id: str
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., block_size: _Optional[int] = ..., worker_id: _Optional[str] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class BlockRemoved(_message.Message):
+    __slots__ = ("block_hashes", "worker_id", "medium")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    worker_id: str
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., worker_id: _Optional[str] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class AllCleared(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("sequence", "timestamp_us", "tenant", "public", "namespace", "stored", "removed", "cleared")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_US_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    timestamp_us: int
+    tenant: str
+    public: bool
+    namespace: str
+    stored: BlockStored
+    removed: BlockRemoved
+    cleared: AllCleared
+    def __init__(self, sequence: _Optional[int] = ..., timestamp_us: _Optional[int] = ..., tenant: _Optional[str] = ..., public: _Optional[bool] = ..., namespace: _Optional[str] = ..., stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllCleared, _Mapping]] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("stream_id", "events", "last_sequence", "oldest_sequence", "newest_sequence")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    last_sequence: int
+    oldest_sequence: int
+    newest_sequence: int
+    def __init__(self, stream_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., last_sequence: _Optional[int] = ..., oldest_sequence: _Optional[int] = ..., newest_sequence: _Optional[int] = ...) -> None: ...

@@ -125,6 +125,11 @@ class KVCacheStub:
                 request_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.SubscribeKvEvents = channel.unary_stream(
+                '/kvcache.v1.KVCache/SubscribeKvEvents',
+                request_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.SubscribeKvEventsRequest.SerializeToString,
+                response_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.KvEventBatch.FromString,
+                _registered_method=True)
         self.CreateSharedRegion = channel.unary_unary(
                 '/kvcache.v1.KVCache/CreateSharedRegion',
                 request_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.CreateSharedRegionRequest.SerializeToString,
@@ -284,6 +289,22 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKvEvents(self, request, context):
+        """KV events for routers: what the prefix index gained and lost (BlockStored,
+        BlockRemoved, AllCleared), each numbered by a per-service `sequence` (1, 2, ...) that a
+        coordinator with a write-ahead log continues across restarts without a gap or a
+        duplicate. The stream first replays the kept events after `from_sequence`, then
+        follows new ones as they become durable, until the client cancels or the server shuts
+        down (UNAVAILABLE). A tenant sees its own blocks' events, public prefixes and
+        AllCleared; an admin (or every caller of a server without authentication) sees all.
+        Errors: OUT_OF_RANGE when from_sequence is newer than the newest event, or older than
+        the oldest kept one (the message names it; also when a subscriber falls that far
+        behind): resubscribe from 0 and rebuild; INVALID_ARGUMENT for a bad filter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CreateSharedRegion(self, request, context):
         """A shared-memory region for the tensors of the batch RPCs (AppendAttendBatch,
         AttendBatch), for a client on the coordinator's host: a file the server creates in
@@ -399,6 +420,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.GetStatsRequest.FromString,
                     response_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvEvents,
+                    request_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.SubscribeKvEventsRequest.FromString,
+                    response_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.KvEventBatch.SerializeToString,
             ),
             'CreateSharedRegion': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateSharedRegion,
@@ -898,6 +924,33 @@ class KVCache:
             '/kvcache.v1.KVCache/GetStats',
             cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.GetStatsRequest.SerializeToString,
             cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvcache.v1.KVCache/SubscribeKvEvents',
+            cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.SubscribeKvEventsRequest.SerializeToString,
+            cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
