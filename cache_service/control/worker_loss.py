@@ -38,6 +38,8 @@ def lose_worker(m: BlockManager, worker_id: str) -> list[SeqRef]:
     _drop_pinned(m, worker_id)
     for block in m._index.blocks_on(worker_id):
         m._index.remove_block(block)
+    # Its host memory went with it: never served stale.
+    m._host.drop_worker(worker_id)
     for seq in m._seqs.values():
         if seq.home == worker_id:
             seq.home = None
