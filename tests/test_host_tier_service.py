@@ -184,3 +184,58 @@ def _wait_for_worker(client: KVCacheClient) -> None:
     while not all(w.up for w in client.info().workers):
         assert time.monotonic() < deadline, "the restarted worker never came back"
         time.sleep(0.1)
+
+
+def test_host_tier_metrics_reach_a_real_prometheus(tmp_path) -> None:
+    from prometheus_harness import PrometheusServer
+
+    workers = [debug_worker("w0", GPU_BLOCKS, 4 * GPU_BLOCKS)]
+    config = service_config(**{"metrics.enabled": True, "metrics.port": 0})
+    svc = ServiceHarness(config, workers=workers)
+    try:
+        with KVCacheClient(svc.address, timeout_s=60) as client:
+            for i in range(NUM_PREFIXES):
+                seq_id, _ = serve_request(client, [*prefix(i), 7])
+                client.free(seq_id)
+            for i in (0, 1):  # restored from the host tier
+                seq_id, cached = serve_request(client, [*prefix(i), 8])
+                assert cached == PREFIX_BLOCKS * BS
+                client.free(seq_id)
+        svc.run(svc.coordinator.checks_finished())
+        stats = svc.call(svc.coordinator.block_manager.stats)
+        metrics = svc.coordinator.metrics
+        moved = {
+            d: metrics.tier_transfer_bytes.labels(d)._value.get() for d in ("offload", "restore")
+        }
+        target = f"127.0.0.1:{svc.service.metrics_http.port}"
+        with PrometheusServer(tmp_path / "prometheus", [target], job="kvcache") as prom:
+
+            def value(expr: str) -> float | None:
+                result = prom.query(expr)
+                return float(result[0]["value"][1]) if result else None
+
+            prom.wait_for(
+                "the host tier gauges",
+                lambda: value('kvcache_host_tier_blocks{worker="w0",state="used"}') is not None,
+                timeout_s=30,
+            )
+            h = stats.host_tiers["w0"]
+            assert value('kvcache_host_tier_blocks{worker="w0",state="used"}') == h.used
+            assert value('kvcache_host_tier_blocks{worker="w0",state="free"}') == h.free
+            assert value('kvcache_host_tier_utilization_ratio{worker="w0"}') == h.utilization
+            bpb = LAYOUT.bytes_per_block
+            assert value('kvcache_host_tier_held_bytes{worker="w0"}') == h.used * bpb
+            assert value('kvcache_prefix_tier_hit_tokens_total{tier="host"}') == (
+                stats.host_hit_tokens
+            )
+            gpu_hits = sum(stats.prefix_hit_tokens.values()) - stats.host_hit_tokens
+            assert value('kvcache_prefix_tier_hit_tokens_total{tier="gpu"}') == gpu_hits
+            assert value("kvcache_host_tier_evictions_total") == stats.host_evictions
+            for direction, nbytes in moved.items():
+                assert nbytes > 0 and nbytes % bpb == 0
+                expr = f'kvcache_tier_transfer_bytes_total{{direction="{direction}"}}'
+                assert value(expr) == nbytes
+                count = value(f'kvcache_tier_transfer_seconds_count{{direction="{direction}"}}')
+                assert count is not None and count >= 1
+    finally:
+        svc.stop()

@@ -202,7 +202,8 @@ def _prefix_families(stats: CacheStats, p: str) -> list[Metric]:
         ),
         CounterMetricFamily(
             f"{p}_prefix_evictions",
-            "Cached-free blocks reclaimed by the allocator (dropped from the prefix index).",
+            "Cached-free blocks reclaimed by the allocator (dropped from the prefix index, or "
+            "moved to the host tier).",
             value=stats.evictions,
         ),
         CounterMetricFamily(
