@@ -177,3 +177,57 @@ def test_a_negative_host_size_is_refused() -> None:
     with pytest.raises(InvalidRequest, match="host_blocks"):
         m.add_worker("w0", 2, host_blocks=-1)
     assert m.workers() == {}
+
+
+def test_the_log_replays_the_host_tier_and_a_recovered_coordinator_drops_it(tmp_path) -> None:
+    from cache_service.engine.recovery import (
+        DurableBlockManager,
+        recover,
+        recover_control_plane,
+    )
+    from cache_service.engine.store import MetadataStore, StoreConfig
+
+    config = BlockManagerConfig(BS, 2, "fp")
+
+    def open_store(checkpoint_every: int) -> MetadataStore:
+        return MetadataStore(
+            StoreConfig(
+                str(tmp_path / "m.db"), synchronous="NORMAL", checkpoint_every=checkpoint_every
+            )
+        )
+
+    store = open_store(3)  # checkpoints mid-way: the host tier is in the snapshot too
+    store.begin_generation()
+    d = DurableBlockManager(BlockManager(config), store)
+    d.add_worker("w0", 2, epoch="e0", host_blocks=2)
+    for i in (1, 2, 3):
+        seq = d.create_sequence("t").seq_id
+        d.prepare_write("t", seq, None, block(i))
+        d.commit_write("t", seq, None, BS)
+        d.free("t", seq)
+    restored = d.create_sequence("t", [*block(1), 0])
+    assert restored.num_cached_tokens == BS
+    d.free("t", restored.seq_id)
+    records = d.to_records()
+    assert d.host_tiers() == {"w0": 2}
+    store.close()
+
+    store = open_store(1000)
+    store.begin_generation()
+    result = recover(store, config)
+    assert result.manager.to_records() == records  # replayed exactly, host tier included
+    assert result.manager.take_tier_moves() == {}  # copies of the past are not redone
+    store.close()
+
+    store = open_store(1000)
+    durable, _, kept = recover_control_plane(store, config, {"w0": ("e0", 2)})
+    assert kept == {"w0"}
+    assert durable.stats().host_tiers["w0"].used == 0
+    assert durable.lookup("t", [*block(2), 0]) == 0  # was in the host tier: dropped
+    durable.check_integrity()
+    store.close()
+    store = open_store(1000)
+    store.begin_generation()
+    again = recover(store, config)  # the drop was logged
+    assert again.manager.stats().host_tiers["w0"].used == 0
+    store.close()

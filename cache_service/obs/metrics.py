@@ -248,6 +248,11 @@ class ServiceMetrics:
             buckets=WORKER_CALL_BUCKETS,
             registry=reg,
         )
+        # Both directions exported from the start (0 until a copy), so rates and panels
+        # have a series before the first eviction.
+        for direction in TIER_DIRECTIONS:
+            self.tier_transfer_bytes.labels(direction)
+            self.tier_transfer_seconds.labels(direction)
 
     def _add_token_metrics(self, p: str, reg: CollectorRegistry) -> None:
         """Tokens written and attended, and sequences lost with a worker."""
