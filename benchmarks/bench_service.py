@@ -16,6 +16,8 @@ N concurrent clients against one client of the same batch (tokens/s ratio, --pai
 alternating pairs, the row shows the pair of the lower median ratio).
 
     python benchmarks/bench_service.py --smoke             # seconds on a CPU; figures mean nothing
+    source .device/env.sh && python3 benchmarks/bench_service.py --h200 --phases host_tier \\
+        --out $OUT/host-tier-h200.md   # restore of 1 GiB vs a pinned copy; hit rates at 4x
     python benchmarks/bench_service.py                     # CPU: a small layout, Ray CPU worker
     source .device/env.sh && python3 benchmarks/bench_service.py --h200 --no-in-process \\
         --transports local-shm --pairs 8 --out $OUT/service-h200.md
@@ -35,6 +37,7 @@ import itertools
 import json
 import os
 import platform
+import random
 import sys
 import threading
 import time
@@ -55,7 +58,10 @@ from cache_service.cli.bench import (
     percentile,
     run_decode_bench,
 )
+from cache_service.cli.host_tier_bench import HitRates, report_lines, restore_vs_copy
 from cache_service.config import CoordinatorConfig, ServiceConfig
+from cache_service.engine.coordinator import Coordinator
+from cache_service.engine.worker_clients import LocalWorkerClient
 from cache_service.event_loop import EVENT_LOOPS
 from workers.actor import PoolWorker
 from workers.config import PoolConfig
@@ -176,8 +182,30 @@ TRANSPORTS = {
 }
 
 # The service runs: one client of the main batch, one client of the concurrency batch, the
-# concurrent clients (--phases picks some).
-PHASES = ("single", "one_small", "concurrent")
+# concurrent clients; then the host tier's figures (cache_service.cli.host_tier_bench);
+# --phases picks some.
+SERVICE_PHASES = ("single", "one_small", "concurrent")
+PHASES = (*SERVICE_PHASES, "host_tier")
+
+
+@dataclass(frozen=True)
+class HostTierSetup:
+    """The host tier phase of a setup: bytes restored, and the hit-rate workload (a GPU
+    pool of `gpu_blocks`, prefixes of `prefix_blocks`, 4x the pool in all)."""
+
+    restore_bytes: int
+    repeats: int
+    gpu_blocks: int
+    prefix_blocks: int
+    requests: int
+
+
+HOST_TIER = {
+    "cpu-smoke": HostTierSetup(4 << 20, 3, 8, 2, 40),
+    "cpu": HostTierSetup(64 << 20, 5, 32, 4, 200),
+    # 1 GiB of 2 MiB Llama-3-8B blocks; a 512 MiB pool, prefixes of 256 tokens.
+    "h200": HostTierSetup(1 << 30, 10, 256, 16, 200),
+}
 
 
 def through_service(
@@ -572,6 +600,96 @@ def report(
     return "\n".join(lines) + "\n"
 
 
+async def _hit_rate(
+    layout: KVLayout,
+    device: str,
+    gpu_blocks: int,
+    host_blocks: int,
+    prefix_blocks: int,
+    num_prefixes: int,
+    requests: int,
+    seed: int,
+) -> float:
+    bs = layout.block_size
+    client = LocalWorkerClient(
+        "w0", PoolConfig(layout, num_blocks=gpu_blocks, host_blocks=host_blocks), device
+    )
+    coord = Coordinator(layout, [client], CoordinatorConfig(correctness_check_fraction=0.0))
+    await coord.start()
+    gen = torch.Generator().manual_seed(seed)
+    dtype = layout.torch_dtype()
+
+    def prompt(i: int, own: int) -> list[int]:
+        return [100_000 * (i + 1) + t for t in range(prefix_blocks * bs)] + [own]
+
+    async def serve(tokens: list[int]) -> int:
+        created = await coord.create_sequence("bench", tokens)
+        cached = created.num_cached_tokens
+        rest = tokens[cached:]
+        shape = (layout.num_layers, len(rest), layout.num_kv_heads, layout.head_dim)
+        k = torch.randn(shape, generator=gen).to(dtype)
+        await coord.append("bench", created.seq_id, None, rest, k, k)
+        await coord.free("bench", created.seq_id)
+        return cached
+
+    try:
+        for i in range(num_prefixes):
+            await serve(prompt(i, 0))
+        rng = random.Random(seed)
+        hits = 0
+        for r in range(requests):
+            hits += await serve(prompt(rng.randrange(num_prefixes), r + 1))
+        coord.block_manager.check_integrity()
+    finally:
+        await coord.close()
+        client.close()
+    return hits / (requests * prefix_blocks * bs)
+
+
+def hit_rates(
+    layout: KVLayout,
+    device: str,
+    gpu_blocks: int,
+    prefix_blocks: int,
+    requests: int,
+    seed: int = 0,
+) -> HitRates:
+    """The workload of `4 * gpu_blocks` prefix blocks under an unbounded pool, the GPU
+    pool with a host tier holding every prefix, and the GPU pool alone."""
+    num_prefixes = 4 * gpu_blocks // prefix_blocks
+    prefix_total = num_prefixes * prefix_blocks
+    # Room for every prefix plus the requests' own blocks: nothing is ever evicted.
+    unbounded_blocks = prefix_total + 2 * (prefix_blocks + 1)
+
+    def run(gpu: int, host: int) -> float:
+        return asyncio.run(
+            _hit_rate(layout, device, gpu, host, prefix_blocks, num_prefixes, requests, seed)
+        )
+
+    return HitRates(
+        gpu_blocks,
+        prefix_total,
+        prefix_blocks,
+        num_prefixes,
+        requests,
+        unbounded=run(unbounded_blocks, 0),
+        tiered=run(gpu_blocks, prefix_total),
+        gpu_only=run(gpu_blocks, 0),
+    )
+
+
+def host_tier(setup: Setup) -> list[str]:
+    """The host tier phase: restore versus a pinned copy, and the hit rates at 4x the pool
+    (cache_service.cli.host_tier_bench), as report lines."""
+    h = HOST_TIER[setup.name]
+    device = "cuda" if setup.device == "cuda" else "cpu"
+    restore = restore_vs_copy(setup.layout, device, h.restore_bytes, h.repeats)
+    print(f"[{time.strftime('%H:%M:%S')}] host tier restore: {restore}", flush=True)
+    rates = hit_rates(setup.layout, device, h.gpu_blocks, h.prefix_blocks, h.requests)
+    print(f"[{time.strftime('%H:%M:%S')}] host tier hit rates: {rates}", flush=True)
+    return ["", *report_lines(restore, rates)]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line (see the module's docstring)."""
     parser = argparse.ArgumentParser(
@@ -663,6 +781,8 @@ def main(argv: list[str] | None = None) -> int:
     # over each client transport, then the same device behind a Ray actor.
     rows = [] if args.no_in_process else [(False, t) for t in args.transport_list]
     rows += [] if args.no_ray else [(True, args.transport_list[0])]
+    if not set(args.phase_list) & set(SERVICE_PHASES):
+        rows = []
     for ray, transport in rows:
         where = f"Ray {setup.device} worker" if ray else "pools in the server process"
         label = f"{where}, {TRANSPORTS[transport].label}"
@@ -674,6 +794,8 @@ def main(argv: list[str] | None = None) -> int:
     # single client's reference, not needed without that run).
     base = in_process(setup) if "single" in args.phase_list else ([], 1.0)
     text = report(setup, results, base, args, worker_calls)
+    if "host_tier" in args.phase_list:
+        text += "\n" + "\n".join(host_tier(setup)) + "\n"
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)

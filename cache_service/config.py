@@ -3,7 +3,8 @@
 A file mirrors the dataclasses, one section per group; every field is optional::
 
     layout:      {num_layers: 4, num_kv_heads: 2, head_dim: 64, block_size: 16, dtype: float32}
-    workers:     {num_workers: 2, blocks_per_worker: 512, device: cpu, ray_address: null}
+    workers:     {num_workers: 2, blocks_per_worker: 512, host_tier_blocks: 0, device: cpu,
+                  ray_address: null}
     server:      {host: 127.0.0.1, port: 50051, max_message_bytes: 268435456}
     coordinator: {batch_window_ms: 0.5, max_batch_items: 256, coalesce_layers: true,
                   eviction_policy: lru, kv_event_ring: 4096}
@@ -121,6 +122,12 @@ class WorkersConfig:
     Attributes:
         num_workers: pools to start (one per GPU on a GPU cluster).
         blocks_per_worker: blocks in each pool.
+        host_tier_blocks: blocks of each worker's host tier (cache_service.control.host_tier,
+            workers.host_tier): host memory, page-locked for CUDA pools, that cached prefix
+            blocks evicted from the pool move to, so a later prompt still hits them (they
+            are copied back first). Same block size as the pool's (layout.bytes_per_block
+            each: 2 MiB for Llama-3.1-8B in bf16). 0 (default): off, evicted blocks are
+            dropped.
         device: "cpu" or "cuda": CPU workers run the torch reference kernels, CUDA workers
             the Triton kernels (one GPU each).
         ray_address: None starts a local Ray (embedded); "auto" or "ray://host:port" joins
@@ -152,6 +159,7 @@ class WorkersConfig:
 
     num_workers: int = 2
     blocks_per_worker: int = 512
+    host_tier_blocks: int = 0
     device: str = "cpu"
     ray_address: str | None = None
     in_process: bool = False
@@ -182,6 +190,15 @@ class WorkersConfig:
                 f"{self.channel_arena_bytes!r}"
             )
         _positive_int("workers.blocks_per_worker", self.blocks_per_worker)
+        if (
+            isinstance(self.host_tier_blocks, bool)
+            or not isinstance(self.host_tier_blocks, int)
+            or self.host_tier_blocks < 0
+        ):
+            raise ConfigError(
+                "workers.host_tier_blocks must be an integer >= 0 (0: no host tier), got "
+                f"{self.host_tier_blocks!r}"
+            )
         if not isinstance(self.cuda_graphs, bool):
             raise ConfigError(
                 f"workers.cuda_graphs must be true or false, got {self.cuda_graphs!r}"

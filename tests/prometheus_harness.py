@@ -318,13 +318,14 @@ def exported_metric_names() -> set[str]:
     from cache_service.obs.metrics import ServiceMetrics
 
     bm = BlockManager(BlockManagerConfig(4, 1, "layout"))
-    bm.add_worker("w0", 4)
+    bm.add_worker("w0", 4, host_blocks=2)
     seq = bm.create_sequence("t", [1, 2, 3]).seq_id
     bm.prepare_write("t", seq, None, [1, 2, 3])
     metrics = ServiceMetrics()
     metrics.bind_stats(bm.stats, bytes_per_block=1024)
     metrics.set_worker_state("w0", True, "e0")
     metrics.observe_worker_call("w0", 1, 0.001)
+    metrics.observe_tier_transfer("restore", 1024, 0.001)
     metrics.add_correctness_mismatch("w0", 0)
     metrics.observe_correctness_check(0.002)
     metrics.add_worker_data_call("w0", "channel")

@@ -28,6 +28,8 @@ SMOKE_RUNS = {
             "| in-process `PoolWorker.run_round` (no RPC) |",
             "| service, pools in the server process, local session",
             "## Concurrency: 2 clients of batch 1 versus one client of batch 1",
+            "## Host tier: restore host -> device, and the prefix hit rate at 4x the pool",
+            "| GPU pool + host tier of 32 blocks |",
         ],
     ),
     "bench_transformers.py": (["--smoke"], ["- device: CPU", "| batch | own tok/s |"]),

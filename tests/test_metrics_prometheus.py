@@ -108,7 +108,8 @@ def service(tmp_path: Path) -> Iterator[ServiceThread]:
         metrics=MetricsConfig(enabled=True, host="127.0.0.1", port=0),
         auth_file=str(tokens),
     )
-    pool = PoolConfig(layout=LAYOUT.kv_layout(), num_blocks=BLOCKS_PER_WORKER)
+    # With a host tier, so its panels have series (host_tier tests fill it).
+    pool = PoolConfig(layout=LAYOUT.kv_layout(), num_blocks=BLOCKS_PER_WORKER, host_blocks=8)
     workers = [LocalWorkerClient(f"w{i}", pool, "cpu") for i in range(2)]
     svc = ServiceThread(config, workers)
     try:

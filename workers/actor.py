@@ -140,6 +140,7 @@ class PoolWorker:
             layout=self._pool.layout,
             pool_bytes=self._pool.nbytes,
             debug=self._pool.debug,
+            host_blocks=self._pool.host_blocks,
         )
 
     def generation(self) -> int | None:
@@ -275,6 +276,16 @@ class PoolWorker:
     def import_blocks(self, epoch: str, block_ids: IndexLike, data: torch.Tensor) -> None:
         """:meth:`KVPool.import_blocks` behind the epoch fence."""
         self._on_pool(epoch, self._pool.import_blocks, block_ids, data)
+
+    def offload_blocks(self, epoch: str, block_ids: IndexLike, host_ids: IndexLike) -> int:
+        """:meth:`KVPool.offload_blocks` (device -> host tier) behind the epoch fence;
+        returns the bytes copied."""
+        return self._on_pool(epoch, self._pool.offload_blocks, block_ids, host_ids)
+
+    def restore_blocks(self, epoch: str, host_ids: IndexLike, block_ids: IndexLike) -> int:
+        """:meth:`KVPool.restore_blocks` (host tier -> device) behind the epoch fence;
+        returns the bytes copied."""
+        return self._on_pool(epoch, self._pool.restore_blocks, host_ids, block_ids)
 
     def release_blocks(self, epoch: str, block_ids: IndexLike) -> None:
         """:meth:`KVPool.release_blocks` (NaN poison in debug mode) behind the epoch fence."""

@@ -39,6 +39,9 @@ class PoolConfig:
             (each about a second); empty: compile on first use.
         warm_up_max_batch: the most sequences one call will carry (the coordinator's
             max_batch_items), for the warm-up.
+        host_blocks: blocks of the worker's host tier (workers.host_tier): host memory
+            (page-locked for a CUDA pool) that evicted prefix blocks move to instead of
+            being dropped. 0: no host tier.
 
     Raises:
         PoolAllocationError: the size is malformed.
@@ -54,6 +57,7 @@ class PoolConfig:
     cuda_graphs: bool = True
     warm_up_query_heads: tuple[int, ...] = ()
     warm_up_max_batch: int = 256
+    host_blocks: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
@@ -104,4 +108,12 @@ class PoolConfig:
             raise ValueError(
                 f"PoolConfig.warm_up_max_batch must be a positive int, got "
                 f"{self.warm_up_max_batch!r}"
+            )
+        if (
+            isinstance(self.host_blocks, bool)
+            or not isinstance(self.host_blocks, int)
+            or self.host_blocks < 0
+        ):
+            raise PoolAllocationError(
+                f"PoolConfig.host_blocks must be an int >= 0, got {self.host_blocks!r}"
             )

@@ -36,6 +36,7 @@ class WorkerDescription:
         layout: the pool's KV layout.
         pool_bytes: bytes the pool tensor holds.
         debug: freed blocks are poisoned with NaN.
+        host_blocks: blocks of its host tier (workers.host_tier); 0: none.
     """
 
     worker_id: str
@@ -45,6 +46,7 @@ class WorkerDescription:
     layout: KVLayout
     pool_bytes: int
     debug: bool = False
+    host_blocks: int = 0
 
 
 @dataclass(frozen=True)

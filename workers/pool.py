@@ -35,6 +35,7 @@ from workers.decode_graphs import PAGES, DecodeGraphs
 from workers.delivery import AttendResult, Delivery, PartsResult, guard_finite, host_out
 from workers.errors import InvalidWorkerRequest, PoolAllocationError
 from workers.fingerprints import BadSlot, SlotFingerprints
+from workers.host_tier import HostTier, check_move
 from workers.kernel_warmup import decode_warm_up_launches, dummy_decode_inputs
 from workers.layout import KVLayout
 from workers.metadata_cache import MetadataCache
@@ -73,6 +74,7 @@ class KVPool:
             :meth:`reference_attend` (the online correctness check).
         cuda_graphs: on CUDA with Triton kernels, replay the repeated per-layer calls of
             decode steps as CUDA graphs (:mod:`workers.decode_graphs`).
+        host_blocks: blocks of a host tier for this pool (:mod:`workers.host_tier`); 0: none.
 
     Raises:
         PoolAllocationError: the size is malformed or does not fit on the device.
@@ -88,6 +90,7 @@ class KVPool:
         backend: str = "auto",
         fingerprints: bool = False,
         cuda_graphs: bool = True,
+        host_blocks: int = 0,
     ) -> None:
         # PoolConfig validates the size and the backend; keep one set of rules.
         config = PoolConfig(layout, num_blocks=num_blocks, debug=debug, backend=backend)
@@ -109,6 +112,11 @@ class KVPool:
             ) from None
         self._fingerprints = (
             SlotFingerprints(layout, self._num_blocks, self._device) if fingerprints else None
+        )
+        self._host_tier = (
+            HostTier(layout, host_blocks, self._device)
+            if host_blocks and not isinstance(host_blocks, bool)
+            else None
         )
         # Requests arrive on the host: a GPU pool takes each request's tensors in one copy.
         self._stager = HostStager(self._device) if self._device.type == "cuda" else None
@@ -138,6 +146,7 @@ class KVPool:
             backend=config.backend,
             fingerprints=config.fingerprints,
             cuda_graphs=config.cuda_graphs,
+            host_blocks=config.host_blocks,
         )
 
     @classmethod
@@ -425,6 +434,53 @@ class KVPool:
         self._data.index_copy_(0, ids_dev, data_dev)
         if self._fingerprints is not None:
             self._fingerprints.record_blocks(ids_dev, data_dev)
+
+    @property
+    def host_blocks(self) -> int:
+        """Blocks of the pool's host tier (0: none)."""
+        return self._host_tier.num_blocks if self._host_tier is not None else 0
+
+    def offload_blocks(self, block_ids: IndexLike, host_ids: IndexLike) -> int:
+        """Copy blocks ``block_ids[i]`` (all layers, K and V) to host tier blocks
+        ``host_ids[i]`` (distinct), in one batched copy (:class:`HostTier`).
+
+        Returns:
+            Bytes copied.
+
+        Raises:
+            InvalidWorkerRequest: no host tier, ids out of range, repeated host ids, or
+                lists of different lengths.
+        """
+        tier = self._require_host_tier()
+        src = check_move("block_ids", block_ids, self._num_blocks, distinct=False)
+        dst = check_move("host_ids", host_ids, tier.num_blocks, distinct=True)
+        _same_length(src, dst)
+        return tier.offload(self._data, src, dst)
+
+    def restore_blocks(self, host_ids: IndexLike, block_ids: IndexLike) -> int:
+        """Copy host tier blocks ``host_ids[i]`` into blocks ``block_ids[i]`` (distinct) in
+        one batched copy; every later kernel on the pool reads the restored bytes.
+
+        Returns:
+            Bytes copied.
+
+        Raises:
+            InvalidWorkerRequest: as `offload_blocks`.
+        """
+        tier = self._require_host_tier()
+        src = check_move("host_ids", host_ids, tier.num_blocks, distinct=False)
+        dst = check_move("block_ids", block_ids, self._num_blocks, distinct=True)
+        _same_length(src, dst)
+        moved = tier.restore(self._data, src, dst)
+        if self._fingerprints is not None and dst:
+            ids = torch.tensor(dst, dtype=torch.int64, device=self._device)
+            self._fingerprints.record_blocks(ids, self._data.index_select(0, ids))
+        return moved
+
+    def _require_host_tier(self) -> HostTier:
+        if self._host_tier is None:
+            raise InvalidWorkerRequest("this pool has no host tier (PoolConfig.host_blocks = 0)")
+        return self._host_tier
 
     def release_blocks(self, block_ids: IndexLike) -> None:
         """The listed blocks are no longer used: in debug mode poison them with NaN (a later
@@ -725,3 +781,8 @@ class KVPool:
             return_lse=options.return_lse,
         )
         return self._kernel(kernels.paged_attention, *args, **kwargs)
+
+
+def _same_length(src: list[int], dst: list[int]) -> None:
+    if len(src) != len(dst):
+        raise InvalidWorkerRequest(f"{len(src)} source ids but {len(dst)} destination ids")

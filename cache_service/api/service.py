@@ -131,6 +131,7 @@ def _pool_config(config: ServiceConfig, layout: KVLayout) -> Any:
         cuda_graphs=config.workers.cuda_graphs,
         warm_up_query_heads=config.workers.warm_up_query_heads,
         warm_up_max_batch=config.coordinator.max_batch_items,
+        host_blocks=config.workers.host_tier_blocks,
     )
 
 

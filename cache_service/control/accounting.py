@@ -10,10 +10,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from cache_service.control.block_pool import BlockPool
+from cache_service.control.host_tier import HostTier
 from cache_service.control.sequence import Sequence
 from cache_service.control.types import PhysicalBlock
 
-__all__ = ["CacheCounters", "CacheStats", "WorkerStats", "collect_stats", "partial_fills"]
+__all__ = [
+    "CacheCounters",
+    "CacheStats",
+    "HostTierStats",
+    "WorkerStats",
+    "collect_stats",
+    "partial_fills",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +60,26 @@ class WorkerStats:
 
 
 @dataclass(frozen=True, slots=True)
+class HostTierStats:
+    """One worker's host tier (cache_service.control.host_tier), in blocks.
+
+    Attributes:
+        total: host blocks; total == used + free.
+        used: host blocks holding an evicted prefix block's keys.
+        free: host blocks holding nothing.
+    """
+
+    total: int
+    used: int
+    free: int
+
+    @property
+    def utilization(self) -> float:
+        """used / total (0..1)."""
+        return self.used / self.total if self.total else 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class CacheStats:
     """A snapshot of the whole control plane.
 
@@ -66,6 +94,10 @@ class CacheStats:
         pinned_blocks: distinct blocks held by at least one pin.
         active_sequences: sequences holding a block table (not freed, not lost).
         lost_sequences: sequences failed by a lost worker and not yet freed by their client.
+        host_tiers: per live worker with a host tier.
+        host_hit_tokens: of prefix_hit_tokens (all tenants), tokens restored from a host
+            tier; the rest were served from GPU pools.
+        host_evictions: host blocks whose keys were dropped to make room in a host tier.
     """
 
     workers: dict[str, WorkerStats]
@@ -78,6 +110,9 @@ class CacheStats:
     pinned_blocks: int
     active_sequences: int
     lost_sequences: int
+    host_tiers: dict[str, HostTierStats] = field(default_factory=dict)
+    host_hit_tokens: int = 0
+    host_evictions: int = 0
 
 
 @dataclass(slots=True)
@@ -86,6 +121,7 @@ class CacheCounters:
 
     evictions: int = 0
     cow_copies: int = 0
+    host_hit_tokens: int = 0
     prefix_query_tokens: dict[str, int] = field(default_factory=dict)
     prefix_hit_tokens: dict[str, int] = field(default_factory=dict)
 
@@ -119,8 +155,9 @@ def collect_stats(
     counters: CacheCounters,
     block_size: int,
     lost_sequences: int,
+    host: HostTier | None = None,
 ) -> CacheStats:
-    """Compute a CacheStats snapshot; O(workers + sequences)."""
+    """Compute a CacheStats snapshot; O(workers + sequences). `host`: the host tiers."""
     unfilled: dict[str, int] = {}
     for block, fill in partial_fills(sequences.values(), block_size).items():
         unfilled[block.worker_id] = unfilled.get(block.worker_id, 0) + block_size - fill
@@ -150,4 +187,10 @@ def collect_stats(
         pinned_blocks=len(pinned),
         active_sequences=len(sequences),
         lost_sequences=lost_sequences,
+        host_tiers={
+            w: HostTierStats(p.num_blocks, p.num_used, p.num_free)
+            for w, p in (host.pools.items() if host is not None else ())
+        },
+        host_hit_tokens=counters.host_hit_tokens,
+        host_evictions=host.evictions if host is not None else 0,
     )

@@ -19,6 +19,7 @@ from collections.abc import Sequence as SequenceABC
 from typing import Any
 
 from cache_service.control import (
+    host_tier,
     pins,
     prefix_sharing,
     quotas,
@@ -140,11 +141,14 @@ class BlockManager:
         # the durable state: a release that never reached a worker costs only that check.
         self._released: dict[str, list[int]] = {}
         self._journal: Journal | None = None
+        # Prefix blocks that left the GPU pools for their workers' host memory.
+        self._host = host_tier.HostTier(config.eviction_policy)
 
     # ---- workers ------------------------------------------------------------------------
 
-    def add_worker(self, worker_id: str, num_blocks: int) -> None:
-        """Register a worker's pool of `num_blocks` empty blocks.
+    def add_worker(self, worker_id: str, num_blocks: int, host_blocks: int = 0) -> None:
+        """Register a worker's pool of `num_blocks` empty blocks, with a host tier of
+        `host_blocks` empty host blocks (0: none; see cache_service.control.host_tier).
 
         Raises:
             InvalidRequest: bad id or size, or the id is already registered.
@@ -152,9 +156,26 @@ class BlockManager:
         _check_name("worker_id", worker_id)
         if worker_id in self._pools:
             raise InvalidRequest(f"worker {worker_id!r} is already registered")
-        self._pools[worker_id] = BlockPool(
-            worker_id, num_blocks, make_policy(self.config.eviction_policy)
-        )
+        pool = BlockPool(worker_id, num_blocks, make_policy(self.config.eviction_policy))
+        self._host.add_worker(worker_id, host_blocks)
+        self._pools[worker_id] = pool
+
+    def host_tiers(self) -> dict[str, int]:
+        """Host tier size in blocks of every worker that has one."""
+        return {w: p.num_blocks for w, p in self._host.pools.items()}
+
+    def take_tier_moves(self) -> dict[str, list[host_tier.TierMove]]:
+        """Copies between GPU pools and host tiers decided since the last call, per worker
+        in the order decided, and forget them. The caller runs each worker's offloads,
+        then its releases (`take_released`), then its restores, before any later call on
+        that worker. Not logged and not part of snapshots (see `drop_host_tier`)."""
+        return self._host.take_moves()
+
+    def drop_host_tier(self) -> int:
+        """Forget every host tier's contents (sizes stay): what a recovered coordinator
+        does, since a logged offload may never have reached its worker. Returns the
+        prefix keys dropped (reported removed from the "cpu" medium)."""
+        return host_tier.drop_all(self)
 
     def workers(self) -> dict[str, int]:
         """Registered worker ids and their pool sizes in blocks, in the order added."""
@@ -220,23 +241,43 @@ class BlockManager:
         if not self._pools:
             raise PoolExhausted("no worker is registered")
         matched = (
-            self._index.match(
-                self._salts_for(tenant, namespace), data, (len(prompt) - 1) // self._bs
+            host_tier.restorable(
+                self,
+                self._index.match(
+                    self._salts_for(tenant, namespace),
+                    data,
+                    (len(prompt) - 1) // self._bs,
+                    self._host.entries if self._host.entries else None,
+                ),
             )
             if prompt
             else []
         )
         blocks = [block for _, block in matched]
         held = self._tenant_blocks.get(tenant, {})
-        self._check_block_quota(tenant, sum(1 for b in blocks if b not in held))
+        # A host block restored becomes a new block for the tenant.
+        self._check_block_quota(
+            tenant, sum(1 for b in blocks if type(b) is not PhysicalBlock or b not in held)
+        )
 
         cached = len(blocks) * self._bs
         home = self._home_for(blocks, len(prompt))
 
         tenant_blocks = self._tenant_blocks.setdefault(tenant, {})
-        for block in blocks:
-            self._pools[block.worker_id].incref(block.index)
-            _ref(tenant_blocks, block)
+        restored = 0
+        if any(type(b) is not PhysicalBlock for b in blocks):
+            # GPU blocks are adopted first, so restoring cannot evict them.
+            for block in blocks:
+                if type(block) is PhysicalBlock:
+                    self._pools[block.worker_id].incref(block.index)
+            restored = sum(1 for b in blocks if type(b) is not PhysicalBlock)
+            blocks = host_tier.restore_blocks(self, matched)
+            for block in blocks:
+                _ref(tenant_blocks, block)
+        else:
+            for block in blocks:
+                self._pools[block.worker_id].incref(block.index)
+                _ref(tenant_blocks, block)
         self._seqs[new_id] = Sequence(
             seq_id=new_id,
             tenant=tenant,
@@ -250,6 +291,7 @@ class BlockManager:
         self._tenant_seqs[tenant] = self._tenant_seqs.get(tenant, 0) + 1
         if prompt_token_ids is not None:
             self._counters.count_query(tenant, len(prompt), cached)
+            self._counters.host_hit_tokens += restored * self._bs
         return CreatedSequence(new_id, cached)
 
     def fork(self, tenant: str, seq_id: str, *, new_seq_id: str | None = None) -> str:
@@ -709,7 +751,13 @@ class BlockManager:
     def stats(self) -> CacheStats:
         """An exact snapshot of pools, fragmentation, prefix hits and event counters."""
         return collect_stats(
-            self._pools, self._seqs, self._pinned, self._counters, self._bs, len(self._lost)
+            self._pools,
+            self._seqs,
+            self._pinned,
+            self._counters,
+            self._bs,
+            len(self._lost),
+            self._host,
         )
 
     def check_integrity(self) -> None:
@@ -720,7 +768,8 @@ class BlockManager:
         ones; index entries point at live blocks whose users hold exactly the entry's tokens
         and chain to a consistent parent; every slot holds one token (users of a block agree
         on its tokens); table lengths match reserved tokens; tenant counts and stats agree
-        with a recount.
+        with a recount; every host tier block is free xor holds one evicted block's keys,
+        and no key is in both tiers.
         """
         check_integrity(self)
 
@@ -751,13 +800,16 @@ class BlockManager:
     _check_block_quota = quotas.check_block_quota
     _salts_for = prefix_sharing.salts_for
 
-    def _home_for(self, adopted: list[PhysicalBlock], prompt_len: int) -> str | None:
+    def _home_for(self, adopted: list[Any], prompt_len: int) -> str | None:
         """Home worker of a new sequence adopting `adopted` (before they are adopted) for
         a prompt of `prompt_len` tokens (see placement.choose_home)."""
         available = {w: p.available for w, p in self._pools.items()}
         for block in adopted:
-            # Adopting a cached-free block takes it out of what that worker can evict.
-            if self._pools[block.worker_id].is_cached(block.index):
+            # Adopting a cached-free block takes it out of what that worker can evict;
+            # restoring a host block (not a PhysicalBlock) takes one.
+            if type(block) is not PhysicalBlock or self._pools[block.worker_id].is_cached(
+                block.index
+            ):
                 available[block.worker_id] -= 1
         needed = max(1, -(-(prompt_len - len(adopted) * self._bs) // self._bs))
         return choose_home(adopted[-1].worker_id if adopted else None, needed, available)

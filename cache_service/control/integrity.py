@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from cache_service.control.host_tier import check_host_tier
 from cache_service.control.prefix_index import ROOT_KEY, block_key, encode_tokens, make_salt
 from cache_service.control.types import PhysicalBlock
 from cache_service.errors import IntegrityError
@@ -60,6 +61,7 @@ def check_integrity(manager: BlockManager) -> None:
     _check_index(manager, recount, p)
     _check_tenants(manager, recount, p)
     _check_stats(manager, recount, p)
+    p.check("host tier", check_host_tier(manager))
     if p.lines:
         raise IntegrityError("control plane integrity check failed: " + " | ".join(p.lines))
 

@@ -32,6 +32,7 @@ from cache_service.errors import EventsOutOfRange, InvalidRequest
 
 __all__ = [
     "DEFAULT_KV_EVENT_RING",
+    "MEDIUM_CPU",
     "MEDIUM_GPU",
     "AllCleared",
     "BlockRemoved",
@@ -42,8 +43,9 @@ __all__ = [
 
 # Events kept for resuming subscribers when the service config does not say.
 DEFAULT_KV_EVENT_RING = 4096
-# Where a block's KV lives; the host tier adds "cpu".
+# Where a block's KV lives: a worker's GPU pool, or its host tier (control.host_tier).
 MEDIUM_GPU = "gpu"
+MEDIUM_CPU = "cpu"
 
 EventType = Literal["stored", "removed", "cleared"]
 
@@ -58,7 +60,7 @@ class BlockStored:
         parent: key of the block before the first (32 zero bytes at a prompt's start).
         block_size: tokens per block (every published block is full).
         worker_id: the worker holding them.
-        medium: where the KV lives ("gpu").
+        medium: where the KV lives ("gpu", or "cpu" for a host tier).
     """
 
     hashes: tuple[bytes, ...]
@@ -75,7 +77,7 @@ class BlockRemoved:
     Attributes:
         hashes: the keys, 32 bytes each.
         worker_id: the worker that held the block.
-        medium: where the KV was ("gpu").
+        medium: where the KV was ("gpu" or "cpu").
     """
 
     hashes: tuple[bytes, ...]

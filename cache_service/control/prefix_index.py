@@ -17,8 +17,8 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
-from typing import NamedTuple
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from cache_service.control.kv_events import KvEventLog
 from cache_service.control.types import PhysicalBlock
@@ -56,7 +56,8 @@ class IndexEntry(NamedTuple):
     """A published block: where it is, and what was hashed to find it.
 
     Attributes:
-        block: the physical block holding the KV.
+        block: the physical block holding the KV (in the host tier's entries: the
+            `host_tier.HostBlock` holding it).
         parent: key of the previous block of the prefix (ROOT_KEY for the first).
         owner: tenant whose salt the key was hashed with; None for public.
         tokens: the block's token ids, uint64 little-endian bytes (block_size * 8 bytes).
@@ -314,8 +315,12 @@ class PrefixIndex:
         return [b for b in self._by_block if b.worker_id == worker_id]
 
     def match(
-        self, salts: Sequence[Salt], token_bytes: bytes, max_blocks: int
-    ) -> list[tuple[bytes, PhysicalBlock]]:
+        self,
+        salts: Sequence[Salt],
+        token_bytes: bytes,
+        max_blocks: int,
+        host: Mapping[bytes, IndexEntry] | None = None,
+    ) -> list[tuple[bytes, Any]]:
         """The longest chain of published blocks that spells the start of a prompt.
 
         Args:
@@ -323,9 +328,12 @@ class PrefixIndex:
                 then public).
             token_bytes: the prompt, from `encode_tokens`.
             max_blocks: stop after this many blocks.
+            host: the host tier's entries by key (cache_service.control.host_tier), looked
+                up where this index has no entry; None: this index only.
 
         Returns:
-            (key, block) per matched block, in logical order.
+            (key, block) per matched block, in logical order: a PhysicalBlock, or the
+            entry's HostBlock for a block found in `host`.
         """
         stride = self.block_size * TOKEN_BYTES
         max_blocks = min(max_blocks, len(token_bytes) // stride)
@@ -337,6 +345,8 @@ class PrefixIndex:
             for owner, salt in salts:
                 key = block_key(parent, salt, chunk)
                 entry = entries.get(key)
+                if entry is None and host is not None:
+                    entry = host.get(key)
                 if (
                     entry is not None
                     and entry.tokens == chunk

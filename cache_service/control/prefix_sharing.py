@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceABC
 from typing import TYPE_CHECKING
 
+from cache_service.control.host_tier import evict_blocks, restorable
 from cache_service.control.prefix_index import (
     ROOT_KEY,
     IndexEntry,
@@ -80,12 +81,16 @@ def lookup(m: BlockManager, tenant: str, token_ids: SequenceABC[int], namespace:
     data = token_bytes(prompt)
     if not prompt:
         return 0
-    matched = m._index.match(salts_for(m, tenant, namespace), data, (len(prompt) - 1) // m._bs)
-    return len(matched) * m._bs
+    host = m._host.entries or None
+    matched = m._index.match(
+        salts_for(m, tenant, namespace), data, (len(prompt) - 1) // m._bs, host
+    )
+    return len(restorable(m, matched)) * m._bs
 
 
 def evict(m: BlockManager, max_blocks: int | None, worker_id: str | None) -> int:
-    """`BlockManager.evict`: blocks evicted."""
+    """`BlockManager.evict`: blocks evicted (their keys go to the host tier if the worker
+    has one, see cache_service.control.host_tier)."""
     if max_blocks is not None and (type(max_blocks) is not int or max_blocks < 0):
         raise InvalidRequest(f"max_blocks must be None or an int >= 0, got {max_blocks!r}")
     if worker_id is not None and worker_id not in m._pools:
@@ -103,6 +108,6 @@ def evict(m: BlockManager, max_blocks: int | None, worker_id: str | None) -> int
             m._note_released(block)
             if left is not None:
                 left -= 1
-    m._index.remove_blocks(evicted)
+    evict_blocks(m, evicted)
     m._counters.evictions += len(evicted)
     return len(evicted)

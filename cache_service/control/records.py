@@ -16,11 +16,15 @@ Shape of `to_records()` (version 1); ids, tenants and worker ids are strings, ke
      "pins": [{"tenant", "tokens": [int], "blocks": [[worker_id, index]], "count",
                "namespace": str}],
      "counters": {"evictions", "cow_copies", "prefix_query_tokens": {tenant: int},
-                  "prefix_hit_tokens": {tenant: int}},
+                  "prefix_hit_tokens": {tenant: int}, "host_hit_tokens", "host_evictions"},
+     "host_tiers": [{"worker_id", "num_blocks", "free": [index, ...],
+                     "held": [{"index", "entries": [{"key", "parent", "owner", "tokens",
+                                                     "namespace"}]}] (eviction order)}],
      "tenant_quotas": [{"tenant", "max_blocks", "max_sequences"}]}   # absent: none
 
 "namespace" ("" = the default prefix-cache namespace) and "eviction_policy" may be absent;
-absent means the default namespace and the default policy ("lru").
+absent means the default namespace and the default policy ("lru"). "host_tiers" and the two
+host counters may be absent: no host tier (cache_service.control.host_tier).
 
 The blocks waiting for `take_released` are not stored: they only feed the workers' debug
 poisoning, and a block replayed as released long ago may have been reused since.
@@ -37,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from cache_service.control.accounting import CacheCounters
 from cache_service.control.block_pool import BlockPool
 from cache_service.control.eviction import make_policy
+from cache_service.control.host_tier import host_records, restore_host_records
 from cache_service.control.prefix_index import IndexEntry, decode_tokens, encode_tokens
 from cache_service.control.sequence import Sequence
 from cache_service.control.state import BlockManagerConfig, LostSequence, Pin
@@ -118,7 +123,10 @@ def to_records(manager: BlockManager) -> dict[str, Any]:
             "cow_copies": m._counters.cow_copies,
             "prefix_query_tokens": dict(m._counters.prefix_query_tokens),
             "prefix_hit_tokens": dict(m._counters.prefix_hit_tokens),
+            "host_hit_tokens": m._counters.host_hit_tokens,
+            "host_evictions": m._host.evictions,
         },
+        "host_tiers": host_records(m),
         "tenant_quotas": [
             {"tenant": tenant, "max_blocks": q.max_blocks, "max_sequences": q.max_sequences}
             for tenant, q in m._quotas.items()
@@ -165,7 +173,10 @@ def from_records(cls: type[BlockManager], records: dict[str, Any]) -> BlockManag
             cow_copies=int(c["cow_copies"]),
             prefix_query_tokens=dict(c["prefix_query_tokens"]),
             prefix_hit_tokens=dict(c["prefix_hit_tokens"]),
+            host_hit_tokens=int(c.get("host_hit_tokens", 0)),
         )
+        m._host.evictions = int(c.get("host_evictions", 0))
+        restore_host_records(m, records.get("host_tiers", []))
         # Optional: absent means no tenant has a quota of its own.
         for q in records.get("tenant_quotas", []):
             m.set_tenant_quota(q["tenant"], q["max_blocks"], q["max_sequences"])

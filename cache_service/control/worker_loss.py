@@ -36,7 +36,10 @@ def lose_worker(m: BlockManager, worker_id: str) -> list[SeqRef]:
         m._forget(seq)
         m._lost[seq.seq_id] = LostSequence(seq.tenant, worker_id)
     _drop_pinned(m, worker_id)
+    # One cleared event for the worker covers both tiers: its host memory went with it
+    # (never served stale).
     m._index.remove_worker(worker_id)
+    m._host.drop_worker(worker_id)
     for seq in m._seqs.values():
         if seq.home == worker_id:
             seq.home = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceABC
 from typing import TYPE_CHECKING
 
+from cache_service.control.host_tier import evict_block, evict_blocks
 from cache_service.control.placement import plan_growth
 from cache_service.control.prefix_index import pack_tokens
 from cache_service.control.quotas import check_block_quota, unref
@@ -108,7 +109,7 @@ def prepare_writes(
         roll_back(m, journal)
         raise
     m._journal = None
-    m._index.remove_blocks(journal.evicted)
+    evict_blocks(m, journal.evicted)
     for block in journal.evicted:
         m._note_released(block)
     return plans
@@ -237,6 +238,6 @@ def _take(m: BlockManager, worker_id: str) -> PhysicalBlock:
         if journal is not None:
             journal.evicted.append(block)  # dropped from the index if the batch succeeds
         else:
-            m._index.remove_block(block)
+            evict_block(m, block)
             m._note_released(block)
     return block

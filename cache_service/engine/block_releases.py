@@ -1,13 +1,16 @@
-"""Released blocks: telling the workers whose pools poison them (debug pools) which blocks
-went free, ordered before any later use of those blocks."""
+"""Released blocks and host tier copies: telling the workers whose pools poison them (debug
+pools) which blocks went free, and running the copies between pools and host tiers that
+the control plane decided, ordered before any later use of those blocks."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Awaitable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
+from cache_service.control.host_tier import TierMove
 from cache_service.engine.running_checks import RunningChecks
 from cache_service.engine.worker_interface import WorkerClient
 from workers.errors import WorkerError
@@ -53,28 +56,40 @@ class BlockReleases:
         self._releases: dict[str, asyncio.Task[None]] = {}
 
     def flush(self) -> None:
-        """Tell the workers which blocks went free (debug pools poison them with NaN).
+        """Tell the workers which blocks went free (debug pools poison them with NaN), and
+        run the copies between their pools and host tiers that the control plane decided
+        (cache_service.control.host_tier).
 
-        Call right after every control-plane step that may free blocks, before any await.
-        Fire and forget, yet ordered before any reuse: the release_blocks call starts now,
-        and every later worker call that can write, copy into or read a block of that
-        worker first waits for the releases started before it (released_before_use).
-        Reuse needs a prepare_write that runs after this step, so its copy or write is
-        sent after the release has been carried out, and the poison can never land on the
-        new owner's data. (Waiting for completion rather than relying on submission
-        order keeps this true for any WorkerClient, in-process threads included.)
+        Call right after every control-plane step that may free, evict or restore blocks,
+        before any await. Fire and forget, yet ordered before any reuse: the worker calls
+        start now, and every later worker call that can write, copy into or read a block
+        of that worker first waits for the ones started before it (released_before_use).
+        Per worker they run offloads, then release_blocks, then restores: an evicted block
+        is copied out before it is poisoned, and a block is poisoned before a restore
+        fills it. Reuse needs a prepare_write that runs after this step, so its copy or
+        write is sent after the release has been carried out, and the poison can never
+        land on the new owner's data. (Waiting for completion rather than relying on
+        submission order keeps this true for any WorkerClient, in-process threads
+        included.)
         """
-        released = self._owner.block_manager.take_released()
-        if not released:
+        manager = self._owner.block_manager
+        released = manager.take_released()
+        moves = manager.take_tier_moves()
+        if not released and not moves:
             return
-        self._checks.blocks_released(released)
+        if released:
+            self._checks.blocks_released(released)
         loop = asyncio.get_running_loop()
-        for worker_id, blocks in released.items():
+        for worker_id in {**released, **moves}:
             epoch = self._epochs.get(worker_id)
-            if epoch is None or worker_id not in self._debug_workers:
-                continue  # lost (its pool is gone), or a pool that would only check ids
+            if epoch is None:
+                continue  # lost: its pool and host tier are gone
+            blocks = released.get(worker_id) if worker_id in self._debug_workers else None
+            tier = moves.get(worker_id)
+            if not blocks and not tier:
+                continue  # a pool that would only check ids
             task = loop.create_task(
-                self._release_on(worker_id, epoch, blocks, self._releases.get(worker_id))
+                self._release_on(worker_id, epoch, blocks, tier, self._releases.get(worker_id))
             )
             self._releases[worker_id] = task
             self._background.add(task)
@@ -84,20 +99,52 @@ class BlockReleases:
         self,
         worker_id: str,
         epoch: str,
-        blocks: list[int],
+        blocks: list[int] | None,
+        tier: list[TierMove] | None,
         previous: asyncio.Task[None] | None,
     ) -> None:
         if previous is not None and not previous.done():
             await asyncio.wait({previous})  # one after another: the latest implies all
+        client = self._clients[worker_id]
+        offloads = [m for m in tier or () if m.direction == "offload"]
+        restores = [m for m in tier or () if m.direction == "restore"]
         try:
-            await self._clients[worker_id].release_blocks(epoch, blocks)
+            if offloads:
+                await self._move(
+                    "offload",
+                    client.offload_blocks(
+                        epoch, [m.block for m in offloads], [m.host for m in offloads]
+                    ),
+                )
+            if blocks:
+                await client.release_blocks(epoch, blocks)
+            if restores:
+                await self._move(
+                    "restore",
+                    client.restore_blocks(
+                        epoch, [m.host for m in restores], [m.block for m in restores]
+                    ),
+                )
         except WorkerError as exc:
-            # A dead or restarted worker has no blocks to poison; the next data call on
-            # it notices the loss and handles it.
+            # A dead or restarted worker has no blocks to poison or copy (its host tier
+            # went with it); the next data call on it notices the loss and handles it.
             log.warning(
-                "release_blocks failed",
-                extra={"worker": worker_id, "blocks": len(blocks), "reason": str(exc)},
+                "release_blocks or host tier copy failed",
+                extra={
+                    "worker": worker_id,
+                    "blocks": len(blocks or ()),
+                    "tier_moves": len(tier or ()),
+                    "reason": str(exc),
+                },
             )
+
+    async def _move(self, direction: str, call: Awaitable[int]) -> None:
+        """Await one batched host tier copy, timed in the metrics."""
+        t0 = time.perf_counter()
+        nbytes = await call
+        metrics = self._owner.metrics
+        if metrics is not None:
+            metrics.observe_tier_transfer(direction, int(nbytes), time.perf_counter() - t0)
 
     async def released_before_use(self, worker_ids: Iterable[str]) -> None:
         """Wait for the release_blocks calls already started on these workers.

@@ -329,9 +329,13 @@ class Coordinator:
             if existing is not None:
                 return existing
         check_deadline()
-        return self.block_manager.create_sequence(
+        created = self.block_manager.create_sequence(
             tenant, prompt_token_ids, seq_id=seq_id, namespace=namespace
         )
+        # Host tier blocks it restored (and blocks evicted for them): their copies start
+        # now, and every later call on those workers waits for them (block_releases).
+        self._released.flush()
+        return created
 
     async def fork(self, tenant: str, seq_id: str, request_id: str = "") -> CreatedSequence:
         """A sequence sharing every block of `seq_id`; num_cached_tokens = tokens written

@@ -79,9 +79,11 @@ class Membership:
         if known:  # recovered from the store with its blocks: already registered
             pass
         elif self._durable:  # the durable manager logs the epoch with it
-            self._owner.block_manager.add_worker(worker_id, desc.num_blocks, epoch=desc.epoch)  # type: ignore[call-arg]
+            self._owner.block_manager.add_worker(  # type: ignore[call-arg]
+                worker_id, desc.num_blocks, epoch=desc.epoch, host_blocks=_host_blocks(desc)
+            )
         else:
-            self._owner.block_manager.add_worker(worker_id, desc.num_blocks)
+            self._owner.block_manager.add_worker(worker_id, desc.num_blocks, _host_blocks(desc))
         self._epochs[worker_id] = desc.epoch
         if getattr(desc, "debug", False):
             self._debug_workers.add(worker_id)
@@ -180,3 +182,8 @@ class Membership:
                 await self.worker_failed(
                     StaleEpochError(worker_id, epoch, desc.epoch), {worker_id: epoch}, []
                 )
+
+
+def _host_blocks(desc: Any) -> int:
+    """The host tier size a `WorkerDescription` reports (0 for a worker without one)."""
+    return int(getattr(desc, "host_blocks", 0) or 0)

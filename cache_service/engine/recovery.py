@@ -82,9 +82,10 @@ LOGGED_OPS = (
     "publish_public",
     "evict",
     "set_tenant_quota",
+    "drop_host_tier",
 )
-# take_released empties a transient list that is no part of the durable state (see
-# BlockManager.take_released), so it passes through like a read; so does block_ids, whose
+# take_released and take_tier_moves empty transient lists that are no part of the durable
+# state (see BlockManager.take_released), so they pass through like reads; so does block_ids, whose
 # only side effect is a cache derived from the block tables (cache_service.control.block_rows).
 _READ_ONLY = frozenset(
     {
@@ -101,6 +102,8 @@ _READ_ONLY = frozenset(
         "unfinished_writes",
         "tenant_quotas",
         "take_released",
+        "take_tier_moves",
+        "host_tiers",
         "stats",
         "check_integrity",
         "to_records",
@@ -310,15 +313,22 @@ class DurableBlockManager:
 
     # ------------------------------------------------------------------ workers
 
-    def add_worker(self, worker_id: str, num_blocks: int, epoch: str | None = None) -> None:
+    def add_worker(
+        self, worker_id: str, num_blocks: int, epoch: str | None = None, host_blocks: int = 0
+    ) -> None:
         """BlockManager.add_worker, recording the worker's `epoch` (see WorkerDescription)."""
         if epoch is not None and not isinstance(epoch, str):
             raise TypeError(f"epoch must be a str or None, got {type(epoch).__name__}")
         self._check_usable()
-        self._manager.add_worker(worker_id, num_blocks)
-        self._log(
-            "add_worker", {"worker_id": worker_id, "num_blocks": num_blocks, "epoch": epoch}, None
-        )
+        self._manager.add_worker(worker_id, num_blocks, host_blocks)
+        args: dict[str, Any] = {"worker_id": worker_id, "num_blocks": num_blocks, "epoch": epoch}
+        if host_blocks:
+            args["host_blocks"] = host_blocks
+        self._log("add_worker", args, None)
+
+    def drop_host_tier(self) -> int:
+        """BlockManager.drop_host_tier."""
+        return self._run("drop_host_tier", self._manager.drop_host_tier, lambda: {})
 
     def lose_worker(self, worker_id: str) -> list[SeqRef]:
         """BlockManager.lose_worker; forgets the worker's epoch."""
@@ -527,7 +537,9 @@ def _apply(manager: BlockManager, op: str, args: dict[str, Any], recorded: Any) 
     """Re-run one logged call, feeding back the ids it drew."""
     m = manager
     if op == "add_worker":
-        return m.add_worker(args["worker_id"], args["num_blocks"])
+        return m.add_worker(args["worker_id"], args["num_blocks"], args.get("host_blocks", 0))
+    if op == "drop_host_tier":
+        return m.drop_host_tier()
     if op == "lose_worker":
         return m.lose_worker(args["worker_id"])
     if op == "create_sequence":
@@ -641,6 +653,8 @@ def recover(store: MetadataStore, config: BlockManagerConfig) -> RecoveryResult:
     # Blocks the replay saw go free were released (or not) by the coordinator that ran
     # then; many were reused since, and poisoning them now would destroy live KV.
     replay_manager.take_released()
+    # Likewise the copies to and from host tiers: they ran (or not) back then.
+    replay_manager.take_tier_moves()
     manager = _with_config(replay_manager, config)
     return RecoveryResult(manager, store.generation, epochs, start, replayed, unfinished)
 
@@ -784,6 +798,9 @@ def recover_control_plane(
     result = recover(store, config)
     durable = DurableBlockManager.from_recovery(result, store)
     kept, lost = reconcile_workers(durable, live)
+    # An offload logged before the crash may never have reached its worker: no host block
+    # can be trusted, so the host tiers start empty (cache_service.control.host_tier).
+    host_dropped = durable.drop_host_tier() if any(durable.host_tiers().values()) else 0
     dropped = drop_unfinished_copies(durable)
     cancelled = cancel_unfinished_writes(durable)
     if metrics is not None and lost:
@@ -797,6 +814,7 @@ def recover_control_plane(
             "workers_kept": sorted(kept),
             "lost_sequences": len(lost),
             "dropped_unfinished_copies": len(dropped),
+            "dropped_host_tier_keys": host_dropped,
             "cancelled_unfinished_writes": len(cancelled),
         },
     )

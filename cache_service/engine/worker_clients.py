@@ -192,6 +192,12 @@ class _WorkerClientBase:
     async def release_blocks(self, epoch: str, block_ids: IndexLike) -> None:
         await self._invoke("release_blocks", self._fenced(epoch), block_ids)
 
+    async def offload_blocks(self, epoch: str, block_ids: IndexLike, host_ids: IndexLike) -> int:
+        return await self._invoke("offload_blocks", self._fenced(epoch), block_ids, host_ids)
+
+    async def restore_blocks(self, epoch: str, host_ids: IndexLike, block_ids: IndexLike) -> int:
+        return await self._invoke("restore_blocks", self._fenced(epoch), host_ids, block_ids)
+
 
 class RayWorkerClient(_WorkerClientBase):
     """A PoolWorker actor behind the async worker interface.

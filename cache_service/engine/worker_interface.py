@@ -118,3 +118,17 @@ class WorkerClient(Protocol):
     async def release_blocks(self, epoch: str, block_ids: torch.Tensor | Sequence[int]) -> None:
         """The blocks are free again (poisoned with NaN in debug mode)."""
         ...
+
+    async def offload_blocks(
+        self, epoch: str, block_ids: Sequence[int], host_ids: Sequence[int]
+    ) -> int:
+        """Copy blocks ``block_ids[i]`` (all layers) to the worker's host tier blocks
+        ``host_ids[i]`` (workers.host_tier) in one batched copy; returns bytes copied."""
+        ...
+
+    async def restore_blocks(
+        self, epoch: str, host_ids: Sequence[int], block_ids: Sequence[int]
+    ) -> int:
+        """Copy host tier blocks ``host_ids[i]`` into blocks ``block_ids[i]`` in one
+        batched copy, complete before any later call reads them; returns bytes copied."""
+        ...

@@ -80,6 +80,8 @@ PARTS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 
 # The ways a per-layer data call reaches its worker (kvcache_worker_data_calls_total).
 DATA_CALL_PATHS = ("in_process", "channel", "ray")
+# Copies between a worker's GPU pool and its host tier (cache_service.control.host_tier).
+TIER_DIRECTIONS = ("offload", "restore")
 
 
 def _check_worker_id(worker_id: str) -> None:
@@ -174,6 +176,7 @@ class ServiceMetrics:
         # Registered in this order, which is the order of the exposition.
         self._add_rpc_metrics(prefix, registry)
         self._add_worker_call_metrics(prefix, registry)
+        self._add_tier_transfer_metrics(prefix, registry)
         self._add_token_metrics(prefix, registry)
         self._add_correctness_metrics(prefix, registry)
         self._add_worker_state_metrics(prefix, registry)
@@ -229,6 +232,29 @@ class ServiceMetrics:
             ["worker"],
             registry=reg,
         )
+
+    def _add_tier_transfer_metrics(self, p: str, reg: CollectorRegistry) -> None:
+        """Copies between GPU pools and host tiers: bytes and time, by direction."""
+        self.tier_transfer_bytes = Counter(
+            f"{p}_tier_transfer_bytes",
+            "KV bytes copied between a worker's GPU pool and its host tier: offload (GPU -> "
+            "host, an evicted prefix block kept) or restore (host -> GPU, a prefix hit).",
+            ["direction"],
+            registry=reg,
+        )
+        self.tier_transfer_seconds = Histogram(
+            f"{p}_tier_transfer_seconds",
+            "Time of one batched copy between GPU pools and host tiers (the worker call), "
+            "seconds, by direction.",
+            ["direction"],
+            buckets=WORKER_CALL_BUCKETS,
+            registry=reg,
+        )
+        # Both directions exported from the start (0 until a copy), so rates and panels
+        # have a series before the first eviction.
+        for direction in TIER_DIRECTIONS:
+            self.tier_transfer_bytes.labels(direction)
+            self.tier_transfer_seconds.labels(direction)
 
     def _add_token_metrics(self, p: str, reg: CollectorRegistry) -> None:
         """Tokens written and attended, and sequences lost with a worker."""
@@ -399,6 +425,21 @@ class ServiceMetrics:
         children[2].observe(parts)
         if over_layers:
             children[3].inc()
+
+    def observe_tier_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
+        """Record one batched copy between a GPU pool and its host tier.
+
+        Args:
+            direction: "offload" (GPU -> host) or "restore" (host -> GPU).
+            nbytes: bytes copied (>= 0).
+            seconds: wall time of the worker call (finite, >= 0).
+        """
+        if direction not in TIER_DIRECTIONS:
+            raise ValueError(f"direction must be one of {TIER_DIRECTIONS}, got {direction!r}")
+        _check_count("nbytes", nbytes)
+        _check_seconds(seconds)
+        self.tier_transfer_bytes.labels(direction).inc(nbytes)
+        self.tier_transfer_seconds.labels(direction).observe(seconds)
 
     def add_worker_data_call(self, worker_id: str, path: str) -> None:
         """Count one per-layer data call to a worker, by the path it took ("in_process",

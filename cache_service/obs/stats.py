@@ -46,6 +46,7 @@ def stats_families(stats: CacheStats, prefix: str, bytes_per_block: int | None) 
     """
     return [
         *_pool_families(stats, prefix, bytes_per_block),
+        *_host_tier_families(stats, prefix, bytes_per_block),
         *_cluster_families(stats, prefix),
         *_prefix_families(stats, prefix),
         *_sequence_families(stats, prefix),
@@ -115,6 +116,39 @@ def _pool_families(stats: CacheStats, p: str, bytes_per_block: int | None) -> li
     return families
 
 
+def _host_tier_families(stats: CacheStats, p: str, bytes_per_block: int | None) -> list[Metric]:
+    """Per-worker host tier gauges (cache_service.control.host_tier): blocks by state,
+    utilization, bytes held; only workers with a host tier appear."""
+    blocks = GaugeMetricFamily(
+        f"{p}_host_tier_blocks",
+        "Blocks of the worker's host tier by state: used (an evicted prefix block kept in "
+        "host memory, findable by prefix), free.",
+        labels=["worker", "state"],
+    )
+    utilization = GaugeMetricFamily(
+        f"{p}_host_tier_utilization_ratio",
+        "Used host tier blocks over host tier capacity (0..1).",
+        labels=["worker"],
+    )
+    families: list[Metric] = [blocks, utilization]
+    held = None
+    if bytes_per_block is not None:
+        held = GaugeMetricFamily(
+            f"{p}_host_tier_held_bytes",
+            "KV bytes held in the worker's host tier (used host blocks x bytes per block).",
+            labels=["worker"],
+        )
+        families.append(held)
+    for worker_id in sorted(stats.host_tiers):
+        h = stats.host_tiers[worker_id]
+        blocks.add_metric([worker_id, "used"], h.used)
+        blocks.add_metric([worker_id, "free"], h.free)
+        utilization.add_metric([worker_id], h.utilization)
+        if held is not None and bytes_per_block is not None:
+            held.add_metric([worker_id], h.used * bytes_per_block)
+    return families
+
+
 def _cluster_families(stats: CacheStats, p: str) -> list[Metric]:
     """Cluster-wide utilization and fragmentation ratios, as the control plane computes them."""
     return [
@@ -148,12 +182,28 @@ def _prefix_families(stats: CacheStats, p: str) -> list[Metric]:
     for tenant in sorted(stats.prefix_query_tokens):
         queries.add_metric([tenant], stats.prefix_query_tokens[tenant])
         hits.add_metric([tenant], stats.prefix_hit_tokens.get(tenant, 0))
+    tier_hits = CounterMetricFamily(
+        f"{p}_prefix_tier_hit_tokens",
+        "Prompt tokens served from cached prefix blocks (all tenants), by the tier they "
+        "were found in: gpu (a pool) or host (restored from a host tier).",
+        labels=["tier"],
+    )
+    total_hits = sum(stats.prefix_hit_tokens.values())
+    tier_hits.add_metric(["gpu"], total_hits - stats.host_hit_tokens)
+    tier_hits.add_metric(["host"], stats.host_hit_tokens)
     return [
         queries,
         hits,
+        tier_hits,
+        CounterMetricFamily(
+            f"{p}_host_tier_evictions",
+            "Host tier blocks whose prefix keys were dropped to make room for newer ones.",
+            value=stats.host_evictions,
+        ),
         CounterMetricFamily(
             f"{p}_prefix_evictions",
-            "Cached-free blocks reclaimed by the allocator (dropped from the prefix index).",
+            "Cached-free blocks reclaimed by the allocator (dropped from the prefix index, or "
+            "moved to the host tier).",
             value=stats.evictions,
         ),
         CounterMetricFamily(
