@@ -9,12 +9,18 @@ For each batch size: random prompts of different lengths (left-padded), greedy g
 * ``prefix``  - the same prompts again with prefix reuse: the prefill sends only what the
                 first service run did not leave cached (whole blocks).
 
-Also reported: the share of the service run spent inside the RPCs, and how many generated
-tokens equal the ``own`` run's (bf16 runs may legitimately diverge after a near-tie).
-The service is a real gRPC server on a loopback port in this process with in-process KV
-pools (``--ray``: pools in Ray actors) on the same device as the model; the server then
-shares this process's GIL with the model. ``--target`` uses a service started elsewhere
-(e.g. ``kvcache serve``) whose layout fits the profile's model.
+Also reported: the share of the service run spent inside the RPCs, how many generated
+tokens equal the ``own`` run's (bf16 runs may legitimately diverge after a near-tie), and
+where one layer's call goes, per stage (the model around it, the integration's checks and
+copies, client + transport, the server's handling, the worker's write and kernel), from the
+integration's timers (``SessionStats``) and the server's own Prometheus histograms.
+
+The service runs as deployed: ``kvcache serve`` in a process of its own on a free port, with
+the profile's layout, in-process KV pools (``--ray``: pools in Ray actors) on the model's
+device; the client reaches it as a same-host user does (local session socket and shared
+memory when the server offers them). ``--embedded`` runs it in this process instead (a
+background thread sharing the model's GIL); ``--target`` uses a service started elsewhere
+whose layout fits the profile's model (no server-side split then).
 
 Usage (from the repository root):
     .venv/bin/python benchmarks/bench_transformers.py            # CPU, fp32, tiny Llama
@@ -33,9 +39,14 @@ import functools
 import json
 import os
 import platform
+import queue
+import signal
 import statistics
+import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -45,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import transformers
+from prometheus_client.parser import text_string_to_metric_families
 
 from cache_service.client import KVCacheClient
 from cache_service.config import (
@@ -55,11 +67,7 @@ from cache_service.config import (
     WorkersConfig,
 )
 from cache_service.integrations.embedded import EmbeddedService
-from cache_service.integrations.transformers import (
-    ServiceModel,
-    SessionConfig,
-    model_layout,
-)
+from cache_service.integrations.transformers import ServiceModel, SessionConfig
 
 
 @dataclass(frozen=True)
@@ -94,7 +102,7 @@ CPU = Profile(
     num_kv_heads=4,
     head_dim=32,
     vocab_size=1024,
-    batch_sizes=(1, 4),
+    batch_sizes=(1, 8),
     prompt_len=64,
     new_tokens=32,
     repeats=2,
@@ -177,17 +185,166 @@ def timed(fn: Any, device: str) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
-def run(p: Profile, use_ray: bool, target: str | None) -> dict[str, Any]:
-    external = target is not None
-    model = build_model(p)
-    own = copy.deepcopy(model)
-    own.set_attn_implementation("sdpa")
-    layout = model_layout(model)
-    service_config = ServiceConfig(
+class ServedProcess:
+    """``kvcache serve`` in a process of its own, as deployed; ``stop()`` drains and ends it.
+
+    Args:
+        flags: the ``kvcache serve`` flags (layout, workers, device); the port is free,
+            the log is JSON at INFO so the "serving" line names the address and /metrics.
+        start_timeout_s: how long the server may take to start, seconds.
+    """
+
+    def __init__(self, flags: list[str], start_timeout_s: float = 180.0) -> None:
+        command = [sys.executable, "-m", "cache_service.cli", "serve", "--port", "0"]
+        command += ["--metrics-port", "0", "--log-level", "INFO", "--log-format", "json"]
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        self._proc = subprocess.Popen(
+            [*command, *flags], stderr=subprocess.PIPE, text=True, env=env
+        )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._drain, name="kvcache-serve-log", daemon=True).start()
+        self.address, self.metrics_url = self._wait_serving(start_timeout_s)
+
+    def _drain(self) -> None:
+        # The server logs for as long as it runs: read its pipe to the end so it never blocks.
+        assert self._proc.stderr is not None
+        for line in self._proc.stderr:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _wait_serving(self, timeout_s: float) -> tuple[str, str | None]:
+        deadline = time.monotonic() + timeout_s
+        seen: list[str] = []
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None:
+                self.stop()
+                raise RuntimeError("kvcache serve did not start:\n" + "".join(seen[-40:]))
+            seen.append(line)
+            with contextlib.suppress(json.JSONDecodeError):
+                record = json.loads(line)
+                if record.get("msg") == "serving":
+                    return record["address"], record.get("metrics")
+
+    def stop(self) -> None:
+        """SIGTERM (the server drains and stops its workers), then wait; kill if it hangs."""
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+    def __enter__(self) -> ServedProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve_flags(p: Profile, use_ray: bool) -> list[str]:
+    """``kvcache serve`` flags giving the profile's model layout, one pool on its device."""
+    flags = [
+        "--num-layers", str(p.num_layers), "--num-kv-heads", str(p.num_kv_heads),
+        "--head-dim", str(p.head_dim), "--block-size", "16", "--dtype", p.dtype,
+        "--num-workers", "1", "--blocks-per-worker", str(p.blocks_per_worker),
+        "--device", p.device,
+    ]  # fmt: skip
+    return [*flags, "--ray-num-cpus", "2"] if use_ray else [*flags, "--in-process"]
+
+
+# The server's own timing, from its Prometheus metrics: (metric, label filter) -> stage.
+SERVER_SERIES = {
+    "server": ("kvcache_rpc_duration_seconds", ("method", ("AppendAttendBatch", "AppendAttend",
+               "Session.AppendAttendBatch", "Session.AppendAttend"))),
+    "worker": ("kvcache_worker_call_duration_seconds", None),
+}  # fmt: skip
+
+
+def scrape(url: str | None) -> dict[str, tuple[float, float]]:
+    """Per stage of :data:`SERVER_SERIES`: (seconds, count) summed over its label sets;
+    empty when there is no /metrics to read (an external service)."""
+    if url is None:
+        return {}
+    with urllib.request.urlopen(url, timeout=30) as reply:
+        text = reply.read().decode()
+    totals: dict[str, list[float]] = {stage: [0.0, 0.0] for stage in SERVER_SERIES}
+    for family in text_string_to_metric_families(text):
+        for stage, (name, label) in SERVER_SERIES.items():
+            if family.name != name.removesuffix("_seconds") and family.name != name:
+                continue
+            for sample in family.samples:
+                if label is not None and sample.labels.get(label[0]) not in label[1]:
+                    continue
+                if sample.name == name + "_sum":
+                    totals[stage][0] += sample.value
+                elif sample.name == name + "_count":
+                    totals[stage][1] += sample.value
+    return {stage: (v[0], v[1]) for stage, v in totals.items()}
+
+
+@dataclass
+class StageTimes:
+    """Where the service runs' time went, seconds summed over the timed runs."""
+
+    total: float = 0.0  # the generate() calls
+    attend: float = 0.0  # the attention layers' service path (integration + client call)
+    client_call: float = 0.0  # inside the client's append-and-attend calls
+    calls: int = 0  # append-and-attend calls
+    server: float = 0.0  # the server handling them (its rpc_duration histogram)
+    server_calls: float = 0.0
+    worker: float = 0.0  # the coordinator -> worker calls (worker_call_duration)
+    worker_calls: float = 0.0
+
+    def add(self, seconds: float, stats: Any, before: dict, after: dict) -> None:
+        self.total += seconds
+        self.attend += stats.attend_seconds
+        self.client_call += stats.rpc_seconds
+        self.calls += stats.rpc_calls
+        if before and after:
+            self.server += after["server"][0] - before["server"][0]
+            self.server_calls += after["server"][1] - before["server"][1]
+            self.worker += after["worker"][0] - before["worker"][0]
+            self.worker_calls += after["worker"][1] - before["worker"][1]
+
+    def split_us(self) -> dict[str, float | None]:
+        """Per append-and-attend call, microseconds: the model outside attention, the
+        integration (checks, host copies), client + transport (encode, send, wait, decode:
+        the client call less the server's handling), server (handling less the worker
+        call), worker (the pool's write and kernel, with the actor round trip if Ray)."""
+        n = max(self.calls, 1)
+        known = self.server_calls > 0
+        per = {
+            "model": (self.total - self.attend) / n * 1e6,
+            "integration": (self.attend - self.client_call) / n * 1e6,
+            "call": self.client_call / n * 1e6,
+            "client_transport": (self.client_call - self.server) / n * 1e6 if known else None,
+            "server": (self.server - self.worker) / n * 1e6 if known else None,
+            "worker": self.worker / n * 1e6 if known else None,
+        }
+        return per
+
+
+def open_service(
+    p: Profile, use_ray: bool, mode: str, target: str | None, stack: contextlib.ExitStack
+) -> tuple[str, str | None, str]:
+    """Start (or name) the service: (address, its /metrics URL or None, a description)."""
+    pools = "ray" if use_ray else "in-process"
+    if mode == "external":
+        assert target is not None
+        return target, None, f"external {target}"
+    if mode == "process":
+        served = stack.enter_context(ServedProcess(serve_flags(p, use_ray)))
+        return served.address, served.metrics_url, f"`kvcache serve` process, {pools} pools"
+    config = ServiceConfig(
         layout=LayoutConfig(
-            num_layers=layout.num_layers,
-            num_kv_heads=layout.num_kv_heads,
-            head_dim=layout.head_dim,
+            num_layers=p.num_layers,
+            num_kv_heads=p.num_kv_heads,
+            head_dim=p.head_dim,
             block_size=16,
             dtype=p.dtype,
         ),
@@ -199,20 +356,29 @@ def run(p: Profile, use_ray: bool, target: str | None) -> dict[str, Any]:
             ray_num_cpus=2 if use_ray else None,
         ),
         server=ServerConfig(port=0),
-        metrics=MetricsConfig(enabled=False),
+        metrics=MetricsConfig(port=0),
         log_level="WARNING",
     )
+    embedded = stack.enter_context(EmbeddedService(config))
+    url = embedded.running.metrics_http.url if embedded.running.metrics_http else None
+    return embedded.address, url, f"embedded in the model's process, {pools} pools"
+
+
+def run(p: Profile, use_ray: bool, mode: str, target: str | None) -> dict[str, Any]:
+    model = build_model(p)
+    own = copy.deepcopy(model)
+    own.set_attn_implementation("sdpa")
     settings = dict(max_new_tokens=p.new_tokens, min_new_tokens=p.new_tokens, do_sample=False)
     rows = []
     with contextlib.ExitStack() as stack:
-        if target is None:
-            target = stack.enter_context(EmbeddedService(service_config)).address
-        client = stack.enter_context(KVCacheClient(target, timeout_s=120))
+        address, metrics_url, service = open_service(p, use_ray, mode, target, stack)
+        client = stack.enter_context(KVCacheClient(address, timeout_s=120))
         served = ServiceModel(model, client)
         for batch in p.batch_sizes:
             ids, mask = prompts(p, batch, seed=batch)
             dev_ids, dev_mask = ids.to(p.device), mask.to(p.device)
             tokens = batch * p.new_tokens
+            stages = StageTimes()
             with torch.no_grad():
                 # Warm-up both paths once (kernels, allocator, gRPC channel).
                 own.generate(input_ids=dev_ids, attention_mask=dev_mask, **settings)
@@ -227,9 +393,11 @@ def run(p: Profile, use_ray: bool, target: str | None) -> dict[str, Any]:
                     )
                     own_t.append(t)
                     cold = SessionConfig(reuse_prefix=False)
+                    before = scrape(metrics_url)
                     t, (out, stats) = timed(
                         functools.partial(served.generate, ids, mask, cold, **settings), p.device
                     )
+                    stages.add(t, stats, before, scrape(metrics_url))
                     svc_t.append(t)
                     rpc_t.append(stats.rpc_seconds / t)
                     t, (out_prefix, pstats) = timed(
@@ -241,15 +409,19 @@ def run(p: Profile, use_ray: bool, target: str | None) -> dict[str, Any]:
             same_prefix = (
                 (out_prefix[:, width:].cpu() == out[:, width:].cpu()).float().mean().item()
             )
+            own_tok_s = tokens / statistics.median(own_t)
+            service_tok_s = tokens / statistics.median(svc_t)
             row = dict(
                 batch=batch,
                 prompt_tokens=int(mask.sum()),
                 new_tokens=tokens,
-                own_tok_s=tokens / statistics.median(own_t),
-                service_tok_s=tokens / statistics.median(svc_t),
+                own_tok_s=own_tok_s,
+                service_tok_s=service_tok_s,
+                ratio=service_tok_s / own_tok_s,
                 prefix_tok_s=tokens / statistics.median(pre_t),
                 rpc_share=statistics.median(rpc_t),
                 rpcs_per_run=stats.rpc_calls,
+                per_call_us=stages.split_us(),
                 prefix_cached_tokens=sum(pstats.cached_tokens),
                 prefix_prefill_tokens=sum(pstats.prefill_tokens),
                 same_tokens_as_own=same,
@@ -258,37 +430,66 @@ def run(p: Profile, use_ray: bool, target: str | None) -> dict[str, Any]:
             rows.append(row)
             log(
                 f"batch {batch:3d}: own {row['own_tok_s']:8.1f} tok/s | service "
-                f"{row['service_tok_s']:8.1f} tok/s ({row['rpc_share']:.0%} in RPCs, "
+                f"{row['service_tok_s']:8.1f} tok/s ({row['ratio']:.2f}x; "
+                f"{row['rpc_share']:.0%} in RPCs, "
                 f"{row['rpcs_per_run']} RPCs) | prefix reuse {row['prefix_tok_s']:8.1f} tok/s "
                 f"(prefill {row['prefix_prefill_tokens']} of {row['prompt_tokens']} tokens) | "
                 f"same tokens as own {same:.1%}, prefix run vs service {same_prefix:.1%}"
             )
+            log("  per call, us: " + format_split(row["per_call_us"]))
+        transport = (
+            "local session socket" if client.local_session_active else "gRPC session stream"
+        ) + (", shared memory" if client.shared_memory_active else ", tensors as bytes")
         served.detach()
     return dict(
         profile=asdict(p),
-        service="external " + target
-        if external
-        else ("ray" if use_ray else "in-process") + " pools",
+        service=f"{service}; client calls over the {transport}",
         rows=rows,
         device=torch.cuda.get_device_name(0)
         if p.device == "cuda"
-        else f"CPU ({platform.processor() or platform.machine()})",
+        else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
         torch=torch.__version__,
         transformers=transformers.__version__,
         python=platform.python_version(),
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         command=" ".join(sys.argv),
+        commit=git_commit(),
+    )
+
+
+def git_commit() -> str:
+    """The repository's HEAD commit (short), with "+dirty" for uncommitted changes."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    return (head or "unknown") + ("+dirty" if dirty else "")
+
+
+def format_split(split: dict[str, float | None]) -> str:
+    return ", ".join(
+        f"{name} {'-' if value is None else f'{value:.0f}'}" for name, value in split.items()
     )
 
 
 def report(result: dict[str, Any]) -> str:
-    """The Markdown table of a `run` result, with its date, command and device first."""
+    """The Markdown tables of a `run` result, with its date, command and device first."""
     p = result["profile"]
     lines = [
         f"# transformers through the service ({p['name']})",
         "",
         f"- date: {result['date']}",
         f"- command: `{result['command']}`",
+        f"- commit: {result['commit']}",
         f"- device: {result['device']}; torch {result['torch']}, transformers "
         f"{result['transformers']}, python {result['python']}",
         f"- model: Llama-shaped, {p['num_layers']} layers, {p['num_q_heads']} query / "
@@ -296,16 +497,36 @@ def report(result: dict[str, Any]) -> str:
         f"{p['prompt_len']} tokens, {p['new_tokens']} new tokens, greedy; median of "
         f"{p['repeats']}; service: {result['service']}",
         "",
-        "| batch | own tok/s | service tok/s | share in RPCs | prefix reuse tok/s "
-        "| prefilled with reuse | same tokens as own |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| batch | own tok/s | service tok/s | service / own | share in RPCs "
+        "| prefix reuse tok/s | prefilled with reuse | same tokens as own |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['batch']} | {r['own_tok_s']:.1f} | {r['service_tok_s']:.1f} | "
-            f"{r['rpc_share']:.0%} | {r['prefix_tok_s']:.1f} | "
+            f"{r['ratio']:.2f}x | {r['rpc_share']:.0%} | {r['prefix_tok_s']:.1f} | "
             f"{r['prefix_prefill_tokens']} of {r['prompt_tokens']} | {r['same_tokens_as_own']:.1%} |"
         )
+    lines += [
+        "",
+        "Where one layer's append-and-attend call goes (service runs without prefix reuse, "
+        "mean per call, microseconds): *model* = the rest of the forward, per call; "
+        "*integration* = checks and the tensors' moves around the call; *call* = inside "
+        "the client call, split into *client + transport* (encode, send, wait, decode) = "
+        "the call less the server's handling, *server* = its handling (`rpc_duration`) less "
+        "the worker call, *worker* = the pool's write and kernel (`worker_call_duration`). "
+        "`-`: no server metrics (an external service).",
+        "",
+        "| batch | model | integration | call | client + transport | server | worker |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in result["rows"]:
+        split = r["per_call_us"]
+        cells = [
+            "-" if split[k] is None else f"{split[k]:.0f}"
+            for k in ("model", "integration", "call", "client_transport", "server", "worker")
+        ]
+        lines.append(f"| {r['batch']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -319,10 +540,16 @@ def main() -> None:
         "--smoke", action="store_true", help="the smallest CPU run (seconds; figures mean nothing)"
     )
     parser.add_argument("--ray", action="store_true", help="KV pools in Ray actors")
-    parser.add_argument(
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
         "--target",
         help="host:port of a running service whose layout fits the profile's model "
-        "(default: start one in this process)",
+        "(default: start `kvcache serve` in a process of its own)",
+    )
+    where.add_argument(
+        "--embedded",
+        action="store_true",
+        help="run the service in the model's process (a background thread) instead",
     )
     parser.add_argument("--batch-sizes", help="comma-separated, overrides the profile's")
     parser.add_argument("--prompt-len", type=int)
@@ -342,7 +569,8 @@ def main() -> None:
         if getattr(args, name) is not None:
             p = replace(p, **{name: getattr(args, name)})
     log(f"profile {p.name}: {p}")
-    result = run(p, args.ray, args.target)
+    mode = "external" if args.target else "embedded" if args.embedded else "process"
+    result = run(p, args.ray, mode, args.target)
     text = report(result)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -15,8 +15,10 @@ nothing is written. Then it dispatches on ``backend``:
 * ``"torch"``: torch on any device: the references (:mod:`kernels.reference`). Paged
   attention on CUDA tensors takes its batched torch path instead
   (:mod:`kernels.attention_torch`, tested against ``paged_attention_ref``): the
-  reference's loop over sequences is launch-bound there, while on the CPU it is the
-  faster of the two (each sequence's keys stay in cache).
+  reference's loop over sequences is launch-bound there. On CPU tensors a call whose
+  padded work is small (a decode step, a short prefill) takes the packed pass
+  (:mod:`kernels.attention_packed`, a fixed dozen operations for the whole batch, also
+  tested against the reference), a larger one the reference's loop.
 
 The Triton modules are imported on first use, so importing this package stays cheap on
 CPU-only machines.
@@ -39,6 +41,11 @@ from typing import Literal
 
 import torch
 
+from kernels.attention_packed import (
+    MAX_PACKED_ELEMENTS,
+    packed_elements,
+    paged_attention_packed,
+)
 from kernels.attention_torch import paged_attention_torch
 from kernels.reference import (
     copy_blocks_ref,
@@ -184,9 +191,19 @@ def _attention_in_torch(
     out: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`paged_attention`'s torch backend on validated arguments (the batched torch
-    path on CUDA, the reference elsewhere): ``(out, lse)``, the output copied into `out`
-    when given."""
-    torch_path = paged_attention_torch if query.device.type == "cuda" else paged_attention_ref
+    path on CUDA; elsewhere the packed pass when its padded work is small, the reference's
+    loop otherwise): ``(out, lse)``, the output copied into `out` when given."""
+    if query.device.type == "cuda":
+        torch_path = paged_attention_torch
+    elif (
+        packed_elements(
+            query.shape[1], key_cache.shape[2], query_start_loc.tolist(), seq_lens.tolist()
+        )
+        <= MAX_PACKED_ELEMENTS
+    ):
+        torch_path = paged_attention_packed
+    else:
+        torch_path = paged_attention_ref
     o, lse = torch_path(
         query,
         key_cache,

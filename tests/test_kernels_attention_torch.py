@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import kernels
+from kernels.attention_packed import paged_attention_packed
 from kernels.attention_torch import paged_attention_torch
 from kernels.reference import paged_attention_ref
 from kernels.testing import dense_attention, make_paged_batch
@@ -133,7 +134,7 @@ def test_no_rows_at_all() -> None:
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_the_torch_backend_batches_on_cuda_only(device: str) -> None:
+def test_the_torch_backend_batches_on_cuda_and_packs_on_cpu(device: str) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     batch = make_paged_batch(
@@ -141,6 +142,7 @@ def test_the_torch_backend_batches_on_cuda_only(device: str) -> None:
         device=device,
     )  # fmt: skip
     got = kernels.paged_attention(*batch.args(), backend="torch", return_lse=True)
-    path = paged_attention_torch if device == "cuda" else paged_attention_ref
+    # On CPU a call this small takes the packed pass (tests/test_kernels_attention_packed.py).
+    path = paged_attention_torch if device == "cuda" else paged_attention_packed
     want = path(*batch.args())
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

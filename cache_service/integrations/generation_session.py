@@ -53,7 +53,10 @@ class SessionStats:
         step_columns: per forward, columns the model computed.
         step_tokens: per forward, tokens sent to the service for each row.
         rpc_calls: append-and-attend calls (one per layer per forward).
-        rpc_seconds: wall time spent inside them, seconds.
+        rpc_seconds: wall time spent inside them (the client call), seconds.
+        attend_seconds: wall time of the attention layers' whole service path (checks, the
+            tensors' moves to and from the host, the client call), seconds; minus
+            ``rpc_seconds``: what the integration itself costs.
     """
 
     cached_tokens: list[int]
@@ -62,6 +65,7 @@ class SessionStats:
     step_tokens: list[list[int]] = field(default_factory=list)
     rpc_calls: int = 0
     rpc_seconds: float = 0.0
+    attend_seconds: float = 0.0
 
     @property
     def prefill_tokens(self) -> list[int]:
@@ -276,6 +280,7 @@ class GenerationSession:
             ``[batch, q, q_heads, head_dim]`` in the query's dtype; zeros where nothing
             was sent (padding, cached prefix).
         """
+        t0 = time.perf_counter()
         self._check_attend(step, layer, query, key, value)
         batch, num_q_heads, q, head_dim = query.shape
         rows = [r for r in step.plan.rows if r.count]
@@ -303,7 +308,9 @@ class GenerationSession:
                 )
             out[r.row, q - r.count :] = o
         step.layers_done.add(layer)
-        return out.to(query.device)
+        out = out.to(query.device)
+        self.stats.attend_seconds += time.perf_counter() - t0
+        return out
 
     # --- helpers ------------------------------------------------------------------------
 

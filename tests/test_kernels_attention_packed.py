@@ -1,0 +1,165 @@
+"""The packed CPU pass of paged attention against the per-sequence loop reference, and the
+CPU dispatch between them.
+
+``kernels.attention_packed.paged_attention_packed`` pads every sequence of a call and
+computes them together; ``kernels.reference.paged_attention_ref`` loops over sequences (the
+oracle). Both compute in float32, so they agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels.attention_packed import (
+    MAX_PACKED_ELEMENTS,
+    packed_elements,
+    paged_attention_packed,
+)
+from kernels.reference import paged_attention_ref
+from kernels.testing import dense_attention, make_paged_batch
+
+# (seq_lens, q_lens): decode over ragged lengths around block boundaries, prefill, chunked
+# prefill, sequences without rows or keys among others, one long sequence among short,
+# a decode step whose rows are not one per sequence.
+CASES = {
+    "decode": ([1, 7, 8, 9, 43], [1, 1, 1, 1, 1]),
+    "decode_one": ([30], [1]),
+    "prefill": ([9, 15, 7], [9, 15, 7]),
+    "chunked": ([1, 7, 8, 9, 43], [1, 5, 8, 3, 40]),
+    "empty_rows_and_keys": ([9, 24, 2, 0, 10], [1, 0, 2, 0, 7]),
+    "one_long": ([3, 200, 5, 4], [1, 3, 5, 2]),
+    "decode_with_a_rowless_sequence": ([5, 9, 12], [1, 0, 1]),
+}
+OPTIONS = [
+    {},
+    {"causal": False},
+    {"sliding_window": 5},
+    {"sliding_window": 12, "causal": False},
+    {"softcap": 2.5, "scale": 0.3},
+]
+
+
+def _assert_close(got, want) -> None:
+    (out, lse), (ref, ref_lse) = got, want
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse))
+    seen = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[seen], ref_lse[seen], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(
+    "options", OPTIONS, ids=lambda o: "-".join(map(str, o.items())) or "default"
+)
+def test_matches_the_loop_reference(case: str, options: dict) -> None:
+    seq_lens, q_lens = CASES[case]
+    batch = make_paged_batch(
+        seq_lens, q_lens, num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=8, seed=11
+    )
+    got = paged_attention_packed(*batch.args(), **options)
+    _assert_close(got, paged_attention_ref(*batch.args(), **options))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_dtypes(dtype: torch.dtype) -> None:
+    batch = make_paged_batch(
+        [5, 30, 17], [1, 4, 17], num_q_heads=4, num_kv_heads=1, head_dim=16, block_size=8,
+        dtype=dtype, seed=4,
+    )  # fmt: skip
+    out, lse = paged_attention_packed(*batch.args())
+    ref, ref_lse = paged_attention_ref(*batch.args())
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    tol = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float64: 1e-12}[dtype]
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_table_entries_past_a_sequence_are_never_read() -> None:
+    # Columns past each sequence's blocks hold ids outside the pool: the gather clamps
+    # them, the mask hides them.
+    batch = make_paged_batch(
+        [3, 25, 10], [1, 1, 1], num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=8,
+        spare_columns=3,
+    )  # fmt: skip
+    tables = batch.block_tables.clone()
+    for s, n in enumerate([3, 25, 10]):
+        tables[s, -(-n // 8) :] = 10_000 + s
+    args = list(batch.args())
+    args[3] = tables
+    _assert_close(paged_attention_packed(*args), paged_attention_ref(*batch.args()))
+
+
+def test_a_pool_holding_every_layer() -> None:
+    # The pools pass one layer of a [blocks, layers, 2, ...] tensor: dim 0 strided.
+    batch = make_paged_batch(
+        [17, 4], [1, 1], num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=4, seed=3
+    )
+    pool = torch.randn(batch.key_cache.shape[0], 3, 2, *batch.key_cache.shape[1:])
+    pool[:, 1, 0], pool[:, 1, 1] = batch.key_cache, batch.value_cache
+    args = list(batch.args())
+    args[1], args[2] = pool[:, 1, 0], pool[:, 1, 1]
+    _assert_close(paged_attention_packed(*args), paged_attention_ref(*batch.args()))
+
+
+def test_matches_dense_attention() -> None:
+    batch = make_paged_batch(
+        [12, 40, 1], [12, 3, 1], num_q_heads=6, num_kv_heads=3, head_dim=16, block_size=8,
+        seed=8,
+    )  # fmt: skip
+    out, lse = paged_attention_packed(*batch.args(), sliding_window=7)
+    ref, ref_lse = dense_attention(batch, sliding_window=7)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    torch.testing.assert_close(lse[seen].double(), ref_lse[seen], atol=1e-5, rtol=1e-5)
+
+
+def test_no_rows_at_all() -> None:
+    batch = make_paged_batch(
+        [4, 9], [0, 0], num_q_heads=2, num_kv_heads=1, head_dim=8, block_size=4
+    )
+    out, lse = paged_attention_packed(*batch.args())
+    assert out.shape == (0, 2, 8) and lse.shape == (0, 2)
+
+
+def test_packed_elements_counts_the_padded_scores() -> None:
+    # 3 sequences x 4 heads x the most rows (5) x the most keys in whole blocks (24).
+    assert packed_elements(4, 8, [0, 1, 6, 8], [3, 20, 9]) == 3 * 4 * 5 * 24
+    assert packed_elements(4, 8, [0], []) == 0
+
+
+def _distinct_results(batch) -> tuple:
+    # The two paths round differently in the last place for some rows: which one answered
+    # shows in the bits (asserted here, so the dispatch test below can fail).
+    packed, loop = paged_attention_packed(*batch.args()), paged_attention_ref(*batch.args())
+    assert not torch.equal(packed[0], loop[0])
+    return packed, loop
+
+
+def test_the_cpu_torch_backend_packs_a_small_call() -> None:
+    batch = make_paged_batch(
+        [40, 12, 1], [3, 12, 1], num_q_heads=6, num_kv_heads=3, head_dim=16, block_size=8,
+        seed=5,
+    )  # fmt: skip
+    assert packed_elements(6, 8, batch.query_start_loc.tolist(), [40, 12, 1]) <= (
+        MAX_PACKED_ELEMENTS
+    )
+    packed, _ = _distinct_results(batch)
+    got = kernels.paged_attention(*batch.args(), backend="torch", return_lse=True)
+    assert torch.equal(got[0], packed[0]) and torch.equal(got[1], packed[1])
+
+
+def test_the_cpu_torch_backend_loops_over_a_large_call() -> None:
+    # One head, a prefill long enough that its padded scores exceed the budget.
+    n = int(MAX_PACKED_ELEMENTS**0.5) + 16
+    batch = make_paged_batch(
+        [n, 5], [n, 1], num_q_heads=1, num_kv_heads=1, head_dim=4, block_size=16, seed=6
+    )
+    assert packed_elements(1, 16, batch.query_start_loc.tolist(), [n, 5]) > MAX_PACKED_ELEMENTS
+    _, loop = _distinct_results(batch)
+    got = kernels.paged_attention(*batch.args(), backend="torch", return_lse=True)
+    assert torch.equal(got[0], loop[0]) and torch.equal(got[1], loop[1])
