@@ -97,6 +97,11 @@ def paged_attention_packed(
         return blocks.reshape(num_kv_heads, num_seqs, keys, head_dim).to(cdt)
 
     k, v = gathered(key_cache), gathered(value_cache)
+    len_t = seq_lens.to(device=device, dtype=torch.long)
+    k_pos = torch.arange(keys, device=device)
+    # Slots past a sequence's length may hold anything, NaN included (freed blocks are
+    # poisoned): a zero probability times NaN is NaN, so their values are zeroed.
+    v.masked_fill_(~(k_pos[None, :] < len_t[:, None])[None, :, :, None], 0.0)
     # One row per sequence, each with its row (a decode step): the query needs no padding.
     decode = max_rows == 1 and num_rows == num_seqs and all(n == 1 for n in n_rows)
     if decode:
@@ -115,8 +120,6 @@ def paged_attention_packed(
     scores.mul_(scale)
     if softcap is not None and softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
-    len_t = seq_lens.to(device=device, dtype=torch.long)
-    k_pos = torch.arange(keys, device=device)
     n_t = torch.tensor(n_rows, device=device)
     visible = k_pos[None, None, :] < len_t[:, None, None]  # [S, 1, keys]
     windowed = sliding_window is not None and sliding_window > 0

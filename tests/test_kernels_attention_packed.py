@@ -93,6 +93,26 @@ def test_table_entries_past_a_sequence_are_never_read() -> None:
     _assert_close(paged_attention_packed(*args), paged_attention_ref(*batch.args()))
 
 
+@pytest.mark.parametrize("case", ["decode", "chunked", "empty_rows_and_keys"])
+def test_slots_past_a_sequence_may_hold_nan(case: str) -> None:
+    # Freed blocks are poisoned with NaN and a sequence's last block is partly written:
+    # keys and values past each sequence's length must not reach its output.
+    seq_lens, q_lens = CASES[case]
+    batch = make_paged_batch(
+        seq_lens, q_lens, num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=8, seed=5
+    )
+    k, v = batch.key_cache.clone(), batch.value_cache.clone()
+    written = torch.zeros(k.shape[0], k.shape[2], dtype=torch.bool)  # [blocks, slots]
+    for s, n in enumerate(seq_lens):
+        for j in range(-(-n // 8)):
+            written[int(batch.block_tables[s, j]), : min(8, n - 8 * j)] = True
+    hidden = ~written[:, None, :, None].expand_as(k)
+    k[hidden], v[hidden] = float("nan"), float("nan")
+    args = list(batch.args())
+    args[1], args[2] = k, v
+    _assert_close(paged_attention_packed(*args), paged_attention_ref(*batch.args()))
+
+
 def test_a_pool_holding_every_layer() -> None:
     # The pools pass one layer of a [blocks, layers, 2, ...] tensor: dim 0 strided.
     batch = make_paged_batch(
