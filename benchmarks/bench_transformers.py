@@ -197,7 +197,9 @@ class ServedProcess:
     def __init__(self, flags: list[str], start_timeout_s: float = 180.0) -> None:
         command = [sys.executable, "-m", "cache_service.cli", "serve", "--port", "0"]
         command += ["--metrics-port", "0", "--log-level", "INFO", "--log-format", "json"]
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        # The repository first, then whatever the caller's path already holds.
+        paths = [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
         self._proc = subprocess.Popen(
             [*command, *flags], stderr=subprocess.PIPE, text=True, env=env
         )

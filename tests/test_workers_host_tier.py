@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import round_calls
 from workers_support import dense_attention
 
 from workers.actor import PoolWorker
@@ -81,21 +82,33 @@ def test_the_worker_reports_its_tier_and_fences_moves_by_epoch() -> None:
         worker.restore_blocks("stale", [1], [2])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_the_tier_is_pinned_and_attention_reads_restored_blocks() -> None:
-    pool = filled_pool("cuda", blocks=8, host=8)
-    assert pool._host_tier is not None and pool._host_tier.data.is_pinned()
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
+def test_the_tier_is_pinned_on_cuda_and_attention_reads_restored_blocks(device: str) -> None:
+    pool = filled_pool(device, blocks=8, host=8)
+    assert pool._host_tier is not None
+    assert pool._host_tier.data.is_pinned() == (device == "cuda")
     before = pool.data.clone()
     pool.offload_blocks([0, 1, 2], [0, 1, 2])
     pool.release_blocks([0, 1, 2])
     pool.data[:3].fill_(float("nan"))
     pool.restore_blocks([0, 1, 2], [5, 6, 7])  # then attention on the pool's stream
-    q = torch.randn(1, 4, LAYOUT.head_dim, device="cuda")
-    tables = torch.tensor([[5, 6, 7]], dtype=torch.int32, device="cuda")
-    lens = torch.tensor([12], dtype=torch.int32, device="cuda")
-    starts = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
-    out = pool.attend(0, q, tables, lens, starts, to_host=True)[0]
+    q = torch.randn(1, 4, LAYOUT.head_dim, device=device)
+    tables = torch.tensor([[5, 6, 7]], dtype=torch.int32, device=device)
+    lens = torch.tensor([12], dtype=torch.int32, device=device)
+    starts = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    out = round_calls.attend(pool, 0, q, tables, lens, starts, to_host=True)[0]
     assert torch.equal(pool.data[5:8].cpu(), before[:3].cpu())
     # Dense attention over the blocks as they were before the offload.
     k = before[:3, 0, 0].cpu().permute(0, 2, 1, 3).reshape(-1, LAYOUT.num_kv_heads, LAYOUT.head_dim)
