@@ -5,8 +5,8 @@ gpu) the tier is pinned and attention after a restore reads the restored blocks.
 from __future__ import annotations
 
 import pytest
-import torch
 import round_calls
+import torch
 from workers_support import dense_attention
 
 from workers.actor import PoolWorker
