@@ -296,17 +296,16 @@ class GenerationSession:
         factor = 1.0 if scaling is None else scaling * math.sqrt(head_dim)
         if not math.isclose(factor, 1.0, rel_tol=1e-6):
             q_host = q_host * factor
-        out = torch.zeros(batch, q, num_q_heads, head_dim, dtype=query.dtype)
         outputs = self._append_attend(step, layer, rows, width, k_host, v_host, q_host)
-        if len(outputs) != len(rows):
-            raise RuntimeError(f"service returned {len(outputs)} outputs for {len(rows)} rows")
-        for r, o in zip(rows, outputs, strict=True):
-            if tuple(o.shape) != (r.count, num_q_heads, head_dim):
+        if isinstance(outputs, torch.Tensor):  # every row sent `width` tokens: [batch, width, ...]
+            if tuple(outputs.shape) != (batch, width, num_q_heads, head_dim):
                 raise RuntimeError(
-                    f"service output for row {r.row} has shape {tuple(o.shape)}, "
-                    f"expected {(r.count, num_q_heads, head_dim)}"
+                    f"service output has shape {tuple(outputs.shape)}, "
+                    f"expected {(batch, width, num_q_heads, head_dim)}"
                 )
-            out[r.row, q - r.count :] = o
+            out = outputs.to(query.dtype) if width == q else _right_aligned(outputs, q, query.dtype)
+        else:
+            out = self._scatter_rows(rows, outputs, q, query.dtype)
         step.layers_done.add(layer)
         out = out.to(query.device)
         self.stats.attend_seconds += time.perf_counter() - t0
@@ -343,6 +342,25 @@ class GenerationSession:
                 f"match the model layout {layout}"
             )
 
+    def _scatter_rows(
+        self, rows: list[RowSlice], outputs: list[torch.Tensor], q: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``[batch, q, q_heads, head_dim]`` of the rows' outputs, right-aligned; zeros where
+        a row sent nothing."""
+        layout = self._owner.layout
+        if len(outputs) != len(rows):
+            raise RuntimeError(f"service returned {len(outputs)} outputs for {len(rows)} rows")
+        batch = self.plan.batch_size
+        out = torch.zeros(batch, q, layout.num_q_heads, layout.head_dim, dtype=dtype)
+        for r, o in zip(rows, outputs, strict=True):
+            if tuple(o.shape) != (r.count, layout.num_q_heads, layout.head_dim):
+                raise RuntimeError(
+                    f"service output for row {r.row} has shape {tuple(o.shape)}, "
+                    f"expected {(r.count, layout.num_q_heads, layout.head_dim)}"
+                )
+            out[r.row, q - r.count :] = o
+        return out
+
     def _append_attend(
         self,
         step: ActiveStep,
@@ -352,8 +370,11 @@ class GenerationSession:
         k_host: torch.Tensor,
         v_host: torch.Tensor,
         q_host: torch.Tensor,
-    ) -> list[torch.Tensor]:
-        """Send the rows' new K/V and queries of one layer in one RPC; one output per row.
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """Send the rows' new K/V and queries of one layer in one RPC.
+
+        Returns ``[batch, width, q_heads, head_dim]`` when every row sent ``width`` tokens
+        (the batch call), else one ``[count, q_heads, head_dim]`` output per sending row.
 
         ``k_host``/``v_host``/``q_host`` are ``[batch, width, heads, head_dim]`` on the host,
         right-aligned: row ``r`` sends its last ``r.count`` of the ``width`` columns. A
@@ -377,7 +398,7 @@ class GenerationSession:
                     v_host,
                     q_host,
                 )
-                outputs = list(stacked)
+                outputs: torch.Tensor | list[torch.Tensor] = stacked
             else:
                 items = [
                     AppendAttendItem(
@@ -441,6 +462,13 @@ class GenerationSession:
             raise RuntimeError(
                 f"freeing {len(errors)} sequence(s) failed: {errors[0]!r}"
             ) from errors[0]
+
+
+def _right_aligned(outputs: torch.Tensor, q: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[batch, q, ...]`` holding ``outputs`` ``[batch, width, ...]`` in its last columns."""
+    out = torch.zeros(outputs.shape[0], q, *outputs.shape[2:], dtype=dtype)
+    out[:, q - outputs.shape[1] :] = outputs
+    return out
 
 
 def new_tokens(generate_kwargs: dict[str, Any], defaults: Any, plan: BatchPlan) -> int:
