@@ -528,8 +528,6 @@ def report(
 ) -> str:
     """The Markdown report: how it ran, then the one-client and the concurrency tables."""
     lay = setup.layout
-    base_times, base_wall = base
-    b50 = percentile(base_times, 50) if base_times else 0.0
     fraction = CoordinatorConfig().correctness_check_fraction
     lines = [
         f"# Service benchmark ({setup.name})",
@@ -551,6 +549,21 @@ def report(
             f"through Ray: {c['in_process']} / {c['channel']} / {c['ray']}"
             for label, c in worker_calls.items()
         ),
+    ]
+    if "single" in args.phase_list:
+        lines += single_section(setup, results, base)
+    if {"one_small", "concurrent"} <= set(args.phase_list):
+        lines += concurrency_section(setup, results, args)
+    return "\n".join(lines) + "\n"
+
+
+def single_section(
+    setup: Setup, results: dict[str, dict[str, BenchResult]], base: tuple[list[float], float]
+) -> list[str]:
+    """The one-client table: in-process, then each service row."""
+    base_times, base_wall = base
+    b50 = percentile(base_times, 50) if base_times else 0.0
+    lines = [
         "",
         "## One client: per-layer append-and-attend",
         "",
@@ -574,7 +587,14 @@ def report(
                 f"| service, {label} | {r.p50_ms:.3f} | {r.p99_ms:.3f} | {r.steps_per_s:.2f} | "
                 f"{r.tokens_per_s:.1f} | {over} | {checked(r)} | {loop_busy(r)} |"
             )
-    lines += [
+    return lines
+
+
+def concurrency_section(
+    setup: Setup, results: dict[str, dict[str, BenchResult]], args: argparse.Namespace
+) -> list[str]:
+    """The concurrency table: each service row's pairs of one against many clients."""
+    lines = [
         "",
         f"## Concurrency: {setup.concurrent_clients} clients of batch {setup.concurrent_batch} "
         f"versus one client of batch {setup.concurrent_batch} ({setup.concurrent_steps} timed "
@@ -597,7 +617,7 @@ def report(
                 f"{per_round(one)} / {per_round(many)} | {loop_busy(one)} / {loop_busy(many)} "
                 f"| {every} |"
             )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 async def _hit_rate(

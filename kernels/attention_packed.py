@@ -104,33 +104,15 @@ def paged_attention_packed(
     v.masked_fill_(~(k_pos[None, :] < len_t[:, None])[None, :, :, None], 0.0)
     # One row per sequence, each with its row (a decode step): the query needs no padding.
     decode = max_rows == 1 and num_rows == num_seqs and all(n == 1 for n in n_rows)
-    if decode:
-        rows = None
-        q = query.to(cdt).reshape(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)
-    else:
-        first = torch.tensor(starts[:-1], device=device)
-        i = torch.arange(max_rows, device=device)
-        # Padding rows read a real row; their results are dropped.
-        rows = (first[:, None] + i[None, :]).clamp(max=num_rows - 1)  # [S, R]
-        q = query[rows].to(cdt).reshape(num_seqs, max_rows, num_kv_heads, group, head_dim)
-        q = q.permute(2, 0, 3, 1, 4)  # [Hkv, S, G, R, D]
-    q = q.reshape(num_kv_heads, num_seqs, group * max_rows, head_dim)
+    q, rows = _packed_queries(query.to(cdt), starts, max_rows, num_kv_heads, decode)
     scores = torch.matmul(q, k.transpose(-1, -2))  # [Hkv, S, G * R, keys]
     scores = scores.view(num_kv_heads, num_seqs, group, max_rows, keys)
     scores.mul_(scale)
     if softcap is not None and softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
     n_t = torch.tensor(n_rows, device=device)
-    visible = k_pos[None, None, :] < len_t[:, None, None]  # [S, 1, keys]
-    windowed = sliding_window is not None and sliding_window > 0
-    if (causal and not decode) or windowed:
-        # A decode row sits at the last position: causality hides nothing more there.
-        r = torch.arange(max_rows, device=device)
-        q_pos = ((len_t - n_t)[:, None] + r[None, :])[:, :, None]  # [S, R, 1]
-        if causal and not decode:
-            visible = visible & (k_pos <= q_pos)
-        if windowed:
-            visible = visible & ((q_pos - k_pos) < sliding_window)
+    # A decode row sits at its sequence's last position: causality hides nothing more there.
+    visible = _visible(len_t, n_t, keys, max_rows, causal and not decode, sliding_window)
     scores.masked_fill_(~visible[None, :, None], -math.inf)
     row_lse = torch.logsumexp(scores, dim=-1)  # [Hkv, S, G, R]
     probs = torch.exp(scores - row_lse[..., None]).nan_to_num_(0.0)
@@ -141,10 +123,70 @@ def paged_attention_packed(
     if rows is None:
         out = o.reshape(num_rows, num_q_heads, head_dim)
         return out.to(query.dtype), row_lse.reshape(num_rows, num_q_heads).to(torch.float32)
-    valid = torch.arange(max_rows, device=device)[None, :] < n_t[:, None]  # [S, R]
-    out = torch.zeros(num_rows, num_q_heads, head_dim, dtype=cdt, device=device)
-    lse = torch.full((num_rows, num_q_heads), -math.inf, dtype=cdt, device=device)
+    return _unpad_rows(o, row_lse, rows, n_t, num_rows, query.dtype)
+
+
+def _packed_queries(
+    query: torch.Tensor, starts: list[int], max_rows: int, num_kv_heads: int, decode: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(q [Hkv, S, G * R, D], rows)``: the query padded to `max_rows` rows per sequence,
+    KV heads outermost; `rows` ``[S, R]`` is each padded row's index into `query` (None
+    for a decode step, whose rows need no padding)."""
+    num_rows, num_q_heads, head_dim = query.shape
+    num_seqs = len(starts) - 1
+    group = num_q_heads // num_kv_heads
+    if decode:
+        q = query.reshape(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)
+        return q.reshape(num_kv_heads, num_seqs, group, head_dim), None
+    first = torch.tensor(starts[:-1], device=query.device)
+    i = torch.arange(max_rows, device=query.device)
+    # Padding rows read a real row; their results are dropped.
+    rows = (first[:, None] + i[None, :]).clamp(max=num_rows - 1)  # [S, R]
+    q = query[rows].reshape(num_seqs, max_rows, num_kv_heads, group, head_dim)
+    q = q.permute(2, 0, 3, 1, 4)  # [Hkv, S, G, R, D]
+    return q.reshape(num_kv_heads, num_seqs, group * max_rows, head_dim), rows
+
+
+def _visible(
+    len_t: torch.Tensor,
+    n_t: torch.Tensor,
+    keys: int,
+    max_rows: int,
+    causal: bool,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """bool ``[S, R or 1, keys]``: which padded keys each padded row of each sequence sees
+    (its own keys; with `causal`, none after its position; with a window, only the last
+    `sliding_window`). Rows sit at the ends of their sequences."""
+    device = len_t.device
+    k_pos = torch.arange(keys, device=device)
+    visible = k_pos[None, None, :] < len_t[:, None, None]  # [S, 1, keys]
+    windowed = sliding_window is not None and sliding_window > 0
+    if causal or windowed:
+        r = torch.arange(max_rows, device=device)
+        q_pos = ((len_t - n_t)[:, None] + r[None, :])[:, :, None]  # [S, R, 1]
+        if causal:
+            visible = visible & (k_pos <= q_pos)
+        if windowed:
+            visible = visible & ((q_pos - k_pos) < sliding_window)
+    return visible
+
+
+def _unpad_rows(
+    o: torch.Tensor,
+    row_lse: torch.Tensor,
+    rows: torch.Tensor,
+    n_t: torch.Tensor,
+    num_rows: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The real rows of padded ``o`` ``[S, R, Hq, D]`` and ``row_lse`` ``[S, R, Hq]``, at
+    their places in the call's ``[num_rows, ...]`` (`rows`: each padded row's index)."""
+    max_rows = o.shape[1]
+    valid = torch.arange(max_rows, device=o.device)[None, :] < n_t[:, None]  # [S, R]
+    out = torch.zeros(num_rows, *o.shape[2:], dtype=o.dtype, device=o.device)
+    lse = torch.full((num_rows, o.shape[2]), -math.inf, dtype=o.dtype, device=o.device)
     targets = rows[valid]
     out[targets] = o[valid]
     lse[targets] = row_lse[valid]
-    return out.to(query.dtype), lse.to(torch.float32)
+    return out.to(dtype), lse.to(torch.float32)

@@ -240,44 +240,16 @@ class BlockManager:
         new_id = self._new_id(seq_id)
         if not self._pools:
             raise PoolExhausted("no worker is registered")
-        matched = (
-            host_tier.restorable(
-                self,
-                self._index.match(
-                    self._salts_for(tenant, namespace),
-                    data,
-                    (len(prompt) - 1) // self._bs,
-                    self._host.entries if self._host.entries else None,
-                ),
-            )
-            if prompt
-            else []
-        )
-        blocks = [block for _, block in matched]
+        matched = prefix_sharing.match_prompt(self, tenant, namespace, prompt, data)
         held = self._tenant_blocks.get(tenant, {})
         # A host block restored becomes a new block for the tenant.
         self._check_block_quota(
-            tenant, sum(1 for b in blocks if type(b) is not PhysicalBlock or b not in held)
+            tenant,
+            sum(1 for _, b in matched if type(b) is not PhysicalBlock or b not in held),
         )
-
-        cached = len(blocks) * self._bs
-        home = self._home_for(blocks, len(prompt))
-
-        tenant_blocks = self._tenant_blocks.setdefault(tenant, {})
-        restored = 0
-        if any(type(b) is not PhysicalBlock for b in blocks):
-            # GPU blocks are adopted first, so restoring cannot evict them.
-            for block in blocks:
-                if type(block) is PhysicalBlock:
-                    self._pools[block.worker_id].incref(block.index)
-            restored = sum(1 for b in blocks if type(b) is not PhysicalBlock)
-            blocks = host_tier.restore_blocks(self, matched)
-            for block in blocks:
-                _ref(tenant_blocks, block)
-        else:
-            for block in blocks:
-                self._pools[block.worker_id].incref(block.index)
-                _ref(tenant_blocks, block)
+        cached = len(matched) * self._bs
+        home = self._home_for([b for _, b in matched], len(prompt))
+        blocks, restored = prefix_sharing.adopt(self, tenant, matched)
         self._seqs[new_id] = Sequence(
             seq_id=new_id,
             tenant=tenant,

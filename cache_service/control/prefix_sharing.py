@@ -1,5 +1,6 @@
 """The prefix cache's side of the manager: salts, publishing full blocks in the prefix
-index, looking prompts up in it, and evicting its cached-free blocks.
+index, matching prompts against it and adopting what matched, and evicting its cached-free
+blocks.
 
 A block is published under its tenant's salt once it is full and written on every layer
 (`publish`), and under the public salt on request (`publish_public`); `lookup` answers
@@ -9,10 +10,11 @@ unreferenced published blocks ahead of need.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence as SequenceABC
 from typing import TYPE_CHECKING
 
-from cache_service.control.host_tier import evict_blocks, restorable
+from cache_service.control.host_tier import HostBlock, evict_blocks, restorable, restore_blocks
 from cache_service.control.prefix_index import (
     ROOT_KEY,
     IndexEntry,
@@ -23,6 +25,7 @@ from cache_service.control.prefix_index import (
     pack_tokens,
     token_bytes,
 )
+from cache_service.control.quotas import ref
 from cache_service.control.types import PhysicalBlock
 from cache_service.control.validation import check_name, check_namespace
 from cache_service.errors import InvalidRequest
@@ -31,7 +34,7 @@ if TYPE_CHECKING:
     from cache_service.control.block_manager import BlockManager
     from cache_service.control.sequence import Sequence
 
-__all__ = ["evict", "lookup", "publish", "publish_public", "salts_for"]
+__all__ = ["adopt", "evict", "lookup", "match_prompt", "publish", "publish_public", "salts_for"]
 
 
 def salts_for(m: BlockManager, tenant: str, namespace: str = "") -> tuple[Salt, Salt]:
@@ -78,14 +81,37 @@ def lookup(m: BlockManager, tenant: str, token_ids: SequenceABC[int], namespace:
     check_namespace(namespace)
     prompt = pack_tokens(token_ids)
     m._check_length("token_ids", len(prompt))
-    data = token_bytes(prompt)
+    return len(match_prompt(m, tenant, namespace, prompt, token_bytes(prompt))) * m._bs
+
+
+def match_prompt(
+    m: BlockManager, tenant: str, namespace: str, prompt: array, data: bytes
+) -> list[tuple[bytes, PhysicalBlock | HostBlock]]:
+    """(key, block) of the longest cached prefix of `prompt`'s full blocks (its last token
+    always left to compute), on the GPU or restorable from a host tier; `data` is
+    ``token_bytes(prompt)``."""
     if not prompt:
-        return 0
+        return []
     host = m._host.entries or None
-    matched = m._index.match(
-        salts_for(m, tenant, namespace), data, (len(prompt) - 1) // m._bs, host
-    )
-    return len(restorable(m, matched)) * m._bs
+    found = m._index.match(salts_for(m, tenant, namespace), data, (len(prompt) - 1) // m._bs, host)
+    return restorable(m, found)
+
+
+def adopt(
+    m: BlockManager, tenant: str, matched: list[tuple[bytes, PhysicalBlock | HostBlock]]
+) -> tuple[list[PhysicalBlock], int]:
+    """Reference `match_prompt`'s blocks for `tenant`, restoring host ones to the GPU;
+    returns (the GPU blocks in prefix order, how many were restored)."""
+    tenant_blocks = m._tenant_blocks.setdefault(tenant, {})
+    gpu = [b for _, b in matched if type(b) is PhysicalBlock]
+    # GPU blocks are referenced first, so restoring the others cannot evict them.
+    for block in gpu:
+        m._pools[block.worker_id].incref(block.index)
+    restored = len(matched) - len(gpu)
+    blocks = restore_blocks(m, matched) if restored else gpu
+    for block in blocks:
+        ref(tenant_blocks, block)
+    return blocks, restored
 
 
 def evict(m: BlockManager, max_blocks: int | None, worker_id: str | None) -> int:
