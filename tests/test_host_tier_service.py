@@ -6,6 +6,7 @@ host entries are never served; the control plane's accounting stays exact."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from service_support import HQ, LAYOUT, Mirror, ServiceHarness, service_config
 from cache_service.client import AttendItem, DataLossError, KVCacheClient
 from cache_service.engine.worker_clients import LocalWorkerClient
 from workers.config import PoolConfig
+from workers.errors import InvalidWorkerRequest
 
 BS, NL, HKV, D = LAYOUT.block_size, LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim
 GPU_BLOCKS = 8
@@ -239,3 +241,40 @@ def test_host_tier_metrics_reach_a_real_prometheus(tmp_path) -> None:
                 assert count is not None and count >= 1
     finally:
         svc.stop()
+
+
+def test_a_failed_restore_loses_the_worker_instead_of_serving_its_blocks(tiered_service) -> None:
+    # A restore that fails on a live worker leaves the adopted blocks without their data:
+    # the worker is dropped before any call reads them, and the client is told DATA_LOSS.
+    svc = tiered_service
+    worker = svc.workers[0].worker
+
+    def refuse(*args, **kwargs):
+        raise InvalidWorkerRequest("injected: the host tier copy failed")
+
+    with KVCacheClient(svc.address, timeout_s=60) as client:
+        for i in range(NUM_PREFIXES):
+            seq_id, _ = serve_request(client, [*prefix(i), 7])
+            client.free(seq_id)
+        other, _ = serve_request(client, [5000 + t for t in range(BS + 1)])
+        worker.restore_blocks = refuse
+        handle = client.create_sequence([*prefix(0), 99])  # in the host tier: restored
+        assert handle.num_cached_tokens == PREFIX_BLOCKS * BS
+        q = torch.randn(1, HQ, D)
+        with pytest.raises(DataLossError):
+            client.attend(0, [AttendItem(handle.seq_id, q)])
+        with pytest.raises(DataLossError):  # every sequence of that worker is lost with it
+            client.attend(0, [AttendItem(other, q)])
+        del worker.restore_blocks
+        client.free(handle.seq_id)
+        client.free(other)
+        # The worker still answers: it comes back empty, and serves new sequences.
+        deadline = time.monotonic() + 30
+        while "w0" not in svc.stats().workers:
+            assert time.monotonic() < deadline, "the worker did not come back"
+            time.sleep(0.1)
+        seq_id, cached = serve_request(client, [*prefix(1), 3])
+        assert cached == 0  # nothing of before is trusted, host tier included
+        (out,) = client.attend(0, [AttendItem(seq_id, q)])
+        assert torch.isfinite(out).all()
+    svc.call(svc.coordinator.block_manager.check_integrity)

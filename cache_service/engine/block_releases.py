@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Iterable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from cache_service.control.host_tier import TierMove
 from cache_service.engine.running_checks import RunningChecks
 from cache_service.engine.worker_interface import WorkerClient
-from workers.errors import WorkerError
+from workers.errors import StaleEpochError, WorkerError, WorkerUnavailable
 
 if TYPE_CHECKING:
     from cache_service.engine.coordinator import Coordinator
@@ -35,6 +35,9 @@ class BlockReleases:
             (the coordinator's set).
         checks: the running correctness checks (a released block voids those reading it).
         background: the coordinator's background tasks (close() cancels them).
+        worker_failed: drops a worker from the control plane
+            (`engine.membership.Membership.worker_failed`): what a failed host tier copy
+            does, since blocks a sequence adopted may then not hold their data.
     """
 
     def __init__(
@@ -45,8 +48,10 @@ class BlockReleases:
         debug_workers: set[str],
         checks: RunningChecks,
         background: set[asyncio.Task[None]],
+        worker_failed: Callable[[WorkerError, dict[str, str], list[str]], Awaitable[Any]],
     ) -> None:
         self._owner = owner
+        self._worker_failed = worker_failed
         self._clients = clients
         self._epochs = epochs
         self._debug_workers = debug_workers
@@ -125,9 +130,7 @@ class BlockReleases:
                         epoch, [m.host for m in restores], [m.block for m in restores]
                     ),
                 )
-        except WorkerError as exc:
-            # A dead or restarted worker has no blocks to poison or copy (its host tier
-            # went with it); the next data call on it notices the loss and handles it.
+        except Exception as exc:  # any failure: a copy may have half landed
             log.warning(
                 "release_blocks or host tier copy failed",
                 extra={
@@ -137,6 +140,19 @@ class BlockReleases:
                     "reason": str(exc),
                 },
             )
+            if tier:
+                # A block restored or offloaded may not hold what its key says: the
+                # worker's blocks are no longer trusted. Dropping it here, before this task
+                # ends, means no call waiting on it can read them (its sequences answer
+                # DATA_LOSS); a worker that still answers comes back empty.
+                lost = (
+                    exc
+                    if isinstance(exc, StaleEpochError | WorkerUnavailable)
+                    else WorkerUnavailable(worker_id, f"a host tier copy failed: {exc!r}")
+                )
+                await self._worker_failed(lost, {worker_id: epoch}, [])
+            # Otherwise only the poisoning of free blocks failed: a dead or restarted
+            # worker has none to poison, and the next data call on it notices the loss.
 
     async def _move(self, direction: str, call: Awaitable[int]) -> None:
         """Await one batched host tier copy, timed in the metrics."""

@@ -173,9 +173,6 @@ class Coordinator:
         # Checks of rounds already answered, and what would void them (running_checks).
         self._checks = RunningChecks()
         # The release_blocks calls, ordered before any reuse (engine.block_releases).
-        self._released = BlockReleases(
-            self, self._clients, self._epochs, self._debug_workers, self._checks, self._background
-        )
         # Registration, loss and return of the workers (engine.membership).
         self._membership = Membership(
             self,
@@ -184,8 +181,17 @@ class Coordinator:
             self._epochs,
             self._debug_workers,
             self._background,
-            self._released.flush,
+            lambda: self._released.flush(),
             durable=store is not None,
+        )
+        self._released = BlockReleases(
+            self,
+            self._clients,
+            self._epochs,
+            self._debug_workers,
+            self._checks,
+            self._background,
+            self._membership.worker_failed,
         )
         # Copies, writes and exports: worker calls outside rounds (engine.worker_calls).
         self._calls = WorkerCalls(

@@ -196,13 +196,14 @@ class Rounds:
                     await self.run_parts(key, survivors)
                 return
             workers = {b.worker_id for b in plan.batches} | set(writes)
+            await self._released_before_use(workers)
+            # Checked after the releases: a failed host tier copy among them drops its worker.
             missing = [w for w in workers if w not in self._epochs]
             if missing:
                 raise SequenceLost(
                     f"worker(s) {missing} holding blocks of this call were lost; free the "
                     "sequences and recompute"
                 )
-            await self._released_before_use(workers)
             epochs = {w: self._epochs[w] for w in workers}
             t0 = time.perf_counter()
             result = await run_attention(
