@@ -278,3 +278,29 @@ def test_a_failed_restore_loses_the_worker_instead_of_serving_its_blocks(tiered_
         (out,) = client.attend(0, [AttendItem(seq_id, q)])
         assert torch.isfinite(out).all()
     svc.call(svc.coordinator.block_manager.check_integrity)
+
+
+def test_stats_report_the_host_tier_and_its_hits(tiered_service, capsys) -> None:
+    from cache_service.cli.main import main as kvcache
+
+    svc = tiered_service
+    with KVCacheClient(svc.address, timeout_s=60) as client:
+        before = client.stats()
+        assert [(w.host_tier_blocks, w.host_tier_used_blocks) for w in before.workers] == [
+            (4 * GPU_BLOCKS, 0)
+        ]
+        for i in range(NUM_PREFIXES):
+            seq_id, _ = serve_request(client, [*prefix(i), 7])
+            client.free(seq_id)
+        seq_id, cached = serve_request(client, [*prefix(0), 8])  # the oldest: on the host
+        assert cached == PREFIX_BLOCKS * BS
+        after = client.stats()
+        inner = svc.stats()
+    (worker,) = after.workers
+    assert worker.host_tier_used_blocks == inner.host_tiers["w0"].used > 0
+    assert after.host_hit_tokens == inner.host_hit_tokens == PREFIX_BLOCKS * BS
+    assert after.host_evictions == inner.host_evictions
+    assert kvcache(["stats", "--target", svc.address]) == 0
+    out = capsys.readouterr().out
+    assert f"{worker.host_tier_used_blocks} / {4 * GPU_BLOCKS}" in out  # the workers table
+    assert "restored from a host tier" in out

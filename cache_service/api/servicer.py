@@ -272,6 +272,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                     free_blocks=ws.free,
                     allocated_slots=ws.allocated_slots,
                     filled_slots=ws.filled_slots,
+                    host_tier_blocks=s.host_tiers[w].total if w in s.host_tiers else 0,
+                    host_tier_used_blocks=s.host_tiers[w].used if w in s.host_tiers else 0,
                 )
                 for w, ws in s.workers.items()
             ],
@@ -289,6 +291,8 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             pinned_blocks=s.pinned_blocks,
             active_sequences=s.active_sequences,
             lost_sequences=s.lost_sequences,
+            host_hit_tokens=s.host_hit_tokens,
+            host_evictions=s.host_evictions,
         )
 
     # -- sequences -------------------------------------------------------------------------

@@ -313,7 +313,9 @@ def _workers_table(stats: ServiceStats, title: str) -> Any:
 
     w = Table(title=title)
     w.add_column("worker")
-    for col in ("blocks", "used", "cached-free", "free", "utilization", "fragmentation"):
+    tiered = any(ws.host_tier_blocks for ws in stats.workers)
+    columns = ["blocks", "used", "cached-free", "free", "utilization", "fragmentation"]
+    for col in columns + (["host tier"] if tiered else []):
         w.add_column(col, justify="right")
     for ws in stats.workers:
         util = ws.used_blocks / ws.total_blocks if ws.total_blocks else 0.0
@@ -330,6 +332,7 @@ def _workers_table(stats: ServiceStats, title: str) -> Any:
             str(ws.free_blocks),
             f"{util:.1%}",
             f"{frag:.1%}",
+            *([f"{ws.host_tier_used_blocks} / {ws.host_tier_blocks}"] if tiered else []),
         )
     return w
 
@@ -348,6 +351,9 @@ def _service_table(stats: ServiceStats, end: ServiceStats | None) -> Any:
     )
     s.add_row("pool utilization", f"{stats.utilization:.1%}")
     s.add_row("fragmentation (unfilled slots of used blocks)", f"{stats.fragmentation:.1%}")
+    if any(w.host_tier_blocks for w in stats.workers):
+        s.add_row("of the hits, restored from a host tier (tokens)", str(stats.host_hit_tokens))
+        s.add_row("host tier blocks given up for room", str(stats.host_evictions))
     s.add_row("copy-on-write copies", str(stats.cow_copies))
     s.add_row("evictions", str(stats.evictions))
     s.add_row("active sequences", str(stats.active_sequences))

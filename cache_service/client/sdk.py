@@ -370,6 +370,8 @@ class KVCacheClient(BatchPath):
                     w.free_blocks,
                     w.allocated_slots,
                     w.filled_slots,
+                    w.host_tier_blocks,
+                    w.host_tier_used_blocks,
                 )
                 for w in r.workers
             ),
@@ -381,6 +383,8 @@ class KVCacheClient(BatchPath):
             pinned_blocks=r.pinned_blocks,
             active_sequences=r.active_sequences,
             lost_sequences=r.lost_sequences,
+            host_hit_tokens=r.host_hit_tokens,
+            host_evictions=r.host_evictions,
         )
 
     # -- sequences -------------------------------------------------------------------------

@@ -69,7 +69,8 @@ class ServiceInfo:
 
 @dataclass(frozen=True)
 class WorkerStats:
-    """Block accounting of one live worker (see WorkerStats in kvcache.proto)."""
+    """Block accounting of one live worker (see WorkerStats in kvcache.proto); the host
+    tier's blocks (0: none) and those of them holding an evicted prefix block last."""
 
     worker_id: str
     total_blocks: int
@@ -78,12 +79,16 @@ class WorkerStats:
     free_blocks: int
     allocated_slots: int
     filled_slots: int
+    host_tier_blocks: int = 0
+    host_tier_used_blocks: int = 0
 
 
 @dataclass(frozen=True)
 class ServiceStats:
     """What `stats()` returns: utilization and fragmentation are ratios in 0..1;
-    prefix maps tenant -> (prompt tokens looked up, tokens found cached)."""
+    prefix maps tenant -> (prompt tokens looked up, tokens found cached); host_hit_tokens:
+    of the cached tokens, those restored from a host tier; host_evictions: host tier
+    blocks given up for room."""
 
     workers: tuple[WorkerStats, ...]
     utilization: float
@@ -94,6 +99,8 @@ class ServiceStats:
     pinned_blocks: int
     active_sequences: int
     lost_sequences: int
+    host_hit_tokens: int = 0
+    host_evictions: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -465,7 +465,7 @@ class ListSequencesResponse(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceEntry, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "total_blocks", "used_blocks", "cached_free_blocks", "free_blocks", "allocated_slots", "filled_slots")
+    __slots__ = ("worker_id", "total_blocks", "used_blocks", "cached_free_blocks", "free_blocks", "allocated_slots", "filled_slots", "host_tier_blocks", "host_tier_used_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -473,6 +473,8 @@ class WorkerStats(_message.Message):
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ALLOCATED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     FILLED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     total_blocks: int
     used_blocks: int
@@ -480,7 +482,9 @@ class WorkerStats(_message.Message):
     free_blocks: int
     allocated_slots: int
     filled_slots: int
-    def __init__(self, worker_id: _Optional[str] = ..., total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., allocated_slots: _Optional[int] = ..., filled_slots: _Optional[int] = ...) -> None: ...
+    host_tier_blocks: int
+    host_tier_used_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_free_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., allocated_slots: _Optional[int] = ..., filled_slots: _Optional[int] = ..., host_tier_blocks: _Optional[int] = ..., host_tier_used_blocks: _Optional[int] = ...) -> None: ...
 
 class TenantPrefixStats(_message.Message):
     __slots__ = ("tenant", "query_tokens", "hit_tokens")
@@ -497,7 +501,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("workers", "utilization", "fragmentation", "prefix", "evictions", "cow_copies", "pinned_blocks", "active_sequences", "lost_sequences")
+    __slots__ = ("workers", "utilization", "fragmentation", "prefix", "evictions", "cow_copies", "pinned_blocks", "active_sequences", "lost_sequences", "host_hit_tokens", "host_evictions")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTATION_FIELD_NUMBER: _ClassVar[int]
@@ -507,6 +511,8 @@ class GetStatsResponse(_message.Message):
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     LOST_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
     utilization: float
     fragmentation: float
@@ -516,7 +522,9 @@ class GetStatsResponse(_message.Message):
     pinned_blocks: int
     active_sequences: int
     lost_sequences: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., utilization: _Optional[float] = ..., fragmentation: _Optional[float] = ..., prefix: _Optional[_Iterable[_Union[TenantPrefixStats, _Mapping]]] = ..., evictions: _Optional[int] = ..., cow_copies: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., active_sequences: _Optional[int] = ..., lost_sequences: _Optional[int] = ...) -> None: ...
+    host_hit_tokens: int
+    host_evictions: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., utilization: _Optional[float] = ..., fragmentation: _Optional[float] = ..., prefix: _Optional[_Iterable[_Union[TenantPrefixStats, _Mapping]]] = ..., evictions: _Optional[int] = ..., cow_copies: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., active_sequences: _Optional[int] = ..., lost_sequences: _Optional[int] = ..., host_hit_tokens: _Optional[int] = ..., host_evictions: _Optional[int] = ...) -> None: ...
 
 class CreateSharedRegionRequest(_message.Message):
     __slots__ = ("size_bytes",)
