@@ -32,6 +32,7 @@ _OVERRIDES = {
     "max_message_mb": None,  # converted below
     "num_workers": "workers.num_workers",
     "blocks_per_worker": "workers.blocks_per_worker",
+    "host_tier_blocks": "workers.host_tier_blocks",
     "device": "workers.device",
     "ray_address": "workers.ray_address",
     "ray_num_cpus": "workers.ray_num_cpus",
@@ -59,6 +60,11 @@ def _add_service_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-message-mb", type=int, help="largest gRPC message, MiB (default 256)")
     g.add_argument("--num-workers", type=int, help="worker pools to start (default 2)")
     g.add_argument("--blocks-per-worker", type=int, help="blocks in each pool (default 512)")
+    g.add_argument(
+        "--host-tier-blocks",
+        type=int,
+        help="host-memory blocks per worker for evicted prefix blocks (default 0: none)",
+    )
     g.add_argument("--device", choices=("cpu", "cuda"), help="worker device (default cpu)")
     g.add_argument(
         "--ray-address", help="join this Ray cluster (e.g. auto) instead of starting a local Ray"
