@@ -107,3 +107,42 @@ def test_inline_call_waits_behind_a_queued_bulk_call() -> None:
 def test_without_inline_every_call_takes_the_thread() -> None:
     seen = _run(False, _one_step)
     assert seen[0][1].startswith("kvpool-w0")
+
+
+def test_a_round_waits_for_no_online_check_in_flight() -> None:
+    # A check's recomputation (tens of ms on a GPU at batch 32) runs on its own thread,
+    # outside the pool's lock: a round sent meanwhile is answered while it still runs.
+    client = LocalWorkerClient("w0", PoolConfig(LAYOUT, num_blocks=16))
+    pool = client.worker._pool
+    entered, release = threading.Event(), threading.Event()
+    recompute = pool.reference_output
+
+    def held(inputs):
+        entered.set()
+        release.wait(30)
+        return recompute(inputs)
+
+    pool.reference_output = held
+
+    async def main() -> None:
+        epoch, layer, slots, k, v, q, tables, lens, starts = _step_args(client)
+        await client.run_round(Round(epoch, layer, q, tables, lens, starts, slots, k, v))
+        check = asyncio.ensure_future(
+            client.reference_attend(epoch, layer, q, tables, lens, starts)
+        )
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        try:
+            served = await asyncio.wait_for(
+                client.run_round(Round(epoch, layer, q, tables, lens, starts)), 10
+            )
+        finally:
+            release.set()
+        ref, bad = await check
+        torch.testing.assert_close(served.out, ref.out.to(served.out.dtype))
+        assert bad == []
+
+    try:
+        asyncio.run(main())
+    finally:
+        client.close()

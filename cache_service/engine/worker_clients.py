@@ -375,6 +375,12 @@ class LocalWorkerClient(_WorkerClientBase):
         self._worker: PoolWorker | None = PoolWorker(worker_id, config, device)
         # One thread: calls run one at a time, in order, as on an actor.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvpool-{worker_id}")
+        # The online check's recomputations run beside the calls, as on a Ray actor's
+        # channel threads: `PoolWorker.reference_attend` holds the pool's lock only to stage
+        # its inputs, so a check of tens of milliseconds does not hold up the rounds after it.
+        self._checks = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"kvpool-check-{worker_id}"
+        )
         self._inline = inline
         # Calls submitted to the thread and not yet finished (shared with `sharing` views):
         # an inline call runs only when this is 0, so calls still never overlap.
@@ -402,6 +408,7 @@ class LocalWorkerClient(_WorkerClientBase):
         view._device = other._device
         view._worker = other.worker
         view._executor = other._executor
+        view._checks = other._checks
         view._inline = other._inline
         view._queued = other._queued
         return view
@@ -415,8 +422,9 @@ class LocalWorkerClient(_WorkerClientBase):
         self._worker = None
 
     def close(self) -> None:
-        """Stop the private thread (after the calls in flight)."""
+        """Stop the private threads (after the calls in flight)."""
         self._executor.shutdown(wait=True)
+        self._checks.shutdown(wait=True)
 
     async def _invoke(self, method: str, *args: Any, **kwargs: Any) -> Any:
         call = functools.partial(getattr(self.worker, method), *args, **kwargs)
@@ -424,6 +432,8 @@ class LocalWorkerClient(_WorkerClientBase):
             self._on_data_call(self._worker_id, "in_process")
         if self._inline and self._queued[0] == 0 and method in self._INLINE_METHODS:
             return call()
+        if method == "reference_attend":
+            return await asyncio.get_running_loop().run_in_executor(self._checks, call)
         self._queued[0] += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, call)
