@@ -16,9 +16,8 @@ nothing is written. Then it dispatches on ``backend``:
   attention on CUDA tensors takes its batched torch path instead
   (:mod:`kernels.attention_torch`, tested against ``paged_attention_ref``): the
   reference's loop over sequences is launch-bound there. On CPU tensors a call whose
-  padded work is small (a decode step, a short prefill) takes the packed pass
-  (:mod:`kernels.attention_packed`, a fixed dozen operations for the whole batch, also
-  tested against the reference), a larger one the reference's loop.
+  padded work is small (a decode step, a short prefill) takes the same batched path (about
+  twenty operations for the whole call), a larger one the reference's loop.
 
 The Triton modules are imported on first use, so importing this package stays cheap on
 CPU-only machines.
@@ -41,12 +40,7 @@ from typing import Literal
 
 import torch
 
-from kernels.attention_packed import (
-    MAX_PACKED_ELEMENTS,
-    packed_elements,
-    paged_attention_packed,
-)
-from kernels.attention_torch import paged_attention_torch
+from kernels.attention_torch import MAX_CPU_ELEMENTS, padded_elements, paged_attention_torch
 from kernels.reference import (
     copy_blocks_ref,
     gather_blocks_ref,
@@ -191,19 +185,17 @@ def _attention_in_torch(
     out: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`paged_attention`'s torch backend on validated arguments (the batched torch
-    path on CUDA; elsewhere the packed pass when its padded work is small, the reference's
-    loop otherwise): ``(out, lse)``, the output copied into `out` when given."""
-    if query.device.type == "cuda":
-        torch_path = paged_attention_torch
-    elif (
-        packed_elements(
+    path on CUDA, and elsewhere when its padded work is small; the reference's loop
+    otherwise): ``(out, lse)``, the output copied into `out` when given."""
+    small = (
+        padded_elements(
             query.shape[1], key_cache.shape[2], query_start_loc.tolist(), seq_lens.tolist()
         )
-        <= MAX_PACKED_ELEMENTS
-    ):
-        torch_path = paged_attention_packed
-    else:
-        torch_path = paged_attention_ref
+        <= MAX_CPU_ELEMENTS
+    )
+    torch_path = (
+        paged_attention_torch if query.device.type == "cuda" or small else paged_attention_ref
+    )
     o, lse = torch_path(
         query,
         key_cache,
