@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from cache_service.control import prefix_index
+from cache_service import prefix_keys
 from cache_service.control.block_manager import (
     BlockCopy,
     BlockManager,
@@ -185,7 +185,7 @@ def test_hash_collisions_never_share_blocks(monkeypatch: pytest.MonkeyPatch) -> 
     import hashlib
 
     constant = hashlib.sha256(b"everything collides")
-    monkeypatch.setattr(prefix_index, "_sha256", lambda data: constant)
+    monkeypatch.setattr(prefix_keys, "_sha256", lambda data: constant)
     m = make()
     new_seq(m, "t", [1, 2, 3, 4, 5])
     assert m.lookup("t", [9, 9, 9, 9, 9]) == 0

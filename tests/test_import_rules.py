@@ -6,12 +6,13 @@ still a dependency; it only hides a cycle from the interpreter). Imports under
 
 Layers, lowest first; a layer imports only itself and the layers its `LAYERS` entry names:
 
-    kernels < workers < base (errors, config, event_loop, _proto, control.eviction) < control < wire
+    kernels < workers < base (errors, config, event_loop, _proto, control.eviction,
+            prefix_keys) < control < wire
             < client, obs < engine < api < integrations < cli
 
-- `control` is pure: `cache_service.errors` only, and no torch, Triton, Ray, gRPC or numpy;
+- `control` is pure: `cache_service.errors` and `cache_service.prefix_keys` only, and no torch, Triton, Ray, gRPC or numpy;
 - `kernels` and `workers` never import `cache_service`; `kernels` never imports `workers`;
-- the client imports only `wire`, the proto and `cache_service.errors`, and nothing it loads (transitively) is the
+- the client imports only `wire`, the proto, `cache_service.errors` and `prefix_keys`, and nothing it loads (transitively) is the
   engine, the API, metrics or `workers`: a model executor's process loads none of them;
 - nothing imports `cache_service.cli` or the integrations but themselves;
 - the engine imports no gRPC: it raises domain errors, the API maps them to statuses;
@@ -43,6 +44,8 @@ MODULE_LAYERS = {
     # The eviction policies import nothing of cache_service, so the config can check a
     # policy name when it loads.
     "cache_service.control.eviction": "base",
+    # The prefix key encoding, shared by the control plane and the client's block_hashes.
+    "cache_service.prefix_keys": "base",
 }
 PACKAGE_LAYERS = {
     "kernels": "kernels",
@@ -61,11 +64,15 @@ LAYERS: dict[str, set[str]] = {
     "kernels": set(),
     "workers": {"kernels"},
     "base": {"workers"},
-    "control": {"cache_service.errors", "cache_service.control.eviction"},
+    "control": {
+        "cache_service.errors",
+        "cache_service.control.eviction",
+        "cache_service.prefix_keys",
+    },
     "wire": {"base", "workers"},
     # cache_service.errors imports nothing: the client reads the server's deadline verdict
     # text from it.
-    "client": {"cache_service._proto", "cache_service.errors", "wire"},
+    "client": {"cache_service._proto", "cache_service.errors", "cache_service.prefix_keys", "wire"},
     "obs": {"base", "control", "wire"},
     "engine": {"base", "control", "wire", "workers"},
     "api": {"base", "control", "wire", "obs", "engine", "workers"},

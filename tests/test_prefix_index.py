@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from cache_service.control import prefix_index
+from cache_service import prefix_keys
 from cache_service.control.prefix_index import (
     ROOT_KEY,
     IndexEntry,
@@ -91,7 +91,7 @@ def test_public_chain_is_found_by_every_tenant_and_tenant_blocks_continue_it() -
 def test_hash_collision_never_returns_other_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """With a hash that maps everything to one key, only the exact tokens may match."""
     constant = hashlib.sha256(b"collide")
-    monkeypatch.setattr(prefix_index, "_sha256", lambda data: constant)
+    monkeypatch.setattr(prefix_keys, "_sha256", lambda data: constant)
     index = PrefixIndex(BS)
     publish_chain(index, "t", [1, 2, 3, 4])
     salts = [make_salt("t", FP)]

@@ -1,31 +1,21 @@
-"""A prompt's prefix keys, computed the way the service's prefix index computes them.
+"""A prompt's prefix keys, computed as the service's prefix index computes them
+(`cache_service.prefix_keys`: the encoding both use).
 
 A router matches these against the `block_hashes` of KV events (`KVCacheClient.kv_events`)
-to find where a prompt's longest cached prefix lives. The encoding is the service's
-(cache_service/control/prefix_index.py; a test keeps the two equal):
-
-- salt = sha256(material), material = b"tenant" + len32(name) + name + len32(fingerprint)
-  + fingerprint for a tenant's keys, b"public" + len32(fingerprint) + fingerprint for
-  public ones, then b"namespace" + len32(ns) + ns unless the namespace is the default "";
-  len32 is a 4-byte little-endian length;
-- key of a block = sha256(parent key || salt || its token ids as uint64 little-endian),
-  the first block's parent being 32 zero bytes. Only full blocks have keys.
+to find where a prompt's longest cached prefix lives. Only full blocks have keys.
 """
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from collections.abc import Sequence
+
+from cache_service.prefix_keys import ROOT_KEY, TOKEN_BYTES, block_key, salt_bytes
 
 __all__ = ["ROOT_BLOCK_HASH", "block_hashes", "prefix_salt"]
 
 # The parent key of a prompt's first block.
-ROOT_BLOCK_HASH = bytes(32)
-
-
-def _field(data: bytes) -> bytes:
-    return len(data).to_bytes(4, "little") + data
+ROOT_BLOCK_HASH = ROOT_KEY
 
 
 def prefix_salt(tenant: str | None, layout_fingerprint: str, namespace: str = "") -> bytes:
@@ -36,14 +26,7 @@ def prefix_salt(tenant: str | None, layout_fingerprint: str, namespace: str = ""
         layout_fingerprint: the service's layout fingerprint (`ServiceInfo.fingerprint`).
         namespace: the prefix-cache namespace ("" = the default).
     """
-    fingerprint = layout_fingerprint.encode()
-    if tenant is None:
-        material = b"public" + _field(fingerprint)
-    else:
-        material = b"tenant" + _field(tenant.encode()) + _field(fingerprint)
-    if namespace:
-        material += b"namespace" + _field(namespace.encode())
-    return hashlib.sha256(material).digest()
+    return salt_bytes(tenant, layout_fingerprint, namespace)
 
 
 def block_hashes(
@@ -75,9 +58,9 @@ def block_hashes(
     except struct.error as exc:
         raise ValueError(f"token ids must be ints in [0, 2**64): {exc}") from None
     keys: list[bytes] = []
-    parent = ROOT_BLOCK_HASH
-    stride = block_size * 8
+    parent = ROOT_KEY
+    stride = block_size * TOKEN_BYTES
     for start in range(0, len(data), stride):
-        parent = hashlib.sha256(parent + salt + data[start : start + stride]).digest()
+        parent = block_key(parent, salt, data[start : start + stride])
         keys.append(parent)
     return keys

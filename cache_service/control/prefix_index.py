@@ -1,6 +1,7 @@
 """The prefix-hash index: finds cached full blocks of a prompt, chained block by block.
 
-A block's key is sha256(parent key || salt || its token ids as uint64 LE), where the salt folds
+A block's key is sha256(parent key || salt || its token ids as uint64 LE)
+(`cache_service.prefix_keys`, the one place a key or salt is computed), where the salt folds
 in the owner (one tenant, or the shared public salt), the KV layout fingerprint and the
 sequence's namespace (the model identity a caller gives; empty = the default namespace), so
 tenants never match each other's blocks and caches of different layouts never match at all.
@@ -14,7 +15,6 @@ hash collision can never hand out another prompt's KV.
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 from cache_service.control.kv_events import KvEventLog
 from cache_service.control.types import PhysicalBlock
 from cache_service.errors import InvalidRequest
+from cache_service.prefix_keys import ROOT_KEY, TOKEN_BYTES, block_key, salt_bytes
 
 __all__ = [
     "ROOT_KEY",
@@ -37,11 +38,6 @@ __all__ = [
     "pack_tokens",
     "token_bytes",
 ]
-
-ROOT_KEY = bytes(32)
-# Token ids are hashed as 8-byte little-endian unsigned ints.
-TOKEN_BYTES = 8
-_sha256 = hashlib.sha256
 
 
 class Salt(NamedTuple):
@@ -75,23 +71,7 @@ def make_salt(owner: str | None, layout_fingerprint: str, namespace: str = "") -
     """The salt of a tenant (owner = its name) or of the public owner (owner None), in a
     namespace ("" = the default namespace: nothing is added to the salted material, so a
     namespace's salt never equals the default one's)."""
-    # Length-prefixed fields: no (owner, fingerprint, namespace) can spell another's material.
-    fingerprint = layout_fingerprint.encode()
-    if owner is None:
-        material = b"public" + len(fingerprint).to_bytes(4, "little") + fingerprint
-    else:
-        name = owner.encode()
-        material = (
-            b"tenant"
-            + len(name).to_bytes(4, "little")
-            + name
-            + len(fingerprint).to_bytes(4, "little")
-            + fingerprint
-        )
-    if namespace:
-        ns = namespace.encode()
-        material += b"namespace" + len(ns).to_bytes(4, "little") + ns
-    return Salt(owner, hashlib.sha256(material).digest())
+    return Salt(owner, salt_bytes(owner, layout_fingerprint, namespace))
 
 
 def pack_tokens(token_ids: Iterable[int]) -> array:
@@ -129,20 +109,6 @@ def decode_tokens(data: bytes) -> list[int]:
     if sys.byteorder == "big":  # pragma: no cover
         packed.byteswap()
     return packed.tolist()
-
-
-def block_key(parent: bytes, salt: bytes, tokens: bytes) -> bytes:
-    """Key of a block, 32 bytes: sha256(parent key || salt || tokens).
-
-    The one place a key is computed (publishing, matching and the integrity check all call
-    it), so the encoding cannot drift between them.
-
-    Args:
-        parent: key of the previous block of the prefix (ROOT_KEY for the first), 32 bytes.
-        salt: the owner's `Salt.salt`, 32 bytes.
-        tokens: the block's token ids from `token_bytes` (block_size * 8 bytes).
-    """
-    return _sha256(parent + salt + tokens).digest()
 
 
 def chain_keys(
