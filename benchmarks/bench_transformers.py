@@ -4,8 +4,10 @@ For each batch size: random prompts of different lengths (left-padded), greedy g
 ``new_tokens`` tokens, timed end to end (prefill + decode) with
 
 * ``own``     - transformers' own attention (sdpa) and DynamicCache, the same weights;
-* ``service`` - ``ServiceModel``: every layer's K/V and attention in the service, one
-                ``AppendAttend`` RPC per layer per step, fresh sequences (no prefix reuse);
+* ``service`` - ``ServiceModel``: every layer's K/V and attention in the service, fresh
+                sequences (no prefix reuse); co-located, a step's first layer is a call and
+                its others go to the worker under a step lease (``--no-leases``: every
+                layer a call);
 * ``prefix``  - the same prompts again with prefix reuse: the prefill sends only what the
                 first service run did not leave cached (whole blocks).
 
@@ -297,6 +299,8 @@ class StageTimes:
     attend: float = 0.0  # the attention layers' service path (integration + client call)
     client_call: float = 0.0  # inside the client's append-and-attend calls
     calls: int = 0  # append-and-attend calls
+    leased: float = 0.0  # layers sent to the worker under a step lease (host time)
+    leased_calls: int = 0
     server: float = 0.0  # the server handling them (its rpc_duration histogram)
     server_calls: float = 0.0
     worker: float = 0.0  # the coordinator -> worker calls (worker_call_duration)
@@ -307,6 +311,8 @@ class StageTimes:
         self.attend += stats.attend_seconds
         self.client_call += stats.rpc_seconds
         self.calls += stats.rpc_calls
+        self.leased += stats.leased_seconds
+        self.leased_calls += stats.leased_calls
         if before and after:
             self.server += after["server"][0] - before["server"][0]
             self.server_calls += after["server"][1] - before["server"][1]
@@ -314,19 +320,26 @@ class StageTimes:
             self.worker_calls += after["worker"][1] - before["worker"][1]
 
     def split_us(self) -> dict[str, float | None]:
-        """Per append-and-attend call, microseconds: the model outside attention, the
-        integration (checks, host copies), client + transport (encode, send, wait, decode:
-        the client call less the server's handling), server (handling less the worker
-        call), worker (the pool's write and kernel, with the actor round trip if Ray)."""
+        """Microseconds: per layer (calls and leased layers alike) the model outside
+        attention; per append-and-attend call the integration (checks, host copies),
+        client + transport (encode, send, wait, decode: the client call less the server's
+        handling), server (handling less the worker call), worker (the pool's write and
+        kernel, with the actor round trip if Ray); per leased layer the host time of its
+        handoff (staging copies launched, the worker's answer; the kernel runs on the
+        device meanwhile), and the share of layers that went leased."""
+        layers = max(self.calls + self.leased_calls, 1)
         n = max(self.calls, 1)
         known = self.server_calls > 0
+        call_attend = self.attend - self.leased
         per = {
-            "model": (self.total - self.attend) / n * 1e6,
-            "integration": (self.attend - self.client_call) / n * 1e6,
+            "model": (self.total - self.attend) / layers * 1e6,
+            "integration": (call_attend - self.client_call) / n * 1e6,
             "call": self.client_call / n * 1e6,
             "client_transport": (self.client_call - self.server) / n * 1e6 if known else None,
             "server": (self.server - self.worker) / n * 1e6 if known else None,
             "worker": self.worker / n * 1e6 if known else None,
+            "leased": self.leased / self.leased_calls * 1e6 if self.leased_calls else None,
+            "leased_share": self.leased_calls / layers,
         }
         return per
 
@@ -366,7 +379,9 @@ def open_service(
     return embedded.address, url, f"embedded in the model's process, {pools} pools"
 
 
-def run(p: Profile, use_ray: bool, mode: str, target: str | None) -> dict[str, Any]:
+def run(
+    p: Profile, use_ray: bool, mode: str, target: str | None, leases: bool = True
+) -> dict[str, Any]:
     model = build_model(p)
     own = copy.deepcopy(model)
     own.set_attn_implementation("sdpa")
@@ -384,7 +399,9 @@ def run(p: Profile, use_ray: bool, mode: str, target: str | None) -> dict[str, A
             with torch.no_grad():
                 # Warm-up both paths once (kernels, allocator, gRPC channel).
                 own.generate(input_ids=dev_ids, attention_mask=dev_mask, **settings)
-                served.generate(ids, mask, SessionConfig(reuse_prefix=False), **settings)
+                cold = SessionConfig(reuse_prefix=False, step_leases=leases)
+                warm = SessionConfig(step_leases=leases)
+                served.generate(ids, mask, cold, **settings)
                 own_t, svc_t, rpc_t, pre_t = [], [], [], []
                 for _ in range(p.repeats):
                     t, ref = timed(
@@ -394,7 +411,6 @@ def run(p: Profile, use_ray: bool, mode: str, target: str | None) -> dict[str, A
                         p.device,
                     )
                     own_t.append(t)
-                    cold = SessionConfig(reuse_prefix=False)
                     before = scrape(metrics_url)
                     t, (out, stats) = timed(
                         functools.partial(served.generate, ids, mask, cold, **settings), p.device
@@ -403,7 +419,7 @@ def run(p: Profile, use_ray: bool, mode: str, target: str | None) -> dict[str, A
                     svc_t.append(t)
                     rpc_t.append(stats.rpc_seconds / t)
                     t, (out_prefix, pstats) = timed(
-                        functools.partial(served.generate, ids, mask, **settings), p.device
+                        functools.partial(served.generate, ids, mask, warm, **settings), p.device
                     )
                     pre_t.append(t)
             width = ids.shape[1]
@@ -479,7 +495,8 @@ def git_commit() -> str:
 
 def format_split(split: dict[str, float | None]) -> str:
     return ", ".join(
-        f"{name} {'-' if value is None else f'{value:.0f}'}" for name, value in split.items()
+        f"{name} {'-' if value is None else f'{value:.2f}' if name.endswith('share') else f'{value:.0f}'}"
+        for name, value in split.items()
     )
 
 
@@ -517,17 +534,29 @@ def report(result: dict[str, Any]) -> str:
         "the client call, split into *client + transport* (encode, send, wait, decode) = "
         "the call less the server's handling, *server* = its handling (`rpc_duration`) less "
         "the worker call, *worker* = the pool's write and kernel (`worker_call_duration`). "
-        "`-`: no server metrics (an external service).",
+        "`-`: no server metrics (an external service). *leased*: a layer sent to the worker "
+        "under a step lease (a co-located client's decode step after its first layer), the "
+        "host time of its handoff; *leased share*: of all layers.",
         "",
-        "| batch | model | integration | call | client + transport | server | worker |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| batch | model | integration | call | client + transport | server | worker "
+        "| leased | leased share |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
         split = r["per_call_us"]
         cells = [
-            "-" if split[k] is None else f"{split[k]:.0f}"
-            for k in ("model", "integration", "call", "client_transport", "server", "worker")
+            "-" if split.get(k) is None else f"{split[k]:.0f}"
+            for k in (
+                "model",
+                "integration",
+                "call",
+                "client_transport",
+                "server",
+                "worker",
+                "leased",
+            )
         ]
+        cells.append(f"{split.get('leased_share', 0.0):.0%}")
         lines.append(f"| {r['batch']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -542,6 +571,11 @@ def main() -> None:
         "--smoke", action="store_true", help="the smallest CPU run (seconds; figures mean nothing)"
     )
     parser.add_argument("--ray", action="store_true", help="KV pools in Ray actors")
+    parser.add_argument(
+        "--no-leases",
+        action="store_true",
+        help="every layer as a call (no step leases), to compare with the leased path",
+    )
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
         "--target",
@@ -572,7 +606,7 @@ def main() -> None:
             p = replace(p, **{name: getattr(args, name)})
     log(f"profile {p.name}: {p}")
     mode = "external" if args.target else "embedded" if args.embedded else "process"
-    result = run(p, args.ray, mode, args.target)
+    result = run(p, args.ray, mode, args.target, leases=not args.no_leases)
     text = report(result)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

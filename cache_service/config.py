@@ -370,6 +370,9 @@ class CoordinatorConfig:
             subscribers resuming from an earlier number (SubscribeKvEvents); one asking for
             an older one gets OUT_OF_RANGE. An event costs about 150 bytes in a checkpoint
             plus about 70 per key it carries (a stored chain carries one per block).
+        step_lease_timeout_s: the longest a step lease lives (StepLease: a co-located
+            client's step whose other layers go to the worker directly), seconds; 0 grants
+            none (every layer through the coordinator).
     """
 
     batch_window_ms: float = 0.5
@@ -383,9 +386,11 @@ class CoordinatorConfig:
     coalesce_layers: bool = True
     overlap_rounds: bool | None = None
     kv_event_ring: int = 4096
+    step_lease_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         _non_negative("coordinator.batch_window_ms", self.batch_window_ms)
+        _non_negative("coordinator.step_lease_timeout_s", self.step_lease_timeout_s)
         _positive_int("coordinator.kv_event_ring", self.kv_event_ring)
         _positive_int("coordinator.max_batch_items", self.max_batch_items)
         if not (isinstance(self.worker_timeout_s, int | float) and self.worker_timeout_s > 0):

@@ -96,6 +96,11 @@ class SharedMemoryDisabled(CacheError):
     travel as bytes."""
 
 
+class NotColocated(CacheError):
+    """A call only a client on the server's host can use (a step lease) came over the
+    network."""
+
+
 # Every DEADLINE_EXCEEDED the server itself answers says this: a client tells the server's
 # verdict ("not applied") from its own transport's timeout (no verdict) by it.
 DEADLINE_VERDICT = "passed before it could commit; nothing was changed"

@@ -193,7 +193,9 @@ def test_batched_greedy_generation_equals_transformers(
     served = ServiceModel(model, client)
     assert model.config._attn_implementation == SERVICE_ATTENTION
     before = dict(client.calls)
-    with served.session(ids, mask, SessionConfig(reuse_prefix=False)) as session, torch.no_grad():
+    # Every layer as a call (the recording client sees each); leases: the next test.
+    config = SessionConfig(reuse_prefix=False, step_leases=False)
+    with served.session(ids, mask, config) as session, torch.no_grad():
         ours = session.generate(**_generate_kwargs())
         exported = [client.export_blocks(s).token_ids for s in session.seq_ids]
         seq_ids = session.seq_ids
@@ -217,6 +219,39 @@ def test_batched_greedy_generation_equals_transformers(
     assert client.stats().active_sequences == 0
 
 
+@pytest.mark.parametrize("client", ["family_service"], indirect=True)
+def test_generation_with_step_leases_equals_transformers(
+    family_service: tuple[Family, EmbeddedService], client: RecordingClient
+) -> None:
+    # The default on a local session: each decode step's first layer is a call, the others
+    # go to the worker under the step's lease. Same tokens and logits as transformers, the
+    # service holds every layer of every token, and no lease outlives the session.
+    family, svc = family_service
+    model = family.model(seed=1)
+    reference = copy.deepcopy(model)
+    lengths = [5, 19, 37, 12]
+    ids, mask = _batch(lengths, seed=2)
+    ref = _reference(reference, ids, mask)
+    served = ServiceModel(model, client)
+    before = dict(client.calls)
+    with served.session(ids, mask, SessionConfig(reuse_prefix=False)) as session, torch.no_grad():
+        ours = session.generate(**_generate_kwargs())
+        exported = [client.export_blocks(s).token_ids for s in session.seq_ids]
+    served.detach()
+    _assert_same_generation(ours, ref)
+    width = ids.shape[1]
+    for b, n in enumerate(lengths):
+        assert exported[b] == ids[b, width - n :].tolist() + ours.sequences[b, width:-1].tolist()
+    decode_steps = NEW_TOKENS - 1
+    # The ragged prefill goes item by item, layer by layer (no lease: rows differ).
+    assert client.calls["items"] - before["items"] == family.num_layers
+    assert client.calls["batch"] - before["batch"] == decode_steps
+    assert session.stats.leased_calls == (family.num_layers - 1) * decode_steps
+    assert session.stats.rpc_calls == family.num_layers + decode_steps
+    assert len(svc.running.coordinator._leases) == 0
+    assert client.stats().active_sequences == 0
+
+
 @pytest.mark.parametrize("client", ["llama_service"], indirect=True)
 def test_second_request_prefill_sends_only_the_uncached_suffix(client: RecordingClient) -> None:
     model = LLAMA.model(seed=3)
@@ -233,7 +268,11 @@ def test_second_request_prefill_sends_only_the_uncached_suffix(client: Recording
     assert client.lookup(second[0].tolist()) == 0  # cached in the model's namespace only
     ref = _reference(reference, second, torch.ones_like(second))
     client.appends.clear()
-    with served.session(second) as session, torch.no_grad():
+    # Every layer as a call, so the recording client sees what each layer sent.
+    with (
+        served.session(second, config=SessionConfig(step_leases=False)) as session,
+        torch.no_grad(),
+    ):
         ours = session.generate(**_generate_kwargs())
         seq_id = session.seq_ids[0]
     _assert_same_generation(ours, ref)

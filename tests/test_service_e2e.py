@@ -284,3 +284,59 @@ def test_shared_memory_tensors_reach_the_ray_workers_in_place(svc, monkeypatch) 
         for s in twins:
             plain.free(s)
     svc.check_integrity()
+
+
+def test_a_step_lease_on_a_ray_worker(svc) -> None:
+    # The step's first layer by call, then its other layers over the lease socket of the
+    # Ray actor holding the batch (a process of its own; CPU staging in a shared file);
+    # the next call commits them. What the layers answer is dense attention over all.
+    from cache_service.client.lease_channel import LeaseChannel, LeaseEndedError
+
+    gen = torch.Generator().manual_seed(11)
+    with KVCacheClient(svc.address, timeout_s=60) as client:
+        mirrors = []
+        for s in range(2):
+            tokens = [900 + s, 901, 902 + s]
+            m = Mirror(client.create_sequence(tokens).seq_id, NL)
+            for layer in range(NL):
+                k, v = torch.randn(2, 3, HKV, D, generator=gen)
+                client.append(m.seq_id, tokens, k, v, layer)
+                m.add(layer, k, v)
+            mirrors.append(m)
+        if len({svc.workers_of(m.seq_id) for m in mirrors}) != 1:
+            # On two workers the batch has no one-worker step: no lease, by design.
+            seq_ids = [mirrors[0].seq_id]
+            mirrors = mirrors[:1]
+        else:
+            seq_ids = [m.seq_id for m in mirrors]
+        b = len(seq_ids)
+        step = {layer: torch.randn(3, b, 1, HQ, D, generator=gen) for layer in range(NL)}
+
+        def kvq(layer):
+            k, v, q = step[layer]
+            return k[..., :HKV, :].contiguous(), v[..., :HKV, :].contiguous(), q
+
+        k, v, q = kvq(0)
+        client.append_attend_batch(0, seq_ids, [[7]] * b, k, v, q)
+        for i, m in enumerate(mirrors):
+            m.add(0, k[i], v[i])
+        lease = client.lease_step(seq_ids, HQ)
+        assert lease.granted, lease.reason
+        channel = LeaseChannel(lease.socket, 4, 4, HQ, torch.device("cpu"))
+        for layer in lease.layers:
+            k, v, q = kvq(layer)
+            out = channel.run_layer(lease.lease_id, layer, k, v, q).view(q.shape)
+            for i, m in enumerate(mirrors):
+                m.add(layer, k[i], v[i])
+                check(out[i], m, layer, q[i])
+        channel.check(lease.lease_id)
+        # The next call on the batch ends the lease: every layer holds the new token.
+        out = client.attend_batch(NL - 1, seq_ids, q)
+        for i, m in enumerate(mirrors):
+            check(out[i], m, NL - 1, q[i])
+        with pytest.raises(LeaseEndedError):
+            channel.run_layer(lease.lease_id, 1, *kvq(1))
+        channel.close()
+        for m in mirrors:
+            client.free(m.seq_id)
+    svc.check_integrity()

@@ -46,8 +46,10 @@ from workers.config import PoolConfig
 from workers.description import FencedEpoch, WorkerDescription, WorkerHealth
 from workers.errors import StaleCoordinatorError, StaleEpochError
 from workers.fingerprints import BadSlot
+from workers.lease_server import LeaseServer
 from workers.pool import AttendResult, IndexLike, KVPool, PartsResult, ReferenceInputs
 from workers.round import Round
+from workers.step_leases import LeaseReport, StepLeases
 from workers.transport import pack_result, unpack
 
 __all__ = ["PoolWorker", "PoolWorkerActor", "new_epoch"]
@@ -116,6 +118,8 @@ class PoolWorker:
         # channel's threads.
         self._lock = threading.Lock()
         self._channel: ChannelServer | None = None
+        self._leases = StepLeases(self._pool, self._lock)
+        self._lease_server: LeaseServer | None = None
 
     @property
     def pool(self) -> KVPool:
@@ -157,6 +161,8 @@ class PoolWorker:
         """
         with self._lock:
             self._check_generation(generation)
+            if self._generation is not None and generation > self._generation:
+                self._leases.clear()  # granted by the coordinator this one supersedes
             self._generation = generation
         return self.describe()
 
@@ -198,11 +204,48 @@ class PoolWorker:
             return self._channel.listen_tcp(_node_address())
         return self._channel.address()
 
+    def lease_socket(self) -> str:
+        """The path of this worker's lease socket (`workers.lease_server`), started on the
+        first call: a client on this host sends a leased step's layers there."""
+        with self._lock:
+            if self._lease_server is None:
+                self._lease_server = LeaseServer(
+                    self._leases, self._pool.layout, self._pool.device, self._worker_id
+                )
+            return self._lease_server.path
+
+    def grant_lease(
+        self,
+        epoch: str | FencedEpoch,
+        lease_id: bytes,
+        layers: Sequence[int],
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        slot_mapping: Sequence[int],
+        num_q_heads: int,
+    ) -> None:
+        """`StepLeases.grant` behind the epoch fence: the step's layers `layers` may come
+        over the lease socket under `lease_id` until :meth:`end_lease`."""
+        batch = self._unpacked((block_tables, seq_lens, query_start_loc))
+        self._run(
+            epoch,
+            lambda: self._leases.grant(lease_id, layers, *batch, slot_mapping, num_q_heads),
+        )
+
+    def end_lease(self, epoch: str | FencedEpoch, lease_id: bytes) -> LeaseReport:
+        """`StepLeases.end` behind the epoch fence: no more layers on the lease; which
+        layers it wrote (waits for the device to finish them)."""
+        return self._fenced_run(epoch, lambda: self._leases.end(lease_id))
+
     def close_channel(self) -> None:
         """Stop the channel (its connections end; callers go back to Ray calls)."""
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+        if self._lease_server is not None:
+            self._lease_server.close()
+            self._lease_server = None
 
     # -- data (epoch first) -------------------------------------------------------------
 

@@ -38,7 +38,7 @@ from workers.fingerprints import BadSlot, SlotFingerprints
 from workers.host_tier import HostTier, check_move
 from workers.kernel_warmup import decode_warm_up_launches, dummy_decode_inputs
 from workers.layout import KVLayout
-from workers.metadata_cache import MetadataCache
+from workers.metadata_cache import CachedMetadata, MetadataCache
 from workers.pages import check_page_count, layer_vector, page_caches, page_tables, to_pages
 from workers.parts import check_out_parts, joined, on_host, stand_in
 from workers.reference_check import ReferenceInputs, reference_attention
@@ -273,6 +273,104 @@ class KVPool:
         if round.slot_mapping is None:
             return self._attend_over_layers(round, options, to_host)
         return self._write_and_attend_over_layers(round, options, to_host)
+
+    def step_metadata(
+        self,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        slot_mapping: Sequence[int],
+        num_q_heads: int,
+    ) -> CachedMetadata:
+        """A planned step's metadata validated once and kept on the pool's device, for a
+        lease's layers (:meth:`run_step_layer`): what a round's first sighting of a step key
+        keeps, owned by the caller rather than the key cache.
+
+        Args:
+            block_tables: int ``[S, max_blocks]``; seq_lens: int ``[S]``; query_start_loc:
+                int ``[S + 1]`` (as in :class:`workers.round.Round`).
+            slot_mapping: the step's new tokens' flat slots ``[n]`` (no negative ones).
+            num_q_heads: query heads of the step's calls.
+
+        Raises:
+            InvalidWorkerRequest: malformed metadata or slots.
+        """
+        lay = self._layout
+        starts = torch.as_tensor(query_start_loc)
+        if starts.ndim != 1 or starts.numel() < 2 or not 0 < int(starts[-1]) <= 1 << 20:
+            raise InvalidWorkerRequest(
+                f"query_start_loc must be [S + 1] ending in 1 to 2**20 rows, got {starts.tolist()[:8]}"
+            )
+        if any(type(s) is not int or s < 0 for s in slot_mapping):
+            raise InvalidWorkerRequest("a leased step's slots must be non-negative ints")
+        rows, dtype = int(starts[-1]), lay.torch_dtype()
+        new_kv = torch.empty((len(slot_mapping), lay.num_kv_heads, lay.head_dim), dtype=dtype)
+        query = torch.empty((rows, num_q_heads, lay.head_dim), dtype=dtype)
+        slots = check_write(lay, self._num_blocks, 0, slot_mapping, new_kv, new_kv)
+        indices = check_attend(lay, self._num_blocks, 0, query, block_tables, seq_lens, starts)
+        slots_on, tables, lens, starts_on = (
+            t.to(self._device)
+            for t in (*write_inputs(slots, new_kv, new_kv)[:1], *attend_inputs(query, *indices)[1:])
+        )
+        return CachedMetadata(tables, lens, starts_on, rows, list(slot_mapping), slots_on)
+
+    def run_step_layer(
+        self,
+        step: CachedMetadata,
+        layer: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query: torch.Tensor,
+        out: torch.Tensor,
+        options: AttendOptions = _DEFAULT_OPTIONS,
+    ) -> torch.Tensor | None:
+        """One layer of a planned step (:meth:`step_metadata`): the write of its new K/V
+        (masked unless every input is finite) and the attention, output copied into `out`,
+        all enqueued on the current stream without waiting for the device (a CUDA graph
+        replay where the step's shape was seen before).
+
+        Args:
+            key, value: ``[n, Hkv, D]``; query, out: ``[rows, Hq, D]``; all in the pool's
+                dtype and on its device.
+
+        Returns:
+            The finite flag (a 0-d bool on the device: False means nothing was written),
+            or None when there was nothing to write.
+
+        Raises:
+            InvalidWorkerRequest: a layer outside the layout, or tensors of other shapes,
+                dtypes or devices; nothing was enqueued.
+        """
+        check_layer(layer, self._layout.num_layers)
+        check_new_kv(self._layout, layer, step.slots.shape[0], key, value)
+        dtype = self._data.dtype
+        for name, t in (("query", query), ("out", out)):
+            if (
+                t.dtype != dtype
+                or t.shape[0] != step.num_rows
+                or t.ndim != 3
+                or t.shape[2] != self._layout.head_dim
+            ):
+                raise InvalidWorkerRequest(
+                    f"{name} must be [{step.num_rows}, Hq, {self._layout.head_dim}] {dtype}, "
+                    f"got {tuple(t.shape)} {t.dtype}"
+                )
+        if out.shape != query.shape or any(
+            t.device != self._device for t in (key, value, query, out)
+        ):
+            raise InvalidWorkerRequest(
+                "a leased layer's tensors must lie on the pool's device, out shaped as query"
+            )
+        if self._graphs is not None:
+            replayed = self._graphs.run(layer, step, key, value, query, options, False, True)
+            if replayed is not None:
+                out.copy_(replayed[0])
+                return replayed[2]
+        got, _, finite = self._write_and_attend_on_device(
+            layer, step.slots, key, value, query, *step.tables(), options, True
+        )
+        out.copy_(got)
+        return finite
 
     @property
     def metadata_hits(self) -> int:

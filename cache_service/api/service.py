@@ -492,7 +492,7 @@ async def _start_local_sessions(
     """The local sessions' Unix socket, serving `servicer`'s session calls (None: the
     default directory could not be used, and the service runs without them)."""
     local = LocalSessions(
-        servicer._session_call,
+        functools.partial(servicer._session_call, local=True),
         _local_session_auth(auth),
         DEFAULT_TENANT,
         config.server.max_message_bytes,

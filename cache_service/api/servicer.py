@@ -46,10 +46,11 @@ from cache_service.engine.eager_tasks import start_eagerly
 from cache_service.engine.errors import ServiceUnavailable
 from cache_service.engine.request_ids import MAX_REQUEST_ID_BYTES, RequestLedger, check_request_id
 from cache_service.engine.worker_interface import AttentionResult
-from cache_service.errors import InvalidRequest
+from cache_service.errors import InvalidRequest, NotColocated
 from cache_service.wire.session_codec import (
     APPEND_ATTEND_BATCH,
     ATTEND_BATCH,
+    STEP_LEASE,
     session_error,
     session_message,
 )
@@ -76,6 +77,7 @@ _MAX_PAGE_SIZE = 1000
 _SESSION_CALLS = {
     "append_attend_batch": ("Session.AppendAttendBatch", APPEND_ATTEND_BATCH),
     "attend_batch": ("Session.AttendBatch", ATTEND_BATCH),
+    "step_lease": ("Session.StepLease", STEP_LEASE),
 }  # the servicer runs kind "x" with its method `_x`
 
 
@@ -526,18 +528,22 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         tenant: str,
         short_path: bool = True,
         held: tuple[Any, Any] | None = None,
+        *,
+        local: bool = False,
     ) -> bytes:
         """One session call's encoded SessionResponse: its reply, or its error status.
         short_path: False to take an AppendAttendBatch the full way (`session_call_now`
         after the worker refused its values); held: the request id's ledger record that
-        `session_call_now` began (key, entry), to finish instead of a new one."""
+        `session_call_now` began (key, entry), to finish instead of a new one; local: the
+        call came over a local session (a client on this host), which a step lease needs."""
         t0 = time.perf_counter()
         kind = request.WhichOneof("call")
         name = _SESSION_CALLS.get(kind, ("Session", 0))[0]
         try:
             if kind not in _SESSION_CALLS:
                 raise InvalidRequest(
-                    "the SessionRequest carries no call: set append_attend_batch or attend_batch"
+                    "the SessionRequest carries no call: set append_attend_batch, attend_batch or "
+                    "step_lease"
                 )
             if kind == "append_attend_batch":
                 body = request.append_attend_batch
@@ -549,12 +555,31 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                         reply = await self._ledger.run_held(*held, run)
                 else:
                     reply = await self._once(tenant, body.request_id, deadline, run)
+            elif kind == "step_lease":
+                reply = await self._step_lease(request.step_lease, tenant, local)
             else:
                 reply = await getattr(self, f"_{kind}")(getattr(request, kind), tenant)
         except Exception as exc:
             return self._session_error(request, name, tenant, exc, t0)
         self._observe_session_call(name, "OK", t0)
         return session_message(request.call_id, _SESSION_CALLS[kind][1], reply)
+
+    async def _step_lease(self, body: pb.StepLeaseRequest, tenant: str, local: bool) -> bytes:
+        """A step lease for a local session's batch (`Coordinator.lease_step`)."""
+        if not local:
+            raise NotColocated(
+                "a step lease is for a client on the server's host: open a local session "
+                "(GetInfoResponse.local_session_socket)"
+            )
+        grant = await self._coord.lease_step(tenant, list(body.seq_ids), body.num_q_heads)
+        return pb.StepLeaseResponse(
+            granted=grant.granted,
+            reason=grant.reason,
+            lease_id=grant.lease_id,
+            socket=grant.socket,
+            layers=grant.layers,
+            timeout_us=int(grant.timeout_s * 1e6),
+        ).SerializeToString()
 
     def _session_error(
         self, request: pb.SessionRequest, name: str, tenant: str, exc: Exception, t0: float

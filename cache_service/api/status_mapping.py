@@ -44,6 +44,7 @@ _TABLE: tuple[tuple[type[BaseException], grpc.StatusCode, str], ...] = (
     (ce.SharedRegionNotFound, grpc.StatusCode.NOT_FOUND, ""),
     (ce.SharedMemoryLimit, grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
     (ce.SharedMemoryDisabled, grpc.StatusCode.FAILED_PRECONDITION, ""),
+    (ce.NotColocated, grpc.StatusCode.FAILED_PRECONDITION, ""),
     (ce.DeadlinePassed, grpc.StatusCode.DEADLINE_EXCEEDED, ""),
     (ce.AlreadyApplied, grpc.StatusCode.ALREADY_EXISTS, ""),
     (ce.EventsOutOfRange, grpc.StatusCode.OUT_OF_RANGE, ""),

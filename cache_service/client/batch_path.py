@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -29,7 +29,7 @@ from cache_service.client.replies import batch_results, session_result
 from cache_service.client.shared_memory import SharedMemoryPath, Staged
 from cache_service.client.transport import session_stream
 from cache_service.wire.request_codec import call_fields
-from cache_service.wire.session_codec import session_message
+from cache_service.wire.session_codec import STEP_LEASE, session_message
 
 __all__ = ["BatchPath"]
 
@@ -130,6 +130,48 @@ class BatchPath(CallPolicy):
                 request_id=rid,
             )
         return self._call(method, request, timeout_s=timeout_s, retry=retry)
+
+    def lease_step(
+        self, seq_ids: Sequence[str], num_q_heads: int, *, timeout_s: float | None = None
+    ) -> pb.StepLeaseResponse | None:
+        """A lease on the step this batch's last `append_attend_batch` planned: its other
+        layers may then go straight to the worker (`lease_channel.LeaseChannel`), see
+        StepLeaseRequest in the proto. Only over a local session (a client on the
+        server's host).
+
+        Args:
+            seq_ids: the batch's sequences, in the order of that call.
+            num_q_heads: query heads of the step's layers.
+
+        Returns:
+            The server's answer (`granted`, or the `reason` there is no lease); None when
+            this client has no local session, or another thread's call holds it.
+
+        Raises:
+            KVCacheError: the server refused the request (INVALID_ARGUMENT for malformed
+                arguments, UNAVAILABLE when the worker could not grant it).
+        """
+        if self._session is None:
+            return None
+        budget = self.timeout_s if timeout_s is None else float(timeout_s)
+        if not self._local_decided:
+            self._choose_local(budget)
+        local = self._local
+        if local is None:
+            return None
+        call_id = next(self._call_ids)
+        request = pb.StepLeaseRequest(seq_ids=list(seq_ids), num_q_heads=num_q_heads)
+        message = session_message(call_id, STEP_LEASE, request.SerializeToString())
+        try:
+            raw = local.call(message, budget)
+        except LocalSessionUnreachable:
+            self._forget_local(local)
+            return None
+        except StreamBroken as exc:
+            raise error_for(exc.code, exc.details) from None
+        if raw is None:
+            return None
+        return session_result(raw, call_id, STEP_LEASE)
 
     def _choose_local(self, budget: float) -> None:
         """Decide where the session's messages go (see `local_session`): connect to the

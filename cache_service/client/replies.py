@@ -10,13 +10,22 @@ import grpc
 
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service.client.errors import InternalError, error_for
-from cache_service.wire.session_codec import APPEND_ATTEND_BATCH, ATTEND_BATCH, status_from_number
+from cache_service.wire.session_codec import (
+    APPEND_ATTEND_BATCH,
+    ATTEND_BATCH,
+    STEP_LEASE,
+    status_from_number,
+)
 from cache_service.wire.tensor_codec import tensor_from_proto, tensors_from_protos
 
 __all__ = ["attention_results", "batch_results", "session_result"]
 
 # SessionResponse.result of each session call's reply.
-_SESSION_REPLY = {APPEND_ATTEND_BATCH: "append_attend_batch", ATTEND_BATCH: "attend_batch"}
+_SESSION_REPLY = {
+    APPEND_ATTEND_BATCH: "append_attend_batch",
+    ATTEND_BATCH: "attend_batch",
+    STEP_LEASE: "step_lease",
+}
 
 
 def session_result(raw: bytes, call_id: int, field: int) -> Any:

@@ -567,6 +567,13 @@ class BlockManager:
         """
         return repeated_writes.repeatable(self, snapshot, layer, token_ids)
 
+    def repeatable_layers(self, snapshot: WriteSnapshot) -> list[int]:
+        """The layers on which writing the snapshot's own tokens again would be planned
+        exactly as the snapshot's writes were (`repeatable` with its reserved tokens):
+        every layer still written up to the snapshot's starts, ascending; [] when a
+        sequence changed (freed, its table replaced). Read only."""
+        return repeated_writes.repeatable_layers(self, snapshot)
+
     # ---- attention ----------------------------------------------------------------------
 
     def attention_view(self, tenant: str, seq_id: str, layer: int) -> SequenceView:

@@ -114,3 +114,26 @@ def commit_repeated(m: BlockManager, snapshot: WriteSnapshot, layer: int) -> Non
     n = snapshot.num_tokens
     for seq, start in pairs:
         m._apply_commit(seq, layer, start + n)
+
+
+def repeatable_layers(m: BlockManager, snapshot: WriteSnapshot) -> list[int]:
+    """`BlockManager.repeatable_layers`: the layers `repeatable` would accept the
+    snapshot's own tokens on."""
+    live = m._seqs
+    n = snapshot.num_tokens
+    for seq_id, seq, row, start in zip(
+        snapshot.seq_ids, snapshot.seqs, snapshot.rows, snapshot.starts, strict=True
+    ):
+        if (
+            live.get(seq_id) is not seq
+            or seq.row is not row
+            or not row.matches(seq.table)
+            or len(seq.tokens) < start + n
+        ):
+            return []
+    pairs = list(zip(snapshot.seqs, snapshot.starts, strict=True))
+    return [
+        layer
+        for layer in range(m._num_layers)
+        if all(seq.written[layer] == start for seq, start in pairs)
+    ]

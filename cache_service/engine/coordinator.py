@@ -77,6 +77,7 @@ from cache_service.engine.input_checks import (
     check_tensor,
 )
 from cache_service.engine.kv_event_feed import KvEventFeed
+from cache_service.engine.leases import LeaseGrant, Leases
 from cache_service.engine.membership import Membership
 from cache_service.engine.request_ids import request_seq_id
 from cache_service.engine.rounds import Rounds
@@ -218,6 +219,15 @@ class Coordinator:
         self._repeats = StepRepeats(
             self, self._locks, self._steps, self._epochs, self._rounds, self._cancel_writes
         )
+        # A step's other layers handed to a co-located client (engine.leases).
+        self._leases = Leases(
+            self,
+            self._locks,
+            self._steps,
+            self._clients,
+            self._epochs,
+            self.config.step_lease_timeout_s,
+        )
 
     @property
     def correctness(self) -> CorrectnessChecker | None:
@@ -267,6 +277,7 @@ class Coordinator:
     async def close(self) -> None:
         """Stop background tasks (call after the server drained its calls)."""
         self._membership.closed = True
+        await self._leases.end_all()
         if self.kv_events is not None:
             self.kv_events.close()
         for task in list(self._background):
@@ -627,6 +638,30 @@ class Coordinator:
         return self._repeats.repeat_now(
             tenant, layer, batch, return_lse, out, rows, origin, finished
         )
+
+    async def lease_step(self, tenant: str, seq_ids: Sequence[str], num_q_heads: int) -> LeaseGrant:
+        """A lease on the step the batch's last append-and-attend planned: its other layers
+        go from the client to the worker directly (engine.leases); or the reason there
+        is none (`LeaseGrant.reason`).
+
+        Raises:
+            InvalidRequest: malformed arguments; WorkerError: the worker refused the grant
+                (nothing held).
+        """
+        check_not_empty(seq_ids, "lease_step")
+        if (
+            isinstance(num_q_heads, bool)
+            or not isinstance(num_q_heads, int)
+            or num_q_heads < 1
+            or num_q_heads % self.layout.num_kv_heads
+        ):
+            raise InvalidRequest(
+                f"num_q_heads must be a positive multiple of {self.layout.num_kv_heads}, "
+                f"got {num_q_heads!r}"
+            )
+        if self.config.step_lease_timeout_s <= 0:
+            return LeaseGrant("step leases are off (coordinator.step_lease_timeout_s is 0)")
+        return await self._leases.grant(tenant, list(seq_ids), num_q_heads)
 
     def _planned_parts(
         self,

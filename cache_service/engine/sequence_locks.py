@@ -11,13 +11,16 @@ wait for each other).
 
 A sequence with waiters is never free: its holder hands it straight to the first waiter
 still waiting (first come, first served), so a batch taken at once never overtakes one.
+
+A holder that waits for nobody but its client (a step lease, `step_leases`) is told when
+someone waits for one of its sequences (`on_contended`), and gives them back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
 __all__ = ["SequenceLocks"]
@@ -29,6 +32,8 @@ class SequenceLocks:
     def __init__(self) -> None:
         self._held: set[str] = set()
         self._waiters: dict[str, collections.deque[asyncio.Future[None]]] = {}
+        # Called with a held sequence's id when a caller starts waiting for it.
+        self.on_contended: Callable[[str], None] | None = None
 
     def holding(self, order: Sequence[str]) -> _Holding:
         """``async with locks.holding(order)``: the locks of ``order`` (distinct ids,
@@ -63,6 +68,8 @@ class SequenceLocks:
                 continue
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.setdefault(seq_id, collections.deque()).append(waiter)
+            if self.on_contended is not None:
+                self.on_contended(seq_id)
             try:
                 await waiter
             except BaseException:

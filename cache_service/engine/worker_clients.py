@@ -37,6 +37,7 @@ from workers.description import FencedEpoch, WorkerDescription, WorkerHealth
 from workers.errors import WorkerError, WorkerUnavailable
 from workers.fingerprints import BadSlot
 from workers.round import Round
+from workers.step_leases import LeaseReport
 from workers.transport import pack
 
 __all__ = ["LocalWorkerClient", "RayWorkerClient", "transfer_blocks"]
@@ -197,6 +198,26 @@ class _WorkerClientBase:
 
     async def restore_blocks(self, epoch: str, host_ids: IndexLike, block_ids: IndexLike) -> int:
         return await self._invoke("restore_blocks", self._fenced(epoch), host_ids, block_ids)
+
+    async def lease_socket(self) -> str:
+        return await self._invoke("lease_socket")
+
+    async def grant_lease(
+        self,
+        epoch: str,
+        lease_id: bytes,
+        layers: Sequence[int],
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        slot_mapping: Sequence[int],
+        num_q_heads: int,
+    ) -> None:
+        step = (block_tables, seq_lens, query_start_loc, slot_mapping, num_q_heads)
+        await self._invoke("grant_lease", self._fenced(epoch), lease_id, layers, *step)
+
+    async def end_lease(self, epoch: str, lease_id: bytes) -> LeaseReport:
+        return await self._invoke("end_lease", self._fenced(epoch), lease_id)
 
 
 class RayWorkerClient(_WorkerClientBase):

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     from workers.description import WorkerDescription, WorkerHealth
     from workers.round import Round
+    from workers.step_leases import LeaseReport
 
 __all__ = ["AttentionResult", "WorkerClient"]
 
@@ -131,4 +132,31 @@ class WorkerClient(Protocol):
     ) -> int:
         """Copy host tier blocks ``host_ids[i]`` into blocks ``block_ids[i]`` in one
         batched copy, complete before any later call reads them; returns bytes copied."""
+        ...
+
+    async def lease_socket(self) -> str:
+        """The worker's lease socket (a Unix socket path on its host; started on the first
+        call): co-located clients send a leased step's layers there
+        (workers.lease_server)."""
+        ...
+
+    async def grant_lease(
+        self,
+        epoch: str,
+        lease_id: bytes,
+        layers: Sequence[int],
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        slot_mapping: Sequence[int],
+        num_q_heads: int,
+    ) -> None:
+        """Let `lease_id` write and attend `layers` of a planned step (its metadata and
+        slots as a round carries them), each layer once, until :meth:`end_lease`
+        (workers.step_leases)."""
+        ...
+
+    async def end_lease(self, epoch: str, lease_id: bytes) -> LeaseReport:
+        """End a lease: no more layers on it; which layers it wrote and which it refused
+        (non-finite inputs, nothing written)."""
         ...

@@ -37,10 +37,14 @@ class SessionConfig:
             sequence empty.
         free_on_close: free the sequences when the session closes. Their full blocks stay
             in the service's prefix cache either way.
+        step_leases: when the service runs on this host (a local session), send each
+            forward's first layer as a call and its other layers straight to the worker
+            under a step lease (`integrations.step_leases`); off: every layer is a call.
     """
 
     reuse_prefix: bool = True
     free_on_close: bool = True
+    step_leases: bool = True
 
 
 @dataclass
@@ -52,8 +56,11 @@ class SessionStats:
         prompt_tokens: per row, prompt length without padding.
         step_columns: per forward, columns the model computed.
         step_tokens: per forward, tokens sent to the service for each row.
-        rpc_calls: append-and-attend calls (one per layer per forward).
+        rpc_calls: append-and-attend calls (one per layer per forward, less the leased ones).
         rpc_seconds: wall time spent inside them (the client call), seconds.
+        leased_calls: layers sent to the worker under a step lease (no call).
+        leased_seconds: wall time spent sending them (the staging copies' launches and the
+            worker's handoff; on a GPU not the kernels, which run asynchronously), seconds.
         attend_seconds: wall time of the attention layers' whole service path (checks, the
             tensors' moves to and from the host, the client call), seconds; minus
             ``rpc_seconds``: what the integration itself costs.
@@ -65,6 +72,8 @@ class SessionStats:
     step_tokens: list[list[int]] = field(default_factory=list)
     rpc_calls: int = 0
     rpc_seconds: float = 0.0
+    leased_calls: int = 0
+    leased_seconds: float = 0.0
     attend_seconds: float = 0.0
 
     @property
@@ -242,6 +251,12 @@ class GenerationSession:
     def end_step(self, step: ActiveStep, failed: bool) -> None:
         """Commit a finished forward; a forward that failed or skipped layers breaks the session."""
         self._active = None
+        if step.lease is not None and not failed:
+            try:
+                self._owner.leaser.check(step.lease)
+            except BaseException:
+                self._broken = f"a leased layer of step {step.plan.index} was refused"
+                raise
         missing = set(range(self._owner.layout.num_layers)) - step.layers_done
         if failed or missing:
             # Some layers may have written and others not: the sequences are inconsistent.
@@ -285,6 +300,13 @@ class GenerationSession:
         batch, num_q_heads, q, head_dim = query.shape
         rows = [r for r in step.plan.rows if r.count]
         width = max((r.count for r in rows), default=0)
+        # The service applies head_dim ** -0.5; another model scale is folded into the query.
+        factor = 1.0 if scaling is None else scaling * math.sqrt(head_dim)
+        if step.lease is not None and layer in step.lease.layers:
+            out = self._leased(step, layer, query, key, value, factor)
+            if out is not None:
+                self.stats.attend_seconds += time.perf_counter() - t0
+                return out
         # One device-to-host copy per tensor per layer (the client sends CPU bytes), not one
         # per row; K/V go in the service's KV dtype, queries in the model's (the output
         # comes back in the query's dtype).
@@ -292,10 +314,9 @@ class GenerationSession:
         q_host = query[:, :, q - width :, :].transpose(1, 2).to("cpu")
         k_host = key[:, :, q - width :, :].transpose(1, 2).to("cpu", kv_dtype)
         v_host = value[:, :, q - width :, :].transpose(1, 2).to("cpu", kv_dtype)
-        # The service applies head_dim ** -0.5; another model scale is folded into the query.
-        factor = 1.0 if scaling is None else scaling * math.sqrt(head_dim)
         if not math.isclose(factor, 1.0, rel_tol=1e-6):
             q_host = q_host * factor
+        first = not step.layers_done
         outputs = self._append_attend(step, layer, rows, width, k_host, v_host, q_host)
         if isinstance(outputs, torch.Tensor):  # every row sent `width` tokens: [batch, width, ...]
             if tuple(outputs.shape) != (batch, width, num_q_heads, head_dim):
@@ -307,9 +328,43 @@ class GenerationSession:
         else:
             out = self._scatter_rows(rows, outputs, q, query.dtype)
         step.layers_done.add(layer)
+        if first and isinstance(outputs, torch.Tensor) and width == q and self._config.step_leases:
+            # The step's first call planned it: its other layers may go to the worker.
+            step.lease = self._owner.leaser.lease(self._seq_ids)
         out = out.to(query.device)
         self.stats.attend_seconds += time.perf_counter() - t0
         return out
+
+    def _leased(
+        self,
+        step: ActiveStep,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        factor: float,
+    ) -> torch.Tensor | None:
+        """One layer of a uniform step (every row sends all q columns) under the step's
+        lease, on the model's device; None: the lease ended, send the layer as a call."""
+        t0 = time.perf_counter()
+        q4 = query.transpose(1, 2)
+        if not math.isclose(factor, 1.0, rel_tol=1e-6):
+            q4 = q4 * factor
+        assert step.lease is not None
+        try:
+            out = self._owner.leaser.run(
+                step.lease, layer, key.transpose(1, 2), value.transpose(1, 2), q4
+            )
+        except BaseException:
+            self._broken = f"leased layer {layer} of step {step.plan.index} failed"
+            raise
+        if out is None:
+            step.lease = None
+            return None
+        step.layers_done.add(layer)
+        self.stats.leased_calls += 1
+        self.stats.leased_seconds += time.perf_counter() - t0
+        return out if out.dtype == query.dtype else out.to(query.dtype)
 
     # --- helpers ------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from cache_service.integrations.batch_plan import StepPlan
 
 if TYPE_CHECKING:
     from cache_service.integrations.generation_session import GenerationSession
+    from cache_service.integrations.step_leases import ActiveLease
 
 SERVICE_ATTENTION = "kvcache_service"
 """The ``attn_implementation`` name under which the service attention is registered."""
@@ -34,6 +35,8 @@ class ActiveStep:
         self.plan = plan
         self.token_ids = token_ids  # per row: the ids of the tokens it sends this step
         self.layers_done: set[int] = set()
+        # The step's lease once its first layer planned it (integrations.step_leases).
+        self.lease: ActiveLease | None = None
 
 
 def service_attention_forward(

@@ -54,6 +54,7 @@ from cache_service.integrations.service_attention import (
     MissingStepError,
 )
 from cache_service.integrations.service_cache import ServiceKVCache
+from cache_service.integrations.step_leases import StepLeaser
 
 if TYPE_CHECKING:
     from cache_service.client import SequenceHandle
@@ -133,6 +134,8 @@ class ServiceModel:
         self.kv_dtype = check_service_layout(client.info(), self.layout)
         self.span: AttentionSpan | None = attention_span(model)
         self.namespace = model_namespace(model) if namespace is None else namespace
+        # Step leases of this model's sessions (a forward's later layers to the worker).
+        self.leaser = StepLeaser(client, self.layout.num_q_heads)
         self._sessions: set[GenerationSession] = set()
         self._previous_attn = model.config._attn_implementation
         reference = self._probe_reference()
@@ -229,7 +232,9 @@ class ServiceModel:
         self.client = stand_in
         try:
             with _eval_mode(self.model), torch.no_grad():
-                session = self.session(ids.cpu(), mask.cpu(), SessionConfig(reuse_prefix=False))
+                session = self.session(
+                    ids.cpu(), mask.cpu(), SessionConfig(reuse_prefix=False, step_leases=False)
+                )
                 with session:
                     ours = session.generate(generation_config=gc)
         except MissingStepError as e:
@@ -309,6 +314,7 @@ class ServiceModel:
         """Close open sessions, remove the hooks and restore the model's attention."""
         for s in list(self._sessions):
             s.close()
+        self.leaser.close()
         self._pre_hook.remove()
         self._post_hook.remove()
         self.model.set_attn_implementation(self._previous_attn)

@@ -269,6 +269,19 @@ class ServiceMetrics:
             "Sequences failed with DATA_LOSS because a worker holding their blocks was lost.",
             registry=reg,
         )
+        self.step_leases = Counter(
+            f"{p}_step_leases",
+            "Step leases granted to co-located clients, and ended (event).",
+            ["event"],
+            registry=reg,
+        )
+        for event in ("granted", "ended"):
+            self.step_leases.labels(event)
+        self.leased_layers = Counter(
+            f"{p}_leased_layers",
+            "Layer calls a worker served under a step lease, committed when the lease ended.",
+            registry=reg,
+        )
 
     def _add_correctness_metrics(self, p: str, reg: CollectorRegistry) -> None:
         """The online correctness checks: mismatches, their time, discarded checks."""
@@ -463,6 +476,15 @@ class ServiceMetrics:
         """Count `n` query tokens whose attention output was returned (n >= 0)."""
         _check_count("n", n)
         self.attention_tokens.inc(n)
+
+    def add_step_lease(self, event: str) -> None:
+        """Count a step lease `event`: "granted" or "ended"."""
+        self.step_leases.labels(event).inc()
+
+    def add_leased_layers(self, n: int) -> None:
+        """Count `n` layer calls served under a step lease (n >= 0)."""
+        _check_count("n", n)
+        self.leased_layers.inc(n)
 
     def add_lost_sequences(self, n: int) -> None:
         """Count `n` sequences failed with DATA_LOSS (n >= 0)."""

@@ -16,6 +16,7 @@ from cache_service.wire.format import delimited, varint
 __all__ = [
     "APPEND_ATTEND_BATCH",
     "ATTEND_BATCH",
+    "STEP_LEASE",
     "session_error",
     "session_message",
     "status_from_number",
@@ -24,9 +25,10 @@ __all__ = [
 # Field numbers of the calls in SessionRequest.call and SessionResponse.result.
 APPEND_ATTEND_BATCH = 2
 ATTEND_BATCH = 3
+STEP_LEASE = 5
 _ERROR_TAG = b"\x22"  # SessionResponse.error = 4, length-delimited
 _CALL_ID_TAG = b"\x08"  # call_id = 1, varint
-_TAGS = {APPEND_ATTEND_BATCH: b"\x12", ATTEND_BATCH: b"\x1a"}
+_TAGS = {APPEND_ATTEND_BATCH: b"\x12", ATTEND_BATCH: b"\x1a", STEP_LEASE: b"\x2a"}
 
 
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
@@ -40,7 +42,7 @@ def status_from_number(code: int) -> grpc.StatusCode:
 
 def session_message(call_id: int, field: int, inner: bytes) -> bytes:
     """A `SessionRequest` (client) or `SessionResponse` (server) carrying the encoded call
-    request or reply `inner` under `field` (APPEND_ATTEND_BATCH or ATTEND_BATCH).
+    request or reply `inner` under `field` (APPEND_ATTEND_BATCH, ATTEND_BATCH or STEP_LEASE).
 
     Raises:
         ValueError: an unknown field or a negative call id.

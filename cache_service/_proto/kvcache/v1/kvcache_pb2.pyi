@@ -353,14 +353,40 @@ class AttendBatchResponse(_message.Message):
     def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., lse: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("call_id", "append_attend_batch", "attend_batch")
+    __slots__ = ("call_id", "append_attend_batch", "attend_batch", "step_lease")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     APPEND_ATTEND_BATCH_FIELD_NUMBER: _ClassVar[int]
     ATTEND_BATCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_LEASE_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     append_attend_batch: AppendAttendBatchRequest
     attend_batch: AttendBatchRequest
-    def __init__(self, call_id: _Optional[int] = ..., append_attend_batch: _Optional[_Union[AppendAttendBatchRequest, _Mapping]] = ..., attend_batch: _Optional[_Union[AttendBatchRequest, _Mapping]] = ...) -> None: ...
+    step_lease: StepLeaseRequest
+    def __init__(self, call_id: _Optional[int] = ..., append_attend_batch: _Optional[_Union[AppendAttendBatchRequest, _Mapping]] = ..., attend_batch: _Optional[_Union[AttendBatchRequest, _Mapping]] = ..., step_lease: _Optional[_Union[StepLeaseRequest, _Mapping]] = ...) -> None: ...
+
+class StepLeaseRequest(_message.Message):
+    __slots__ = ("seq_ids", "num_q_heads")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_Q_HEADS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_q_heads: int
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., num_q_heads: _Optional[int] = ...) -> None: ...
+
+class StepLeaseResponse(_message.Message):
+    __slots__ = ("granted", "reason", "lease_id", "socket", "layers", "timeout_us")
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_US_FIELD_NUMBER: _ClassVar[int]
+    granted: bool
+    reason: str
+    lease_id: bytes
+    socket: str
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    timeout_us: int
+    def __init__(self, granted: _Optional[bool] = ..., reason: _Optional[str] = ..., lease_id: _Optional[bytes] = ..., socket: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., timeout_us: _Optional[int] = ...) -> None: ...
 
 class CallError(_message.Message):
     __slots__ = ("code", "message")
@@ -371,16 +397,18 @@ class CallError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("call_id", "append_attend_batch", "attend_batch", "error")
+    __slots__ = ("call_id", "append_attend_batch", "attend_batch", "error", "step_lease")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     APPEND_ATTEND_BATCH_FIELD_NUMBER: _ClassVar[int]
     ATTEND_BATCH_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    STEP_LEASE_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     append_attend_batch: AppendAttendBatchResponse
     attend_batch: AttendBatchResponse
     error: CallError
-    def __init__(self, call_id: _Optional[int] = ..., append_attend_batch: _Optional[_Union[AppendAttendBatchResponse, _Mapping]] = ..., attend_batch: _Optional[_Union[AttendBatchResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
+    step_lease: StepLeaseResponse
+    def __init__(self, call_id: _Optional[int] = ..., append_attend_batch: _Optional[_Union[AppendAttendBatchResponse, _Mapping]] = ..., attend_batch: _Optional[_Union[AttendBatchResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., step_lease: _Optional[_Union[StepLeaseResponse, _Mapping]] = ...) -> None: ...
 
 class LocalSessionHello(_message.Message):
     __slots__ = ("authorization",)

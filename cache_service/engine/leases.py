@@ -1,0 +1,210 @@
+"""Step leases, the coordinator's side: a planned step's other layers handed to the client.
+
+A co-located client's decode step goes through the coordinator once: its first layer's
+append-and-attend plans the step (`steps.Step`). The client then asks for a lease on it
+(`Leases.grant`); the coordinator takes the step's sequences' locks, asks the worker to
+serve the step's unwritten layers under a fresh random id (`workers.step_leases`), and
+answers with the id and the worker's lease socket. The client sends those layers to the
+worker directly (`cache_service.client.lease_channel`), without this process.
+
+The lease keeps the sequences' locks until it ends, so nothing else reads or changes them
+meanwhile. It ends when anyone waits for one of its sequences (the client's next call
+included: `SequenceLocks.on_contended`), at its timeout, or when the coordinator closes.
+Ending asks the worker which layers the lease wrote, commits exactly those
+(`BlockManager.commit_repeated`, as the coordinator's own repeated layers commit), then
+gives the locks back. A layer the lease did not write stays unwritten: the client sends it
+by call, or its next step's calls find the sequence short on that layer and are refused.
+A worker that cannot be reached at the end commits nothing; its failure handling (a lost
+worker's sequences answer DATA_LOSS) is the coordinator's usual one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from cache_service.engine.sequence_locks import SequenceLocks
+from cache_service.engine.steps import Step, StepCache
+from cache_service.engine.worker_interface import WorkerClient
+from workers.errors import WorkerError
+
+if TYPE_CHECKING:
+    from cache_service.engine.coordinator import Coordinator
+
+__all__ = ["LeaseGrant", "Leases"]
+
+log = logging.getLogger("kvcache.leases")
+
+
+@dataclass(frozen=True)
+class LeaseGrant:
+    """The answer to a lease request.
+
+    Attributes:
+        reason: why no lease was granted ("" when granted).
+        lease_id: the lease's 16 random bytes (empty when refused).
+        socket: the worker's lease socket.
+        layers: the layers the lease may write.
+        timeout_s: the lease ends this long after the grant at the latest.
+    """
+
+    reason: str = ""
+    lease_id: bytes = b""
+    socket: str = ""
+    layers: tuple[int, ...] = ()
+    timeout_s: float = 0.0
+
+    @property
+    def granted(self) -> bool:
+        return not self.reason
+
+
+@dataclass(eq=False)
+class _Lease:
+    lease_id: bytes
+    step: Step
+    epoch: str
+    client: WorkerClient
+    ending: asyncio.Task[None] | None = None
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+class Leases:
+    """The coordinator's step leases.
+
+    Args:
+        owner: the coordinator (its `block_manager` and `metrics` are read at each use:
+            recovery replaces the block manager).
+        locks: the coordinator's sequence locks (their `on_contended` is set here).
+        steps: the recorded steps.
+        clients, epochs: worker id -> client / epoch of every registered worker (the
+            coordinator's dicts).
+        timeout_s: the longest a lease lives.
+    """
+
+    def __init__(
+        self,
+        owner: Coordinator,
+        locks: SequenceLocks,
+        steps: StepCache,
+        clients: Mapping[str, WorkerClient],
+        epochs: Mapping[str, str],
+        timeout_s: float,
+    ) -> None:
+        self._owner = owner
+        self._locks = locks
+        self._steps = steps
+        self._clients = clients
+        self._epochs = epochs
+        self._timeout_s = timeout_s
+        self._by_seq: dict[str, _Lease] = {}
+        self._sockets: dict[tuple[str, str], str] = {}
+        locks.on_contended = self.recall
+
+    def __len__(self) -> int:
+        return len({id(lease) for lease in self._by_seq.values()})
+
+    async def grant(self, tenant: str, seq_ids: list[str], num_q_heads: int) -> LeaseGrant:
+        """A lease on the step the batch's last call planned (see the module docstring),
+        or the reason there is none. Raises what the worker's grant raises (WorkerError)
+        with nothing held."""
+        step = self._steps.get(tenant, tuple(seq_ids))
+        if step is None:
+            return LeaseGrant(
+                "no planned step for this batch: its last call was not an append-and-attend "
+                "of these sequences, in this order, planned on one worker"
+            )
+        plan = step.plan
+        if plan is None or len(plan.batches) != 1 or plan.needs_merge:
+            return LeaseGrant("the step's attention is not one worker's single batch")
+        worker_id = step.worker_id
+        epoch = self._epochs.get(worker_id)
+        client = self._clients.get(worker_id)
+        if epoch is None or client is None:
+            return LeaseGrant(f"worker {worker_id!r} of the step is not serving")
+        await self._locks.acquire(step.lock_order)
+        try:
+            layers = self._owner.block_manager.repeatable_layers(step.snapshot)
+            if self._steps.get(tenant, tuple(seq_ids)) is not step or not layers:
+                self._locks.release(step.lock_order)
+                return LeaseGrant("every layer of the step is written (or it changed)")
+            socket = await self._socket(worker_id, epoch, client)
+            lease_id = secrets.token_bytes(16)
+            tables, lens, starts = plan.batches[0].metadata_args()
+            await client.grant_lease(
+                epoch, lease_id, layers, tables, lens, starts, step.slots, num_q_heads
+            )
+        except BaseException:
+            self._locks.release(step.lock_order)
+            raise
+        lease = _Lease(lease_id, step, epoch, client)
+        for seq_id in step.lock_order:
+            self._by_seq[seq_id] = lease
+        lease.timer = asyncio.get_running_loop().call_later(self._timeout_s, self._end_soon, lease)
+        if self._owner.metrics is not None:
+            self._owner.metrics.add_step_lease("granted")
+        return LeaseGrant("", lease_id, socket, tuple(layers), self._timeout_s)
+
+    def recall(self, seq_id: str) -> None:
+        """Someone waits for `seq_id`: end the lease holding it, if any (its locks then go
+        to the waiters)."""
+        lease = self._by_seq.get(seq_id)
+        if lease is not None:
+            self._end_soon(lease)
+
+    async def end_all(self) -> None:
+        """End every lease (the coordinator closes)."""
+        leases = {id(lease): lease for lease in self._by_seq.values()}.values()
+        for lease in list(leases):
+            self._end_soon(lease)
+        ending = [lease.ending for lease in leases if lease.ending is not None]
+        if ending:
+            await asyncio.gather(*ending, return_exceptions=True)
+
+    def _end_soon(self, lease: _Lease) -> None:
+        if lease.ending is None:
+            lease.ending = asyncio.get_running_loop().create_task(self._end(lease))
+
+    async def _end(self, lease: _Lease) -> None:
+        """Ask the worker what the lease wrote, commit that, give the locks back."""
+        step = lease.step
+        if lease.timer is not None:
+            lease.timer.cancel()
+        written: tuple[int, ...] = ()
+        try:
+            report = await lease.client.end_lease(lease.epoch, lease.lease_id)
+            written = report.written
+            manager = self._owner.block_manager
+            for layer in written:
+                manager.commit_repeated(step.snapshot, layer)
+        except WorkerError as exc:
+            # Nothing committed: the layers stay unwritten. A lost worker is found and
+            # handled by the coordinator's health checks.
+            log.warning("ending a step lease on worker %s failed: %s", step.worker_id, exc)
+        except Exception:
+            log.exception("ending a step lease failed")
+        finally:
+            for seq_id in step.lock_order:
+                if self._by_seq.get(seq_id) is lease:
+                    del self._by_seq[seq_id]
+            self._locks.release(step.lock_order)
+        metrics = self._owner.metrics
+        if metrics is not None:
+            metrics.add_step_lease("ended")
+            if written:
+                b = len(step.snapshot.seq_ids)
+                metrics.add_tokens_appended(b * step.snapshot.num_tokens * len(written))
+                metrics.add_attention_tokens(b * step.num_queries[0] * len(written))
+                metrics.add_leased_layers(len(written))
+
+    async def _socket(self, worker_id: str, epoch: str, client: WorkerClient) -> str:
+        """The worker's lease socket, asked once per worker epoch."""
+        path = self._sockets.get((worker_id, epoch))
+        if path is None:
+            path = await client.lease_socket()
+            self._sockets[(worker_id, epoch)] = path
+        return path

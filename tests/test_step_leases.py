@@ -1,0 +1,314 @@
+"""Step leases: a co-located client's decode step, its first layer a call and the others
+sent to the worker directly (engine.leases, workers.step_leases, workers.lease_server,
+client.lease_channel).
+
+Against a real server (in-process CPU pools, the local session, the lease socket): leased
+layers give what dense attention over everything written gives; the lease commits exactly
+the layers it wrote when it ends (the client's next call, a free, a waiter, the timeout);
+a layer on an ended or unknown lease, twice, outside the lease or with NaN is refused and
+writes nothing; a lease is refused over the network and where no step was planned.
+(Generation through transformers with leases: test_integration_transformers; on a GPU
+across processes: test_step_leases_gpu; on Ray workers: test_service_e2e.)
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+import grpc
+import pytest
+import torch
+from service_support import HQ, LAYOUT, Mirror, ServiceHarness, local_workers, service_config
+
+import cache_service.client.lease_channel as client_side
+import workers.lease_server as worker_side
+from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
+from cache_service._proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
+from cache_service.client import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    KVCacheClient,
+    UnavailableError,
+)
+from cache_service.client.lease_channel import LeaseChannel, LeaseEndedError
+
+pytestmark = pytest.mark.timeout(90)
+
+D, HKV, NL = LAYOUT.head_dim, LAYOUT.num_kv_heads, LAYOUT.num_layers
+CPU = torch.device("cpu")
+
+
+def test_the_client_and_the_worker_speak_one_wire_format() -> None:
+    assert client_side._REQUEST.format == worker_side.REQUEST.format
+    assert (client_side._SERVE, client_side._CHECK) == (worker_side.SERVE, worker_side.CHECK)
+    assert (client_side._OK, client_side._ENDED, client_side._REFUSED) == (
+        worker_side.OK,
+        worker_side.ENDED,
+        worker_side.REFUSED,
+    )
+    assert client_side._VERSION == worker_side.VERSION
+
+
+@pytest.fixture
+def harness():
+    with ServiceHarness(service_config(), local_workers(1, 64)) as h:
+        yield h
+
+
+@pytest.fixture
+def client(harness):
+    with KVCacheClient(harness.address) as c:
+        yield c
+
+
+class Batch:
+    """A batch of sequences with their client-side truth (prompt written on every layer by
+    calls), and the next decode step's tensors per layer."""
+
+    def __init__(self, client: KVCacheClient, prompts: list[list[int]], seed: int) -> None:
+        self.client = client
+        self.gen = torch.Generator().manual_seed(seed)
+        self.mirrors = []
+        for prompt in prompts:
+            handle = client.create_sequence(prompt)
+            m = Mirror(handle.seq_id, NL)
+            m.tokens = list(prompt)
+            self.mirrors.append(m)
+        for layer in range(NL):
+            for m in self.mirrors:
+                k, v = torch.randn(2, len(m.tokens), HKV, D, generator=self.gen)
+                client.append(m.seq_id, m.tokens, k, v, layer)
+                m.add(layer, k, v)
+
+    @property
+    def seq_ids(self) -> list[str]:
+        return [m.seq_id for m in self.mirrors]
+
+    def step(self) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v, q) of one decode step, ``[b, 1, H, D]`` each; the mirrors hold
+        the new K/V once the caller wrote them (`wrote`)."""
+        b = len(self.mirrors)
+        out = {}
+        for layer in range(NL):
+            k, v = torch.randn(2, b, 1, HKV, D, generator=self.gen)
+            q = torch.randn(b, 1, HQ, D, generator=self.gen)
+            out[layer] = (k, v, q)
+        return out
+
+    def wrote(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        for i, m in enumerate(self.mirrors):
+            m.add(layer, k[i], v[i])
+
+    def reference(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        return torch.stack([m.reference(layer, q[i])[0] for i, m in enumerate(self.mirrors)])
+
+
+def _first_layer(batch: Batch, step: dict, token: int) -> torch.Tensor:
+    """Layer 0 of the step by call (which plans it), the token appended to every row."""
+    k, v, q = step[0]
+    ids = [[token]] * len(batch.mirrors)
+    out = batch.client.append_attend_batch(0, batch.seq_ids, ids, k, v, q)
+    batch.wrote(0, k, v)
+    return out
+
+
+def _close(a: torch.Tensor, ref: torch.Tensor) -> None:
+    assert torch.allclose(a.double(), ref.double(), atol=2e-5), (a.double() - ref).abs().max()
+
+
+def test_leased_layers_equal_dense_attention_and_commit_at_the_next_call(harness, client):
+    batch = Batch(client, [[1, 2, 3], [4, 5, 6, 7, 8, 9]], seed=0)
+    step = batch.step()
+    _close(_first_layer(batch, step, 11), batch.reference(0, step[0][2]))
+    lease = client.lease_step(batch.seq_ids, HQ)
+    assert lease.granted, lease.reason
+    assert list(lease.layers) == list(range(1, NL)) and lease.timeout_us > 0
+    channel = LeaseChannel(lease.socket, 8, 8, HQ, CPU)
+    for layer in lease.layers:
+        k, v, q = step[layer]
+        out = channel.run_layer(lease.lease_id, layer, k, v, q)
+        batch.wrote(layer, k, v)
+        _close(out.view(q.shape), batch.reference(layer, q))
+    channel.check(lease.lease_id)
+    # The lease still holds the batch: nothing committed yet on the leased layers.
+    info = harness.call(
+        harness.coordinator.block_manager.sequence_info, "default", batch.seq_ids[0]
+    )
+    assert list(info.written) == [4] + [3] * (NL - 1)
+    # The next call (another step) ends it: every leased layer committed, then planned on.
+    step2 = batch.step()
+    _close(_first_layer(batch, step2, 12), batch.reference(0, step2[0][2]))
+    info = harness.call(
+        harness.coordinator.block_manager.sequence_info, "default", batch.seq_ids[0]
+    )
+    assert list(info.written) == [5] + [4] * (NL - 1)
+    with pytest.raises(LeaseEndedError):
+        channel.run_layer(lease.lease_id, 1, *step[1])
+    lease2 = client.lease_step(batch.seq_ids, HQ)
+    assert lease2.granted and lease2.lease_id != lease.lease_id
+    for layer in lease2.layers:
+        k, v, q = step2[layer]
+        out = channel.run_layer(lease2.lease_id, layer, k, v, q)
+        batch.wrote(layer, k, v)
+        _close(out.view(q.shape), batch.reference(layer, q))
+    for s in batch.seq_ids:
+        client.free(s)
+    channel.close()
+    harness.check_integrity()
+    stats = harness.stats()
+    assert stats.active_sequences == 0
+    assert all(w.used == 0 for w in stats.workers.values()), stats.workers
+
+
+def test_a_layer_the_lease_did_not_write_goes_by_call_afterwards(harness, client):
+    batch = Batch(client, [[1, 2, 3, 4, 5]], seed=1)
+    step = batch.step()
+    _first_layer(batch, step, 7)
+    lease = client.lease_step(batch.seq_ids, HQ)
+    channel = LeaseChannel(lease.socket, 4, 4, HQ, CPU)
+    # Refused before anything is written: a layer outside the lease.
+    with pytest.raises(InvalidArgumentError, match="does not cover layer 0"):
+        channel.run_layer(lease.lease_id, 0, *step[0])
+    # The client's own call on layer 1 ends the lease (nothing leased was written) and
+    # writes the layer itself.
+    k, v, q = step[1]
+    out = client.append_attend_batch(1, batch.seq_ids, [[7]], k, v, q)
+    batch.wrote(1, k, v)
+    _close(out, batch.reference(1, q))
+    with pytest.raises(LeaseEndedError):
+        channel.run_layer(lease.lease_id, 1, k, v, q)
+    harness.check_integrity()
+
+
+def test_a_layer_sent_twice_under_a_lease_is_refused(client):
+    batch = Batch(client, [[1, 2]], seed=2)
+    step = batch.step()
+    _first_layer(batch, step, 3)
+    lease = client.lease_step(batch.seq_ids, HQ)
+    channel = LeaseChannel(lease.socket, 4, 4, HQ, CPU)
+    channel.run_layer(lease.lease_id, 1, *step[1])
+    with pytest.raises(InvalidArgumentError, match="already written under this lease"):
+        channel.run_layer(lease.lease_id, 1, *step[1])
+
+
+def test_a_non_finite_leased_layer_writes_nothing_and_is_reported(harness, client):
+    batch = Batch(client, [[1, 2, 3]], seed=3)
+    step = batch.step()
+    _first_layer(batch, step, 4)
+    lease = client.lease_step(batch.seq_ids, HQ)
+    channel = LeaseChannel(lease.socket, 4, 4, HQ, CPU)
+    k, v, q = step[1]
+    channel.run_layer(lease.lease_id, 1, k * float("nan"), v, q)
+    with pytest.raises(InvalidArgumentError, match="non-finite inputs on layers 1"):
+        channel.check(lease.lease_id)
+    # Ending the lease commits nothing on layer 1: it is still short by the step's token,
+    # and the call that writes it gives what dense attention gives.
+    out = client.append_attend_batch(1, batch.seq_ids, [[4]], k, v, q)
+    batch.wrote(1, k, v)
+    _close(out, batch.reference(1, q))
+    harness.check_integrity()
+
+
+def test_a_free_ends_the_lease_and_leaks_nothing(harness, client):
+    batch = Batch(client, [[1, 2, 3], [9, 9]], seed=4)
+    step = batch.step()
+    _first_layer(batch, step, 5)
+    lease = client.lease_step(batch.seq_ids, HQ)
+    channel = LeaseChannel(lease.socket, 4, 4, HQ, CPU)
+    channel.run_layer(lease.lease_id, 1, *step[1])
+    client.free(batch.seq_ids[0])  # waits for the lease, which ends
+    with pytest.raises(LeaseEndedError):
+        channel.check(lease.lease_id)
+    client.free(batch.seq_ids[1])
+    harness.check_integrity()
+    stats = harness.stats()
+    assert stats.active_sequences == 0
+    assert all(w.used == 0 for w in stats.workers.values()), stats.workers
+    assert len(harness.coordinator._leases) == 0
+
+
+def test_a_lease_ends_at_its_timeout():
+    config = service_config(**{"coordinator.step_lease_timeout_s": 0.2})
+    with (
+        ServiceHarness(config, local_workers(1, 64)) as harness,
+        KVCacheClient(harness.address) as client,
+    ):
+        batch = Batch(client, [[1, 2, 3]], seed=5)
+        step = batch.step()
+        _first_layer(batch, step, 6)
+        lease = client.lease_step(batch.seq_ids, HQ)
+        assert lease.timeout_us == 200_000
+        channel = LeaseChannel(lease.socket, 4, 4, HQ, CPU)
+        deadline = time.monotonic() + 10
+        while len(harness.coordinator._leases) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(LeaseEndedError):
+            channel.run_layer(lease.lease_id, 1, *step[1])
+        harness.check_integrity()
+
+
+def test_no_lease_without_a_planned_step_or_with_bad_arguments(client):
+    batch = Batch(client, [[1, 2, 3]], seed=6)
+    reply = client.lease_step(batch.seq_ids, HQ)
+    assert not reply.granted and "no planned step" in reply.reason
+    with pytest.raises(InvalidArgumentError, match="num_q_heads"):
+        client.lease_step(batch.seq_ids, HKV + 1)
+    with pytest.raises(InvalidArgumentError):
+        client.lease_step([], HQ)
+    step = batch.step()
+    _first_layer(batch, step, 8)
+    # Another batch order is another batch: no step planned for it.
+    assert not client.lease_step([*batch.seq_ids[::-1], "x"], HQ).granted
+
+
+def test_an_unknown_lease_or_a_step_larger_than_the_staging_writes_nothing(harness, client):
+    batch = Batch(client, [[1, 2, 3], [4, 5]], seed=7)
+    step = batch.step()
+    _first_layer(batch, step, 9)
+    lease = client.lease_step(batch.seq_ids, HQ)
+    channel = LeaseChannel(lease.socket, 4, 4, HQ, CPU)
+    with pytest.raises(LeaseEndedError):
+        channel.run_layer(secrets.token_bytes(16), 1, *step[1])
+    small = LeaseChannel(lease.socket, 1, 1, HQ, CPU)
+    assert not small.fits(2, 2, HQ)
+    k, v, q = (t[:1] for t in step[1])  # fits the staging; the lease's step does not
+    with pytest.raises(InvalidArgumentError, match="this connection stages 1 and 1"):
+        small.run_layer(lease.lease_id, 1, k, v, q)
+    # The layer is still the lease's to write, once.
+    k, v, q = step[1]
+    out = channel.run_layer(lease.lease_id, 1, k, v, q)
+    batch.wrote(1, k, v)
+    _close(out.view(q.shape), batch.reference(1, q))
+    small.close()
+    channel.close()
+
+
+def test_a_lease_is_refused_over_the_network(harness):
+    channel = grpc.insecure_channel(harness.address)
+    stub = pb_grpc.KVCacheStub(channel)
+    request = pb.SessionRequest(
+        call_id=1, step_lease=pb.StepLeaseRequest(seq_ids=["a"], num_q_heads=HQ)
+    )
+    (reply,) = list(stub.Session(iter([request])))
+    assert reply.WhichOneof("result") == "error"
+    assert reply.error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert "local session" in reply.error.message
+    channel.close()
+    # And a client without a local session gets no lease (it sends every layer by call).
+    with KVCacheClient(harness.address, local_session=False) as c:
+        assert c.lease_step(["a"], HQ) is None
+
+
+def test_the_worker_refuses_a_connection_it_cannot_stage(client):
+    batch = Batch(client, [[1, 2, 3]], seed=8)
+    _first_layer(batch, batch.step(), 10)
+    lease = client.lease_step(batch.seq_ids, HQ)
+    with pytest.raises(UnavailableError, match="q_heads must be a positive multiple"):
+        LeaseChannel(lease.socket, 4, 4, HKV + 1, CPU)
+    with pytest.raises(UnavailableError, match="rows and tokens"):
+        LeaseChannel(lease.socket, 0, 4, HQ, CPU)
+    with pytest.raises(UnavailableError, match="lease socket"):
+        LeaseChannel(lease.socket + ".missing", 4, 4, HQ, CPU)
+    # A lease ended by the timeout or a call is FAILED_PRECONDITION to its client.
+    assert issubclass(LeaseEndedError, FailedPreconditionError)
