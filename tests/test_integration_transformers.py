@@ -179,11 +179,16 @@ def _assert_same_generation(ours: Any, ref: Any) -> None:
     assert worst < LOGIT_ATOL, f"logits differ by up to {worst}"
 
 
+@pytest.mark.parametrize("leases", [False, True], ids=["calls", "leases"])
 @pytest.mark.parametrize("client", ["family_service"], indirect=True)
 def test_batched_greedy_generation_equals_transformers(
-    family_service: tuple[Family, EmbeddedService], client: RecordingClient
+    family_service: tuple[Family, EmbeddedService], client: RecordingClient, leases: bool
 ) -> None:
-    family, _ = family_service
+    # Every layer as a call (the recording client sees each), or the default on a local
+    # session: a decode step's first layer a call and the others sent to the worker under
+    # the step's lease. Either way the tokens and logits of transformers' own generation,
+    # the service holding every layer of every token, and no lease outliving the session.
+    family, svc = family_service
     model = family.model(seed=1)
     reference = copy.deepcopy(model)
     lengths = [5, 19, 37, 12]
@@ -193,12 +198,12 @@ def test_batched_greedy_generation_equals_transformers(
     served = ServiceModel(model, client)
     assert model.config._attn_implementation == SERVICE_ATTENTION
     before = dict(client.calls)
-    # Every layer as a call (the recording client sees each); leases: the next test.
-    config = SessionConfig(reuse_prefix=False, step_leases=False)
+    config = SessionConfig(reuse_prefix=False, step_leases=leases)
     with served.session(ids, mask, config) as session, torch.no_grad():
         ours = session.generate(**_generate_kwargs())
         exported = [client.export_blocks(s).token_ids for s in session.seq_ids]
         seq_ids = session.seq_ids
+    served.detach()
     _assert_same_generation(ours, ref)
 
     width = ids.shape[1]
@@ -207,47 +212,18 @@ def test_batched_greedy_generation_equals_transformers(
         # generated token but the last (generate never feeds that one back).
         real = ids[b, width - n :].tolist() + ours.sequences[b, width:-1].tolist()
         assert exported[b] == real
-        for layer in range(family.num_layers):
+        for layer in range(family.num_layers if not leases else 1):
             assert client.sent(seq_ids[b], layer) == real
     assert session.stats.prefill_tokens == lengths
     assert session.stats.step_columns == [width] + [1] * (NEW_TOKENS - 1)
-    # One RPC per layer per forward, whatever the batch size.
-    assert session.stats.rpc_calls == family.num_layers * NEW_TOKENS
-    # The ragged prefill goes item by item; every decode step as [batch, ...] tensors.
-    assert client.calls["items"] - before["items"] == family.num_layers
-    assert client.calls["batch"] - before["batch"] == family.num_layers * (NEW_TOKENS - 1)
-    assert client.stats().active_sequences == 0
-
-
-@pytest.mark.parametrize("client", ["family_service"], indirect=True)
-def test_generation_with_step_leases_equals_transformers(
-    family_service: tuple[Family, EmbeddedService], client: RecordingClient
-) -> None:
-    # The default on a local session: each decode step's first layer is a call, the others
-    # go to the worker under the step's lease. Same tokens and logits as transformers, the
-    # service holds every layer of every token, and no lease outlives the session.
-    family, svc = family_service
-    model = family.model(seed=1)
-    reference = copy.deepcopy(model)
-    lengths = [5, 19, 37, 12]
-    ids, mask = _batch(lengths, seed=2)
-    ref = _reference(reference, ids, mask)
-    served = ServiceModel(model, client)
-    before = dict(client.calls)
-    with served.session(ids, mask, SessionConfig(reuse_prefix=False)) as session, torch.no_grad():
-        ours = session.generate(**_generate_kwargs())
-        exported = [client.export_blocks(s).token_ids for s in session.seq_ids]
-    served.detach()
-    _assert_same_generation(ours, ref)
-    width = ids.shape[1]
-    for b, n in enumerate(lengths):
-        assert exported[b] == ids[b, width - n :].tolist() + ours.sequences[b, width:-1].tolist()
     decode_steps = NEW_TOKENS - 1
-    # The ragged prefill goes item by item, layer by layer (no lease: rows differ).
+    # The ragged prefill goes item by item, layer by layer (no lease: its rows differ);
+    # every decode step as [batch, ...] tensors: each layer, or the first under a lease.
     assert client.calls["items"] - before["items"] == family.num_layers
-    assert client.calls["batch"] - before["batch"] == decode_steps
-    assert session.stats.leased_calls == (family.num_layers - 1) * decode_steps
-    assert session.stats.rpc_calls == family.num_layers + decode_steps
+    decode_calls = decode_steps if leases else family.num_layers * decode_steps
+    assert client.calls["batch"] - before["batch"] == decode_calls
+    assert session.stats.rpc_calls == family.num_layers + decode_calls
+    assert session.stats.leased_calls == (family.num_layers * decode_steps - decode_calls)
     assert len(svc.running.coordinator._leases) == 0
     assert client.stats().active_sequences == 0
 
