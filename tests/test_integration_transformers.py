@@ -185,8 +185,8 @@ def test_batched_greedy_generation_equals_transformers(
     family_service: tuple[Family, EmbeddedService], client: RecordingClient, leases: bool
 ) -> None:
     # Every layer as a call (the recording client sees each), or the default on a local
-    # session: a decode step's first layer a call and the others sent to the worker under
-    # the step's lease. Either way the tokens and logits of transformers' own generation,
+    # session: a decode step planned once by the service and every layer sent to the
+    # worker under the step's lease. Either way the tokens and logits of transformers' own generation,
     # the service holding every layer of every token, and no lease outliving the session.
     family, svc = family_service
     model = family.model(seed=1)
@@ -212,15 +212,16 @@ def test_batched_greedy_generation_equals_transformers(
         # generated token but the last (generate never feeds that one back).
         real = ids[b, width - n :].tolist() + ours.sequences[b, width:-1].tolist()
         assert exported[b] == real
-        for layer in range(family.num_layers if not leases else 1):
-            assert client.sent(seq_ids[b], layer) == real
+        if not leases:
+            for layer in range(family.num_layers):
+                assert client.sent(seq_ids[b], layer) == real
     assert session.stats.prefill_tokens == lengths
     assert session.stats.step_columns == [width] + [1] * (NEW_TOKENS - 1)
     decode_steps = NEW_TOKENS - 1
     # The ragged prefill goes item by item, layer by layer (no lease: its rows differ);
-    # every decode step as [batch, ...] tensors: each layer, or the first under a lease.
+    # every decode step as [batch, ...] tensors, or planned once and leased whole.
     assert client.calls["items"] - before["items"] == family.num_layers
-    decode_calls = decode_steps if leases else family.num_layers * decode_steps
+    decode_calls = 0 if leases else family.num_layers * decode_steps
     assert client.calls["batch"] - before["batch"] == decode_calls
     assert session.stats.rpc_calls == family.num_layers + decode_calls
     assert session.stats.leased_calls == (family.num_layers * decode_steps - decode_calls)

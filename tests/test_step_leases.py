@@ -312,3 +312,63 @@ def test_the_worker_refuses_a_connection_it_cannot_stage(client):
         LeaseChannel(lease.socket + ".missing", 4, 4, HQ, CPU)
     # A lease ended by the timeout or a call is FAILED_PRECONDITION to its client.
     assert issubclass(LeaseEndedError, FailedPreconditionError)
+
+
+def test_a_step_planned_for_a_lease_writes_every_layer_by_lease(harness, client):
+    # No call at all: the service plans the step of these tokens and leases every layer.
+    batch = Batch(client, [[1, 2, 3], [4, 5, 6, 7, 8, 9]], seed=9)
+    step = batch.step()
+    lease = client.lease_step(batch.seq_ids, HQ, [[21], [22]])
+    assert lease.granted, lease.reason
+    assert list(lease.layers) == list(range(NL))
+    channel = LeaseChannel(lease.socket, 4, 4, HQ, CPU)
+    for layer in range(NL):
+        k, v, q = step[layer]
+        out = channel.run_layer(lease.lease_id, layer, k, v, q)
+        batch.wrote(layer, k, v)
+        _close(out.view(q.shape), batch.reference(layer, q))
+    channel.check(lease.lease_id)
+    client.free(batch.seq_ids[1])  # ends the lease: every layer of the step committed
+    info = harness.call(
+        harness.coordinator.block_manager.sequence_info, "default", batch.seq_ids[0]
+    )
+    assert list(info.written) == [4] * NL and list(info.token_ids) == [1, 2, 3, 21]
+    harness.check_integrity()
+
+
+def test_a_planned_step_no_layer_wrote_gives_its_positions_back(harness, client):
+    batch = Batch(client, [[1, 2, 3]], seed=10)
+    lease = client.lease_step(batch.seq_ids, HQ, [[31, 32]])
+    assert lease.granted
+    # The client's call with other tokens ends the lease first: nothing was written, so
+    # the reservation of 31, 32 is gone and the call's own tokens are planned.
+    k, v, q = (t for t in batch.step()[0])
+    out = client.append_attend_batch(0, batch.seq_ids, [[41]], k, v, q)
+    batch.wrote(0, k, v)
+    _close(out, batch.reference(0, q))
+    info = harness.call(
+        harness.coordinator.block_manager.sequence_info, "default", batch.seq_ids[0]
+    )
+    assert list(info.token_ids) == [1, 2, 3, 41]
+    harness.check_integrity()
+
+
+def test_a_planned_step_with_bad_tokens_reserves_nothing(harness, client):
+    batch = Batch(client, [[1, 2, 3], [4, 5]], seed=11)
+    with pytest.raises(ValueError, match="same number of new tokens"):
+        client.lease_step(batch.seq_ids, HQ, [[1], [2, 3]])
+    with pytest.raises(InvalidArgumentError, match="distinct sequences"):
+        client.lease_step([batch.seq_ids[0]] * 2, HQ, [[1], [2]])
+    # A lease planned and partly written leaves positions reserved for its tokens: a
+    # later plan naming other tokens there is refused, naming the position.
+    lease = client.lease_step(batch.seq_ids, HQ, [[7], [8]])
+    channel = LeaseChannel(lease.socket, 4, 4, HQ, CPU)
+    k, v, q = batch.step()[1]
+    channel.run_layer(lease.lease_id, 1, k, v, q)
+    with pytest.raises(InvalidArgumentError, match="position 3 holds token 7"):
+        client.lease_step(batch.seq_ids, HQ, [[9], [8]])
+    harness.check_integrity()
+    before = harness.stats()
+    with pytest.raises(InvalidArgumentError):
+        client.lease_step(batch.seq_ids, HQ, [[9], [8]])
+    assert harness.stats().workers == before.workers

@@ -114,6 +114,6 @@ def test_leased_generation_on_a_gpu_equals_transformers() -> None:
     assert torch.equal(ours.sequences.cpu(), ref.sequences.cpu())
     worst = max((a - b).abs().max().item() for a, b in zip(ours.logits, ref.logits, strict=True))
     assert worst < 1e-3, worst
-    # The unpadded prefill and every decode step: one call, then LAYERS - 1 leased layers.
-    assert stats.leased_calls == (LAYERS - 1) * NEW_TOKENS
-    assert stats.rpc_calls == NEW_TOKENS
+    # The unpadded prefill and every decode step: planned once, every layer leased.
+    assert stats.leased_calls == LAYERS * NEW_TOKENS
+    assert stats.rpc_calls == 0

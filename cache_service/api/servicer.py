@@ -571,7 +571,17 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 "a step lease is for a client on the server's host: open a local session "
                 "(GetInfoResponse.local_session_socket)"
             )
-        grant = await self._coord.lease_step(tenant, list(body.seq_ids), body.num_q_heads)
+        seq_ids = list(body.seq_ids)
+        rows = None
+        if body.token_ids:
+            ids, b = list(body.token_ids), len(seq_ids)
+            if b == 0 or len(ids) % b:
+                raise InvalidRequest(
+                    f"token_ids holds {len(ids)} ids for {b} sequences: batch * n expected"
+                )
+            n = len(ids) // b
+            rows = [ids[i * n : (i + 1) * n] for i in range(b)]
+        grant = await self._coord.lease_step(tenant, seq_ids, body.num_q_heads, rows)
         return pb.StepLeaseResponse(
             granted=grant.granted,
             reason=grant.reason,

@@ -132,16 +132,24 @@ class BatchPath(CallPolicy):
         return self._call(method, request, timeout_s=timeout_s, retry=retry)
 
     def lease_step(
-        self, seq_ids: Sequence[str], num_q_heads: int, *, timeout_s: float | None = None
+        self,
+        seq_ids: Sequence[str],
+        num_q_heads: int,
+        token_ids: Sequence[Sequence[int]] | None = None,
+        *,
+        timeout_s: float | None = None,
     ) -> pb.StepLeaseResponse | None:
-        """A lease on the step this batch's last `append_attend_batch` planned: its other
-        layers may then go straight to the worker (`lease_channel.LeaseChannel`), see
-        StepLeaseRequest in the proto. Only over a local session (a client on the
-        server's host).
+        """A step lease: the step's layers may then go straight to the worker
+        (`lease_channel.LeaseChannel`); see StepLeaseRequest in the proto. Only over a
+        local session (a client on the server's host).
 
         Args:
-            seq_ids: the batch's sequences, in the order of that call.
+            seq_ids: the batch's sequences.
             num_q_heads: query heads of the step's layers.
+            token_ids: None: the step this batch's last `append_attend_batch` planned
+                (its layers not written yet; `seq_ids` in that call's order). Else per
+                sequence the step's new token ids (the same number for each): the server
+                plans that step and leases every layer of it.
 
         Returns:
             The server's answer (`granted`, or the `reason` there is no lease); None when
@@ -160,7 +168,18 @@ class BatchPath(CallPolicy):
         if local is None:
             return None
         call_id = next(self._call_ids)
-        request = pb.StepLeaseRequest(seq_ids=list(seq_ids), num_q_heads=num_q_heads)
+        flat: list[int] = []
+        if token_ids is not None:
+            rows = [list(row) for row in token_ids]
+            if len(rows) != len(seq_ids) or len({len(row) for row in rows}) != 1:
+                raise ValueError(
+                    "token_ids must give each sequence the same number of new tokens, got "
+                    f"{[len(row) for row in rows]} for {len(seq_ids)} sequences"
+                )
+            flat = [int(t) for row in rows for t in row]
+        request = pb.StepLeaseRequest(
+            seq_ids=list(seq_ids), num_q_heads=num_q_heads, token_ids=flat
+        )
         message = session_message(call_id, STEP_LEASE, request.SerializeToString())
         try:
             raw = local.call(message, budget)

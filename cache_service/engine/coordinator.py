@@ -52,6 +52,7 @@ from cache_service.control.types import (
     TenantQuota,
     WritePlan,
 )
+from cache_service.engine.attention_plan import OneWorkerView, plan_attention
 from cache_service.engine.batching import Part
 from cache_service.engine.block_releases import BlockReleases
 from cache_service.engine.call_deadline import check_deadline
@@ -84,7 +85,7 @@ from cache_service.engine.rounds import Rounds
 from cache_service.engine.running_checks import RunningChecks
 from cache_service.engine.sequence_locks import SequenceLocks
 from cache_service.engine.step_repeats import StepRepeats
-from cache_service.engine.steps import StepCache
+from cache_service.engine.steps import Step, StepCache
 from cache_service.engine.store import MetadataStore, StoreError
 from cache_service.engine.values import (
     AppendAttendItem,
@@ -227,6 +228,7 @@ class Coordinator:
             self._clients,
             self._epochs,
             self.config.step_lease_timeout_s,
+            self._cancel_writes,
         )
 
     @property
@@ -639,14 +641,23 @@ class Coordinator:
             tenant, layer, batch, return_lse, out, rows, origin, finished
         )
 
-    async def lease_step(self, tenant: str, seq_ids: Sequence[str], num_q_heads: int) -> LeaseGrant:
-        """A lease on the step the batch's last append-and-attend planned: its other layers
-        go from the client to the worker directly (engine.leases); or the reason there
-        is none (`LeaseGrant.reason`).
+    async def lease_step(
+        self,
+        tenant: str,
+        seq_ids: Sequence[str],
+        num_q_heads: int,
+        token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> LeaseGrant:
+        """A step lease (engine.leases): the step's layers go from the client to the worker
+        directly. Without `token_ids`, on the step the batch's last append-and-attend
+        planned (its unwritten layers); with them (per sequence, the same number of new
+        tokens each), on a step planned here for those tokens, every layer (the queries
+        are the new tokens' own). Or the reason there is none (`LeaseGrant.reason`).
 
         Raises:
-            InvalidRequest: malformed arguments; WorkerError: the worker refused the grant
-                (nothing held).
+            InvalidRequest: malformed arguments, or token ids other than those reserved;
+            SequenceNotFound, SequenceLost, PoolExhausted, QuotaExceeded: as a write's;
+            WorkerError: the worker refused the grant. Nothing is held or reserved then.
         """
         check_not_empty(seq_ids, "lease_step")
         if (
@@ -661,7 +672,77 @@ class Coordinator:
             )
         if self.config.step_lease_timeout_s <= 0:
             return LeaseGrant("step leases are off (coordinator.step_lease_timeout_s is 0)")
-        return await self._leases.grant(tenant, list(seq_ids), num_q_heads)
+        if token_ids is None:
+            return await self._leases.grant(tenant, list(seq_ids), num_q_heads)
+        ids = list(seq_ids)
+        rows = [list(t) for t in token_ids]
+        if len(set(ids)) != len(ids) or len(rows) != len(ids):
+            raise InvalidRequest(
+                f"a planned step needs distinct sequences and token ids for each: "
+                f"{len(ids)} sequence ids ({len(set(ids))} distinct), {len(rows)} token rows"
+            )
+        n = len(rows[0])
+        if n < 1 or any(len(r) != n for r in rows):
+            raise InvalidRequest(
+                f"a planned step sends the same number (>= 1) of new tokens for every "
+                f"sequence, got {[len(r) for r in rows]}"
+            )
+        lock_order = sorted(ids)
+        await self._locks.acquire(lock_order)
+        try:
+            step = await self._plan_step(tenant, ids, rows)
+        except BaseException:
+            self._locks.release(lock_order)
+            raise
+        if isinstance(step, str):
+            self._locks.release(lock_order)
+            return LeaseGrant(step)
+        grant = await self._leases.grant_held(step, num_q_heads)
+        if not grant.granted:
+            self._cancel_writes(tenant, ids)
+        return grant
+
+    async def _plan_step(
+        self, tenant: str, seq_ids: list[str], rows: list[list[int]]
+    ) -> Step | str:
+        """Under the batch's locks: reserve the step's positions (running any
+        copy-on-write copies) and record it as a `Step` planned for a lease; or the reason
+        it cannot be leased, with nothing reserved."""
+        for i, (seq_id, tokens) in enumerate(zip(seq_ids, rows, strict=True)):
+            check_reserved(i, self.block_manager.write_cursor(tenant, seq_id, 0), tokens, 0)
+        self._require_workers()
+        plans = self.block_manager.prepare_writes(tenant, 0, list(zip(seq_ids, rows, strict=True)))
+        self._released.flush()
+        try:
+            if any(plan.copies for plan in plans):
+                await run_to_completion(self._calls.run_copies_of(plans, seq_ids))
+                plans = [WritePlan(p.start, p.slots, []) for p in plans]
+            bs = self.layout.block_size
+            views = [
+                view_after_write(self.block_manager, bs, tenant, s, 0, plan)
+                for s, plan in zip(seq_ids, plans, strict=True)
+            ]
+            worker_ids = {v.worker_id for v in views if type(v) is OneWorkerView}
+            slot_workers = {w for plan in plans for w, _ in plan.slots}
+            snapshot = self.block_manager.snapshot_writes(tenant, seq_ids, plans)
+        except BaseException:
+            self._cancel_writes(tenant, seq_ids)
+            raise
+        if (
+            len(worker_ids) != 1
+            or slot_workers != worker_ids
+            or any(type(v) is not OneWorkerView for v in views)
+            or snapshot is None
+        ):
+            self._cancel_writes(tenant, seq_ids)
+            return "the step's sequences are not all on one worker: send its layers by call"
+        (worker_id,) = worker_ids
+        n = len(rows[0])
+        plan = plan_attention(views, [n] * len(views), bs)
+        slots = [slot for p in plans for _, slot in p.slots]
+        step = Step(snapshot, worker_id, [n] * len(views), views, slots, plan, planned_only=True)  # type: ignore[arg-type]
+        self._steps.put(step)
+        return step
 
     def _planned_parts(
         self,

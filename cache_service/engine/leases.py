@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -84,6 +84,7 @@ class Leases:
         clients, epochs: worker id -> client / epoch of every registered worker (the
             coordinator's dicts).
         timeout_s: the longest a lease lives.
+        cancel_writes: releases positions reserved and never written (tenant, sequence ids).
     """
 
     def __init__(
@@ -94,8 +95,10 @@ class Leases:
         clients: Mapping[str, WorkerClient],
         epochs: Mapping[str, str],
         timeout_s: float,
+        cancel_writes: Callable[[str, Sequence[str]], None],
     ) -> None:
         self._owner = owner
+        self._cancel_writes = cancel_writes
         self._locks = locks
         self._steps = steps
         self._clients = clients
@@ -118,20 +121,30 @@ class Leases:
                 "no planned step for this batch: its last call was not an append-and-attend "
                 "of these sequences, in this order, planned on one worker"
             )
-        plan = step.plan
-        if plan is None or len(plan.batches) != 1 or plan.needs_merge:
-            return LeaseGrant("the step's attention is not one worker's single batch")
-        worker_id = step.worker_id
-        epoch = self._epochs.get(worker_id)
-        client = self._clients.get(worker_id)
-        if epoch is None or client is None:
-            return LeaseGrant(f"worker {worker_id!r} of the step is not serving")
         await self._locks.acquire(step.lock_order)
+        if self._steps.get(tenant, tuple(seq_ids)) is not step:
+            self._locks.release(step.lock_order)
+            return LeaseGrant("the batch's step changed meanwhile")
+        return await self.grant_held(step, num_q_heads)
+
+    async def grant_held(self, step: Step, num_q_heads: int) -> LeaseGrant:
+        """A lease on `step`, whose sequences' locks the caller holds and hands over: the
+        lease keeps them, or (no lease: the reason says why; or an exception) they are
+        released here."""
         try:
-            layers = self._owner.block_manager.repeatable_layers(step.snapshot)
-            if self._steps.get(tenant, tuple(seq_ids)) is not step or not layers:
+            plan = step.plan
+            if plan is None or len(plan.batches) != 1 or plan.needs_merge:
                 self._locks.release(step.lock_order)
-                return LeaseGrant("every layer of the step is written (or it changed)")
+                return LeaseGrant("the step's attention is not one worker's single batch")
+            worker_id = step.worker_id
+            epoch = self._epochs.get(worker_id)
+            client = self._clients.get(worker_id)
+            layers = self._owner.block_manager.repeatable_layers(step.snapshot)
+            if epoch is None or client is None or not layers:
+                self._locks.release(step.lock_order)
+                if not layers:
+                    return LeaseGrant("every layer of the step is written (or it changed)")
+                return LeaseGrant(f"worker {worker_id!r} of the step is not serving")
             socket = await self._socket(worker_id, epoch, client)
             lease_id = secrets.token_bytes(16)
             tables, lens, starts = plan.batches[0].metadata_args()
@@ -181,6 +194,10 @@ class Leases:
             manager = self._owner.block_manager
             for layer in written:
                 manager.commit_repeated(step.snapshot, layer)
+            if not written and step.planned_only:
+                # A step planned for the lease and never written on any layer: its
+                # positions go back, as a failed call's would.
+                self._cancel_writes(step.snapshot.tenant, list(step.snapshot.seq_ids))
         except WorkerError as exc:
             # Nothing committed: the layers stay unwritten. A lost worker is found and
             # handled by the coordinator's health checks.

@@ -47,6 +47,8 @@ class Step:
             plan (the plan then made for it carries it).
         lock_order: the batch's sequence ids, distinct and sorted: the order the
             coordinator takes their locks in, worked out once for every layer.
+        planned_only: planned for a step lease without writing any layer (a StepLease
+            with token ids), rather than by a call that wrote its first layer.
     """
 
     snapshot: WriteSnapshot
@@ -55,6 +57,7 @@ class Step:
     views: list[OneWorkerView]
     slots: list[int]
     plan: AttentionPlan | None = None
+    planned_only: bool = False
     key: int = field(init=False)
     lock_order: tuple[str, ...] = field(init=False)
 

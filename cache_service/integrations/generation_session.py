@@ -37,9 +37,10 @@ class SessionConfig:
             sequence empty.
         free_on_close: free the sequences when the session closes. Their full blocks stay
             in the service's prefix cache either way.
-        step_leases: when the service runs on this host (a local session), send each
-            forward's first layer as a call and its other layers straight to the worker
-            under a step lease (`integrations.step_leases`); off: every layer is a call.
+        step_leases: when the service runs on this host (a local session) and every row
+            of a forward sends the same columns, have the service plan the forward once
+            and send its layers straight to the worker under a step lease
+            (`integrations.step_leases`); off: every layer is a call.
     """
 
     reuse_prefix: bool = True
@@ -302,6 +303,11 @@ class GenerationSession:
         width = max((r.count for r in rows), default=0)
         # The service applies head_dim ** -0.5; another model scale is folded into the query.
         factor = 1.0 if scaling is None else scaling * math.sqrt(head_dim)
+        uniform = len(rows) == batch and width == q and all(r.count == q for r in rows)
+        if not step.layers_done and uniform and self._config.step_leases:
+            # Every row sends all q columns: the service plans the step once and every
+            # layer goes to the worker under its lease (none: each layer is a call).
+            step.lease = self._owner.leaser.lease(self._seq_ids, step.token_ids)
         if step.lease is not None and layer in step.lease.layers:
             out = self._leased(step, layer, query, key, value, factor)
             if out is not None:
@@ -316,7 +322,6 @@ class GenerationSession:
         v_host = value[:, :, q - width :, :].transpose(1, 2).to("cpu", kv_dtype)
         if not math.isclose(factor, 1.0, rel_tol=1e-6):
             q_host = q_host * factor
-        first = not step.layers_done
         outputs = self._append_attend(step, layer, rows, width, k_host, v_host, q_host)
         if isinstance(outputs, torch.Tensor):  # every row sent `width` tokens: [batch, width, ...]
             if tuple(outputs.shape) != (batch, width, num_q_heads, head_dim):
@@ -328,9 +333,6 @@ class GenerationSession:
         else:
             out = self._scatter_rows(rows, outputs, q, query.dtype)
         step.layers_done.add(layer)
-        if first and isinstance(outputs, torch.Tensor) and width == q and self._config.step_leases:
-            # The step's first call planned it: its other layers may go to the worker.
-            step.lease = self._owner.leaser.lease(self._seq_ids)
         out = out.to(query.device)
         self.stats.attend_seconds += time.perf_counter() - t0
         return out

@@ -1,8 +1,8 @@
 """A model's step leases: a forward's later layers sent straight to the worker.
 
-When the model's process shares a host with the service (a local session), the first
-layer of each forward goes through the service as a call, which plans the step; then
-:meth:`StepLeaser.lease` asks for a lease on it, and the other layers go to the worker
+When the model's process shares a host with the service (a local session), a forward
+whose rows all send the same columns asks the service to plan the step of its new tokens
+(:meth:`StepLeaser.lease`: one call, no tensors), and every layer goes to the worker
 holding the batch over its lease socket (:class:`~cache_service.client.lease_channel.LeaseChannel`):
 on a GPU the query, key and value are copied into the worker's staging memory on the
 model's own stream and the output comes back the same way, with no host copy and no wait
@@ -47,12 +47,13 @@ class StepLeaser:
         # Sockets that refused a connection (another host's, a GPU pool for CPU tensors).
         self._unusable: set[str] = set()
 
-    def lease(self, seq_ids: list[str]) -> ActiveLease | None:
-        """A lease on the step the batch's last call planned, or None (no local session,
-        the step does not qualify, or its worker cannot be reached from here)."""
+    def lease(self, seq_ids: list[str], token_ids: list[list[int]]) -> ActiveLease | None:
+        """A lease on the step of these new tokens (per sequence, the same number each),
+        planned by the service; or None (no local session, the step does not qualify, or
+        its worker cannot be reached from here): the layers then go as calls."""
         if self._lease_step is None:
             return None
-        reply = self._lease_step(seq_ids, self._num_q_heads)
+        reply = self._lease_step(seq_ids, self._num_q_heads, token_ids)
         if reply is None or not reply.granted or reply.socket in self._unusable:
             return None
         return ActiveLease(reply.lease_id, reply.socket, set(reply.layers))
