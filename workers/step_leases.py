@@ -1,8 +1,8 @@
 """Step leases: the layers of a planned step, served to a co-located client directly.
 
 A model's decode step sends every layer the same sequences, tokens and slots; the
-coordinator plans the step once (its first layer), and a *lease* lets the client send the
-other layers straight to this worker (`workers.lease_server`), without the coordinator on
+coordinator plans the step once, and a *lease* lets the client send the step's layers
+straight to this worker (`workers.lease_server`), without the coordinator on
 the per-layer path. The coordinator grants a lease with the step's validated metadata and
 the layers it may write, holds the step's sequences meanwhile, and ends it: the worker then
 reports which layers it wrote, and the coordinator commits exactly those.

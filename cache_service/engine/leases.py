@@ -1,10 +1,11 @@
 """Step leases, the coordinator's side: a planned step's other layers handed to the client.
 
-A co-located client's decode step goes through the coordinator once: its first layer's
-append-and-attend plans the step (`steps.Step`). The client then asks for a lease on it
-(`Leases.grant`); the coordinator takes the step's sequences' locks, asks the worker to
-serve the step's unwritten layers under a fresh random id (`workers.step_leases`), and
-answers with the id and the worker's lease socket. The client sends those layers to the
+A co-located client's decode step goes through the coordinator once: the coordinator plans
+it (`steps.Step`), either for the new token ids the client names (`Coordinator.lease_step`
+reserves their positions, as a first layer's call would) or as the batch's last
+append-and-attend planned it (`Leases.grant`). It takes the step's sequences' locks, asks
+the worker to serve the step's unwritten layers under a fresh random id
+(`workers.step_leases`), and answers with the id and the worker's lease socket. The client sends those layers to the
 worker directly (`cache_service.client.lease_channel`), without this process.
 
 The lease keeps the sequences' locks until it ends, so nothing else reads or changes them
