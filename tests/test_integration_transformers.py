@@ -218,13 +218,16 @@ def test_batched_greedy_generation_equals_transformers(
     assert session.stats.prefill_tokens == lengths
     assert session.stats.step_columns == [width] + [1] * (NEW_TOKENS - 1)
     decode_steps = NEW_TOKENS - 1
-    # The ragged prefill goes item by item, layer by layer (no lease: its rows differ);
-    # every decode step as [batch, ...] tensors, or planned once and leased whole.
-    assert client.calls["items"] - before["items"] == family.num_layers
-    decode_calls = 0 if leases else family.num_layers * decode_steps
-    assert client.calls["batch"] - before["batch"] == decode_calls
-    assert session.stats.rpc_calls == family.num_layers + decode_calls
-    assert session.stats.leased_calls == (family.num_layers * decode_steps - decode_calls)
+    if leases:
+        # Every forward (the ragged prefill too) planned once and leased whole.
+        assert client.calls == before
+        assert session.stats.rpc_calls == 0
+        assert session.stats.leased_calls == family.num_layers * NEW_TOKENS
+    else:
+        # The ragged prefill item by item, every decode step as [batch, ...] tensors.
+        assert client.calls["items"] - before["items"] == family.num_layers
+        assert client.calls["batch"] - before["batch"] == family.num_layers * decode_steps
+        assert session.stats.rpc_calls == family.num_layers * NEW_TOKENS
     assert len(svc.running.coordinator._leases) == 0
     assert client.stats().active_sequences == 0
 

@@ -19,7 +19,15 @@ import time
 import grpc
 import pytest
 import torch
-from service_support import HQ, LAYOUT, Mirror, ServiceHarness, local_workers, service_config
+from service_support import (
+    HQ,
+    LAYOUT,
+    Mirror,
+    ServiceHarness,
+    dense_attention,
+    local_workers,
+    service_config,
+)
 
 import cache_service.client.lease_channel as client_side
 import workers.lease_server as worker_side
@@ -355,8 +363,10 @@ def test_a_planned_step_no_layer_wrote_gives_its_positions_back(harness, client)
 
 def test_a_planned_step_with_bad_tokens_reserves_nothing(harness, client):
     batch = Batch(client, [[1, 2, 3], [4, 5]], seed=11)
-    with pytest.raises(ValueError, match="same number of new tokens"):
-        client.lease_step(batch.seq_ids, HQ, [[1], [2, 3]])
+    with pytest.raises(ValueError, match="1 rows for 2 sequences"):
+        client.lease_step(batch.seq_ids, HQ, [[1]])
+    with pytest.raises(InvalidArgumentError, match="at least one new token"):
+        client.lease_step(batch.seq_ids, HQ, [[1], []])
     with pytest.raises(InvalidArgumentError, match="distinct sequences"):
         client.lease_step([batch.seq_ids[0]] * 2, HQ, [[1], [2]])
     # A lease planned and partly written leaves positions reserved for its tokens: a
@@ -372,3 +382,35 @@ def test_a_planned_step_with_bad_tokens_reserves_nothing(harness, client):
     with pytest.raises(InvalidArgumentError):
         client.lease_step(batch.seq_ids, HQ, [[9], [8]])
     assert harness.stats().workers == before.workers
+
+
+def test_a_ragged_step_planned_for_a_lease(harness, client):
+    # Sequences sending different numbers of new tokens (a ragged prefill): one step, the
+    # queries each sequence's own new tokens, causal within them.
+    batch = Batch(client, [[1, 2, 3], [4, 5, 6, 7, 8]], seed=12)
+    counts = [3, 1]
+    lease = client.lease_step(batch.seq_ids, HQ, [[11, 12, 13], [14]])
+    assert lease.granted, lease.reason
+    channel = LeaseChannel(lease.socket, 8, 8, HQ, CPU)
+    gen = torch.Generator().manual_seed(13)
+    for layer in range(NL):
+        k, v = torch.randn(2, sum(counts), HKV, D, generator=gen)
+        q = torch.randn(sum(counts), HQ, D, generator=gen)
+        out = channel.run_layer(lease.lease_id, layer, k, v, q)
+        start = 0
+        for m, c in zip(batch.mirrors, counts, strict=True):
+            m.add(layer, k[start : start + c], v[start : start + c])
+            for j in range(c):
+                # Row j sees the keys up to its own position.
+                length = m.length(layer) - (c - 1 - j)
+                keys = torch.cat(m.k[layer])[:length]
+                values = torch.cat(m.v[layer])[:length]
+                ref = dense_attention(q[start + j : start + j + 1], keys, values)[0]
+                _close(out[start + j : start + j + 1], ref)
+            start += c
+    client.free(batch.seq_ids[0])
+    info = harness.call(
+        harness.coordinator.block_manager.sequence_info, "default", batch.seq_ids[1]
+    )
+    assert list(info.written) == [6] * NL
+    harness.check_integrity()

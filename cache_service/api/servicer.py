@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib.metadata
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -575,12 +576,16 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         rows = None
         if body.token_ids:
             ids, b = list(body.token_ids), len(seq_ids)
-            if b == 0 or len(ids) % b:
+            counts = list(body.num_tokens)
+            if not counts and b and len(ids) % b == 0:
+                counts = [len(ids) // b] * b
+            if len(counts) != b or sum(counts) != len(ids):
                 raise InvalidRequest(
-                    f"token_ids holds {len(ids)} ids for {b} sequences: batch * n expected"
+                    f"token_ids holds {len(ids)} ids for {b} sequences with num_tokens "
+                    f"{list(body.num_tokens)}: they must add up"
                 )
-            n = len(ids) // b
-            rows = [ids[i * n : (i + 1) * n] for i in range(b)]
+            ends = list(itertools.accumulate(counts))
+            rows = [ids[end - c : end] for end, c in zip(ends, counts, strict=True)]
         grant = await self._coord.lease_step(tenant, seq_ids, body.num_q_heads, rows)
         return pb.StepLeaseResponse(
             granted=grant.granted,

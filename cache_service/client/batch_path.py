@@ -148,8 +148,8 @@ class BatchPath(CallPolicy):
             num_q_heads: query heads of the step's layers.
             token_ids: None: the step this batch's last `append_attend_batch` planned
                 (its layers not written yet; `seq_ids` in that call's order). Else per
-                sequence the step's new token ids (the same number for each): the server
-                plans that step and leases every layer of it.
+                sequence the step's new token ids (at least one each): the server plans
+                that step and leases every layer of it.
 
         Returns:
             The server's answer (`granted`, or the `reason` there is no lease); None when
@@ -169,16 +169,15 @@ class BatchPath(CallPolicy):
             return None
         call_id = next(self._call_ids)
         flat: list[int] = []
+        counts: list[int] = []
         if token_ids is not None:
             rows = [list(row) for row in token_ids]
-            if len(rows) != len(seq_ids) or len({len(row) for row in rows}) != 1:
-                raise ValueError(
-                    "token_ids must give each sequence the same number of new tokens, got "
-                    f"{[len(row) for row in rows]} for {len(seq_ids)} sequences"
-                )
+            if len(rows) != len(seq_ids):
+                raise ValueError(f"token_ids holds {len(rows)} rows for {len(seq_ids)} sequences")
             flat = [int(t) for row in rows for t in row]
+            counts = [len(row) for row in rows]
         request = pb.StepLeaseRequest(
-            seq_ids=list(seq_ids), num_q_heads=num_q_heads, token_ids=flat
+            seq_ids=list(seq_ids), num_q_heads=num_q_heads, token_ids=flat, num_tokens=counts
         )
         message = session_message(call_id, STEP_LEASE, request.SerializeToString())
         try:

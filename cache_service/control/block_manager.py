@@ -527,11 +527,18 @@ class BlockManager:
     # ---- repeated writes (the other layers of a decode step) ----------------------------
 
     def snapshot_writes(
-        self, tenant: str, seq_ids: SequenceABC[str], plans: SequenceABC[WritePlan]
+        self,
+        tenant: str,
+        seq_ids: SequenceABC[str],
+        plans: SequenceABC[WritePlan],
+        ragged: bool = False,
     ) -> WriteSnapshot | None:
         """Remember a batch of one-layer writes that `prepare_writes` planned (and whose
         views the caller read through `block_ids`), so `repeatable` can tell when another
         layer's write of the same tokens would get the very same plan.
+
+        ragged: writes of unequal lengths qualify too (a step leased whole, never
+            `repeatable`).
 
         Returns:
             The snapshot; None when the batch does not qualify: writes of unequal length,
@@ -542,7 +549,7 @@ class BlockManager:
             SequenceNotFound, SequenceLost; InvalidRequest when seq_ids and plans differ
             in length.
         """
-        return repeated_writes.snapshot_writes(self, tenant, seq_ids, plans)
+        return repeated_writes.snapshot_writes(self, tenant, seq_ids, plans, ragged)
 
     def repeatable(
         self, snapshot: WriteSnapshot, layer: int, token_ids: SequenceABC[object]

@@ -30,7 +30,9 @@ class WriteSnapshot:
         tenant: the writes' tenant.
         seq_ids: the sequences, in batch order.
         starts: per sequence, the first position written.
-        num_tokens: tokens each sequence wrote.
+        num_tokens: tokens each sequence wrote; -1 when they differ (`ragged`: such a
+            snapshot is never `repeatable`, only leased whole).
+        counts: per sequence, the tokens it wrote.
         seqs / rows: the live sequence objects and their block rows at the time (identity
             is what `repeatable` checks; read them only through the manager).
     """
@@ -41,10 +43,15 @@ class WriteSnapshot:
     num_tokens: int
     seqs: tuple[Sequence, ...]
     rows: tuple[Any, ...]
+    counts: tuple[int, ...]
 
 
 def snapshot_writes(
-    m: BlockManager, tenant: str, seq_ids: SequenceABC[str], plans: SequenceABC[WritePlan]
+    m: BlockManager,
+    tenant: str,
+    seq_ids: SequenceABC[str],
+    plans: SequenceABC[WritePlan],
+    ragged: bool = False,
 ) -> WriteSnapshot | None:
     """`BlockManager.snapshot_writes`: the snapshot, or None when the batch does not
     qualify."""
@@ -58,12 +65,16 @@ def snapshot_writes(
     for seq_id, plan in zip(seq_ids, plans, strict=True):
         seq = m._resolve(tenant, seq_id)
         row = seq.row
-        if plan.copies or len(plan.slots) != n or row is None or not row.matches(seq.table):
+        uneven = len(plan.slots) != n and not ragged
+        if plan.copies or uneven or row is None or not row.matches(seq.table):
             return None
         seqs.append(seq)
         rows.append(row)
     starts = tuple(plan.start for plan in plans)
-    return WriteSnapshot(tenant, tuple(seq_ids), starts, n, tuple(seqs), tuple(rows))
+    counts = tuple(len(plan.slots) for plan in plans)
+    if any(c != n for c in counts):
+        n = -1
+    return WriteSnapshot(tenant, tuple(seq_ids), starts, n, tuple(seqs), tuple(rows), counts)
 
 
 def repeatable(
@@ -73,7 +84,8 @@ def repeatable(
     planned exactly as the snapshot's writes were."""
     n = snapshot.num_tokens
     if (
-        type(layer) is not int
+        n < 0
+        or type(layer) is not int
         or not 0 <= layer < m._num_layers
         or len(token_ids) != n * len(snapshot.seq_ids)
     ):
@@ -102,7 +114,7 @@ def repeatable(
 
 
 def commit_repeated(m: BlockManager, snapshot: WriteSnapshot, layer: int) -> None:
-    """`BlockManager.commit_repeated`: commit snapshot.num_tokens per sequence on `layer`,
+    """`BlockManager.commit_repeated`: commit snapshot.counts tokens per sequence on `layer`,
     all or nothing."""
     pairs = list(zip(snapshot.seqs, snapshot.starts, strict=True))
     for i, (seq, start) in enumerate(pairs):
@@ -111,24 +123,27 @@ def commit_repeated(m: BlockManager, snapshot: WriteSnapshot, layer: int) -> Non
                 f"layer {layer} of {snapshot.seq_ids[i]!r} stands at {seq.written[layer]}, "
                 f"not at the snapshot's {start}: check repeatable() under the same locks"
             )
-    n = snapshot.num_tokens
-    for seq, start in pairs:
-        m._apply_commit(seq, layer, start + n)
+    for seq, start, count in zip(snapshot.seqs, snapshot.starts, snapshot.counts, strict=True):
+        m._apply_commit(seq, layer, start + count)
 
 
 def repeatable_layers(m: BlockManager, snapshot: WriteSnapshot) -> list[int]:
     """`BlockManager.repeatable_layers`: the layers `repeatable` would accept the
     snapshot's own tokens on."""
     live = m._seqs
-    n = snapshot.num_tokens
-    for seq_id, seq, row, start in zip(
-        snapshot.seq_ids, snapshot.seqs, snapshot.rows, snapshot.starts, strict=True
+    for seq_id, seq, row, start, count in zip(
+        snapshot.seq_ids,
+        snapshot.seqs,
+        snapshot.rows,
+        snapshot.starts,
+        snapshot.counts,
+        strict=True,
     ):
         if (
             live.get(seq_id) is not seq
             or seq.row is not row
             or not row.matches(seq.table)
-            or len(seq.tokens) < start + n
+            or len(seq.tokens) < start + count
         ):
             return []
     pairs = list(zip(snapshot.seqs, snapshot.starts, strict=True))

@@ -650,9 +650,9 @@ class Coordinator:
     ) -> LeaseGrant:
         """A step lease (engine.leases): the step's layers go from the client to the worker
         directly. Without `token_ids`, on the step the batch's last append-and-attend
-        planned (its unwritten layers); with them (per sequence, the same number of new
-        tokens each), on a step planned here for those tokens, every layer (the queries
-        are the new tokens' own). Or the reason there is none (`LeaseGrant.reason`).
+        planned (its unwritten layers); with them (per sequence its new tokens, at least
+        one), on a step planned here for those tokens, every layer (the queries are the
+        new tokens' own). Or the reason there is none (`LeaseGrant.reason`).
 
         Raises:
             InvalidRequest: malformed arguments, or token ids other than those reserved;
@@ -681,11 +681,10 @@ class Coordinator:
                 f"a planned step needs distinct sequences and token ids for each: "
                 f"{len(ids)} sequence ids ({len(set(ids))} distinct), {len(rows)} token rows"
             )
-        n = len(rows[0])
-        if n < 1 or any(len(r) != n for r in rows):
+        if any(len(r) < 1 for r in rows):
             raise InvalidRequest(
-                f"a planned step sends the same number (>= 1) of new tokens for every "
-                f"sequence, got {[len(r) for r in rows]}"
+                f"a planned step sends at least one new token for every sequence, got "
+                f"{[len(r) for r in rows]}"
             )
         lock_order = sorted(ids)
         await self._locks.acquire(lock_order)
@@ -724,7 +723,7 @@ class Coordinator:
             ]
             worker_ids = {v.worker_id for v in views if type(v) is OneWorkerView}
             slot_workers = {w for plan in plans for w, _ in plan.slots}
-            snapshot = self.block_manager.snapshot_writes(tenant, seq_ids, plans)
+            snapshot = self.block_manager.snapshot_writes(tenant, seq_ids, plans, ragged=True)
         except BaseException:
             self._cancel_writes(tenant, seq_ids)
             raise
@@ -737,10 +736,10 @@ class Coordinator:
             self._cancel_writes(tenant, seq_ids)
             return "the step's sequences are not all on one worker: send its layers by call"
         (worker_id,) = worker_ids
-        n = len(rows[0])
-        plan = plan_attention(views, [n] * len(views), bs)
+        counts = [len(r) for r in rows]
+        plan = plan_attention(views, counts, bs)
         slots = [slot for p in plans for _, slot in p.slots]
-        step = Step(snapshot, worker_id, [n] * len(views), views, slots, plan, planned_only=True)  # type: ignore[arg-type]
+        step = Step(snapshot, worker_id, counts, views, slots, plan, planned_only=True)  # type: ignore[arg-type]
         self._steps.put(step)
         return step
 

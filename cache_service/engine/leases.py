@@ -214,9 +214,8 @@ class Leases:
         if metrics is not None:
             metrics.add_step_lease("ended")
             if written:
-                b = len(step.snapshot.seq_ids)
-                metrics.add_tokens_appended(b * step.snapshot.num_tokens * len(written))
-                metrics.add_attention_tokens(b * step.num_queries[0] * len(written))
+                metrics.add_tokens_appended(sum(step.snapshot.counts) * len(written))
+                metrics.add_attention_tokens(sum(step.num_queries) * len(written))
                 metrics.add_leased_layers(len(written))
 
     async def _socket(self, worker_id: str, epoch: str, client: WorkerClient) -> str:

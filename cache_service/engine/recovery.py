@@ -93,6 +93,7 @@ _READ_ONLY = frozenset(
         "block_ids",
         "lookup",
         "repeatable",
+        "repeatable_layers",
         "snapshot_writes",
         "sequence_info",
         "list_sequences",
@@ -464,7 +465,7 @@ class DurableBlockManager:
             lambda: {
                 "tenant": snapshot.tenant,
                 "layer": layer,
-                "writes": [[s, snapshot.num_tokens] for s in snapshot.seq_ids],
+                "writes": [[s, c] for s, c in zip(snapshot.seq_ids, snapshot.counts, strict=True)],
             },
         )
 

@@ -303,13 +303,14 @@ class GenerationSession:
         width = max((r.count for r in rows), default=0)
         # The service applies head_dim ** -0.5; another model scale is folded into the query.
         factor = 1.0 if scaling is None else scaling * math.sqrt(head_dim)
-        uniform = len(rows) == batch and width == q and all(r.count == q for r in rows)
-        if not step.layers_done and uniform and self._config.step_leases:
-            # Every row sends all q columns: the service plans the step once and every
-            # layer goes to the worker under its lease (none: each layer is a call).
-            step.lease = self._owner.leaser.lease(self._seq_ids, step.token_ids)
+        if not step.layers_done and rows and self._config.step_leases:
+            # The service plans the step once and every layer goes to the worker under
+            # its lease (none: each layer is a call).
+            step.lease = self._owner.leaser.lease(
+                [self._seq_ids[r.row] for r in rows], [step.token_ids[r.row] for r in rows]
+            )
         if step.lease is not None and layer in step.lease.layers:
-            out = self._leased(step, layer, query, key, value, factor)
+            out = self._leased(step, layer, rows, query, key, value, factor)
             if out is not None:
                 self.stats.attend_seconds += time.perf_counter() - t0
                 return out
@@ -341,28 +342,41 @@ class GenerationSession:
         self,
         step: ActiveStep,
         layer: int,
+        rows: list[RowSlice],
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         factor: float,
     ) -> torch.Tensor | None:
-        """One layer of a uniform step (every row sends all q columns) under the step's
-        lease, on the model's device; None: the lease ended, send the layer as a call."""
+        """One layer under the step's lease, on the model's device: ``[batch, q, q_heads,
+        head_dim]`` as `attend` returns it; None: the lease ended, send the layer as a
+        call."""
         t0 = time.perf_counter()
-        q4 = query.transpose(1, 2)
+        batch, _, q, _ = query.shape
+        q4, k4, v4 = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        uniform = len(rows) == batch and all(r.count == q for r in rows)
+        if not uniform:
+            # Rows sending different columns (a ragged prefill): each row's last columns,
+            # sequence by sequence.
+            q4, k4, v4 = (torch.cat([t[r.row, q - r.count :] for r in rows]) for t in (q4, k4, v4))
         if not math.isclose(factor, 1.0, rel_tol=1e-6):
             q4 = q4 * factor
         assert step.lease is not None
         try:
-            out = self._owner.leaser.run(
-                step.lease, layer, key.transpose(1, 2), value.transpose(1, 2), q4
-            )
+            out = self._owner.leaser.run(step.lease, layer, k4, v4, q4)
         except BaseException:
             self._broken = f"leased layer {layer} of step {step.plan.index} failed"
             raise
         if out is None:
             step.lease = None
             return None
+        if not uniform:
+            full = out.new_zeros(query.transpose(1, 2).shape)
+            offset = 0
+            for r in rows:
+                full[r.row, q - r.count :] = out[offset : offset + r.count]
+                offset += r.count
+            out = full
         step.layers_done.add(layer)
         self.stats.leased_calls += 1
         self.stats.leased_seconds += time.perf_counter() - t0

@@ -365,14 +365,16 @@ class SessionRequest(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., append_attend_batch: _Optional[_Union[AppendAttendBatchRequest, _Mapping]] = ..., attend_batch: _Optional[_Union[AttendBatchRequest, _Mapping]] = ..., step_lease: _Optional[_Union[StepLeaseRequest, _Mapping]] = ...) -> None: ...
 
 class StepLeaseRequest(_message.Message):
-    __slots__ = ("seq_ids", "num_q_heads", "token_ids")
+    __slots__ = ("seq_ids", "num_q_heads", "token_ids", "num_tokens")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_Q_HEADS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
     num_q_heads: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., num_q_heads: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., num_q_heads: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepLeaseResponse(_message.Message):
     __slots__ = ("granted", "reason", "lease_id", "socket", "layers", "timeout_us")
