@@ -301,6 +301,8 @@ class StageTimes:
     calls: int = 0  # append-and-attend calls
     leased: float = 0.0  # layers sent to the worker under a step lease (host time)
     leased_calls: int = 0
+    lease: float = 0.0  # the StepLease calls (host time)
+    leases: int = 0
     server: float = 0.0  # the server handling them (its rpc_duration histogram)
     server_calls: float = 0.0
     worker: float = 0.0  # the coordinator -> worker calls (worker_call_duration)
@@ -313,6 +315,8 @@ class StageTimes:
         self.calls += stats.rpc_calls
         self.leased += stats.leased_seconds
         self.leased_calls += stats.leased_calls
+        self.lease += stats.lease_seconds
+        self.leases += stats.leases
         if before and after:
             self.server += after["server"][0] - before["server"][0]
             self.server_calls += after["server"][1] - before["server"][1]
@@ -330,7 +334,7 @@ class StageTimes:
         layers = max(self.calls + self.leased_calls, 1)
         n = max(self.calls, 1)
         known = self.server_calls > 0
-        call_attend = self.attend - self.leased
+        call_attend = self.attend - self.leased - self.lease
         per = {
             "model": (self.total - self.attend) / layers * 1e6,
             "integration": (call_attend - self.client_call) / n * 1e6,
@@ -339,6 +343,7 @@ class StageTimes:
             "server": (self.server - self.worker) / n * 1e6 if known else None,
             "worker": self.worker / n * 1e6 if known else None,
             "leased": self.leased / self.leased_calls * 1e6 if self.leased_calls else None,
+            "lease_per_forward": self.lease / self.leases * 1e6 if self.leases else None,
             "leased_share": self.leased_calls / layers,
         }
         return per
@@ -536,11 +541,13 @@ def report(result: dict[str, Any]) -> str:
         "the worker call, *worker* = the pool's write and kernel (`worker_call_duration`). "
         "`-`: no server metrics (an external service). *leased*: a layer sent to the worker "
         "under a step lease (a co-located client's decode step after its first layer), the "
-        "host time of its handoff; *leased share*: of all layers.",
+        "host time of its handoff; *leased share*: of all layers; *lease / forward*: per "
+        "leased forward, the StepLease call that plans it (the end-of-step check of its "
+        "layers, which waits for the device, counts in *model*).",
         "",
         "| batch | model | integration | call | client + transport | server | worker "
-        "| leased | leased share |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| leased | leased share | lease / forward |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
         split = r["per_call_us"]
@@ -557,6 +564,8 @@ def report(result: dict[str, Any]) -> str:
             )
         ]
         cells.append(f"{split.get('leased_share', 0.0):.0%}")
+        forward = split.get("lease_per_forward")
+        cells.append("-" if forward is None else f"{forward:.0f}")
         lines.append(f"| {r['batch']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -376,8 +376,9 @@ class LocalWorkerClient(_WorkerClientBase):
     is testable without Ray.
     """
 
-    # The per-layer attention rounds.
-    _INLINE_METHODS = frozenset({"run_round"})
+    # The per-layer attention rounds, and a step lease's grant and end (once per leased
+    # step: small host work, the end's wait for the step's last kernels included).
+    _INLINE_METHODS = frozenset({"run_round", "grant_lease", "end_lease"})
     _accepts_out = True
     # How per-layer calls reach the worker (GetInfo's WorkerInfo.data_path).
     data_path = "in_process"

@@ -62,6 +62,8 @@ class SessionStats:
         leased_calls: layers sent to the worker under a step lease (no call).
         leased_seconds: wall time spent sending them (the staging copies' launches and the
             worker's handoff; on a GPU not the kernels, which run asynchronously), seconds.
+        leases: forwards planned by the service for a lease (one StepLease call each).
+        lease_seconds: wall time of those calls, seconds.
         attend_seconds: wall time of the attention layers' whole service path (checks, the
             tensors' moves to and from the host, the client call), seconds; minus
             ``rpc_seconds``: what the integration itself costs.
@@ -75,6 +77,8 @@ class SessionStats:
     rpc_seconds: float = 0.0
     leased_calls: int = 0
     leased_seconds: float = 0.0
+    leases: int = 0
+    lease_seconds: float = 0.0
     attend_seconds: float = 0.0
 
     @property
@@ -306,9 +310,12 @@ class GenerationSession:
         if not step.layers_done and rows and self._config.step_leases:
             # The service plans the step once and every layer goes to the worker under
             # its lease (none: each layer is a call).
+            t_lease = time.perf_counter()
             step.lease = self._owner.leaser.lease(
                 [self._seq_ids[r.row] for r in rows], [step.token_ids[r.row] for r in rows]
             )
+            self.stats.leases += step.lease is not None
+            self.stats.lease_seconds += time.perf_counter() - t_lease
         if step.lease is not None and layer in step.lease.layers:
             out = self._leased(step, layer, rows, query, key, value, factor)
             if out is not None:
