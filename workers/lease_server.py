@@ -31,7 +31,6 @@ checks the two agree.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import os
@@ -177,28 +176,11 @@ class LeaseServer:
                 return _reply(OK)
             if op != SERVE:
                 return _reply(REFUSED, f"unknown op {op}")
-            rows, tokens, heads = self._leases.shape(lease_id)
-            if rows > staging.query.shape[0] or tokens > staging.key.shape[0]:
-                return _reply(
-                    REFUSED,
-                    f"the lease's step has {rows} query rows and {tokens} new tokens; this "
-                    f"connection stages {staging.query.shape[0]} and {staging.key.shape[0]}",
-                )
-            if heads != staging.query.shape[1]:
-                return _reply(
-                    REFUSED,
-                    f"the lease's step has {heads} query heads, the connection {staging.query.shape[1]}",
-                )
             if staging.ready is not None:
                 stream = torch.cuda.current_stream(self._device)
                 stream.wait_event(staging.ready)
             self._leases.serve(
-                lease_id,
-                layer,
-                staging.key[:tokens],
-                staging.value[:tokens],
-                staging.query[:rows],
-                staging.out[:rows],
+                lease_id, layer, staging.key, staging.value, staging.query, staging.out
             )
             if staging.done is not None:
                 staging.done.record(torch.cuda.current_stream(self._device))
@@ -293,9 +275,7 @@ def _cuda_handle(flat: torch.Tensor) -> bytes:
 
     import torch.multiprocessing  # noqa: F401  (registers the CUDA tensor reduction)
 
-    buffer = io.BytesIO()
-    ForkingPickler(buffer).dump(flat)
-    return buffer.getvalue()
+    return bytes(ForkingPickler.dumps(flat))
 
 
 assert REQUEST.size == 1 + LEASE_ID_BYTES + 4

@@ -308,10 +308,8 @@ class KVPool:
         query = torch.empty((rows, num_q_heads, lay.head_dim), dtype=dtype)
         slots = check_write(lay, self._num_blocks, 0, slot_mapping, new_kv, new_kv)
         indices = check_attend(lay, self._num_blocks, 0, query, block_tables, seq_lens, starts)
-        slots_on, tables, lens, starts_on = (
-            t.to(self._device)
-            for t in (*write_inputs(slots, new_kv, new_kv)[:1], *attend_inputs(query, *indices)[1:])
-        )
+        _, tables, lens, starts_on = (t.to(self._device) for t in attend_inputs(query, *indices))
+        slots_on = slots.to(self._device, torch.int64)
         return CachedMetadata(tables, lens, starts_on, rows, list(slot_mapping), slots_on)
 
     def run_step_layer(

@@ -115,16 +115,6 @@ class StepLeases:
         )
         self._leases[lease_id] = _Lease(step, allowed, num_q_heads, len(slot_mapping))
 
-    def shape(self, lease_id: bytes) -> tuple[int, int, int]:
-        """``(query rows, new tokens, query heads)`` of a lease's layers.
-
-        Raises:
-            LeaseEnded: no such lease.
-        """
-        with self._lock:
-            lease = self._get(lease_id)
-            return lease.step.num_rows, lease.num_tokens, lease.num_q_heads
-
     def serve(
         self,
         lease_id: bytes,
@@ -137,18 +127,34 @@ class StepLeases:
         """Write and attend one layer of the lease's step (`KVPool.run_step_layer`),
         enqueued on the current stream.
 
+        Args:
+            key, value: ``[>= n, Hkv, D]``; query, out: ``[>= rows, Hq, D]``: a
+                connection's staging buffers, whose leading rows the step uses.
+
         Raises:
             LeaseEnded: no such lease (ended, or never granted).
             InvalidWorkerRequest: a layer the lease does not allow or already served, or
-                tensors of the wrong shapes; nothing written.
+                buffers too small or of other heads for the step; nothing written.
         """
         with self._lock:
             lease = self._get(lease_id)
+            rows, tokens, heads = lease.step.num_rows, lease.num_tokens, lease.num_q_heads
+            if rows > query.shape[0] or tokens > key.shape[0]:
+                raise InvalidWorkerRequest(
+                    f"the lease's step has {rows} query rows and {tokens} new tokens; this "
+                    f"connection stages {query.shape[0]} and {key.shape[0]}"
+                )
+            if heads != query.shape[1]:
+                raise InvalidWorkerRequest(
+                    f"the lease's step has {heads} query heads, the connection {query.shape[1]}"
+                )
             if layer not in lease.layers:
                 raise InvalidWorkerRequest(f"the lease does not cover layer {layer}")
             if layer in lease.served:
                 raise InvalidWorkerRequest(f"layer {layer} was already written under this lease")
-            flag = self._pool.run_step_layer(lease.step, layer, key, value, query, out)
+            flag = self._pool.run_step_layer(
+                lease.step, layer, key[:tokens], value[:tokens], query[:rows], out[:rows]
+            )
             lease.served[layer] = flag
 
     def refused(self, lease_id: bytes) -> list[int]:

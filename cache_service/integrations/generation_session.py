@@ -378,12 +378,8 @@ class GenerationSession:
             step.lease = None
             return None
         if not uniform:
-            full = out.new_zeros(query.transpose(1, 2).shape)
-            offset = 0
-            for r in rows:
-                full[r.row, q - r.count :] = out[offset : offset + r.count]
-                offset += r.count
-            out = full
+            parts = list(out.split([r.count for r in rows]))
+            out = self._scatter_rows(rows, parts, q, out.dtype, out.device)
         step.layers_done.add(layer)
         self.stats.leased_calls += 1
         self.stats.leased_seconds += time.perf_counter() - t0
@@ -421,15 +417,20 @@ class GenerationSession:
             )
 
     def _scatter_rows(
-        self, rows: list[RowSlice], outputs: list[torch.Tensor], q: int, dtype: torch.dtype
+        self,
+        rows: list[RowSlice],
+        outputs: list[torch.Tensor],
+        q: int,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
     ) -> torch.Tensor:
-        """``[batch, q, q_heads, head_dim]`` of the rows' outputs, right-aligned; zeros where
-        a row sent nothing."""
+        """``[batch, q, q_heads, head_dim]`` of the rows' outputs, right-aligned, on
+        `device` (None: the host); zeros where a row sent nothing."""
         layout = self._owner.layout
         if len(outputs) != len(rows):
             raise RuntimeError(f"service returned {len(outputs)} outputs for {len(rows)} rows")
         batch = self.plan.batch_size
-        out = torch.zeros(batch, q, layout.num_q_heads, layout.head_dim, dtype=dtype)
+        out = torch.zeros(batch, q, layout.num_q_heads, layout.head_dim, dtype=dtype, device=device)
         for r, o in zip(rows, outputs, strict=True):
             if tuple(o.shape) != (r.count, layout.num_q_heads, layout.head_dim):
                 raise RuntimeError(
