@@ -206,6 +206,7 @@ class ServedProcess:
             [*command, *flags], stderr=subprocess.PIPE, text=True, env=env
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
+        self.problems: list[str] = []  # the server's warnings and errors (JSON lines)
         threading.Thread(target=self._drain, name="kvcache-serve-log", daemon=True).start()
         self.address, self.metrics_url = self._wait_serving(start_timeout_s)
 
@@ -214,6 +215,8 @@ class ServedProcess:
         assert self._proc.stderr is not None
         for line in self._proc.stderr:
             self._lines.put(line)
+            if '"level": "WARNING"' in line or '"level": "ERROR"' in line:
+                self.problems.append(line.rstrip())
         self._lines.put(None)
 
     def _wait_serving(self, timeout_s: float) -> tuple[str, str | None]:
@@ -234,7 +237,13 @@ class ServedProcess:
                     return record["address"], record.get("metrics")
 
     def stop(self) -> None:
-        """SIGTERM (the server drains and stops its workers), then wait; kill if it hangs."""
+        """SIGTERM (the server drains and stops its workers), then wait; kill if it hangs.
+        Prints the server's warnings and errors of the run, if any."""
+        if self.problems:
+            log(f"kvcache serve logged {len(self.problems)} warnings or errors; the first:")
+            for line in self.problems[:5]:
+                log("  " + line[:2000])
+            self.problems.clear()
         if self._proc.poll() is None:
             self._proc.send_signal(signal.SIGTERM)
             try:

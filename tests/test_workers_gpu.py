@@ -288,6 +288,49 @@ def test_keyed_metadata_on_the_gpu_answers_like_unkeyed_calls():
     assert torch.equal(keyed.data, plain.data)
 
 
+def test_leased_layers_on_bound_buffers_answer_like_calls():
+    # A lease's layers run from and into one connection's staging buffers, through graphs
+    # captured on those buffers (workers.decode_graphs, `out`): the first sighting eager,
+    # the second captured, the later ones replayed. Each must answer as the same step made
+    # by calls, and write the pool bit for bit as they do.
+    layout = llama_layout("bfloat16")
+    leased, plain = KVPool(layout, 300, "cuda"), KVPool(layout, 300, "cuda")
+    gen = torch.Generator().manual_seed(12)
+    seqs, bs = 4, layout.block_size
+    staging = {
+        "key": torch.zeros(8, 8, 128, dtype=torch.bfloat16, device="cuda"),
+        "value": torch.zeros(8, 8, 128, dtype=torch.bfloat16, device="cuda"),
+        "query": torch.zeros(8, 32, 128, dtype=torch.bfloat16, device="cuda"),
+        "out": torch.zeros(8, 32, 128, dtype=torch.bfloat16, device="cuda"),
+    }
+    tables = torch.randperm(300, generator=gen)[: seqs * 40].reshape(seqs, 40).int()
+    lengths = [3, 16, 31, 200]
+    for step_index in range(6):
+        slots = [int(tables[s, n // bs]) * bs + n % bs for s, n in enumerate(lengths)]
+        lens = torch.tensor([n + 1 for n in lengths], dtype=torch.int32)
+        qsl = torch.arange(seqs + 1, dtype=torch.int32)
+        step = leased.step_metadata(tables, lens, qsl, slots, 32)
+        views = [staging[n][:seqs] for n in ("key", "value", "query", "out")]
+        for layer in range(layout.num_layers):
+            k = torch.randn(seqs, 8, 128, generator=gen).to(torch.bfloat16)
+            v = torch.randn(seqs, 8, 128, generator=gen).to(torch.bfloat16)
+            q = torch.randn(seqs, 32, 128, generator=gen).to(torch.bfloat16)
+            for view, t in zip(views[:3], (k, v, q), strict=True):
+                view.copy_(t)
+            flag = leased.run_step_layer(step, layer, *views)
+            expected = write_and_attend(
+                plain, layer, torch.tensor(slots), k, v, q, tables, lens, qsl
+            )
+            assert flag is not None and bool(flag)
+            assert rel_err(views[3].cpu(), expected.cpu()) < TOLERANCE["bfloat16"], (
+                step_index,
+                layer,
+            )
+        lengths = [n + 1 for n in lengths]
+    assert leased._graphs is not None and leased._graphs.replays > 0
+    assert torch.equal(leased.data, plain.data)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_one_page_addressed_launch_serves_sequences_of_different_layers(dtype):
     # The coordinator merges concurrent calls for different layers into one call over the

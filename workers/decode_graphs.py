@@ -29,6 +29,11 @@ page slots on the device; key, value and query may arrive in parts (the round's 
 rows, joined by the stager's one copy). So a round keeps one graph whichever layers its
 callers are on.
 
+A step lease's layers (``KVPool.run_step_layer``) arrive in a connection's staging
+buffers on the device, the same buffers layer after layer: their class is *bound* to those
+buffers (keyed by their addresses), its graphs read the inputs where they lie and write the
+output into the connection's output buffer, so a leased layer is one replay and no copy.
+
 The first call of a (class, layer) runs eagerly: a shape seen once (a prefill chunk) is
 not worth a capture. The second runs eagerly on the static buffers (its own work, which
 also compiles anything the capture would otherwise meet first), then captures; later calls
@@ -122,12 +127,14 @@ _Outputs = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 class _Class:
     """The static buffers of one shape class and the graphs captured on them, by layer."""
 
-    inputs: torch.Tensor  # uint8: key, value, query (and layers) packed as HostStager does
+    # uint8: key, value, query (and layers) packed as HostStager does; None for a class
+    # bound to the caller's buffers (`DecodeGraphs.run`'s `out`), which nobody loads.
+    inputs: torch.Tensor | None
     key: torch.Tensor
     value: torch.Tensor
     query: torch.Tensor
     offsets: tuple[int, ...]  # bytes: where key, value and query start in `inputs`
-    head: torch.Tensor  # uint8: `inputs` from the key's first byte to the query's last
+    head: torch.Tensor | None  # uint8: `inputs` from the key's first byte to the query's last
     metadata: torch.Tensor  # uint8: slots, block tables, lengths, offsets packed (views below)
     # (byte offset, dtype, shape) of each of those four in `metadata`
     index_layout: tuple[tuple[int, torch.dtype, torch.Size], ...]
@@ -136,6 +143,7 @@ class _Class:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     layers: torch.Tensor | None = None  # int32 [S + n] (PAGES classes): packed after query
+    out: torch.Tensor | None = None  # the bound caller's output buffer (graphs write it)
     loaded: CachedMetadata | None = None  # whose metadata the buffers hold
     graphs: dict[int, tuple[torch.cuda.CUDAGraph, _Outputs]] = field(default_factory=dict)
     failed: set[int] = field(default_factory=set)  # layers whose capture failed
@@ -204,6 +212,7 @@ class DecodeGraphs:
         pinned: bool = False,
         check_finite: bool = False,
         layers: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> _Outputs | None:
         """One layer's write-and-attend through its graph.
 
@@ -222,18 +231,24 @@ class DecodeGraphs:
                 with and without the check are kept apart).
             layers: with PAGES, host int32 ``[S + n]``: each sequence's layer, then each
                 new token's (validated).
+            out: ``[T, Hq, D]``, the output's place: then key, value, query and out are
+                device buffers that outlive the class (a lease connection's staging), and
+                the graph reads and writes them where they lie: nothing is loaded but the
+                metadata, and the output is written into `out` (the class is keyed by the
+                four addresses).
 
         Returns:
             ``(out [T, Hq, D], lse [T, Hq] float32 or None, finite flag or None)``: tensors
             in the graph's memory when replayed (read them before the next call), fresh
-            ones when this call ran eagerly; None when the call should take the pool's
-            usual path (a first sighting, or a layer whose capture failed), nothing done.
+            ones when this call ran eagerly (with `out`: `out` itself); None when the call
+            should take the pool's usual path (a first sighting, or a layer whose capture
+            failed), nothing done.
         """
         if entry.slots is None or (layer == PAGES) != (layers is not None):
             return None
-        if layer == PAGES and self._pages_body is None:
+        if layer == PAGES and (self._pages_body is None or out is not None):
             return None
-        signature = _signature(entry, key, value, query, options, check_finite, layers)
+        signature = _signature(entry, key, value, query, options, check_finite, layers, out)
         with self._lock:
             cls = self._classes.get(signature)
             if cls is not None:
@@ -253,7 +268,7 @@ class DecodeGraphs:
                 self._seen.add((signature, layer))
                 return None
             if cls is None:
-                cls = self._new_class(signature, entry, layers)
+                cls = self._new_class(signature, entry, layers, (key, value, query, out))
             self._load(cls, entry, key, value, query, pinned, layers)
             result = self._run_body(cls, layer, options, check_finite)  # this call's own work
             try:
@@ -267,21 +282,34 @@ class DecodeGraphs:
     # -- internals ---------------------------------------------------------------------
 
     def _new_class(
-        self, signature: tuple[object, ...], entry: CachedMetadata, layers: torch.Tensor | None
+        self,
+        signature: tuple[object, ...],
+        entry: CachedMetadata,
+        layers: torch.Tensor | None,
+        given: tuple[Staged, Staged, Staged, torch.Tensor | None],
     ) -> _Class:
         dev = self._device
         key_shape, key_dtype, value_dtype, query_shape, query_dtype = signature[:5]
-        # Stand-ins of the joined shapes (no memory) lay the buffers out as the stager packs.
-        shapes = [(key_shape, key_dtype), (key_shape, value_dtype), (query_shape, query_dtype)]
-        if layers is not None:
-            shapes.append((layers.shape, layers.dtype))
-        metas = [torch.empty(s, dtype=d, device="meta") for s, d in shapes]  # type: ignore[arg-type]
-        offsets, total = packed_offsets(metas)
-        inputs = torch.empty(total, dtype=torch.uint8, device=dev)
-        views = [
-            bytes_as(inputs, off, t.dtype, t.shape) for t, off in zip(metas, offsets, strict=True)
-        ]
-        query = metas[2]
+        out = given[3]
+        inputs = head = None
+        offsets: list[int] = [0, 0, 0]
+        if out is not None:  # bound: the caller's buffers are the class's
+            views = list(given[:3])
+        else:
+            # Stand-ins of the joined shapes (no memory) lay the buffers out as the stager
+            # packs.
+            shapes = [(key_shape, key_dtype), (key_shape, value_dtype), (query_shape, query_dtype)]
+            if layers is not None:
+                shapes.append((layers.shape, layers.dtype))
+            metas = [torch.empty(s, dtype=d, device="meta") for s, d in shapes]  # type: ignore[arg-type]
+            offsets, total = packed_offsets(metas)
+            inputs = torch.empty(total, dtype=torch.uint8, device=dev)
+            views = [
+                bytes_as(inputs, off, t.dtype, t.shape)
+                for t, off in zip(metas, offsets, strict=True)
+            ]
+            query = metas[2]
+            head = inputs[: offsets[2] + query.numel() * query.element_size()]
         tables = entry.block_tables
         index_shapes = [
             (entry.slots.shape, entry.slots.dtype),  # type: ignore[union-attr]
@@ -298,9 +326,9 @@ class DecodeGraphs:
         metadata = torch.zeros(index_total, dtype=torch.uint8, device=dev)
         cls = _Class(
             inputs,
-            *views[:3],
+            *views[:3],  # type: ignore[arg-type]
             offsets=tuple(offsets[:3]),
-            head=inputs[: offsets[2] + query.numel() * query.element_size()],
+            head=head,
             metadata=metadata,
             index_layout=index_layout,
             slots=bytes_as(metadata, *index_layout[0]),
@@ -308,6 +336,7 @@ class DecodeGraphs:
             seq_lens=bytes_as(metadata, *index_layout[2]),
             query_start_loc=bytes_as(metadata, *index_layout[3]),
             layers=views[3] if layers is not None else None,
+            out=out,
         )
         self._classes[signature] = cls
         while len(self._classes) > self._max_classes:
@@ -327,6 +356,8 @@ class DecodeGraphs:
         """Copy the call's tensors (and, for a new step, its metadata) into the buffers."""
         if cls.loaded is not entry:
             self._load_metadata(cls, entry)
+        if cls.inputs is None:  # bound: the graph reads the caller's buffers
+            return
         if layers is not None:
             # A round over pages: its parts (and layers) packed by the stager, one copy.
             staged = (key, value, query, layers)
@@ -347,6 +378,7 @@ class DecodeGraphs:
         # directly, asynchronously (the pool waits before returning), as are device tensors:
         # in one copy when the caller's bytes are laid out as the buffers' (about 15 us of
         # host time per copy spared on the H200 host).
+        assert cls.head is not None
         if pinned and (span := _packed_span(tensors, cls.offsets, cls.head.numel())) is not None:
             cls.head.copy_(span, non_blocking=True)
             self.packed_loads += 1
@@ -404,7 +436,7 @@ class DecodeGraphs:
                 options,
                 check_finite,
             )
-        return self._body(
+        out, lse, finite = self._body(
             layer,
             cls.slots,
             cls.key,
@@ -416,6 +448,10 @@ class DecodeGraphs:
             options,
             check_finite,
         )
+        if cls.out is None:
+            return out, lse, finite
+        cls.out.copy_(out)
+        return cls.out, lse, finite
 
     def _capture(
         self, cls: _Class, layer: int, options: AttendOptions, check_finite: bool
@@ -454,10 +490,12 @@ def _signature(
     options: AttendOptions,
     check_finite: bool,
     layers: torch.Tensor | None,
+    out: torch.Tensor | None,
 ) -> tuple:
     """The shape class of a call (`DecodeGraphs.run`'s arguments; ``entry.slots`` set):
     shapes and dtypes, the slot count, the batch, the bucketed table width, the options,
-    the finite check and the layer vector's shape."""
+    the finite check and the layer vector's shape; for bound buffers (`out`), their
+    addresses."""
     tables = entry.block_tables
     first_key, first_value, first_query = (_first(t) for t in (key, value, query))
     # Shapes as torch.Size: tuples (hashed and compared as the ints they hold), not
@@ -474,6 +512,9 @@ def _signature(
         options,
         check_finite,
         None if layers is None else layers.shape,
+        None
+        if out is None
+        else (first_key.data_ptr(), first_value.data_ptr(), first_query.data_ptr(), out.data_ptr()),
     )
 
 

@@ -75,6 +75,7 @@ class _Staging:
     ready: torch.cuda.Event | None  # the client's event: its inputs are in place
     done: torch.cuda.Event | None  # ours: the output is written
     path: str | None = None
+    stream: torch.cuda.Stream | None = None  # where this connection's layers run (CUDA)
 
 
 class LeaseServer:
@@ -173,18 +174,15 @@ class LeaseServer:
                 if refused:
                     layers = ",".join(str(x) for x in refused)
                     return _reply(REFUSED, f"non-finite inputs on layers {layers}")
-                return _reply(OK)
+                return _OK
             if op != SERVE:
                 return _reply(REFUSED, f"unknown op {op}")
-            if staging.ready is not None:
-                stream = torch.cuda.current_stream(self._device)
-                stream.wait_event(staging.ready)
-            self._leases.serve(
-                lease_id, layer, staging.key, staging.value, staging.query, staging.out
-            )
-            if staging.done is not None:
-                staging.done.record(torch.cuda.current_stream(self._device))
-            return _reply(OK)
+            if staging.stream is not None:
+                staging.stream.wait_event(staging.ready)
+            self._leases.serve(lease_id, layer, staging)
+            if staging.stream is not None:
+                staging.done.record(staging.stream)
+            return _OK
         except LeaseEnded as exc:
             return _reply(ENDED, str(exc))
         except InvalidWorkerRequest as exc:
@@ -255,8 +253,17 @@ class LeaseServer:
             .view(shape)
             for name, shape in shapes.items()
         }
+        stream = torch.cuda.current_stream(self._device) if ready is not None else None
         return _Staging(
-            views["query"], views["key"], views["value"], views["out"], reply, ready, done, path
+            views["query"],
+            views["key"],
+            views["value"],
+            views["out"],
+            reply,
+            ready,
+            done,
+            path,
+            stream,
         )
 
 
@@ -266,6 +273,9 @@ def _numel(shape: tuple[int, int, int]) -> int:
 
 def _reply(code: int, message: str = "") -> bytes:
     return bytes([code]) + message.encode()
+
+
+_OK = _reply(OK)
 
 
 def _cuda_handle(flat: torch.Tensor) -> bytes:

@@ -323,46 +323,30 @@ class KVPool:
         options: AttendOptions = _DEFAULT_OPTIONS,
     ) -> torch.Tensor | None:
         """One layer of a planned step (:meth:`step_metadata`): the write of its new K/V
-        (masked unless every input is finite) and the attention, output copied into `out`,
-        all enqueued on the current stream without waiting for the device (a CUDA graph
-        replay where the step's shape was seen before).
+        (masked unless every input is finite) and the attention, output written into
+        `out`, all enqueued on the current stream without waiting for the device (a CUDA
+        graph replay, on these very buffers, where the step's shape was seen before).
 
         Args:
-            key, value: ``[n, Hkv, D]``; query, out: ``[rows, Hq, D]``; all in the pool's
-                dtype and on its device.
+            key, value: ``[n, Hkv, D]``; query, out: ``[rows, Hq, D]``, n and rows the
+                step's: a lease connection's staging (`workers.step_leases.StepBuffers`),
+                in the pool's dtype on its device, the same buffers layer after layer
+                (the graphs are keyed by their addresses). They are the server's own
+                allocation, so only the layer is checked here.
 
         Returns:
             The finite flag (a 0-d bool on the device: False means nothing was written),
             or None when there was nothing to write.
 
         Raises:
-            InvalidWorkerRequest: a layer outside the layout, or tensors of other shapes,
-                dtypes or devices; nothing was enqueued.
+            InvalidWorkerRequest: a layer outside the layout; nothing was enqueued.
         """
         check_layer(layer, self._layout.num_layers)
-        check_new_kv(self._layout, layer, step.slots.shape[0], key, value)
-        dtype = self._data.dtype
-        for name, t in (("query", query), ("out", out)):
-            if (
-                t.dtype != dtype
-                or t.shape[0] != step.num_rows
-                or t.ndim != 3
-                or t.shape[2] != self._layout.head_dim
-            ):
-                raise InvalidWorkerRequest(
-                    f"{name} must be [{step.num_rows}, Hq, {self._layout.head_dim}] {dtype}, "
-                    f"got {tuple(t.shape)} {t.dtype}"
-                )
-        if out.shape != query.shape or any(
-            t.device != self._device for t in (key, value, query, out)
-        ):
-            raise InvalidWorkerRequest(
-                "a leased layer's tensors must lie on the pool's device, out shaped as query"
-            )
         if self._graphs is not None:
-            replayed = self._graphs.run(layer, step, key, value, query, options, False, True)
+            replayed = self._graphs.run(
+                layer, step, key, value, query, options, False, True, out=out
+            )
             if replayed is not None:
-                out.copy_(replayed[0])
                 return replayed[2]
         got, _, finite = self._write_and_attend_on_device(
             layer, step.slots, key, value, query, *step.tables(), options, True

@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -26,7 +27,7 @@ from workers.errors import InvalidWorkerRequest
 from workers.metadata_cache import CachedMetadata
 from workers.pool import IndexLike, KVPool
 
-__all__ = ["LEASE_ID_BYTES", "LeaseEnded", "LeaseReport", "StepLeases"]
+__all__ = ["LEASE_ID_BYTES", "LeaseEnded", "LeaseReport", "StepBuffers", "StepLeases"]
 
 LEASE_ID_BYTES = 16
 
@@ -49,6 +50,21 @@ class LeaseReport:
     refused: tuple[int, ...]
 
 
+class StepBuffers(Protocol):
+    """Where a connection's client puts a layer's inputs and finds its output: tensors on
+    the pool's device in its dtype, made by the lease server (`workers.lease_server`).
+
+    Attributes:
+        key, value: ``[tokens, Hkv, D]``; query, out: ``[rows, Hq, D]`` (a step uses their
+            leading rows).
+    """
+
+    key: torch.Tensor
+    value: torch.Tensor
+    query: torch.Tensor
+    out: torch.Tensor
+
+
 @dataclass
 class _Lease:
     step: CachedMetadata
@@ -57,6 +73,13 @@ class _Lease:
     num_tokens: int
     # layer -> its finite flag on the device (None: nothing to write), in serving order.
     served: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    # The buffers last served from and the step's views of them (key, value, query, out),
+    # checked once: a lease's layers come from one connection.
+    buffers: StepBuffers | None = None
+    views: tuple[torch.Tensor, ...] = ()
+    # (layers served when last checked, those refused): an end after the client's check
+    # reports without waiting for the device again.
+    checked: tuple[int, list[int]] = (-1, [])
 
 
 class StepLeases:
@@ -115,21 +138,9 @@ class StepLeases:
         )
         self._leases[lease_id] = _Lease(step, allowed, num_q_heads, len(slot_mapping))
 
-    def serve(
-        self,
-        lease_id: bytes,
-        layer: int,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        query: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        """Write and attend one layer of the lease's step (`KVPool.run_step_layer`),
-        enqueued on the current stream.
-
-        Args:
-            key, value: ``[>= n, Hkv, D]``; query, out: ``[>= rows, Hq, D]``: a
-                connection's staging buffers, whose leading rows the step uses.
+    def serve(self, lease_id: bytes, layer: int, buffers: StepBuffers) -> None:
+        """Write and attend one layer of the lease's step (`KVPool.run_step_layer`) from
+        and into `buffers`, enqueued on the current stream.
 
         Raises:
             LeaseEnded: no such lease (ended, or never granted).
@@ -138,24 +149,14 @@ class StepLeases:
         """
         with self._lock:
             lease = self._get(lease_id)
-            rows, tokens, heads = lease.step.num_rows, lease.num_tokens, lease.num_q_heads
-            if rows > query.shape[0] or tokens > key.shape[0]:
-                raise InvalidWorkerRequest(
-                    f"the lease's step has {rows} query rows and {tokens} new tokens; this "
-                    f"connection stages {query.shape[0]} and {key.shape[0]}"
-                )
-            if heads != query.shape[1]:
-                raise InvalidWorkerRequest(
-                    f"the lease's step has {heads} query heads, the connection {query.shape[1]}"
-                )
+            if lease.buffers is not buffers:
+                lease.views = self._views(lease, buffers)
+                lease.buffers = buffers
             if layer not in lease.layers:
                 raise InvalidWorkerRequest(f"the lease does not cover layer {layer}")
             if layer in lease.served:
                 raise InvalidWorkerRequest(f"layer {layer} was already written under this lease")
-            flag = self._pool.run_step_layer(
-                lease.step, layer, key[:tokens], value[:tokens], query[:rows], out[:rows]
-            )
-            lease.served[layer] = flag
+            lease.served[layer] = self._pool.run_step_layer(lease.step, layer, *lease.views)
 
     def refused(self, lease_id: bytes) -> list[int]:
         """The lease's layers served so far whose inputs were not all finite (nothing
@@ -165,21 +166,46 @@ class StepLeases:
             LeaseEnded: no such lease.
         """
         with self._lock:
-            served = list(self._get(lease_id).served.items())
-        return _refused(served)
+            lease = self._get(lease_id)
+            served = list(lease.served.items())
+        refused = _refused(served)
+        lease.checked = (len(served), refused)
+        return refused
 
     def end(self, lease_id: bytes) -> LeaseReport:
         """End a lease (later layers on it raise LeaseEnded) and report what it wrote;
-        waits for the device to finish its layers. An unknown id reports nothing written.
+        waits for the device to finish its layers unless the client's last check
+        (:meth:`refused`) saw them all. An unknown id reports nothing written.
         """
         with self._lock:
             lease = self._leases.pop(lease_id, None)
         if lease is None:
             return LeaseReport((), ())
         served = list(lease.served.items())
-        refused = _refused(served)
+        count, refused = lease.checked
+        if count != len(served):
+            refused = _refused(served)
         written = tuple(sorted(layer for layer, _ in served if layer not in refused))
         return LeaseReport(written, tuple(sorted(refused)))
+
+    def _views(self, lease: _Lease, buffers: StepBuffers) -> tuple[torch.Tensor, ...]:
+        """The step's leading rows of `buffers` (key, value, query, out), checked to fit."""
+        rows, tokens, heads = lease.step.num_rows, lease.num_tokens, lease.num_q_heads
+        if rows > buffers.query.shape[0] or tokens > buffers.key.shape[0]:
+            raise InvalidWorkerRequest(
+                f"the lease's step has {rows} query rows and {tokens} new tokens; this "
+                f"connection stages {buffers.query.shape[0]} and {buffers.key.shape[0]}"
+            )
+        if heads != buffers.query.shape[1]:
+            raise InvalidWorkerRequest(
+                f"the lease's step has {heads} query heads, the connection {buffers.query.shape[1]}"
+            )
+        return (
+            buffers.key[:tokens],
+            buffers.value[:tokens],
+            buffers.query[:rows],
+            buffers.out[:rows],
+        )
 
     def clear(self) -> None:
         """End every lease without a report (a newer coordinator claimed the pool: the old

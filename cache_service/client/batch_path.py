@@ -24,6 +24,7 @@ from cache_service.client.local_session_stream import (
     LocalSessionStream,
     LocalSessionUnavailable,
     LocalSessionUnreachable,
+    PendingReply,
 )
 from cache_service.client.replies import batch_results, session_result
 from cache_service.client.shared_memory import SharedMemoryPath, Staged
@@ -31,7 +32,7 @@ from cache_service.client.transport import session_stream
 from cache_service.wire.request_codec import call_fields
 from cache_service.wire.session_codec import STEP_LEASE, session_message
 
-__all__ = ["BatchPath"]
+__all__ = ["BatchPath", "PendingLease"]
 
 
 class BatchPath(CallPolicy):
@@ -159,6 +160,28 @@ class BatchPath(CallPolicy):
             KVCacheError: the server refused the request (INVALID_ARGUMENT for malformed
                 arguments, UNAVAILABLE when the worker could not grant it).
         """
+        pending = self.start_lease_step(seq_ids, num_q_heads, token_ids, timeout_s=timeout_s)
+        return None if pending is None else pending.result()
+
+    def start_lease_step(
+        self,
+        seq_ids: Sequence[str],
+        num_q_heads: int,
+        token_ids: Sequence[Sequence[int]] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> PendingLease | None:
+        """`lease_step`, its request sent now and its answer read by
+        `PendingLease.result` (which must be called): the caller's own work overlaps the
+        server's planning. The local session is this call's until then.
+
+        Returns:
+            The request in flight; None as `lease_step` returns None.
+
+        Raises:
+            ValueError: `token_ids` not one row per sequence; KVCacheError: the request
+                could not be sent.
+        """
         if self._session is None:
             return None
         budget = self.timeout_s if timeout_s is None else float(timeout_s)
@@ -181,15 +204,13 @@ class BatchPath(CallPolicy):
         )
         message = session_message(call_id, STEP_LEASE, request.SerializeToString())
         try:
-            raw = local.call(message, budget)
+            pending = local.start(message, budget)
         except LocalSessionUnreachable:
             self._forget_local(local)
             return None
         except StreamBroken as exc:
             raise error_for(exc.code, exc.details) from None
-        if raw is None:
-            return None
-        return session_result(raw, call_id, STEP_LEASE)
+        return None if pending is None else PendingLease(pending, call_id)
 
     def _choose_local(self, budget: float) -> None:
         """Decide where the session's messages go (see `local_session`): connect to the
@@ -325,3 +346,23 @@ class BatchPath(CallPolicy):
             return None
         finally:
             staged.done()
+
+
+class PendingLease:
+    """A `start_lease_step` request in flight."""
+
+    def __init__(self, pending: PendingReply, call_id: int) -> None:
+        self._pending = pending
+        self._call_id = call_id
+
+    def result(self) -> pb.StepLeaseResponse:
+        """The server's answer (see `lease_step`).
+
+        Raises:
+            KVCacheError: the server refused the request, or the session failed.
+        """
+        try:
+            raw = self._pending.result()
+        except StreamBroken as exc:
+            raise error_for(exc.code, exc.details) from None
+        return session_result(raw, self._call_id, STEP_LEASE)

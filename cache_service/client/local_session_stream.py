@@ -26,7 +26,12 @@ from cache_service.client.call_stream import StreamBroken
 from cache_service.wire.local_frames import FrameBuffer, FrameError, frame
 from cache_service.wire.session_codec import status_from_number
 
-__all__ = ["LocalSessionStream", "LocalSessionUnavailable", "LocalSessionUnreachable"]
+__all__ = [
+    "LocalSessionStream",
+    "LocalSessionUnavailable",
+    "LocalSessionUnreachable",
+    "PendingReply",
+]
 
 _RECV_BYTES = 1 << 16
 
@@ -105,6 +110,21 @@ class LocalSessionStream:
                 dropped; the next call connects again). LocalSessionUnreachable: the
                 socket is gone (nothing was sent).
         """
+        pending = self.start(request, timeout_s)
+        return None if pending is None else pending.result()
+
+    def start(self, request: bytes, timeout_s: float) -> PendingReply | None:
+        """Send one encoded `SessionRequest` and return at once; the reply is read by
+        `PendingReply.result`, and the session is this call's until then (another
+        thread's call meanwhile gets None and goes unary). A caller overlaps its own work
+        with the server's this way.
+
+        Returns:
+            The call in flight; None when another thread's call holds the session.
+
+        Raises:
+            As `call` (for the send).
+        """
         if not self._lock.acquire(blocking=False):
             return None
         try:
@@ -113,12 +133,14 @@ class LocalSessionStream:
             deadline = time.monotonic() + timeout_s
             sock, frames = self.connect(timeout_s)
             try:
-                return _exchange(sock, frames, frame(request), deadline - time.monotonic())
+                _send(sock, frame(request), timeout_s)
             except BaseException:
                 self._drop()
                 raise
-        finally:
+        except BaseException:
             self._lock.release()
+            raise
+        return PendingReply(self, sock, frames, deadline, timeout_s)
 
     def close(self) -> None:
         """Close the connection (after the call in flight)."""
@@ -133,18 +155,82 @@ class LocalSessionStream:
         self._frames = None
 
 
+class PendingReply:
+    """A local session call whose request is sent and whose reply is not read yet
+    (`LocalSessionStream.start`); `result` must be called once, and frees the session."""
+
+    def __init__(
+        self,
+        stream: LocalSessionStream,
+        sock: socket.socket,
+        frames: FrameBuffer,
+        deadline: float,
+        timeout_s: float,
+    ) -> None:
+        self._stream = stream
+        self._sock = sock
+        self._frames = frames
+        self._deadline = deadline
+        self._timeout_s = timeout_s
+        self._done = False
+
+    def result(self) -> bytes:
+        """The encoded `SessionResponse`.
+
+        Raises:
+            StreamBroken: as `LocalSessionStream.call`; RuntimeError: read twice.
+        """
+        if self._done:
+            raise RuntimeError("this session call's reply was read already")
+        self._done = True
+        try:
+            return _receive(self._sock, self._frames, self._deadline, self._timeout_s)
+        except BaseException:
+            self._stream._drop()
+            raise
+        finally:
+            self._stream._lock.release()
+
+
 def _exchange(sock: socket.socket, frames: FrameBuffer, data: bytes, timeout_s: float) -> bytes:
-    """Send ``data`` and return the next whole message received.
+    """Send ``data`` and return the next whole message received (see `_send`, `_receive`)."""
+    deadline = time.monotonic() + timeout_s
+    _send(sock, data, timeout_s)
+    return _receive(sock, frames, deadline, timeout_s)
+
+
+def _send(sock: socket.socket, data: bytes, timeout_s: float) -> None:
+    """Send ``data`` within `timeout_s`.
 
     Raises:
-        StreamBroken: DEADLINE_EXCEEDED past `timeout_s`; UNAVAILABLE when the server
-            closed the connection; RESOURCE_EXHAUSTED for a reply over the size limit.
+        StreamBroken: DEADLINE_EXCEEDED past `timeout_s`; UNAVAILABLE when the connection
+            failed.
     """
-    deadline = time.monotonic() + timeout_s
     try:
         sock.settimeout(max(timeout_s, 1e-3))
         sock.sendall(data)
+    except TimeoutError:
+        raise StreamBroken(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"could not send within {timeout_s:.3f} s (the local session was closed)",
+        ) from None
+    except OSError as exc:
+        raise StreamBroken(
+            grpc.StatusCode.UNAVAILABLE, f"the local session failed: {exc.strerror or exc}"
+        ) from None
+
+
+def _receive(sock: socket.socket, frames: FrameBuffer, deadline: float, timeout_s: float) -> bytes:
+    """The next whole message received before `deadline` (`time.monotonic`; `timeout_s`
+    is the call's budget, for the message).
+
+    Raises:
+        StreamBroken: DEADLINE_EXCEEDED past the deadline; UNAVAILABLE when the server
+            closed the connection; RESOURCE_EXHAUSTED for a reply over the size limit.
+    """
+    try:
         while True:
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
             chunk = sock.recv(_RECV_BYTES)
             if not chunk:
                 raise StreamBroken(
@@ -155,7 +241,6 @@ def _exchange(sock: socket.socket, frames: FrameBuffer, data: bytes, timeout_s: 
             if messages:
                 # One call in flight at a time: nothing else can follow its reply.
                 return messages[0]
-            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
     except TimeoutError:
         raise StreamBroken(
             grpc.StatusCode.DEADLINE_EXCEEDED,

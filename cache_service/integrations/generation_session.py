@@ -9,6 +9,7 @@ one RPC (:meth:`~GenerationSession.attend`) and commits the step once every laye
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -251,11 +252,26 @@ class GenerationSession:
                         f"match the service positions starting at {row.start_position}"
                     )
         self._active = ActiveStep(self, step, token_ids)
+        sending = [r for r in step.rows if r.count]
+        if sending and self._config.step_leases:
+            # The service plans the step while the model computes up to its first
+            # attention layer, which reads the lease (none: each layer is a call).
+            t_lease = time.perf_counter()
+            self._active.lease_request = self._owner.leaser.request(
+                [self._seq_ids[r.row] for r in sending], [token_ids[r.row] for r in sending]
+            )
+            self.stats.lease_seconds += time.perf_counter() - t_lease
         return self._active, expected_positions.clamp_min(0)
 
     def end_step(self, step: ActiveStep, failed: bool) -> None:
         """Commit a finished forward; a forward that failed or skipped layers breaks the session."""
         self._active = None
+        if step.lease_request is not None:
+            # No layer read the lease's answer (the forward failed before one): read it,
+            # which frees the local session; the lease ends at the next call.
+            requested, step.lease_request = step.lease_request, None
+            with contextlib.suppress(Exception):
+                self._owner.leaser.granted(requested)
         if step.lease is not None and not failed:
             try:
                 self._owner.leaser.check(step.lease)
@@ -307,13 +323,12 @@ class GenerationSession:
         width = max((r.count for r in rows), default=0)
         # The service applies head_dim ** -0.5; another model scale is folded into the query.
         factor = 1.0 if scaling is None else scaling * math.sqrt(head_dim)
-        if not step.layers_done and rows and self._config.step_leases:
-            # The service plans the step once and every layer goes to the worker under
-            # its lease (none: each layer is a call).
+        if step.lease_request is not None:
+            # The step's lease, planned by the service since the forward began: every
+            # layer goes to the worker under it.
             t_lease = time.perf_counter()
-            step.lease = self._owner.leaser.lease(
-                [self._seq_ids[r.row] for r in rows], [step.token_ids[r.row] for r in rows]
-            )
+            requested, step.lease_request = step.lease_request, None
+            step.lease = self._owner.leaser.granted(requested)
             self.stats.leases += step.lease is not None
             self.stats.lease_seconds += time.perf_counter() - t_lease
         if step.lease is not None and layer in step.lease.layers:

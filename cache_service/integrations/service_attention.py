@@ -35,7 +35,9 @@ class ActiveStep:
         self.plan = plan
         self.token_ids = token_ids  # per row: the ids of the tokens it sends this step
         self.layers_done: set[int] = set()
-        # The step's lease once its first layer planned it (integrations.step_leases).
+        # The step's lease request, sent when the forward began, and its lease once the
+        # first layer read the answer (integrations.step_leases).
+        self.lease_request: Any = None
         self.lease: ActiveLease | None = None
 
 

@@ -12,6 +12,7 @@ a call instead; nothing else changes.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,8 @@ from cache_service.client.errors import UnavailableError
 from cache_service.client.lease_channel import LeaseChannel, LeaseEndedError
 
 __all__ = ["ActiveLease", "StepLeaser"]
+
+log = logging.getLogger("kvcache.step_leases")
 
 
 @dataclass
@@ -41,20 +44,32 @@ class StepLeaser:
     """
 
     def __init__(self, client: Any, num_q_heads: int) -> None:
-        self._lease_step = getattr(client, "lease_step", None)
+        self._start_lease_step = getattr(client, "start_lease_step", None)
         self._num_q_heads = num_q_heads
         self._channels: dict[str, LeaseChannel] = {}
         # Sockets that refused a connection (another host's, a GPU pool for CPU tensors).
         self._unusable: set[str] = set()
 
-    def lease(self, seq_ids: list[str], token_ids: list[list[int]]) -> ActiveLease | None:
-        """A lease on the step of these new tokens (per sequence, the same number each),
-        planned by the service; or None (no local session, the step does not qualify, or
-        its worker cannot be reached from here): the layers then go as calls."""
-        if self._lease_step is None:
+    def request(self, seq_ids: list[str], token_ids: list[list[int]]) -> Any:
+        """Ask the service to plan the step of these new tokens (per sequence, any
+        counts) for a lease, without waiting: :meth:`granted` reads the answer (the
+        caller's work between the two overlaps the service's planning) and must be called.
+        None: no lease to ask for (no local session, or it is busy)."""
+        if self._start_lease_step is None:
             return None
-        reply = self._lease_step(seq_ids, self._num_q_heads, token_ids)
-        if reply is None or not reply.granted or reply.socket in self._unusable:
+        return self._start_lease_step(seq_ids, self._num_q_heads, token_ids)
+
+    def granted(self, requested: Any) -> ActiveLease | None:
+        """The lease :meth:`request` asked for; or None (none was asked, the step does not
+        qualify, or its worker cannot be reached from here): the layers then go as calls.
+
+        Raises:
+            KVCacheError: the service refused the request (nothing is held then).
+        """
+        if requested is None:
+            return None
+        reply = requested.result()
+        if not reply.granted or reply.socket in self._unusable:
             return None
         return ActiveLease(reply.lease_id, reply.socket, set(reply.layers))
 
@@ -67,14 +82,14 @@ class StepLeaser:
         query: torch.Tensor,
     ) -> torch.Tensor | None:
         """One layer under `lease`: key/value ``[b, n, Hkv, D]``, query ``[b, n, Hq, D]``
-        (views are fine). Returns the output ``[b, n, Hq, D]`` in the pool's dtype on the
-        query's device, or None when the layer must go as a call (the lease ended, or its
+        (views are fine), or ``[n, H, D]`` each (a ragged step's rows joined). Returns the
+        output shaped as the query, in the pool's dtype on the query's device, or None when the layer must go as a call (the lease ended, or its
         worker's socket cannot be used from here): nothing was written then.
 
         Raises:
             KVCacheError: the worker refused the layer (nothing written).
         """
-        rows, tokens = query.shape[0] * query.shape[1], key.shape[0] * key.shape[1]
+        rows, tokens = query[..., 0, 0].numel(), key[..., 0, 0].numel()
         channel = self._channel(lease.socket, rows, tokens, query.device)
         if channel is None:
             return None
@@ -125,7 +140,8 @@ class StepLeaser:
             del self._channels[socket]
         try:
             channel = LeaseChannel(socket, rows, tokens, self._num_q_heads, device)
-        except UnavailableError:
+        except UnavailableError as exc:
+            log.warning("step leases off for this model: %s; layers go as calls", exc.message)
             self._unusable.add(socket)
             return None
         self._channels[socket] = channel
