@@ -4,7 +4,8 @@ the torch backend's dispatch between them (CPU runs; the GPU-marked test checks 
 ``kernels.attention_torch.paged_attention_torch`` pads a chunk's sequences and computes them
 together; ``kernels.reference.paged_attention_ref`` loops over sequences (the oracle). Both
 compute in float32, so they agree to float32 rounding whatever the chunking: one chunk, a
-sequence per chunk, or chunks cut by a budget.
+sequence per chunk, or chunks cut by a budget, and whichever computes the attention itself
+on CPU: the fused CPU kernel, or the matrix products that CUDA and a softcap take.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import kernels
+from kernels import attention_torch
 from kernels.attention_torch import MAX_CPU_ELEMENTS, padded_elements, paged_attention_torch
 from kernels.reference import paged_attention_ref
 from kernels.testing import dense_attention, make_paged_batch
@@ -38,6 +40,14 @@ OPTIONS = [
 ]
 
 
+@pytest.fixture(params=["fused", "matmul"])
+def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each of the two ways the attention itself is computed on CPU tensors."""
+    if request.param == "matmul":
+        monkeypatch.setattr(attention_torch, "_FLASH_CPU", None)
+    return request.param
+
+
 def _pair(batch, max_chunk_elements: int, **options):
     args = batch.args()
     got = paged_attention_torch(*args, max_chunk_elements=max_chunk_elements, **options)
@@ -60,7 +70,7 @@ def _assert_close(got, want) -> None:
     "options", OPTIONS, ids=lambda o: "-".join(map(str, o.items())) or "default"
 )
 @pytest.mark.parametrize("budget", [1 << 26, 1], ids=["one-chunk", "chunk-per-sequence"])
-def test_matches_the_loop_reference(case: str, options: dict, budget: int) -> None:
+def test_matches_the_loop_reference(case: str, options: dict, budget: int, cpu_path: str) -> None:
     seq_lens, q_lens = CASES[case]
     batch = make_paged_batch(
         seq_lens, q_lens, num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=8, seed=11
@@ -137,7 +147,7 @@ def test_no_rows_at_all() -> None:
 
 @pytest.mark.parametrize("case", ["decode", "chunked", "empty_rows_and_keys"])
 @pytest.mark.parametrize("budget", [1 << 26, 1], ids=["one-chunk", "chunk-per-sequence"])
-def test_slots_past_a_sequence_may_hold_nan(case: str, budget: int) -> None:
+def test_slots_past_a_sequence_may_hold_nan(case: str, budget: int, cpu_path: str) -> None:
     # Freed blocks are poisoned with NaN and a sequence's last block is partly written:
     # keys and values past each sequence's length must not reach its output.
     seq_lens, q_lens = CASES[case]
@@ -157,16 +167,65 @@ def test_slots_past_a_sequence_may_hold_nan(case: str, budget: int) -> None:
     _assert_close(got, paged_attention_ref(*batch.args()))
 
 
-def test_a_pool_holding_every_layer() -> None:
+@pytest.mark.parametrize("case", ["decode", "chunked"])
+def test_a_pool_holding_every_layer(case: str, cpu_path: str) -> None:
     # The pools pass one layer of a [blocks, layers, 2, ...] tensor: dim 0 strided.
     batch = make_paged_batch(
-        [17, 4], [1, 1], num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=4, seed=3
+        *CASES[case], num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=4, seed=3
     )
     pool = torch.randn(batch.key_cache.shape[0], 3, 2, *batch.key_cache.shape[1:])
     pool[:, 1, 0], pool[:, 1, 1] = batch.key_cache, batch.value_cache
     args = list(batch.args())
     args[1], args[2] = pool[:, 1, 0], pool[:, 1, 1]
     _assert_close(paged_attention_torch(*args), paged_attention_ref(*batch.args()))
+
+
+def test_table_entries_past_a_sequence_may_name_poisoned_blocks(cpu_path: str) -> None:
+    # A freed block is poisoned with NaN and may still be named past a sequence's blocks
+    # (a table row reused without clearing): its keys and values must not be read.
+    seq_lens, q_lens = [3, 25, 10], [1, 2, 3]
+    batch = make_paged_batch(
+        seq_lens, q_lens, num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=8,
+        spare_blocks=1, spare_columns=2,
+    )  # fmt: skip
+    used = {int(b) for b in batch.block_tables.flatten() if b >= 0}
+    (freed,) = set(range(batch.key_cache.shape[0])) - used
+    k, v = batch.key_cache.clone(), batch.value_cache.clone()
+    k[freed], v[freed] = float("nan"), float("nan")
+    tables = batch.block_tables.clone()
+    for s, n in enumerate(seq_lens):
+        tables[s, -(-n // 8) :] = freed
+    args = list(batch.args())
+    args[1], args[2], args[3] = k, v, tables
+    _assert_close(paged_attention_torch(*args), paged_attention_ref(*batch.args()))
+
+
+def test_a_cache_whose_slots_are_not_rows(cpu_path: str) -> None:
+    # A [blocks, block_size, Hkv, D] tensor seen as [blocks, Hkv, block_size, D]: a slot's
+    # heads are not block_size rows apart, so the gather takes advanced indexing instead.
+    batch = make_paged_batch(
+        *CASES["chunked"], num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=8, seed=9
+    )
+    args = list(batch.args())
+    for i in (1, 2):
+        args[i] = args[i].transpose(1, 2).contiguous().transpose(1, 2)
+        assert attention_torch._row_index(args[i], *torch.zeros(2, 1, 1, dtype=torch.long)) is None
+    _assert_close(paged_attention_torch(*args), paged_attention_ref(*batch.args()))
+
+
+@pytest.mark.parametrize("options", [{}, {"causal": False, "sliding_window": 2}], ids=str)
+def test_rows_before_a_sequence_may_see_no_key(options: dict, cpu_path: str) -> None:
+    # More rows than keys (validation refuses it; the conventions still define it): rows at
+    # negative positions see no key when causal (0 and -inf), and only keys in the window.
+    batch = make_paged_batch(
+        [6, 10], [6, 2], num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=8, seed=7
+    )
+    args = list(batch.args())
+    args[4] = torch.tensor([3, 10], dtype=batch.seq_lens.dtype)
+    want = paged_attention_ref(*args, **options)
+    if not options:
+        assert torch.isinf(want[1][:3]).all() and not torch.isinf(want[1][3:]).any()
+    _assert_close(paged_attention_torch(*args, **options), want)
 
 
 def test_padded_elements_counts_the_padded_scores() -> None:
