@@ -344,34 +344,6 @@ def test_a_step_planned_for_a_lease_writes_every_layer_by_lease(harness, client)
     harness.check_integrity()
 
 
-def test_layers_a_closed_connection_never_checked_are_not_committed(harness, client):
-    # The client sends two layers of a planned step and goes away without its check (it
-    # died, or gave up mid-forward): the worker cannot vouch for what those layers read,
-    # so they count as not written, and the step's positions go back.
-    batch = Batch(client, [[1, 2, 3]], seed=12)
-    step = batch.step()
-    lease = client.lease_step(batch.seq_ids, HQ, [[51]])
-    assert lease.granted, lease.reason
-    channel = LeaseChannel(lease.socket, 4, 4, HQ, CPU)
-    for layer in (0, 1):
-        channel.run_layer(lease.lease_id, layer, *step[layer])
-    channel.close()
-    leases = harness.workers[0].worker._leases
-    deadline = time.monotonic() + 10
-    while any(x.buffers is not None for x in list(leases._leases.values())):
-        assert time.monotonic() < deadline, "the worker never saw the connection close"
-        time.sleep(0.01)
-    # The next lease ends this one: nothing committed, the reservation of 51 given back.
-    again = client.lease_step(batch.seq_ids, HQ, [[52]])
-    assert again.granted, again.reason
-    info = harness.call(
-        harness.coordinator.block_manager.sequence_info, "default", batch.seq_ids[0]
-    )
-    assert list(info.written) == [3] * NL and list(info.token_ids) == [1, 2, 3, 52]
-    client.free(batch.seq_ids[0])
-    harness.check_integrity()
-
-
 def test_a_planned_step_no_layer_wrote_gives_its_positions_back(harness, client):
     batch = Batch(client, [[1, 2, 3]], seed=10)
     lease = client.lease_step(batch.seq_ids, HQ, [[31, 32]])

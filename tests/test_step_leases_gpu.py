@@ -1,6 +1,5 @@
 """On a CUDA device: a model in another process generating through `kvcache serve` with step
-leases, its layers handed to the worker through CUDA IPC staging memory, the two streams
-ordered by counters in device memory.
+leases, its later layers handed to the worker through CUDA IPC staging memory and events.
 
 float32 throughout, so the comparison with transformers' own cache is exact in the tokens
 and close in the logits; the run must have sent most layers under leases (not fallen back

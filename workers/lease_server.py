@@ -4,33 +4,24 @@ A client on this host connects once per session (a Unix ``SOCK_SEQPACKET`` socke
 folder only this user can enter) and says how large its layers are. The worker allocates
 that connection's staging buffers on the pool's device (query, key, value, output) and
 hands them over: on CUDA as an IPC memory handle (the client maps the very device memory,
-so no tensor crosses host memory), on CPU as a shared file.
+so no tensor crosses host memory) with an IPC event each way; on CPU as a shared file.
 
-Then each layer is one small message: ``(op, lease id, layer, count)``. For ``SERVE`` the
-client has put the layer's query, key and value into the staging buffers. On CUDA the two
-streams are ordered through two counters in device memory (`workers.stream_values`), not
-by the hosts: the client's stream writes `count` into the worker's *ready* counter after
-its copies and then waits for its own *done* counter (which the worker maps) to reach it;
-the worker's stream waits for *ready*, runs the write and the attention
-(`StepLeases.serve`, a CUDA graph replay where the step's shape was seen) and writes
-*done*, whatever the layer's fate, so the client's stream never waits forever. Neither
-host waits for the other: the client reads the answers when it next sends or checks. On
-CPU the client waits for the answer, with the output in place. ``CHECK`` waits for the
-lease's layers and answers the layers whose inputs were not finite.
-
-A connection that closes with layers its client never checked (the client died or gave
-up mid-forward) releases the worker's stream from waits its client will never satisfy,
-and those layers count as not written (`StepLeases.abandon`).
+Then each layer is one small message: ``(op, lease id, layer)``. For ``SERVE`` the client
+has put the layer's query, key and value into the staging buffers and (CUDA) recorded its
+event after those copies; the worker makes its stream wait for that event, enqueues the
+write and the attention (`StepLeases.serve`, a CUDA graph replay where the step's shape
+was seen), records its own event and answers at once, without waiting for the device. The
+client's stream waits for the worker's event before it reads the output. ``CHECK`` waits
+for the lease's layers and answers the layers whose inputs were not finite.
 
 Wire format (one message per datagram; integers little-endian):
 
-- hello, client -> worker: UTF-8 JSON ``{"version": 2, "rows": R, "tokens": T,
-  "q_heads": H, "pid": the client's process id, "done": hex of the CUDA IPC pickle of the
-  client's int32 counter, or null}``; reply: JSON ``{"ok": true, "device": "cuda" | "cpu",
-  "dtype", "nbytes", "offsets": {name: byte offset}, "shapes": {name: shape}, "path":
-  shared file or null, "memory": hex of the CUDA IPC handle pickle or null}`` (on CUDA
-  the names include ``ready``, the int32 counter) or ``{"ok": false, "error": message}``.
-- request: ``<B16sII``: op (1 SERVE, 2 CHECK), lease id, layer, count (SERVE on CUDA).
+- hello, client -> worker: UTF-8 JSON ``{"version": 1, "rows": R, "tokens": T,
+  "q_heads": H, "cuda_event": hex or null, "pid": the client's process id}``; reply: JSON ``{"ok": true, "device":
+  "cuda" | "cpu", "dtype", "nbytes", "offsets": {name: byte offset}, "shapes": {name:
+  shape}, "path": shared file or null, "memory": hex of the CUDA IPC handle pickle or null,
+  "cuda_event": hex or null}`` or ``{"ok": false, "error": message}``.
+- request: ``<B16sI``: op (1 SERVE, 2 CHECK), lease id, layer.
 - reply: ``<B`` code (0 OK, 1 ENDED: send the layer by call, 2 REFUSED) then a UTF-8
   message (for CHECK: the refused layers, comma-separated).
 The client's side is `cache_service.client.lease_channel`; `tests/test_step_leases.py`
@@ -42,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import socket
 import struct
@@ -53,7 +43,6 @@ from typing import Any
 
 import torch
 
-from workers import stream_values
 from workers.errors import InvalidWorkerRequest
 from workers.layout import KVLayout
 from workers.owned_files import make_owned_dir, reclaim_orphans, remove_owned_dir
@@ -63,12 +52,12 @@ __all__ = ["CHECK", "ENDED", "OK", "REFUSED", "REQUEST", "SERVE", "LeaseServer"]
 
 log = logging.getLogger("kvcache.lease_server")
 
-VERSION = 2
+VERSION = 1
 # The socket's folder: "<tmp>/kvcache-lease-<owner>-<random>" (workers.owned_files).
 DIR_PREFIX = "kvcache-lease-"
 SERVE, CHECK = 1, 2
 OK, ENDED, REFUSED = 0, 1, 2
-REQUEST = struct.Struct("<B16sII")
+REQUEST = struct.Struct("<B16sI")
 # The most rows or new tokens one connection's staging holds.
 MAX_ROWS = 1 << 16
 _ALIGN = 256
@@ -83,13 +72,10 @@ class _Staging:
     value: torch.Tensor
     out: torch.Tensor
     reply: dict[str, Any]
+    ready: torch.cuda.Event | None  # the client's event: its inputs are in place
+    done: torch.cuda.Event | None  # ours: the output is written
     path: str | None = None
-    # CUDA: the stream the layers run on, this side's ready counter, the client's done
-    # counter (mapped here), and the last count a layer waited for.
-    stream: torch.cuda.Stream | None = None
-    ready: torch.Tensor | None = None
-    done: torch.Tensor | None = None
-    last: int = 0
+    stream: torch.cuda.Stream | None = None  # where this connection's layers run (CUDA)
 
 
 class LeaseServer:
@@ -173,27 +159,15 @@ class LeaseServer:
             with self._guard:
                 self._connections.discard(conn)
             conn.close()
-            if staging is not None:
-                self._release(staging)
-
-    def _release(self, staging: _Staging) -> None:
-        """A closed connection's staging: layers its client never checked are not written,
-        and the worker's stream no longer waits for the client's counter."""
-        self._leases.abandon(staging)
-        if staging.stream is not None and staging.ready is not None and staging.last:
-            with contextlib.suppress(Exception):
-                side = torch.cuda.Stream(self._device)
-                stream_values.write(side, staging.ready, staging.last)
-                side.synchronize()
-        if staging.path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(staging.path)
+            if staging is not None and staging.path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(staging.path)
 
     def _answer(self, message: bytes, staging: _Staging) -> bytes:
         """The reply to one request."""
         if len(message) != REQUEST.size:
             return _reply(REFUSED, f"a request is {REQUEST.size} bytes, got {len(message)}")
-        op, lease_id, layer, count = REQUEST.unpack(message)
+        op, lease_id, layer = REQUEST.unpack(message)
         try:
             if op == CHECK:
                 refused = self._leases.refused(lease_id)
@@ -203,17 +177,11 @@ class LeaseServer:
                 return _OK
             if op != SERVE:
                 return _reply(REFUSED, f"unknown op {op}")
-            stream = staging.stream
-            if stream is None:
-                self._leases.serve(lease_id, layer, staging)
-                return _OK
-            stream_values.wait(stream, staging.ready, count)  # type: ignore[arg-type]
-            staging.last = count
-            try:
-                self._leases.serve(lease_id, layer, staging)
-            finally:
-                # Written whatever the layer's fate: the client's stream waits for it.
-                stream_values.write(stream, staging.done, count)  # type: ignore[arg-type]
+            if staging.stream is not None:
+                staging.stream.wait_event(staging.ready)
+            self._leases.serve(lease_id, layer, staging)
+            if staging.stream is not None:
+                staging.done.record(staging.stream)
             return _OK
         except LeaseEnded as exc:
             return _reply(ENDED, str(exc))
@@ -233,21 +201,16 @@ class LeaseServer:
                 f"q_heads must be a positive multiple of {lay.num_kv_heads}, got {heads!r}"
             )
         dtype = lay.torch_dtype()
-        shapes: dict[str, tuple[int, ...]] = {
+        shapes = {
             "query": (rows, heads, lay.head_dim),
             "key": (tokens, lay.num_kv_heads, lay.head_dim),
             "value": (tokens, lay.num_kv_heads, lay.head_dim),
             "out": (rows, heads, lay.head_dim),
         }
-        dtypes = dict.fromkeys(shapes, dtype)
-        cuda = self._device.type == "cuda"
-        if cuda:
-            shapes["ready"] = (1,)
-            dtypes["ready"] = torch.int32
         offsets, nbytes = {}, 0
         for name, shape in shapes.items():
             offsets[name] = nbytes
-            size = dtypes[name].itemsize * math.prod(shape)
+            size = dtype.itemsize * shape[0] * shape[1] * shape[2]
             nbytes += -(-size // _ALIGN) * _ALIGN
         reply: dict[str, Any] = {
             "ok": True,
@@ -258,9 +221,11 @@ class LeaseServer:
             "shapes": shapes,
             "path": None,
             "memory": None,
+            "cuda_event": None,
         }
-        path = done = stream = None
-        if cuda:
+        ready = done = None
+        path = None
+        if self._device.type == "cuda":
             if hello.get("pid") == os.getpid():
                 # CUDA IPC maps another process's memory only: a client in this process
                 # (an embedded service) makes its calls instead.
@@ -268,20 +233,14 @@ class LeaseServer:
                     "the client runs in the worker's process: CUDA IPC cannot map memory "
                     "into its own process; send the layers by call"
                 )
-            if not stream_values.available():
-                raise InvalidWorkerRequest(
-                    "this worker's CUDA driver has no stream memory operations (CUDA 11.7 "
-                    "or newer); send the layers by call"
-                )
-            counter = hello.get("done")
-            if not isinstance(counter, str):
-                raise InvalidWorkerRequest("a CUDA pool's lease connection needs done")
-            done = _cuda_tensor(bytes.fromhex(counter))
-            if done.dtype != torch.int32 or done.numel() != 1 or done.device != self._device:
-                raise InvalidWorkerRequest("done must be one int32 on the pool's device")
             flat = torch.zeros(nbytes, dtype=torch.uint8, device=self._device)
             reply["memory"] = _cuda_handle(flat).hex()
-            stream = torch.cuda.current_stream(self._device)
+            event = hello.get("cuda_event")
+            if not isinstance(event, str):
+                raise InvalidWorkerRequest("a CUDA pool's lease connection needs cuda_event")
+            ready = torch.cuda.Event.from_ipc_handle(self._device, bytes.fromhex(event))
+            done = torch.cuda.Event(interprocess=True)
+            reply["cuda_event"] = done.ipc_handle().hex()
         else:
             path = os.path.join(self._dir, f"stage-{number}")
             with open(path, "wb") as f:
@@ -289,22 +248,27 @@ class LeaseServer:
             flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
             reply["path"] = path
         views = {
-            name: flat[offsets[name] : offsets[name] + dtypes[name].itemsize * math.prod(shape)]
-            .view(dtypes[name])
+            name: flat[offsets[name] : offsets[name] + dtype.itemsize * _numel(shape)]
+            .view(dtype)
             .view(shape)
             for name, shape in shapes.items()
         }
+        stream = torch.cuda.current_stream(self._device) if ready is not None else None
         return _Staging(
             views["query"],
             views["key"],
             views["value"],
             views["out"],
             reply,
+            ready,
+            done,
             path,
             stream,
-            views.get("ready"),
-            done,
         )
+
+
+def _numel(shape: tuple[int, int, int]) -> int:
+    return shape[0] * shape[1] * shape[2]
 
 
 def _reply(code: int, message: str = "") -> bytes:
@@ -314,27 +278,14 @@ def _reply(code: int, message: str = "") -> bytes:
 _OK = _reply(OK)
 
 
-def _cuda_tensor(handle: bytes) -> torch.Tensor:
-    """A tensor of another process, mapped here from its CUDA IPC pickle."""
-    tensor = _pickler().loads(handle)
-    if not isinstance(tensor, torch.Tensor):
-        raise InvalidWorkerRequest("done is not a CUDA tensor's IPC pickle")
-    return tensor
-
-
 def _cuda_handle(flat: torch.Tensor) -> bytes:
     """The pickle a client's `torch.multiprocessing` unpickles into the same device memory
     (torch's CUDA IPC reduction: a memory handle, the allocation's offset and size)."""
-    return bytes(_pickler().dumps(flat))
-
-
-def _pickler() -> Any:
-    """multiprocessing's pickler, with torch's CUDA tensor reduction registered."""
     from multiprocessing.reduction import ForkingPickler
 
-    import torch.multiprocessing  # noqa: F401  (registers the reduction)
+    import torch.multiprocessing  # noqa: F401  (registers the CUDA tensor reduction)
 
-    return ForkingPickler
+    return bytes(ForkingPickler.dumps(flat))
 
 
-assert REQUEST.size == 1 + LEASE_ID_BYTES + 8
+assert REQUEST.size == 1 + LEASE_ID_BYTES + 4

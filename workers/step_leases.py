@@ -207,17 +207,6 @@ class StepLeases:
             buffers.out[:rows],
         )
 
-    def abandon(self, buffers: StepBuffers) -> None:
-        """`buffers`' connection closed: the layers its leases served after the client's
-        last check count as not written (whatever the inputs held when they ran), so their
-        ends commit only what the client saw checked."""
-        with self._lock:
-            for lease in self._leases.values():
-                if lease.buffers is buffers:
-                    count = max(lease.checked[0], 0)
-                    lease.served = dict(list(lease.served.items())[:count])
-                    lease.buffers = None
-
     def clear(self) -> None:
         """End every lease without a report (a newer coordinator claimed the pool: the old
         grants mean nothing). The caller holds the pool's lock."""

@@ -5,19 +5,12 @@ A :class:`LeaseChannel` is opened once per session and worker: the worker alloca
 connection's staging buffers on its pool's device and this process maps them (CUDA IPC
 memory on a GPU pool, a shared file on a CPU pool). A leased layer is then a copy of the
 query, key and value into the staging buffers on the caller's stream, one small message,
-and the output copied back out.
-
-On a GPU nothing waits: the caller's stream and the worker's are ordered by two counters
-in device memory (`workers.stream_values`), so the caller's host goes on with its model
-while the worker's host enqueues the layer. The worker's answers are read when the next
-layer is sent and at `check`: a layer the worker refused (its lease ended, NaN, ...) is
-reported there, and the forward that used its output must be dropped. On a CPU pool the
-caller waits for each answer, the output in place.
+and the output read back after the worker's event: on a GPU nothing crosses host memory
+and nothing waits for the device.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import socket
@@ -33,15 +26,14 @@ from cache_service.client.errors import (
     InvalidArgumentError,
     UnavailableError,
 )
-from workers import stream_values
 
 __all__ = ["LeaseChannel", "LeaseEndedError"]
 
 # The wire format of workers.lease_server (a test checks the two agree).
-_VERSION = 2
+_VERSION = 1
 _SERVE, _CHECK = 1, 2
 _OK, _ENDED, _REFUSED = 0, 1, 2
-_REQUEST = struct.Struct("<B16sII")
+_REQUEST = struct.Struct("<B16sI")
 # How long a request polls for its reply before sleeping on the socket, seconds.
 _POLL_S = 200e-6
 
@@ -74,28 +66,19 @@ class LeaseChannel:
         self.path = path
         self._lock = threading.Lock()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        # CUDA: this side's counter (the worker's stream writes it), the worker's (mapped
-        # here), the last count sent and the layers whose answers are unread.
-        self._done: torch.Tensor | None = None
-        self._ready: torch.Tensor | None = None
-        self._count = 0
-        self._unanswered: collections.deque[int] = collections.deque()
+        self._ready: torch.cuda.Event | None = None
         hello: dict[str, object] = {
             "version": _VERSION,
             "rows": rows,
             "tokens": tokens,
             "q_heads": num_q_heads,
+            "cuda_event": None,
             "pid": os.getpid(),
-            "done": None,
         }
         if device.type == "cuda":
-            if not stream_values.available():
-                raise UnavailableError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    "this process's CUDA driver has no stream memory operations",
-                )
-            self._done = torch.zeros(1, dtype=torch.int32, device=device)
-            hello["done"] = bytes(_pickler().dumps(self._done)).hex()
+            self._ready = torch.cuda.Event(interprocess=True)
+            self._ready.record(torch.cuda.current_stream(device))
+            hello["cuda_event"] = self._ready.ipc_handle().hex()
         try:
             self._sock.connect(path)
             self._sock.send(json.dumps(hello).encode())
@@ -112,6 +95,7 @@ class LeaseChannel:
                 f"lease socket {path} refused the connection: {reply.get('error', 'closed')}",
             )
         self.device = torch.device(reply["device"]) if reply["device"] == "cpu" else device
+        self._done: torch.cuda.Event | None = None
         if reply["device"] == "cuda":
             if device.type != "cuda":
                 self._sock.close()
@@ -119,7 +103,10 @@ class LeaseChannel:
                     grpc.StatusCode.UNAVAILABLE,
                     "the worker's pool is on a GPU and the caller's tensors are not",
                 )
-            flat = _pickler().loads(bytes.fromhex(reply["memory"]))
+            flat = _cuda_memory(bytes.fromhex(reply["memory"]))
+            self._done = torch.cuda.Event.from_ipc_handle(
+                device, bytes.fromhex(reply["cuda_event"])
+            )
         else:
             flat = torch.from_file(
                 reply["path"], shared=True, size=reply["nbytes"], dtype=torch.uint8
@@ -127,17 +114,13 @@ class LeaseChannel:
         dtype = getattr(torch, reply["dtype"])
         views = {}
         for name, shape in reply["shapes"].items():
-            kind = torch.int32 if name == "ready" else dtype
             start = reply["offsets"][name]
-            count = kind.itemsize
-            for size in shape:
-                count *= size
-            views[name] = flat[start : start + count].view(kind).view(shape)
+            count = shape[0] * shape[1] * shape[2]
+            views[name] = flat[start : start + count * dtype.itemsize].view(dtype).view(shape)
         self.dtype = dtype
         self._query, self._key, self._value, self._out = (
             views[n] for n in ("query", "key", "value", "out")
         )
-        self._ready = views.get("ready")
 
     @property
     def rows(self) -> int:
@@ -177,12 +160,9 @@ class LeaseChannel:
             caller's stream reaches it: the stream waits for the worker).
 
         Raises:
-            LeaseEndedError: (CPU pool) the lease ended; nothing written (send the layer
-                by call).
+            LeaseEndedError: the lease ended; nothing written (send the layer by call).
             InvalidArgumentError: the worker refused the layer (a layer outside the lease
-                or sent twice, shapes that do not fit); nothing written. On a GPU pool
-                this and an ended lease are reported for an earlier layer (a
-                FailedPreconditionError for the latter), whose output was not valid.
+                or sent twice, shapes that do not fit); nothing written.
             UnavailableError: the connection broke (whether the layer ran is unknown).
         """
         rows, tokens = _leading(query), _leading(key)
@@ -190,103 +170,58 @@ class LeaseChannel:
             self._query[:rows].view(query.shape).copy_(query)
             self._key[:tokens].view(key.shape).copy_(key)
             self._value[:tokens].view(value.shape).copy_(value)
-            if self._done is None:
-                self._send(_SERVE, lease_id, layer, 0)
-                self._answer(self._receive(), layer, current=True)
-                return self._out[:rows].clone()
-            stream = torch.cuda.current_stream(query.device)
-            self._count = (self._count + 1) & 0xFFFFFFFF
-            stream_values.write(stream, self._ready, self._count)  # type: ignore[arg-type]
-            self._send(_SERVE, lease_id, layer, self._count)
-            self._unanswered.append(layer)
-            stream_values.wait(stream, self._done, self._count)
-            out = self._out[:rows].clone()
-            self._read_answers(wait=False, last_is_current=True)
-            return out
+            stream = None
+            if self._ready is not None:
+                stream = torch.cuda.current_stream(query.device)
+                self._ready.record(stream)
+            self._request(_SERVE, lease_id, layer)
+            if stream is not None and self._done is not None:
+                stream.wait_event(self._done)
+            return self._out[:rows].clone()
 
     def check(self, lease_id: bytes) -> None:
-        """Read every answer outstanding, then wait for the lease's layers and raise if
-        any was refused.
+        """Wait for the lease's layers so far and raise if any was refused.
 
         Raises:
             InvalidArgumentError: a layer's inputs held NaN or infinity (nothing written
-                for it), or the worker refused one; FailedPreconditionError: the lease
-                ended before one of the layers (LeaseEndedError when no layer was sent
-                since the last answer read).
+                for it); LeaseEndedError: the lease ended meanwhile.
         """
         with self._lock:
-            self._read_answers(wait=True)
-            self._send(_CHECK, lease_id, 0, 0)
-            self._answer(self._receive(), None, current=True)
+            self._request(_CHECK, lease_id, 0)
 
     def close(self) -> None:
         """End the connection (the worker frees its staging)."""
         self._sock.close()
 
-    def _read_answers(self, wait: bool, last_is_current: bool = False) -> None:
-        """The answers of layers sent on a GPU pool: those already here, or (`wait`) all.
-        `last_is_current`: the last layer sent is the one being sent (its output unused)."""
-        while self._unanswered:
-            try:
-                if wait:
-                    reply = self._receive()
-                else:
-                    reply = self._sock.recv(1 << 12, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                raise self._broken(str(exc)) from None
-            layer = self._unanswered.popleft()
-            self._answer(reply, layer, current=last_is_current and not self._unanswered)
-
-    def _answer(self, reply: bytes, layer: int | None, current: bool) -> None:
-        """Raise for a refusal. `current`: the answer is about the layer just sent, whose
-        output has not been used (an ended lease then raises LeaseEndedError: send the
-        layer by call); otherwise its output was used, so the forward must fail."""
-        if not reply:
-            raise self._broken("closed the connection")
-        code, message = reply[0], reply[1:].decode(errors="replace")
-        if code == _OK:
-            return
-        where = "" if layer is None else f"layer {layer}: "
-        if code == _ENDED:
-            if current:
-                raise LeaseEndedError(where + message)
-            raise FailedPreconditionError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"{where}{message} (its output was already used: drop this forward)",
-            )
-        raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, where + message)
-
-    def _send(self, op: int, lease_id: bytes, layer: int, count: int) -> None:
+    def _request(self, op: int, lease_id: bytes, layer: int) -> None:
         try:
-            self._sock.send(_REQUEST.pack(op, lease_id, layer, count))
+            self._sock.send(_REQUEST.pack(op, lease_id, layer))
+            reply = self._receive()
         except OSError as exc:
-            raise self._broken(str(exc)) from None
+            raise UnavailableError(
+                grpc.StatusCode.UNAVAILABLE, f"lease socket {self.path}: {exc}"
+            ) from None
+        if not reply:
+            raise UnavailableError(
+                grpc.StatusCode.UNAVAILABLE, f"lease socket {self.path} closed the connection"
+            )
+        code, message = reply[0], reply[1:].decode(errors="replace")
+        if code == _ENDED:
+            raise LeaseEndedError(message)
+        if code != _OK:
+            raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
     def _receive(self) -> bytes:
-        """The worker's next answer, polled for during `_POLL_S` before waiting for it: a
+        """The worker's reply, polled for during `_POLL_S` before waiting for it: a leased
         layer's answer comes within tens of microseconds, and waking a sleeping thread
         costs as much again."""
         deadline = time.perf_counter() + _POLL_S
-        try:
-            while True:
-                try:
-                    return self._sock.recv(1 << 12, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    if time.perf_counter() > deadline:
-                        return self._sock.recv(1 << 12)
-        except OSError as exc:
-            raise self._broken(str(exc)) from None
-
-    def _broken(self, why: str) -> UnavailableError:
-        """The connection failed: on a GPU, release this stream's waits for the worker
-        (they would never end), then the error to raise."""
-        if self._done is not None and self._count:
-            side = torch.cuda.Stream(self._done.device)
-            stream_values.write(side, self._done, self._count)
-            side.synchronize()
-        return UnavailableError(grpc.StatusCode.UNAVAILABLE, f"lease socket {self.path}: {why}")
+        while True:
+            try:
+                return self._sock.recv(1 << 12, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if time.perf_counter() > deadline:
+                    return self._sock.recv(1 << 12)
 
 
 def _leading(t: torch.Tensor) -> int:
@@ -297,11 +232,10 @@ def _leading(t: torch.Tensor) -> int:
     return n
 
 
-def _pickler():  # type: ignore[no-untyped-def]
-    """multiprocessing's pickler, with torch's CUDA tensor reduction registered (CUDA IPC
-    maps the worker's staging and this side's counter across the processes)."""
+def _cuda_memory(handle: bytes) -> torch.Tensor:
+    """The worker's staging allocation, mapped into this process (CUDA IPC)."""
     from multiprocessing.reduction import ForkingPickler
 
-    import torch.multiprocessing  # noqa: F401  (registers the reduction)
+    import torch.multiprocessing  # noqa: F401  (registers the CUDA tensor reduction)
 
-    return ForkingPickler
+    return ForkingPickler.loads(handle)
