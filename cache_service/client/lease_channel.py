@@ -212,9 +212,12 @@ class LeaseChannel:
             raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
     def _receive(self) -> bytes:
-        """The worker's reply, polled for during `_POLL_S` before waiting for it: a leased
-        layer's answer comes within tens of microseconds, and waking a sleeping thread
-        costs as much again."""
+        """The worker's reply; on a GPU pool polled for during `_POLL_S` before waiting
+        for it: a leased layer's answer comes within tens of microseconds there, and waking
+        a sleeping thread costs as much again. A CPU pool's answer comes after the layer's
+        attention, on cores a polling thread would take from it."""
+        if self.device.type != "cuda":
+            return self._sock.recv(1 << 12)
         deadline = time.perf_counter() + _POLL_S
         while True:
             try:

@@ -66,8 +66,9 @@ class SessionStats:
         leases: forwards planned by the service for a lease (one StepLease call each).
         lease_seconds: wall time of those calls, seconds.
         attend_seconds: wall time of the attention layers' whole service path (checks, the
-            tensors' moves to and from the host, the client call), seconds; minus
-            ``rpc_seconds``: what the integration itself costs.
+            tensors' moves to and from the host, the client call, the step lease's
+            request), seconds; minus ``rpc_seconds``, ``leased_seconds`` and
+            ``lease_seconds``: what the integration itself costs.
     """
 
     cached_tokens: list[int]
@@ -260,7 +261,9 @@ class GenerationSession:
             self._active.lease_request = self._owner.leaser.request(
                 [self._seq_ids[r.row] for r in sending], [token_ids[r.row] for r in sending]
             )
-            self.stats.lease_seconds += time.perf_counter() - t_lease
+            elapsed = time.perf_counter() - t_lease
+            self.stats.lease_seconds += elapsed
+            self.stats.attend_seconds += elapsed
         return self._active, expected_positions.clamp_min(0)
 
     def end_step(self, step: ActiveStep, failed: bool) -> None:

@@ -1,0 +1,123 @@
+"""A co-located client's leased decode steps, stage by stage, without a model.
+
+Against `kvcache serve` in a process of its own (in-process pools on the device), a client
+on the same host runs decode steps the way the transformers integration does: one
+StepLease call planning the step of one new token per sequence, every layer handed to the
+worker over the lease socket (`LeaseChannel.run_layer`), then the check that waits for the
+layers and reports refusals. Per batch size it prints the p50 and p90 of each stage's
+host time: the StepLease call, a leased layer (the client's whole handoff: staging copies,
+the message, the worker's answer; on a GPU the kernels run meanwhile), and the check
+(which waits for the device to finish the step's layers).
+
+    .venv/bin/python benchmarks/bench_leases.py --smoke       # CPU, seconds
+    source .device/env.sh && python3 benchmarks/bench_leases.py --h200
+        # the 1.1B Llama-shaped layout of bench_transformers --h200, batch 1 / 8 / 32
+
+Prints a Markdown report (date, machine, command first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+from bench_transformers import ServedProcess
+
+from cache_service.client import KVCacheClient
+from cache_service.client.lease_channel import LeaseChannel
+
+
+def _p(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))] * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--h200", action="store_true", help="CUDA, the 1.1B layout, bf16")
+    mode.add_argument("--smoke", action="store_true", help="CPU, few steps (seconds)")
+    parser.add_argument("--steps", type=int, default=None, help="decode steps per batch size")
+    args = parser.parse_args(argv)
+    if args.h200:
+        device, dtype, (layers, kv_heads, head_dim, q_heads) = "cuda", "bfloat16", (16, 8, 64, 32)
+        batches, steps, context = (1, 8, 32), args.steps or 60, 512
+    else:
+        device, dtype, (layers, kv_heads, head_dim, q_heads) = "cpu", "float32", (4, 4, 32, 8)
+        batches = (1, 8) if args.smoke else (1, 8, 32)
+        steps, context = args.steps or (8 if args.smoke else 60), 64
+    flags = [
+        "--num-layers", str(layers), "--num-kv-heads", str(kv_heads),
+        "--head-dim", str(head_dim), "--block-size", "16", "--dtype", dtype,
+        "--num-workers", "1", "--blocks-per-worker", "4096", "--device", device, "--in-process",
+    ]  # fmt: skip
+    dev, tdt = torch.device(device), getattr(torch, dtype)
+    name = torch.cuda.get_device_name(dev) if device == "cuda" else "CPU"
+    print("# Leased decode steps, by stage")
+    print()
+    print(f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}")
+    print(f"- command: `benchmarks/bench_leases.py {' '.join(sys.argv[1:])}`".rstrip())
+    print(
+        f"- device: {name} ({platform.machine()}, {os.cpu_count()} cores); torch "
+        f"{torch.__version__}, python {platform.python_version()}"
+    )
+    print(
+        f"- layout: {layers} layers, {q_heads} query / {kv_heads} KV heads, head_dim "
+        f"{head_dim}, {dtype}; contexts of {context} tokens; {steps} steps per row; "
+        "service: `kvcache serve` process, in-process pools"
+    )
+    print()
+    print("| batch | StepLease p50 / p90, us | leased layer p50 / p90, us | check p50, us |")
+    print("| ---: | ---: | ---: | ---: |")
+    with ServedProcess(flags) as served, KVCacheClient(served.address) as client:
+        prompt = list(range(1, context + 1))
+        for batch in batches:
+            ids = [client.create_sequence(prompt).seq_id for _ in range(batch)]
+            grant = client.lease_step(ids, q_heads, [prompt] * batch)
+            if grant is None or not grant.granted:
+                raise SystemExit(f"no lease: {grant and grant.reason}")
+            rows = batch * context
+            channel = LeaseChannel(grant.socket, rows, rows, q_heads, dev)
+            k = torch.randn(rows, kv_heads, head_dim, device=dev, dtype=tdt)
+            q = torch.randn(rows, q_heads, head_dim, device=dev, dtype=tdt)
+            for layer in range(layers):
+                channel.run_layer(grant.lease_id, layer, k, k, q)
+            channel.check(grant.lease_id)
+            k1, q1 = k[:batch], q[:batch]
+            lease_t, layer_t, check_t = [], [], []
+            for step in range(steps + 3):
+                t0 = time.perf_counter()
+                grant = client.lease_step(ids, q_heads, [[7]] * batch)
+                t1 = time.perf_counter()
+                if grant is None or not grant.granted:
+                    raise SystemExit(f"no lease: {grant and grant.reason}")
+                for layer in range(layers):
+                    t = time.perf_counter()
+                    channel.run_layer(grant.lease_id, layer, k1, k1, q1)
+                    if step >= 3:
+                        layer_t.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                channel.check(grant.lease_id)
+                if step >= 3:  # the first steps capture graphs
+                    lease_t.append(t1 - t0)
+                    check_t.append(time.perf_counter() - t)
+            channel.close()
+            for seq_id in ids:
+                client.free(seq_id)
+            print(
+                f"| {batch} | {_p(lease_t, 0.5):.0f} / {_p(lease_t, 0.9):.0f} | "
+                f"{_p(layer_t, 0.5):.0f} / {_p(layer_t, 0.9):.0f} | "
+                f"{statistics.median(check_t) * 1e6:.0f} |",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
