@@ -109,6 +109,35 @@ def test_without_inline_every_call_takes_the_thread() -> None:
     assert seen[0][1].startswith("kvpool-w0")
 
 
+def test_a_step_lease_grant_and_end_run_on_the_loop_even_without_inline() -> None:
+    # Once per leased step and light on any device (a CPU pool's rounds take the thread):
+    # the hop to the thread would cost as much as the work.
+    async def grant_then_end(client: LocalWorkerClient) -> None:
+        worker = client.worker
+        worker.grant_lease = traced_on(seen, "grant_lease", worker.grant_lease)
+        worker.end_lease = traced_on(seen, "end_lease", worker.end_lease)
+        epoch = worker.epoch()
+        lease_id = bytes(16)
+        await client.grant_lease(
+            epoch, lease_id, [0], [[0]], [1], [0, 1], [0], 2 * LAYOUT.num_kv_heads
+        )
+        report = await client.end_lease(epoch, lease_id)
+        assert report.written == ()
+
+    seen: list[tuple[str, str]] = []
+    _run(False, grant_then_end)
+    main = threading.main_thread().name
+    assert seen == [("grant_lease", main), ("end_lease", main)]
+
+
+def traced_on(seen: list[tuple[str, str]], name: str, fn: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        seen.append((name, threading.current_thread().name))
+        return fn(*args, **kwargs)
+
+    return run
+
+
 def test_a_round_waits_for_no_online_check_in_flight() -> None:
     # A check's recomputation (tens of ms on a GPU at batch 32) runs on its own thread,
     # outside the pool's lock: a round sent meanwhile is answered while it still runs.

@@ -376,9 +376,13 @@ class LocalWorkerClient(_WorkerClientBase):
     is testable without Ray.
     """
 
-    # The per-layer attention rounds, and a step lease's grant and end (once per leased
-    # step: small host work, the end's wait for the step's last kernels included).
-    _INLINE_METHODS = frozenset({"run_round", "grant_lease", "end_lease"})
+    # With `inline`: the per-layer attention rounds.
+    _INLINE_METHODS = frozenset({"run_round"})
+    # Always on the caller's loop when nothing is queued, whatever the pool's device: a
+    # step lease's grant and end, once per leased step, small host work (on a GPU the
+    # end's wait for the step's last kernels included), where a hop to the worker's
+    # thread and back costs as much again.
+    _LIGHT_METHODS = frozenset({"grant_lease", "end_lease"})
     _accepts_out = True
     # How per-layer calls reach the worker (GetInfo's WorkerInfo.data_path).
     data_path = "in_process"
@@ -452,7 +456,9 @@ class LocalWorkerClient(_WorkerClientBase):
         call = functools.partial(getattr(self.worker, method), *args, **kwargs)
         if self._on_data_call is not None and method in CHANNEL_METHODS:
             self._on_data_call(self._worker_id, "in_process")
-        if self._inline and self._queued[0] == 0 and method in self._INLINE_METHODS:
+        if self._queued[0] == 0 and (
+            method in self._LIGHT_METHODS or (self._inline and method in self._INLINE_METHODS)
+        ):
             return call()
         if method == "reference_attend":
             return await asyncio.get_running_loop().run_in_executor(self._checks, call)
