@@ -26,10 +26,10 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     args = build_parser().parse_args(
         ["serve", "--config", str(path), "--port", "0", "--in-process", "--no-metrics",
          "--batch-window-ms", "2", "--dtype", "float16", "--max-message-mb", "64",
-         "--host-tier-blocks", "128"]
+         "--host-tier-blocks", "128", "--torch-threads", "1"]
     )  # fmt: skip
     config = service_config_from_args(args)
-    assert config.workers.host_tier_blocks == 128
+    assert config.workers.host_tier_blocks == 128 and config.server.torch_threads == 1
     assert config.server.port == 0 and config.workers.num_workers == 4
     assert config.workers.in_process and not config.metrics.enabled
     assert config.coordinator.batch_window_ms == 2.0 and config.layout.dtype == "float16"
@@ -41,6 +41,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     [
         ["serve", "--config", "/nonexistent.yaml"],
         ["serve", "--port", "70000"],
+        ["serve", "--torch-threads", "0"],
         ["serve", "--tls-cert", "only-cert.pem"],
         ["demo", "--in-process", "--clients", "1"],
     ],

@@ -49,6 +49,7 @@ _OVERRIDES = {
     "log_level": "log_level",
     "log_format": "log_format",
     "event_loop": "server.event_loop",
+    "torch_threads": "server.torch_threads",
 }
 
 
@@ -99,6 +100,12 @@ def _add_service_flags(p: argparse.ArgumentParser) -> None:
         "--event-loop",
         choices=EVENT_LOOPS,
         help="the coordinator's event loop (default asyncio; uvloop needs the uvloop extra)",
+    )
+    g.add_argument(
+        "--torch-threads",
+        type=int,
+        help="torch CPU threads in the server process (default: torch's choice with "
+        "in-process CPU pools, else 1; 1 where co-located models share few cores)",
     )
 
 
