@@ -386,3 +386,27 @@ def test_a_service_error_mid_step_surfaces_and_retires_the_session(client: Recor
         with pytest.raises(RuntimeError, match="unusable"):
             session.generate(max_new_tokens=2, do_sample=False)
     assert client.stats().active_sequences == 0
+
+
+@pytest.mark.parametrize("client", ["llama_service"], indirect=True)
+def test_a_forward_failing_before_its_first_layer_leaves_leases_working(
+    client: RecordingClient,
+) -> None:
+    # The forward's lease request goes out when it begins; a forward that fails before
+    # any attention layer reads the answer must still free the local session, so the
+    # next session leases its steps.
+    model = LLAMA.model(seed=13)
+    served = ServiceModel(model, client)
+    ids, mask = _batch([6, 9], seed=14)
+    embed = model.get_input_embeddings()
+    broken = torch.nn.Module()
+    broken.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("embedding failed"))
+    model.set_input_embeddings(broken)
+    with served.session(ids, mask) as session, torch.no_grad():
+        with pytest.raises(RuntimeError, match="embedding failed"):
+            session.generate(max_new_tokens=2, do_sample=False)
+    model.set_input_embeddings(embed)
+    with served.session(ids, mask) as session, torch.no_grad():
+        session.generate(max_new_tokens=3, do_sample=False)
+        assert session.stats.leases == 3 and session.stats.rpc_calls == 0
+    assert client.stats().active_sequences == 0

@@ -208,6 +208,9 @@ class GenerationSession:
         Returns:
             (the step, the position ids ``[batch, q]`` the model must use).
         """
+        if self._active is not None:
+            # The last forward never reported its end (a hook failed before the model ran).
+            self._drop_lease_request(self._active)
         self._check_usable()
         plan = self.plan
         if input_ids.ndim != 2 or input_ids.shape[0] != plan.batch_size:
@@ -269,12 +272,7 @@ class GenerationSession:
     def end_step(self, step: ActiveStep, failed: bool) -> None:
         """Commit a finished forward; a forward that failed or skipped layers breaks the session."""
         self._active = None
-        if step.lease_request is not None:
-            # No layer read the lease's answer (the forward failed before one): read it,
-            # which frees the local session; the lease ends at the next call.
-            requested, step.lease_request = step.lease_request, None
-            with contextlib.suppress(Exception):
-                self._owner.leaser.granted(requested)
+        self._drop_lease_request(step)
         if step.lease is not None and not failed:
             try:
                 self._owner.leaser.check(step.lease)
@@ -404,6 +402,15 @@ class GenerationSession:
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
     # --- helpers ------------------------------------------------------------------------
+
+    def _drop_lease_request(self, step: ActiveStep) -> None:
+        """Read the answer of `step`'s lease request if no layer did (its forward failed
+        before one, or never reached the model): that frees the local session for the
+        next call; the lease itself ends at that call."""
+        if step.lease_request is not None:
+            requested, step.lease_request = step.lease_request, None
+            with contextlib.suppress(Exception):
+                self._owner.leaser.granted(requested)
 
     def _check_attend(
         self,
