@@ -16,6 +16,7 @@
 #                 against one, $PAIRS alternating pairs (default 8)          ~6 min
 #   gate          the worker's GPU tests, then `concurrency` (the issue gates' call)
 #   transformers  bench_transformers.py --h200: a 1.1B Llama-shaped model     ~3 min
+#   leases        the step-lease GPU tests, bench_handoff.py, bench_leases.py --h200 ~3 min
 #   load          bench_load.py: 64 clients for 60 s, Ray workers (CPU pools)  ~2 min
 #   multigpu      bench_multigpu.py on every GPU of the host (kind *-x2 or more) ~4 min
 #   smoke         tests/test_benchmarks_smoke.py (every benchmark's CPU run)  ~1 min
@@ -29,7 +30,7 @@ PAIRS=${PAIRS:-8}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-usage="phases: env tests kernels service concurrency gate transformers load multigpu smoke all"
+usage="phases: env tests kernels service concurrency gate transformers leases load multigpu smoke all"
 [ $# -ge 1 ] || { echo "usage: $0 <phase> [<phase> ...]; $usage" >&2; exit 2; }
 
 # The service's health and reflection servicers: wheels carried in .device/wheels/ are
@@ -88,6 +89,11 @@ phase() {
   transformers)
     CUDA_VISIBLE_DEVICES=0 run transformers-h200 240 python3 benchmarks/bench_transformers.py \
       --h200 --out "$OUT/transformers" ;;
+  leases)
+    CUDA_VISIBLE_DEVICES=0 run lease-tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
+      tests/test_step_leases_gpu.py tests/test_workers_gpu.py -k "lease or Lease"
+    CUDA_VISIBLE_DEVICES=0 run handoff-h200 60 python3 benchmarks/bench_handoff.py
+    CUDA_VISIBLE_DEVICES=0 run leases-h200 120 python3 benchmarks/bench_leases.py --h200 ;;
   load)
     run load 180 python3 benchmarks/bench_load.py --out "$OUT/load.md" ;;
   multigpu)
