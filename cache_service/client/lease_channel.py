@@ -27,7 +27,7 @@ from cache_service.client.errors import (
     UnavailableError,
 )
 
-__all__ = ["LeaseChannel", "LeaseEndedError"]
+__all__ = ["LeaseChannel", "LeaseEndedError", "leading_rows"]
 
 # The wire format of workers.lease_server (a test checks the two agree).
 _VERSION = 1
@@ -165,7 +165,7 @@ class LeaseChannel:
                 or sent twice, shapes that do not fit); nothing written.
             UnavailableError: the connection broke (whether the layer ran is unknown).
         """
-        rows, tokens = _leading(query), _leading(key)
+        rows, tokens = leading_rows(query), leading_rows(key)
         with self._lock:
             self._query[:rows].view(query.shape).copy_(query)
             self._key[:tokens].view(key.shape).copy_(key)
@@ -227,7 +227,7 @@ class LeaseChannel:
                     return self._sock.recv(1 << 12)
 
 
-def _leading(t: torch.Tensor) -> int:
+def leading_rows(t: torch.Tensor) -> int:
     """Rows of `t` once its leading dimensions are flattened (all but the last two)."""
     n = 1
     for size in t.shape[:-2]:

@@ -38,10 +38,9 @@ class SessionConfig:
             sequence empty.
         free_on_close: free the sequences when the session closes. Their full blocks stay
             in the service's prefix cache either way.
-        step_leases: when the service runs on this host (a local session) and every row
-            of a forward sends the same columns, have the service plan the forward once
-            and send its layers straight to the worker under a step lease
-            (`integrations.step_leases`); off: every layer is a call.
+        step_leases: when the service runs on this host (a local session), have the
+            service plan each forward once and send its layers straight to the worker
+            under a step lease (`integrations.step_leases`); off: every layer is a call.
     """
 
     reuse_prefix: bool = True

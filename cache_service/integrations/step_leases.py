@@ -1,9 +1,9 @@
 """A model's step leases: a forward's later layers sent straight to the worker.
 
-When the model's process shares a host with the service (a local session), a forward
-whose rows all send the same columns asks the service to plan the step of its new tokens
-(:meth:`StepLeaser.lease`: one call, no tensors), and every layer goes to the worker
-holding the batch over its lease socket (:class:`~cache_service.client.lease_channel.LeaseChannel`):
+When the model's process shares a host with the service (a local session), each forward
+asks the service to plan the step of its new tokens (:meth:`StepLeaser.request` when it
+begins, :meth:`StepLeaser.granted` at its first attention layer: one call, no tensors),
+and every layer goes to the worker holding the batch over its lease socket (:class:`~cache_service.client.lease_channel.LeaseChannel`):
 on a GPU the query, key and value are copied into the worker's staging memory on the
 model's own stream and the output comes back the same way, with no host copy and no wait
 for the device. A lease that ended (the service took the step back) makes the layer go as
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from cache_service.client.errors import UnavailableError
-from cache_service.client.lease_channel import LeaseChannel, LeaseEndedError
+from cache_service.client.lease_channel import LeaseChannel, LeaseEndedError, leading_rows
 
 __all__ = ["ActiveLease", "StepLeaser"]
 
@@ -39,7 +39,8 @@ class StepLeaser:
     """The leases and lease connections of one model (one per worker socket).
 
     Args:
-        client: the service client (its `lease_step`; a client without one never leases).
+        client: the service client (its `start_lease_step`; a client without one never
+            leases).
         num_q_heads: the model's query heads.
     """
 
@@ -83,13 +84,14 @@ class StepLeaser:
     ) -> torch.Tensor | None:
         """One layer under `lease`: key/value ``[b, n, Hkv, D]``, query ``[b, n, Hq, D]``
         (views are fine), or ``[n, H, D]`` each (a ragged step's rows joined). Returns the
-        output shaped as the query, in the pool's dtype on the query's device, or None when the layer must go as a call (the lease ended, or its
-        worker's socket cannot be used from here): nothing was written then.
+        output shaped as the query, in the pool's dtype on the query's device, or None
+        when the layer must go as a call (the lease ended, or its worker's socket cannot
+        be used from here): nothing was written then.
 
         Raises:
             KVCacheError: the worker refused the layer (nothing written).
         """
-        rows, tokens = query[..., 0, 0].numel(), key[..., 0, 0].numel()
+        rows, tokens = leading_rows(query), leading_rows(key)
         channel = self._channel(lease.socket, rows, tokens, query.device)
         if channel is None:
             return None
