@@ -9,9 +9,12 @@ attaches to the same workers (same epochs) and recovers the block tables. Then:
 - every acknowledged append survived: each sequence's export holds its acknowledged
   tokens (and at most the one append in flight), with K/V bit-identical to what was sent;
 - the sequences continue where they stopped, and every attention output (before and
-  after the crash) is bit-identical to the uninterrupted run: the same K/V and queries on
-  fresh sequences of the restarted service, never interrupted, themselves checked against
-  dense attention;
+  after the crash) equals the uninterrupted run's to float32 rounding: the same K/V and
+  queries on fresh sequences of the restarted service, never interrupted, themselves
+  checked against dense attention. Not bit for bit: the service batches concurrent calls
+  on a worker, and a sequence attended beside longer ones is summed in a different order
+  (padded on CPU, split differently on a GPU); a lost or repeated append would move an
+  output by far more than the tolerance;
 - nothing leaked: once every sequence is freed, no block is in use.
 
 Bounded (well under two minutes here) and always cleaned up: the coordinators are killed,
@@ -260,7 +263,7 @@ def connect(address: str, proc: subprocess.Popen[bytes], procs: Processes, name:
     return client, wait_until(f"{name} to serve", ready, 90)
 
 
-def test_coordinator_sigkill_midtraffic_recovers_bitwise(procs: Processes) -> None:
+def test_coordinator_sigkill_midtraffic_recovers(procs: Processes) -> None:
     t0 = time.monotonic()
     procs.start_head()
     grpc_port = free_port()
@@ -349,7 +352,9 @@ def test_coordinator_sigkill_midtraffic_recovers_bitwise(procs: Processes) -> No
             assert set(s.outputs) == set(r.outputs)  # every position, before or after
             k, v = kv_range(r.i, 0, TOTAL)
             for (p, layer), out in r.outputs.items():
-                assert torch.equal(s.outputs[(p, layer)], out), (s.i, p, layer)
+                torch.testing.assert_close(
+                    s.outputs[(p, layer)], out, rtol=1e-5, atol=2e-6, msg=f"{(s.i, p, layer)}"
+                )
                 ref, _ = dense_attention(query(r.i, p, layer), k[layer, : p + 1], v[layer, : p + 1])
                 assert torch.allclose(out.double(), ref, atol=1e-5), (r.i, p, layer)
                 compared += 1
