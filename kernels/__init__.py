@@ -2,7 +2,9 @@
 
 Public API (shapes, dtypes and units in each function's docstring):
 ``paged_attention``, ``merge_attention_states``, ``write_kv``, ``record_fingerprints``,
-``copy_blocks``, ``gather_blocks``, ``scatter_blocks``.
+``copy_blocks``, ``gather_blocks``, ``scatter_blocks``; for callers that run one step's
+metadata on several layers, ``paged_attention_plan`` / ``attend_planned`` and
+``slot_rows`` / ``write_rows``.
 
 Every function validates its arguments first (:mod:`kernels.validation`): a malformed
 argument raises :class:`KernelArgumentError`, a ``ValueError`` naming the argument, and
@@ -17,7 +19,9 @@ nothing is written. Then it dispatches on ``backend``:
   (:mod:`kernels.attention_torch`, tested against ``paged_attention_ref``): the
   reference's loop over sequences is launch-bound there. On CPU tensors a call whose
   padded work is small (a decode step, a short prefill) takes the same batched path (about
-  twenty operations for the whole call), a larger one the reference's loop.
+  twenty operations for the whole call; a handful when planned once for several calls,
+  :func:`paged_attention_plan` and :func:`attend_planned`), a larger one the reference's
+  loop. ``write_kv`` copies its tokens as rows (:mod:`kernels.kv_write_torch`).
 
 The Triton modules are imported on first use, so importing this package stays cheap on
 CPU-only machines.
@@ -40,7 +44,15 @@ from typing import Literal
 
 import torch
 
-from kernels.attention_torch import MAX_CPU_ELEMENTS, padded_elements, paged_attention_torch
+from kernels.attention_torch import (
+    MAX_CPU_ELEMENTS,
+    AttentionPlan,
+    attend_planned,
+    padded_elements,
+    paged_attention_torch,
+    plan_paged_attention,
+)
+from kernels.kv_write_torch import slot_rows, write_kv_torch, write_rows
 from kernels.reference import (
     copy_blocks_ref,
     gather_blocks_ref,
@@ -48,7 +60,6 @@ from kernels.reference import (
     paged_attention_ref,
     record_fingerprints_ref,
     scatter_blocks_ref,
-    write_kv_ref,
 )
 from kernels.validation import (
     KernelArgumentError,
@@ -62,16 +73,21 @@ from kernels.validation import (
 )
 
 __all__ = [
+    "AttentionPlan",
     "Backend",
     "KernelArgumentError",
+    "attend_planned",
     "copy_blocks",
     "gather_blocks",
     "merge_attention_states",
     "paged_attention",
+    "paged_attention_plan",
     "record_fingerprints",
     "scatter_blocks",
+    "slot_rows",
     "triton_interpreter_enabled",
     "write_kv",
+    "write_rows",
 ]
 
 Backend = Literal["auto", "triton", "torch"]
@@ -170,6 +186,46 @@ def paged_attention(
     return (o, lse) if return_lse else o
 
 
+def paged_attention_plan(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    backend: Backend | None = None,
+) -> AttentionPlan | None:
+    """The plan (:func:`kernels.attention_torch.plan_paged_attention`) of the calls of
+    :func:`paged_attention` with this metadata, for queries like `query` and caches of the
+    geometry of `key_cache` and `value_cache` (any layer of a pool), where such a call takes
+    the batched torch path; run it with :func:`attend_planned` (arguments as
+    :func:`paged_attention` takes them, already validated). None where the call takes
+    another path: Triton (its kernels read the metadata on the device), or a CPU call too
+    large to pad (the reference's loop)."""
+    if _use_triton(backend, query.device):
+        return None
+    if query.device.type != "cuda" and not _small(query, key_cache, seq_lens, query_start_loc):
+        return None
+    return plan_paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        causal=causal, sliding_window=sliding_window,
+    )  # fmt: skip
+
+
+def _small(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> bool:
+    """Whether a call's padded work fits the batched torch path on CPU."""
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    return padded_elements(query.shape[1], key_cache.shape[2], starts, lens) <= MAX_CPU_ELEMENTS
+
+
 def _attention_in_torch(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -187,15 +243,8 @@ def _attention_in_torch(
     """:func:`paged_attention`'s torch backend on validated arguments (the batched torch
     path on CUDA, and elsewhere when its padded work is small; the reference's loop
     otherwise): ``(out, lse)``, the output copied into `out` when given."""
-    small = (
-        padded_elements(
-            query.shape[1], key_cache.shape[2], query_start_loc.tolist(), seq_lens.tolist()
-        )
-        <= MAX_CPU_ELEMENTS
-    )
-    torch_path = (
-        paged_attention_torch if query.device.type == "cuda" or small else paged_attention_ref
-    )
+    batched = query.device.type == "cuda" or _small(query, key_cache, seq_lens, query_start_loc)
+    torch_path = paged_attention_torch if batched else paged_attention_ref
     o, lse = torch_path(
         query,
         key_cache,
@@ -263,7 +312,7 @@ def write_kv(
 
         write_kv_triton(key, value, key_cache, value_cache, slot_mapping)
     else:
-        write_kv_ref(key, value, key_cache, value_cache, slot_mapping)
+        write_kv_torch(key, value, key_cache, value_cache, slot_mapping)
 
 
 def record_fingerprints(

@@ -15,9 +15,17 @@ import torch
 
 import kernels
 from kernels import attention_torch
-from kernels.attention_torch import MAX_CPU_ELEMENTS, padded_elements, paged_attention_torch
+from kernels.attention_torch import (
+    MAX_CPU_ELEMENTS,
+    attend_planned,
+    padded_elements,
+    paged_attention_torch,
+    plan_paged_attention,
+)
+from kernels.cache_rows import row_index
 from kernels.reference import paged_attention_ref
 from kernels.testing import dense_attention, make_paged_batch
+from kernels.validation import KernelArgumentError
 
 # (seq_lens, q_lens): decode over ragged lengths around block boundaries, prefill, chunked
 # prefill, sequences without rows or keys among others, one long sequence among short,
@@ -209,7 +217,7 @@ def test_a_cache_whose_slots_are_not_rows(cpu_path: str) -> None:
     args = list(batch.args())
     for i in (1, 2):
         args[i] = args[i].transpose(1, 2).contiguous().transpose(1, 2)
-        assert attention_torch._row_index(args[i], *torch.zeros(2, 1, 1, dtype=torch.long)) is None
+        assert row_index(args[i], *torch.zeros(2, 1, 1, dtype=torch.long)) is None
     _assert_close(paged_attention_torch(*args), paged_attention_ref(*batch.args()))
 
 
@@ -276,3 +284,36 @@ def test_the_torch_backend_batches_on_cuda() -> None:
     want = paged_attention_torch(*batch.args())
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     _assert_close(got, paged_attention_ref(*batch.args()))
+
+
+@pytest.mark.parametrize("case", ["decode", "chunked"])
+def test_one_plan_serves_every_layer_of_a_pool(case: str, cpu_path: str) -> None:
+    # Planned once from one layer's caches, run on each layer of a pool holding several:
+    # the same answer, bit for bit, as the call made on that layer alone.
+    batch = make_paged_batch(
+        *CASES[case], num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=8, seed=4
+    )
+    num_blocks = batch.key_cache.shape[0]
+    pool = torch.randn(num_blocks, 3, 2, 2, 8, 8, generator=torch.Generator().manual_seed(8))
+    args = batch.args()
+    plan = plan_paged_attention(args[0], pool[:, 0, 0], pool[:, 0, 1], *args[3:], sliding_window=6)
+    for layer in range(3):
+        kc, vc = pool[:, layer, 0], pool[:, layer, 1]
+        got = attend_planned(plan, args[0], kc, vc, scale=0.4)
+        want = paged_attention_torch(args[0], kc, vc, *args[3:], scale=0.4, sliding_window=6)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), layer
+        _assert_close(
+            got, paged_attention_ref(args[0], kc, vc, *args[3:], scale=0.4, sliding_window=6)
+        )
+
+
+def test_a_plan_refuses_queries_or_caches_of_another_geometry() -> None:
+    batch = make_paged_batch(
+        *CASES["decode"], num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=8
+    )
+    args = batch.args()
+    plan = plan_paged_attention(*args)
+    with pytest.raises(KernelArgumentError, match="serves queries"):
+        attend_planned(plan, args[0][:2], args[1], args[2])
+    with pytest.raises(KernelArgumentError, match="geometry"):
+        attend_planned(plan, args[0], args[1].contiguous()[:-1], args[2])

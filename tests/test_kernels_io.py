@@ -10,6 +10,7 @@ import torch
 
 import kernels
 from kernels.block_copy import BlockShape, block_shape
+from kernels.kv_write_torch import write_kv_torch
 from kernels.reference import merge_attention_states_ref, write_kv_ref
 
 # Real Triton where there is a GPU, the interpreter on CPU tensors otherwise.
@@ -30,8 +31,14 @@ def cache_pair(num_blocks=12, hkv=3, bs=8, d=32, dtype=torch.float32, device=DEV
 # ------------------------------------------------------------------------------ write_kv
 
 
+@pytest.fixture(params=["triton", "torch"])
+def write_backend(request: pytest.FixtureRequest) -> str:
+    """Each backend of write_kv: the Triton kernel and the torch rows path."""
+    return request.param
+
+
 @pytest.mark.parametrize(("hkv", "d", "bs"), [(3, 32, 8), (1, 80, 16), (4, 64, 32)])
-def test_write_kv_matches_reference(hkv: int, d: int, bs: int) -> None:
+def test_write_kv_matches_reference(hkv: int, d: int, bs: int, write_backend: str) -> None:
     kc, vc = cache_pair(num_blocks=10, hkv=hkv, bs=bs, d=d)
     n = 23
     slots = torch.randperm(10 * bs, generator=torch.Generator().manual_seed(1))[:n].to(DEVICE)
@@ -39,28 +46,54 @@ def test_write_kv_matches_reference(hkv: int, d: int, bs: int) -> None:
     key, value = randn(n, hkv, d, seed=2), randn(n, hkv, d, seed=3)
     expect_k, expect_v = kc.clone(), vc.clone()
     write_kv_ref(key, value, expect_k, expect_v, slots)
-    kernels.write_kv(key, value, kc, vc, slots, backend="triton")
+    kernels.write_kv(key, value, kc, vc, slots, backend=write_backend)
     assert torch.equal(kc, expect_k) and torch.equal(vc, expect_v)
 
 
-def test_write_kv_strided_inputs_and_int32_slots() -> None:
+def test_write_kv_strided_inputs_and_int32_slots(write_backend: str) -> None:
     kc, vc = cache_pair(hkv=2, d=32)
     qkv = randn(7, 4 + 2 + 2, 32, seed=5)  # a fused projection's output
     key, value = qkv[:, 4:6], qkv[:, 6:8]
     slots = torch.tensor([3, 4, 5, 50, 51, 90, -1], dtype=torch.int32, device=DEVICE)
     expect_k, expect_v = kc.clone(), vc.clone()
     write_kv_ref(key, value, expect_k, expect_v, slots.long())
-    kernels.write_kv(key, value, kc, vc, slots, backend="triton")
+    kernels.write_kv(key, value, kc, vc, slots, backend=write_backend)
     assert torch.equal(kc, expect_k) and torch.equal(vc, expect_v)
 
 
-def test_write_kv_empty_is_a_no_op() -> None:
+def test_write_kv_empty_is_a_no_op(write_backend: str) -> None:
     kc, vc = cache_pair()
     before = kc.clone()
     empty = torch.empty(0, 3, 32, device=DEVICE)
     slots = torch.empty(0, dtype=torch.int64, device=DEVICE)
-    kernels.write_kv(empty, empty, kc, vc, slots, backend="triton")
+    kernels.write_kv(empty, empty, kc, vc, slots, backend=write_backend)
     assert torch.equal(kc, before)
+
+
+def test_write_kv_torch_on_caches_whose_slots_are_not_rows() -> None:
+    # Blocks 70 elements apart, not a whole number of 8-element rows: the torch path
+    # indexes the slots instead.
+    kc, vc = (torch.zeros(400).as_strided((5, 2, 4, 8), (70, 32, 8, 1)) for _ in range(2))
+    assert kernels.slot_rows(kc, torch.tensor([3])) is None
+    slots = torch.tensor([5, 17, -1, 14])
+    key, value = randn(4, 2, 8, seed=8, device="cpu"), randn(4, 2, 8, seed=9, device="cpu")
+    expect_k, expect_v = kc.clone(), vc.clone()
+    write_kv_ref(key, value, expect_k, expect_v, slots)
+    write_kv_torch(key, value, kc, vc, slots)
+    assert torch.equal(kc, expect_k) and torch.equal(vc, expect_v)
+
+
+def test_slot_rows_serve_every_layer_of_a_pool() -> None:
+    # One row index from any layer's cache writes the same slots of every layer.
+    pool = torch.zeros(6, 3, 2, 2, 4, 8)  # [blocks, layers, K/V, heads, bs, D]
+    slots = torch.tensor([1, 9, 22])
+    rows = kernels.slot_rows(pool[:, 0, 0], slots)
+    for layer in range(3):
+        key, value = randn(3, 2, 8, seed=layer), randn(3, 2, 8, seed=10 + layer)
+        want = pool.clone()
+        write_kv_ref(key, value, want[:, layer, 0], want[:, layer, 1], slots)
+        kernels.write_rows(rows, key, value, pool[:, layer, 0], pool[:, layer, 1])
+        assert torch.equal(pool, want)
 
 
 # ---------------------------------------------------------------------- block copies

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from workers.checks import AttendOptions
-from workers.errors import InvalidWorkerRequest
+from workers.errors import InvalidWorkerRequest, NonFiniteInput
 from workers.layout import KVLayout
 from workers.pool import KVPool
 from workers.round import WIRE_FIELDS, Round
@@ -85,6 +85,29 @@ def test_a_round_naming_its_steps_metadata_by_key_alone_answers_as_with_it() -> 
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
     assert keyed.metadata_hits == hits + 1
     assert torch.equal(keyed.data, plain.data)
+
+
+def test_a_kept_steps_layers_share_its_plans_and_answer_as_unkept_rounds() -> None:
+    # A CPU pool derives the write's rows and the attention's gathers once per kept step
+    # (and per masking: a window plans apart); every layer answers bit for bit as a round
+    # without a key, and a layer with a NaN writes nothing there either.
+    keyed, plain = _pool(3), _pool(3)
+    windowed = AttendOptions(return_lse=True, scale=0.5, sliding_window=3)
+    for layer, options in [(0, None), (1, windowed), (2, None)]:
+        rounds = [_round(layer=layer, step_key=key, seed=5) for key in (7, None)]
+        if options is not None:
+            rounds[0].options = rounds[1].options = options
+        (out, lse), (want_out, want_lse) = keyed.run_round(rounds[0]), plain.run_round(rounds[1])
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse), layer
+    assert torch.equal(keyed.data, plain.data)
+    entry = keyed._metadata.get(7)
+    assert entry is not None and len(entry.derived) == 3  # write rows, two attention plans
+    poisoned = _round(layer=1, seed=5)
+    poisoned.query[0, 0, 0] = float("nan")
+    before = keyed.data.clone()
+    with pytest.raises(NonFiniteInput):
+        keyed.run_round(poisoned)
+    assert torch.equal(keyed.data, before)
 
 
 @pytest.mark.parametrize("step_key", [None, 99])

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -42,6 +42,8 @@ class CachedMetadata:
         slot_source, slots: the write's slot mapping as a caller passed it (a copy) and
             validated on the device as int64 ``[n]``, when the key's calls write (every
             layer of a decode step writes the same slots); None before the first write.
+        derived: what the pool derives from this metadata once for all the layers it
+            serves (keyed by what it is for: a torch attention plan, the write's rows).
     """
 
     block_tables: torch.Tensor
@@ -50,6 +52,7 @@ class CachedMetadata:
     num_rows: int
     slot_source: list[int] | torch.Tensor | None = None
     slots: torch.Tensor | None = None
+    derived: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
 
     def same_slots(self, slot_mapping: object) -> bool:
         """Whether `slot_mapping` holds the slots kept here (validated, on the device as
@@ -189,7 +192,7 @@ class MetadataCache:
         if step_key is None:
             return
         if slots is not None and (source := _slot_source(slot_mapping)) is not None:
-            entry = replace(entry, slot_source=source, slots=slots.clone())
+            entry = replace(entry, slot_source=source, slots=slots.clone(), derived={})
         self.put(step_key, entry)
 
 

@@ -349,7 +349,7 @@ class KVPool:
             if replayed is not None:
                 return replayed[2]
         got, _, finite = self._write_and_attend_on_device(
-            layer, step.slots, key, value, query, *step.tables(), options, True
+            layer, step.slots, key, value, query, *step.tables(), options, True, step
         )
         out.copy_(got)
         return finite
@@ -614,7 +614,7 @@ class KVPool:
                     )
             k, v, q = self._on_device(key, value, query, pinned=pinned)
             done = self._write_and_attend_on_device(
-                layer, entry.slots, k, v, q, *entry.tables(), options, check_finite
+                layer, entry.slots, k, v, q, *entry.tables(), options, check_finite, entry
             )
             return self._delivery.finish(done, options, to_host, wait=pinned, out=out)
         slots = check_write(self._layout, self._num_blocks, layer, slot_mapping, key, value)
@@ -730,17 +730,50 @@ class KVPool:
         query_start_loc: torch.Tensor,
         options: AttendOptions,
         check_finite: bool,
+        kept: CachedMetadata | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The write (guarded by `check_finite`), then the attention, on validated device
         tensors: what every one-layer round runs, and what a decode graph captures.
+        `kept`: the metadata these tensors came from, kept for the step's other layers (a
+        CPU pool plans the write's rows and the attention's gathers once there).
         Returns (out, lse or None, finite flag or None)."""
         slots, finite = guard_finite(slots, key, value, query, check_finite)
-        self._write_on_device(layer, slots, key, value)
+        rows = self._planned_rows(kept) if kept is not None else None
+        if rows is None:
+            self._write_on_device(layer, slots, key, value)
+        elif finite is None or bool(finite):  # a CPU pool: reading the flag costs nothing
+            self._write_rows_on_device(layer, rows, slots, key, value)
         result = self._attend_on_device(
-            layer, query, block_tables, seq_lens, query_start_loc, options
+            layer, query, block_tables, seq_lens, query_start_loc, options, kept
         )
         out, lse = result if isinstance(result, tuple) else (result, None)
         return out, lse, finite
+
+    def _planned_rows(self, kept: CachedMetadata) -> torch.Tensor | None:
+        """The rows a CPU pool writes a kept step's new tokens to on any layer
+        (`kernels.slot_rows`), derived once; None on other devices, where the write reads
+        its slots on the device (a guarded write's slots are masked there), or without
+        slots."""
+        if self._device.type != "cpu" or kept.slots is None:
+            return None
+        if "write_rows" not in kept.derived:
+            kept.derived["write_rows"] = kernels.slot_rows(self._data[:, 0, 0], kept.slots)
+        return kept.derived["write_rows"]
+
+    def _write_rows_on_device(
+        self,
+        layer: int,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
+        """:meth:`_write_on_device` of one layer through its slots' rows (`_planned_rows`)."""
+        dtype = self._data.dtype
+        key, value = key.to(dtype), value.to(dtype)
+        kernels.write_rows(rows, key, value, self._data[:, layer, 0], self._data[:, layer, 1])
+        if self._fingerprints is not None:
+            self._fingerprints.record(layer, slots, key, value)
 
     def _write_and_attend_layers_on_device(
         self,
@@ -838,13 +871,34 @@ class KVPool:
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
         options: AttendOptions,
+        kept: CachedMetadata | None = None,
     ) -> AttendResult:
         """The attention with validated arguments already on the pool's device, over one
-        layer (None: over pages of every layer, see workers.pages)."""
+        layer (None: over pages of every layer, see workers.pages); through the torch plan
+        derived once from `kept` (the metadata's, kept for the step's layers) where the
+        attention runs in torch."""
         if layer is None:
             key_cache, value_cache = page_caches(self._data, self._num_blocks, self._layout)
         else:
             key_cache, value_cache = self._data[:, layer, 0], self._data[:, layer, 1]
+        if kept is not None and layer is not None:
+            plan_key = ("attention", options.causal, options.sliding_window)
+            if plan_key not in kept.derived:
+                kept.derived[plan_key] = kernels.paged_attention_plan(
+                    query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                    causal=options.causal, sliding_window=options.sliding_window,
+                    backend=self._backend,
+                )  # fmt: skip
+            plan = kept.derived[plan_key]
+            if plan is not None:
+                try:
+                    out, lse = kernels.attend_planned(
+                        plan, query, key_cache, value_cache,
+                        scale=options.scale, softcap=options.softcap,
+                    )  # fmt: skip
+                except kernels.KernelArgumentError as exc:  # see _kernel
+                    raise InvalidWorkerRequest(str(exc)) from exc
+                return (out, lse) if options.return_lse else out
         args = (
             query.contiguous(),
             key_cache,
