@@ -806,6 +806,69 @@ def test_a_repeated_commit_is_logged_and_recovered(tmp_path: Any) -> None:
     store.close()
 
 
+def test_commit_repeated_layers_commits_as_commit_repeated_does_all_or_nothing() -> None:
+    # A step lease's end commits the layers it wrote in one call: the state of a
+    # commit_repeated per layer; a layer named twice or one that moved commits none.
+    one, many = manager(), manager()
+    for m in (one, many):
+        for i in range(3):
+            m.create_sequence("t", seq_id=f"s{i}")
+    seqs = [f"s{i}" for i in range(3)]
+    for token in range(6):  # crosses a block boundary (published blocks, events)
+        tokens = [100 + token + i for i in range(3)]
+        _, snap = first_layer(one, seqs, tokens)
+        _, many_snap = first_layer(many, seqs, tokens)
+        for layer in range(1, LAYERS):
+            one.commit_repeated(snap, layer)
+        many.commit_repeated_layers(many_snap, range(1, LAYERS))
+        assert one.to_records() == many.to_records()
+    tokens = [200 + i for i in range(3)]
+    _, snap = first_layer(many, seqs, tokens)
+    many.commit_repeated(snap, 2)
+    before = many.to_records()
+    with pytest.raises(InvalidRequest, match="layer 2 of 's0' stands at"):
+        many.commit_repeated_layers(snap, [1, 2])
+    with pytest.raises(InvalidRequest, match="committed once"):
+        many.commit_repeated_layers(snap, [1, 1])
+    assert many.to_records() == before
+    many.check_integrity()
+
+
+def test_repeated_layers_are_logged_in_one_commit_and_recovered(tmp_path: Any) -> None:
+    from cache_service.engine.recovery import DurableBlockManager, recover
+    from cache_service.engine.store import MetadataStore, StoreConfig
+
+    config = BlockManagerConfig(block_size=BS, num_layers=LAYERS, layout_fingerprint="fp")
+    path = str(tmp_path / "steps.db")
+    store = MetadataStore(StoreConfig(path))
+    store.begin_generation()
+    durable = DurableBlockManager(BlockManager(config), store)
+    durable.add_worker("w0", 32, epoch="e")
+    seqs = [durable.create_sequence("t").seq_id for _ in range(2)]
+    plans = durable.prepare_writes("t", 0, [(s, [7]) for s in seqs])
+    for s, plan in zip(seqs, plans, strict=True):
+        durable.block_ids("t", s, -(-(plan.start + 1) // BS))
+    durable.commit_writes("t", 0, [(s, 1) for s in seqs])
+    snap = durable.snapshot_writes("t", seqs, plans)
+    lsn = store.last_lsn()
+    statements: list[str] = []
+    store._db.set_trace_callback(statements.append)
+    durable.commit_repeated_layers(snap, range(1, LAYERS))
+    store._db.set_trace_callback(None)
+    assert statements.count("COMMIT") == 1
+    logged = list(store.records_after(lsn))
+    assert [(r.op, r.args["layer"]) for r in logged] == [
+        ("commit_writes", layer) for layer in range(1, LAYERS)
+    ]
+    assert all(r.args["writes"] == [[s, 1] for s in seqs] for r in logged)
+    records = durable.to_records()
+    store.close()
+    store = MetadataStore(StoreConfig(path))
+    store.begin_generation()
+    assert recover(store, config).manager.to_records() == records
+    store.close()
+
+
 def test_repeat_now_answers_a_repeated_layer_from_a_callback() -> None:
     # A local session's repeated layer goes without a task: submitted at once, answered by
     # the round's callback, equal to dense attention, committed like the short path.

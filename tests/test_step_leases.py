@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -26,6 +27,7 @@ from service_support import (
     ServiceHarness,
     dense_attention,
     local_workers,
+    run_coordinator,
     service_config,
 )
 
@@ -40,6 +42,8 @@ from cache_service.client import (
     UnavailableError,
 )
 from cache_service.client.lease_channel import LeaseChannel, LeaseEndedError
+from cache_service.engine.coordinator import Coordinator
+from cache_service.errors import InvalidRequest, PoolExhausted
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -414,3 +418,34 @@ def test_a_ragged_step_planned_for_a_lease(harness, client):
     )
     assert list(info.written) == [6] * NL
     harness.check_integrity()
+
+
+def test_differing_tokens_are_named_by_item_before_an_earlier_item_exhausts_the_pool():
+    # The block manager checks the tokens at reserved positions itself; the items are
+    # checked one by one only once it refused the batch, and that error (naming the item)
+    # still comes first, as when every item was checked before reserving anything.
+    async def scenario(coord: Coordinator) -> None:
+        a, b = [(await coord.create_sequence("default")).seq_id for _ in range(2)]
+        leases = coord._clients["w0"].worker._leases  # type: ignore[attr-defined]
+        buffers = SimpleNamespace(
+            key=torch.zeros(4, HKV, D),
+            value=torch.zeros(4, HKV, D),
+            query=torch.zeros(4, HQ, D),
+            out=torch.zeros(4, HQ, D),
+        )
+        grant = await coord.lease_step("default", [a], HQ, [[1, 2, 3, 4]])  # a full block
+        for layer in grant.layers:
+            leases.serve(grant.lease_id, layer, buffers)
+        grant = await coord.lease_step("default", [b], HQ, [[5]])
+        leases.serve(grant.lease_id, 1, buffers)  # layer 0's position 0 stays reserved
+        # a's next token needs a third block of two; b's differs from the reserved one.
+        with pytest.raises(InvalidRequest, match=r"items\[1\]: position 0 holds token 5"):
+            await coord.lease_step("default", [a, b], HQ, [[9], [6]])
+        info = coord.block_manager.sequence_info
+        assert list(info("default", a).token_ids) == [1, 2, 3, 4]
+        assert list(info("default", b).token_ids) == [5]
+        with pytest.raises(PoolExhausted):  # the same step with b's own token
+            await coord.lease_step("default", [a, b], HQ, [[9], [5]])
+        coord.block_manager.check_integrity()
+
+    run_coordinator(scenario, blocks=2)

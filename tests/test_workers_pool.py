@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -871,3 +872,28 @@ def test_a_checked_write_refuses_non_finite_values_and_leaves_out_and_the_pool_a
     assert got.data_ptr() == out.data_ptr()
     assert torch.equal(out, write_and_attend(filled_pool(device=device),
         0, slots, k, v, q, tables, lens, qsl).cpu())  # fmt: skip
+
+
+def test_index_checks_take_lists_and_tensors_alike_and_read_only_used_blocks() -> None:
+    # The checks' short ways (a list of slots read in Python, a block table whose every
+    # entry lies in the pool) refuse what the long ways refuse, with the same messages.
+    from workers.checks import check_attend, check_write
+
+    kv = torch.zeros(3, 2, 16)
+    for form in (list, torch.tensor):
+        assert check_write(LAYOUT, 8, 0, form([-1, 5, 31]), kv, kv).tolist() == [-1, 5, 31]
+        with pytest.raises(InvalidWorkerRequest, match="holds slot 32, outside the pool's 32"):
+            check_write(LAYOUT, 8, 0, form([-1, 32, 3]), kv, kv)
+        with pytest.raises(InvalidWorkerRequest, match="names one slot more than once"):
+            check_write(LAYOUT, 8, 0, form([4, -1, 4]), kv, kv)
+    q = torch.zeros(2, 4, 16)
+    lens, starts = torch.tensor([5, 1]), torch.tensor([0, 1, 2])
+    # Entries past a row's used blocks (ceil(seq_len / block_size) of them) are not read.
+    used = torch.tensor([[3, 7, -5], [0, 99, 99]], dtype=torch.int32)
+    check_attend(LAYOUT, 8, 0, q, used, lens, starts)
+    for bad, named in (([[3, 8, 0], [0, 0, 0]], "block_tables[0, 1] = 8"),
+                       ([[3, 7, 0], [-1, 0, 0]], "block_tables[1, 0] = -1")):  # fmt: skip
+        with pytest.raises(InvalidWorkerRequest, match=re.escape(named)):
+            check_attend(LAYOUT, 8, 0, q, torch.tensor(bad), lens, starts)
+    with pytest.raises(InvalidWorkerRequest, match="sequence 1 has more query rows"):
+        check_attend(LAYOUT, 8, 0, q, used, torch.tensor([5, 0]), starts)

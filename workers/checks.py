@@ -7,6 +7,7 @@ from Ray anyway), so the kernels can then run with ``check_values=False``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +47,11 @@ def as_index_tensor(name: str, value: torch.Tensor | Sequence[int]) -> torch.Ten
         if value.dtype not in _INDEX_DTYPES:
             _fail(f"{name} must be an int32 or int64 tensor, got dtype {value.dtype}")
         return value
+    if type(value) is list and value and all(type(v) is int for v in value):
+        # A flat list of ints (a leased step's slots): numpy builds it in half the time
+        # torch does. Ids outside int64 take torch's way, which names the overflow.
+        with contextlib.suppress(OverflowError):
+            return torch.from_numpy(np.array(value, dtype=np.int64))
     try:
         tensor = torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError) as exc:
@@ -113,19 +119,35 @@ def check_write(
     n = slots.shape[0]
     check_new_kv(layout, layer, n, key, value)
     if n:
-        host = _host_array(slots)
-        kept = host[host >= 0]
+        # A list (a leased step's slots) is checked as it is, a tensor on a host copy.
+        top, repeats = _slot_summary(slot_mapping if type(slot_mapping) is list else slots)
         capacity = num_blocks * layout.block_size
-        if kept.size and int(kept.max()) >= capacity:
+        if top >= capacity:
             _fail(
-                f"slot_mapping holds slot {int(kept.max())}, outside the pool's {capacity} slots "
+                f"slot_mapping holds slot {top}, outside the pool's {capacity} slots "
                 f"({num_blocks} blocks x {layout.block_size})"
             )
-        if kept.size > 1:
-            ordered = np.sort(kept)
-            if bool((ordered[1:] == ordered[:-1]).any()):
-                _fail("slot_mapping names one slot more than once")
+        if repeats:
+            _fail("slot_mapping names one slot more than once")
     return slots
+
+
+def _slot_summary(slots: list[int] | torch.Tensor) -> tuple[int, bool]:
+    """The largest slot written (-1 if none: negative slots are skipped) and whether a slot
+    written repeats. A list of ints is summed up in Python (a few C calls, where numpy
+    would take a dozen for a handful of slots); a tensor with numpy on a host copy."""
+    if type(slots) is list:
+        kept = slots if min(slots) >= 0 else [s for s in slots if s >= 0]
+        return max(kept, default=-1), len(set(kept)) != len(kept)
+    host = _host_array(slots)
+    # Negative slots are skipped; a step's slots (the usual case) have none.
+    kept_array = host if host.min() >= 0 else host[host >= 0]
+    if not kept_array.size:
+        return -1, False
+    if kept_array.size == 1:
+        return int(kept_array[0]), False
+    ordered = np.sort(kept_array)
+    return int(ordered[-1]), bool((ordered[1:] == ordered[:-1]).any())
 
 
 def check_new_kv(
@@ -268,32 +290,55 @@ def check_attend(
     counts = qsl[1:] - qsl[:-1]
     host_lens = _host_array(lens)
     bs = layout.block_size
+    # 0 <= counts[s] <= seq_lens[s] <= max_blocks * bs for every s is all four checks of
+    # `_check_lengths` at once (4 numpy calls, not 8): it looks again only to name a culprit.
+    if not (
+        counts.min(initial=0) >= 0
+        and bool((counts <= host_lens).all())
+        and host_lens.max(initial=0) <= max_blocks * bs
+    ):
+        _check_lengths(counts, host_lens, max_blocks, bs)
+    if num_seqs and max_blocks:
+        host_tables = _host(tables).numpy()
+        # Entries past a row's used blocks may hold anything; when none is outside the
+        # pool (the coordinator pads rows with block 0), no used one is: two reductions
+        # instead of the mask of `_check_used_blocks`.
+        if host_tables.min() < 0 or host_tables.max() >= num_blocks:
+            _check_used_blocks(host_tables.astype(np.int64), host_lens, bs, num_blocks)
+    return tables, lens, starts
+
+
+def _check_lengths(counts: np.ndarray, lens: np.ndarray, max_blocks: int, bs: int) -> None:
+    """`check_attend`'s checks of query rows and seq_lens, one by one: the first that
+    fails names its sequence."""
     checks = (
         (counts < 0, "query_start_loc decreases at sequence {s}"),
-        (host_lens < 0, "seq_lens[{s}] is negative"),
+        (lens < 0, "seq_lens[{s}] is negative"),
         (
-            host_lens > max_blocks * bs,
+            lens > max_blocks * bs,
             f"seq_lens[{{s}}] exceeds block_tables' {max_blocks} blocks x {bs} tokens",
         ),
         (
-            counts > host_lens,
+            counts > lens,
             "sequence {s} has more query rows (query_start_loc) than KV tokens (seq_lens)",
         ),
     )
     for bad, template in checks:
         if bool(bad.any()):
             _fail(template.format(s=int(np.flatnonzero(bad)[0])))
-    if num_seqs and max_blocks:
-        used = np.arange(max_blocks)[None, :] < ((host_lens + bs - 1) // bs)[:, None]
-        host_tables = _host_array(tables)
-        bad_ids = used & ((host_tables < 0) | (host_tables >= num_blocks))
-        if bool(bad_ids.any()):
-            s, j = (int(x) for x in np.argwhere(bad_ids)[0])
-            _fail(
-                f"block_tables[{s}, {j}] = {int(host_tables[s, j])} is not a block of this pool "
-                f"[0, {num_blocks})"
-            )
-    return tables, lens, starts
+
+
+def _check_used_blocks(tables: np.ndarray, lens: np.ndarray, bs: int, num_blocks: int) -> None:
+    """The block ids that `lens` uses (the first ``ceil(seq_len / bs)`` of each row) lie in
+    ``[0, num_blocks)``; the first that does not is named."""
+    used = np.arange(tables.shape[1])[None, :] < ((lens + bs - 1) // bs)[:, None]
+    bad_ids = used & ((tables < 0) | (tables >= num_blocks))
+    if bool(bad_ids.any()):
+        s, j = (int(x) for x in np.argwhere(bad_ids)[0])
+        _fail(
+            f"block_tables[{s}, {j}] = {int(tables[s, j])} is not a block of this pool "
+            f"[0, {num_blocks})"
+        )
 
 
 def check_block_ids(

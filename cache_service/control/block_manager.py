@@ -496,6 +496,17 @@ class BlockManager:
         """
         repeated_writes.commit_repeated(self, snapshot, layer)
 
+    def commit_repeated_layers(self, snapshot: WriteSnapshot, layers: SequenceABC[int]) -> None:
+        """`commit_repeated` of each of `layers` (distinct), in order, all or nothing: every
+        layer is checked before any is committed. What a step lease's end commits: the
+        layers the lease wrote.
+
+        Raises:
+            InvalidRequest: a layer named twice, or a sequence's layer no longer at the
+                snapshot's start; nothing was committed.
+        """
+        repeated_writes.commit_repeated_layers(self, snapshot, layers)
+
     def _committed_length(self, seq: Sequence, layer: int | None, num_tokens: object) -> int:
         """written(layer) after committing `num_tokens` more, checked against the reserved
         positions."""

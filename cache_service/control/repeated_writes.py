@@ -18,7 +18,13 @@ from cache_service.errors import InvalidRequest
 if TYPE_CHECKING:
     from cache_service.control.block_manager import BlockManager
 
-__all__ = ["WriteSnapshot", "commit_repeated", "repeatable", "snapshot_writes"]
+__all__ = [
+    "WriteSnapshot",
+    "commit_repeated",
+    "commit_repeated_layers",
+    "repeatable",
+    "snapshot_writes",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,15 +122,28 @@ def repeatable(
 def commit_repeated(m: BlockManager, snapshot: WriteSnapshot, layer: int) -> None:
     """`BlockManager.commit_repeated`: commit snapshot.counts tokens per sequence on `layer`,
     all or nothing."""
-    pairs = list(zip(snapshot.seqs, snapshot.starts, strict=True))
-    for i, (seq, start) in enumerate(pairs):
-        if seq.written[layer] != start:
-            raise InvalidRequest(
-                f"layer {layer} of {snapshot.seq_ids[i]!r} stands at {seq.written[layer]}, "
-                f"not at the snapshot's {start}: check repeatable() under the same locks"
-            )
-    for seq, start, count in zip(snapshot.seqs, snapshot.starts, snapshot.counts, strict=True):
-        m._apply_commit(seq, layer, start + count)
+    commit_repeated_layers(m, snapshot, (layer,))
+
+
+def commit_repeated_layers(
+    m: BlockManager, snapshot: WriteSnapshot, layers: SequenceABC[int]
+) -> None:
+    """`BlockManager.commit_repeated_layers`: `commit_repeated` of each layer in order, all
+    or nothing: every layer is checked before any is committed (a commit changes only its
+    own layer, so the checks of the others still hold when their turn comes)."""
+    if len(set(layers)) != len(layers):
+        raise InvalidRequest(f"each layer is committed once, got {list(layers)}")
+    for layer in layers:
+        for i, (seq, start) in enumerate(zip(snapshot.seqs, snapshot.starts, strict=True)):
+            if seq.written[layer] != start:
+                raise InvalidRequest(
+                    f"layer {layer} of {snapshot.seq_ids[i]!r} stands at {seq.written[layer]}, "
+                    f"not at the snapshot's {start}: check repeatable() under the same locks"
+                )
+    ends = [start + count for start, count in zip(snapshot.starts, snapshot.counts, strict=True)]
+    for layer in layers:
+        for seq, end in zip(snapshot.seqs, ends, strict=True):
+            m._apply_commit(seq, layer, end)
 
 
 def repeatable_layers(m: BlockManager, snapshot: WriteSnapshot) -> list[int]:

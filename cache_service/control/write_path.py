@@ -28,10 +28,16 @@ __all__ = ["cancel_write", "commit_writes", "prepare_write", "prepare_writes"]
 
 
 def prepare_write(
-    m: BlockManager, tenant: str, seq_id: str, layer: int | None, token_ids: SequenceABC[int]
+    m: BlockManager,
+    tenant: str,
+    seq_id: str,
+    layer: int | None,
+    token_ids: SequenceABC[int],
+    capacity: int | None = None,
 ) -> WritePlan:
     """`BlockManager.prepare_write`: the slots of `token_ids` at written(layer), reserving
-    positions (and copying a shared partly filled last block) as needed."""
+    positions (and copying a shared partly filled last block) as needed. capacity:
+    `max_sequence_tokens()` when the caller has it (a batch asks once, not per item)."""
     seq = m._resolve(tenant, seq_id)
     start = m._start_of(seq, layer)
     tokens = pack_tokens(token_ids).tolist()
@@ -41,7 +47,9 @@ def prepare_write(
     bs = m._bs
     reserved = len(seq.tokens)
     end = start + n
-    if end > reserved:
+    # The message is built only for a refusal: every decode step of every sequence comes
+    # here, and formatting it costs more than the check.
+    if end > reserved and end > (m.max_sequence_tokens() if capacity is None else capacity):
         m._check_length(
             "token_ids",
             end,
@@ -95,10 +103,11 @@ def prepare_writes(
         raise InvalidRequest("writes is empty")
     journal = m._journal = Journal(m._counters, m._released)
     plans: list[WritePlan] = []
+    capacity = m.max_sequence_tokens()  # the pools' sizes do not change meanwhile
     try:
         for i, (seq_id, token_ids) in enumerate(items):
             try:
-                plans.append(prepare_write(m, tenant, seq_id, layer, token_ids))
+                plans.append(prepare_write(m, tenant, seq_id, layer, token_ids, capacity))
             except (PoolExhausted, QuotaExceeded) as exc:
                 raise type(exc)(
                     f"{exc} (write {i + 1} of {len(items)}, sequence {seq_id!r}; the "
@@ -109,9 +118,10 @@ def prepare_writes(
         roll_back(m, journal)
         raise
     m._journal = None
-    evict_blocks(m, journal.evicted)
-    for block in journal.evicted:
-        m._note_released(block)
+    if journal.evicted:  # blocks reused from the cached-free ones (a decode step rarely)
+        evict_blocks(m, journal.evicted)
+        for block in journal.evicted:
+            m._note_released(block)
     return plans
 
 

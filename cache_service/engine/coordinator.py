@@ -707,10 +707,7 @@ class Coordinator:
         """Under the batch's locks: reserve the step's positions (running any
         copy-on-write copies) and record it as a `Step` planned for a lease; or the reason
         it cannot be leased, with nothing reserved."""
-        for i, (seq_id, tokens) in enumerate(zip(seq_ids, rows, strict=True)):
-            check_reserved(i, self.block_manager.write_cursor(tenant, seq_id, 0), tokens, 0)
-        self._require_workers()
-        plans = self.block_manager.prepare_writes(tenant, 0, list(zip(seq_ids, rows, strict=True)))
+        plans = self._reserve_step(tenant, seq_ids, rows)
         self._released.flush()
         try:
             if any(plan.copies for plan in plans):
@@ -742,6 +739,29 @@ class Coordinator:
         step = Step(snapshot, worker_id, counts, views, slots, plan, planned_only=True)  # type: ignore[arg-type]
         self._steps.put(step)
         return step
+
+    def _reserve_step(
+        self, tenant: str, seq_ids: list[str], rows: list[list[int]]
+    ) -> list[WritePlan]:
+        """Reserve a planned step's positions on layer 0, all or nothing.
+
+        `prepare_writes` itself refuses token ids that differ from those another layer
+        reserved (naming the position only), and reserves nothing when it refuses. So the
+        items are looked up one by one (`check_reserved`) only after a refusal: the error
+        is then the one a check of every item before reserving gives (it names the item,
+        and comes before a full pool, say), and a step that is accepted, every decode
+        step, skips a lookup per sequence that repeats what `prepare_writes` checks.
+        """
+        try:
+            self._require_workers()
+            return self.block_manager.prepare_writes(
+                tenant, 0, list(zip(seq_ids, rows, strict=True))
+            )
+        except Exception as exc:
+            refused = exc
+        for i, (seq_id, tokens) in enumerate(zip(seq_ids, rows, strict=True)):
+            check_reserved(i, self.block_manager.write_cursor(tenant, seq_id, 0), tokens, 0)
+        raise refused
 
     def _planned_parts(
         self,

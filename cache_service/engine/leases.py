@@ -12,9 +12,10 @@ The lease keeps the sequences' locks until it ends, so nothing else reads or cha
 meanwhile. It ends when anyone waits for one of its sequences (the client's next call
 included: `SequenceLocks.on_contended`), at its timeout, or when the coordinator closes.
 Ending asks the worker which layers the lease wrote, commits exactly those
-(`BlockManager.commit_repeated`, as the coordinator's own repeated layers commit), then
-gives the locks back. A layer the lease did not write stays unwritten: the client sends it
-by call, or its next step's calls find the sequence short on that layer and are refused.
+(`BlockManager.commit_repeated_layers`: each as the coordinator's own repeated layers
+commit, all in one go), then gives the locks back. A layer the lease did not write stays
+unwritten: the client sends it by call, or its next step's calls find the sequence short
+on that layer and are refused.
 A worker that cannot be reached at the end commits nothing; its failure handling (a lost
 worker's sequences answer DATA_LOSS) is the coordinator's usual one.
 """
@@ -192,10 +193,10 @@ class Leases:
         try:
             report = await lease.client.end_lease(lease.epoch, lease.lease_id)
             written = report.written
-            manager = self._owner.block_manager
-            for layer in written:
-                manager.commit_repeated(step.snapshot, layer)
-            if not written and step.planned_only:
+            if written:
+                # In one call: with a write-ahead log, one commit (one fsync) for them all.
+                self._owner.block_manager.commit_repeated_layers(step.snapshot, written)
+            elif step.planned_only:
                 # A step planned for the lease and never written on any layer: its
                 # positions go back, as a failed call's would.
                 self._cancel_writes(step.snapshot.tenant, list(step.snapshot.seq_ids))

@@ -125,6 +125,14 @@ def encode_result(value: Any) -> Any:
     """A control-plane value as JSON data: dataclasses -> dicts, tuples -> lists."""
     if value is None or isinstance(value, bool | int | float | str):
         return value
+    if type(value) is WritePlan:
+        # Every write's result, a decode step's one per sequence: what the generic walk
+        # below makes of it (same keys, same order), without a field lookup per value.
+        return {
+            "start": value.start,
+            "slots": [[worker_id, slot] for worker_id, slot in value.slots],
+            "copies": [encode_result(copy) for copy in value.copies],
+        }
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: encode_result(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, list | tuple):
@@ -468,6 +476,27 @@ class DurableBlockManager:
                 "writes": [[s, c] for s, c in zip(snapshot.seq_ids, snapshot.counts, strict=True)],
             },
         )
+
+    def commit_repeated_layers(self, snapshot: WriteSnapshot, layers: SequenceABC[int]) -> None:
+        """BlockManager.commit_repeated_layers, logged as the `commit_writes` of each layer
+        (what `commit_repeated` logs for it) in one store transaction: a step lease's end
+        commits its layers with one fsync, not one per layer."""
+        layers = tuple(layers)
+        self._check_usable()
+        self._manager.commit_repeated_layers(snapshot, layers)  # raising, it changed nothing
+        writes = [[s, c] for s, c in zip(snapshot.seq_ids, snapshot.counts, strict=True)]
+        try:
+            with self.transaction():
+                for layer in layers:
+                    args = {"tenant": snapshot.tenant, "layer": layer, "writes": writes}
+                    self._log("commit_writes", args, None)
+        except StoreError as exc:
+            # Committed in memory, not in the log (the transaction kept none of its
+            # records): as when one record cannot be logged (`_log`), the store refuses
+            # every later call until a restart recovers from it.
+            if self._failed is None:
+                self._failed = f"commit_writes: {exc}"
+            raise
 
     def pin(self, tenant: str, token_ids: SequenceABC[int], namespace: str = "") -> int:
         """BlockManager.pin."""

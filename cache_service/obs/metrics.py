@@ -275,8 +275,11 @@ class ServiceMetrics:
             ["event"],
             registry=reg,
         )
-        for event in ("granted", "ended"):
-            self.step_leases.labels(event)
+        # Bound once: a lease is granted and ended per decode step, and labels() takes a
+        # lock and validates the label each time.
+        self._step_lease_events = {
+            event: self.step_leases.labels(event) for event in ("granted", "ended")
+        }
         self.leased_layers = Counter(
             f"{p}_leased_layers",
             "Layer calls a worker served under a step lease, committed when the lease ended.",
@@ -479,7 +482,8 @@ class ServiceMetrics:
 
     def add_step_lease(self, event: str) -> None:
         """Count a step lease `event`: "granted" or "ended"."""
-        self.step_leases.labels(event).inc()
+        child = self._step_lease_events.get(event)
+        (child if child is not None else self.step_leases.labels(event)).inc()
 
     def add_leased_layers(self, n: int) -> None:
         """Count `n` layer calls served under a step lease (n >= 0)."""
