@@ -2,12 +2,15 @@
 
 Against `kvcache serve` in a process of its own (in-process pools on the device), a client
 on the same host runs decode steps the way the transformers integration does: one
-StepLease call planning the step of one new token per sequence, every layer handed to the
-worker over the lease socket (`LeaseChannel.run_layer`), then the check that waits for the
-layers and reports refusals. Per batch size it prints the p50 and p90 of each stage's
-host time: the StepLease call, a leased layer (the client's whole handoff: staging copies,
-the message, the worker's answer; on a GPU the kernels run meanwhile), and the check
-(which waits for the device to finish the step's layers).
+StepLease call planning the step of one new token per sequence, the lease opened (its plan
+fetched from the worker), every layer run here on the worker's mapped pool
+(`LeaseClient.run_layer`), then the end that waits for the layers and reports them. Per
+batch size it prints the p50 and p90 of each stage's host time: the StepLease call, the
+open, a leased layer (the service's own cost around the kernels: input copies, the write
+and the attention launched or replayed as a graph; on a GPU the kernels run meanwhile),
+and the end (which waits for the device to finish the step's layers). On a GPU it also
+times one layer per step on the device (CUDA events around the call, the device idle
+before it).
 
     .venv/bin/python benchmarks/bench_leases.py --smoke       # CPU, seconds
     source .device/env.sh && python3 benchmarks/bench_leases.py --h200
@@ -30,7 +33,7 @@ import torch
 from bench_transformers import ServedProcess
 
 from cache_service.client import KVCacheClient
-from cache_service.client.lease_channel import LeaseChannel
+from workers.lease_client import LeaseClient
 
 
 def _p(samples: list[float], q: float) -> float:
@@ -73,8 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         "service: `kvcache serve` process, in-process pools"
     )
     print()
-    print("| batch | StepLease p50 / p90, us | leased layer p50 / p90, us | check p50, us |")
-    print("| ---: | ---: | ---: | ---: |")
+    print(
+        "| batch | StepLease p50 / p90, us | open p50, us | leased layer p50 / p90, us "
+        "| end p50, us | layer on the device p50, us |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     with ServedProcess(flags) as served, KVCacheClient(served.address) as client:
         prompt = list(range(1, context + 1))
         for batch in batches:
@@ -83,37 +89,52 @@ def main(argv: list[str] | None = None) -> int:
             if grant is None or not grant.granted:
                 raise SystemExit(f"no lease: {grant and grant.reason}")
             rows = batch * context
-            channel = LeaseChannel(grant.socket, rows, rows, q_heads, dev)
+            leases = LeaseClient(grant.socket, dev)
             k = torch.randn(rows, kv_heads, head_dim, device=dev, dtype=tdt)
             q = torch.randn(rows, q_heads, head_dim, device=dev, dtype=tdt)
+            opened = leases.open(grant.lease_id)
             for layer in range(layers):
-                channel.run_layer(grant.lease_id, layer, k, k, q)
-            channel.check(grant.lease_id)
+                leases.run_layer(opened, layer, k, k, q)
+            leases.end(opened)
             k1, q1 = k[:batch], q[:batch]
-            lease_t, layer_t, check_t = [], [], []
+            lease_t, open_t, layer_t, end_t, device_t = [], [], [], [], []
             for step in range(steps + 3):
                 t0 = time.perf_counter()
                 grant = client.lease_step(ids, q_heads, [[7]] * batch)
                 t1 = time.perf_counter()
                 if grant is None or not grant.granted:
                     raise SystemExit(f"no lease: {grant and grant.reason}")
+                opened = leases.open(grant.lease_id)
+                t2 = time.perf_counter()
                 for layer in range(layers):
                     t = time.perf_counter()
-                    channel.run_layer(grant.lease_id, layer, k1, k1, q1)
+                    if device == "cuda" and step >= 3 and layer == 0:
+                        begin, done = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                        torch.cuda.synchronize()
+                        begin.record()
+                        leases.run_layer(opened, layer, k1, k1, q1)
+                        done.record()
+                        done.synchronize()
+                        device_t.append(begin.elapsed_time(done) * 1e-3)
+                        continue
+                    leases.run_layer(opened, layer, k1, k1, q1)
                     if step >= 3:
                         layer_t.append(time.perf_counter() - t)
                 t = time.perf_counter()
-                channel.check(grant.lease_id)
+                leases.end(opened)
                 if step >= 3:  # the first steps capture graphs
                     lease_t.append(t1 - t0)
-                    check_t.append(time.perf_counter() - t)
-            channel.close()
+                    open_t.append(t2 - t1)
+                    end_t.append(time.perf_counter() - t)
+            leases.close()
             for seq_id in ids:
                 client.free(seq_id)
+            on_device = f"{_p(device_t, 0.5):.0f}" if device_t else "-"
             print(
                 f"| {batch} | {_p(lease_t, 0.5):.0f} / {_p(lease_t, 0.9):.0f} | "
+                f"{_p(open_t, 0.5):.0f} | "
                 f"{_p(layer_t, 0.5):.0f} / {_p(layer_t, 0.9):.0f} | "
-                f"{statistics.median(check_t) * 1e6:.0f} |",
+                f"{statistics.median(end_t) * 1e6:.0f} | {on_device} |",
                 flush=True,
             )
     return 0

@@ -139,6 +139,20 @@ H200 = Profile(
     blocks_per_worker=8192,
 )
 
+# The 8B-shaped case: Llama-3-8B's attention and MLP sizes, batch 32.
+H200_8B = replace(
+    H200,
+    name="h200-llama-8b-bf16",
+    num_layers=32,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_q_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    batch_sizes=(32,),
+    blocks_per_worker=4096,
+)
+
 
 def log(msg: str) -> None:
     print(msg, flush=True)
@@ -158,7 +172,8 @@ def build_model(p: Profile) -> Any:
         bos_token_id=None,
         eos_token_id=None,
     )
-    model = transformers.LlamaForCausalLM(config).to(getattr(torch, p.dtype)).to(p.device)
+    with torch.device(p.device):  # an 8B model initialises in seconds on the GPU
+        model = transformers.LlamaForCausalLM(config).to(getattr(torch, p.dtype))
     return model.eval()
 
 
@@ -586,6 +601,9 @@ def main() -> None:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--h200", action="store_true", help="CUDA bf16 1.1B Llama-shaped config")
     size.add_argument(
+        "--h200-8b", action="store_true", help="CUDA bf16 8B Llama-shaped config, batch 32"
+    )
+    size.add_argument(
         "--smoke", action="store_true", help="the smallest CPU run (seconds; figures mean nothing)"
     )
     parser.add_argument("--ray", action="store_true", help="KV pools in Ray actors")
@@ -614,7 +632,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    p = H200 if args.h200 else SMOKE if args.smoke else CPU
+    p = H200 if args.h200 else H200_8B if args.h200_8b else SMOKE if args.smoke else CPU
     if p.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--h200 needs a CUDA device")
     if args.batch_sizes:

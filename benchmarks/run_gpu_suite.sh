@@ -15,8 +15,8 @@
 #   concurrency   bench_service.py --h200, the Ray row: batch 32, then 8 clients of batch 8
 #                 against one, $PAIRS alternating pairs (default 8)          ~6 min
 #   gate          the worker's GPU tests, then `concurrency` (the issue gates' call)
-#   transformers  bench_transformers.py --h200: a 1.1B Llama-shaped model     ~3 min
-#   leases        the step-lease GPU tests, bench_handoff.py, bench_leases.py --h200 ~3 min
+#   transformers  bench_transformers.py --h200 and --h200-8b: 1.1B and 8B Llama-shaped ~6 min
+#   leases        the step-lease GPU tests, bench_leases.py --h200              ~3 min
 #   load          bench_load.py: 64 clients for 60 s, Ray workers (CPU pools)  ~2 min
 #   multigpu      bench_multigpu.py on every GPU of the host (kind *-x2 or more) ~4 min
 #   smoke         tests/test_benchmarks_smoke.py (every benchmark's CPU run)  ~1 min
@@ -88,11 +88,12 @@ phase() {
   gate) worker_tests; concurrency ;;
   transformers)
     CUDA_VISIBLE_DEVICES=0 run transformers-h200 240 python3 benchmarks/bench_transformers.py \
-      --h200 --out "$OUT/transformers" ;;
+      --h200 --out "$OUT/transformers"
+    CUDA_VISIBLE_DEVICES=0 run transformers-h200-8b 300 python3 benchmarks/bench_transformers.py \
+      --h200-8b --repeats 1 --out "$OUT/transformers" ;;
   leases)
     CUDA_VISIBLE_DEVICES=0 run lease-tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
       tests/test_step_leases_gpu.py tests/test_workers_gpu.py -k "lease or Lease"
-    CUDA_VISIBLE_DEVICES=0 run handoff-h200 60 python3 benchmarks/bench_handoff.py
     CUDA_VISIBLE_DEVICES=0 run leases-h200 120 python3 benchmarks/bench_leases.py --h200 ;;
   load)
     run load 180 python3 benchmarks/bench_load.py --out "$OUT/load.md" ;;

@@ -371,8 +371,10 @@ class CoordinatorConfig:
             an older one gets OUT_OF_RANGE. An event costs about 150 bytes in a checkpoint
             plus about 70 per key it carries (a stored chain carries one per block).
         step_lease_timeout_s: the longest a step lease lives (StepLease: a co-located
-            client's step whose other layers go to the worker directly), seconds; 0 grants
-            none (every layer through the coordinator).
+            client runs a planned step on the worker's pool itself), seconds; a lease whose
+            client is still running it then is waited for as long again before it is
+            revoked (its connection closed, nothing committed). 0 grants none (every layer
+            through the coordinator).
     """
 
     batch_window_ms: float = 0.5

@@ -34,7 +34,6 @@ SMOKE_RUNS = {
     ),
     "bench_transformers.py": (["--smoke"], ["- device: CPU", "| batch | own tok/s |"]),
     "bench_load.py": (["--smoke"], ["- machine:", "| append_attend |"]),
-    "bench_handoff.py": (["--smoke"], ["- device: CPU", "| host work between layers |"]),
     "bench_leases.py": (["--smoke"], ["- device: CPU", "| batch | StepLease p50 / p90, us |"]),
     "bench_multigpu.py": (
         ["--smoke", "--num-gpus", "1"],

@@ -10,6 +10,9 @@ Layers, lowest first; a layer imports only itself and the layers its `LAYERS` en
             prefix_keys) < control < wire
             < client, obs < engine < api < integrations < cli
 
+(the integrations also import `workers`: a co-located model runs its leased steps on the
+worker's pool with the pool's kernels, `workers.lease_client`)
+
 - `control` is pure: `cache_service.errors` and `cache_service.prefix_keys` only, and no torch, Triton, Ray, gRPC or numpy;
 - `kernels` and `workers` never import `cache_service`; `kernels` never imports `workers`;
 - the client imports only `wire`, the proto, `cache_service.errors` and `prefix_keys`, and nothing it loads (transitively) is the
@@ -76,7 +79,8 @@ LAYERS: dict[str, set[str]] = {
     "obs": {"base", "control", "wire"},
     "engine": {"base", "control", "wire", "workers"},
     "api": {"base", "control", "wire", "obs", "engine", "workers"},
-    "integrations": {"base", "client", "api"},
+    # A co-located model maps the worker's pool and runs leased steps with its kernels.
+    "integrations": {"base", "client", "api", "workers"},
     "cli": {"base", "control", "wire", "client", "obs", "engine", "api", "workers"},
 }
 # layer -> third-party top-level packages it must not import.

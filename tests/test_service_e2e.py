@@ -287,10 +287,11 @@ def test_shared_memory_tensors_reach_the_ray_workers_in_place(svc, monkeypatch) 
 
 
 def test_a_step_lease_on_a_ray_worker(svc) -> None:
-    # The step's first layer by call, then its other layers over the lease socket of the
-    # Ray actor holding the batch (a process of its own; CPU staging in a shared file);
-    # the next call commits them. What the layers answer is dense attention over all.
-    from cache_service.client.lease_channel import LeaseChannel, LeaseEndedError
+    # The step's first layer by call, then its other layers run here on the pool of the
+    # Ray actor holding the batch (a process of its own: its pool is a memory file this
+    # process maps); the next call commits them. What the layers answer is dense
+    # attention over all, and the next call sees the leased writes.
+    from workers.lease_client import LeaseClient
 
     gen = torch.Generator().manual_seed(11)
     with KVCacheClient(svc.address, timeout_s=60) as client:
@@ -322,21 +323,22 @@ def test_a_step_lease_on_a_ray_worker(svc) -> None:
             m.add(0, k[i], v[i])
         lease = client.lease_step(seq_ids, HQ)
         assert lease.granted, lease.reason
-        channel = LeaseChannel(lease.socket, 4, 4, HQ, torch.device("cpu"))
+        leases = LeaseClient(lease.socket, torch.device("cpu"))
+        opened = leases.open(lease.lease_id)
         for layer in lease.layers:
             k, v, q = kvq(layer)
-            out = channel.run_layer(lease.lease_id, layer, k, v, q).view(q.shape)
+            out = leases.run_layer(opened, layer, k, v, q).view(q.shape)
             for i, m in enumerate(mirrors):
                 m.add(layer, k[i], v[i])
                 check(out[i], m, layer, q[i])
-        channel.check(lease.lease_id)
-        # The next call on the batch ends the lease: every layer holds the new token.
+        assert leases.end(opened).written == tuple(lease.layers)
+        # The next call on the batch ends the lease: every layer holds the new token,
+        # read by the worker from the pool this process wrote.
         out = client.attend_batch(NL - 1, seq_ids, q)
         for i, m in enumerate(mirrors):
             check(out[i], m, NL - 1, q[i])
-        with pytest.raises(LeaseEndedError):
-            channel.run_layer(lease.lease_id, 1, *kvq(1))
-        channel.close()
+        assert leases.open(lease.lease_id) is None
+        leases.close()
         for m in mirrors:
             client.free(m.seq_id)
     svc.check_integrity()

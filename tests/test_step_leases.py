@@ -1,21 +1,24 @@
-"""Step leases: a co-located client's decode step, its first layer a call and the others
-sent to the worker directly (engine.leases, workers.step_leases, workers.lease_server,
-client.lease_channel).
+"""Step leases: a co-located client runs a planned step on the worker's pool itself
+(engine.leases, workers.step_leases, workers.lease_server, workers.lease_client).
 
 Against a real server (in-process CPU pools, the local session, the lease socket): leased
 layers give what dense attention over everything written gives; the lease commits exactly
-the layers it wrote when it ends (the client's next call, a free, a waiter, the timeout);
-a layer on an ended or unknown lease, twice, outside the lease or with NaN is refused and
-writes nothing; a lease is refused over the network and where no step was planned.
-(Generation through transformers with leases: test_integration_transformers; on a GPU
-across processes: test_step_leases_gpu; on Ray workers: test_service_e2e.)
+the layers its client reported when it ends (the client's next call, a free, a waiter, the
+timeout), and an opened lease is waited for until its client reports, or revoked; a layer
+outside the lease, twice, of the wrong size or with NaN is refused and writes nothing; a
+lease is refused over the network and where no step was planned. (Generation through
+transformers with leases: test_integration_transformers; across processes on Ray workers,
+the pool in a shared memory file: test_service_e2e; on a GPU through CUDA IPC:
+test_step_leases_gpu.)
 """
 
 from __future__ import annotations
 
+import json
 import secrets
+import socket
+import threading
 import time
-from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -31,19 +34,16 @@ from service_support import (
     service_config,
 )
 
-import cache_service.client.lease_channel as client_side
-import workers.lease_server as worker_side
 from cache_service._proto.kvcache.v1 import kvcache_pb2 as pb
 from cache_service._proto.kvcache.v1 import kvcache_pb2_grpc as pb_grpc
-from cache_service.client import (
-    FailedPreconditionError,
-    InvalidArgumentError,
-    KVCacheClient,
-    UnavailableError,
-)
-from cache_service.client.lease_channel import LeaseChannel, LeaseEndedError
+from cache_service.client import InvalidArgumentError, KVCacheClient
 from cache_service.engine.coordinator import Coordinator
 from cache_service.errors import InvalidRequest, PoolExhausted
+from workers.errors import InvalidWorkerRequest, WorkerUnavailable
+from workers.lease_client import LeaseClient
+from workers.lease_server import _layers, layer_mask
+from workers.pool import KVPool
+from workers.step_leases import LeaseEnded, LeaseReport, StepLeases, StepPlan
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -51,15 +51,22 @@ D, HKV, NL = LAYOUT.head_dim, LAYOUT.num_kv_heads, LAYOUT.num_layers
 CPU = torch.device("cpu")
 
 
-def test_the_client_and_the_worker_speak_one_wire_format() -> None:
-    assert client_side._REQUEST.format == worker_side.REQUEST.format
-    assert (client_side._SERVE, client_side._CHECK) == (worker_side.SERVE, worker_side.CHECK)
-    assert (client_side._OK, client_side._ENDED, client_side._REFUSED) == (
-        worker_side.OK,
-        worker_side.ENDED,
-        worker_side.REFUSED,
+def test_a_plan_and_a_layer_mask_survive_the_wire() -> None:
+    plan = StepPlan(
+        torch.tensor([[3, 1, 0], [2, 5, 4]], dtype=torch.int32),
+        torch.tensor([40, 9], dtype=torch.int32),
+        torch.tensor([0, 3, 4], dtype=torch.int32),
+        torch.tensor([70, 71, 72, 41]),
+        8,
+        (1, 2, 5),
     )
-    assert client_side._VERSION == worker_side.VERSION
+    back = StepPlan.unpack(plan.pack())
+    for name in ("block_tables", "seq_lens", "query_start_loc", "slot_mapping"):
+        assert torch.equal(getattr(back, name), getattr(plan, name)), name
+    assert (back.num_q_heads, back.layers) == (8, (1, 2, 5))
+    with pytest.raises(ValueError, match="expected"):
+        StepPlan.unpack(plan.pack()[:-1])
+    assert _layers(layer_mask([0, 9, 63, 64], 9)) == [0, 9, 63, 64]
 
 
 @pytest.fixture
@@ -129,6 +136,32 @@ def _close(a: torch.Tensor, ref: torch.Tensor) -> None:
     assert torch.allclose(a.double(), ref.double(), atol=2e-5), (a.double() - ref).abs().max()
 
 
+def _first_layer(batch: Batch, step: dict, token: int) -> torch.Tensor:
+    """Layer 0 of the step by call (which plans it), the token appended to every row."""
+    k, v, q = step[0]
+    ids = [[token]] * len(batch.mirrors)
+    out = batch.client.append_attend_batch(0, batch.seq_ids, ids, k, v, q)
+    batch.wrote(0, k, v)
+    return out
+
+
+def _close(a: torch.Tensor, ref: torch.Tensor) -> None:
+    assert torch.allclose(a.double(), ref.double(), atol=2e-5), (a.double() - ref).abs().max()
+
+
+def _written(harness, seq_id: str) -> list[int]:
+    info = harness.call(harness.coordinator.block_manager.sequence_info, "default", seq_id)
+    return list(info.written)
+
+
+def _run_layers(batch, lease_client, opened, step, layers) -> None:
+    for layer in layers:
+        k, v, q = step[layer]
+        out = lease_client.run_layer(opened, layer, k, v, q)
+        batch.wrote(layer, k, v)
+        _close(out.view(q.shape), batch.reference(layer, q))
+
+
 def test_leased_layers_equal_dense_attention_and_commit_at_the_next_call(harness, client):
     batch = Batch(client, [[1, 2, 3], [4, 5, 6, 7, 8, 9]], seed=0)
     step = batch.step()
@@ -136,72 +169,71 @@ def test_leased_layers_equal_dense_attention_and_commit_at_the_next_call(harness
     lease = client.lease_step(batch.seq_ids, HQ)
     assert lease.granted, lease.reason
     assert list(lease.layers) == list(range(1, NL)) and lease.timeout_us > 0
-    channel = LeaseChannel(lease.socket, 8, 8, HQ, CPU)
-    for layer in lease.layers:
-        k, v, q = step[layer]
-        out = channel.run_layer(lease.lease_id, layer, k, v, q)
-        batch.wrote(layer, k, v)
-        _close(out.view(q.shape), batch.reference(layer, q))
-    channel.check(lease.lease_id)
+    lc = LeaseClient(lease.socket, CPU)
+    opened = lc.open(lease.lease_id)
+    _run_layers(batch, lc, opened, step, lease.layers)
+    assert lc.end(opened) == LeaseReport(tuple(range(1, NL)), ())
     # The lease still holds the batch: nothing committed yet on the leased layers.
-    info = harness.call(
-        harness.coordinator.block_manager.sequence_info, "default", batch.seq_ids[0]
-    )
-    assert list(info.written) == [4] + [3] * (NL - 1)
+    assert _written(harness, batch.seq_ids[0]) == [4] + [3] * (NL - 1)
     # The next call (another step) ends it: every leased layer committed, then planned on.
     step2 = batch.step()
     _close(_first_layer(batch, step2, 12), batch.reference(0, step2[0][2]))
-    info = harness.call(
-        harness.coordinator.block_manager.sequence_info, "default", batch.seq_ids[0]
-    )
-    assert list(info.written) == [5] + [4] * (NL - 1)
-    with pytest.raises(LeaseEndedError):
-        channel.run_layer(lease.lease_id, 1, *step[1])
+    assert _written(harness, batch.seq_ids[0]) == [5] + [4] * (NL - 1)
+    assert lc.open(lease.lease_id) is None  # ended
     lease2 = client.lease_step(batch.seq_ids, HQ)
     assert lease2.granted and lease2.lease_id != lease.lease_id
-    for layer in lease2.layers:
-        k, v, q = step2[layer]
-        out = channel.run_layer(lease2.lease_id, layer, k, v, q)
-        batch.wrote(layer, k, v)
-        _close(out.view(q.shape), batch.reference(layer, q))
+    opened = lc.open(lease2.lease_id)
+    _run_layers(batch, lc, opened, step2, lease2.layers)
+    lc.end(opened)
     for s in batch.seq_ids:
         client.free(s)
-    channel.close()
+    lc.close()
     harness.check_integrity()
     stats = harness.stats()
     assert stats.active_sequences == 0
     assert all(w.used == 0 for w in stats.workers.values()), stats.workers
 
 
-def test_a_layer_the_lease_did_not_write_goes_by_call_afterwards(harness, client):
+def test_a_lease_ended_before_it_was_opened_sends_its_layers_by_call(harness, client):
     batch = Batch(client, [[1, 2, 3, 4, 5]], seed=1)
     step = batch.step()
     _first_layer(batch, step, 7)
     lease = client.lease_step(batch.seq_ids, HQ)
-    channel = LeaseChannel(lease.socket, 4, 4, HQ, CPU)
-    # Refused before anything is written: a layer outside the lease.
-    with pytest.raises(InvalidArgumentError, match="does not cover layer 0"):
-        channel.run_layer(lease.lease_id, 0, *step[0])
-    # The client's own call on layer 1 ends the lease (nothing leased was written) and
-    # writes the layer itself.
+    # The client's own call on layer 1 ends the lease (never opened: nothing written)
+    # and writes the layer itself.
     k, v, q = step[1]
     out = client.append_attend_batch(1, batch.seq_ids, [[7]], k, v, q)
     batch.wrote(1, k, v)
     _close(out, batch.reference(1, q))
-    with pytest.raises(LeaseEndedError):
-        channel.run_layer(lease.lease_id, 1, k, v, q)
+    lc = LeaseClient(lease.socket, CPU)
+    assert lc.open(lease.lease_id) is None
+    assert lc.open(secrets.token_bytes(16)) is None  # never granted
     harness.check_integrity()
 
 
-def test_a_layer_sent_twice_under_a_lease_is_refused(client):
-    batch = Batch(client, [[1, 2]], seed=2)
+def test_a_layer_outside_the_lease_twice_or_of_another_size_is_refused(harness, client):
+    batch = Batch(client, [[1, 2], [3, 4, 5]], seed=2)
     step = batch.step()
     _first_layer(batch, step, 3)
     lease = client.lease_step(batch.seq_ids, HQ)
-    channel = LeaseChannel(lease.socket, 4, 4, HQ, CPU)
-    channel.run_layer(lease.lease_id, 1, *step[1])
-    with pytest.raises(InvalidArgumentError, match="already written under this lease"):
-        channel.run_layer(lease.lease_id, 1, *step[1])
+    lc = LeaseClient(lease.socket, CPU)
+    opened = lc.open(lease.lease_id)
+    with pytest.raises(InvalidWorkerRequest, match="open already"):
+        lc.open(lease.lease_id)
+    with pytest.raises(InvalidWorkerRequest, match="layer 0 is not the lease's"):
+        lc.run_layer(opened, 0, *step[0])
+    k, v, q = step[1]
+    with pytest.raises(InvalidWorkerRequest, match="2 query rows"):
+        lc.run_layer(opened, 1, k[:1], v[:1], q[:1])
+    with pytest.raises(InvalidWorkerRequest, match="2 query rows"):
+        lc.run_layer(opened, 1, k, v, q[..., :HKV, :])
+    _run_layers(batch, lc, opened, step, [1])
+    with pytest.raises(InvalidWorkerRequest, match="layer 1 is not the lease's"):
+        lc.run_layer(opened, 1, k, v, q)
+    assert lc.end(opened).written == (1,)
+    client.free(batch.seq_ids[0])  # ends the lease: layer 1 committed, the others not
+    assert _written(harness, batch.seq_ids[1]) == [4, 4] + [3] * (NL - 2)
+    harness.check_integrity()
 
 
 def test_a_non_finite_leased_layer_writes_nothing_and_is_reported(harness, client):
@@ -209,11 +241,11 @@ def test_a_non_finite_leased_layer_writes_nothing_and_is_reported(harness, clien
     step = batch.step()
     _first_layer(batch, step, 4)
     lease = client.lease_step(batch.seq_ids, HQ)
-    channel = LeaseChannel(lease.socket, 4, 4, HQ, CPU)
+    lc = LeaseClient(lease.socket, CPU)
+    opened = lc.open(lease.lease_id)
     k, v, q = step[1]
-    channel.run_layer(lease.lease_id, 1, k * float("nan"), v, q)
-    with pytest.raises(InvalidArgumentError, match="non-finite inputs on layers 1"):
-        channel.check(lease.lease_id)
+    lc.run_layer(opened, 1, k * float("nan"), v, q)
+    assert lc.end(opened) == LeaseReport((), (1,))
     # Ending the lease commits nothing on layer 1: it is still short by the step's token,
     # and the call that writes it gives what dense attention gives.
     out = client.append_attend_batch(1, batch.seq_ids, [[4]], k, v, q)
@@ -222,16 +254,29 @@ def test_a_non_finite_leased_layer_writes_nothing_and_is_reported(harness, clien
     harness.check_integrity()
 
 
-def test_a_free_ends_the_lease_and_leaks_nothing(harness, client):
+def test_a_free_waits_for_an_opened_lease_and_leaks_nothing(harness, client):
     batch = Batch(client, [[1, 2, 3], [9, 9]], seed=4)
     step = batch.step()
     _first_layer(batch, step, 5)
     lease = client.lease_step(batch.seq_ids, HQ)
-    channel = LeaseChannel(lease.socket, 4, 4, HQ, CPU)
-    channel.run_layer(lease.lease_id, 1, *step[1])
-    client.free(batch.seq_ids[0])  # waits for the lease, which ends
-    with pytest.raises(LeaseEndedError):
-        channel.check(lease.lease_id)
+    lc = LeaseClient(lease.socket, CPU)
+    opened = lc.open(lease.lease_id)
+    _run_layers(batch, lc, opened, step, [1])
+    freed = threading.Event()
+
+    def free() -> None:
+        with KVCacheClient(harness.address) as other:
+            other.free(batch.seq_ids[0])
+        freed.set()
+
+    thread = threading.Thread(target=free)
+    thread.start()
+    # The lease's client is still writing: the free waits for its report.
+    assert not freed.wait(0.5)
+    lc.end(opened)
+    assert freed.wait(10)
+    thread.join()
+    assert _written(harness, batch.seq_ids[1]) == [3, 3] + [2] * (NL - 2)
     client.free(batch.seq_ids[1])
     harness.check_integrity()
     stats = harness.stats()
@@ -240,7 +285,7 @@ def test_a_free_ends_the_lease_and_leaks_nothing(harness, client):
     assert len(harness.coordinator._leases) == 0
 
 
-def test_a_lease_ends_at_its_timeout():
+def test_a_lease_ends_at_its_timeout_and_an_unreported_one_is_revoked():
     config = service_config(**{"coordinator.step_lease_timeout_s": 0.2})
     with (
         ServiceHarness(config, local_workers(1, 64)) as harness,
@@ -251,12 +296,26 @@ def test_a_lease_ends_at_its_timeout():
         _first_layer(batch, step, 6)
         lease = client.lease_step(batch.seq_ids, HQ)
         assert lease.timeout_us == 200_000
-        channel = LeaseChannel(lease.socket, 4, 4, HQ, CPU)
+        lc = LeaseClient(lease.socket, CPU)
         deadline = time.monotonic() + 10
         while len(harness.coordinator._leases) and time.monotonic() < deadline:
             time.sleep(0.05)
-        with pytest.raises(LeaseEndedError):
-            channel.run_layer(lease.lease_id, 1, *step[1])
+        assert lc.open(lease.lease_id) is None
+        # Opened and never reported: waited for, then revoked; nothing committed and the
+        # connection closed.
+        batch = Batch(client, [[4, 5]], seed=15)
+        step = batch.step()
+        _first_layer(batch, step, 7)
+        lease = client.lease_step(batch.seq_ids, HQ)
+        assert lease.granted, lease.reason
+        opened = lc.open(lease.lease_id)
+        lc.run_layer(opened, 1, *step[1])
+        while len(harness.coordinator._leases) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not harness.coordinator._leases
+        with pytest.raises(WorkerUnavailable):
+            lc.end(opened)
+        assert _written(harness, batch.seq_ids[0]) == [3] + [2] * (NL - 1)
         harness.check_integrity()
 
 
@@ -272,28 +331,6 @@ def test_no_lease_without_a_planned_step_or_with_bad_arguments(client):
     _first_layer(batch, step, 8)
     # Another batch order is another batch: no step planned for it.
     assert not client.lease_step([*batch.seq_ids[::-1], "x"], HQ).granted
-
-
-def test_an_unknown_lease_or_a_step_larger_than_the_staging_writes_nothing(harness, client):
-    batch = Batch(client, [[1, 2, 3], [4, 5]], seed=7)
-    step = batch.step()
-    _first_layer(batch, step, 9)
-    lease = client.lease_step(batch.seq_ids, HQ)
-    channel = LeaseChannel(lease.socket, 4, 4, HQ, CPU)
-    with pytest.raises(LeaseEndedError):
-        channel.run_layer(secrets.token_bytes(16), 1, *step[1])
-    small = LeaseChannel(lease.socket, 1, 1, HQ, CPU)
-    assert not small.fits(2, 2, HQ)
-    k, v, q = (t[:1] for t in step[1])  # fits the staging; the lease's step does not
-    with pytest.raises(InvalidArgumentError, match="this connection stages 1 and 1"):
-        small.run_layer(lease.lease_id, 1, k, v, q)
-    # The layer is still the lease's to write, once.
-    k, v, q = step[1]
-    out = channel.run_layer(lease.lease_id, 1, k, v, q)
-    batch.wrote(1, k, v)
-    _close(out.view(q.shape), batch.reference(1, q))
-    small.close()
-    channel.close()
 
 
 def test_a_lease_is_refused_over_the_network(harness):
@@ -312,18 +349,56 @@ def test_a_lease_is_refused_over_the_network(harness):
         assert c.lease_step(["a"], HQ) is None
 
 
-def test_the_worker_refuses_a_connection_it_cannot_stage(client):
+def test_the_worker_refuses_a_bad_hello_or_request(client):
     batch = Batch(client, [[1, 2, 3]], seed=8)
     _first_layer(batch, batch.step(), 10)
     lease = client.lease_step(batch.seq_ids, HQ)
-    with pytest.raises(UnavailableError, match="q_heads must be a positive multiple"):
-        LeaseChannel(lease.socket, 4, 4, HKV + 1, CPU)
-    with pytest.raises(UnavailableError, match="rows and tokens"):
-        LeaseChannel(lease.socket, 0, 4, HQ, CPU)
-    with pytest.raises(UnavailableError, match="lease socket"):
-        LeaseChannel(lease.socket + ".missing", 4, 4, HQ, CPU)
-    # A lease ended by the timeout or a call is FAILED_PRECONDITION to its client.
-    assert issubclass(LeaseEndedError, FailedPreconditionError)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as raw:
+        raw.connect(lease.socket)
+        raw.send(json.dumps({"version": 1}).encode())
+        reply = json.loads(raw.recv(1 << 16))
+        assert not reply["ok"] and "version 2 only" in reply["error"]
+    with pytest.raises(WorkerUnavailable, match="lease socket"):
+        LeaseClient(lease.socket + ".missing", CPU)
+    lc = LeaseClient(lease.socket, CPU)
+    code, body = lc._request(b"\x07junk")
+    assert code == 2 and b"a request is OPEN" in body
+    code, body = lc._request(b"\x02" + lease.lease_id + b"\x01\x00" + b"\xff")
+    assert code == 2 and b"two bitmasks" in body
+    lc.close()
+
+
+def test_a_report_is_checked_against_the_lease():
+    pool = KVPool(LAYOUT, 8)
+    leases = StepLeases(pool)
+    lease_id = secrets.token_bytes(16)
+    leases.grant(lease_id, [0, 1], [[0]], [1], [0, 1], [0], HQ)
+    with pytest.raises(InvalidWorkerRequest):
+        leases.grant(lease_id, [1], [[0]], [1], [0, 1], [0], HQ)  # id in use
+    with pytest.raises(InvalidWorkerRequest, match="block"):
+        leases.grant(secrets.token_bytes(16), [1], [[8]], [1], [0, 1], [0], HQ)
+    mine, other = object(), object()
+    leases.open(lease_id, mine)
+    with pytest.raises(InvalidWorkerRequest, match="not opened on this connection"):
+        leases.report(lease_id, other, [1], [])
+    with pytest.raises(InvalidWorkerRequest, match="does not cover"):
+        leases.report(lease_id, mine, [3], [])
+    with pytest.raises(InvalidWorkerRequest, match="does not cover"):
+        leases.report(lease_id, mine, [1], [1])
+    assert leases.end(lease_id) is None  # opened, not reported
+    leases.report(lease_id, mine, [1], [0])
+    with pytest.raises(InvalidWorkerRequest, match="reported already"):
+        leases.report(lease_id, mine, [1], [])
+    assert leases.end(lease_id) == LeaseReport((1,), (0,))
+    assert leases.end(lease_id) == LeaseReport((), ())
+    with pytest.raises(LeaseEnded):
+        leases.open(lease_id, mine)
+    # A connection that closes reports nothing for its open leases.
+    leases.grant(lease_id, [1], [[0]], [1], [0, 1], [0], HQ)
+    leases.open(lease_id, mine)
+    leases.disconnected(mine)
+    assert leases.wait(lease_id, 0.0) == LeaseReport((), ())
+    assert len(leases) == 0
 
 
 def test_a_step_planned_for_a_lease_writes_every_layer_by_lease(harness, client):
@@ -333,13 +408,10 @@ def test_a_step_planned_for_a_lease_writes_every_layer_by_lease(harness, client)
     lease = client.lease_step(batch.seq_ids, HQ, [[21], [22]])
     assert lease.granted, lease.reason
     assert list(lease.layers) == list(range(NL))
-    channel = LeaseChannel(lease.socket, 4, 4, HQ, CPU)
-    for layer in range(NL):
-        k, v, q = step[layer]
-        out = channel.run_layer(lease.lease_id, layer, k, v, q)
-        batch.wrote(layer, k, v)
-        _close(out.view(q.shape), batch.reference(layer, q))
-    channel.check(lease.lease_id)
+    lc = LeaseClient(lease.socket, CPU)
+    opened = lc.open(lease.lease_id)
+    _run_layers(batch, lc, opened, step, range(NL))
+    lc.end(opened)
     client.free(batch.seq_ids[1])  # ends the lease: every layer of the step committed
     info = harness.call(
         harness.coordinator.block_manager.sequence_info, "default", batch.seq_ids[0]
@@ -376,9 +448,10 @@ def test_a_planned_step_with_bad_tokens_reserves_nothing(harness, client):
     # A lease planned and partly written leaves positions reserved for its tokens: a
     # later plan naming other tokens there is refused, naming the position.
     lease = client.lease_step(batch.seq_ids, HQ, [[7], [8]])
-    channel = LeaseChannel(lease.socket, 4, 4, HQ, CPU)
-    k, v, q = batch.step()[1]
-    channel.run_layer(lease.lease_id, 1, k, v, q)
+    lc = LeaseClient(lease.socket, CPU)
+    opened = lc.open(lease.lease_id)
+    lc.run_layer(opened, 1, *batch.step()[1])
+    lc.end(opened)
     with pytest.raises(InvalidArgumentError, match="position 3 holds token 7"):
         client.lease_step(batch.seq_ids, HQ, [[9], [8]])
     harness.check_integrity()
@@ -395,12 +468,13 @@ def test_a_ragged_step_planned_for_a_lease(harness, client):
     counts = [3, 1]
     lease = client.lease_step(batch.seq_ids, HQ, [[11, 12, 13], [14]])
     assert lease.granted, lease.reason
-    channel = LeaseChannel(lease.socket, 8, 8, HQ, CPU)
+    lc = LeaseClient(lease.socket, CPU)
+    opened = lc.open(lease.lease_id)
     gen = torch.Generator().manual_seed(13)
     for layer in range(NL):
         k, v = torch.randn(2, sum(counts), HKV, D, generator=gen)
         q = torch.randn(sum(counts), HQ, D, generator=gen)
-        out = channel.run_layer(lease.lease_id, layer, k, v, q)
+        out = lc.run_layer(opened, layer, k, v, q)
         start = 0
         for m, c in zip(batch.mirrors, counts, strict=True):
             m.add(layer, k[start : start + c], v[start : start + c])
@@ -412,6 +486,7 @@ def test_a_ragged_step_planned_for_a_lease(harness, client):
                 ref = dense_attention(q[start + j : start + j + 1], keys, values)[0]
                 _close(out[start + j : start + j + 1], ref)
             start += c
+    lc.end(opened)
     client.free(batch.seq_ids[0])
     info = harness.call(
         harness.coordinator.block_manager.sequence_info, "default", batch.seq_ids[1]
@@ -427,17 +502,13 @@ def test_differing_tokens_are_named_by_item_before_an_earlier_item_exhausts_the_
     async def scenario(coord: Coordinator) -> None:
         a, b = [(await coord.create_sequence("default")).seq_id for _ in range(2)]
         leases = coord._clients["w0"].worker._leases  # type: ignore[attr-defined]
-        buffers = SimpleNamespace(
-            key=torch.zeros(4, HKV, D),
-            value=torch.zeros(4, HKV, D),
-            query=torch.zeros(4, HQ, D),
-            out=torch.zeros(4, HQ, D),
-        )
+        me = object()
         grant = await coord.lease_step("default", [a], HQ, [[1, 2, 3, 4]])  # a full block
-        for layer in grant.layers:
-            leases.serve(grant.lease_id, layer, buffers)
+        leases.open(grant.lease_id, me)
+        leases.report(grant.lease_id, me, grant.layers, [])
         grant = await coord.lease_step("default", [b], HQ, [[5]])
-        leases.serve(grant.lease_id, 1, buffers)  # layer 0's position 0 stays reserved
+        leases.open(grant.lease_id, me)
+        leases.report(grant.lease_id, me, [1], [])  # layer 0's position 0 stays reserved
         # a's next token needs a third block of two; b's differs from the reserved one.
         with pytest.raises(InvalidRequest, match=r"items\[1\]: position 0 holds token 5"):
             await coord.lease_step("default", [a, b], HQ, [[9], [6]])

@@ -1,5 +1,7 @@
-"""On a CUDA device: a model in another process generating through `kvcache serve` with step
-leases, its later layers handed to the worker through CUDA IPC staging memory and events.
+"""On a CUDA device: a model generating through the service with step leases, every layer
+run in the model's process on the worker's pool: `kvcache serve` in another process (the
+pool mapped through CUDA IPC, the streams ordered by interprocess events), or the service
+embedded in the model's process (the pool's very tensors).
 
 float32 throughout, so the comparison with transformers' own cache is exact in the tokens
 and close in the logits; the run must have sent most layers under leases (not fallen back
@@ -26,6 +28,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from cache_service.client import KVCacheClient  # noqa: E402
+from cache_service.config import (  # noqa: E402
+    LayoutConfig,
+    MetricsConfig,
+    ServerConfig,
+    ServiceConfig,
+    WorkersConfig,
+)
+from cache_service.integrations.embedded import EmbeddedService  # noqa: E402
 from cache_service.integrations.transformers import ServiceModel, SessionConfig  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
@@ -77,7 +87,28 @@ def served_on_cuda() -> Iterator[str]:
             proc.kill()
 
 
-def test_leased_generation_on_a_gpu_equals_transformers() -> None:
+@contextlib.contextmanager
+def embedded_on_cuda() -> Iterator[str]:
+    """The service in this process, its pool on the GPU; yields its address."""
+    config = ServiceConfig(
+        layout=LayoutConfig(
+            num_layers=LAYERS,
+            num_kv_heads=KV_HEADS,
+            head_dim=HIDDEN // Q_HEADS,
+            block_size=16,
+            dtype="float32",
+        ),
+        workers=WorkersConfig(num_workers=1, blocks_per_worker=512, device="cuda", in_process=True),
+        server=ServerConfig(port=0),
+        metrics=MetricsConfig(port=0),
+        log_level="WARNING",
+    )
+    with EmbeddedService(config) as service:
+        yield service.address
+
+
+@pytest.mark.parametrize("where", [served_on_cuda, embedded_on_cuda], ids=["serve", "embedded"])
+def test_leased_generation_on_a_gpu_equals_transformers(where) -> None:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=1024,
@@ -106,7 +137,7 @@ def test_leased_generation_on_a_gpu_equals_transformers() -> None:
     )
     with torch.no_grad():
         ref = own.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), **settings)
-    with served_on_cuda() as address, KVCacheClient(address) as client:
+    with where() as address, KVCacheClient(address) as client:
         served = ServiceModel(model, client)
         with torch.no_grad():
             ours, stats = served.generate(ids, mask, SessionConfig(reuse_prefix=False), **settings)

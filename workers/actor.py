@@ -118,7 +118,7 @@ class PoolWorker:
         # channel's threads.
         self._lock = threading.Lock()
         self._channel: ChannelServer | None = None
-        self._leases = StepLeases(self._pool, self._lock)
+        self._leases = StepLeases(self._pool)
         self._lease_server: LeaseServer | None = None
 
     @property
@@ -210,7 +210,7 @@ class PoolWorker:
         with self._lock:
             if self._lease_server is None:
                 self._lease_server = LeaseServer(
-                    self._leases, self._pool.layout, self._pool.device, self._worker_id
+                    self._pool, self._leases, self._config.backend, self._worker_id
                 )
             return self._lease_server.path
 
@@ -233,10 +233,17 @@ class PoolWorker:
             lambda: self._leases.grant(lease_id, layers, *batch, slot_mapping, num_q_heads),
         )
 
-    def end_lease(self, epoch: str | FencedEpoch, lease_id: bytes) -> LeaseReport:
-        """`StepLeases.end` behind the epoch fence: no more layers on the lease; which
-        layers it wrote (waits for the device to finish them)."""
+    def end_lease(self, epoch: str | FencedEpoch, lease_id: bytes) -> LeaseReport | None:
+        """`StepLeases.end` behind the epoch fence, without waiting: which layers the
+        lease wrote, or None while its client runs it (then :meth:`wait_lease`)."""
         return self._fenced_run(epoch, lambda: self._leases.end(lease_id))
+
+    def wait_lease(
+        self, epoch: str | FencedEpoch, lease_id: bytes, timeout_s: float
+    ) -> LeaseReport:
+        """`StepLeases.wait` behind the epoch fence: end the lease once its client reports
+        (or revoke it after `timeout_s`) and say which layers it wrote."""
+        return self._fenced_run(epoch, lambda: self._leases.wait(lease_id, timeout_s))
 
     def close_channel(self) -> None:
         """Stop the channel (its connections end; callers go back to Ray calls)."""

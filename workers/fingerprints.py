@@ -25,6 +25,7 @@ import torch
 import kernels
 from kernels.reference import fingerprint_rows
 from workers.layout import KVLayout
+from workers.pool_memory import allocate
 
 __all__ = ["BadSlot", "SlotFingerprints"]
 
@@ -56,9 +57,17 @@ class SlotFingerprints:
         layout: the pool's layout.
         num_blocks: blocks in the pool.
         device: the pool's device.
+        sums: the store of another process's pool, mapped into this one
+            (`workers.pool_memory`); None: allocated here, mappable.
     """
 
-    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        device: torch.device,
+        sums: torch.Tensor | None = None,
+    ) -> None:
         self._layout = layout
         self._bs = layout.block_size
         gen = torch.Generator().manual_seed(0x5EED)
@@ -67,11 +76,15 @@ class SlotFingerprints:
         # One spare block past the pool's: skipped (negative) slots of a write land there
         # and are never read, so a write needs no host round trip to filter them out.
         self._spare = num_blocks * layout.block_size
-        self._sums = torch.zeros(
-            ((num_blocks + 1) * layout.block_size, layout.num_layers, 2),
-            dtype=torch.float64,
-            device=device,
-        )
+        shape = ((num_blocks + 1) * layout.block_size, layout.num_layers, 2)
+        if sums is not None and (tuple(sums.shape) != shape or sums.dtype != torch.float64):
+            raise ValueError(f"fingerprint sums must be {shape} float64, got {tuple(sums.shape)}")
+        self._sums = sums if sums is not None else allocate(shape, torch.float64, device)
+
+    @property
+    def sums(self) -> torch.Tensor:
+        """The store ``[(num_blocks + 1) * block_size, L, 2]`` float64 (shared, not a copy)."""
+        return self._sums
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., Hkv, D]`` -> ``[...]`` float64 fingerprints."""

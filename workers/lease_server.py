@@ -1,31 +1,33 @@
-"""The lease socket: a co-located client's per-layer handoff to the worker holding its step.
+"""The lease socket: how a co-located client maps a worker's pool and takes its leases.
 
 A client on this host connects once per session (a Unix ``SOCK_SEQPACKET`` socket in a
-folder only this user can enter) and says how large its layers are. The worker allocates
-that connection's staging buffers on the pool's device (query, key, value, output) and
-hands them over: on CUDA as an IPC memory handle (the client maps the very device memory,
-so no tensor crosses host memory) with an IPC event each way; on CPU as a shared file.
-
-Then each layer is one small message: ``(op, lease id, layer)``. For ``SERVE`` the client
-has put the layer's query, key and value into the staging buffers and (CUDA) recorded its
-event after those copies; the worker makes its stream wait for that event, enqueues the
-write and the attention (`StepLeases.serve`, a CUDA graph replay where the step's shape
-was seen), records its own event and answers at once, without waiting for the device. The
-client's stream waits for the worker's event before it reads the output. ``CHECK`` waits
-for the lease's layers and answers the layers whose inputs were not finite.
+folder only this user can enter). The worker answers with its pool: the layout and how
+to map the pool tensor and its slot fingerprints (`workers.pool_memory`: a CUDA IPC
+handle, or a memory file's descriptor passed with the reply), and on a GPU the pool's
+interprocess event. The client then runs each leased step itself, on the pool's memory,
+with the pool's kernels (`workers.lease_client`): per step one ``OPEN`` (the reply is the
+plan the coordinator granted) and one ``END`` (the layers written and refused; on a GPU
+the worker's stream first waits for the client's event). Nothing crosses the socket per
+layer. A client in the worker's own process (an embedded service) takes the pool's
+tensors from this process instead (`local_pool`).
 
 Wire format (one message per datagram; integers little-endian):
 
-- hello, client -> worker: UTF-8 JSON ``{"version": 1, "rows": R, "tokens": T,
-  "q_heads": H, "cuda_event": hex or null, "pid": the client's process id}``; reply: JSON ``{"ok": true, "device":
-  "cuda" | "cpu", "dtype", "nbytes", "offsets": {name: byte offset}, "shapes": {name:
-  shape}, "path": shared file or null, "memory": hex of the CUDA IPC handle pickle or null,
-  "cuda_event": hex or null}`` or ``{"ok": false, "error": message}``.
-- request: ``<B16sI``: op (1 SERVE, 2 CHECK), lease id, layer.
-- reply: ``<B`` code (0 OK, 1 ENDED: send the layer by call, 2 REFUSED) then a UTF-8
-  message (for CHECK: the refused layers, comma-separated).
-The client's side is `cache_service.client.lease_channel`; `tests/test_step_leases.py`
-checks the two agree.
+- hello, client -> worker: UTF-8 JSON ``{"version": 2, "pid": the client's process id,
+  "cuda_event": hex of its interprocess event or null}``; reply: JSON ``{"ok": true,
+  "layout": {KVLayout fields}, "num_blocks", "pool": exported, "fingerprints": exported or
+  null, "backend", "event": hex of the pool's interprocess event or null, "local": true
+  when the client shares this process}`` (exported: `workers.pool_memory.Exported`, its
+  memory file's descriptors passed with the message, the pool's first) or ``{"ok":
+  false, "error": message}``.
+- OPEN: ``<B16s`` (1, lease id); reply: ``<BI`` code (0 OK, 1 ENDED, 2 REFUSED) and the
+  length of what follows, then the message (OK: `StepPlan.pack`; else UTF-8 text), cut
+  into datagrams of at most `CHUNK` bytes.
+- END: ``<B16sH`` (2, lease id, bytes per bitmask) then two bitmasks of the layers written
+  and refused (bit ``i % 8`` of byte ``i // 8``); reply as OPEN's, with text only.
+
+The client's side is `workers.lease_client`; `tests/test_step_leases.py` checks the two
+agree.
 """
 
 from __future__ import annotations
@@ -38,44 +40,61 @@ import socket
 import struct
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from workers.errors import InvalidWorkerRequest
-from workers.layout import KVLayout
 from workers.owned_files import make_owned_dir, reclaim_orphans, remove_owned_dir
+from workers.pool import KVPool
+from workers.pool_memory import export
 from workers.step_leases import LEASE_ID_BYTES, LeaseEnded, StepLeases
 
-__all__ = ["CHECK", "ENDED", "OK", "REFUSED", "REQUEST", "SERVE", "LeaseServer"]
+__all__ = [
+    "CHUNK",
+    "END",
+    "ENDED",
+    "OK",
+    "OPEN",
+    "REFUSED",
+    "LeaseServer",
+    "local_pool",
+    "register_local_event",
+]
 
 log = logging.getLogger("kvcache.lease_server")
 
-VERSION = 1
+VERSION = 2
 # The socket's folder: "<tmp>/kvcache-lease-<owner>-<random>" (workers.owned_files).
 DIR_PREFIX = "kvcache-lease-"
-SERVE, CHECK = 1, 2
+OPEN, END = 1, 2
 OK, ENDED, REFUSED = 0, 1, 2
-REQUEST = struct.Struct("<B16sI")
-# The most rows or new tokens one connection's staging holds.
-MAX_ROWS = 1 << 16
-_ALIGN = 256
+REQUEST = struct.Struct("<B16s")
+END_HEAD = struct.Struct("<B16sH")
+REPLY = struct.Struct("<BI")
+# The largest datagram of a reply (a big plan goes in several).
+CHUNK = 1 << 16
+
+# Socket path -> (the pool, its leases) of this process's lease servers, and token -> the
+# CUDA event of a client in this process: CUDA IPC opens no handle in the process that
+# made it, so such a client takes these objects directly.
+_LOCAL_POOLS: dict[str, tuple[KVPool, StepLeases]] = {}
+_LOCAL_EVENTS: dict[str, torch.cuda.Event] = {}
 
 
-@dataclass
-class _Staging:
-    """A connection's buffers on the pool's device (views of one allocation)."""
+def local_pool(path: str) -> tuple[KVPool, StepLeases] | None:
+    """The pool and leases served on `path` by this process, if any."""
+    return _LOCAL_POOLS.get(path)
 
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    out: torch.Tensor
-    reply: dict[str, Any]
-    ready: torch.cuda.Event | None  # the client's event: its inputs are in place
-    done: torch.cuda.Event | None  # ours: the output is written
-    path: str | None = None
-    stream: torch.cuda.Stream | None = None  # where this connection's layers run (CUDA)
+
+def register_local_event(token: str, event: torch.cuda.Event | None) -> None:
+    """Make a client's CUDA event known to this process's lease servers under `token`
+    (None: forget it)."""
+    if event is None:
+        _LOCAL_EVENTS.pop(token, None)
+    else:
+        _LOCAL_EVENTS[token] = event
 
 
 class LeaseServer:
@@ -83,17 +102,16 @@ class LeaseServer:
     connection).
 
     Args:
-        leases: the pool's leases.
-        layout: the pool's layout; device: its device.
+        pool: the pool the leases are on (mapped by each client).
+        leases: its leases.
+        backend: the kernels' backend the clients use (the pool's).
         name: part of the socket folder's name (the worker id).
     """
 
-    def __init__(
-        self, leases: StepLeases, layout: KVLayout, device: torch.device, name: str
-    ) -> None:
+    def __init__(self, pool: KVPool, leases: StepLeases, backend: str, name: str) -> None:
+        self._pool = pool
         self._leases = leases
-        self._layout = layout
-        self._device = device
+        self._backend = backend
         reclaim_orphans(tempfile.gettempdir(), DIR_PREFIX)  # folders of killed workers
         self._dir, self._dir_fd = make_owned_dir(None, DIR_PREFIX)
         self.path = os.path.join(self._dir, "lease.sock")
@@ -104,11 +122,14 @@ class LeaseServer:
         self._connections: set[socket.socket] = set()
         self._count = 0
         self._guard = threading.Lock()
+        leases.on_revoke = self._revoke
+        _LOCAL_POOLS[self.path] = (pool, leases)
         threading.Thread(target=self._accept, name=f"lease-accept-{name}", daemon=True).start()
 
     def close(self) -> None:
-        """Stop accepting and end every connection (their staging goes with them)."""
+        """Stop accepting and end every connection."""
         self._closed = True
+        _LOCAL_POOLS.pop(self.path, None)
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
@@ -117,6 +138,14 @@ class LeaseServer:
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
         remove_owned_dir(self._dir, self._dir_fd)
+
+    def _revoke(self, connection: object) -> None:
+        """A lease of `connection` was revoked: end the connection (its client's next
+        request fails; it must not write the lease's slots any more)."""
+        log.warning("a step lease was not reported in time: closing its client's connection")
+        if isinstance(connection, socket.socket):
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
 
     def _accept(self) -> None:
         while not self._closed:
@@ -133,159 +162,126 @@ class LeaseServer:
             ).start()
 
     def _serve_connection(self, conn: socket.socket, number: int) -> None:
-        staging = None
-        if self._device.type == "cuda":
-            torch.cuda.set_device(self._device)  # this thread's kernels and events
+        device = self._pool.device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # this thread's events
         try:
             hello = conn.recv(1 << 16)
             if not hello:
                 return
             try:
-                staging = self._staging(json.loads(hello), number)
+                reply, fds, client_event = self._hello(json.loads(hello))
             except (InvalidWorkerRequest, ValueError, TypeError, KeyError) as exc:
                 conn.send(json.dumps({"ok": False, "error": str(exc)}).encode())
                 return
-            conn.send(json.dumps(staging.reply).encode())
+            socket.send_fds(conn, [json.dumps(reply).encode()], fds)
             while True:
-                message = conn.recv(64)
+                message = conn.recv(CHUNK)
                 if not message:
                     return
-                conn.send(self._answer(message, staging))
+                code, body = self._answer(message, conn, client_event)
+                _send_reply(conn, code, body)
         except OSError:
             return
         except Exception:  # a bug must end this connection, not the worker
             log.exception("lease connection %d failed", number)
         finally:
+            self._leases.disconnected(conn)
             with self._guard:
                 self._connections.discard(conn)
             conn.close()
-            if staging is not None and staging.path is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(staging.path)
 
-    def _answer(self, message: bytes, staging: _Staging) -> bytes:
-        """The reply to one request."""
-        if len(message) != REQUEST.size:
-            return _reply(REFUSED, f"a request is {REQUEST.size} bytes, got {len(message)}")
-        op, lease_id, layer = REQUEST.unpack(message)
+    def _answer(
+        self, message: bytes, conn: socket.socket, client_event: torch.cuda.Event | None
+    ) -> tuple[int, bytes]:
+        """The reply (code, body) to one request."""
         try:
-            if op == CHECK:
-                refused = self._leases.refused(lease_id)
-                if refused:
-                    layers = ",".join(str(x) for x in refused)
-                    return _reply(REFUSED, f"non-finite inputs on layers {layers}")
-                return _OK
-            if op != SERVE:
-                return _reply(REFUSED, f"unknown op {op}")
-            if staging.stream is not None:
-                staging.stream.wait_event(staging.ready)
-            self._leases.serve(lease_id, layer, staging)
-            if staging.stream is not None:
-                staging.done.record(staging.stream)
-            return _OK
+            if message[:1] == bytes([OPEN]) and len(message) == REQUEST.size:
+                _, lease_id = REQUEST.unpack(message)
+                return OK, self._leases.open(lease_id, conn)
+            if message[:1] == bytes([END]) and len(message) >= END_HEAD.size:
+                _, lease_id, width = END_HEAD.unpack_from(message)
+                masks = message[END_HEAD.size :]
+                if len(masks) != 2 * width:
+                    raise InvalidWorkerRequest(f"END carries two bitmasks of {width} bytes")
+                if client_event is not None:
+                    # Whatever this worker does with the step's blocks next comes after
+                    # the client's writes.
+                    torch.cuda.current_stream(self._pool.device).wait_event(client_event)
+                self._leases.report(lease_id, conn, _layers(masks[:width]), _layers(masks[width:]))
+                return OK, b""
+            raise InvalidWorkerRequest(
+                f"a request is OPEN ({REQUEST.size} bytes) or END; got {len(message)} bytes "
+                f"starting {message[:1].hex()}"
+            )
         except LeaseEnded as exc:
-            return _reply(ENDED, str(exc))
+            return ENDED, str(exc).encode()
         except InvalidWorkerRequest as exc:
-            return _reply(REFUSED, str(exc))
+            return REFUSED, str(exc).encode()
 
-    def _staging(self, hello: dict[str, Any], number: int) -> _Staging:
-        """A connection's buffers, sized by its hello."""
+    def _hello(
+        self, hello: dict[str, Any]
+    ) -> tuple[dict[str, Any], list[int], torch.cuda.Event | None]:
+        """The reply to a client's hello, the descriptors to send with it, and the
+        client's CUDA event."""
         if hello.get("version") != VERSION:
             raise InvalidWorkerRequest(f"lease protocol version {VERSION} only")
-        rows, tokens, heads = (hello[k] for k in ("rows", "tokens", "q_heads"))
-        lay = self._layout
-        if not all(type(x) is int and 0 < x <= MAX_ROWS for x in (rows, tokens)):
-            raise InvalidWorkerRequest(f"rows and tokens must be ints in [1, {MAX_ROWS}]")
-        if type(heads) is not int or heads < 1 or heads % lay.num_kv_heads:
-            raise InvalidWorkerRequest(
-                f"q_heads must be a positive multiple of {lay.num_kv_heads}, got {heads!r}"
-            )
-        dtype = lay.torch_dtype()
-        shapes = {
-            "query": (rows, heads, lay.head_dim),
-            "key": (tokens, lay.num_kv_heads, lay.head_dim),
-            "value": (tokens, lay.num_kv_heads, lay.head_dim),
-            "out": (rows, heads, lay.head_dim),
-        }
-        offsets, nbytes = {}, 0
-        for name, shape in shapes.items():
-            offsets[name] = nbytes
-            size = dtype.itemsize * shape[0] * shape[1] * shape[2]
-            nbytes += -(-size // _ALIGN) * _ALIGN
+        pool, device = self._pool, self._pool.device
+        local = hello.get("pid") == os.getpid()
         reply: dict[str, Any] = {
             "ok": True,
-            "device": self._device.type,
-            "dtype": str(dtype).removeprefix("torch."),
-            "nbytes": nbytes,
-            "offsets": offsets,
-            "shapes": shapes,
-            "path": None,
-            "memory": None,
-            "cuda_event": None,
+            "layout": asdict(pool.layout),
+            "num_blocks": pool.num_blocks,
+            "backend": self._backend,
+            "pool": None,
+            "fingerprints": None,
+            "event": None,
+            "local": local,
         }
-        ready = done = None
-        path = None
-        if self._device.type == "cuda":
-            if hello.get("pid") == os.getpid():
-                # CUDA IPC maps another process's memory only: a client in this process
-                # (an embedded service) makes its calls instead.
-                raise InvalidWorkerRequest(
-                    "the client runs in the worker's process: CUDA IPC cannot map memory "
-                    "into its own process; send the layers by call"
-                )
-            flat = torch.zeros(nbytes, dtype=torch.uint8, device=self._device)
-            reply["memory"] = _cuda_handle(flat).hex()
+        fds: list[int] = []
+        client_event = None
+        if device.type == "cuda":
             event = hello.get("cuda_event")
             if not isinstance(event, str):
                 raise InvalidWorkerRequest("a CUDA pool's lease connection needs cuda_event")
-            ready = torch.cuda.Event.from_ipc_handle(self._device, bytes.fromhex(event))
-            done = torch.cuda.Event(interprocess=True)
-            reply["cuda_event"] = done.ipc_handle().hex()
-        else:
-            path = os.path.join(self._dir, f"stage-{number}")
-            with open(path, "wb") as f:
-                f.truncate(nbytes)
-            flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-            reply["path"] = path
-        views = {
-            name: flat[offsets[name] : offsets[name] + dtype.itemsize * _numel(shape)]
-            .view(dtype)
-            .view(shape)
-            for name, shape in shapes.items()
-        }
-        stream = torch.cuda.current_stream(self._device) if ready is not None else None
-        return _Staging(
-            views["query"],
-            views["key"],
-            views["value"],
-            views["out"],
-            reply,
-            ready,
-            done,
-            path,
-            stream,
-        )
+            if local:
+                client_event = _LOCAL_EVENTS.get(event)
+                if client_event is None:
+                    raise InvalidWorkerRequest("no CUDA event of this process under that token")
+            else:
+                client_event = torch.cuda.Event.from_ipc_handle(device, bytes.fromhex(event))
+                assert self._leases.event is not None
+                reply["event"] = self._leases.event.ipc_handle().hex()
+        if not local:
+            exported, fds = export(pool.data)
+            reply["pool"] = exported.as_json()
+            sums = pool.fingerprint_sums
+            if sums is not None:
+                exported, more = export(sums)
+                reply["fingerprints"] = exported.as_json()
+                fds += more
+        return reply, fds, client_event
 
 
-def _numel(shape: tuple[int, int, int]) -> int:
-    return shape[0] * shape[1] * shape[2]
+def _layers(mask: bytes) -> list[int]:
+    """The layers whose bits are set in `mask`."""
+    return [i for i in range(len(mask) * 8) if mask[i // 8] >> (i % 8) & 1]
 
 
-def _reply(code: int, message: str = "") -> bytes:
-    return bytes([code]) + message.encode()
+def layer_mask(layers: list[int] | tuple[int, ...], width: int) -> bytes:
+    """`width` bytes with the bits of `layers` set (the inverse of `_layers`)."""
+    mask = bytearray(width)
+    for i in layers:
+        mask[i // 8] |= 1 << (i % 8)
+    return bytes(mask)
 
 
-_OK = _reply(OK)
+def _send_reply(conn: socket.socket, code: int, body: bytes) -> None:
+    """A reply: its head and body, cut into datagrams of at most CHUNK bytes."""
+    first = REPLY.pack(code, len(body)) + body[: CHUNK - REPLY.size]
+    conn.send(first)
+    for start in range(CHUNK - REPLY.size, len(body), CHUNK):
+        conn.send(body[start : start + CHUNK])
 
 
-def _cuda_handle(flat: torch.Tensor) -> bytes:
-    """The pickle a client's `torch.multiprocessing` unpickles into the same device memory
-    (torch's CUDA IPC reduction: a memory handle, the allocation's offset and size)."""
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401  (registers the CUDA tensor reduction)
-
-    return bytes(ForkingPickler.dumps(flat))
-
-
-assert REQUEST.size == 1 + LEASE_ID_BYTES + 4
+assert REQUEST.size == 1 + LEASE_ID_BYTES

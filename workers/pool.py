@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -41,6 +42,7 @@ from workers.layout import KVLayout
 from workers.metadata_cache import CachedMetadata, MetadataCache
 from workers.pages import check_page_count, layer_vector, page_caches, page_tables, to_pages
 from workers.parts import check_out_parts, joined, on_host, stand_in
+from workers.pool_memory import allocate
 from workers.reference_check import ReferenceInputs, reference_attention
 from workers.round import Round
 from workers.sizing import free_device_bytes, resolve_device, resolve_num_blocks
@@ -50,6 +52,7 @@ __all__ = [
     "AttendResult",
     "IndexLike",
     "KVPool",
+    "MappedPool",
     "PartsResult",
     "ReferenceInputs",
     "Round",
@@ -59,6 +62,20 @@ __all__ = [
 IndexLike = torch.Tensor | Sequence[int]
 _T = TypeVar("_T")
 _DEFAULT_OPTIONS = AttendOptions()
+
+
+@dataclass(frozen=True)
+class MappedPool:
+    """Another process's pool memory, mapped into this one (`workers.pool_memory`).
+
+    Attributes:
+        data: the pool tensor ``[num_blocks, L, 2, Hkv, block_size, D]``.
+        fingerprint_sums: the pool's slot fingerprints (`SlotFingerprints.sums`), or None
+            when the pool keeps none.
+    """
+
+    data: torch.Tensor
+    fingerprint_sums: torch.Tensor | None = None
 
 
 class KVPool:
@@ -75,6 +92,10 @@ class KVPool:
         cuda_graphs: on CUDA with Triton kernels, replay the repeated per-layer calls of
             decode steps as CUDA graphs (:mod:`workers.decode_graphs`).
         host_blocks: blocks of a host tier for this pool (:mod:`workers.host_tier`); 0: none.
+        mapped: the pool's memory made by another process and mapped into this one
+            (`workers.lease_client`: a co-located client runs a leased step on the worker's
+            pool); `num_blocks` must be its first dimension. None: allocated here, in
+            memory another process can map (`workers.pool_memory`).
 
     Raises:
         PoolAllocationError: the size is malformed or does not fit on the device.
@@ -91,6 +112,7 @@ class KVPool:
         fingerprints: bool = False,
         cuda_graphs: bool = True,
         host_blocks: int = 0,
+        mapped: MappedPool | None = None,
     ) -> None:
         # PoolConfig validates the size and the backend; keep one set of rules.
         config = PoolConfig(layout, num_blocks=num_blocks, debug=debug, backend=backend)
@@ -100,18 +122,29 @@ class KVPool:
         self._debug = debug
         self._backend = backend
         shape = (self._num_blocks, *layout.block_shape)
-        fill = math.nan if debug else 0.0
-        try:
-            # Zeros rather than empty(): recycled device memory may hold NaNs that a masked
-            # but multiplied-by-zero lane would spread.
-            self._data = torch.full(shape, fill, dtype=layout.torch_dtype(), device=self._device)
-        except torch.OutOfMemoryError as exc:
-            raise PoolAllocationError(
-                f"allocating {self._num_blocks} blocks ({self._num_blocks * layout.bytes_per_block}"
-                f" bytes) on {self._device} failed: {exc}"
-            ) from None
+        if mapped is not None:
+            self._data = mapped.data
+            if tuple(mapped.data.shape) != shape or mapped.data.dtype != layout.torch_dtype():
+                raise PoolAllocationError(
+                    f"a mapped pool of {tuple(mapped.data.shape)} {mapped.data.dtype} is not "
+                    f"{shape} {layout.torch_dtype()}"
+                )
+        else:
+            fill = math.nan if debug else 0.0
+            try:
+                # Zeros rather than empty(): recycled device memory may hold NaNs that a
+                # masked but multiplied-by-zero lane would spread.
+                self._data = allocate(shape, layout.torch_dtype(), self._device, fill)
+            except (torch.OutOfMemoryError, OSError) as exc:
+                raise PoolAllocationError(
+                    f"allocating {self._num_blocks} blocks ({self._num_blocks * layout.bytes_per_block}"
+                    f" bytes) on {self._device} failed: {exc}"
+                ) from None
+        sums = mapped.fingerprint_sums if mapped is not None else None
         self._fingerprints = (
-            SlotFingerprints(layout, self._num_blocks, self._device) if fingerprints else None
+            SlotFingerprints(layout, self._num_blocks, self._device, sums)
+            if fingerprints or sums is not None
+            else None
         )
         self._host_tier = (
             HostTier(layout, host_blocks, self._device)
@@ -190,6 +223,11 @@ class KVPool:
     def data(self) -> torch.Tensor:
         """The pool tensor ``[num_blocks, L, 2, Hkv, block_size, D]`` (shared, not a copy)."""
         return self._data
+
+    @property
+    def fingerprint_sums(self) -> torch.Tensor | None:
+        """The slot fingerprints' store (`SlotFingerprints.sums`), or None: none kept."""
+        return self._fingerprints.sums if self._fingerprints is not None else None
 
     def key_cache(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s K view ``[num_blocks, Hkv, block_size, D]``."""

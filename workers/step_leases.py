@@ -1,40 +1,51 @@
-"""Step leases: the layers of a planned step, served to a co-located client directly.
+"""Step leases: a planned step that a co-located client runs on the worker's pool itself.
 
-A model's decode step sends every layer the same sequences, tokens and slots; the
-coordinator plans the step once, and a *lease* lets the client send the step's layers
-straight to this worker (`workers.lease_server`), without the coordinator on
-the per-layer path. The coordinator grants a lease with the step's validated metadata and
-the layers it may write, holds the step's sequences meanwhile, and ends it: the worker then
-reports which layers it wrote, and the coordinator commits exactly those.
+A model's step sends every layer the same sequences, tokens and slots; the coordinator
+plans the step once and *grants* a lease on it: the step's validated metadata (block
+tables, lengths, query offsets, the new tokens' slots) and the layers it may write. The
+client, on this host, has mapped the pool (`workers.lease_server`, `workers.pool_memory`):
+it *opens* the lease, receives the plan, runs the step's layers with the pool's own
+kernels in its process (`KVPool.run_step_layer` on its view of the pool), and *reports*
+which layers it wrote and which it refused (inputs not all finite: nothing written). When
+the coordinator *ends* the lease, it commits exactly the reported layers.
 
-What a lease can do is what the coordinator planned: write the step's slots and attend
-over the step's block tables, each allowed layer at most once. A layer whose inputs are
-not all finite writes nothing (the write is masked on the device, no wait for the host);
-the client learns it from :meth:`StepLeases.refused` at the end of its step, and the
-coordinator from :meth:`StepLeases.end`.
+Between the open and the report the client writes the step's slots, so an opened lease
+ends only once it is reported, once its connection closes (the client is gone), or, after
+`wait`'s bound, by *revoking* it: its connection is closed and nothing counts as written.
+A lease ended before it was opened is simply gone: the client's open answers ENDED and
+its layers go as calls.
+
+Ordering on a GPU: the grant records the pool's event on the worker's stream (the
+step's copy-on-write copies and earlier writes are before it) and the client's stream
+waits for it before the step's first layer; the report arrives after the worker's stream
+was made to wait for the client's event, so whatever the worker does with those blocks
+afterwards comes after the client's writes.
 """
 
 from __future__ import annotations
 
+import struct
 import threading
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from workers.checks import check_attend, check_write
 from workers.errors import InvalidWorkerRequest
-from workers.metadata_cache import CachedMetadata
 from workers.pool import IndexLike, KVPool
 
-__all__ = ["LEASE_ID_BYTES", "LeaseEnded", "LeaseReport", "StepBuffers", "StepLeases"]
+__all__ = ["LEASE_ID_BYTES", "LeaseEnded", "LeaseReport", "StepLeases", "StepPlan"]
 
 LEASE_ID_BYTES = 16
+# The plan's header: sequences, block-table width, new tokens, query heads, layers.
+_HEADER = struct.Struct("<5I")
 
 
 class LeaseEnded(InvalidWorkerRequest):
     """The lease is unknown or ended (the coordinator took the step back): nothing was
-    written; the client sends the layer through the coordinator instead."""
+    written; the client sends the step's layers by call instead."""
 
 
 @dataclass(frozen=True)
@@ -43,60 +54,101 @@ class LeaseReport:
 
     Attributes:
         written: layers whose K/V the lease wrote, ascending.
-        refused: layers served but refused for a NaN or infinite input (nothing written).
+        refused: layers run but refused for a NaN or infinite input (nothing written).
     """
 
     written: tuple[int, ...]
     refused: tuple[int, ...]
 
 
-class StepBuffers(Protocol):
-    """Where a connection's client puts a layer's inputs and finds its output: tensors on
-    the pool's device in its dtype, made by the lease server (`workers.lease_server`).
+@dataclass(frozen=True)
+class StepPlan:
+    """A granted step as the client runs it (host tensors, validated by the worker).
 
     Attributes:
-        key, value: ``[tokens, Hkv, D]``; query, out: ``[rows, Hq, D]`` (a step uses their
-            leading rows).
+        block_tables: int32 ``[S, max_blocks]``; seq_lens: int32 ``[S]``;
+            query_start_loc: int32 ``[S + 1]`` (as `KVPool.step_metadata` takes them).
+        slot_mapping: int64 ``[n]``: the new tokens' flat slots, none negative.
+        num_q_heads: query heads of the step's layers.
+        layers: the layers the lease may write, ascending.
     """
 
-    key: torch.Tensor
-    value: torch.Tensor
-    query: torch.Tensor
-    out: torch.Tensor
-
-
-@dataclass
-class _Lease:
-    step: CachedMetadata
-    layers: frozenset[int]
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    slot_mapping: torch.Tensor
     num_q_heads: int
-    num_tokens: int
-    # layer -> its finite flag on the device (None: nothing to write), in serving order.
-    served: dict[int, torch.Tensor | None] = field(default_factory=dict)
-    # The buffers last served from and the step's views of them (key, value, query, out),
-    # checked once: a lease's layers come from one connection.
-    buffers: StepBuffers | None = None
-    views: tuple[torch.Tensor, ...] = ()
-    # (layers served when last checked, those refused): an end after the client's check
-    # reports without waiting for the device again.
-    checked: tuple[int, list[int]] = (-1, [])
+    layers: tuple[int, ...]
+
+    def pack(self) -> bytes:
+        """The plan as bytes (little-endian: the header, then the int32 tables, lengths
+        and offsets, the int64 slots, the int32 layers)."""
+        s, width = self.block_tables.shape
+        head = _HEADER.pack(s, width, self.slot_mapping.numel(), self.num_q_heads, len(self.layers))
+        parts = [
+            self.block_tables.to(torch.int32),
+            self.seq_lens.to(torch.int32),
+            self.query_start_loc.to(torch.int32),
+            self.slot_mapping.to(torch.int64),
+            torch.tensor(self.layers, dtype=torch.int32),
+        ]
+        return head + b"".join(p.contiguous().numpy().tobytes() for p in parts)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> StepPlan:
+        """The plan :meth:`pack` wrote.
+
+        Raises:
+            ValueError: bytes of another length than the header says.
+        """
+        s, width, n, heads, count = _HEADER.unpack_from(data)
+        sizes = [s * width * 4, s * 4, (s + 1) * 4, n * 8, count * 4]
+        if len(data) != _HEADER.size + sum(sizes):
+            raise ValueError(
+                f"a step plan of {len(data)} bytes, expected {_HEADER.size + sum(sizes)}"
+            )
+        buf = bytearray(data)  # writable: the tensors below are views of it
+        offset = _HEADER.size
+        out = []
+        for size, dtype in zip(sizes, (torch.int32,) * 3 + (torch.int64, torch.int32), strict=True):
+            out.append(
+                torch.frombuffer(buf, dtype=dtype, count=size // dtype.itemsize, offset=offset)
+                if size
+                else torch.empty(0, dtype=dtype)
+            )
+            offset += size
+        tables, lens, starts, slots, layers = out
+        return cls(tables.view(s, width), lens, starts, slots, heads, tuple(layers.tolist()))
+
+
+@dataclass(eq=False)
+class _Lease:
+    plan: StepPlan
+    packed: bytes
+    # The connection that opened it (None: not opened) and what it reported.
+    opened_by: object | None = None
+    report: LeaseReport | None = None
 
 
 class StepLeases:
     """The leases of one pool. Thread-safe: grants and ends come from the coordinator's
-    calls, layers from the lease server's threads; every pool operation holds `lock`.
+    calls, opens and reports from the lease server's connection threads.
 
     Args:
-        pool: the pool the leases write.
-        lock: the lock every call on `pool` holds.
+        pool: the pool the leases are on.
         capacity: leases held at once (a grant beyond it is refused).
     """
 
-    def __init__(self, pool: KVPool, lock: threading.Lock, capacity: int = 1024) -> None:
+    def __init__(self, pool: KVPool, capacity: int = 1024) -> None:
         self._pool = pool
-        self._lock = lock
         self._capacity = capacity
         self._leases: dict[bytes, _Lease] = {}
+        self._changed = threading.Condition()
+        # Called with a connection whose lease is revoked (the lease server closes it).
+        self.on_revoke: Callable[[object], None] | None = None
+        # Recorded on the worker's stream at each grant: a client's stream waits for it
+        # before a step's first layer (CUDA pools only).
+        self.event = torch.cuda.Event(interprocess=True) if pool.device.type == "cuda" else None
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -111,7 +163,7 @@ class StepLeases:
         slot_mapping: Sequence[int],
         num_q_heads: int,
     ) -> None:
-        """Register a lease on a planned step. The caller holds the pool's lock.
+        """Register a lease on a planned step, validated as a round's metadata is.
 
         Args:
             lease_id: `LEASE_ID_BYTES` random bytes.
@@ -125,104 +177,131 @@ class StepLeases:
         """
         if type(lease_id) is not bytes or len(lease_id) != LEASE_ID_BYTES:
             raise InvalidWorkerRequest(f"a lease id is {LEASE_ID_BYTES} bytes")
-        if lease_id in self._leases:
-            raise InvalidWorkerRequest("that lease id is in use")
-        if len(self._leases) >= self._capacity:
-            raise InvalidWorkerRequest(f"this worker holds {self._capacity} leases already")
-        num_layers = self._pool.layout.num_layers
-        allowed = frozenset(layers)
-        if not allowed or any(type(x) is not int or not 0 <= x < num_layers for x in allowed):
-            raise InvalidWorkerRequest(f"a lease's layers must be ints in [0, {num_layers})")
-        step = self._pool.step_metadata(
-            block_tables, seq_lens, query_start_loc, slot_mapping, num_q_heads
+        lay = self._pool.layout
+        allowed = sorted(set(layers))
+        if not allowed or any(type(x) is not int or not 0 <= x < lay.num_layers for x in allowed):
+            raise InvalidWorkerRequest(f"a lease's layers must be ints in [0, {lay.num_layers})")
+        if type(num_q_heads) is not int or num_q_heads < 1 or num_q_heads % lay.num_kv_heads:
+            raise InvalidWorkerRequest(
+                f"num_q_heads must be a positive multiple of {lay.num_kv_heads}, got {num_q_heads!r}"
+            )
+        starts = torch.as_tensor(query_start_loc)
+        if starts.ndim != 1 or starts.numel() < 2 or not 0 < int(starts[-1]) <= 1 << 20:
+            raise InvalidWorkerRequest(
+                f"query_start_loc must be [S + 1] ending in 1 to 2**20 rows, got {starts.tolist()[:8]}"
+            )
+        if any(type(s) is not int or s < 0 for s in slot_mapping):
+            raise InvalidWorkerRequest("a leased step's slots must be non-negative ints")
+        dtype, blocks = lay.torch_dtype(), self._pool.num_blocks
+        new_kv = torch.empty((len(slot_mapping), lay.num_kv_heads, lay.head_dim), dtype=dtype)
+        query = torch.empty((int(starts[-1]), num_q_heads, lay.head_dim), dtype=dtype)
+        slots = check_write(lay, blocks, 0, slot_mapping, new_kv, new_kv)
+        tables, lens, starts = check_attend(lay, blocks, 0, query, block_tables, seq_lens, starts)
+        plan = StepPlan(
+            torch.as_tensor(tables).to(torch.int32).cpu(),
+            torch.as_tensor(lens).to(torch.int32).cpu(),
+            torch.as_tensor(starts).to(torch.int32).cpu(),
+            torch.as_tensor(slots).to(torch.int64).cpu(),
+            num_q_heads,
+            tuple(allowed),
         )
-        self._leases[lease_id] = _Lease(step, allowed, num_q_heads, len(slot_mapping))
+        with self._changed:
+            if lease_id in self._leases:
+                raise InvalidWorkerRequest("that lease id is in use")
+            if len(self._leases) >= self._capacity:
+                raise InvalidWorkerRequest(f"this worker holds {self._capacity} leases already")
+            self._leases[lease_id] = _Lease(plan, plan.pack())
+        if self.event is not None:
+            self.event.record(torch.cuda.current_stream(self._pool.device))
 
-    def serve(self, lease_id: bytes, layer: int, buffers: StepBuffers) -> None:
-        """Write and attend one layer of the lease's step (`KVPool.run_step_layer`) from
-        and into `buffers`, enqueued on the current stream.
+    def open(self, lease_id: bytes, connection: object) -> bytes:
+        """Open a granted lease for `connection`: its packed plan (`StepPlan.pack`).
 
         Raises:
             LeaseEnded: no such lease (ended, or never granted).
-            InvalidWorkerRequest: a layer the lease does not allow or already served, or
-                buffers too small or of other heads for the step; nothing written.
+            InvalidWorkerRequest: the lease is open already.
         """
-        with self._lock:
+        with self._changed:
             lease = self._get(lease_id)
-            if lease.buffers is not buffers:
-                lease.views = self._views(lease, buffers)
-                lease.buffers = buffers
-            if layer not in lease.layers:
-                raise InvalidWorkerRequest(f"the lease does not cover layer {layer}")
-            if layer in lease.served:
-                raise InvalidWorkerRequest(f"layer {layer} was already written under this lease")
-            lease.served[layer] = self._pool.run_step_layer(lease.step, layer, *lease.views)
+            if lease.opened_by is not None:
+                raise InvalidWorkerRequest("the lease is open already")
+            lease.opened_by = connection
+            return lease.packed
 
-    def refused(self, lease_id: bytes) -> list[int]:
-        """The lease's layers served so far whose inputs were not all finite (nothing
-        written for them); waits for the device to finish them.
+    def report(
+        self, lease_id: bytes, connection: object, written: Iterable[int], refused: Iterable[int]
+    ) -> None:
+        """What the client did under a lease it opened: the layers it wrote and those it
+        refused; the lease counts as done (no more layers).
 
         Raises:
-            LeaseEnded: no such lease.
+            LeaseEnded: no such lease. InvalidWorkerRequest: not opened by `connection`,
+            reported already, or layers outside the lease or in both sets.
         """
-        with self._lock:
+        done, bad = sorted(set(written)), sorted(set(refused))
+        with self._changed:
             lease = self._get(lease_id)
-            served = list(lease.served.items())
-        refused = _refused(served)
-        lease.checked = (len(served), refused)
-        return refused
+            if lease.opened_by is not connection:
+                raise InvalidWorkerRequest("the lease was not opened on this connection")
+            if lease.report is not None:
+                raise InvalidWorkerRequest("the lease was reported already")
+            allowed = set(lease.plan.layers)
+            if not allowed.issuperset(done + bad) or set(done) & set(bad):
+                raise InvalidWorkerRequest(
+                    f"a report names layers the lease does not cover or twice: written "
+                    f"{done}, refused {bad}, the lease's {sorted(allowed)}"
+                )
+            lease.report = LeaseReport(tuple(done), tuple(bad))
+            self._changed.notify_all()
 
-    def end(self, lease_id: bytes) -> LeaseReport:
-        """End a lease (later layers on it raise LeaseEnded) and report what it wrote;
-        waits for the device to finish its layers unless the client's last check
-        (:meth:`refused`) saw them all. An unknown id reports nothing written.
-        """
-        with self._lock:
-            lease = self._leases.pop(lease_id, None)
-        if lease is None:
-            return LeaseReport((), ())
-        served = list(lease.served.items())
-        count, refused = lease.checked
-        if count != len(served):
-            refused = _refused(served)
-        written = tuple(sorted(layer for layer, _ in served if layer not in refused))
-        return LeaseReport(written, tuple(sorted(refused)))
+    def end(self, lease_id: bytes) -> LeaseReport | None:
+        """End a lease without waiting: what it wrote, or None while it is open and not
+        yet reported (then :meth:`wait`). An unknown id reports nothing written."""
+        with self._changed:
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                return LeaseReport((), ())
+            if lease.opened_by is not None and lease.report is None:
+                return None
+            del self._leases[lease_id]
+            return lease.report or LeaseReport((), ())
 
-    def _views(self, lease: _Lease, buffers: StepBuffers) -> tuple[torch.Tensor, ...]:
-        """The step's leading rows of `buffers` (key, value, query, out), checked to fit."""
-        rows, tokens, heads = lease.step.num_rows, lease.num_tokens, lease.num_q_heads
-        if rows > buffers.query.shape[0] or tokens > buffers.key.shape[0]:
-            raise InvalidWorkerRequest(
-                f"the lease's step has {rows} query rows and {tokens} new tokens; this "
-                f"connection stages {buffers.query.shape[0]} and {buffers.key.shape[0]}"
-            )
-        if heads != buffers.query.shape[1]:
-            raise InvalidWorkerRequest(
-                f"the lease's step has {heads} query heads, the connection {buffers.query.shape[1]}"
-            )
-        return (
-            buffers.key[:tokens],
-            buffers.value[:tokens],
-            buffers.query[:rows],
-            buffers.out[:rows],
-        )
+    def wait(self, lease_id: bytes, timeout_s: float) -> LeaseReport:
+        """End a lease, waiting up to `timeout_s` for its client's report; past that the
+        lease is revoked: its connection is closed and nothing counts as written."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                report = self.end(lease_id)
+                left = deadline - time.monotonic()
+                if report is not None or left <= 0:
+                    break
+                self._changed.wait(left)
+            if report is not None:
+                return report
+            lease = self._leases.pop(lease_id)
+        if self.on_revoke is not None:
+            self.on_revoke(lease.opened_by)
+        return LeaseReport((), ())
+
+    def disconnected(self, connection: object) -> None:
+        """`connection` closed: its open leases that never reported count as writing
+        nothing (whatever their client wrote lies beyond what the coordinator commits)."""
+        with self._changed:
+            for lease in self._leases.values():
+                if lease.opened_by is connection and lease.report is None:
+                    lease.report = LeaseReport((), ())
+            self._changed.notify_all()
 
     def clear(self) -> None:
         """End every lease without a report (a newer coordinator claimed the pool: the old
-        grants mean nothing). The caller holds the pool's lock."""
-        self._leases.clear()
+        grants mean nothing)."""
+        with self._changed:
+            self._leases.clear()
+            self._changed.notify_all()
 
     def _get(self, lease_id: bytes) -> _Lease:
         lease = self._leases.get(lease_id)
         if lease is None:
-            raise LeaseEnded("the lease ended (or was never granted): send the layer by call")
+            raise LeaseEnded("the lease ended (or was never granted): send the layers by call")
         return lease
-
-
-def _refused(served: list[tuple[int, torch.Tensor | None]]) -> list[int]:
-    """The layers whose finite flag says False (one wait for all of them)."""
-    flags = [(layer, f) for layer, f in served if f is not None]
-    if not flags:
-        return []
-    values = torch.stack([f for _, f in flags]).cpu().tolist()
-    return [layer for (layer, _), ok in zip(flags, values, strict=True) if not ok]

@@ -141,7 +141,7 @@ class BatchPath(CallPolicy):
         timeout_s: float | None = None,
     ) -> pb.StepLeaseResponse | None:
         """A step lease: the step's layers may then go straight to the worker
-        (`lease_channel.LeaseChannel`); see StepLeaseRequest in the proto. Only over a
+        (`workers.lease_client.LeaseClient`); see StepLeaseRequest in the proto. Only over a
         local session (a client on the server's host).
 
         Args:

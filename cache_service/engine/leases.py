@@ -1,17 +1,19 @@
-"""Step leases, the coordinator's side: a planned step's other layers handed to the client.
+"""Step leases, the coordinator's side: a planned step handed to a co-located client.
 
-A co-located client's decode step goes through the coordinator once: the coordinator plans
-it (`steps.Step`), either for the new token ids the client names (`Coordinator.lease_step`
+A co-located client's step goes through the coordinator once: the coordinator plans it
+(`steps.Step`), either for the new token ids the client names (`Coordinator.lease_step`
 reserves their positions, as a first layer's call would) or as the batch's last
-append-and-attend planned it (`Leases.grant`). It takes the step's sequences' locks, asks
-the worker to serve the step's unwritten layers under a fresh random id
-(`workers.step_leases`), and answers with the id and the worker's lease socket. The client sends those layers to the
-worker directly (`cache_service.client.lease_channel`), without this process.
+append-and-attend planned it (`Leases.grant`). It takes the step's sequences' locks,
+grants the worker's lease on the step's unwritten layers under a fresh random id
+(`workers.step_leases`), and answers with the id and the worker's lease socket. The
+client, which has mapped the worker's pool, runs those layers itself
+(`workers.lease_client`), without this process.
 
 The lease keeps the sequences' locks until it ends, so nothing else reads or changes them
 meanwhile. It ends when anyone waits for one of its sequences (the client's next call
 included: `SequenceLocks.on_contended`), at its timeout, or when the coordinator closes.
-Ending asks the worker which layers the lease wrote, commits exactly those
+Ending asks the worker which layers the client reported writing (a lease its client is
+running is waited for, up to the timeout again, then revoked), commits exactly those
 (`BlockManager.commit_repeated_layers`: each as the coordinator's own repeated layers
 commit, all in one go), then gives the locks back. A layer the lease did not write stays
 unwritten: the client sends it by call, or its next step's calls find the sequence short
@@ -85,7 +87,8 @@ class Leases:
         steps: the recorded steps.
         clients, epochs: worker id -> client / epoch of every registered worker (the
             coordinator's dicts).
-        timeout_s: the longest a lease lives.
+        timeout_s: the longest a lease lives before it is recalled; a lease its client is
+            running when recalled is waited for this long again, then revoked.
         cancel_writes: releases positions reserved and never written (tenant, sequence ids).
     """
 
@@ -192,6 +195,10 @@ class Leases:
         written: tuple[int, ...] = ()
         try:
             report = await lease.client.end_lease(lease.epoch, lease.lease_id)
+            if report is None:
+                # Its client runs the step: the report comes at the forward's end (a
+                # thread of the worker waits; this loop does not).
+                report = await lease.client.wait_lease(lease.epoch, lease.lease_id, self._timeout_s)
             written = report.written
             if written:
                 # In one call: with a write-ahead log, one commit (one fsync) for them all.

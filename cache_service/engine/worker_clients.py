@@ -216,8 +216,11 @@ class _WorkerClientBase:
         step = (block_tables, seq_lens, query_start_loc, slot_mapping, num_q_heads)
         await self._invoke("grant_lease", self._fenced(epoch), lease_id, layers, *step)
 
-    async def end_lease(self, epoch: str, lease_id: bytes) -> LeaseReport:
+    async def end_lease(self, epoch: str, lease_id: bytes) -> LeaseReport | None:
         return await self._invoke("end_lease", self._fenced(epoch), lease_id)
+
+    async def wait_lease(self, epoch: str, lease_id: bytes, timeout_s: float) -> LeaseReport:
+        return await self._invoke("wait_lease", self._fenced(epoch), lease_id, timeout_s)
 
 
 class RayWorkerClient(_WorkerClientBase):

@@ -136,7 +136,7 @@ class WorkerClient(Protocol):
 
     async def lease_socket(self) -> str:
         """The worker's lease socket (a Unix socket path on its host; started on the first
-        call): co-located clients send a leased step's layers there
+        call): co-located clients map the pool and run leased steps through it
         (workers.lease_server)."""
         ...
 
@@ -151,12 +151,18 @@ class WorkerClient(Protocol):
         slot_mapping: Sequence[int],
         num_q_heads: int,
     ) -> None:
-        """Let `lease_id` write and attend `layers` of a planned step (its metadata and
-        slots as a round carries them), each layer once, until :meth:`end_lease`
-        (workers.step_leases)."""
+        """Let `lease_id`'s client write and attend `layers` of a planned step (its
+        metadata and slots as a round carries them), each layer once, until
+        :meth:`end_lease` (workers.step_leases)."""
         ...
 
-    async def end_lease(self, epoch: str, lease_id: bytes) -> LeaseReport:
-        """End a lease: no more layers on it; which layers it wrote and which it refused
-        (non-finite inputs, nothing written)."""
+    async def end_lease(self, epoch: str, lease_id: bytes) -> LeaseReport | None:
+        """End a lease without waiting: which layers it wrote and which it refused
+        (non-finite inputs, nothing written); None while its client still runs it (then
+        :meth:`wait_lease`)."""
+        ...
+
+    async def wait_lease(self, epoch: str, lease_id: bytes, timeout_s: float) -> LeaseReport:
+        """End a lease once its client reports, waiting up to `timeout_s` (then the lease
+        is revoked and counts as writing nothing)."""
         ...

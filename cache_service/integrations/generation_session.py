@@ -272,12 +272,14 @@ class GenerationSession:
         """Commit a finished forward; a forward that failed or skipped layers breaks the session."""
         self._active = None
         self._drop_lease_request(step)
-        if step.lease is not None and not failed:
+        if step.lease is not None:
+            # Also after a failure: the service commits the layers the lease wrote.
             try:
-                self._owner.leaser.check(step.lease)
+                self._owner.leaser.end(step.lease)
             except BaseException:
-                self._broken = f"a leased layer of step {step.plan.index} was refused"
-                raise
+                self._broken = f"the lease of step {step.plan.index} did not end cleanly"
+                if not failed:
+                    raise
         missing = set(range(self._owner.layout.num_layers)) - step.layers_done
         if failed or missing:
             # Some layers may have written and others not: the sequences are inconsistent.

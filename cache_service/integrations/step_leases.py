@@ -1,13 +1,15 @@
-"""A model's step leases: a forward's later layers sent straight to the worker.
+"""A model's step leases: a forward's layers run on the worker's pool from the model's
+process.
 
 When the model's process shares a host with the service (a local session), each forward
 asks the service to plan the step of its new tokens (:meth:`StepLeaser.request` when it
-begins, :meth:`StepLeaser.granted` at its first attention layer: one call, no tensors),
-and every layer goes to the worker holding the batch over its lease socket (:class:`~cache_service.client.lease_channel.LeaseChannel`):
-on a GPU the query, key and value are copied into the worker's staging memory on the
-model's own stream and the output comes back the same way, with no host copy and no wait
-for the device. A lease that ended (the service took the step back) makes the layer go as
-a call instead; nothing else changes.
+begins, :meth:`StepLeaser.granted` at its first attention layer: one call, no tensors).
+The model's process has mapped the pool of the worker holding the batch
+(`workers.lease_client`: CUDA IPC memory on a GPU, a shared memory file on a CPU) and runs
+every layer of the step there itself, with the pool's kernels on the model's own stream:
+no tensor is copied to another process and nothing waits for one. At the forward's end
+:meth:`StepLeaser.end` reports the layers written, which the service commits. A lease that
+ended before its first layer makes the layers go as calls instead; nothing else changes.
 """
 
 from __future__ import annotations
@@ -16,10 +18,17 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import torch
 
-from cache_service.client.errors import UnavailableError
-from cache_service.client.lease_channel import LeaseChannel, LeaseEndedError, leading_rows
+from cache_service.client.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    UnavailableError,
+)
+from workers.errors import InvalidWorkerRequest, WorkerUnavailable
+from workers.lease_client import LeaseClient, LeasedStep
+from workers.step_leases import LeaseEnded
 
 __all__ = ["ActiveLease", "StepLeaser"]
 
@@ -28,11 +37,13 @@ log = logging.getLogger("kvcache.step_leases")
 
 @dataclass
 class ActiveLease:
-    """A granted lease: its id, the worker's socket and the layers it may still write."""
+    """A granted lease: its id, the worker's socket, the layers it may still write, and
+    its step once opened (at its first layer)."""
 
     lease_id: bytes
     socket: str
     layers: set[int]
+    opened: LeasedStep | None = None
 
 
 class StepLeaser:
@@ -47,8 +58,9 @@ class StepLeaser:
     def __init__(self, client: Any, num_q_heads: int) -> None:
         self._start_lease_step = getattr(client, "start_lease_step", None)
         self._num_q_heads = num_q_heads
-        self._channels: dict[str, LeaseChannel] = {}
-        # Sockets that refused a connection (another host's, a GPU pool for CPU tensors).
+        self._clients: dict[str, LeaseClient] = {}
+        # Sockets that cannot be used from here (another host's, a GPU pool for CPU
+        # tensors, a pool this process cannot map).
         self._unusable: set[str] = set()
 
     def request(self, seq_ids: list[str], token_ids: list[list[int]]) -> Any:
@@ -85,66 +97,93 @@ class StepLeaser:
         """One layer under `lease`: key/value ``[b, n, Hkv, D]``, query ``[b, n, Hq, D]``
         (views are fine), or ``[n, H, D]`` each (a ragged step's rows joined). Returns the
         output shaped as the query, in the pool's dtype on the query's device, or None
-        when the layer must go as a call (the lease ended, or its worker's socket cannot
-        be used from here): nothing was written then.
+        when the layer must go as a call (the lease ended before its first layer, or its
+        worker's socket cannot be used from here): nothing was written then. Once a layer
+        ran, :meth:`end` must follow at the forward's end.
 
         Raises:
-            KVCacheError: the worker refused the layer (nothing written).
+            InvalidArgumentError: inputs that do not fit the step (nothing written).
+            UnavailableError: the lease connection broke.
         """
-        rows, tokens = leading_rows(query), leading_rows(key)
-        channel = self._channel(lease.socket, rows, tokens, query.device)
-        if channel is None:
-            return None
         try:
-            out = channel.run_layer(lease.lease_id, layer, key, value, query)
-        except LeaseEndedError:
-            lease.layers.clear()
-            return None
+            if lease.opened is None:
+                client = self._client(lease.socket, query.device)
+                opened = client.open(lease.lease_id) if client is not None else None
+                if opened is None:
+                    lease.layers.clear()
+                    return None
+                lease.opened = opened
+            out = self._clients[lease.socket].run_layer(lease.opened, layer, key, value, query)
+        except InvalidWorkerRequest as exc:
+            raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except WorkerUnavailable as exc:
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         lease.layers.discard(layer)
         return out.view(query.shape)
 
-    def check(self, lease: ActiveLease) -> None:
-        """At the end of a forward: raise if a layer sent under `lease` was refused by the
-        worker for non-finite values (nothing written for it).
+    def end(self, lease: ActiveLease) -> None:
+        """At the end of a forward (also one that failed): report the layers run under
+        `lease` to the service, which commits those written; raise if a layer was refused
+        for non-finite inputs (nothing written for it). Nothing to do for a lease never
+        opened (the service ends it at the batch's next call).
 
         Raises:
-            InvalidArgumentError: which layers; LeaseEndedError never (an ended lease's
-                layers went as calls).
+            InvalidArgumentError: which layers were refused.
+            FailedPreconditionError: the service revoked the lease before this report (the
+                forward took longer than the lease's timeout twice): nothing was kept.
+            UnavailableError: the connection broke: nothing was kept.
         """
-        channel = self._channels.get(lease.socket)
-        if channel is None:
+        opened, lease.opened = lease.opened, None
+        if opened is None:
             return
         try:
-            channel.check(lease.lease_id)
-        except LeaseEndedError:
-            # Ended after its last layer: each layer's refusal, if any, was counted by
-            # the service, which committed only the written ones; the forward's later
-            # calls find a refused layer short and fail there.
-            return
+            report = self._clients[lease.socket].end(opened)
+        except LeaseEnded as exc:
+            raise FailedPreconditionError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the service revoked the step's lease before the forward reported: {exc}",
+            ) from None
+        except WorkerUnavailable as exc:
+            self._drop(lease.socket)
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        except InvalidWorkerRequest as exc:
+            raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        if report.refused:
+            layers = ",".join(str(x) for x in report.refused)
+            raise InvalidArgumentError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"non-finite inputs on layers {layers}: nothing written for them",
+            )
 
     def close(self) -> None:
         """Close every lease connection."""
-        for channel in self._channels.values():
-            channel.close()
-        self._channels.clear()
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
 
-    def _channel(
-        self, socket: str, rows: int, tokens: int, device: torch.device
-    ) -> LeaseChannel | None:
-        """The connection to `socket` with staging for `rows` and `tokens` (a larger one
-        replaces a smaller), or None if the socket cannot be used from here."""
-        channel = self._channels.get(socket)
-        if channel is not None and channel.fits(rows, tokens, self._num_q_heads):
-            return channel
-        if channel is not None:
-            rows, tokens = max(rows, channel.rows), max(tokens, channel.tokens)
-            channel.close()
-            del self._channels[socket]
+    def _drop(self, socket: str) -> None:
+        client = self._clients.pop(socket, None)
+        if client is not None:
+            client.close()
+
+    def _client(self, socket: str, device: torch.device) -> LeaseClient | None:
+        """The connection to `socket`, made on first use; None if it cannot be used from
+        here (logged once)."""
+        client = self._clients.get(socket)
+        if client is not None:
+            return client
+        if socket in self._unusable:
+            return None
         try:
-            channel = LeaseChannel(socket, rows, tokens, self._num_q_heads, device)
-        except UnavailableError as exc:
-            log.warning("step leases off for this model: %s; layers go as calls", exc.message)
+            client = LeaseClient(socket, device)
+            if client.device != device:
+                client.close()
+                raise WorkerUnavailable(
+                    socket, f"the pool is on {client.device}, the model's tensors on {device}"
+                )
+        except WorkerUnavailable as exc:
+            log.warning("step leases off for this model: %s; layers go as calls", exc)
             self._unusable.add(socket)
             return None
-        self._channels[socket] = channel
-        return channel
+        self._clients[socket] = client
+        return client

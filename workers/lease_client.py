@@ -1,0 +1,342 @@
+"""A co-located client's side of a worker's lease socket (the worker's side and the wire
+format: `workers.lease_server`; what a lease is: `workers.step_leases`).
+
+A :class:`LeaseClient` connects once per session and worker and maps the worker's pool:
+the pool tensor and its slot fingerprints (CUDA IPC memory on a GPU, a shared memory file
+on a CPU; the very tensors when the worker lives in this process), wrapped in a `KVPool`
+of this process. A leased step is then run here, with the pool's own kernels:
+:meth:`LeaseClient.open` fetches the step's plan (one message), each layer is
+`KVPool.run_step_layer` on the caller's stream (a CUDA graph replay once the step's shape
+was seen), and :meth:`LeaseClient.end` reports the layers written (one message). No tensor
+crosses a process boundary and nothing waits for the other process per layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.errors import InvalidWorkerRequest, WorkerUnavailable
+from workers.layout import KVLayout
+from workers.lease_server import (
+    CHUNK,
+    END,
+    END_HEAD,
+    ENDED,
+    OK,
+    OPEN,
+    REPLY,
+    REQUEST,
+    VERSION,
+    layer_mask,
+    local_pool,
+    register_local_event,
+)
+from workers.metadata_cache import CachedMetadata
+from workers.pool import KVPool, MappedPool
+from workers.pool_memory import Exported, map_exported
+from workers.step_leases import LeaseEnded, LeaseReport, StepPlan
+
+__all__ = ["LeaseClient", "LeasedStep", "leading_rows"]
+
+
+@dataclass(eq=False)
+class LeasedStep:
+    """An opened lease: its step on this process's view of the pool.
+
+    Attributes:
+        lease_id: the lease.
+        step: the step's metadata on the pool's device.
+        num_tokens: the step's new tokens; num_q_heads: its query heads.
+        layers: the layers it may still write.
+        flags: layer -> its finite flag on the device (None: nothing to write), in order.
+    """
+
+    lease_id: bytes
+    step: CachedMetadata
+    num_tokens: int
+    num_q_heads: int
+    layers: set[int]
+    flags: dict[int, torch.Tensor | None] = field(default_factory=dict)
+
+
+class LeaseClient:
+    """One connection to a worker's lease socket, with the worker's pool mapped.
+
+    Args:
+        path: the socket (StepLeaseResponse.socket).
+        device: where the caller's tensors live (a CUDA device for a GPU pool).
+
+    Raises:
+        WorkerUnavailable: the socket cannot be reached, the worker refused the
+            connection, or its pool cannot be mapped here (the message says why).
+    """
+
+    def __init__(self, path: str, device: torch.device) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._token = ""
+        self._event: torch.cuda.Event | None = None
+        hello: dict[str, object] = {"version": VERSION, "pid": os.getpid(), "cuda_event": None}
+        local = local_pool(path)
+        if device.type == "cuda":
+            if local is not None:
+                self._token = secrets.token_hex(8)
+                self._event = torch.cuda.Event()
+                register_local_event(self._token, self._event)
+                hello["cuda_event"] = self._token
+            else:
+                self._event = torch.cuda.Event(interprocess=True)
+                self._event.record(torch.cuda.current_stream(device))
+                hello["cuda_event"] = self._event.ipc_handle().hex()
+        try:
+            self._sock.connect(path)
+            self._sock.send(json.dumps(hello).encode())
+            message, fds, _, _ = socket.recv_fds(self._sock, 1 << 16, 4)
+            reply = json.loads(message or b"{}")
+        except (OSError, ValueError) as exc:
+            self.close()
+            raise WorkerUnavailable(path, f"lease socket: {exc}") from None
+        try:
+            if not reply.get("ok"):
+                raise ValueError(f"the worker refused: {reply.get('error', 'closed')}")
+            self.pool, self._worker_event = self._map(reply, fds, local, device)
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            for fd in fds:
+                os.close(fd)
+            self.close()
+            raise WorkerUnavailable(path, f"lease socket: {exc}") from None
+        self._width = (self.pool.layout.num_layers + 7) // 8
+        # Inputs and output of a layer, reused so that decode graphs replay on them.
+        self._staging: tuple[torch.Tensor, ...] = ()
+
+    @property
+    def device(self) -> torch.device:
+        """The pool's device."""
+        return self.pool.device
+
+    def open(self, lease_id: bytes) -> LeasedStep | None:
+        """Open a granted lease: its step, ready for :meth:`run_layer`; None when it ended
+        before it was opened (its layers go by call). The caller must :meth:`end` an
+        opened lease, whatever happens to its forward.
+
+        Raises:
+            InvalidWorkerRequest: the worker refused (the lease is open already).
+            WorkerUnavailable: the connection broke.
+        """
+        with self._lock:
+            code, body = self._request(REQUEST.pack(OPEN, lease_id))
+        if code == ENDED:
+            return None
+        if code != OK:
+            raise InvalidWorkerRequest(body.decode(errors="replace"))
+        plan = StepPlan.unpack(body)
+        step = self.pool.step_metadata(
+            plan.block_tables,
+            plan.seq_lens,
+            plan.query_start_loc,
+            plan.slot_mapping.tolist(),
+            plan.num_q_heads,
+        )
+        if self._worker_event is not None:
+            # The step's blocks as the worker left them (copies, earlier writes).
+            torch.cuda.current_stream(self.device).wait_event(self._worker_event)
+        return LeasedStep(
+            lease_id, step, plan.slot_mapping.numel(), plan.num_q_heads, set(plan.layers)
+        )
+
+    def run_layer(
+        self,
+        leased: LeasedStep,
+        layer: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query: torch.Tensor,
+    ) -> torch.Tensor:
+        """Write one layer's new K/V and attend its queries, on the caller's stream
+        (nothing waits for the device).
+
+        Args:
+            key, value: ``[n, Hkv, D]``; query: ``[rows, Hq, D]`` (any float dtype, on the
+                pool's device; cast to the pool's), n and rows the step's; or each with
+                its leading dimension split in two (``[b, n / b, ...]``, views of any
+                strides).
+
+        Returns:
+            ``[rows, Hq, D]`` in the pool's dtype.
+
+        Raises:
+            InvalidWorkerRequest: a layer the lease does not cover or already ran, or
+                inputs of other sizes than the step's; nothing written.
+        """
+        lay = self.pool.layout
+        rows, tokens = leading_rows(query), leading_rows(key)
+        heads = query.shape[-2]
+        if layer not in leased.layers:
+            raise InvalidWorkerRequest(
+                f"layer {layer} is not the lease's to write (outside it, or written already)"
+            )
+        if (
+            rows != leased.step.num_rows
+            or tokens != leased.num_tokens
+            or heads != leased.num_q_heads
+            or leading_rows(value) != tokens
+            or tuple(key.shape[-2:]) != (lay.num_kv_heads, lay.head_dim)
+            or tuple(value.shape[-2:]) != (lay.num_kv_heads, lay.head_dim)
+            or query.shape[-1] != lay.head_dim
+        ):
+            raise InvalidWorkerRequest(
+                f"the lease's step has {leased.step.num_rows} query rows of {leased.num_q_heads} "
+                f"heads and {leased.num_tokens} new tokens of [{lay.num_kv_heads}, "
+                f"{lay.head_dim}]; got query {tuple(query.shape)}, key {tuple(key.shape)}, "
+                f"value {tuple(value.shape)}"
+            )
+        with self._lock:
+            k, v, q, out = self._buffers(rows, tokens, heads)
+            k.view(key.shape).copy_(key)
+            v.view(value.shape).copy_(value)
+            q.view(query.shape).copy_(query)
+            leased.flags[layer] = self.pool.run_step_layer(leased.step, layer, k, v, q, out)
+            leased.layers.discard(layer)
+            return out.clone()
+
+    def end(self, leased: LeasedStep) -> LeaseReport:
+        """Report what the lease wrote (waits for the device to finish its layers): the
+        layers run with finite inputs are written, the others refused (nothing written).
+
+        Raises:
+            LeaseEnded: the worker revoked the lease first (it was not reported in time):
+                nothing counts as written.
+            WorkerUnavailable: the connection broke (nothing counts as written).
+        """
+        served = [(layer, f) for layer, f in leased.flags.items() if f is not None]
+        refused: list[int] = []
+        if served:
+            ok = torch.stack([f for _, f in served]).cpu().tolist()
+            refused = [layer for (layer, _), good in zip(served, ok, strict=True) if not good]
+        written = sorted(set(leased.flags) - set(refused))
+        report = LeaseReport(tuple(written), tuple(sorted(refused)))
+        message = (
+            END_HEAD.pack(END, leased.lease_id, self._width)
+            + layer_mask(report.written, self._width)
+            + layer_mask(report.refused, self._width)
+        )
+        with self._lock:
+            if self._event is not None:
+                self._event.record(torch.cuda.current_stream(self.device))
+            code, body = self._request(message)
+        if code == ENDED:
+            raise LeaseEnded(body.decode(errors="replace"))
+        if code != OK:
+            raise InvalidWorkerRequest(body.decode(errors="replace"))
+        return report
+
+    def close(self) -> None:
+        """End the connection (the worker ends its unreported leases, nothing written)."""
+        self._sock.close()
+        if self._token:
+            register_local_event(self._token, None)
+
+    def _map(
+        self,
+        reply: dict[str, object],
+        fds: list[int],
+        local: tuple[KVPool, object] | None,
+        device: torch.device,
+    ) -> tuple[KVPool, torch.cuda.Event | None]:
+        """This process's view of the worker's pool, and the worker's event."""
+        layout = KVLayout(**reply["layout"])  # type: ignore[arg-type]
+        backend = str(reply["backend"])
+        if reply["local"]:
+            if local is None:
+                raise ValueError("the worker says it shares this process, which has no pool there")
+            pool, leases = local
+            mapped = MappedPool(pool.data, pool.fingerprint_sums)
+            event = getattr(leases, "event", None)
+        else:
+            exported = Exported.from_json(reply["pool"])  # type: ignore[arg-type]
+            sums_exported = reply["fingerprints"]
+            per = 1 if exported.kind == "memfd" else 0
+            data = map_exported(exported, fds[:per], device)
+            sums = None
+            if sums_exported is not None:
+                sums = map_exported(
+                    Exported.from_json(sums_exported),  # type: ignore[arg-type]
+                    fds[per : 2 * per],
+                    device,
+                )
+            mapped = MappedPool(data, sums)
+            event = None
+            if reply["event"] is not None:
+                event = torch.cuda.Event.from_ipc_handle(device, bytes.fromhex(str(reply["event"])))
+        view = KVPool(
+            layout,
+            int(reply["num_blocks"]),  # type: ignore[arg-type]
+            mapped.data.device,
+            backend=backend,
+            mapped=mapped,
+        )
+        return view, event
+
+    def _buffers(self, rows: int, tokens: int, heads: int) -> tuple[torch.Tensor, ...]:
+        """Staging of at least these sizes (grown when a step needs more): views of its
+        leading rows."""
+        lay = self.pool.layout
+        have = self._staging
+        if (
+            not have
+            or have[2].shape[0] < rows
+            or have[0].shape[0] < tokens
+            or have[2].shape[1] != heads
+        ):
+            rows_, tokens_ = (
+                max(rows, have[2].shape[0] if have else 0),
+                max(tokens, have[0].shape[0] if have else 0),
+            )
+            dtype, device = lay.torch_dtype(), self.device
+            kv = (tokens_, lay.num_kv_heads, lay.head_dim)
+            q = (rows_, heads, lay.head_dim)
+            self._staging = (
+                torch.zeros(kv, dtype=dtype, device=device),
+                torch.zeros(kv, dtype=dtype, device=device),
+                torch.zeros(q, dtype=dtype, device=device),
+                torch.zeros(q, dtype=dtype, device=device),
+            )
+            have = self._staging
+        k, v, q, out = have
+        return k[:tokens], v[:tokens], q[:rows], out[:rows]
+
+    def _request(self, message: bytes) -> tuple[int, bytes]:
+        """Send one request; its reply (code, body), reassembled from its datagrams."""
+        try:
+            self._sock.send(message)
+            first = self._sock.recv(CHUNK)
+            if len(first) < REPLY.size:
+                raise OSError("the worker closed the connection")
+            code, length = REPLY.unpack_from(first)
+            parts = [first[REPLY.size :]]
+            got = len(parts[0])
+            while got < length:
+                part = self._sock.recv(CHUNK)
+                if not part:
+                    raise OSError("the worker closed the connection")
+                parts.append(part)
+                got += len(part)
+        except OSError as exc:
+            raise WorkerUnavailable(self.path, f"lease socket: {exc}") from None
+        return code, b"".join(parts)
+
+
+def leading_rows(t: torch.Tensor) -> int:
+    """Rows of `t` once its leading dimensions are flattened (all but the last two)."""
+    n = 1
+    for size in t.shape[:-2]:
+        n *= size
+    return n
