@@ -5,9 +5,9 @@ For each batch size: random prompts of different lengths (left-padded), greedy g
 
 * ``own``     - transformers' own attention (sdpa) and DynamicCache, the same weights;
 * ``service`` - ``ServiceModel``: every layer's K/V and attention in the service, fresh
-                sequences (no prefix reuse); co-located, a step's first layer is a call and
-                its others go to the worker under a step lease (``--no-leases``: every
-                layer a call);
+                sequences (no prefix reuse); co-located, each forward is planned by one
+                StepLease call and its layers run in this process on the worker's mapped
+                pool (``--no-leases``: every layer a call);
 * ``prefix``  - the same prompts again with prefix reuse: the prefill sends only what the
                 first service run did not leave cached (whole blocks).
 
@@ -323,7 +323,7 @@ class StageTimes:
     attend: float = 0.0  # the attention layers' service path (integration + client call)
     client_call: float = 0.0  # inside the client's append-and-attend calls
     calls: int = 0  # append-and-attend calls
-    leased: float = 0.0  # layers sent to the worker under a step lease (host time)
+    leased: float = 0.0  # layers run under a step lease on the mapped pool (host time)
     leased_calls: int = 0
     lease: float = 0.0  # the StepLease calls (host time)
     leases: int = 0
@@ -349,20 +349,22 @@ class StageTimes:
 
     def split_us(self) -> dict[str, float | None]:
         """Microseconds: per layer (calls and leased layers alike) the model outside
-        attention; per append-and-attend call the integration (checks, host copies),
-        client + transport (encode, send, wait, decode: the client call less the server's
-        handling), server (handling less the worker call), worker (the pool's write and
-        kernel, with the actor round trip if Ray); per leased layer the host time of its
-        handoff (staging copies launched, the worker's answer; the kernel runs on the
-        device meanwhile), and the share of layers that went leased."""
+        attention and the integration (checks, host copies);
+        per append-and-attend call (None without calls) client + transport (encode, send,
+        wait, decode: the client call less the server's handling), server (handling less
+        the worker call), worker (the pool's write and kernel, with the actor round trip
+        if Ray); per leased layer the host time of the service's part (the inputs copied,
+        the write and the attention launched or replayed as a graph; the kernels run on
+        the device meanwhile), per leased forward its StepLease call, and the share of
+        layers that went leased."""
         layers = max(self.calls + self.leased_calls, 1)
-        n = max(self.calls, 1)
-        known = self.server_calls > 0
+        n = self.calls
+        known = self.server_calls > 0 and n > 0
         call_attend = self.attend - self.leased - self.lease
         per = {
             "model": (self.total - self.attend) / layers * 1e6,
-            "integration": (call_attend - self.client_call) / n * 1e6,
-            "call": self.client_call / n * 1e6,
+            "integration": (call_attend - self.client_call) / layers * 1e6,
+            "call": self.client_call / n * 1e6 if n else None,
             "client_transport": (self.client_call - self.server) / n * 1e6 if known else None,
             "server": (self.server - self.worker) / n * 1e6 if known else None,
             "worker": self.worker / n * 1e6 if known else None,
@@ -557,17 +559,19 @@ def report(result: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "Where one layer's append-and-attend call goes (service runs without prefix reuse, "
-        "mean per call, microseconds): *model* = the rest of the forward, per call; "
-        "*integration* = checks and the tensors' moves around the call; *call* = inside "
+        "Where one layer's time goes (service runs without prefix reuse, mean, "
+        "microseconds): *model* = the rest of the forward, per layer; *integration* = "
+        "checks and the tensors' moves around the layer's call or lease, per layer; per "
+        "append-and-attend call (`-` without calls): *call* = inside "
         "the client call, split into *client + transport* (encode, send, wait, decode) = "
         "the call less the server's handling, *server* = its handling (`rpc_duration`) less "
         "the worker call, *worker* = the pool's write and kernel (`worker_call_duration`). "
-        "`-`: no server metrics (an external service). *leased*: a layer sent to the worker "
-        "under a step lease (a co-located client's decode step after its first layer), the "
-        "host time of its handoff; *leased share*: of all layers; *lease / forward*: per "
-        "leased forward, the StepLease call that plans it (the end-of-step check of its "
-        "layers, which waits for the device, counts in *model*).",
+        "`-`: no server metrics (an external service). *leased*: a layer run in the model's "
+        "process on the worker's mapped pool under a step lease, the host time of the "
+        "service's part (inputs copied, write and attention launched); *leased share*: of "
+        "all layers; *lease / forward*: per leased forward, the StepLease call that plans it "
+        "(the lease's open counts in its first layer's *leased*; its end, which waits for "
+        "the device, in *model*).",
         "",
         "| batch | model | integration | call | client + transport | server | worker "
         "| leased | leased share | lease / forward |",

@@ -138,12 +138,8 @@ class LeaseClient:
         if code != OK:
             raise InvalidWorkerRequest(body.decode(errors="replace"))
         plan = StepPlan.unpack(body)
-        step = self.pool.step_metadata(
-            plan.block_tables,
-            plan.seq_lens,
-            plan.query_start_loc,
-            plan.slot_mapping.tolist(),
-            plan.num_q_heads,
+        step = self.pool.planned_step(
+            plan.block_tables, plan.seq_lens, plan.query_start_loc, plan.slot_mapping
         )
         if self._worker_event is not None:
             # The step's blocks as the worker left them (copies, earlier writes).

@@ -346,9 +346,28 @@ class KVPool:
         query = torch.empty((rows, num_q_heads, lay.head_dim), dtype=dtype)
         slots = check_write(lay, self._num_blocks, 0, slot_mapping, new_kv, new_kv)
         indices = check_attend(lay, self._num_blocks, 0, query, block_tables, seq_lens, starts)
-        _, tables, lens, starts_on = (t.to(self._device) for t in attend_inputs(query, *indices))
-        slots_on = slots.to(self._device, torch.int64)
-        return CachedMetadata(tables, lens, starts_on, rows, list(slot_mapping), slots_on)
+        return self.planned_step(*attend_inputs(query, *indices)[1:], slots)
+
+    def planned_step(
+        self,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> CachedMetadata:
+        """:meth:`step_metadata` of metadata validated already against this pool's size
+        and layout (a lease's plan, which the worker's grant checked): host int tensors
+        (tables, lengths, offsets int32; slots int64) moved to the pool's device in one
+        copy (the slots as int32 where the pool's slot numbers fit)."""
+        wide = self.num_slots >= 1 << 31
+        parts = (block_tables, seq_lens, query_start_loc) + (() if wide else (slot_mapping,))
+        flat = torch.cat([t.reshape(-1).to(torch.int32) for t in parts]).to(self._device)
+        tables, lens, starts, *slots = flat.split([t.numel() for t in parts])
+        on_device = slot_mapping.to(self._device) if wide else slots[0]
+        rows = int(query_start_loc[-1])
+        return CachedMetadata(
+            tables.view(block_tables.shape), lens, starts, rows, None, on_device.to(torch.int64)
+        )
 
     def run_step_layer(
         self,
