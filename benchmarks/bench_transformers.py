@@ -411,7 +411,13 @@ def open_service(
 
 
 def run(
-    p: Profile, use_ray: bool, mode: str, target: str | None, leases: bool = True
+    p: Profile,
+    use_ray: bool,
+    mode: str,
+    target: str | None,
+    leases: bool = True,
+    shared_prefix: int = 0,
+    shared_batch: int = 16,
 ) -> dict[str, Any]:
     model = build_model(p)
     own = copy.deepcopy(model)
@@ -486,6 +492,11 @@ def run(
                 f"same tokens as own {same:.1%}, prefix run vs service {same_prefix:.1%}"
             )
             log("  per call, us: " + format_split(row["per_call_us"]))
+        shared = (
+            shared_prefix_run(p, own, served, shared_prefix, shared_batch, leases)
+            if shared_prefix
+            else None
+        )
         transport = (
             "local session socket" if client.local_session_active else "gRPC session stream"
         ) + (", shared memory" if client.shared_memory_active else ", tensors as bytes")
@@ -494,6 +505,7 @@ def run(
         profile=asdict(p),
         service=f"{service}; client calls over the {transport}",
         rows=rows,
+        shared_prefix=shared,
         device=torch.cuda.get_device_name(0)
         if p.device == "cuda"
         else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
@@ -504,6 +516,64 @@ def run(
         command=" ".join(sys.argv),
         commit=git_commit(),
     )
+
+
+def shared_prefix_run(
+    p: Profile, own: Any, served: ServiceModel, prefix_len: int, batch: int, leases: bool
+) -> dict[str, Any]:
+    """`batch` requests sharing a system prompt of `prefix_len` tokens (each with 64 tokens
+    of its own), the system prompt cached in the service by an earlier request: time to
+    first token (a generate of one token) and tokens/s of a whole generation, own cache
+    against the service with prefix reuse. Each repeat sends other suffixes, so only the
+    system prompt is ever reused."""
+    gen = torch.Generator().manual_seed(7)
+    system = torch.randint(1, p.vocab_size, (prefix_len,), generator=gen)
+
+    def requests(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        suffix = torch.randint(1, p.vocab_size, (batch, 64), generator=g)
+        ids = torch.cat([system.expand(batch, -1), suffix], dim=1)
+        return ids, torch.ones_like(ids)
+
+    reuse = SessionConfig(step_leases=leases)
+    first = dict(max_new_tokens=1, min_new_tokens=1, do_sample=False)
+    whole = dict(max_new_tokens=p.new_tokens, min_new_tokens=p.new_tokens, do_sample=False)
+    times: dict[str, list[float]] = {k: [] for k in ("ttft_own", "ttft", "gen_own", "gen")}
+    with torch.no_grad():
+        ids, mask = requests(1000)  # caches the system prompt; warms both paths
+        served.generate(ids[:1], mask[:1], reuse, **first)
+        own.generate(input_ids=ids.to(p.device), attention_mask=mask.to(p.device), **first)
+        for r in range(p.repeats):
+            for kind, settings in (("ttft", first), ("gen", whole)):
+                ids, mask = requests(2000 + 2 * r + (kind == "gen"))
+                dev = dict(input_ids=ids.to(p.device), attention_mask=mask.to(p.device))
+                t, _ = timed(functools.partial(own.generate, **dev, **settings), p.device)
+                times[f"{kind}_own"].append(t)
+                t, (_, stats) = timed(
+                    functools.partial(served.generate, ids, mask, reuse, **settings), p.device
+                )
+                times[kind].append(t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    tokens = batch * p.new_tokens
+    out = dict(
+        prefix_len=prefix_len,
+        batch=batch,
+        ttft_own_ms=med["ttft_own"] * 1e3,
+        ttft_ms=med["ttft"] * 1e3,
+        ttft_ratio=med["ttft"] / med["ttft_own"],
+        own_tok_s=tokens / med["gen_own"],
+        service_tok_s=tokens / med["gen"],
+        cached_tokens=sum(stats.cached_tokens),
+        prefill_tokens=sum(stats.prefill_tokens),
+    )
+    log(
+        f"shared prefix {prefix_len} x {batch}: time to first token own "
+        f"{out['ttft_own_ms']:.1f} ms, service {out['ttft_ms']:.1f} ms "
+        f"({out['ttft_ratio']:.2f}x); tokens/s own {out['own_tok_s']:.1f}, service "
+        f"{out['service_tok_s']:.1f}; the last run prefilled {out['prefill_tokens']} tokens, "
+        f"{out['cached_tokens']} cached"
+    )
+    return out
 
 
 def git_commit() -> str:
@@ -595,6 +665,22 @@ def report(result: dict[str, Any]) -> str:
         forward = split.get("lease_per_forward")
         cells.append("-" if forward is None else f"{forward:.0f}")
         lines.append(f"| {r['batch']} | " + " | ".join(cells) + " |")
+    shared = result.get("shared_prefix")
+    if shared:
+        lines += [
+            "",
+            f"{shared['batch']} requests sharing a system prompt of {shared['prefix_len']} "
+            "tokens (64 tokens each of their own), the system prompt cached in the service "
+            "by an earlier request; the service with prefix reuse:",
+            "",
+            "| time to first token, own | through the service | service / own | own tok/s "
+            "| service tok/s | prefilled / cached tokens (last run) |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: |",
+            f"| {shared['ttft_own_ms']:.1f} ms | {shared['ttft_ms']:.1f} ms | "
+            f"{shared['ttft_ratio']:.2f}x | {shared['own_tok_s']:.1f} | "
+            f"{shared['service_tok_s']:.1f} | {shared['prefill_tokens']} / "
+            f"{shared['cached_tokens']} |",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -628,6 +714,15 @@ def main() -> None:
         help="run the service in the model's process (a background thread) instead",
     )
     parser.add_argument("--batch-sizes", help="comma-separated, overrides the profile's")
+    parser.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="also time requests sharing a system prompt of this many tokens (0: off)",
+    )
+    parser.add_argument(
+        "--shared-batch", type=int, default=16, help="requests sharing the system prompt"
+    )
     parser.add_argument("--prompt-len", type=int)
     parser.add_argument("--new-tokens", type=int)
     parser.add_argument("--repeats", type=int)
@@ -646,7 +741,15 @@ def main() -> None:
             p = replace(p, **{name: getattr(args, name)})
     log(f"profile {p.name}: {p}")
     mode = "external" if args.target else "embedded" if args.embedded else "process"
-    result = run(p, args.ray, mode, args.target, leases=not args.no_leases)
+    result = run(
+        p,
+        args.ray,
+        mode,
+        args.target,
+        leases=not args.no_leases,
+        shared_prefix=args.shared_prefix,
+        shared_batch=args.shared_batch,
+    )
     text = report(result)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
