@@ -136,19 +136,6 @@ def _close(a: torch.Tensor, ref: torch.Tensor) -> None:
     assert torch.allclose(a.double(), ref.double(), atol=2e-5), (a.double() - ref).abs().max()
 
 
-def _first_layer(batch: Batch, step: dict, token: int) -> torch.Tensor:
-    """Layer 0 of the step by call (which plans it), the token appended to every row."""
-    k, v, q = step[0]
-    ids = [[token]] * len(batch.mirrors)
-    out = batch.client.append_attend_batch(0, batch.seq_ids, ids, k, v, q)
-    batch.wrote(0, k, v)
-    return out
-
-
-def _close(a: torch.Tensor, ref: torch.Tensor) -> None:
-    assert torch.allclose(a.double(), ref.double(), atol=2e-5), (a.double() - ref).abs().max()
-
-
 def _written(harness, seq_id: str) -> list[int]:
     info = harness.call(harness.coordinator.block_manager.sequence_info, "default", seq_id)
     return list(info.written)

@@ -320,20 +320,44 @@ class KVPool:
         slot_mapping: Sequence[int],
         num_q_heads: int,
     ) -> CachedMetadata:
-        """A planned step's metadata validated once and kept on the pool's device, for a
-        lease's layers (:meth:`run_step_layer`): what a round's first sighting of a step key
-        keeps, owned by the caller rather than the key cache.
+        """A planned step's metadata validated once and kept on the pool's device, for its
+        layers (:meth:`run_step_layer`): :meth:`check_step`, then :meth:`planned_step`.
+
+        Raises:
+            InvalidWorkerRequest: malformed metadata or slots.
+        """
+        return self.planned_step(
+            *self.check_step(block_tables, seq_lens, query_start_loc, slot_mapping, num_q_heads)
+        )
+
+    def check_step(
+        self,
+        block_tables: torch.Tensor | Sequence[Sequence[int]],
+        seq_lens: IndexLike,
+        query_start_loc: IndexLike,
+        slot_mapping: Sequence[int],
+        num_q_heads: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A planned step's metadata checked against this pool's size and layout, as a
+        round's is: what a round's first sighting of a step key checks.
 
         Args:
             block_tables: int ``[S, max_blocks]``; seq_lens: int ``[S]``; query_start_loc:
                 int ``[S + 1]`` (as in :class:`workers.round.Round`).
             slot_mapping: the step's new tokens' flat slots ``[n]`` (no negative ones).
-            num_q_heads: query heads of the step's calls.
+            num_q_heads: query heads of the step's layers.
+
+        Returns:
+            Host tensors: block tables, lengths, query offsets (int32) and slots (int64).
 
         Raises:
             InvalidWorkerRequest: malformed metadata or slots.
         """
         lay = self._layout
+        if type(num_q_heads) is not int or num_q_heads < 1 or num_q_heads % lay.num_kv_heads:
+            raise InvalidWorkerRequest(
+                f"num_q_heads must be a positive multiple of {lay.num_kv_heads}, got {num_q_heads!r}"
+            )
         starts = torch.as_tensor(query_start_loc)
         if starts.ndim != 1 or starts.numel() < 2 or not 0 < int(starts[-1]) <= 1 << 20:
             raise InvalidWorkerRequest(
@@ -346,7 +370,8 @@ class KVPool:
         query = torch.empty((rows, num_q_heads, lay.head_dim), dtype=dtype)
         slots = check_write(lay, self._num_blocks, 0, slot_mapping, new_kv, new_kv)
         indices = check_attend(lay, self._num_blocks, 0, query, block_tables, seq_lens, starts)
-        return self.planned_step(*attend_inputs(query, *indices)[1:], slots)
+        _, tables, lens, starts = attend_inputs(query, *indices)
+        return tables.cpu(), lens.cpu(), starts.cpu(), slots.to("cpu", torch.int64)
 
     def planned_step(
         self,

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.checks import check_attend, check_write
 from workers.errors import InvalidWorkerRequest
 from workers.pool import IndexLike, KVPool
 
@@ -177,34 +176,14 @@ class StepLeases:
         """
         if type(lease_id) is not bytes or len(lease_id) != LEASE_ID_BYTES:
             raise InvalidWorkerRequest(f"a lease id is {LEASE_ID_BYTES} bytes")
-        lay = self._pool.layout
+        num_layers = self._pool.layout.num_layers
         allowed = sorted(set(layers))
-        if not allowed or any(type(x) is not int or not 0 <= x < lay.num_layers for x in allowed):
-            raise InvalidWorkerRequest(f"a lease's layers must be ints in [0, {lay.num_layers})")
-        if type(num_q_heads) is not int or num_q_heads < 1 or num_q_heads % lay.num_kv_heads:
-            raise InvalidWorkerRequest(
-                f"num_q_heads must be a positive multiple of {lay.num_kv_heads}, got {num_q_heads!r}"
-            )
-        starts = torch.as_tensor(query_start_loc)
-        if starts.ndim != 1 or starts.numel() < 2 or not 0 < int(starts[-1]) <= 1 << 20:
-            raise InvalidWorkerRequest(
-                f"query_start_loc must be [S + 1] ending in 1 to 2**20 rows, got {starts.tolist()[:8]}"
-            )
-        if any(type(s) is not int or s < 0 for s in slot_mapping):
-            raise InvalidWorkerRequest("a leased step's slots must be non-negative ints")
-        dtype, blocks = lay.torch_dtype(), self._pool.num_blocks
-        new_kv = torch.empty((len(slot_mapping), lay.num_kv_heads, lay.head_dim), dtype=dtype)
-        query = torch.empty((int(starts[-1]), num_q_heads, lay.head_dim), dtype=dtype)
-        slots = check_write(lay, blocks, 0, slot_mapping, new_kv, new_kv)
-        tables, lens, starts = check_attend(lay, blocks, 0, query, block_tables, seq_lens, starts)
-        plan = StepPlan(
-            torch.as_tensor(tables).to(torch.int32).cpu(),
-            torch.as_tensor(lens).to(torch.int32).cpu(),
-            torch.as_tensor(starts).to(torch.int32).cpu(),
-            torch.as_tensor(slots).to(torch.int64).cpu(),
-            num_q_heads,
-            tuple(allowed),
+        if not allowed or any(type(x) is not int or not 0 <= x < num_layers for x in allowed):
+            raise InvalidWorkerRequest(f"a lease's layers must be ints in [0, {num_layers})")
+        step = self._pool.check_step(
+            block_tables, seq_lens, query_start_loc, slot_mapping, num_q_heads
         )
+        plan = StepPlan(*step, num_q_heads, tuple(allowed))
         with self._changed:
             if lease_id in self._leases:
                 raise InvalidWorkerRequest("that lease id is in use")
