@@ -434,11 +434,14 @@ def run(
             tokens = batch * p.new_tokens
             stages = StageTimes()
             with torch.no_grad():
-                # Warm-up both paths once (kernels, allocator, gRPC channel).
+                # Warm-up (kernels, allocator, gRPC channel): own once; the service twice,
+                # as a running server is: a decode step's CUDA graphs are captured at the
+                # second sighting of its shape (workers.decode_graphs), once per process.
                 own.generate(input_ids=dev_ids, attention_mask=dev_mask, **settings)
                 cold = SessionConfig(reuse_prefix=False, step_leases=leases)
                 warm = SessionConfig(step_leases=leases)
-                served.generate(ids, mask, cold, **settings)
+                for _ in range(2 if p.device == "cuda" else 1):
+                    served.generate(ids, mask, cold, **settings)
                 own_t, svc_t, rpc_t, pre_t = [], [], [], []
                 for _ in range(p.repeats):
                     t, ref = timed(

@@ -331,6 +331,23 @@ def test_leased_layers_on_bound_buffers_answer_like_calls():
     assert torch.equal(leased.data, plain.data)
 
 
+def test_a_prefill_step_is_never_captured():
+    # More than MAX_GRAPH_ROWS_PER_SEQUENCE query rows per sequence: eager every time, as
+    # often as the same shape comes (a capture costs far more than a prefill's launches).
+    layout = llama_layout("bfloat16")
+    pool = KVPool(layout, 64, "cuda")
+    rows = 64
+    tables = torch.arange(4, dtype=torch.int32).reshape(1, 4)
+    for _ in range(3):
+        step = pool.step_metadata(tables, [rows], [0, rows], list(range(rows)), 32)
+        kv = torch.randn(rows, 8, 128, device="cuda").to(torch.bfloat16)
+        q = torch.randn(rows, 32, 128, device="cuda").to(torch.bfloat16)
+        out = torch.empty_like(q)
+        for layer in range(2):
+            assert bool(pool.run_step_layer(step, layer, kv, kv, q, out))
+    assert pool._graphs is not None and pool._graphs.captures == 0
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_one_page_addressed_launch_serves_sequences_of_different_layers(dtype):
     # The coordinator merges concurrent calls for different layers into one call over the

@@ -34,8 +34,10 @@ buffers on the device, the same buffers layer after layer: their class is *bound
 buffers (keyed by their addresses), its graphs read the inputs where they lie and write the
 output into the connection's output buffer, so a leased layer is one replay and no copy.
 
-The first call of a (class, layer) runs eagerly: a shape seen once (a prefill chunk) is
-not worth a capture. The second runs eagerly on the static buffers (its own work, which
+A step of more than `MAX_GRAPH_ROWS_PER_SEQUENCE` query rows per sequence (a prefill)
+always runs eagerly: its shape seldom repeats, its launches are small beside its kernels,
+and a capture costs far more than a launch. The first call of a (class, layer) runs
+eagerly too: a shape seen once is not worth a capture. The second runs eagerly on the static buffers (its own work, which
 also compiles anything the capture would otherwise meet first), then captures; later calls
 replay. The results of a replay live in the graph's memory: the caller copies them out
 before the next call. Classes are kept least recently used first.
@@ -57,7 +59,14 @@ from workers.metadata_cache import CachedMetadata
 from workers.parts import joined, joined_shape, on_host
 from workers.staging import HostStager, Staged, bytes_as, packed_offsets
 
-__all__ = ["PAGES", "DecodeGraphs", "GraphBody", "PagesBody", "bucket_width"]
+__all__ = [
+    "MAX_GRAPH_ROWS_PER_SEQUENCE",
+    "PAGES",
+    "DecodeGraphs",
+    "GraphBody",
+    "PagesBody",
+    "bucket_width",
+]
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +113,9 @@ PAGES = -1
 
 # (class, layer) pairs remembered as seen once; past this many the memory starts afresh.
 _MAX_SEEN = 4096
+# Query rows per sequence beyond which a call is a prefill, never captured (decode: 1; a
+# speculative step's few draft tokens stay below).
+MAX_GRAPH_ROWS_PER_SEQUENCE = 8
 # Entries' metadata kept packed for their class (a few KB each), least recently used out.
 _MAX_PACKED = 64
 
@@ -245,6 +257,8 @@ class DecodeGraphs:
             failed), nothing done.
         """
         if entry.slots is None or (layer == PAGES) != (layers is not None):
+            return None
+        if entry.num_rows > MAX_GRAPH_ROWS_PER_SEQUENCE * entry.block_tables.shape[0]:
             return None
         if layer == PAGES and (self._pages_body is None or out is not None):
             return None

@@ -386,7 +386,10 @@ class KVPool:
         copy (the slots as int32 where the pool's slot numbers fit)."""
         wide = self.num_slots >= 1 << 31
         parts = (block_tables, seq_lens, query_start_loc) + (() if wide else (slot_mapping,))
-        flat = torch.cat([t.reshape(-1).to(torch.int32) for t in parts]).to(self._device)
+        flat = torch.cat([t.reshape(-1).to(torch.int32) for t in parts])
+        if self._device.type == "cuda":
+            # From pageable memory the copy would wait for the stream's queued work.
+            flat = flat.pin_memory().to(self._device, non_blocking=True)
         tables, lens, starts, *slots = flat.split([t.numel() for t in parts])
         on_device = slot_mapping.to(self._device) if wide else slots[0]
         rows = int(query_start_loc[-1])
