@@ -29,10 +29,11 @@ page slots on the device; key, value and query may arrive in parts (the round's 
 rows, joined by the stager's one copy). So a round keeps one graph whichever layers its
 callers are on.
 
-A step lease's layers (``KVPool.run_step_layer``) arrive in a connection's staging
-buffers on the device, the same buffers layer after layer: their class is *bound* to those
-buffers (keyed by their addresses), its graphs read the inputs where they lie and write the
-output into the connection's output buffer, so a leased layer is one replay and no copy.
+A step lease's layers (``KVPool.run_step_layer``, run by the lease's client on its view
+of the pool: workers.lease_client) arrive in the client's fixed buffers on the device, the
+same buffers layer after layer: their class is *bound* to those buffers (keyed by their
+addresses), its graphs read the inputs where they lie and write the output into the
+client's output buffer, so a leased layer is one replay and no copy.
 
 A step of more than `MAX_GRAPH_ROWS_PER_SEQUENCE` query rows per sequence (a prefill)
 always runs eagerly: its shape seldom repeats, its launches are small beside its kernels,
@@ -244,7 +245,7 @@ class DecodeGraphs:
             layers: with PAGES, host int32 ``[S + n]``: each sequence's layer, then each
                 new token's (validated).
             out: ``[T, Hq, D]``, the output's place: then key, value, query and out are
-                device buffers that outlive the class (a lease connection's staging), and
+                device buffers that outlive the class (a lease client's buffers), and
                 the graph reads and writes them where they lie: nothing is loaded but the
                 metadata, and the output is written into `out` (the class is keyed by the
                 four addresses).

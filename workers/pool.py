@@ -407,17 +407,18 @@ class KVPool:
         out: torch.Tensor,
         options: AttendOptions = _DEFAULT_OPTIONS,
     ) -> torch.Tensor | None:
-        """One layer of a planned step (:meth:`step_metadata`): the write of its new K/V
-        (masked unless every input is finite) and the attention, output written into
-        `out`, all enqueued on the current stream without waiting for the device (a CUDA
-        graph replay, on these very buffers, where the step's shape was seen before).
+        """One layer of a planned step (:meth:`step_metadata`, :meth:`planned_step`): the
+        write of its new K/V (masked unless every input is finite) and the attention,
+        output written into `out`, all enqueued on the current stream without waiting for
+        the device (a CUDA graph replay, on these very buffers, where the step's shape was
+        seen before).
 
         Args:
             key, value: ``[n, Hkv, D]``; query, out: ``[rows, Hq, D]``, n and rows the
-                step's: a lease connection's staging (`workers.step_leases.StepBuffers`),
-                in the pool's dtype on its device, the same buffers layer after layer
-                (the graphs are keyed by their addresses). They are the server's own
-                allocation, so only the layer is checked here.
+                step's, in the pool's dtype on its device: the caller's fixed buffers
+                (a lease client's, `workers.lease_client`), the same layer after layer
+                (the graphs are keyed by their addresses). The caller sized them for the
+                step, so only the layer is checked here.
 
         Returns:
             The finite flag (a 0-d bool on the device: False means nothing was written),

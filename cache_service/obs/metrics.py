@@ -282,7 +282,8 @@ class ServiceMetrics:
         }
         self.leased_layers = Counter(
             f"{p}_leased_layers",
-            "Layer calls a worker served under a step lease, committed when the lease ended.",
+            "Layers written under a step lease (by a co-located client on the worker's pool), "
+            "committed when the lease ended.",
             registry=reg,
         )
 
@@ -486,7 +487,7 @@ class ServiceMetrics:
         (child if child is not None else self.step_leases.labels(event)).inc()
 
     def add_leased_layers(self, n: int) -> None:
-        """Count `n` layer calls served under a step lease (n >= 0)."""
+        """Count `n` layers written under a step lease (n >= 0)."""
         _check_count("n", n)
         self.leased_layers.inc(n)
 
