@@ -300,10 +300,30 @@ def test_a_lease_ends_at_its_timeout_and_an_unreported_one_is_revoked():
         while len(harness.coordinator._leases) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not harness.coordinator._leases
-        with pytest.raises(WorkerUnavailable):
+        with pytest.raises(WorkerUnavailable):  # the report, or the next request, fails
             lc.end(opened)
+            lc.open(secrets.token_bytes(16))
         assert _written(harness, batch.seq_ids[0]) == [3] + [2] * (NL - 1)
         harness.check_integrity()
+
+
+def test_a_report_the_worker_no_longer_expects_fails_the_next_request(harness, client):
+    # END is not waited for: its answer is read by the connection's next request, which
+    # raises when the report came after the lease was gone (here: a newer coordinator's
+    # claim cleared the worker's leases).
+    batch = Batch(client, [[1, 2, 3]], seed=16)
+    step = batch.step()
+    _first_layer(batch, step, 4)
+    lease = client.lease_step(batch.seq_ids, HQ)
+    lc = LeaseClient(lease.socket, CPU)
+    opened = lc.open(lease.lease_id)
+    lc.run_layer(opened, 1, *step[1])
+    harness.coordinator._clients["w0"].worker._leases.clear()
+    assert lc.end(opened).written == (1,)  # what the client did; not yet confirmed
+    with pytest.raises(LeaseEnded, match="none of it was kept"):
+        lc.open(secrets.token_bytes(16))
+    assert lc.open(secrets.token_bytes(16)) is None  # the connection still serves
+    lc.close()
 
 
 def test_no_lease_without_a_planned_step_or_with_bad_arguments(client):

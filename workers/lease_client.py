@@ -114,6 +114,8 @@ class LeaseClient:
             self.close()
             raise WorkerUnavailable(path, f"lease socket: {exc}") from None
         self._width = (self.pool.layout.num_layers + 7) // 8
+        # Reports sent whose answers are not read yet (the next request reads them).
+        self._unanswered = 0
         # Inputs and output of a layer, reused so that decode graphs replay on them.
         self._staging: tuple[torch.Tensor, ...] = ()
 
@@ -129,6 +131,8 @@ class LeaseClient:
 
         Raises:
             InvalidWorkerRequest: the worker refused (the lease is open already).
+            LeaseEnded: the previous step's report (:meth:`end`) came too late: the worker
+                had revoked that lease, so none of its layers was kept.
             WorkerUnavailable: the connection broke.
         """
         with self._lock:
@@ -206,10 +210,12 @@ class LeaseClient:
     def end(self, leased: LeasedStep) -> LeaseReport:
         """Report what the lease wrote (waits for the device to finish its layers): the
         layers run with finite inputs are written, the others refused (nothing written).
+        The report is sent without waiting for the worker's answer, which the next request
+        on this connection reads first (:meth:`open` raises if the report came too late).
 
         Raises:
-            LeaseEnded: the worker revoked the lease first (it was not reported in time):
-                nothing counts as written.
+            LeaseEnded / InvalidWorkerRequest: the answer to an earlier report said the
+                worker had revoked that lease / refused the report.
             WorkerUnavailable: the connection broke (nothing counts as written).
         """
         served = [(layer, f) for layer, f in leased.flags.items() if f is not None]
@@ -227,11 +233,9 @@ class LeaseClient:
         with self._lock:
             if self._event is not None:
                 self._event.record(torch.cuda.current_stream(self.device))
-            code, body = self._request(message)
-        if code == ENDED:
-            raise LeaseEnded(body.decode(errors="replace"))
-        if code != OK:
-            raise InvalidWorkerRequest(body.decode(errors="replace"))
+            self._settle()
+            self._send(message)
+            self._unanswered += 1
         return report
 
     def close(self) -> None:
@@ -310,9 +314,39 @@ class LeaseClient:
         return k[:tokens], v[:tokens], q[:rows], out[:rows]
 
     def _request(self, message: bytes) -> tuple[int, bytes]:
-        """Send one request; its reply (code, body), reassembled from its datagrams."""
+        """Send one request (after reading the answers to earlier reports); its reply
+        (code, body)."""
+        self._settle()
+        self._send(message)
+        return self._reply()
+
+    def _settle(self) -> None:
+        """Read the answers to the reports sent without waiting (:meth:`end`).
+
+        Raises:
+            LeaseEnded: the worker had revoked a reported lease; InvalidWorkerRequest: it
+                refused a report.
+        """
+        while self._unanswered:
+            self._unanswered -= 1
+            code, body = self._reply()
+            if code == ENDED:
+                raise LeaseEnded(
+                    "the worker revoked the previous step's lease before its report (the "
+                    f"step took longer than the lease's timeout): none of it was kept; {body.decode(errors='replace')}"
+                )
+            if code != OK:
+                raise InvalidWorkerRequest(body.decode(errors="replace"))
+
+    def _send(self, message: bytes) -> None:
         try:
             self._sock.send(message)
+        except OSError as exc:
+            raise WorkerUnavailable(self.path, f"lease socket: {exc}") from None
+
+    def _reply(self) -> tuple[int, bytes]:
+        """The next reply (code, body), reassembled from its datagrams."""
+        try:
             first = self._sock.recv(CHUNK)
             if len(first) < REPLY.size:
                 raise OSError("the worker closed the connection")

@@ -103,6 +103,9 @@ class StepLeaser:
 
         Raises:
             InvalidArgumentError: inputs that do not fit the step (nothing written).
+            FailedPreconditionError: the previous forward's report reached the worker after
+                it had revoked that lease (the forward outlived the lease's timeout twice):
+                none of that forward was kept.
             UnavailableError: the lease connection broke.
         """
         try:
@@ -114,9 +117,12 @@ class StepLeaser:
                     return None
                 lease.opened = opened
             out = self._clients[lease.socket].run_layer(lease.opened, layer, key, value, query)
+        except LeaseEnded as exc:  # the previous step's report came too late
+            raise FailedPreconditionError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
         except InvalidWorkerRequest as exc:
             raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except WorkerUnavailable as exc:
+            self._drop(lease.socket)
             raise UnavailableError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         lease.layers.discard(layer)
         return out.view(query.shape)
@@ -129,8 +135,7 @@ class StepLeaser:
 
         Raises:
             InvalidArgumentError: which layers were refused.
-            FailedPreconditionError: the service revoked the lease before this report (the
-                forward took longer than the lease's timeout twice): nothing was kept.
+            FailedPreconditionError: an earlier report came after its lease was revoked.
             UnavailableError: the connection broke: nothing was kept.
         """
         opened, lease.opened = lease.opened, None
