@@ -13,6 +13,7 @@ crosses a process boundary and nothing waits for the other process per layer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.errors import InvalidWorkerRequest, WorkerUnavailable
+from workers.errors import InvalidWorkerRequest, PoolAllocationError, WorkerUnavailable
 from workers.layout import KVLayout
 from workers.lease_server import (
     CHUNK,
@@ -108,9 +109,10 @@ class LeaseClient:
             if not reply.get("ok"):
                 raise ValueError(f"the worker refused: {reply.get('error', 'closed')}")
             self.pool, self._worker_event = self._map(reply, fds, local, device)
-        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
-            for fd in fds:
-                os.close(fd)
+        except (ValueError, KeyError, TypeError, RuntimeError, PoolAllocationError) as exc:
+            for fd in fds:  # those not mapped (a mapped one is closed already)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
             self.close()
             raise WorkerUnavailable(path, f"lease socket: {exc}") from None
         self._width = (self.pool.layout.num_layers + 7) // 8
