@@ -24,7 +24,8 @@ Wire format (one message per datagram; integers little-endian):
   length of what follows, then the message (OK: `StepPlan.pack`; else UTF-8 text), cut
   into datagrams of at most `CHUNK` bytes.
 - END: ``<B16sH`` (2, lease id, bytes per bitmask) then two bitmasks of the layers written
-  and refused (bit ``i % 8`` of byte ``i // 8``); reply as OPEN's, with text only.
+  and refused (bit ``i % 8`` of byte ``i // 8``); reply as OPEN's, with text only (the
+  client reads it before its next request's reply, not when it sends the END).
 
 The client's side is `workers.lease_client`; `tests/test_step_leases.py` checks the two
 agree.
