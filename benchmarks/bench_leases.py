@@ -9,8 +9,8 @@ batch size it prints the p50 and p90 of each stage's host time: the StepLease ca
 open, a leased layer (the service's own cost around the kernels: input copies, the write
 and the attention launched or replayed as a graph; on a GPU the kernels run meanwhile),
 and the end (which waits for the device to finish the step's layers). On a GPU it also
-times one layer per step on the device (CUDA events around the call, the device idle
-before it).
+times the step's last layer on the device (CUDA events around the call, the device idle
+before it; not the first, whose stream also waits for the worker's event).
 
     .venv/bin/python benchmarks/bench_leases.py --smoke       # CPU, seconds
     source .device/env.sh && python3 benchmarks/bench_leases.py --h200
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         "| batch | StepLease p50 / p90, us | open p50, us | leased layer p50 / p90, us "
-        "| end p50, us | layer on the device p50, us |"
+        "| end p50, us | last layer on the device p50, us |"
     )
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     with ServedProcess(flags) as served, KVCacheClient(served.address) as client:
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 t2 = time.perf_counter()
                 for layer in range(layers):
                     t = time.perf_counter()
-                    if device == "cuda" and step >= 3 and layer == 0:
+                    if device == "cuda" and step >= 3 and layer == layers - 1:
                         begin, done = (torch.cuda.Event(enable_timing=True) for _ in range(2))
                         torch.cuda.synchronize()
                         begin.record()
