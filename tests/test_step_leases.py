@@ -415,10 +415,10 @@ def test_a_step_planned_for_a_lease_writes_every_layer_by_lease(harness, client)
     lease = client.lease_step(batch.seq_ids, HQ, [[21], [22]])
     assert lease.granted, lease.reason
     assert list(lease.layers) == list(range(NL))
-    lc = LeaseClient(lease.socket, CPU)
-    opened = lc.open(lease.lease_id)
-    _run_layers(batch, lc, opened, step, range(NL))
-    lc.end(opened)
+    with LeaseClient(lease.socket, CPU) as lc:
+        opened = lc.open(lease.lease_id)
+        _run_layers(batch, lc, opened, step, range(NL))
+        lc.end(opened)
     client.free(batch.seq_ids[1])  # ends the lease: every layer of the step committed
     info = harness.call(
         harness.coordinator.block_manager.sequence_info, "default", batch.seq_ids[0]

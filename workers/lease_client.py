@@ -68,7 +68,8 @@ class LeasedStep:
 
 
 class LeaseClient:
-    """One connection to a worker's lease socket, with the worker's pool mapped.
+    """One connection to a worker's lease socket, with the worker's pool mapped (a context
+    manager: closed on exit).
 
     Args:
         path: the socket (StepLeaseResponse.socket).
@@ -239,6 +240,12 @@ class LeaseClient:
             self._send(message)
             self._unanswered += 1
         return report
+
+    def __enter__(self) -> LeaseClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         """End the connection (the worker ends its unreported leases, nothing written)."""
