@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -47,17 +47,11 @@ class Exported:
     nbytes: int = 0
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "handle": self.handle,
-            "nbytes": self.nbytes,
-        }
+        return asdict(self)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Exported:
-        return cls(d["kind"], tuple(d["shape"]), d["dtype"], d["handle"], d["nbytes"])
+        return cls(**{**d, "shape": tuple(d["shape"])})
 
 
 def allocate(

@@ -40,6 +40,8 @@ __all__ = ["LEASE_ID_BYTES", "LeaseEnded", "LeaseReport", "StepLeases", "StepPla
 LEASE_ID_BYTES = 16
 # The plan's header: sequences, block-table width, new tokens, query heads, layers.
 _HEADER = struct.Struct("<5I")
+# The dtypes of the plan's arrays on the wire: tables, lengths, offsets, slots, layers.
+_DTYPES = (torch.int32, torch.int32, torch.int32, torch.int64, torch.int32)
 
 
 class LeaseEnded(InvalidWorkerRequest):
@@ -84,14 +86,16 @@ class StepPlan:
         and offsets, the int64 slots, the int32 layers)."""
         s, width = self.block_tables.shape
         head = _HEADER.pack(s, width, self.slot_mapping.numel(), self.num_q_heads, len(self.layers))
-        parts = [
-            self.block_tables.to(torch.int32),
-            self.seq_lens.to(torch.int32),
-            self.query_start_loc.to(torch.int32),
-            self.slot_mapping.to(torch.int64),
-            torch.tensor(self.layers, dtype=torch.int32),
-        ]
-        return head + b"".join(p.contiguous().numpy().tobytes() for p in parts)
+        arrays = (
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.slot_mapping,
+            torch.tensor(self.layers),
+        )
+        return head + b"".join(
+            a.to(d).contiguous().numpy().tobytes() for a, d in zip(arrays, _DTYPES, strict=True)
+        )
 
     @classmethod
     def unpack(cls, data: bytes) -> StepPlan:
@@ -101,29 +105,28 @@ class StepPlan:
             ValueError: bytes of another length than the header says.
         """
         s, width, n, heads, count = _HEADER.unpack_from(data)
-        sizes = [s * width * 4, s * 4, (s + 1) * 4, n * 8, count * 4]
-        if len(data) != _HEADER.size + sum(sizes):
-            raise ValueError(
-                f"a step plan of {len(data)} bytes, expected {_HEADER.size + sum(sizes)}"
-            )
+        counts = (s * width, s, s + 1, n, count)
+        total = _HEADER.size + sum(c * d.itemsize for c, d in zip(counts, _DTYPES, strict=True))
+        if len(data) != total:
+            raise ValueError(f"a step plan of {len(data)} bytes, expected {total}")
         buf = bytearray(data)  # writable: the tensors below are views of it
         offset = _HEADER.size
         out = []
-        for size, dtype in zip(sizes, (torch.int32,) * 3 + (torch.int64, torch.int32), strict=True):
+        for c, dtype in zip(counts, _DTYPES, strict=True):
             out.append(
-                torch.frombuffer(buf, dtype=dtype, count=size // dtype.itemsize, offset=offset)
-                if size
+                torch.frombuffer(buf, dtype=dtype, count=c, offset=offset)
+                if c
                 else torch.empty(0, dtype=dtype)
             )
-            offset += size
+            offset += c * dtype.itemsize
         tables, lens, starts, slots, layers = out
         return cls(tables.view(s, width), lens, starts, slots, heads, tuple(layers.tolist()))
 
 
 @dataclass(eq=False)
 class _Lease:
-    plan: StepPlan
-    packed: bytes
+    layers: frozenset[int]
+    packed: bytes  # the plan, as OPEN answers it (`StepPlan.pack`)
     # The connection that opened it (None: not opened) and what it reported.
     opened_by: object | None = None
     report: LeaseReport | None = None
@@ -189,7 +192,7 @@ class StepLeases:
                 raise InvalidWorkerRequest("that lease id is in use")
             if len(self._leases) >= self._capacity:
                 raise InvalidWorkerRequest(f"this worker holds {self._capacity} leases already")
-            self._leases[lease_id] = _Lease(plan, plan.pack())
+            self._leases[lease_id] = _Lease(frozenset(plan.layers), plan.pack())
         if self.event is not None:
             self.event.record(torch.cuda.current_stream(self._pool.device))
 
@@ -224,7 +227,7 @@ class StepLeases:
                 raise InvalidWorkerRequest("the lease was not opened on this connection")
             if lease.report is not None:
                 raise InvalidWorkerRequest("the lease was reported already")
-            allowed = set(lease.plan.layers)
+            allowed = lease.layers
             if not allowed.issuperset(done + bad) or set(done) & set(bad):
                 raise InvalidWorkerRequest(
                     f"a report names layers the lease does not cover or twice: written "

@@ -140,9 +140,9 @@ class BatchPath(CallPolicy):
         *,
         timeout_s: float | None = None,
     ) -> pb.StepLeaseResponse | None:
-        """A step lease: the step's layers may then go straight to the worker
-        (`workers.lease_client.LeaseClient`); see StepLeaseRequest in the proto. Only over a
-        local session (a client on the server's host).
+        """A step lease: the client may then run the step's layers on the worker's pool
+        itself (`workers.lease_client.LeaseClient`); see StepLeaseRequest in the proto.
+        Only over a local session (a client on the server's host).
 
         Args:
             seq_ids: the batch's sequences.

@@ -14,7 +14,9 @@ ended before its first layer makes the layers go as calls instead; nothing else 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,7 +110,7 @@ class StepLeaser:
                 none of that forward was kept.
             UnavailableError: the lease connection broke.
         """
-        try:
+        with self._client_errors(lease.socket):
             if lease.opened is None:
                 client = self._client(lease.socket, query.device)
                 opened = client.open(lease.lease_id) if client is not None else None
@@ -117,13 +119,6 @@ class StepLeaser:
                     return None
                 lease.opened = opened
             out = self._clients[lease.socket].run_layer(lease.opened, layer, key, value, query)
-        except LeaseEnded as exc:  # the previous step's report came too late
-            raise FailedPreconditionError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
-        except InvalidWorkerRequest as exc:
-            raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        except WorkerUnavailable as exc:
-            self._drop(lease.socket)
-            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         lease.layers.discard(layer)
         return out.view(query.shape)
 
@@ -141,18 +136,8 @@ class StepLeaser:
         opened, lease.opened = lease.opened, None
         if opened is None:
             return
-        try:
+        with self._client_errors(lease.socket):
             report = self._clients[lease.socket].end(opened)
-        except LeaseEnded as exc:
-            raise FailedPreconditionError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"the service revoked the step's lease before the forward reported: {exc}",
-            ) from None
-        except WorkerUnavailable as exc:
-            self._drop(lease.socket)
-            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
-        except InvalidWorkerRequest as exc:
-            raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         if report.refused:
             layers = ",".join(str(x) for x in report.refused)
             raise InvalidArgumentError(
@@ -165,6 +150,21 @@ class StepLeaser:
         for client in self._clients.values():
             client.close()
         self._clients.clear()
+
+    @contextlib.contextmanager
+    def _client_errors(self, socket: str) -> Iterator[None]:
+        """The lease client's errors as the service client's: a report that came after
+        its lease was gone FAILED_PRECONDITION, a refusal INVALID_ARGUMENT, a broken
+        connection UNAVAILABLE (and the connection dropped)."""
+        try:
+            yield
+        except LeaseEnded as exc:
+            raise FailedPreconditionError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        except InvalidWorkerRequest as exc:
+            raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except WorkerUnavailable as exc:
+            self._drop(socket)
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
 
     def _drop(self, socket: str) -> None:
         client = self._clients.pop(socket, None)
