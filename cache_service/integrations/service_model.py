@@ -46,6 +46,7 @@ from cache_service.integrations.model_probe import (
     compare_generations,
     probe_generation_config,
     probe_inputs,
+    rounding_noise,
 )
 from cache_service.integrations.service_attention import (
     SERVICE_ATTENTION,
@@ -104,7 +105,8 @@ class ServiceModel:
     probe generates a few tokens for two random prompts with the model's own attention and
     through this integration against :class:`ExactAttentionService` (the service's
     arithmetic, locally), and refuses the model unless every layer attended once per step
-    with the service's shapes and the logits agree.
+    with the service's shapes and the logits agree (within the dtype's tolerance, or twice
+    what the model's own sdpa and eager attention differ by: `model_probe.rounding_noise`).
 
     Raises:
         ValueError: the service layout does not fit the model, or the model's attention is
@@ -215,13 +217,34 @@ class ServiceModel:
                 f"with the model's own attention ({type(e).__name__}: {e}); the service "
                 "integration needs a model that generate() runs"
             ) from e
+        self._probe_noise = self._rounding_noise(ids, mask, gc, batch)
         # A model whose output for a row depends on its left padding (positions counted
         # from the first column, not the first token) wrote a cached prefix at positions
         # that another request's padding would shift: such prefixes must not be adopted.
-        tolerance = compare_generations(batch, batch, self.model.dtype).tolerance
+        tolerance = compare_generations(batch, batch, self.model.dtype, self._probe_noise).tolerance
         shift = float((batch.logits[0][1].float() - alone.logits[0][0].float()).abs().max())
         self.padding_moves_positions = not shift <= tolerance
         return batch
+
+    def _rounding_noise(
+        self, ids: torch.Tensor, mask: torch.Tensor, gc: Any, reference: Any
+    ) -> float:
+        """How much the probe's logits move when the model's own attention is computed by
+        its other implementation (eager for sdpa and the rest, sdpa for eager): the
+        rounding noise the service path's comparison allows for. 0 when the model has no
+        other implementation."""
+        other = "sdpa" if self._previous_attn == "eager" else "eager"
+        try:
+            self.model.set_attn_implementation(other)
+            with _eval_mode(self.model), torch.no_grad():
+                alternative = self.model.generate(
+                    input_ids=ids, attention_mask=mask, generation_config=gc
+                )
+        except Exception:  # no such implementation for this model: the dtype's tolerance
+            return 0.0
+        finally:
+            self.model.set_attn_implementation(self._previous_attn)
+        return rounding_noise(reference, alternative)
 
     def _probe_service_path(self, reference: Any) -> None:
         """Generate the probe batch through this integration with the service's arithmetic."""
@@ -255,13 +278,14 @@ class ServiceModel:
             ) from e
         finally:
             self.client = real_client
-        result = compare_generations(ours, reference, self.model.dtype)
+        result = compare_generations(ours, reference, self.model.dtype, self._probe_noise)
         if result.step is not None:
             raise ValueError(
                 f"{what}: its attention is not the plain causal softmax attention the service "
                 "computes (scale head_dim**-0.5, contiguous GQA groups, no bias/sinks/window/"
                 f"softcap): a probe generation's logits differ by {result.worst:.3g} "
-                f"(tolerance {result.tolerance:.3g}) at step {result.step}; this model is not "
+                f"(tolerance {result.tolerance:.3g}; the model's own sdpa and eager attention "
+                f"differ by {self._probe_noise:.3g}) at step {result.step}; this model is not "
                 "supported"
             )
 
