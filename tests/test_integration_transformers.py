@@ -356,6 +356,13 @@ def test_bad_inputs_raise_and_change_nothing(client: RecordingClient) -> None:
         other[1, -1] = (other[1, -1] + 1) % PAD
         with pytest.raises(ValueError, match="differ from the session's prompt"):
             model(input_ids=other, attention_mask=mask, past_key_values=session.cache)
+        # Row 0 is left-padded by 3: its tokens sit at positions 0.., not at their columns.
+        columns = torch.arange(ids.shape[1]).expand_as(ids)
+        with pytest.raises(ValueError, match=r"row 0: position_ids \[3, 4, 5, 6, 7, 8\] do not"):
+            model(
+                input_ids=ids, attention_mask=mask, position_ids=columns,
+                past_key_values=session.cache,
+            )  # fmt: skip
         with pytest.raises(NotImplementedError, match="num_beams > 1"):
             session.generate(max_new_tokens=2, num_beams=2, do_sample=False)
         # None of that wrote anything: the session still generates exactly.
