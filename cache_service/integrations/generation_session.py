@@ -242,7 +242,7 @@ class GenerationSession:
         rows = [row.row for row in step.rows]
         offsets = [row.first_column - start for row in step.rows]
         columns = torch.arange(q)
-        shift = torch.tensor([o - row.start_position for o, row in zip(offsets, step.rows)])
+        shift = torch.tensor([row.first_column - start - row.start_position for row in step.rows])
         expected_positions = torch.zeros(plan.batch_size, q, dtype=torch.long)
         expected_positions[rows] = columns - shift[:, None]
         id_rows = ids.tolist()
