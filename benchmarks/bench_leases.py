@@ -2,8 +2,9 @@
 
 Against `kvcache serve` in a process of its own (in-process pools on the device), a client
 on the same host runs decode steps the way the transformers integration does: one
-StepLease call planning the step of one new token per sequence, the lease opened (its plan
-fetched from the worker), every layer run here on the worker's mapped pool
+StepLease call planning the step of one new token per sequence (naming the client's lease
+connection, so the grant opens the lease for it and the reply carries the plan), the
+lease opened here from that plan, every layer run here on the worker's mapped pool
 (`LeaseClient.run_layer`), then the end that waits for the layers and reports them. Per
 batch size it prints the p50 and p90 of each stage's host time: the StepLease call, the
 open, a leased layer (the service's own cost around the kernels: input copies, the write
@@ -97,14 +98,17 @@ def main(argv: list[str] | None = None) -> int:
                 leases.run_layer(opened, layer, k, k, q)
             leases.end(opened)
             k1, q1 = k[:batch], q[:batch]
+            connections = {leases.path: leases.connection}
             lease_t, open_t, layer_t, end_t, device_t = [], [], [], [], []
             for step in range(steps + 3):
                 t0 = time.perf_counter()
-                grant = client.lease_step(ids, q_heads, [[7]] * batch)
+                grant = client.lease_step(
+                    ids, q_heads, [[7]] * batch, lease_connections=connections
+                )
                 t1 = time.perf_counter()
                 if grant is None or not grant.granted:
                     raise SystemExit(f"no lease: {grant and grant.reason}")
-                opened = leases.open(grant.lease_id)
+                opened = leases.open(grant.lease_id, grant.plan)
                 t2 = time.perf_counter()
                 for layer in range(layers):
                     t = time.perf_counter()

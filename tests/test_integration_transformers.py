@@ -414,3 +414,18 @@ def test_a_forward_failing_before_its_first_layer_leaves_leases_working(
         session.generate(max_new_tokens=3, do_sample=False)
         assert session.stats.leases == 3 and session.stats.rpc_calls == 0
     assert client.stats().active_sequences == 0
+    # Now the model's lease connection exists: a grant opens the lease for it and sends
+    # the plan. A forward failing before its first layer reports that lease as writing
+    # nothing: closing the session does not wait out the lease's timeout (5 s) to revoke
+    # it, which would close the connection.
+    (connection,) = served.leaser._clients.values()
+    model.set_input_embeddings(broken)
+    with served.session(ids, mask) as session, torch.no_grad():
+        with pytest.raises(RuntimeError, match="embedding failed"):
+            session.generate(max_new_tokens=2, do_sample=False)
+    model.set_input_embeddings(embed)
+    with served.session(ids, mask) as session, torch.no_grad():
+        session.generate(max_new_tokens=3, do_sample=False)
+        assert session.stats.leases == 3 and session.stats.rpc_calls == 0
+    assert list(served.leaser._clients.values()) == [connection]
+    assert client.stats().active_sequences == 0

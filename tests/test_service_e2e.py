@@ -338,6 +338,25 @@ def test_a_step_lease_on_a_ray_worker(svc) -> None:
         for i, m in enumerate(mirrors):
             check(out[i], m, NL - 1, q[i])
         assert leases.open(lease.lease_id) is None
+        # Naming the connection, the actor's grant opens the next lease for it and the
+        # plan comes back through Ray with the answer: no OPEN.
+        step = {layer: torch.randn(3, b, 1, HQ, D, generator=gen) for layer in range(NL)}
+        k, v, q = kvq(0)
+        client.append_attend_batch(0, seq_ids, [[8]] * b, k, v, q)
+        for i, m in enumerate(mirrors):
+            m.add(0, k[i], v[i])
+        lease = client.lease_step(seq_ids, HQ, lease_connections={leases.path: leases.connection})
+        assert lease.granted and lease.plan, lease.reason
+        opened = leases.open(lease.lease_id, lease.plan)
+        for layer in lease.layers:
+            k, v, q = kvq(layer)
+            leases.run_layer(opened, layer, k, v, q)
+            for i, m in enumerate(mirrors):
+                m.add(layer, k[i], v[i])
+        assert leases.end(opened).written == tuple(lease.layers)
+        out = client.attend_batch(NL - 1, seq_ids, q)
+        for i, m in enumerate(mirrors):
+            check(out[i], m, NL - 1, q[i])
         leases.close()
         for m in mirrors:
             client.free(m.seq_id)

@@ -41,7 +41,7 @@ from cache_service.engine.coordinator import Coordinator
 from cache_service.errors import InvalidRequest, PoolExhausted
 from workers.errors import InvalidWorkerRequest, WorkerUnavailable
 from workers.lease_client import LeaseClient
-from workers.lease_server import _layers, layer_mask
+from workers.lease_server import _layers, layer_mask, local_pool
 from workers.pool import KVPool
 from workers.step_leases import LeaseEnded, LeaseReport, StepLeases, StepPlan
 
@@ -179,6 +179,55 @@ def test_leased_layers_equal_dense_attention_and_commit_at_the_next_call(harness
     stats = harness.stats()
     assert stats.active_sequences == 0
     assert all(w.used == 0 for w in stats.workers.values()), stats.workers
+
+
+def test_a_grant_naming_the_clients_connection_opens_the_lease_and_sends_its_plan(harness, client):
+    # The request names this process's lease connection: the worker opens the lease for
+    # it at the grant and the answer carries the plan, so no OPEN goes over the socket.
+    batch = Batch(client, [[1, 2, 3], [4, 5]], seed=21)
+    step = batch.step()
+    _first_layer(batch, step, 4)
+    first = client.lease_step(batch.seq_ids, HQ)
+    assert first.granted and first.plan == b""  # no connection named: OPEN as before
+    lc = LeaseClient(first.socket, CPU)
+    opened = lc.open(first.lease_id)
+    _run_layers(batch, lc, opened, step, first.layers)
+    lc.end(opened)
+    step2 = batch.step()
+    _first_layer(batch, step2, 5)
+    # Another connection's token, or one that closed, gets no plan: the lease waits for
+    # an OPEN.
+    _, leases = local_pool(lc.path)
+    other = LeaseClient(first.socket, CPU)
+    gone = other.connection
+    other.close()
+    deadline = time.monotonic() + 10
+    while gone in leases._connections and time.monotonic() < deadline:
+        time.sleep(0.01)  # the worker's connection thread sees the close
+    for token in (gone, secrets.token_bytes(16)):
+        # (Each request ends the one before: never opened, nothing written.)
+        stray = client.lease_step(batch.seq_ids, HQ, lease_connections={lc.path: token})
+        assert stray.granted and stray.plan == b"", token
+    lease = client.lease_step(batch.seq_ids, HQ, lease_connections={lc.path: lc.connection})
+    assert lease.granted and lease.plan
+    asked = []
+    worker_open = leases.open
+    leases.open = lambda lease_id, conn: asked.append(lease_id) or worker_open(lease_id, conn)
+    opened = lc.open(lease.lease_id, lease.plan)
+    assert asked == []  # nothing asked of the worker
+    with pytest.raises(InvalidWorkerRequest, match="open already"):
+        lc.open(lease.lease_id)  # the grant opened it for this connection
+    assert asked == [lease.lease_id]
+    del leases.open
+    _run_layers(batch, lc, opened, step2, lease.layers)
+    assert lc.end(opened) == LeaseReport(tuple(range(1, NL)), ())
+    step3 = batch.step()  # the next call commits the leased layers
+    _close(_first_layer(batch, step3, 6), batch.reference(0, step3[0][2]))
+    assert _written(harness, batch.seq_ids[0]) == [6] + [5] * (NL - 1)
+    for s in batch.seq_ids:
+        client.free(s)
+    lc.close()
+    harness.check_integrity()
 
 
 def test_a_lease_ended_before_it_was_opened_sends_its_layers_by_call(harness, client):

@@ -224,13 +224,17 @@ class PoolWorker:
         query_start_loc: IndexLike,
         slot_mapping: Sequence[int],
         num_q_heads: int,
-    ) -> None:
-        """`StepLeases.grant` behind the epoch fence: the step's layers `layers` may come
-        over the lease socket under `lease_id` until :meth:`end_lease`."""
+        connection: bytes | None = None,
+    ) -> bytes | None:
+        """`StepLeases.grant` behind the epoch fence: the step's layers `layers` may be
+        written by the lease's client under `lease_id` until :meth:`end_lease`. Returns
+        the packed plan when the lease was opened for `connection` at the grant."""
         batch = self._unpacked((block_tables, seq_lens, query_start_loc))
-        self._run(
+        return self._run(
             epoch,
-            lambda: self._leases.grant(lease_id, layers, *batch, slot_mapping, num_q_heads),
+            lambda: self._leases.grant(
+                lease_id, layers, *batch, slot_mapping, num_q_heads, connection
+            ),
         )
 
     def end_lease(self, epoch: str | FencedEpoch, lease_id: bytes) -> LeaseReport | None:

@@ -5,7 +5,8 @@ A :class:`LeaseClient` connects once per session and worker and maps the worker'
 the pool tensor and its slot fingerprints (CUDA IPC memory on a GPU, a shared memory file
 on a CPU; the very tensors when the worker lives in this process), wrapped in a `KVPool`
 of this process. A leased step is then run here, with the pool's own kernels:
-:meth:`LeaseClient.open` fetches the step's plan (one message), each layer is
+:meth:`LeaseClient.open` takes the step's plan from the StepLease reply (the request named
+:attr:`LeaseClient.connection`) or fetches it (one message), each layer is
 `KVPool.run_step_layer` on the caller's stream (a CUDA graph replay once the step's shape
 was seen), and :meth:`LeaseClient.end` reports the layers written (one message). No tensor
 crosses a process boundary and nothing waits for the other process per layer.
@@ -18,6 +19,7 @@ import json
 import os
 import secrets
 import socket
+import struct
 import threading
 from dataclasses import dataclass, field
 
@@ -110,6 +112,9 @@ class LeaseClient:
             if not reply.get("ok"):
                 raise ValueError(f"the worker refused: {reply.get('error', 'closed')}")
             self.pool, self._worker_event = self._map(reply, fds, local, device)
+            # Named in a StepLeaseRequest's lease_connections: the grant opens the lease
+            # for this connection and the reply carries the plan.
+            self.connection = bytes.fromhex(str(reply["connection"]))
         except (ValueError, KeyError, TypeError, RuntimeError, PoolAllocationError) as exc:
             for fd in fds:  # those not mapped (a mapped one is closed already)
                 with contextlib.suppress(OSError):
@@ -127,10 +132,16 @@ class LeaseClient:
         """The pool's device."""
         return self.pool.device
 
-    def open(self, lease_id: bytes) -> LeasedStep | None:
+    def open(self, lease_id: bytes, plan: bytes = b"") -> LeasedStep | None:
         """Open a granted lease: its step, ready for :meth:`run_layer`; None when it ended
         before it was opened (its layers go by call). The caller must :meth:`end` an
         opened lease, whatever happens to its forward.
+
+        Args:
+            lease_id: StepLeaseResponse.lease_id.
+            plan: StepLeaseResponse.plan: set when the grant opened the lease for this
+                connection (the request named :attr:`connection`); then nothing is asked
+                of the worker. Empty: the plan is fetched with an OPEN.
 
         Raises:
             InvalidWorkerRequest: the worker refused (the lease is open already).
@@ -139,20 +150,27 @@ class LeaseClient:
             WorkerUnavailable: the connection broke.
         """
         with self._lock:
-            code, body = self._request(REQUEST.pack(OPEN, lease_id))
-        if code == ENDED:
-            return None
-        if code != OK:
-            raise InvalidWorkerRequest(body.decode(errors="replace"))
-        plan = StepPlan.unpack(body)
+            if plan:
+                self._settle()
+                body = plan
+            else:
+                code, body = self._request(REQUEST.pack(OPEN, lease_id))
+                if code == ENDED:
+                    return None
+                if code != OK:
+                    raise InvalidWorkerRequest(body.decode(errors="replace"))
+        try:
+            granted = StepPlan.unpack(body)
+        except (ValueError, struct.error) as exc:
+            raise InvalidWorkerRequest(f"a malformed step plan: {exc}") from None
         step = self.pool.planned_step(
-            plan.block_tables, plan.seq_lens, plan.query_start_loc, plan.slot_mapping
+            granted.block_tables, granted.seq_lens, granted.query_start_loc, granted.slot_mapping
         )
         if self._worker_event is not None:
             # The step's blocks as the worker left them (copies, earlier writes).
             torch.cuda.current_stream(self.device).wait_event(self._worker_event)
         return LeasedStep(
-            lease_id, step, plan.slot_mapping.numel(), plan.num_q_heads, set(plan.layers)
+            lease_id, step, granted.slot_mapping.numel(), granted.num_q_heads, set(granted.layers)
         )
 
     def run_layer(
@@ -213,12 +231,13 @@ class LeaseClient:
     def end(self, leased: LeasedStep) -> LeaseReport:
         """Report what the lease wrote (waits for the device to finish its layers): the
         layers run with finite inputs are written, the others refused (nothing written).
-        The report is sent without waiting for the worker's answer, which the next request
-        on this connection reads first (:meth:`open` raises if the report came too late).
+        The report is sent without waiting for the worker's answer, which the next
+        :meth:`open` or :meth:`end` on this connection reads (and raises if the report
+        came too late).
 
         Raises:
             LeaseEnded / InvalidWorkerRequest: the answer to an earlier report said the
-                worker had revoked that lease / refused the report.
+                worker had revoked that lease / refused the report (this one was sent).
             WorkerUnavailable: the connection broke (nothing counts as written).
         """
         served = [(layer, f) for layer, f in leased.flags.items() if f is not None]
@@ -236,9 +255,10 @@ class LeaseClient:
         with self._lock:
             if self._event is not None:
                 self._event.record(torch.cuda.current_stream(self.device))
-            self._settle()
+            # Sent before the earlier answers are read: this lease ends whatever they say.
             self._send(message)
             self._unanswered += 1
+            self._settle(keep=1)
         return report
 
     def __enter__(self) -> LeaseClient:
@@ -329,14 +349,15 @@ class LeaseClient:
         self._send(message)
         return self._reply()
 
-    def _settle(self) -> None:
-        """Read the answers to the reports sent without waiting (:meth:`end`).
+    def _settle(self, keep: int = 0) -> None:
+        """Read the answers to the reports sent without waiting (:meth:`end`), all but the
+        last `keep`.
 
         Raises:
             LeaseEnded: the worker had revoked a reported lease; InvalidWorkerRequest: it
                 refused a report.
         """
-        while self._unanswered:
+        while self._unanswered > keep:
             self._unanswered -= 1
             code, body = self._reply()
             if code == ENDED:

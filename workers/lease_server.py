@@ -5,10 +5,11 @@ folder only this user can enter). The worker answers with its pool: the layout a
 to map the pool tensor and its slot fingerprints (`workers.pool_memory`: a CUDA IPC
 handle, or a memory file's descriptor passed with the reply), and on a GPU the pool's
 interprocess event. The client then runs each leased step itself, on the pool's memory,
-with the pool's kernels (`workers.lease_client`): per step one ``OPEN`` (the reply is the
-plan the coordinator granted) and one ``END`` (the layers written and refused; on a GPU
-the worker's stream first waits for the client's event). Nothing crosses the socket per
-layer. A client in the worker's own process (an embedded service) takes the pool's
+with the pool's kernels (`workers.lease_client`): per step the plan the coordinator
+granted (in the StepLease reply when the request named this connection's token, which
+the hello reply gives; else by one ``OPEN``) and one ``END`` (the layers written and
+refused; on a GPU the worker's stream first waits for the client's event). Nothing
+crosses the socket per layer. A client in the worker's own process (an embedded service) takes the pool's
 tensors from this process instead (`local_pool`).
 
 Wire format (one message per datagram; integers little-endian):
@@ -17,7 +18,9 @@ Wire format (one message per datagram; integers little-endian):
   "cuda_event": hex of its interprocess event or null}``; reply: JSON ``{"ok": true,
   "layout": {KVLayout fields}, "num_blocks", "pool": exported, "fingerprints": exported or
   null, "backend", "event": hex of the pool's interprocess event or null, "local": true
-  when the client shares this process}`` (exported: `workers.pool_memory.Exported`, its
+  when the client shares this process, "connection": hex of this connection's token (a
+  StepLeaseRequest naming it gets its lease opened for this connection at the grant)}``
+  (exported: `workers.pool_memory.Exported`, its
   memory file's descriptors passed with the message, the pool's first) or ``{"ok":
   false, "error": message}``.
 - OPEN: ``<B16s`` (1, lease id); reply: ``<BI`` code (0 OK, 1 ENDED, 2 REFUSED) and the
@@ -37,6 +40,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import socket
 import struct
 import tempfile
@@ -180,6 +184,9 @@ class LeaseServer:
             except (InvalidWorkerRequest, ValueError, TypeError, KeyError) as exc:
                 conn.send(json.dumps({"ok": False, "error": str(exc)}).encode())
                 return
+            token = secrets.token_bytes(16)
+            reply["connection"] = token.hex()
+            self._leases.connect(token, conn)
             socket.send_fds(conn, [json.dumps(reply).encode()], fds)
             while True:
                 message = conn.recv(CHUNK)

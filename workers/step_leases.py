@@ -7,7 +7,10 @@ client, on this host, has mapped the pool (`workers.lease_server`, `workers.pool
 it *opens* the lease, receives the plan, runs the step's layers with the pool's own
 kernels in its process (`KVPool.run_step_layer` on its view of the pool), and *reports*
 which layers it wrote and which it refused (inputs not all finite: nothing written). When
-the coordinator *ends* the lease, it commits exactly the reported layers.
+the coordinator *ends* the lease, it commits exactly the reported layers. A grant that
+names the client's lease connection (its token, from the connection's hello) opens the
+lease for that connection at once: the plan goes back with the grant, and the client
+needs no OPEN round trip.
 
 Between the open and the report the client writes the step's slots, so an opened lease
 ends only once it is reported, once its connection closes (the client is gone), or, after
@@ -145,6 +148,8 @@ class StepLeases:
         self._pool = pool
         self._capacity = capacity
         self._leases: dict[bytes, _Lease] = {}
+        # Lease connections by the token their hello gave (`connect`).
+        self._connections: dict[bytes, object] = {}
         self._changed = threading.Condition()
         # Called with a connection whose lease is revoked (the lease server closes it).
         self.on_revoke: Callable[[object], None] | None = None
@@ -164,7 +169,8 @@ class StepLeases:
         query_start_loc: IndexLike,
         slot_mapping: Sequence[int],
         num_q_heads: int,
-    ) -> None:
+        connection: bytes | None = None,
+    ) -> bytes | None:
         """Register a lease on a planned step, validated as a round's metadata is.
 
         Args:
@@ -172,6 +178,12 @@ class StepLeases:
             layers: the layers the lease may write, each at most once.
             block_tables, seq_lens, query_start_loc, slot_mapping, num_q_heads: the step
                 (as `KVPool.step_metadata` takes them).
+            connection: the token of the client's lease connection (`connect`), or None.
+
+        Returns:
+            The packed plan (`StepPlan.pack`) when `connection` names a live connection:
+            the lease is then open for it, as if it had sent OPEN. None: the client opens
+            the lease itself (no such connection, or it closed meanwhile).
 
         Raises:
             InvalidWorkerRequest: a malformed id, layer or step, an id in use, or too many
@@ -192,9 +204,18 @@ class StepLeases:
                 raise InvalidWorkerRequest("that lease id is in use")
             if len(self._leases) >= self._capacity:
                 raise InvalidWorkerRequest(f"this worker holds {self._capacity} leases already")
-            self._leases[lease_id] = _Lease(frozenset(plan.layers), plan.pack())
+            opener = None if connection is None else self._connections.get(connection)
+            lease = _Lease(frozenset(plan.layers), plan.pack(), opener)
+            self._leases[lease_id] = lease
         if self.event is not None:
             self.event.record(torch.cuda.current_stream(self._pool.device))
+        return lease.packed if opener is not None else None
+
+    def connect(self, token: bytes, connection: object) -> None:
+        """Register a lease connection under `token` (its hello's): a grant naming the
+        token opens its lease for `connection` (until :meth:`disconnected`)."""
+        with self._changed:
+            self._connections[token] = connection
 
     def open(self, lease_id: bytes, connection: object) -> bytes:
         """Open a granted lease for `connection`: its packed plan (`StepPlan.pack`).
@@ -270,6 +291,8 @@ class StepLeases:
         """`connection` closed: its open leases that never reported count as writing
         nothing (whatever their client wrote lies beyond what the coordinator commits)."""
         with self._changed:
+            for token in [t for t, c in self._connections.items() if c is connection]:
+                del self._connections[token]
             for lease in self._leases.values():
                 if lease.opened_by is connection and lease.report is None:
                     lease.report = LeaseReport((), ())

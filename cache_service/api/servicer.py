@@ -586,7 +586,9 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 )
             ends = list(itertools.accumulate(counts))
             rows = [ids[end - c : end] for end, c in zip(ends, counts, strict=True)]
-        grant = await self._coord.lease_step(tenant, seq_ids, body.num_q_heads, rows)
+        grant = await self._coord.lease_step(
+            tenant, seq_ids, body.num_q_heads, rows, dict(body.lease_connections)
+        )
         return pb.StepLeaseResponse(
             granted=grant.granted,
             reason=grant.reason,
@@ -594,6 +596,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             socket=grant.socket,
             layers=grant.layers,
             timeout_us=int(grant.timeout_s * 1e6),
+            plan=grant.plan,
         ).SerializeToString()
 
     def _session_error(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -138,6 +138,7 @@ class BatchPath(CallPolicy):
         num_q_heads: int,
         token_ids: Sequence[Sequence[int]] | None = None,
         *,
+        lease_connections: Mapping[str, bytes] | None = None,
         timeout_s: float | None = None,
     ) -> pb.StepLeaseResponse | None:
         """A step lease: the client may then run the step's layers on the worker's pool
@@ -151,6 +152,10 @@ class BatchPath(CallPolicy):
                 (its layers not written yet; `seq_ids` in that call's order). Else per
                 sequence the step's new token ids (at least one each): the server plans
                 that step and leases every layer of it.
+            lease_connections: this process's lease connections, socket -> token
+                (`LeaseClient.path` -> `LeaseClient.connection`): a lease on one of those
+                workers is opened for the connection at the grant, and the answer's `plan`
+                goes to `LeaseClient.open` (no OPEN round trip).
 
         Returns:
             The server's answer (`granted`, or the `reason` there is no lease); None when
@@ -160,7 +165,13 @@ class BatchPath(CallPolicy):
             KVCacheError: the server refused the request (INVALID_ARGUMENT for malformed
                 arguments, UNAVAILABLE when the worker could not grant it).
         """
-        pending = self.start_lease_step(seq_ids, num_q_heads, token_ids, timeout_s=timeout_s)
+        pending = self.start_lease_step(
+            seq_ids,
+            num_q_heads,
+            token_ids,
+            lease_connections=lease_connections,
+            timeout_s=timeout_s,
+        )
         return None if pending is None else pending.result()
 
     def start_lease_step(
@@ -169,6 +180,7 @@ class BatchPath(CallPolicy):
         num_q_heads: int,
         token_ids: Sequence[Sequence[int]] | None = None,
         *,
+        lease_connections: Mapping[str, bytes] | None = None,
         timeout_s: float | None = None,
     ) -> PendingLease | None:
         """`lease_step`, its request sent now and its answer read by
@@ -200,7 +212,11 @@ class BatchPath(CallPolicy):
             flat = [int(t) for row in rows for t in row]
             counts = [len(row) for row in rows]
         request = pb.StepLeaseRequest(
-            seq_ids=list(seq_ids), num_q_heads=num_q_heads, token_ids=flat, num_tokens=counts
+            seq_ids=list(seq_ids),
+            num_q_heads=num_q_heads,
+            token_ids=flat,
+            num_tokens=counts,
+            lease_connections=dict(lease_connections or {}),
         )
         message = session_message(call_id, STEP_LEASE, request.SerializeToString())
         try:

@@ -647,12 +647,16 @@ class Coordinator:
         seq_ids: Sequence[str],
         num_q_heads: int,
         token_ids: Sequence[Sequence[int]] | None = None,
+        connections: Mapping[str, bytes] | None = None,
     ) -> LeaseGrant:
         """A step lease (engine.leases): the step's layers go from the client to the worker
         directly. Without `token_ids`, on the step the batch's last append-and-attend
         planned (its unwritten layers); with them (per sequence its new tokens, at least
         one), on a step planned here for those tokens, every layer (the queries are the
         new tokens' own). Or the reason there is none (`LeaseGrant.reason`).
+        `connections`: the client's lease connections (worker socket -> token): the
+        lease opens at the grant for the one to its worker, and the grant carries the
+        plan.
 
         Raises:
             InvalidRequest: malformed arguments, or token ids other than those reserved;
@@ -673,7 +677,7 @@ class Coordinator:
         if self.config.step_lease_timeout_s <= 0:
             return LeaseGrant("step leases are off (coordinator.step_lease_timeout_s is 0)")
         if token_ids is None:
-            return await self._leases.grant(tenant, list(seq_ids), num_q_heads)
+            return await self._leases.grant(tenant, list(seq_ids), num_q_heads, connections)
         ids = list(seq_ids)
         rows = [list(t) for t in token_ids]
         if len(set(ids)) != len(ids) or len(rows) != len(ids):
@@ -696,7 +700,7 @@ class Coordinator:
         if isinstance(step, str):
             self._locks.release(lock_order)
             return LeaseGrant(step)
-        grant = await self._leases.grant_held(step, num_q_heads)
+        grant = await self._leases.grant_held(step, num_q_heads, connections)
         if not grant.granted:
             self._cancel_writes(tenant, ids)
         return grant

@@ -5,9 +5,10 @@ A co-located client's step goes through the coordinator once: the coordinator pl
 reserves their positions, as a first layer's call would) or as the batch's last
 append-and-attend planned it (`Leases.grant`). It takes the step's sequences' locks,
 grants the worker's lease on the step's unwritten layers under a fresh random id
-(`workers.step_leases`), and answers with the id and the worker's lease socket. The
-client, which has mapped the worker's pool, runs those layers itself
-(`workers.lease_client`), without this process.
+(`workers.step_leases`), and answers with the id and the worker's lease socket, and with
+the step's plan when the request named the client's connection to that socket (the
+worker opened the lease for it at the grant). The client, which has mapped the worker's
+pool, runs those layers itself (`workers.lease_client`), without this process.
 
 The lease keeps the sequences' locks until it ends, so nothing else reads or changes them
 meanwhile. It ends when anyone waits for one of its sequences (the client's next call
@@ -54,6 +55,8 @@ class LeaseGrant:
         socket: the worker's lease socket.
         layers: the layers the lease may write.
         timeout_s: the lease ends this long after the grant at the latest.
+        plan: the packed step plan when the lease was opened at the grant for the
+            client's connection (`workers.step_leases.StepPlan.pack`); empty otherwise.
     """
 
     reason: str = ""
@@ -61,6 +64,7 @@ class LeaseGrant:
     socket: str = ""
     layers: tuple[int, ...] = ()
     timeout_s: float = 0.0
+    plan: bytes = b""
 
     @property
     def granted(self) -> bool:
@@ -116,10 +120,16 @@ class Leases:
     def __len__(self) -> int:
         return len({id(lease) for lease in self._by_seq.values()})
 
-    async def grant(self, tenant: str, seq_ids: list[str], num_q_heads: int) -> LeaseGrant:
+    async def grant(
+        self,
+        tenant: str,
+        seq_ids: list[str],
+        num_q_heads: int,
+        connections: Mapping[str, bytes] | None = None,
+    ) -> LeaseGrant:
         """A lease on the step the batch's last call planned (see the module docstring),
-        or the reason there is none. Raises what the worker's grant raises (WorkerError)
-        with nothing held."""
+        or the reason there is none (`connections`: as `grant_held` takes them). Raises
+        what the worker's grant raises (WorkerError) with nothing held."""
         step = self._steps.get(tenant, tuple(seq_ids))
         if step is None:
             return LeaseGrant(
@@ -130,12 +140,15 @@ class Leases:
         if self._steps.get(tenant, tuple(seq_ids)) is not step:
             self._locks.release(step.lock_order)
             return LeaseGrant("the batch's step changed meanwhile")
-        return await self.grant_held(step, num_q_heads)
+        return await self.grant_held(step, num_q_heads, connections)
 
-    async def grant_held(self, step: Step, num_q_heads: int) -> LeaseGrant:
+    async def grant_held(
+        self, step: Step, num_q_heads: int, connections: Mapping[str, bytes] | None = None
+    ) -> LeaseGrant:
         """A lease on `step`, whose sequences' locks the caller holds and hands over: the
         lease keeps them, or (no lease: the reason says why; or an exception) they are
-        released here."""
+        released here. `connections`: the client's lease connections (socket -> token);
+        the one to the step's worker, if any, gets the lease opened at the grant."""
         try:
             plan = step.plan
             if plan is None or len(plan.batches) != 1 or plan.needs_merge:
@@ -153,8 +166,9 @@ class Leases:
             socket = await self._socket(worker_id, epoch, client)
             lease_id = secrets.token_bytes(16)
             tables, lens, starts = plan.batches[0].metadata_args()
-            await client.grant_lease(
-                epoch, lease_id, layers, tables, lens, starts, step.slots, num_q_heads
+            token = (connections or {}).get(socket)
+            plan = await client.grant_lease(
+                epoch, lease_id, layers, tables, lens, starts, step.slots, num_q_heads, token
             )
         except BaseException:
             self._locks.release(step.lock_order)
@@ -165,7 +179,7 @@ class Leases:
         lease.timer = asyncio.get_running_loop().call_later(self._timeout_s, self._end_soon, lease)
         if self._owner.metrics is not None:
             self._owner.metrics.add_step_lease("granted")
-        return LeaseGrant("", lease_id, socket, tuple(layers), self._timeout_s)
+        return LeaseGrant("", lease_id, socket, tuple(layers), self._timeout_s, plan or b"")
 
     def recall(self, seq_id: str) -> None:
         """Someone waits for `seq_id`: end the lease holding it, if any (its locks then go

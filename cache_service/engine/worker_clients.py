@@ -212,9 +212,10 @@ class _WorkerClientBase:
         query_start_loc: torch.Tensor,
         slot_mapping: Sequence[int],
         num_q_heads: int,
-    ) -> None:
-        step = (block_tables, seq_lens, query_start_loc, slot_mapping, num_q_heads)
-        await self._invoke("grant_lease", self._fenced(epoch), lease_id, layers, *step)
+        connection: bytes | None = None,
+    ) -> bytes | None:
+        step = (block_tables, seq_lens, query_start_loc, slot_mapping, num_q_heads, connection)
+        return await self._invoke("grant_lease", self._fenced(epoch), lease_id, layers, *step)
 
     async def end_lease(self, epoch: str, lease_id: bytes) -> LeaseReport | None:
         return await self._invoke("end_lease", self._fenced(epoch), lease_id)

@@ -150,10 +150,13 @@ class WorkerClient(Protocol):
         query_start_loc: torch.Tensor,
         slot_mapping: Sequence[int],
         num_q_heads: int,
-    ) -> None:
+        connection: bytes | None = None,
+    ) -> bytes | None:
         """Let `lease_id`'s client write and attend `layers` of a planned step (its
         metadata and slots as a round carries them), each layer once, until
-        :meth:`end_lease` (workers.step_leases)."""
+        :meth:`end_lease` (workers.step_leases). `connection`: the client's lease
+        connection token; when it names a live connection the lease opens for it now and
+        the packed plan is returned (else None)."""
         ...
 
     async def end_lease(self, epoch: str, lease_id: bytes) -> LeaseReport | None:

@@ -410,11 +410,14 @@ class GenerationSession:
     def _drop_lease_request(self, step: ActiveStep) -> None:
         """Read the answer of `step`'s lease request if no layer did (its forward failed
         before one, or never reached the model): that frees the local session for the
-        next call; the lease itself ends at that call."""
+        next call; the lease itself ends at that call, reporting nothing written when its
+        grant opened it for this process."""
         if step.lease_request is not None:
             requested, step.lease_request = step.lease_request, None
             with contextlib.suppress(Exception):
-                self._owner.leaser.granted(requested)
+                lease = self._owner.leaser.granted(requested)
+                if lease is not None:
+                    self._owner.leaser.end(lease)
 
     def _check_attend(
         self,

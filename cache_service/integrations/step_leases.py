@@ -39,12 +39,14 @@ log = logging.getLogger("kvcache.step_leases")
 
 @dataclass
 class ActiveLease:
-    """A granted lease: its id, the worker's socket, the layers it may still write, and
-    its step once opened (at its first layer)."""
+    """A granted lease: its id, the worker's socket, the layers it may still write, its
+    plan when the grant opened it for this process's connection, and its step once opened
+    (at its first layer)."""
 
     lease_id: bytes
     socket: str
     layers: set[int]
+    plan: bytes = b""
     opened: LeasedStep | None = None
 
 
@@ -72,7 +74,12 @@ class StepLeaser:
         None: no lease to ask for (no local session, or it is busy)."""
         if self._start_lease_step is None:
             return None
-        return self._start_lease_step(seq_ids, self._num_q_heads, token_ids)
+        # The grant opens the lease for our connection to its worker, if we have one, and
+        # sends the plan with the answer: no OPEN round trip at the first layer.
+        connections = {path: client.connection for path, client in self._clients.items()}
+        return self._start_lease_step(
+            seq_ids, self._num_q_heads, token_ids, lease_connections=connections
+        )
 
     def granted(self, requested: Any) -> ActiveLease | None:
         """The lease :meth:`request` asked for; or None (none was asked, the step does not
@@ -86,7 +93,7 @@ class StepLeaser:
         reply = requested.result()
         if not reply.granted or reply.socket in self._unusable:
             return None
-        return ActiveLease(reply.lease_id, reply.socket, set(reply.layers))
+        return ActiveLease(reply.lease_id, reply.socket, set(reply.layers), reply.plan)
 
     def run(
         self,
@@ -113,7 +120,8 @@ class StepLeaser:
         with self._client_errors(lease.socket):
             if lease.opened is None:
                 client = self._client(lease.socket, query.device)
-                opened = client.open(lease.lease_id) if client is not None else None
+                opened = client.open(lease.lease_id, lease.plan) if client is not None else None
+                lease.plan = b""
                 if opened is None:
                     lease.layers.clear()
                     return None
@@ -125,8 +133,9 @@ class StepLeaser:
     def end(self, lease: ActiveLease) -> None:
         """At the end of a forward (also one that failed): report the layers run under
         `lease` to the service, which commits those written; raise if a layer was refused
-        for non-finite inputs (nothing written for it). Nothing to do for a lease never
-        opened (the service ends it at the batch's next call).
+        for non-finite inputs (nothing written for it). A lease the grant opened for this
+        process that ran no layer reports none; one never opened needs nothing (the
+        service ends it at the batch's next call).
 
         Raises:
             InvalidArgumentError: which layers were refused.
@@ -134,9 +143,16 @@ class StepLeaser:
             UnavailableError: the connection broke: nothing was kept.
         """
         opened, lease.opened = lease.opened, None
-        if opened is None:
-            return
+        plan, lease.plan = lease.plan, b""
         with self._client_errors(lease.socket):
+            if opened is None:
+                client = self._clients.get(lease.socket)
+                if not plan or client is None:
+                    return
+                # Opened for us at its grant: the worker waits for its report.
+                opened = client.open(lease.lease_id, plan)
+                if opened is None:
+                    return
             report = self._clients[lease.socket].end(opened)
         if report.refused:
             layers = ",".join(str(x) for x in report.refused)

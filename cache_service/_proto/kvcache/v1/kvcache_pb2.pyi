@@ -365,32 +365,43 @@ class SessionRequest(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., append_attend_batch: _Optional[_Union[AppendAttendBatchRequest, _Mapping]] = ..., attend_batch: _Optional[_Union[AttendBatchRequest, _Mapping]] = ..., step_lease: _Optional[_Union[StepLeaseRequest, _Mapping]] = ...) -> None: ...
 
 class StepLeaseRequest(_message.Message):
-    __slots__ = ("seq_ids", "num_q_heads", "token_ids", "num_tokens")
+    __slots__ = ("seq_ids", "num_q_heads", "token_ids", "num_tokens", "lease_connections")
+    class LeaseConnectionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_Q_HEADS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
     num_q_heads: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., num_q_heads: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    lease_connections: _containers.ScalarMap[str, bytes]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., num_q_heads: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., lease_connections: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class StepLeaseResponse(_message.Message):
-    __slots__ = ("granted", "reason", "lease_id", "socket", "layers", "timeout_us")
+    __slots__ = ("granted", "reason", "lease_id", "socket", "layers", "timeout_us", "plan")
     GRANTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SOCKET_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_US_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     granted: bool
     reason: str
     lease_id: bytes
     socket: str
     layers: _containers.RepeatedScalarFieldContainer[int]
     timeout_us: int
-    def __init__(self, granted: _Optional[bool] = ..., reason: _Optional[str] = ..., lease_id: _Optional[bytes] = ..., socket: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., timeout_us: _Optional[int] = ...) -> None: ...
+    plan: bytes
+    def __init__(self, granted: _Optional[bool] = ..., reason: _Optional[str] = ..., lease_id: _Optional[bytes] = ..., socket: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., timeout_us: _Optional[int] = ..., plan: _Optional[bytes] = ...) -> None: ...
 
 class CallError(_message.Message):
     __slots__ = ("code", "message")
