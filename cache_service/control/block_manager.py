@@ -527,6 +527,11 @@ class BlockManager:
             seq.written = [new] * self._num_layers
         else:
             seq.written[layer] = new
+        self._publish_written(seq, new)
+
+    def _publish_written(self, seq: Sequence, new: int) -> None:
+        """Publish the blocks `seq` now holds on every layer, after a commit that set some
+        layers' written length to `new`."""
         # Blocks written on every layer get published: min(written) // block_size of them.
         # That minimum is at most `new`, so when `new` opens no block past the published
         # ones (most commits) there is nothing to publish and no need for the minimum.

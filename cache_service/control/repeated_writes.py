@@ -141,9 +141,13 @@ def commit_repeated_layers(
                     f"not at the snapshot's {start}: check repeatable() under the same locks"
                 )
     ends = [start + count for start, count in zip(snapshot.starts, snapshot.counts, strict=True)]
-    for layer in layers:
-        for seq, end in zip(snapshot.seqs, ends, strict=True):
-            m._apply_commit(seq, layer, end)
+    for seq, end in zip(snapshot.seqs, ends, strict=True):
+        # Every layer's new length first, then the blocks they complete published once
+        # (as each layer's commit in turn would leave them).
+        written = seq.written
+        for layer in layers:
+            written[layer] = end
+        m._publish_written(seq, end)
 
 
 def repeatable_layers(m: BlockManager, snapshot: WriteSnapshot) -> list[int]:
