@@ -59,6 +59,8 @@ class LeasedStep:
         num_tokens: the step's new tokens; num_q_heads: its query heads.
         layers: the layers it may still write.
         flags: layer -> its finite flag on the device (None: nothing to write), in order.
+        staged: the step's inputs' shapes and the staging buffers for them, set at its
+            first layer (`LeaseClient._staged`).
     """
 
     lease_id: bytes
@@ -67,6 +69,7 @@ class LeasedStep:
     num_q_heads: int
     layers: set[int]
     flags: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    staged: tuple | None = None
 
 
 class LeaseClient:
@@ -197,13 +200,38 @@ class LeaseClient:
             InvalidWorkerRequest: a layer the lease does not cover or already ran, or
                 inputs of other sizes than the step's; nothing written.
         """
-        lay = self.pool.layout
-        rows, tokens = leading_rows(query), leading_rows(key)
-        heads = query.shape[-2]
         if layer not in leased.layers:
             raise InvalidWorkerRequest(
                 f"layer {layer} is not the lease's to write (outside it, or written already)"
             )
+        shapes = (key.shape, value.shape, query.shape)
+        with self._lock:
+            staged = leased.staged
+            if staged is None or staged[0] != shapes:
+                # A step's layers come in one shape: checked, and the buffers viewed in
+                # it, once (views cost microseconds of host time each, per layer).
+                staged = leased.staged = self._staged(leased, key, value, query)
+            _, key_in, value_in, query_in, k, v, q, out = staged
+            key_in.copy_(key)
+            value_in.copy_(value)
+            query_in.copy_(query)
+            leased.flags[layer] = self.pool.run_step_layer(leased.step, layer, k, v, q, out)
+            leased.layers.discard(layer)
+            return out.clone()
+
+    def _staged(
+        self, leased: LeasedStep, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor
+    ) -> tuple:
+        """The step's inputs checked against it, and the buffers they are copied into:
+        (their shapes, the buffers viewed in those shapes, the buffers as the pool takes
+        them and the output's).
+
+        Raises:
+            InvalidWorkerRequest: inputs of other sizes than the step's.
+        """
+        lay = self.pool.layout
+        rows, tokens = leading_rows(query), leading_rows(key)
+        heads = query.shape[-2]
         if (
             rows != leased.step.num_rows
             or tokens != leased.num_tokens
@@ -219,14 +247,9 @@ class LeaseClient:
                 f"{lay.head_dim}]; got query {tuple(query.shape)}, key {tuple(key.shape)}, "
                 f"value {tuple(value.shape)}"
             )
-        with self._lock:
-            k, v, q, out = self._buffers(rows, tokens, heads)
-            k.view(key.shape).copy_(key)
-            v.view(value.shape).copy_(value)
-            q.view(query.shape).copy_(query)
-            leased.flags[layer] = self.pool.run_step_layer(leased.step, layer, k, v, q, out)
-            leased.layers.discard(layer)
-            return out.clone()
+        k, v, q, out = self._buffers(rows, tokens, heads)
+        shapes = (key.shape, value.shape, query.shape)
+        return (shapes, k.view(key.shape), v.view(value.shape), q.view(query.shape), k, v, q, out)
 
     def end(self, leased: LeasedStep) -> LeaseReport:
         """Report what the lease wrote (waits for the device to finish its layers): the

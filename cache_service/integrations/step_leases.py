@@ -14,9 +14,7 @@ ended before its first layer makes the layers go as calls instead; nothing else 
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +24,7 @@ import torch
 from cache_service.client.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
+    KVCacheError,
     UnavailableError,
 )
 from workers.errors import InvalidWorkerRequest, WorkerUnavailable
@@ -117,7 +116,7 @@ class StepLeaser:
                 none of that forward was kept.
             UnavailableError: the lease connection broke.
         """
-        with self._client_errors(lease.socket):
+        try:
             if lease.opened is None:
                 client = self._client(lease.socket, query.device)
                 opened = client.open(lease.lease_id, lease.plan) if client is not None else None
@@ -127,6 +126,8 @@ class StepLeaser:
                     return None
                 lease.opened = opened
             out = self._clients[lease.socket].run_layer(lease.opened, layer, key, value, query)
+        except (InvalidWorkerRequest, WorkerUnavailable) as exc:
+            raise self._client_error(lease.socket, exc) from None
         lease.layers.discard(layer)
         return out.view(query.shape)
 
@@ -144,7 +145,7 @@ class StepLeaser:
         """
         opened, lease.opened = lease.opened, None
         plan, lease.plan = lease.plan, b""
-        with self._client_errors(lease.socket):
+        try:
             if opened is None:
                 client = self._clients.get(lease.socket)
                 if not plan or client is None:
@@ -154,6 +155,8 @@ class StepLeaser:
                 if opened is None:
                     return
             report = self._clients[lease.socket].end(opened)
+        except (InvalidWorkerRequest, WorkerUnavailable) as exc:
+            raise self._client_error(lease.socket, exc) from None
         if report.refused:
             layers = ",".join(str(x) for x in report.refused)
             raise InvalidArgumentError(
@@ -167,20 +170,18 @@ class StepLeaser:
             client.close()
         self._clients.clear()
 
-    @contextlib.contextmanager
-    def _client_errors(self, socket: str) -> Iterator[None]:
-        """The lease client's errors as the service client's: a report that came after
+    def _client_error(
+        self, socket: str, exc: InvalidWorkerRequest | WorkerUnavailable
+    ) -> KVCacheError:
+        """The lease client's error as the service client's: a report that came after
         its lease was gone FAILED_PRECONDITION, a refusal INVALID_ARGUMENT, a broken
         connection UNAVAILABLE (and the connection dropped)."""
-        try:
-            yield
-        except LeaseEnded as exc:
-            raise FailedPreconditionError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
-        except InvalidWorkerRequest as exc:
-            raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        except WorkerUnavailable as exc:
-            self._drop(socket)
-            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        if isinstance(exc, LeaseEnded):
+            return FailedPreconditionError(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        if isinstance(exc, InvalidWorkerRequest):
+            return InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self._drop(socket)
+        return UnavailableError(grpc.StatusCode.UNAVAILABLE, str(exc))
 
     def _drop(self, socket: str) -> None:
         client = self._clients.pop(socket, None)
