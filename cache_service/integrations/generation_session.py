@@ -324,8 +324,7 @@ class GenerationSession:
         t0 = time.perf_counter()
         self._check_attend(step, layer, query, key, value)
         batch, num_q_heads, q, head_dim = query.shape
-        rows = [r for r in step.plan.rows if r.count]
-        width = max((r.count for r in rows), default=0)
+        rows, width = step.sending, step.width
         # The service applies head_dim ** -0.5; another model scale is folded into the query.
         factor = 1.0 if scaling is None else scaling * math.sqrt(head_dim)
         if step.lease_request is not None:
@@ -379,9 +378,9 @@ class GenerationSession:
         head_dim]`` as `attend` returns it; None: the lease ended, send the layer as a
         call."""
         t0 = time.perf_counter()
-        batch, _, q, _ = query.shape
+        q = query.shape[2]
         q4, k4, v4 = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        uniform = len(rows) == batch and all(r.count == q for r in rows)
+        uniform = step.uniform and step.width == q
         if not uniform:
             # Rows sending different columns (a ragged prefill): each row's last columns,
             # sequence by sequence.

@@ -39,6 +39,13 @@ class ActiveStep:
         # first layer read the answer (integrations.step_leases).
         self.lease_request: Any = None
         self.lease: ActiveLease | None = None
+        # The rows sending tokens, the most any sends, and whether every row sends the
+        # step's every column: the same for each layer, so worked out once.
+        self.sending = [r for r in plan.rows if r.count]
+        self.width = max((r.count for r in self.sending), default=0)
+        self.uniform = len(self.sending) == len(plan.rows) and all(
+            r.count == self.width for r in self.sending
+        )
 
 
 def service_attention_forward(
