@@ -344,6 +344,25 @@ def test_bad_inputs_raise_and_change_nothing(client: RecordingClient) -> None:
         served.session(ids, mask * 2)
     assert client.stats().active_sequences == before
 
+    # A row's sequence that cannot be created (the rows are created side by side): the
+    # session is refused with that error and the rows created meanwhile are freed.
+    real_create = client._client.create_sequence
+    made = []
+
+    def create(prompt: Any, **kw: Any) -> Any:
+        if prompt is not None and len(prompt) == 6:
+            raise ValueError("no room for this row")
+        made.append(real_create(prompt, **kw))
+        return made[-1]
+
+    client.create_sequence = create
+    try:
+        with pytest.raises(ValueError, match="no room for this row"):
+            served.session(*_batch([6, 9, 7, 8], seed=11))
+    finally:
+        del client.create_sequence
+    assert len(made) == 3 and client.stats().active_sequences == before
+
     # The routed model refuses to run without a session's cache.
     with pytest.raises(ValueError, match=r"past_key_values=session\.cache"), torch.no_grad():
         model(input_ids=ids, attention_mask=mask)
