@@ -9,8 +9,8 @@ with the pool's kernels (`workers.lease_client`): per step the plan the coordina
 granted (in the StepLease reply when the request named this connection's token, which
 the hello reply gives; else by one ``OPEN``) and one ``END`` (the layers written and
 refused; on a GPU the worker's stream first waits for the client's event). Nothing
-crosses the socket per layer. A client in the worker's own process (an embedded service) takes the pool's
-tensors from this process instead (`local_pool`).
+crosses the socket per layer. A client in the worker's own process (an embedded service)
+takes the pool's tensors from this process instead (`local_pool`).
 
 Wire format (one message per datagram; integers little-endian):
 
@@ -20,9 +20,8 @@ Wire format (one message per datagram; integers little-endian):
   null, "backend", "event": hex of the pool's interprocess event or null, "local": true
   when the client shares this process, "connection": hex of this connection's token (a
   StepLeaseRequest naming it gets its lease opened for this connection at the grant)}``
-  (exported: `workers.pool_memory.Exported`, its
-  memory file's descriptors passed with the message, the pool's first) or ``{"ok":
-  false, "error": message}``.
+  (exported: `workers.pool_memory.Exported`, its memory file's descriptors passed with
+  the message, the pool's first) or ``{"ok": false, "error": message}``.
 - OPEN: ``<B16s`` (1, lease id); reply: ``<BI`` code (0 OK, 1 ENDED, 2 REFUSED) and the
   length of what follows, then the message (OK: `StepPlan.pack`; else UTF-8 text), cut
   into datagrams of at most `CHUNK` bytes.
