@@ -127,8 +127,9 @@ class LeaseClient:
         self._width = (self.pool.layout.num_layers + 7) // 8
         # Reports sent whose answers are not read yet (the next request reads them).
         self._unanswered = 0
-        # Inputs and output of a layer, reused so that decode graphs replay on them.
-        self._staging: tuple[torch.Tensor, ...] = ()
+        # Inputs and output of a layer in one buffer, reused so that decode graphs replay
+        # on them (`_buffers`).
+        self._staging: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -211,10 +212,22 @@ class LeaseClient:
                 # A step's layers come in one shape: checked, and the buffers viewed in
                 # it, once (views cost microseconds of host time each, per layer).
                 staged = leased.staged = self._staged(leased, key, value, query)
-            _, key_in, value_in, query_in, k, v, q, out = staged
-            key_in.copy_(key)
-            value_in.copy_(value)
-            query_in.copy_(query)
+            _, key_in, value_in, query_in, span, k, v, q, out = staged
+            dtype = span.dtype
+            if (
+                key.dtype == dtype
+                and value.dtype == dtype
+                and query.dtype == dtype
+                and key.is_contiguous()
+                and value.is_contiguous()
+                and query.is_contiguous()
+            ):
+                # One copy for the three (a decode step's inputs are contiguous).
+                torch.cat([key.reshape(-1), value.reshape(-1), query.reshape(-1)], out=span)
+            else:
+                key_in.copy_(key)
+                value_in.copy_(value)
+                query_in.copy_(query)
             leased.flags[layer] = self.pool.run_step_layer(leased.step, layer, k, v, q, out)
             leased.layers.discard(layer)
             return out.clone()
@@ -223,8 +236,8 @@ class LeaseClient:
         self, leased: LeasedStep, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor
     ) -> tuple:
         """The step's inputs checked against it, and the buffers they are copied into:
-        (their shapes, the buffers viewed in those shapes, the buffers as the pool takes
-        them and the output's).
+        (their shapes, the buffers viewed in those shapes, the span the three fill, the
+        buffers as the pool takes them and the output's).
 
         Raises:
             InvalidWorkerRequest: inputs of other sizes than the step's.
@@ -247,9 +260,10 @@ class LeaseClient:
                 f"{lay.head_dim}]; got query {tuple(query.shape)}, key {tuple(key.shape)}, "
                 f"value {tuple(value.shape)}"
             )
-        k, v, q, out = self._buffers(rows, tokens, heads)
+        span, k, v, q, out = self._buffers(rows, tokens, heads)
         shapes = (key.shape, value.shape, query.shape)
-        return (shapes, k.view(key.shape), v.view(value.shape), q.view(query.shape), k, v, q, out)
+        views = (k.view(key.shape), v.view(value.shape), q.view(query.shape))
+        return (shapes, *views, span, k, v, q, out)
 
     def end(self, leased: LeasedStep) -> LeaseReport:
         """Report what the lease wrote (waits for the device to finish its layers): the
@@ -338,32 +352,27 @@ class LeaseClient:
         return view, event
 
     def _buffers(self, rows: int, tokens: int, heads: int) -> tuple[torch.Tensor, ...]:
-        """Staging of at least these sizes (grown when a step needs more): views of its
-        leading rows."""
+        """Staging for a step of these sizes, one buffer (grown when a step needs more):
+        the key, value and query laid out one after the other from its start, so that one
+        copy fills them (their span first), then the output."""
         lay = self.pool.layout
-        have = self._staging
-        if (
-            not have
-            or have[2].shape[0] < rows
-            or have[0].shape[0] < tokens
-            or have[2].shape[1] != heads
-        ):
-            rows_, tokens_ = (
-                max(rows, have[2].shape[0] if have else 0),
-                max(tokens, have[0].shape[0] if have else 0),
+        kv = tokens * lay.num_kv_heads * lay.head_dim
+        qo = rows * heads * lay.head_dim
+        need = 2 * kv + 2 * qo
+        if self._staging is None or self._staging.numel() < need:
+            have = 0 if self._staging is None else self._staging.numel()
+            self._staging = torch.zeros(
+                max(need, have), dtype=lay.torch_dtype(), device=self.device
             )
-            dtype, device = lay.torch_dtype(), self.device
-            kv = (tokens_, lay.num_kv_heads, lay.head_dim)
-            q = (rows_, heads, lay.head_dim)
-            self._staging = (
-                torch.zeros(kv, dtype=dtype, device=device),
-                torch.zeros(kv, dtype=dtype, device=device),
-                torch.zeros(q, dtype=dtype, device=device),
-                torch.zeros(q, dtype=dtype, device=device),
-            )
-            have = self._staging
-        k, v, q, out = have
-        return k[:tokens], v[:tokens], q[:rows], out[:rows]
+        flat = self._staging
+        kv_shape = (tokens, lay.num_kv_heads, lay.head_dim)
+        return (
+            flat[: 2 * kv + qo],
+            flat[:kv].view(kv_shape),
+            flat[kv : 2 * kv].view(kv_shape),
+            flat[2 * kv : 2 * kv + qo].view(rows, heads, lay.head_dim),
+            flat[2 * kv + qo : need].view(rows, heads, lay.head_dim),
+        )
 
     def _request(self, message: bytes) -> tuple[int, bytes]:
         """Send one request (after reading the answers to earlier reports); its reply
