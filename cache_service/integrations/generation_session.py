@@ -606,7 +606,10 @@ def _each_row(call: Callable[[_Row], Any], rows: list[_Row]) -> list[Any]:
     with _ROW_CALLS_LOCK:
         if _ROW_CALLS is None:
             _ROW_CALLS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvcache-rows")
-    return list(_ROW_CALLS.map(one, rows))
+    try:
+        return list(_ROW_CALLS.map(one, rows))
+    except RuntimeError:  # no new work after interpreter shutdown began: one by one
+        return [one(row) for row in rows]
 
 
 def _right_aligned(outputs: torch.Tensor, q: int, dtype: torch.dtype) -> torch.Tensor:
