@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,18 +206,11 @@ def compare_generations(ours: Any, ref: Any, dtype: torch.dtype, noise: float = 
     scale = max(1.0, max(float(r.float().abs().max()) for r in ref.logits))
     base = _TOLERANCE.get(dtype, 3e-2) * scale
     tolerance = min(max(base, NOISE_FACTOR * noise), MAX_NOISE_TOLERANCE * base)
-    prompt = ours.sequences.shape[1] - len(ours.logits)
     worst = 0.0
-    for i, (a, b) in enumerate(zip(ours.logits, ref.logits, strict=True)):
-        diff = float((a.float() - b.float()).abs().max())
-        if not math.isfinite(diff):
-            diff = math.inf
+    for i, diff in enumerate(_step_differences(ours, ref)):
         worst = max(worst, diff)
         if diff > tolerance:
             return ProbeResult(worst, tolerance, i)
-        col = prompt + i
-        if not torch.equal(ours.sequences[:, col], ref.sequences[:, col]):
-            break
     return ProbeResult(worst, tolerance, None)
 
 
@@ -226,12 +219,17 @@ def rounding_noise(ref: Any, other: Any) -> float:
     (sdpa and eager: the same arithmetic, summed and rounded in another order) disagree:
     the largest |logit difference| over the steps where they chose the same tokens, the
     first that differs included (logits' units)."""
-    prompt = ref.sequences.shape[1] - len(ref.logits)
-    worst = 0.0
-    for i, (a, b) in enumerate(zip(other.logits, ref.logits, strict=True)):
+    return max(_step_differences(other, ref), default=0.0)
+
+
+def _step_differences(ours: Any, ref: Any) -> Iterator[float]:
+    """The largest |logit difference| of each step (inf for a non-finite one), while both
+    generations chose the same tokens: the step whose tokens differ is the last (the runs
+    no longer see the same inputs after it)."""
+    prompt = ours.sequences.shape[1] - len(ours.logits)
+    for i, (a, b) in enumerate(zip(ours.logits, ref.logits, strict=True)):
         diff = float((a.float() - b.float()).abs().max())
-        worst = max(worst, diff if math.isfinite(diff) else math.inf)
+        yield diff if math.isfinite(diff) else math.inf
         col = prompt + i
-        if not torch.equal(other.sequences[:, col], ref.sequences[:, col]):
-            break
-    return worst
+        if not torch.equal(ours.sequences[:, col], ref.sequences[:, col]):
+            return
