@@ -22,6 +22,7 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -69,7 +70,18 @@ class LeasedStep:
     num_q_heads: int
     layers: set[int]
     flags: dict[int, torch.Tensor | None] = field(default_factory=dict)
-    staged: tuple | None = None
+    staged: _Staging | None = None
+
+
+class _Staging(NamedTuple):
+    """A step's staging (`LeaseClient._staged`): the inputs' shapes, the buffers viewed in
+    those shapes, the span of the buffers the three fill (key, value, query one after the
+    other), and the key, value, query and output buffers as the pool takes them."""
+
+    shapes: tuple[torch.Size, torch.Size, torch.Size]
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    span: torch.Tensor
+    buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class LeaseClient:
@@ -208,11 +220,11 @@ class LeaseClient:
         shapes = (key.shape, value.shape, query.shape)
         with self._lock:
             staged = leased.staged
-            if staged is None or staged[0] != shapes:
+            if staged is None or staged.shapes != shapes:
                 # A step's layers come in one shape: checked, and the buffers viewed in
                 # it, once (views cost microseconds of host time each, per layer).
                 staged = leased.staged = self._staged(leased, key, value, query)
-            _, key_in, value_in, query_in, span, k, v, q, out = staged
+            span, (k, v, q, out) = staged.span, staged.buffers
             dtype = span.dtype
             if (
                 key.dtype == dtype
@@ -225,19 +237,16 @@ class LeaseClient:
                 # One copy for the three (a decode step's inputs are contiguous).
                 torch.cat([key.reshape(-1), value.reshape(-1), query.reshape(-1)], out=span)
             else:
-                key_in.copy_(key)
-                value_in.copy_(value)
-                query_in.copy_(query)
+                for dst, src in zip(staged.inputs, (key, value, query), strict=True):
+                    dst.copy_(src)
             leased.flags[layer] = self.pool.run_step_layer(leased.step, layer, k, v, q, out)
             leased.layers.discard(layer)
             return out.clone()
 
     def _staged(
         self, leased: LeasedStep, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor
-    ) -> tuple:
-        """The step's inputs checked against it, and the buffers they are copied into:
-        (their shapes, the buffers viewed in those shapes, the span the three fill, the
-        buffers as the pool takes them and the output's).
+    ) -> _Staging:
+        """The step's inputs checked against it, and the buffers they are copied into.
 
         Raises:
             InvalidWorkerRequest: inputs of other sizes than the step's.
@@ -261,9 +270,12 @@ class LeaseClient:
                 f"value {tuple(value.shape)}"
             )
         span, k, v, q, out = self._buffers(rows, tokens, heads)
-        shapes = (key.shape, value.shape, query.shape)
-        views = (k.view(key.shape), v.view(value.shape), q.view(query.shape))
-        return (shapes, *views, span, k, v, q, out)
+        return _Staging(
+            (key.shape, value.shape, query.shape),
+            (k.view(key.shape), v.view(value.shape), q.view(query.shape)),
+            span,
+            (k, v, q, out),
+        )
 
     def end(self, leased: LeasedStep) -> LeaseReport:
         """Report what the lease wrote (waits for the device to finish its layers): the
@@ -360,10 +372,7 @@ class LeaseClient:
         qo = rows * heads * lay.head_dim
         need = 2 * kv + 2 * qo
         if self._staging is None or self._staging.numel() < need:
-            have = 0 if self._staging is None else self._staging.numel()
-            self._staging = torch.zeros(
-                max(need, have), dtype=lay.torch_dtype(), device=self.device
-            )
+            self._staging = torch.zeros(need, dtype=lay.torch_dtype(), device=self.device)
         flat = self._staging
         kv_shape = (tokens, lay.num_kv_heads, lay.head_dim)
         return (
