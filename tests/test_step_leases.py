@@ -132,6 +132,18 @@ def _first_layer(batch: Batch, step: dict, token: int) -> torch.Tensor:
     return out
 
 
+def _opened_lease(client: KVCacheClient, prompts: list[list[int]], seed: int, token: int):
+    """A batch whose step's layer 0 went by call (`token` appended to every row), the
+    lease on its other layers, a lease connection and the lease opened on it:
+    (batch, step, lease, lease client, opened step)."""
+    batch = Batch(client, prompts, seed=seed)
+    step = batch.step()
+    _first_layer(batch, step, token)
+    lease = client.lease_step(batch.seq_ids, HQ)
+    lc = LeaseClient(lease.socket, CPU)
+    return batch, step, lease, lc, lc.open(lease.lease_id)
+
+
 def _close(a: torch.Tensor, ref: torch.Tensor) -> None:
     assert torch.allclose(a.double(), ref.double(), atol=2e-5), (a.double() - ref).abs().max()
 
@@ -248,12 +260,7 @@ def test_a_lease_ended_before_it_was_opened_sends_its_layers_by_call(harness, cl
 
 
 def test_a_layer_outside_the_lease_twice_or_of_another_size_is_refused(harness, client):
-    batch = Batch(client, [[1, 2], [3, 4, 5]], seed=2)
-    step = batch.step()
-    _first_layer(batch, step, 3)
-    lease = client.lease_step(batch.seq_ids, HQ)
-    lc = LeaseClient(lease.socket, CPU)
-    opened = lc.open(lease.lease_id)
+    batch, step, lease, lc, opened = _opened_lease(client, [[1, 2], [3, 4, 5]], 2, 3)
     with pytest.raises(InvalidWorkerRequest, match="open already"):
         lc.open(lease.lease_id)
     with pytest.raises(InvalidWorkerRequest, match="layer 0 is not the lease's"):
@@ -273,12 +280,7 @@ def test_a_layer_outside_the_lease_twice_or_of_another_size_is_refused(harness, 
 
 
 def test_a_non_finite_leased_layer_writes_nothing_and_is_reported(harness, client):
-    batch = Batch(client, [[1, 2, 3]], seed=3)
-    step = batch.step()
-    _first_layer(batch, step, 4)
-    lease = client.lease_step(batch.seq_ids, HQ)
-    lc = LeaseClient(lease.socket, CPU)
-    opened = lc.open(lease.lease_id)
+    batch, step, _, lc, opened = _opened_lease(client, [[1, 2, 3]], 3, 4)
     k, v, q = step[1]
     lc.run_layer(opened, 1, k * float("nan"), v, q)
     assert lc.end(opened) == LeaseReport((), (1,))
@@ -291,12 +293,7 @@ def test_a_non_finite_leased_layer_writes_nothing_and_is_reported(harness, clien
 
 
 def test_a_free_waits_for_an_opened_lease_and_leaks_nothing(harness, client):
-    batch = Batch(client, [[1, 2, 3], [9, 9]], seed=4)
-    step = batch.step()
-    _first_layer(batch, step, 5)
-    lease = client.lease_step(batch.seq_ids, HQ)
-    lc = LeaseClient(lease.socket, CPU)
-    opened = lc.open(lease.lease_id)
+    batch, step, _, lc, opened = _opened_lease(client, [[1, 2, 3], [9, 9]], 4, 5)
     _run_layers(batch, lc, opened, step, [1])
     freed = threading.Event()
 
@@ -360,12 +357,7 @@ def test_a_report_the_worker_no_longer_expects_fails_the_next_request(harness, c
     # END is not waited for: its answer is read by the connection's next request, which
     # raises when the report came after the lease was gone (here: a newer coordinator's
     # claim cleared the worker's leases).
-    batch = Batch(client, [[1, 2, 3]], seed=16)
-    step = batch.step()
-    _first_layer(batch, step, 4)
-    lease = client.lease_step(batch.seq_ids, HQ)
-    lc = LeaseClient(lease.socket, CPU)
-    opened = lc.open(lease.lease_id)
+    _, step, _, lc, opened = _opened_lease(client, [[1, 2, 3]], 16, 4)
     lc.run_layer(opened, 1, *step[1])
     harness.coordinator._clients["w0"].worker._leases.clear()
     assert lc.end(opened).written == (1,)  # what the client did; not yet confirmed
