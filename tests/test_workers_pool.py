@@ -897,3 +897,24 @@ def test_index_checks_take_lists_and_tensors_alike_and_read_only_used_blocks() -
             check_attend(LAYOUT, 8, 0, q, torch.tensor(bad), lens, starts)
     with pytest.raises(InvalidWorkerRequest, match="sequence 1 has more query rows"):
         check_attend(LAYOUT, 8, 0, q, used, torch.tensor([5, 0]), starts)
+
+
+def test_finite_guard_reads_back_to_back_inputs_as_one_span():
+    # A lease client's staging holds key, value and query back to back: the guard sums
+    # them as one span, and a NaN in any of the three still masks the write.
+    from workers.delivery import _adjacent_span, guard_finite
+
+    flat = torch.randn(2 * 6 + 10)
+    k, v, q = flat[:6].view(3, 2), flat[6:12].view(3, 2), flat[12:].view(5, 2)
+    span = _adjacent_span((k, v, q))
+    assert span is not None and span.data_ptr() == flat.data_ptr() and span.numel() == 22
+    assert _adjacent_span((v, k, q)) is None  # out of order
+    assert _adjacent_span((k, v, flat[13:21].view(4, 2))) is None  # a gap
+    slots = torch.arange(3)
+    for t in (k, v, q):
+        t.view(-1)[1] = float("nan")
+        masked, finite = guard_finite(slots, k, v, q, True)
+        assert finite is not None and not bool(finite) and masked.tolist() == [-1, -1, -1]
+        t.view(-1)[1] = 0.0
+    masked, finite = guard_finite(slots, k, v, q, True)
+    assert finite is not None and bool(finite) and masked.tolist() == [0, 1, 2]
