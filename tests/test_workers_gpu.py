@@ -289,10 +289,11 @@ def test_keyed_metadata_on_the_gpu_answers_like_unkeyed_calls():
 
 
 def test_leased_layers_on_bound_buffers_answer_like_calls():
-    # A lease's layers run from and into one connection's staging buffers, through graphs
-    # captured on those buffers (workers.decode_graphs, `out`): the first sighting eager,
-    # the second captured, the later ones replayed. Each must answer as the same step made
-    # by calls, and write the pool bit for bit as they do.
+    # A lease's layers run from one connection's staging buffers, through graphs captured
+    # on those buffers (workers.decode_graphs, bound): the first sighting eager, the second
+    # captured, the later ones replayed. Each must answer as the same step made by calls,
+    # and write the pool bit for bit as they do; a layer's output stays as it was while
+    # the step's other layers run (each replayed layer answers in its graph's own memory).
     layout = llama_layout("bfloat16")
     leased, plain = KVPool(layout, 300, "cuda"), KVPool(layout, 300, "cuda")
     gen = torch.Generator().manual_seed(12)
@@ -301,7 +302,6 @@ def test_leased_layers_on_bound_buffers_answer_like_calls():
         "key": torch.zeros(8, 8, 128, dtype=torch.bfloat16, device="cuda"),
         "value": torch.zeros(8, 8, 128, dtype=torch.bfloat16, device="cuda"),
         "query": torch.zeros(8, 32, 128, dtype=torch.bfloat16, device="cuda"),
-        "out": torch.zeros(8, 32, 128, dtype=torch.bfloat16, device="cuda"),
     }
     tables = torch.randperm(300, generator=gen)[: seqs * 40].reshape(seqs, 40).int()
     lengths = [3, 16, 31, 200]
@@ -310,22 +310,27 @@ def test_leased_layers_on_bound_buffers_answer_like_calls():
         lens = torch.tensor([n + 1 for n in lengths], dtype=torch.int32)
         qsl = torch.arange(seqs + 1, dtype=torch.int32)
         step = leased.step_metadata(tables, lens, qsl, slots, 32)
-        views = [staging[n][:seqs] for n in ("key", "value", "query", "out")]
+        views = [staging[n][:seqs] for n in ("key", "value", "query")]
+        layers = leased.bind_step(step, *views)
+        answers = []
         for layer in range(layout.num_layers):
             k = torch.randn(seqs, 8, 128, generator=gen).to(torch.bfloat16)
             v = torch.randn(seqs, 8, 128, generator=gen).to(torch.bfloat16)
             q = torch.randn(seqs, 32, 128, generator=gen).to(torch.bfloat16)
-            for view, t in zip(views[:3], (k, v, q), strict=True):
+            for view, t in zip(views, (k, v, q), strict=True):
                 view.copy_(t)
-            flag = leased.run_step_layer(step, layer, *views)
+            out, flag = layers.run(layer)
             expected = write_and_attend(
                 plain, layer, torch.tensor(slots), k, v, q, tables, lens, qsl
             )
             assert flag is not None and bool(flag)
-            assert rel_err(views[3].cpu(), expected.cpu()) < TOLERANCE["bfloat16"], (
+            assert rel_err(out.cpu(), expected.cpu()) < TOLERANCE["bfloat16"], (
                 step_index,
                 layer,
             )
+            answers.append((out, expected.cpu()))
+        for layer, (out, expected) in enumerate(answers):
+            assert rel_err(out.cpu(), expected) < TOLERANCE["bfloat16"], (step_index, layer)
         lengths = [n + 1 for n in lengths]
     assert leased._graphs is not None and leased._graphs.replays > 0
     assert torch.equal(leased.data, plain.data)
@@ -342,9 +347,9 @@ def test_a_prefill_step_is_never_captured():
         step = pool.step_metadata(tables, [rows], [0, rows], list(range(rows)), 32)
         kv = torch.randn(rows, 8, 128, device="cuda").to(torch.bfloat16)
         q = torch.randn(rows, 32, 128, device="cuda").to(torch.bfloat16)
-        out = torch.empty_like(q)
+        layers = pool.bind_step(step, kv, kv, q)
         for layer in range(2):
-            assert bool(pool.run_step_layer(step, layer, kv, kv, q, out))
+            assert bool(layers.run(layer)[1])
     assert pool._graphs is not None and pool._graphs.captures == 0
 
 

@@ -29,11 +29,13 @@ page slots on the device; key, value and query may arrive in parts (the round's 
 rows, joined by the stager's one copy). So a round keeps one graph whichever layers its
 callers are on.
 
-A step lease's layers (``KVPool.run_step_layer``, run by the lease's client on its view
-of the pool: workers.lease_client) arrive in the client's fixed buffers on the device, the
+A step lease's layers (``KVPool.bind_step``, run by the lease's client on its view of
+the pool: workers.lease_client) arrive in the client's fixed buffers on the device, the
 same buffers layer after layer: their class is *bound* to those buffers (keyed by their
-addresses), its graphs read the inputs where they lie and write the output into the
-client's output buffer, so a leased layer is one replay and no copy.
+addresses), its graphs read the inputs where they lie, and each layer's output is its
+graph's own tensor, handed to the caller as it is (no copy): it stays valid until that
+layer's graph replays again, a step later. `DecodeGraphs.bind` resolves a step's class
+once, so its layers' replays skip the class lookup.
 
 A step of more than `MAX_GRAPH_ROWS_PER_SEQUENCE` query rows per sequence (a prefill)
 always runs eagerly: its shape seldom repeats, its launches are small beside its kernels,
@@ -63,6 +65,7 @@ from workers.staging import HostStager, Staged, bytes_as, packed_offsets
 __all__ = [
     "MAX_GRAPH_ROWS_PER_SEQUENCE",
     "PAGES",
+    "BoundGraphs",
     "DecodeGraphs",
     "GraphBody",
     "PagesBody",
@@ -141,7 +144,7 @@ class _Class:
     """The static buffers of one shape class and the graphs captured on them, by layer."""
 
     # uint8: key, value, query (and layers) packed as HostStager does; None for a class
-    # bound to the caller's buffers (`DecodeGraphs.run`'s `out`), which nobody loads.
+    # bound to the caller's buffers (`DecodeGraphs.run`'s `bound`), which nobody loads.
     inputs: torch.Tensor | None
     key: torch.Tensor
     value: torch.Tensor
@@ -156,10 +159,10 @@ class _Class:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     layers: torch.Tensor | None = None  # int32 [S + n] (PAGES classes): packed after query
-    out: torch.Tensor | None = None  # the bound caller's output buffer (graphs write it)
     loaded: CachedMetadata | None = None  # whose metadata the buffers hold
     graphs: dict[int, tuple[torch.cuda.CUDAGraph, _Outputs]] = field(default_factory=dict)
     failed: set[int] = field(default_factory=set)  # layers whose capture failed
+    dropped: bool = False  # evicted or cleared: a BoundGraphs holding it looks again
 
 
 class DecodeGraphs:
@@ -210,6 +213,8 @@ class DecodeGraphs:
     def clear(self) -> None:
         """Drop every graph and static buffer."""
         with self._lock:
+            for cls in self._classes.values():
+                cls.dropped = True
             self._classes.clear()
             self._seen.clear()
             self._packed.clear()
@@ -225,7 +230,7 @@ class DecodeGraphs:
         pinned: bool = False,
         check_finite: bool = False,
         layers: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
+        bound: bool = False,
     ) -> _Outputs | None:
         """One layer's write-and-attend through its graph.
 
@@ -244,16 +249,14 @@ class DecodeGraphs:
                 with and without the check are kept apart).
             layers: with PAGES, host int32 ``[S + n]``: each sequence's layer, then each
                 new token's (validated).
-            out: ``[T, Hq, D]``, the output's place: then key, value, query and out are
-                device buffers that outlive the class (a lease client's buffers), and
-                the graph reads and writes them where they lie: nothing is loaded but the
-                metadata, and the output is written into `out` (the class is keyed by the
-                four addresses).
+            bound: key, value and query are device buffers that outlive the class (a
+                lease client's buffers; the class is keyed by their addresses), read by
+                the graph where they lie: nothing is loaded but the metadata.
 
         Returns:
             ``(out [T, Hq, D], lse [T, Hq] float32 or None, finite flag or None)``: tensors
-            in the graph's memory when replayed (read them before the next call), fresh
-            ones when this call ran eagerly (with `out`: `out` itself); None when the call
+            in the graph's memory when replayed (read them before the layer's graph
+            replays again), fresh ones when this call ran eagerly; None when the call
             should take the pool's usual path (a first sighting, or a layer whose capture
             failed), nothing done.
         """
@@ -261,9 +264,9 @@ class DecodeGraphs:
             return None
         if entry.num_rows > MAX_GRAPH_ROWS_PER_SEQUENCE * entry.block_tables.shape[0]:
             return None
-        if layer == PAGES and (self._pages_body is None or out is not None):
+        if layer == PAGES and (self._pages_body is None or bound):
             return None
-        signature = _signature(entry, key, value, query, options, check_finite, layers, out)
+        signature = _signature(entry, key, value, query, options, check_finite, layers, bound)
         with self._lock:
             cls = self._classes.get(signature)
             if cls is not None:
@@ -283,7 +286,7 @@ class DecodeGraphs:
                 self._seen.add((signature, layer))
                 return None
             if cls is None:
-                cls = self._new_class(signature, entry, layers, (key, value, query, out))
+                cls = self._new_class(signature, entry, layers, (key, value, query), bound)
             self._load(cls, entry, key, value, query, pinned, layers)
             result = self._run_body(cls, layer, options, check_finite)  # this call's own work
             try:
@@ -294,6 +297,24 @@ class DecodeGraphs:
                 cls.failed.add(layer)
             return result
 
+    def bind(
+        self,
+        entry: CachedMetadata,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        query: torch.Tensor,
+        options: AttendOptions,
+        check_finite: bool,
+    ) -> BoundGraphs | None:
+        """`run` with ``bound`` for every layer of one step on the same buffers, its class
+        resolved once: None when the step is never replayed (no slots, a prefill)."""
+        if entry.slots is None:
+            return None
+        if entry.num_rows > MAX_GRAPH_ROWS_PER_SEQUENCE * entry.block_tables.shape[0]:
+            return None
+        signature = _signature(entry, key, value, query, options, check_finite, None, True)
+        return BoundGraphs(self, signature, entry, (key, value, query), options, check_finite)
+
     # -- internals ---------------------------------------------------------------------
 
     def _new_class(
@@ -301,15 +322,15 @@ class DecodeGraphs:
         signature: tuple[object, ...],
         entry: CachedMetadata,
         layers: torch.Tensor | None,
-        given: tuple[Staged, Staged, Staged, torch.Tensor | None],
+        given: tuple[Staged, Staged, Staged],
+        bound: bool,
     ) -> _Class:
         dev = self._device
         key_shape, key_dtype, value_dtype, query_shape, query_dtype = signature[:5]
-        out = given[3]
         inputs = head = None
         offsets: list[int] = [0, 0, 0]
-        if out is not None:  # bound: the caller's buffers are the class's
-            views = list(given[:3])
+        if bound:  # the caller's buffers are the class's
+            views = list(given)
         else:
             # Stand-ins of the joined shapes (no memory) lay the buffers out as the stager
             # packs.
@@ -351,11 +372,10 @@ class DecodeGraphs:
             seq_lens=bytes_as(metadata, *index_layout[2]),
             query_start_loc=bytes_as(metadata, *index_layout[3]),
             layers=views[3] if layers is not None else None,
-            out=out,
         )
         self._classes[signature] = cls
         while len(self._classes) > self._max_classes:
-            self._classes.popitem(last=False)
+            self._classes.popitem(last=False)[1].dropped = True
         return cls
 
     def _load(
@@ -451,7 +471,7 @@ class DecodeGraphs:
                 options,
                 check_finite,
             )
-        out, lse, finite = self._body(
+        return self._body(
             layer,
             cls.slots,
             cls.key,
@@ -463,10 +483,6 @@ class DecodeGraphs:
             options,
             check_finite,
         )
-        if cls.out is None:
-            return out, lse, finite
-        cls.out.copy_(out)
-        return cls.out, lse, finite
 
     def _capture(
         self, cls: _Class, layer: int, options: AttendOptions, check_finite: bool
@@ -505,12 +521,11 @@ def _signature(
     options: AttendOptions,
     check_finite: bool,
     layers: torch.Tensor | None,
-    out: torch.Tensor | None,
+    bound: bool,
 ) -> tuple:
     """The shape class of a call (`DecodeGraphs.run`'s arguments; ``entry.slots`` set):
     shapes and dtypes, the slot count, the batch, the bucketed table width, the options,
-    the finite check and the layer vector's shape; for bound buffers (`out`), their
-    addresses."""
+    the finite check and the layer vector's shape; for bound buffers, their addresses."""
     tables = entry.block_tables
     first_key, first_value, first_query = (_first(t) for t in (key, value, query))
     # Shapes as torch.Size: tuples (hashed and compared as the ints they hold), not
@@ -527,9 +542,7 @@ def _signature(
         options,
         check_finite,
         None if layers is None else layers.shape,
-        None
-        if out is None
-        else (first_key.data_ptr(), first_value.data_ptr(), first_query.data_ptr(), out.data_ptr()),
+        (first_key.data_ptr(), first_value.data_ptr(), first_query.data_ptr()) if bound else None,
     )
 
 
@@ -570,3 +583,49 @@ def _packed_span(
         return None
     # A uint8 view of the storage's bytes (set_ onto a fresh empty tensor: no copy).
     return torch.empty(0, dtype=torch.uint8).set_(storage, at, (nbytes,))
+
+
+class BoundGraphs:
+    """One step's layers on a lease client's fixed buffers (`DecodeGraphs.bind`): a
+    layer whose graph exists is one replay, with no per-call class lookup; any other goes
+    through `DecodeGraphs.run` (which runs it eagerly, or captures it)."""
+
+    def __init__(
+        self,
+        graphs: DecodeGraphs,
+        signature: tuple[object, ...],
+        entry: CachedMetadata,
+        inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        options: AttendOptions,
+        check_finite: bool,
+    ) -> None:
+        self._graphs = graphs
+        self._signature = signature
+        self._entry = entry
+        self._inputs = inputs
+        self._options = options
+        self._check_finite = check_finite
+        self._cls: _Class | None = None
+
+    def run(self, layer: int) -> _Outputs | None:
+        """As `DecodeGraphs.run` of this step's layer `layer` (None: run it the pool's
+        usual way; nothing done)."""
+        graphs = self._graphs
+        with graphs._lock:
+            cls = self._cls
+            if cls is None or cls.dropped:
+                # Not made yet when the step began (its first sighting), or dropped since.
+                cls = self._cls = graphs._classes.get(self._signature)
+            replay = cls.graphs.get(layer) if cls is not None else None
+            if replay is not None:
+                assert cls is not None
+                if cls.loaded is not self._entry:
+                    graphs._load_metadata(cls, self._entry)
+                replay[0].replay()
+                graphs.replays += 1
+                return replay[1]
+        key, value, query = self._inputs
+        return graphs.run(
+            layer, self._entry, key, value, query, self._options, False, self._check_finite,
+            bound=True,
+        )  # fmt: skip

@@ -7,8 +7,8 @@ on a CPU; the very tensors when the worker lives in this process), wrapped in a 
 of this process. A leased step is then run here, with the pool's own kernels:
 :meth:`LeaseClient.open` takes the step's plan from the StepLease reply (the request named
 :attr:`LeaseClient.connection`) or fetches it (one message), each layer is
-`KVPool.run_step_layer` on the caller's stream (a CUDA graph replay once the step's shape
-was seen), and :meth:`LeaseClient.end` reports the layers written (one message). No tensor
+a `KVPool.bind_step` layer on the caller's stream (a CUDA graph replay once the step's
+shape was seen), and :meth:`LeaseClient.end` reports the layers written (one message). No tensor
 crosses a process boundary and nothing waits for the other process per layer.
 """
 
@@ -43,7 +43,7 @@ from workers.lease_server import (
     register_local_event,
 )
 from workers.metadata_cache import CachedMetadata
-from workers.pool import KVPool, MappedPool
+from workers.pool import KVPool, MappedPool, StepLayers
 from workers.pool_memory import Exported, map_exported
 from workers.step_leases import LeaseEnded, LeaseReport, StepPlan
 
@@ -60,8 +60,8 @@ class LeasedStep:
         num_tokens: the step's new tokens; num_q_heads: its query heads.
         layers: the layers it may still write.
         flags: layer -> its finite flag on the device (None: nothing to write), in order.
-        staged: the step's inputs' shapes and the staging buffers for them, set at its
-            first layer (`LeaseClient._staged`).
+        staged: the step's inputs' shapes, the staging buffers for them and the step's
+            layers bound to those, set at its first layer (`LeaseClient._staged`).
     """
 
     lease_id: bytes
@@ -76,12 +76,12 @@ class LeasedStep:
 class _Staging(NamedTuple):
     """A step's staging (`LeaseClient._staged`): the inputs' shapes, the buffers viewed in
     those shapes, the span of the buffers the three fill (key, value, query one after the
-    other), and the key, value, query and output buffers as the pool takes them."""
+    other), and the step's layers bound to the buffers."""
 
     shapes: tuple[torch.Size, torch.Size, torch.Size]
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     span: torch.Tensor
-    buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    layers: StepLayers
 
 
 class LeaseClient:
@@ -207,7 +207,8 @@ class LeaseClient:
                 strides).
 
         Returns:
-            ``[rows, Hq, D]`` in the pool's dtype.
+            ``[rows, Hq, D]`` in the pool's dtype, valid until this layer runs again (a
+            step later; `StepLayers.run`): consume it before, or clone it.
 
         Raises:
             InvalidWorkerRequest: a layer the lease does not cover or already ran, or
@@ -224,7 +225,7 @@ class LeaseClient:
                 # A step's layers come in one shape: checked, and the buffers viewed in
                 # it, once (views cost microseconds of host time each, per layer).
                 staged = leased.staged = self._staged(leased, key, value, query)
-            span, (k, v, q, out) = staged.span, staged.buffers
+            span = staged.span
             dtype = span.dtype
             if (
                 key.dtype == dtype
@@ -239,9 +240,9 @@ class LeaseClient:
             else:
                 for dst, src in zip(staged.inputs, (key, value, query), strict=True):
                     dst.copy_(src)
-            leased.flags[layer] = self.pool.run_step_layer(leased.step, layer, k, v, q, out)
+            out, leased.flags[layer] = staged.layers.run(layer)
             leased.layers.discard(layer)
-            return out.clone()
+            return out
 
     def _staged(
         self, leased: LeasedStep, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor
@@ -269,12 +270,12 @@ class LeaseClient:
                 f"{lay.head_dim}]; got query {tuple(query.shape)}, key {tuple(key.shape)}, "
                 f"value {tuple(value.shape)}"
             )
-        span, k, v, q, out = self._buffers(rows, tokens, heads)
+        span, k, v, q = self._buffers(rows, tokens, heads)
         return _Staging(
             (key.shape, value.shape, query.shape),
             (k.view(key.shape), v.view(value.shape), q.view(query.shape)),
             span,
-            (k, v, q, out),
+            self.pool.bind_step(leased.step, k, v, q),
         )
 
     def end(self, leased: LeasedStep) -> LeaseReport:
@@ -366,21 +367,20 @@ class LeaseClient:
     def _buffers(self, rows: int, tokens: int, heads: int) -> tuple[torch.Tensor, ...]:
         """Staging for a step of these sizes, one buffer (grown when a step needs more):
         the key, value and query laid out one after the other from its start, so that one
-        copy fills them (their span first), then the output."""
+        copy fills them (their span first)."""
         lay = self.pool.layout
         kv = tokens * lay.num_kv_heads * lay.head_dim
         qo = rows * heads * lay.head_dim
-        need = 2 * kv + 2 * qo
+        need = 2 * kv + qo
         if self._staging is None or self._staging.numel() < need:
             self._staging = torch.zeros(need, dtype=lay.torch_dtype(), device=self.device)
         flat = self._staging
         kv_shape = (tokens, lay.num_kv_heads, lay.head_dim)
         return (
-            flat[: 2 * kv + qo],
+            flat[:need],
             flat[:kv].view(kv_shape),
             flat[kv : 2 * kv].view(kv_shape),
-            flat[2 * kv : 2 * kv + qo].view(rows, heads, lay.head_dim),
-            flat[2 * kv + qo : need].view(rows, heads, lay.head_dim),
+            flat[2 * kv : need].view(rows, heads, lay.head_dim),
         )
 
     def _request(self, message: bytes) -> tuple[int, bytes]:

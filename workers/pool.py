@@ -32,7 +32,7 @@ from workers.checks import (
     check_write,
 )
 from workers.config import PoolConfig
-from workers.decode_graphs import PAGES, DecodeGraphs
+from workers.decode_graphs import PAGES, BoundGraphs, DecodeGraphs
 from workers.delivery import AttendResult, Delivery, PartsResult, guard_finite, host_out
 from workers.errors import InvalidWorkerRequest, PoolAllocationError
 from workers.fingerprints import BadSlot, SlotFingerprints
@@ -56,6 +56,7 @@ __all__ = [
     "PartsResult",
     "ReferenceInputs",
     "Round",
+    "StepLayers",
     "resolve_device",
 ]
 
@@ -397,48 +398,27 @@ class KVPool:
             tables.view(block_tables.shape), lens, starts, rows, None, on_device.to(torch.int64)
         )
 
-    def run_step_layer(
+    def bind_step(
         self,
         step: CachedMetadata,
-        layer: int,
         key: torch.Tensor,
         value: torch.Tensor,
         query: torch.Tensor,
-        out: torch.Tensor,
         options: AttendOptions = _DEFAULT_OPTIONS,
-    ) -> torch.Tensor | None:
-        """One layer of a planned step (:meth:`step_metadata`, :meth:`planned_step`): the
-        write of its new K/V (masked unless every input is finite) and the attention,
-        output written into `out`, all enqueued on the current stream without waiting for
-        the device (a CUDA graph replay, on these very buffers, where the step's shape was
-        seen before).
+    ) -> StepLayers:
+        """A planned step (:meth:`step_metadata`, :meth:`planned_step`) bound to the
+        buffers its layers' inputs arrive in: :meth:`StepLayers.run` then runs one layer.
 
         Args:
-            key, value: ``[n, Hkv, D]``; query, out: ``[rows, Hq, D]``, n and rows the
-                step's, in the pool's dtype on its device: the caller's fixed buffers
-                (a lease client's, `workers.lease_client`), the same layer after layer
-                (the graphs are keyed by their addresses). The caller sized them for the
-                step, so only the layer is checked here.
-
-        Returns:
-            The finite flag (a 0-d bool on the device: False means nothing was written),
-            or None when there was nothing to write.
-
-        Raises:
-            InvalidWorkerRequest: a layer outside the layout; nothing was enqueued.
+            key, value: ``[n, Hkv, D]``; query: ``[rows, Hq, D]``, n and rows the step's,
+                in the pool's dtype on its device: the caller's fixed buffers (a lease
+                client's, `workers.lease_client`), refilled layer after layer (the graphs
+                are keyed by their addresses). The caller sized them for the step.
         """
-        check_layer(layer, self._layout.num_layers)
+        graphs = None
         if self._graphs is not None:
-            replayed = self._graphs.run(
-                layer, step, key, value, query, options, False, True, out=out
-            )
-            if replayed is not None:
-                return replayed[2]
-        got, _, finite = self._write_and_attend_on_device(
-            layer, step.slots, key, value, query, *step.tables(), options, True, step
-        )
-        out.copy_(got)
-        return finite
+            graphs = self._graphs.bind(step, key, value, query, options, True)
+        return StepLayers(self, step, (key, value, query), options, graphs)
 
     @property
     def metadata_hits(self) -> int:
@@ -1006,3 +986,48 @@ class KVPool:
 def _same_length(src: list[int], dst: list[int]) -> None:
     if len(src) != len(dst):
         raise InvalidWorkerRequest(f"{len(src)} source ids but {len(dst)} destination ids")
+
+
+class StepLayers:
+    """A step's layers on fixed input buffers (`KVPool.bind_step`)."""
+
+    def __init__(
+        self,
+        pool: KVPool,
+        step: CachedMetadata,
+        inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        options: AttendOptions,
+        graphs: BoundGraphs | None,
+    ) -> None:
+        self._pool = pool
+        self._step = step
+        self._inputs = inputs
+        self._options = options
+        self._graphs = graphs
+
+    def run(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One layer: the write of the buffers' new K/V (masked unless every input is
+        finite) and the attention of their queries, enqueued on the current stream
+        without waiting for the device (a CUDA graph replay where the step's shape was
+        seen before).
+
+        Returns:
+            (the output ``[rows, Hq, D]`` in the pool's dtype: a replayed graph's own
+            tensor, valid until that layer's graph replays again, a step later; the
+            finite flag, a 0-d bool on the device: False means nothing was written, or
+            None when there was nothing to write).
+
+        Raises:
+            InvalidWorkerRequest: a layer outside the layout; nothing was enqueued.
+        """
+        pool = self._pool
+        check_layer(layer, pool.layout.num_layers)
+        if self._graphs is not None:
+            replayed = self._graphs.run(layer)
+            if replayed is not None:
+                return replayed[0], replayed[2]
+        step = self._step
+        out, _, finite = pool._write_and_attend_on_device(
+            layer, step.slots, *self._inputs, *step.tables(), self._options, True, step
+        )
+        return out, finite
