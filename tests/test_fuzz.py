@@ -176,6 +176,7 @@ def test_hand_written_malformed_requests(env: Env):
     for call, req in (
         (stub.ForkSequence, pb.ForkSequenceRequest(seq_id=env.victim_seq)),
         (stub.FreeSequence, pb.FreeSequenceRequest(seq_id=env.victim_seq)),
+        (stub.FreeSequences, pb.FreeSequencesRequest(seq_ids=[env.a, env.victim_seq])),
         (stub.PublishPublic, pb.PublishPublicRequest(seq_id=env.victim_seq)),
     ):
         refused(lambda call=call, req=req: call(req, metadata=fz, timeout=20), C.NOT_FOUND)

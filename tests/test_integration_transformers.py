@@ -21,7 +21,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from cache_service.client import AppendAttendItem, KVCacheClient, NotFoundError  # noqa: E402
+from cache_service.client import (  # noqa: E402
+    AppendAttendItem,
+    InvalidArgumentError,
+    KVCacheClient,
+    NotFoundError,
+)
 from cache_service.config import (  # noqa: E402
     LayoutConfig,
     MetricsConfig,
@@ -344,24 +349,25 @@ def test_bad_inputs_raise_and_change_nothing(client: RecordingClient) -> None:
         served.session(ids, mask * 2)
     assert client.stats().active_sequences == before
 
-    # A row's sequence that cannot be created (the rows are created side by side): the
-    # session is refused with that error and the rows created meanwhile are freed.
-    real_create = client._client.create_sequence
-    made = []
+    # A row's sequence that the service cannot create (here a prompt longer than the pool
+    # holds, swapped in on the way): the rows go in one all-or-nothing call, so the session
+    # is refused with that row's error and the service keeps none of the rows.
+    real_create = client._client.create_sequences
+    calls = []
 
-    def create(prompt: Any, **kw: Any) -> Any:
-        if prompt is not None and len(prompt) == 6:
-            raise ValueError("no room for this row")
-        made.append(real_create(prompt, **kw))
-        return made[-1]
+    def create(prompts: Any, **kw: Any) -> Any:
+        calls.append(len(prompts))
+        prompts = [list(p) for p in prompts]
+        prompts[2] = [1] * 5000
+        return real_create(prompts, **kw)
 
-    client.create_sequence = create
+    client.create_sequences = create
     try:
-        with pytest.raises(ValueError, match="no room for this row"):
+        with pytest.raises(InvalidArgumentError, match=r"sequences\[2\]: .*5000"):
             served.session(*_batch([6, 9, 7, 8], seed=11))
     finally:
-        del client.create_sequence
-    assert len(made) == 3 and client.stats().active_sequences == before
+        del client.create_sequences
+    assert calls == [4] and client.stats().active_sequences == before
 
     # The routed model refuses to run without a session's cache.
     with pytest.raises(ValueError, match=r"past_key_values=session\.cache"), torch.no_grad():

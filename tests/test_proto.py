@@ -55,7 +55,8 @@ def test_the_api_has_every_capability_of_the_issue() -> None:
     service = kvcache_pb2.DESCRIPTOR.services_by_name["KVCache"]
     methods = {m.name: m for m in service.methods}
     assert set(methods) == {
-        "GetInfo", "CreateSequence", "ForkSequence", "FreeSequence", "Lookup", "Pin", "Unpin",
+        "GetInfo", "CreateSequence", "CreateSequences", "ForkSequence", "FreeSequence",
+        "FreeSequences", "Lookup", "Pin", "Unpin",
         "PublishPublic", "Append", "Attend", "AppendAttend", "AppendAttendBatch",
         "AttendBatch", "ExportBlocks", "ImportBlocks", "GetStats", "CreateSharedRegion",
         "ReleaseSharedRegion", "Session", "ListSequences", "SubscribeKvEvents",

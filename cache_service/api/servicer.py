@@ -355,6 +355,35 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         return pb.FreeSequenceResponse()
 
     @_rpc
+    async def CreateSequences(
+        self, request: pb.CreateSequencesRequest, context: Any, tenant: str
+    ) -> pb.CreateSequencesResponse:
+        items = []
+        for i, item in enumerate(request.sequences):
+            try:
+                request_id = check_request_id(item.request_id)
+            except InvalidRequest as exc:
+                raise InvalidRequest(f"sequences[{i}]: {exc}") from None
+            items.append((list(item.prompt_token_ids) or None, item.namespace, request_id))
+        deadline = commit_deadline(request.timeout_us, context.time_remaining())
+        with deadline_scope(deadline):
+            created = await self._coord.create_sequences(tenant, items)
+        return pb.CreateSequencesResponse(
+            sequences=[
+                pb.CreateSequenceResponse(seq_id=c.seq_id, num_cached_tokens=c.num_cached_tokens)
+                for c in created
+            ]
+        )
+
+    @_rpc
+    async def FreeSequences(
+        self, request: pb.FreeSequencesRequest, context: Any, tenant: str
+    ) -> pb.FreeSequencesResponse:
+        ids = [require_seq_id(s, f"seq_ids[{i}]") for i, s in enumerate(request.seq_ids)]
+        await self._coord.free_sequences(tenant, ids)
+        return pb.FreeSequencesResponse()
+
+    @_rpc
     async def ListSequences(
         self, request: pb.ListSequencesRequest, context: Any, tenant: str
     ) -> pb.ListSequencesResponse:

@@ -103,11 +103,13 @@ from cache_service.errors import (
     InvalidRequest,
     LayerNotWritten,
     PoolExhausted,
+    SequenceLost,
     SequenceNotFound,
 )
 from workers.layout import KVLayout
 
 __all__ = [
+    "MAX_BATCH_ITEMS",
     "AppendAttendItem",
     "AttendItem",
     "Coordinator",
@@ -369,6 +371,67 @@ class Coordinator:
             new_id = self.block_manager.fork(tenant, seq_id, new_seq_id=new_seq_id)
             info = self.block_manager.sequence_info(tenant, new_id)
             return CreatedSequence(new_id, min(info.written))
+
+    async def create_sequences(
+        self, tenant: str, items: Sequence[tuple[Sequence[int] | None, str, str]]
+    ) -> list[CreatedSequence]:
+        """`create_sequence` of each (prompt token ids or None, namespace, request id), in
+        order, all or nothing: when one fails, the sequences this call created (or found,
+        for a request id an earlier attempt used) are freed again and its error is raised,
+        its message naming the item (``sequences[i]``).
+
+        Raises:
+            InvalidRequest: no items, more than `MAX_BATCH_ITEMS`, or two with one request
+            id; what `create_sequence` raises for an item.
+        """
+        if not items or len(items) > MAX_BATCH_ITEMS:
+            raise InvalidRequest(
+                f"a batch creates 1 to {MAX_BATCH_ITEMS} sequences, got {len(items)}"
+            )
+        given = [request_id for _, _, request_id in items if request_id]
+        if len(set(given)) != len(given):
+            raise InvalidRequest("two items of the batch share a request_id")
+        created: list[CreatedSequence] = []
+        try:
+            for i, (prompt, namespace, request_id) in enumerate(items):
+                try:
+                    created.append(
+                        await self.create_sequence(tenant, prompt, namespace, request_id)
+                    )
+                except CacheError as exc:
+                    raise _item_error(exc, f"sequences[{i}]") from exc
+        except BaseException:
+            for done in created:
+                with contextlib.suppress(CacheError):
+                    await self.free(tenant, done.seq_id)
+            raise
+        return created
+
+    async def free_sequences(self, tenant: str, seq_ids: Sequence[str]) -> None:
+        """`free` of each sequence (live or lost), all or nothing: an id that names none
+        of the tenant's sequences raises SequenceNotFound naming it, and nothing is freed.
+
+        Raises:
+            InvalidRequest: no ids, more than `MAX_BATCH_ITEMS`, or one twice.
+            SequenceNotFound: an unknown id (nothing freed).
+        """
+        ids = list(seq_ids)
+        if not ids or len(ids) > MAX_BATCH_ITEMS:
+            raise InvalidRequest(f"a batch frees 1 to {MAX_BATCH_ITEMS} sequences, got {len(ids)}")
+        if len(set(ids)) != len(ids):
+            raise InvalidRequest("seq_ids names a sequence more than once")
+        async with self._locked(ids):
+            for i, seq_id in enumerate(ids):
+                try:
+                    self.block_manager.written_lengths(tenant, seq_id)
+                except SequenceLost:
+                    pass  # freeing a lost sequence clears its record
+                except SequenceNotFound as exc:
+                    raise _item_error(exc, f"seq_ids[{i}]") from exc
+            for seq_id in ids:
+                self.block_manager.free(tenant, seq_id)
+                self._steps.forget_sequence(seq_id)
+            self._released.flush()
 
     def _existing(self, tenant: str, seq_id: str) -> CreatedSequence | None:
         """The sequence `seq_id` of `tenant` as a create's answer, or None if there is none
@@ -934,3 +997,16 @@ def _correctness_checker(
     return CorrectnessChecker(
         fraction, pool_dtype, metrics, sequences=config.correctness_check_sequences
     )
+
+
+# The most sequences one CreateSequences / FreeSequences call names.
+MAX_BATCH_ITEMS = 4096
+
+
+def _item_error(exc: CacheError, item: str) -> CacheError:
+    """`exc` again, its message prefixed with the batch item it is about (its class, so
+    its status, unchanged)."""
+    try:
+        return type(exc)(f"{item}: {exc}")
+    except TypeError:  # a class whose constructor takes more than the message
+        return exc

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -123,23 +120,13 @@ class GenerationSession:
         self._closed = False
         self._broken: str | None = None
         self._active: ActiveStep | None = None
-        try:
-            created = _each_row(
-                lambda prompt: owner.client.create_sequence(
-                    prompt if config.reuse_prefix else None, namespace=owner.namespace
-                ),
-                prompts,
-            )
-            self._handles = [h for h in created if not isinstance(h, BaseException)]
-            failed = [h for h in created if isinstance(h, BaseException)]
-            if failed:
-                raise failed[0]
-            cached = [int(h.num_cached_tokens) for h in self._handles]
-            self._seq_ids = [h.seq_id for h in self._handles]
-            self.plan = BatchPlan(pads, cached, int(input_ids.shape[1]))
-        except BaseException:
-            self._free_all(suppress=True)
-            raise
+        # One call for the batch's rows, all or nothing: nothing to free when it fails.
+        self._handles = owner.client.create_sequences(
+            [p if config.reuse_prefix else None for p in prompts], namespace=owner.namespace
+        )
+        cached = [int(h.num_cached_tokens) for h in self._handles]
+        self._seq_ids = [h.seq_id for h in self._handles]
+        self.plan = BatchPlan(pads, cached, int(input_ids.shape[1]))
         self.stats = SessionStats(cached_tokens=cached, prompt_tokens=[len(p) for p in prompts])
         self.cache = ServiceKVCache(self, owner.layout.num_layers)
 
@@ -566,50 +553,34 @@ class GenerationSession:
             )
 
     def _free_all(self, suppress: bool) -> None:
-        """Free every sequence (trying all of them); raise the first failure unless suppress."""
-        freed = _each_row(lambda handle: self._owner.client.free(handle.seq_id), self._handles)
-        # NOT_FOUND / DATA_LOSS: already gone (freed elsewhere, or lost with a worker).
-        errors = [
-            e
-            for e in freed
-            if isinstance(e, Exception) and not isinstance(e, NotFoundError | DataLossError)
-        ]
-        self._handles = []
+        """Free every sequence, in one call; raise its failure unless suppress."""
+        handles, self._handles = self._handles, []
+        if not handles:
+            return
+        client = self._owner.client
+        try:
+            client.free_sequences([h.seq_id for h in handles])
+            return
+        except (NotFoundError, DataLossError):
+            # One was gone already (freed elsewhere, or lost with a worker: the batch call
+            # freed nothing): each of the others on its own.
+            pass
+        except Exception as exc:
+            if suppress:
+                return
+            raise RuntimeError(f"freeing the session's sequences failed: {exc!r}") from exc
+        errors = []
+        for handle in handles:
+            try:
+                client.free(handle.seq_id)
+            except (NotFoundError, DataLossError):
+                pass
+            except Exception as exc:
+                errors.append(exc)
         if errors and not suppress:
             raise RuntimeError(
                 f"freeing {len(errors)} sequence(s) failed: {errors[0]!r}"
             ) from errors[0]
-
-
-_Row = TypeVar("_Row")
-
-# A session's per-row calls (one CreateSequence / FreeSequence per row) run side by side:
-# one after another they were most of a batch's time to first token when its prompt was
-# cached.
-_ROW_CALLS: ThreadPoolExecutor | None = None
-_ROW_CALLS_LOCK = threading.Lock()
-
-
-def _each_row(call: Callable[[_Row], Any], rows: list[_Row]) -> list[Any]:
-    """``call(row)`` for every row, side by side: each result, or the exception it raised
-    (every call runs whatever the others do)."""
-
-    def one(row: _Row) -> Any:
-        try:
-            return call(row)
-        except Exception as e:
-            return e
-
-    if len(rows) <= 1:
-        return [one(row) for row in rows]
-    global _ROW_CALLS
-    with _ROW_CALLS_LOCK:
-        if _ROW_CALLS is None:
-            _ROW_CALLS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvcache-rows")
-    try:
-        return list(_ROW_CALLS.map(one, rows))
-    except RuntimeError:  # no new work after interpreter shutdown began: one by one
-        return [one(row) for row in rows]
 
 
 def _right_aligned(outputs: torch.Tensor, q: int, dtype: torch.dtype) -> torch.Tensor:

@@ -88,10 +88,21 @@ class ExactAttentionService:
         self._next += 1
         return _Handle(seq_id=f"probe-{self._next}", num_cached_tokens=0)
 
+    def create_sequences(
+        self, prompts: Sequence[Sequence[int] | None], *, namespace: str = ""
+    ) -> list[_Handle]:
+        """A new empty sequence per prompt."""
+        return [self.create_sequence(p, namespace=namespace) for p in prompts]
+
     def free(self, seq_id: str) -> None:
         """Forget a sequence's keys and values."""
         for key in [k for k in self._kv if k[0] == seq_id]:
             del self._kv[key]
+
+    def free_sequences(self, seq_ids: Sequence[str]) -> None:
+        """Forget these sequences' keys and values."""
+        for seq_id in seq_ids:
+            self.free(seq_id)
 
     def append_attend(self, layer: int, items: Sequence[Any]) -> list[torch.Tensor]:
         """Per item: append ``key``/``value`` ``[n, kv_heads, d]``, attend ``query`` ``[n, q_heads, d]``."""

@@ -150,6 +150,30 @@ class FreeSequenceResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class CreateSequencesRequest(_message.Message):
+    __slots__ = ("sequences", "timeout_us")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_US_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[CreateSequenceRequest]
+    timeout_us: int
+    def __init__(self, sequences: _Optional[_Iterable[_Union[CreateSequenceRequest, _Mapping]]] = ..., timeout_us: _Optional[int] = ...) -> None: ...
+
+class CreateSequencesResponse(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[CreateSequenceResponse]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[CreateSequenceResponse, _Mapping]]] = ...) -> None: ...
+
+class FreeSequencesRequest(_message.Message):
+    __slots__ = ("seq_ids",)
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class FreeSequencesResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class LookupRequest(_message.Message):
     __slots__ = ("token_ids", "namespace")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -55,6 +55,16 @@ class KVCacheStub:
                 request_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.FreeSequenceRequest.SerializeToString,
                 response_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.FreeSequenceResponse.FromString,
                 _registered_method=True)
+        self.CreateSequences = channel.unary_unary(
+                '/kvcache.v1.KVCache/CreateSequences',
+                request_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.CreateSequencesRequest.SerializeToString,
+                response_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.CreateSequencesResponse.FromString,
+                _registered_method=True)
+        self.FreeSequences = channel.unary_unary(
+                '/kvcache.v1.KVCache/FreeSequences',
+                request_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.FreeSequencesRequest.SerializeToString,
+                response_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.FreeSequencesResponse.FromString,
+                _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/kvcache.v1.KVCache/Lookup',
                 request_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.LookupRequest.SerializeToString,
@@ -171,6 +181,24 @@ class KVCacheServicer:
 
     def FreeSequence(self, request, context):
         """Release a sequence. Its full blocks stay findable in the prefix index until evicted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateSequences(self, request, context):
+        """CreateSequence for several sequences in one call (a batch of requests admitted
+        together), all or nothing: the items are created in order, and when one fails the
+        sequences the call created are freed again and the call fails with that item's
+        status, its message naming the item ("sequences[i]: ...").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FreeSequences(self, request, context):
+        """FreeSequence for several sequences in one call, all or nothing: an id naming none of
+        the caller's sequences is NOT_FOUND ("seq_ids[i]: ...") and nothing is freed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -350,6 +378,16 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.FreeSequence,
                     request_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.FreeSequenceRequest.FromString,
                     response_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.FreeSequenceResponse.SerializeToString,
+            ),
+            'CreateSequences': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateSequences,
+                    request_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.CreateSequencesRequest.FromString,
+                    response_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.CreateSequencesResponse.SerializeToString,
+            ),
+            'FreeSequences': grpc.unary_unary_rpc_method_handler(
+                    servicer.FreeSequences,
+                    request_deserializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.FreeSequencesRequest.FromString,
+                    response_serializer=cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.FreeSequencesResponse.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
@@ -546,6 +584,60 @@ class KVCache:
             '/kvcache.v1.KVCache/FreeSequence',
             cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.FreeSequenceRequest.SerializeToString,
             cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.FreeSequenceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateSequences(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.KVCache/CreateSequences',
+            cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.CreateSequencesRequest.SerializeToString,
+            cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.CreateSequencesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FreeSequences(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.KVCache/FreeSequences',
+            cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.FreeSequencesRequest.SerializeToString,
+            cache__service_dot___proto_dot_kvcache_dot_v1_dot_kvcache__pb2.FreeSequencesResponse.FromString,
             options,
             channel_credentials,
             insecure,
