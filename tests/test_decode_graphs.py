@@ -5,6 +5,7 @@ with the online check recomputing beside them on another thread."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import threading
 
@@ -420,6 +421,30 @@ def test_a_checked_replay_refuses_non_finite_inputs_and_writes_nothing(where):
                 pool, layer, slots, k, v, q, *args, metadata_key=step, check_finite=True
             )
     assert pool._graphs.replays > 0
+
+
+@pytest.mark.gpu
+def test_a_pool_collected_during_a_capture_does_not_break_it():
+    # A dropped pool (its graphs kept alive by a reference cycle) collected by the garbage
+    # collector in the middle of another pool's capture would destroy CUDA graphs while the
+    # stream captures: the capture breaks. Captures run with the collector held off.
+    old = _filled(True)
+    _decode_steps(old, 4, return_lse=False)
+    assert old._graphs is not None and old._graphs.captures > 0
+    del old  # garbage now, but only a collection frees it
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)  # collect at almost every allocation, the capture's included
+    try:
+        new = _filled(True)
+        a = _decode_steps(new, 5, return_lse=False, seed=1)
+    finally:
+        gc.set_threshold(*threshold)
+    graphs = new._graphs
+    assert graphs is not None and graphs.captures > 0 and graphs.replays > 0
+    assert not any(cls.failed for cls in graphs._classes.values())
+    b = _decode_steps(_filled(False), 5, return_lse=False, seed=1)
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x[0], y[0], atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.gpu

@@ -48,6 +48,7 @@ before the next call. Classes are kept least recently used first.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 from collections import OrderedDict
@@ -496,19 +497,28 @@ class DecodeGraphs:
         self._stream.wait_stream(current)
         # capture_begin / capture_end rather than torch.cuda.graph(): that one also runs
         # gc.collect() and empties the allocator's cache, milliseconds on a busy server.
-        with torch.cuda.stream(self._stream):
-            # Thread-local: another thread's CUDA call meanwhile (a shared region being
-            # page-locked, say) neither breaks the capture nor is refused by it.
-            graph.capture_begin(pool=self._mempool, capture_error_mode="thread_local")
-            try:
-                outputs = self._run_body(cls, layer, options, check_finite)
-            except BaseException:
+        # No garbage collection during the capture: a collected CUDA graph (another
+        # pool's, dropped in a reference cycle) is destroyed in this thread, which a
+        # capture in progress refuses, and that breaks the capture.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.stream(self._stream):
+                # Thread-local: another thread's CUDA call meanwhile (a shared region being
+                # page-locked, say) neither breaks the capture nor is refused by it.
+                graph.capture_begin(pool=self._mempool, capture_error_mode="thread_local")
                 try:
-                    graph.capture_end()
-                except Exception:  # the capture is broken anyway; report the body's error
-                    pass
-                raise
-            graph.capture_end()
+                    outputs = self._run_body(cls, layer, options, check_finite)
+                except BaseException:
+                    try:
+                        graph.capture_end()
+                    except Exception:  # the capture is broken anyway; report the body's error
+                        pass
+                    raise
+                graph.capture_end()
+        finally:
+            if collecting:
+                gc.enable()
         current.wait_stream(self._stream)
         return graph, outputs
 
