@@ -126,3 +126,54 @@ def test_encoding_round_trips_and_is_little_endian() -> None:
     data = encode_tokens(ids)
     assert data[:16] == bytes(8) + b"\x01" + bytes(7)
     assert decode_tokens(data) == ids
+
+
+def test_a_match_sharing_the_last_ones_start_finds_what_a_fresh_match_finds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Match reuses the blocks the previous match found for the bytes both prompts share
+    # while the index is unchanged; its answers must be those of a match from scratch,
+    # whatever was published or removed between the calls, under one owner or two.
+    import random
+
+    shared = []
+    real = PrefixIndex._shared_start
+
+    def counted(self, *args):
+        got = real(self, *args)
+        shared.append(len(got))
+        return got
+
+    monkeypatch.setattr(PrefixIndex, "_shared_start", counted)
+    rng = random.Random(5)
+    index = PrefixIndex(BS)
+    system = [rng.randrange(3) for _ in range(6 * BS)]
+    blocks = 0
+    last: list = []
+
+    def prompt() -> list[int]:
+        head = system[: rng.randrange(len(system) + 1)]
+        return head + [rng.randrange(3) for _ in range(rng.randrange(3 * BS))]
+
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.15:  # publish a prompt's blocks under an owner, on fresh blocks
+            tokens, owner = prompt(), rng.choice(["t", None])
+            salt, parent = make_salt(owner, FP), ROOT_KEY
+            for i in range(len(tokens) // BS):
+                chunk = encode_tokens(tokens[i * BS : (i + 1) * BS])
+                key = block_key(parent, salt.salt, chunk)
+                index.publish(key, IndexEntry(PhysicalBlock("w", blocks), parent, owner, chunk))
+                blocks += 1
+                parent = key
+        elif op < 0.25 and blocks:  # evict a block, often one the last match found
+            found = [b for _, b in last]
+            index.remove_block(rng.choice(found) if found else PhysicalBlock("w", 0))
+        else:
+            salts = rng.choice([[make_salt("t", FP)], [make_salt("t", FP), make_salt(None, FP)]])
+            data, limit = encode_tokens(prompt()), rng.randrange(10)
+            got = index.match(salts, data, limit)
+            index._last_match = None
+            assert got == index.match(salts, data, limit)
+            last = got
+    assert sum(1 for n in shared if n) > 20  # the reuse was exercised

@@ -144,7 +144,7 @@ class PrefixIndex:
     changes, so the KV event stream cannot miss a change.
     """
 
-    __slots__ = ("_by_block", "_entries", "block_size", "events")
+    __slots__ = ("_by_block", "_changes", "_entries", "_last_match", "block_size", "events")
 
     def __init__(self, block_size: int) -> None:
         """An empty index for blocks of `block_size` tokens."""
@@ -152,6 +152,13 @@ class PrefixIndex:
         self._entries: dict[bytes, IndexEntry] = {}
         self._by_block: dict[PhysicalBlock, list[bytes]] = {}
         self.events: KvEventLog | None = None
+        # Bumped whenever a key is added or dropped: a remembered match holds only while
+        # the index is as it was.
+        self._changes = 0
+        # The last match: (changes then, salts, prompt bytes, its leading GPU blocks).
+        self._last_match: (
+            tuple[int, Sequence[Salt], bytes, tuple[tuple[bytes, Any], ...]] | None
+        ) = None
 
     def __len__(self) -> int:
         """Number of keys."""
@@ -225,6 +232,7 @@ class PrefixIndex:
         if key in self._entries:
             return False
         self._entries[key] = entry
+        self._changes += 1
         keys = self._by_block.get(entry.block)
         if keys is None:
             self._by_block[entry.block] = [key]
@@ -256,6 +264,7 @@ class PrefixIndex:
             for key in self._by_block.pop(block, ()):
                 entry = self._entries.pop(key)
                 count += 1
+                self._changes += 1
                 if self.events is not None:
                     group = (block.worker_id, entry.owner, entry.namespace)
                     dropped.setdefault(group, []).append(key)
@@ -272,6 +281,7 @@ class PrefixIndex:
             for key in self._by_block.pop(block):
                 del self._entries[key]
                 count += 1
+                self._changes += 1
         if self.events is not None:
             self.events.cleared(worker_id)
         return count
@@ -304,9 +314,9 @@ class PrefixIndex:
         stride = self.block_size * TOKEN_BYTES
         max_blocks = min(max_blocks, len(token_bytes) // stride)
         entries = self._entries
-        parent = ROOT_KEY
-        found: list[tuple[bytes, PhysicalBlock]] = []
-        for i in range(max_blocks):
+        found = self._shared_start(salts, token_bytes, max_blocks, stride)
+        parent = found[-1][0] if found else ROOT_KEY
+        for i in range(len(found), max_blocks):
             chunk = token_bytes[i * stride : (i + 1) * stride]
             for owner, salt in salts:
                 key = block_key(parent, salt, chunk)
@@ -321,7 +331,36 @@ class PrefixIndex:
                 ):
                     break
             else:
-                return found
+                break
             found.append((key, entry.block))
             parent = key
+        gpu = 0
+        while gpu < len(found) and type(found[gpu][1]) is PhysicalBlock:
+            gpu += 1
+        self._last_match = (self._changes, tuple(salts), token_bytes, tuple(found[:gpu]))
         return found
+
+    def _shared_start(
+        self, salts: Sequence[Salt], token_bytes: bytes, max_blocks: int, stride: int
+    ) -> list[tuple[bytes, Any]]:
+        """The leading blocks the last match found that this prompt shares with its prompt
+        (the same owners and bytes, the index unchanged since: so the same blocks a match
+        from scratch finds; GPU blocks only, as a host tier's entries come and go on their
+        own). A batch of prompts with one system prompt (CreateSequences) hashes and looks
+        up its blocks once, not once per prompt."""
+        last = self._last_match
+        if last is None or last[0] != self._changes or last[1] != tuple(salts):
+            return []
+        prompt, blocks = last[2], last[3]
+        n = min(len(blocks), max_blocks)
+        if token_bytes[: n * stride] != prompt[: n * stride]:
+            # The longest run of whole blocks the two prompts share.
+            lo, hi = 0, n
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if token_bytes[: mid * stride] == prompt[: mid * stride]:
+                    lo = mid
+                else:
+                    hi = mid
+            n = lo
+        return list(blocks[:n])
