@@ -423,6 +423,30 @@ def test_a_checked_replay_refuses_non_finite_inputs_and_writes_nothing(where):
     assert pool._graphs.replays > 0
 
 
+def test_captures_hold_the_collector_off_until_the_last_one_ends():
+    # Pools capture from several threads: the collector stays off while any capture
+    # runs, and comes back as it was before the first began.
+    from workers.decode_graphs import _collector_held
+
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        first, second = _collector_held(), _collector_held()
+        first.__enter__()
+        second.__enter__()
+        assert not gc.isenabled()
+        first.__exit__(None, None, None)
+        assert not gc.isenabled()  # the second capture still runs
+        second.__exit__(None, None, None)
+        assert gc.isenabled()
+        gc.disable()
+        with _collector_held():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # off before: left off
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
 @pytest.mark.gpu
 def test_a_pool_collected_during_a_capture_does_not_break_it():
     # A dropped pool (its graphs kept alive by a reference cycle) collected by the garbage

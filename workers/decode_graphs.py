@@ -48,11 +48,12 @@ before the next call. Classes are kept least recently used first.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -500,9 +501,7 @@ class DecodeGraphs:
         # No garbage collection during the capture: a collected CUDA graph (another
         # pool's, dropped in a reference cycle) is destroyed in this thread, which a
         # capture in progress refuses, and that breaks the capture.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
+        with _collector_held():
             with torch.cuda.stream(self._stream):
                 # Thread-local: another thread's CUDA call meanwhile (a shared region being
                 # page-locked, say) neither breaks the capture nor is refused by it.
@@ -516,11 +515,32 @@ class DecodeGraphs:
                         pass
                     raise
                 graph.capture_end()
-        finally:
-            if collecting:
-                gc.enable()
         current.wait_stream(self._stream)
         return graph, outputs
+
+
+# Captures holding the garbage collector off (`_collector_held`), and whether it ran before
+# the first of them began: pools capture from several threads at once.
+_HELD_LOCK = threading.Lock()
+_held = [0, False]
+
+
+@contextlib.contextmanager
+def _collector_held() -> Iterator[None]:
+    """The garbage collector off while any capture in this process runs (as it was before
+    the first began once the last ends)."""
+    with _HELD_LOCK:
+        if _held[0] == 0:
+            _held[1] = gc.isenabled()
+            gc.disable()
+        _held[0] += 1
+    try:
+        yield
+    finally:
+        with _HELD_LOCK:
+            _held[0] -= 1
+            if _held[0] == 0 and _held[1]:
+                gc.enable()
 
 
 def _signature(
