@@ -322,7 +322,7 @@ class KVPool:
         num_q_heads: int,
     ) -> CachedMetadata:
         """A planned step's metadata validated once and kept on the pool's device, for its
-        layers (:meth:`run_step_layer`): :meth:`check_step`, then :meth:`planned_step`.
+        layers (:meth:`bind_step`): :meth:`check_step`, then :meth:`planned_step`.
 
         Raises:
             InvalidWorkerRequest: malformed metadata or slots.

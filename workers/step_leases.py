@@ -5,7 +5,7 @@ plans the step once and *grants* a lease on it: the step's validated metadata (b
 tables, lengths, query offsets, the new tokens' slots) and the layers it may write. The
 client, on this host, has mapped the pool (`workers.lease_server`, `workers.pool_memory`):
 it *opens* the lease, receives the plan, runs the step's layers with the pool's own
-kernels in its process (`KVPool.run_step_layer` on its view of the pool), and *reports*
+kernels in its process (`KVPool.bind_step` on its view of the pool), and *reports*
 which layers it wrote and which it refused (inputs not all finite: nothing written). When
 the coordinator *ends* the lease, it commits exactly the reported layers. A grant that
 names the client's lease connection (its token, from the connection's hello) opens the
