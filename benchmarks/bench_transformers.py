@@ -544,7 +544,9 @@ def shared_prefix_run(
     reuse = SessionConfig(step_leases=leases)
     first = dict(max_new_tokens=1, min_new_tokens=1, do_sample=False)
     whole = dict(max_new_tokens=p.new_tokens, min_new_tokens=p.new_tokens, do_sample=False)
-    times: dict[str, list[float]] = {k: [] for k in ("ttft_own", "ttft", "gen_own", "gen")}
+    times: dict[str, list[float]] = {
+        k: [] for k in ("ttft_own", "ttft", "gen_own", "gen", "open", "close")
+    }
     with torch.no_grad():
         ids, mask = requests(1000)  # caches the system prompt; warms both paths
         served.generate(ids[:1], mask[:1], reuse, **first)
@@ -559,6 +561,9 @@ def shared_prefix_run(
                     functools.partial(served.generate, ids, mask, reuse, **settings), p.device
                 )
                 times[kind].append(t)
+                if kind == "ttft":
+                    times["open"].append(stats.open_seconds)
+                    times["close"].append(stats.close_seconds)
     med = {k: statistics.median(v) for k, v in times.items()}
     tokens = batch * p.new_tokens
     out = dict(
@@ -567,6 +572,8 @@ def shared_prefix_run(
         ttft_own_ms=med["ttft_own"] * 1e3,
         ttft_ms=med["ttft"] * 1e3,
         ttft_ratio=med["ttft"] / med["ttft_own"],
+        ttft_open_ms=med["open"] * 1e3,
+        ttft_close_ms=med["close"] * 1e3,
         own_tok_s=tokens / med["gen_own"],
         service_tok_s=tokens / med["gen"],
         cached_tokens=sum(stats.cached_tokens),
@@ -575,7 +582,8 @@ def shared_prefix_run(
     log(
         f"shared prefix {prefix_len} x {batch}: time to first token own "
         f"{out['ttft_own_ms']:.1f} ms, service {out['ttft_ms']:.1f} ms "
-        f"({out['ttft_ratio']:.2f}x); tokens/s own {out['own_tok_s']:.1f}, service "
+        f"({out['ttft_ratio']:.2f}x; of it creating the rows {out['ttft_open_ms']:.1f} ms, "
+        f"freeing them {out['ttft_close_ms']:.1f} ms); tokens/s own {out['own_tok_s']:.1f}, service "
         f"{out['service_tok_s']:.1f}; the last run prefilled {out['prefill_tokens']} tokens, "
         f"{out['cached_tokens']} cached"
     )

@@ -322,6 +322,8 @@ def test_batched_prefix_hits_of_different_lengths_with_padding(
     _assert_same_generation(ours, ref)
     assert stats.cached_tokens == [16, 32, 0]
     assert stats.prefill_tokens == [len(p) - c for p, c in zip(prompts, [16, 32, 0], strict=True)]
+    # The rows were created and freed (one call each), and the session says how long.
+    assert stats.open_seconds > 0 and stats.close_seconds > 0
 
 
 @pytest.mark.parametrize("client", ["llama_service"], indirect=True)

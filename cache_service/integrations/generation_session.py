@@ -68,6 +68,10 @@ class SessionStats:
             tensors' moves to and from the host, the client call, the step lease's
             request), seconds; minus ``rpc_seconds``, ``leased_seconds`` and
             ``lease_seconds``: what the integration itself costs.
+        open_seconds: wall time of creating the rows' sequences (one CreateSequences
+            call), seconds.
+        close_seconds: wall time of freeing them when the session closed (one
+            FreeSequences call; 0 until then, or when the config keeps them), seconds.
     """
 
     cached_tokens: list[int]
@@ -81,6 +85,8 @@ class SessionStats:
     leases: int = 0
     lease_seconds: float = 0.0
     attend_seconds: float = 0.0
+    open_seconds: float = 0.0
+    close_seconds: float = 0.0
 
     @property
     def prefill_tokens(self) -> list[int]:
@@ -121,13 +127,17 @@ class GenerationSession:
         self._broken: str | None = None
         self._active: ActiveStep | None = None
         # One call for the batch's rows, all or nothing: nothing to free when it fails.
+        t_open = time.perf_counter()
         self._handles = owner.client.create_sequences(
             [p if config.reuse_prefix else None for p in prompts], namespace=owner.namespace
         )
+        opened = time.perf_counter() - t_open
         cached = [int(h.num_cached_tokens) for h in self._handles]
         self._seq_ids = [h.seq_id for h in self._handles]
         self.plan = BatchPlan(pads, cached, int(input_ids.shape[1]))
-        self.stats = SessionStats(cached_tokens=cached, prompt_tokens=[len(p) for p in prompts])
+        self.stats = SessionStats(
+            cached_tokens=cached, prompt_tokens=[len(p) for p in prompts], open_seconds=opened
+        )
         self.cache = ServiceKVCache(self, owner.layout.num_layers)
 
     @property
@@ -170,7 +180,11 @@ class GenerationSession:
         self._closed = True
         self._owner._sessions.discard(self)
         if self._config.free_on_close:
-            self._free_all(suppress=False)
+            t_close = time.perf_counter()
+            try:
+                self._free_all(suppress=False)
+            finally:
+                self.stats.close_seconds = time.perf_counter() - t_close
 
     def __enter__(self) -> GenerationSession:
         return self
