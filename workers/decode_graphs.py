@@ -262,9 +262,7 @@ class DecodeGraphs:
             should take the pool's usual path (a first sighting, or a layer whose capture
             failed), nothing done.
         """
-        if entry.slots is None or (layer == PAGES) != (layers is not None):
-            return None
-        if entry.num_rows > MAX_GRAPH_ROWS_PER_SEQUENCE * entry.block_tables.shape[0]:
+        if not _replayable(entry) or (layer == PAGES) != (layers is not None):
             return None
         if layer == PAGES and (self._pages_body is None or bound):
             return None
@@ -310,9 +308,7 @@ class DecodeGraphs:
     ) -> BoundGraphs | None:
         """`run` with ``bound`` for every layer of one step on the same buffers, its class
         resolved once: None when the step is never replayed (no slots, a prefill)."""
-        if entry.slots is None:
-            return None
-        if entry.num_rows > MAX_GRAPH_ROWS_PER_SEQUENCE * entry.block_tables.shape[0]:
+        if not _replayable(entry):
             return None
         signature = _signature(entry, key, value, query, options, check_finite, None, True)
         return BoundGraphs(self, signature, entry, (key, value, query), options, check_finite)
@@ -541,6 +537,15 @@ def _collector_held() -> Iterator[None]:
             _held[0] -= 1
             if _held[0] == 0 and _held[1]:
                 gc.enable()
+
+
+def _replayable(entry: CachedMetadata) -> bool:
+    """Whether a call of `entry` may take a graph: it writes (its slots are kept) and is
+    no prefill (at most `MAX_GRAPH_ROWS_PER_SEQUENCE` query rows per sequence)."""
+    return (
+        entry.slots is not None
+        and entry.num_rows <= MAX_GRAPH_ROWS_PER_SEQUENCE * entry.block_tables.shape[0]
+    )
 
 
 def _signature(

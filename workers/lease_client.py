@@ -139,8 +139,8 @@ class LeaseClient:
         self._width = (self.pool.layout.num_layers + 7) // 8
         # Reports sent whose answers are not read yet (the next request reads them).
         self._unanswered = 0
-        # Inputs and output of a layer in one buffer, reused so that decode graphs replay
-        # on them (`_buffers`).
+        # A layer's key, value and query in one buffer, reused so that decode graphs
+        # replay on them (`_buffers`).
         self._staging: torch.Tensor | None = None
 
     @property

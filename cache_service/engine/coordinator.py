@@ -428,10 +428,7 @@ class Coordinator:
                     pass  # freeing a lost sequence clears its record
                 except SequenceNotFound as exc:
                     raise _item_error(exc, f"seq_ids[{i}]") from exc
-            for seq_id in ids:
-                self.block_manager.free(tenant, seq_id)
-                self._steps.forget_sequence(seq_id)
-            self._released.flush()
+            self._release(tenant, ids)
 
     def _existing(self, tenant: str, seq_id: str) -> CreatedSequence | None:
         """The sequence `seq_id` of `tenant` as a create's answer, or None if there is none
@@ -449,9 +446,18 @@ class Coordinator:
     async def free(self, tenant: str, seq_id: str) -> None:
         """Release a sequence (waits for a call in flight on it)."""
         async with self._locked([seq_id]):
+            self._release(tenant, [seq_id])
+
+    def _release(self, tenant: str, seq_ids: list[str]) -> None:
+        """Free sequences whose locks the caller holds, and forget their recorded steps.
+
+        Raises:
+            SequenceNotFound: an unknown one (those before it are freed already).
+        """
+        for seq_id in seq_ids:
             self.block_manager.free(tenant, seq_id)
-            self._released.flush()
             self._steps.forget_sequence(seq_id)
+        self._released.flush()
 
     async def pin(self, tenant: str, token_ids: Sequence[int], namespace: str = "") -> int:
         """Pin the cached blocks of a prefix in a namespace; returns the tokens pinned."""
