@@ -918,3 +918,39 @@ def test_finite_guard_reads_back_to_back_inputs_as_one_span():
         t.view(-1)[1] = 0.0
     masked, finite = guard_finite(slots, k, v, q, True)
     assert finite is not None and bool(finite) and masked.tolist() == [0, 1, 2]
+
+
+def test_a_bound_cpu_step_writes_and_fingerprints_as_calls_do_and_refuses_non_finite():
+    # A planned step's layers on fixed buffers (a lease client's path): the CPU pool reads
+    # the finite flag on the spot and records fingerprints at places derived once per
+    # step; data, fingerprints and outputs equal per-layer calls', and a layer with a NaN
+    # input writes nothing (data and fingerprints as they were) and says so.
+    bound = filled_pool(seed=15, fingerprints=True)
+    calls = filled_pool(seed=15, fingerprints=True)
+    slots, _, _, _, tables, lens, qsl = _decode_args(bound, seed=16)
+    step = bound.step_metadata(tables, lens, qsl, slots.tolist(), 4)
+    flat = torch.empty(3 * 2 * 16 * 2 + 3 * 4 * 16)  # key, value, query back to back
+    k, v = flat[:96].view(3, 2, 16), flat[96:192].view(3, 2, 16)
+    q = flat[192:].view(3, 4, 16)
+    layers = bound.bind_step(step, k, v, q)
+    gen = torch.Generator().manual_seed(17)
+    for layer in range(LAYOUT.num_layers):
+        flat.copy_(torch.randn(flat.shape, generator=gen))
+        if layer == 2:
+            k[1, 0, 3] = float("nan")
+        before = (bound.data.clone(), bound.fingerprint_sums.clone())
+        out, finite = layers.run(layer)
+        assert finite is not None and bool(finite) == (layer != 2)
+        if layer == 2:
+            assert torch.equal(bound.data.nan_to_num(7.0), before[0].nan_to_num(7.0))
+            assert torch.equal(bound.fingerprint_sums, before[1])
+            continue
+        ref = write_and_attend(calls, layer, slots, k, v, q, tables, lens, qsl, check_finite=True)
+        assert torch.allclose(out, ref, atol=1e-6)
+        assert torch.equal(bound.data[:, layer], calls.data[:, layer])
+        assert torch.allclose(bound.fingerprint_sums, calls.fingerprint_sums, rtol=1e-12)
+        # The filled pools' other slots were never fingerprinted (both report them).
+        bad = bound.reference_attend(layer, q, tables, lens, qsl)[2]
+        assert bad == calls.reference_attend(layer, q, tables, lens, qsl)[2]
+        written = {(int(s) // 4, int(s) % 4) for s in slots}
+        assert not written & {(b.block, b.offset) for b in bad}

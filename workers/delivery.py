@@ -10,6 +10,8 @@ leaves it as it was.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from workers.checks import AttendOptions
@@ -22,6 +24,7 @@ __all__ = [
     "AttendResult",
     "Delivery",
     "PartsResult",
+    "all_finite_on_host",
     "guard_finite",
     "host_out",
     "is_pinned_host",
@@ -47,22 +50,41 @@ def guard_finite(
     device, read once the call's results are on the host); else the slots as given."""
     if not check_finite or slots.numel() == 0:
         return slots, None
-    tensors = (key, value, query)
-    if any(t.dtype == torch.float64 for t in tensors):
+    total = _float64_total((key, value, query))
+    if total is None:
         finite = torch.isfinite(key).all() & torch.isfinite(value).all()
         finite &= torch.isfinite(query).all()
     else:
-        # One sum each instead of an isfinite (four operations in torch) and an all: a NaN
-        # or an infinity makes the float64 total non-finite, and finite float32 values
-        # cannot overflow it (2**20 rows of 2**14 elements of 2**128 stay below 2**162).
-        span = _adjacent_span(tensors)
-        if span is not None:  # a lease client's staging: the three in one sum
-            total = span.sum(dtype=torch.float64)
-        else:
-            total = key.sum(dtype=torch.float64) + value.sum(dtype=torch.float64)
-            total += query.sum(dtype=torch.float64)
         finite = (total - total) == 0  # inf - inf and NaN - NaN are NaN
     return torch.where(finite, slots, -1), finite
+
+
+def all_finite_on_host(key: torch.Tensor, value: torch.Tensor, query: torch.Tensor) -> bool:
+    """Whether every value of key, value and query is finite, read at once: for CPU
+    tensors, where reading costs nothing and a flag kept on the device would cost the
+    operations of :func:`guard_finite`."""
+    total = _float64_total((key, value, query))
+    if total is None:
+        return all(bool(torch.isfinite(t).all()) for t in (key, value, query))
+    return math.isfinite(total.item())
+
+
+def _float64_total(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """The float64 sum of every value of `tensors` (0-d, on their device), non-finite
+    exactly when one of them is; None for float64 inputs, whose sum could overflow.
+
+    One sum each instead of an isfinite (four operations in torch) and an all: a NaN or
+    an infinity makes the float64 total non-finite, and finite float32 values cannot
+    overflow it (2**20 rows of 2**14 elements of 2**128 stay below 2**162)."""
+    if any(t.dtype == torch.float64 for t in tensors):
+        return None
+    span = _adjacent_span(tensors)
+    if span is not None:  # a lease client's staging: the three in one sum
+        return span.sum(dtype=torch.float64)
+    total = tensors[0].sum(dtype=torch.float64)
+    for t in tensors[1:]:
+        total += t.sum(dtype=torch.float64)
+    return total
 
 
 def _adjacent_span(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor | None:

@@ -73,6 +73,7 @@ class SlotFingerprints:
         gen = torch.Generator().manual_seed(0x5EED)
         weights = torch.rand((layout.num_kv_heads, layout.head_dim), generator=gen) + 0.5
         self._weights = weights.to(device=device, dtype=torch.float64)
+        self._flat_weights = self._weights.reshape(-1)
         # One spare block past the pool's: skipped (negative) slots of a write land there
         # and are never read, so a write needs no host round trip to filter them out.
         self._spare = num_blocks * layout.block_size
@@ -108,6 +109,24 @@ class SlotFingerprints:
             self._sums[slots] = both.transpose(0, 1)  # [n, L, 2]
             return
         self._record(layer, slots, key, value)
+
+    def planned_places(self, slots: torch.Tensor) -> torch.Tensor:
+        """long ``[L, 2 * n]``: per layer, the places in the flattened store of the K then
+        the V fingerprints of slots ``slots`` (int ``[n]``, none negative): what
+        :meth:`record_at` takes, for a planned step's layers."""
+        per_slot = self._sums.shape[1] * 2
+        base = slots.long() * per_slot
+        both = torch.cat([base, base + 1])
+        layers = torch.arange(0, per_slot, 2, device=both.device)
+        return both[None, :] + layers[:, None]
+
+    def record_at(self, places: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Fingerprint a write of key and value ``[n, Hkv, D]`` (as written) at `places`
+        (a row of :meth:`planned_places`): one product for the K and V rows together, in
+        a few operations where a CPU pool's time is their count."""
+        n = key.shape[0]
+        rows = torch.cat([key.reshape(n, -1), value.reshape(n, -1)]).to(torch.float64)
+        self._sums.view(-1).index_copy_(0, places, rows @ self._flat_weights)
 
     def record_pages(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Fingerprint a write addressed by pages (page ``block * L + layer``, slot ``page *

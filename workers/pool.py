@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -33,7 +33,14 @@ from workers.checks import (
 )
 from workers.config import PoolConfig
 from workers.decode_graphs import PAGES, BoundGraphs, DecodeGraphs
-from workers.delivery import AttendResult, Delivery, PartsResult, guard_finite, host_out
+from workers.delivery import (
+    AttendResult,
+    Delivery,
+    PartsResult,
+    all_finite_on_host,
+    guard_finite,
+    host_out,
+)
 from workers.errors import InvalidWorkerRequest, PoolAllocationError
 from workers.fingerprints import BadSlot, SlotFingerprints
 from workers.host_tier import HostTier, check_move
@@ -141,6 +148,11 @@ class KVPool:
                     f"allocating {self._num_blocks} blocks ({self._num_blocks * layout.bytes_per_block}"
                     f" bytes) on {self._device} failed: {exc}"
                 ) from None
+        # Each layer's K and V caches, viewed once: a view costs microseconds of host time,
+        # and a decode step takes two per layer.
+        self._layer_caches = [
+            (self._data[:, layer, 0], self._data[:, layer, 1]) for layer in range(layout.num_layers)
+        ]
         sums = mapped.fingerprint_sums if mapped is not None else None
         self._fingerprints = (
             SlotFingerprints(layout, self._num_blocks, self._device, sums)
@@ -233,12 +245,12 @@ class KVPool:
     def key_cache(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s K view ``[num_blocks, Hkv, block_size, D]``."""
         check_layer(layer, self._layout.num_layers)
-        return self._data[:, layer, 0]
+        return self._layer_caches[layer][0]
 
     def value_cache(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s V view ``[num_blocks, Hkv, block_size, D]``."""
         check_layer(layer, self._layout.num_layers)
-        return self._data[:, layer, 1]
+        return self._layer_caches[layer][1]
 
     def free_bytes(self) -> int:
         """Free memory on the pool's device, bytes."""
@@ -537,7 +549,7 @@ class KVPool:
         the coordinator discards such a check (cache_service.engine.running_checks).
         """
         layer = inputs.layer
-        return reference_attention(inputs, self._data[:, layer, 0], self._data[:, layer, 1])
+        return reference_attention(inputs, *self._layer_caches[layer])
 
     def copy_blocks(self, src: IndexLike, dst: IndexLike) -> None:
         """Copy whole blocks (all layers, K and V) ``src[i] -> dst[i]`` (copy-on-write).
@@ -803,43 +815,48 @@ class KVPool:
         `kept`: the metadata these tensors came from, kept for the step's other layers (a
         CPU pool plans the write's rows and the attention's gathers once there).
         Returns (out, lse or None, finite flag or None)."""
-        slots, finite = guard_finite(slots, key, value, query, check_finite)
-        rows = self._planned_rows(kept) if kept is not None else None
-        if rows is None:
+        planned = self._planned_rows(kept) if kept is not None else None
+        if planned is None:
+            slots, finite = guard_finite(slots, key, value, query, check_finite)
             self._write_on_device(layer, slots, key, value)
-        elif finite is None or bool(finite):  # a CPU pool: reading the flag costs nothing
-            self._write_rows_on_device(layer, rows, slots, key, value)
+        else:  # a CPU pool: the flag is read on the spot, which costs nothing there
+            ok = not check_finite or slots.numel() == 0 or all_finite_on_host(key, value, query)
+            if ok:
+                self._write_rows_on_device(layer, planned, key, value)
+            finite = torch.tensor(ok) if check_finite and slots.numel() else None
         result = self._attend_on_device(
             layer, query, block_tables, seq_lens, query_start_loc, options, kept
         )
         out, lse = result if isinstance(result, tuple) else (result, None)
         return out, lse, finite
 
-    def _planned_rows(self, kept: CachedMetadata) -> torch.Tensor | None:
-        """The rows a CPU pool writes a kept step's new tokens to on any layer
-        (`kernels.slot_rows`), derived once; None on other devices, where the write reads
-        its slots on the device (a guarded write's slots are masked there), or without
-        slots."""
+    def _planned_rows(self, kept: CachedMetadata) -> _PlannedRows | None:
+        """Where a CPU pool writes a kept step's new tokens on any layer: their rows
+        (`kernels.slot_rows`) and their fingerprints' places
+        (`SlotFingerprints.planned_places`), derived once for the step's layers; None on
+        other devices, where the write reads its slots on the device (a guarded write's
+        slots are masked there), or without slots."""
         if self._device.type != "cpu" or kept.slots is None:
             return None
-        if "write_rows" not in kept.derived:
-            kept.derived["write_rows"] = kernels.slot_rows(self._data[:, 0, 0], kept.slots)
-        return kept.derived["write_rows"]
+        planned = kept.derived.get("write_rows")
+        if planned is None:
+            fingerprints = self._fingerprints
+            planned = kept.derived["write_rows"] = _PlannedRows(
+                kernels.slot_rows(self._data[:, 0, 0], kept.slots),
+                fingerprints.planned_places(kept.slots) if fingerprints is not None else None,
+            )
+        return planned
 
     def _write_rows_on_device(
-        self,
-        layer: int,
-        rows: torch.Tensor,
-        slots: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
+        self, layer: int, planned: _PlannedRows, key: torch.Tensor, value: torch.Tensor
     ) -> None:
-        """:meth:`_write_on_device` of one layer through its slots' rows (`_planned_rows`)."""
+        """:meth:`_write_on_device` of one layer of a kept step, at the places
+        :meth:`_planned_rows` derived."""
         dtype = self._data.dtype
         key, value = key.to(dtype), value.to(dtype)
-        kernels.write_rows(rows, key, value, self._data[:, layer, 0], self._data[:, layer, 1])
-        if self._fingerprints is not None:
-            self._fingerprints.record(layer, slots, key, value)
+        kernels.write_rows(planned.rows, key, value, *self._layer_caches[layer])
+        if self._fingerprints is not None and planned.fingerprint_places is not None:
+            self._fingerprints.record_at(planned.fingerprint_places[layer], key, value)
 
     def _write_and_attend_layers_on_device(
         self,
@@ -903,8 +920,7 @@ class KVPool:
                 kernels.write_kv,
                 k,
                 v,
-                self._data[:, lyr, 0],
-                self._data[:, lyr, 1],
+                *self._layer_caches[lyr],
                 slots,
             )
         if self._fingerprints is not None:
@@ -946,7 +962,7 @@ class KVPool:
         if layer is None:
             key_cache, value_cache = page_caches(self._data, self._num_blocks, self._layout)
         else:
-            key_cache, value_cache = self._data[:, layer, 0], self._data[:, layer, 1]
+            key_cache, value_cache = self._layer_caches[layer]
         if kept is not None and layer is not None:
             plan_key = ("attention", options.causal, options.sliding_window)
             if plan_key not in kept.derived:
@@ -986,6 +1002,19 @@ class KVPool:
 def _same_length(src: list[int], dst: list[int]) -> None:
     if len(src) != len(dst):
         raise InvalidWorkerRequest(f"{len(src)} source ids but {len(dst)} destination ids")
+
+
+class _PlannedRows(NamedTuple):
+    """A kept step's write places on a CPU pool (`KVPool._planned_rows`).
+
+    Attributes:
+        rows: long ``[n * Hkv]``: the new tokens' rows in any layer's caches.
+        fingerprint_places: long ``[L, 2 * n]``: per layer, the places of the tokens' K
+            then V fingerprints in the store (None: the pool keeps none).
+    """
+
+    rows: torch.Tensor
+    fingerprint_places: torch.Tensor | None
 
 
 class StepLayers:
