@@ -227,7 +227,14 @@ class GenerationSession:
             )
         q = int(input_ids.shape[1])
         start = plan.consumed
-        ids = input_ids.detach().cpu()
+        if attention_mask is not None:
+            self._check_mask_shape(attention_mask, start, q)
+        # The forward's inputs on the host in one copy (on a GPU one wait, not three).
+        ids, new_mask, given_positions = on_host(
+            input_ids,
+            attention_mask[:, start:] if attention_mask is not None else None,
+            position_ids,
+        )
         if start < plan.prompt_columns:
             stop = min(start + q, plan.prompt_columns)
             if not torch.equal(ids[:, : stop - start], self.input_ids[:, start:stop]):
@@ -235,8 +242,8 @@ class GenerationSession:
                     f"input_ids columns {start}..{stop} differ from the session's prompt; "
                     "open a new session for another prompt"
                 )
-        if attention_mask is not None:
-            self._check_mask(attention_mask, start, q)
+        if new_mask is not None:
+            self._check_new_mask(new_mask, start, q)
         step = plan.plan(q)
         longest = max(r.start_position + r.count for r in step.rows)
         span = self._owner.span
@@ -256,8 +263,8 @@ class GenerationSession:
         expected_positions[rows] = columns - shift[:, None]
         id_rows = ids.tolist()
         token_ids = [id_rows[r][o:] for r, o in zip(rows, offsets, strict=True)]
-        if position_ids is not None:
-            given = position_ids.detach().cpu().expand(plan.batch_size, q)
+        if given_positions is not None:
+            given = given_positions.expand(plan.batch_size, q)
             sent = columns >= torch.tensor(offsets)[:, None]
             wrong = ((given[rows] != expected_positions[rows]) & sent).any(dim=1)
             for i in wrong.nonzero().flatten().tolist():
@@ -548,7 +555,7 @@ class GenerationSession:
         if self._active is not None:
             raise RuntimeError("a forward step of this session is already running")
 
-    def _check_mask(self, attention_mask: torch.Tensor, start: int, q: int) -> None:
+    def _check_mask_shape(self, attention_mask: torch.Tensor, start: int, q: int) -> None:
         if attention_mask.ndim != 2:
             raise ValueError(
                 f"only 2D 0/1 attention masks are supported, got shape {tuple(attention_mask.shape)}"
@@ -558,9 +565,12 @@ class GenerationSession:
                 f"attention_mask must be [{self.plan.batch_size}, {start + q}] at this step, "
                 f"got {tuple(attention_mask.shape)}"
             )
-        got = attention_mask[:, start:].detach().cpu().to(torch.long)
+
+    def _check_new_mask(self, new_mask: torch.Tensor, start: int, q: int) -> None:
+        """The attention mask's columns of this step (host, `[batch, q]`) as the session
+        expects them."""
         want = torch.tensor(self.plan.expected_mask(start, start + q), dtype=torch.long)
-        if not torch.equal(got, want):
+        if not torch.equal(new_mask.to(torch.long), want):
             raise ValueError(
                 "attention_mask must keep the session's left padding and mark every new "
                 f"column as a token (columns {start}..{start + q})"
@@ -602,6 +612,24 @@ def _right_aligned(outputs: torch.Tensor, q: int, dtype: torch.dtype) -> torch.T
     out = torch.zeros(outputs.shape[0], q, *outputs.shape[2:], dtype=dtype)
     out[:, q - outputs.shape[1] :] = outputs
     return out
+
+
+def on_host(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Integer tensors (None passes through) on the host, detached, in their shapes and
+    dtypes: those on a device joined and copied in one transfer (one wait for the device
+    instead of one each)."""
+    moved = [t for t in tensors if t is not None and t.device.type != "cpu"]
+    if not moved:
+        return tuple(None if t is None else t.detach() for t in tensors)
+    flat = torch.cat([t.detach().reshape(-1).to(torch.long) for t in moved]).cpu()
+    parts = iter(flat.split([t.numel() for t in moved]))
+    out: list[torch.Tensor | None] = []
+    for t in tensors:
+        if t is None or t.device.type == "cpu":
+            out.append(None if t is None else t.detach())
+        else:
+            out.append(next(parts).view(t.shape).to(t.dtype))
+    return tuple(out)
 
 
 def new_tokens(generate_kwargs: dict[str, Any], defaults: Any, plan: BatchPlan) -> int:
