@@ -133,8 +133,14 @@ def commit_repeated_layers(
     own layer, so the checks of the others still hold when their turn comes)."""
     if len(set(layers)) != len(layers):
         raise InvalidRequest(f"each layer is committed once, got {list(layers)}")
-    for layer in layers:
-        for i, (seq, start) in enumerate(zip(snapshot.seqs, snapshot.starts, strict=True)):
+    num_layers = m._num_layers
+    # A leased decode step commits every layer of sequences that stand at one length on
+    # all of them: one list count per sequence checks that, not a loop over its layers.
+    every = len(layers) == num_layers
+    for i, (seq, start) in enumerate(zip(snapshot.seqs, snapshot.starts, strict=True)):
+        if every and seq.written.count(start) == num_layers:
+            continue
+        for layer in layers:
             if seq.written[layer] != start:
                 raise InvalidRequest(
                     f"layer {layer} of {snapshot.seq_ids[i]!r} stands at {seq.written[layer]}, "
@@ -145,8 +151,11 @@ def commit_repeated_layers(
         # Every layer's new length first, then the blocks they complete published once
         # (as each layer's commit in turn would leave them).
         written = seq.written
-        for layer in layers:
-            written[layer] = end
+        if every:
+            written[:] = (end,) * num_layers
+        else:
+            for layer in layers:
+                written[layer] = end
         m._publish_written(seq, end)
 
 
@@ -169,9 +178,12 @@ def repeatable_layers(m: BlockManager, snapshot: WriteSnapshot) -> list[int]:
             or len(seq.tokens) < start + count
         ):
             return []
+    num_layers = m._num_layers
     pairs = list(zip(snapshot.seqs, snapshot.starts, strict=True))
+    if all(seq.written.count(start) == num_layers for seq, start in pairs):
+        return list(range(num_layers))  # a decode step: every layer at one length
     return [
         layer
-        for layer in range(m._num_layers)
+        for layer in range(num_layers)
         if all(seq.written[layer] == start for seq, start in pairs)
     ]
