@@ -97,6 +97,80 @@ def test_an_item_that_fails_leaves_nothing_created(svc: ServiceHarness) -> None:
     svc.check_integrity()
 
 
+def test_a_shared_system_prompt_goes_once_and_every_row_gets_its_whole_prompt(
+    svc: ServiceHarness,
+) -> None:
+    # The SDK sends the tokens every prompt begins with once
+    # (CreateSequencesRequest.shared_prompt_token_ids); each sequence holds its whole
+    # prompt, adopts the cached system prompt, and the server takes the same request
+    # built by hand; a negative shared id is refused naming the field, nothing created.
+    system = list(range(100, 100 + 2 * BS))
+    sent: list[pb.CreateSequencesRequest] = []
+    with KVCacheClient(svc.address) as client:
+        before = _live(client)
+        (first,) = client.create_sequences([[*system, 1]])
+        _write_prompt(client, first.seq_id, [*system, 1])
+        stub = client._stub
+        real = stub.CreateSequences
+
+        def spy(request: pb.CreateSequencesRequest, *args: object, **kwargs: object) -> object:
+            sent.append(request)
+            return real(request, *args, **kwargs)
+
+        stub.CreateSequences = spy
+        try:
+            prompts = [[*system, 5, 6], [*system, 7], system]
+            handles = client.create_sequences(prompts)
+        finally:
+            stub.CreateSequences = real
+        assert list(sent[0].shared_prompt_token_ids) == system
+        assert [list(item.prompt_token_ids) for item in sent[0].sequences] == [[5, 6], [7], []]
+        assert [h.num_cached_tokens for h in handles] == [2 * BS, 2 * BS, BS]
+        for handle, prompt in zip(handles, prompts, strict=True):
+            info = svc.call(svc.coordinator.block_manager.sequence_info, "default", handle.seq_id)
+            assert list(info.token_ids) == prompt[: handle.num_cached_tokens]
+        raw = pb_grpc.KVCacheStub(grpc.insecure_channel(svc.address))
+        reply = raw.CreateSequences(
+            pb.CreateSequencesRequest(
+                shared_prompt_token_ids=system,
+                sequences=[
+                    pb.CreateSequenceRequest(prompt_token_ids=[9]),
+                    pb.CreateSequenceRequest(),
+                ],
+            ),
+            timeout=20,
+        )
+        assert [c.num_cached_tokens for c in reply.sequences] == [2 * BS, BS]
+        with pytest.raises(grpc.RpcError) as caught:
+            raw.CreateSequences(
+                pb.CreateSequencesRequest(
+                    shared_prompt_token_ids=[1, -2],
+                    sequences=[pb.CreateSequenceRequest(prompt_token_ids=[3])],
+                ),
+                timeout=20,
+            )
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "shared_prompt_token_ids" in (caught.value.details() or "")
+        with pytest.raises(grpc.RpcError) as caught:
+            raw.CreateSequences(
+                pb.CreateSequencesRequest(
+                    shared_prompt_token_ids=system,
+                    sequences=[
+                        pb.CreateSequenceRequest(prompt_token_ids=[3]),
+                        pb.CreateSequenceRequest(prompt_token_ids=[4, -1]),
+                    ],
+                ),
+                timeout=20,
+            )
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert re.search(r"sequences\[1\]: ", caught.value.details() or "")
+        assert _live(client) == before + 6
+        client.free_sequences([h.seq_id for h in handles] + [first.seq_id])
+        client.free_sequences([c.seq_id for c in reply.sequences])
+        assert _live(client) == before
+    svc.check_integrity()
+
+
 def test_a_retried_batch_answers_the_same_sequences(svc: ServiceHarness) -> None:
     with KVCacheClient(svc.address) as client:
         before = _live(client)

@@ -35,10 +35,12 @@ from cache_service.api.result_codec import encode_results
 from cache_service.api.shared_outputs import batch_reply, shared_outputs
 from cache_service.api.status_mapping import status_for
 from cache_service.api.stream_decode import (
+    item_prompt,
     nonempty_ids,
     read_append,
     read_import,
     require_seq_id,
+    shared_prompt,
 )
 from cache_service.config import SharedMemoryConfig
 from cache_service.engine.call_deadline import check_deadline, commit_deadline, deadline_scope
@@ -359,12 +361,15 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
         self, request: pb.CreateSequencesRequest, context: Any, tenant: str
     ) -> pb.CreateSequencesResponse:
         items = []
+        shared = shared_prompt(request.shared_prompt_token_ids)
         for i, item in enumerate(request.sequences):
             try:
                 request_id = check_request_id(item.request_id)
             except InvalidRequest as exc:
                 raise InvalidRequest(f"sequences[{i}]: {exc}") from None
-            items.append((list(item.prompt_token_ids) or None, item.namespace, request_id))
+            items.append(
+                (item_prompt(i, item.prompt_token_ids, shared), item.namespace, request_id)
+            )
         deadline = commit_deadline(request.timeout_us, context.time_remaining())
         with deadline_scope(deadline):
             created = await self._coord.create_sequences(tenant, items)

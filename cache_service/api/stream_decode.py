@@ -5,6 +5,7 @@ assembled from their messages: header first, data chunks after, bounded by the h
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,7 +22,14 @@ from cache_service.wire.tensor_codec import (
 )
 from workers.layout import KVLayout
 
-__all__ = ["nonempty_ids", "read_append", "read_import", "require_seq_id"]
+__all__ = [
+    "item_prompt",
+    "nonempty_ids",
+    "read_append",
+    "read_import",
+    "require_seq_id",
+    "shared_prompt",
+]
 
 
 def require_seq_id(seq_id: str, field: str = "seq_id") -> str:
@@ -37,6 +45,40 @@ def nonempty_ids(token_ids: Any) -> list[int]:
     if not ids:
         raise InvalidRequest("token_ids is empty")
     return ids
+
+
+def shared_prompt(token_ids: Any) -> array | None:
+    """CreateSequencesRequest.shared_prompt_token_ids packed as the block manager keeps
+    token ids (unsigned 64-bit), or None when empty.
+
+    Raises:
+        InvalidRequest: a negative id (named by this field, not by an item).
+    """
+    if not len(token_ids):
+        return None
+    return _packed("shared_prompt_token_ids", token_ids)
+
+
+def item_prompt(i: int, token_ids: Any, shared: array | None) -> Any:
+    """The prompt of CreateSequencesRequest item `i`: its prompt_token_ids (None when
+    empty), after the shared ones when there are some, joined in C (a 2k-token system
+    prompt is not made into Python ints once per item).
+
+    Raises:
+        InvalidRequest: a negative id, named by its item.
+    """
+    if shared is None:
+        return list(token_ids) or None
+    return shared + _packed(f"sequences[{i}]", token_ids)
+
+
+def _packed(field: str, token_ids: Any) -> array:
+    try:
+        return array("Q", token_ids)
+    except OverflowError:
+        raise InvalidRequest(
+            f"{field}: token ids must be ints in [0, 2**64), got {min(token_ids)}"
+        ) from None
 
 
 def _spec_size(spec: pb.TensorSpec, field: str) -> tuple[torch.dtype, list[int], int]:

@@ -438,7 +438,8 @@ class KVCacheClient(BatchPath):
         ones when None): the call is retried on UNAVAILABLE with the same ids, which
         answer the sequences a first attempt made.
         """
-        items = [_prompt_ids(i, p) for i, p in enumerate(prompts)]
+        shared, rests = _shared_prefix(prompts)
+        items = [_prompt_ids(i, p) for i, p in enumerate(rests)]
         if request_ids is None:
             rids = [self.new_request_id() for _ in items]
         elif len(request_ids) == len(items):
@@ -447,7 +448,9 @@ class KVCacheClient(BatchPath):
             raise ValueError(f"{len(request_ids)} request ids for {len(items)} prompts")
 
         def build(_: str, timeout_us: int) -> pb.CreateSequencesRequest:
-            return pb.CreateSequencesRequest(sequences=items, timeout_us=timeout_us)
+            return pb.CreateSequencesRequest(
+                sequences=items, shared_prompt_token_ids=shared, timeout_us=timeout_us
+            )
 
         for item, rid in zip(items, rids, strict=True):
             item.namespace, item.request_id = namespace, rid
@@ -864,6 +867,50 @@ class KVCacheClient(BatchPath):
         for start in range(self._chunk, len(view), self._chunk):
             messages.append(pb.ImportBlocksRequest(data=bytes(view[start : start + self._chunk])))
         return iter(messages)
+
+
+def _shared_prefix(
+    prompts: Sequence[Sequence[int] | torch.Tensor | None],
+) -> tuple[list[int], list[Sequence[int] | None]]:
+    """The token ids every prompt begins with (sent once, as
+    CreateSequencesRequest.shared_prompt_token_ids) and what follows them in each prompt;
+    none shared for fewer than two prompts or an empty one (None)."""
+    if len(prompts) < 2 or any(p is None for p in prompts):
+        return [], [None if p is None else _as_ids(p) for p in prompts]
+    rows = [_as_ids(p) for p in prompts]
+    n = _common_length(rows)
+    shared = rows[0][:n]
+    if shared:
+        try:
+            pb.CreateSequenceRequest(prompt_token_ids=shared)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"the prompts' shared first tokens must be token ids: {exc}") from None
+    return shared, [row[n:] for row in rows]
+
+
+def _common_length(rows: list[list[int]]) -> int:
+    """How many leading items all `rows` share: those of the least and the greatest row
+    (every row lies between them), found by halving with slice comparisons (C loops, not
+    one Python step per token)."""
+    try:
+        first, last = min(rows), max(rows)
+    except TypeError:  # items that do not compare (not ids): protobuf names the prompt
+        return 0
+    low, high = 0, min(len(first), len(last))
+    while low < high:
+        mid = (low + high + 1) // 2
+        if first[:mid] == last[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def _as_ids(prompt: Sequence[int] | torch.Tensor) -> list[int]:
+    """A prompt as a list (a tensor's ids, a tuple's items; ints or not, protobuf checks)."""
+    if isinstance(prompt, torch.Tensor):
+        return token_id_list(prompt)
+    return prompt if type(prompt) is list else list(prompt)
 
 
 def _prompt_ids(i: int, prompt: Sequence[int] | torch.Tensor | None) -> pb.CreateSequenceRequest:

@@ -151,12 +151,14 @@ class FreeSequenceResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class CreateSequencesRequest(_message.Message):
-    __slots__ = ("sequences", "timeout_us")
+    __slots__ = ("sequences", "shared_prompt_token_ids", "timeout_us")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_US_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[CreateSequenceRequest]
+    shared_prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     timeout_us: int
-    def __init__(self, sequences: _Optional[_Iterable[_Union[CreateSequenceRequest, _Mapping]]] = ..., timeout_us: _Optional[int] = ...) -> None: ...
+    def __init__(self, sequences: _Optional[_Iterable[_Union[CreateSequenceRequest, _Mapping]]] = ..., shared_prompt_token_ids: _Optional[_Iterable[int]] = ..., timeout_us: _Optional[int] = ...) -> None: ...
 
 class CreateSequencesResponse(_message.Message):
     __slots__ = ("sequences",)
