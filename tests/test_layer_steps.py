@@ -40,12 +40,19 @@ def manager() -> BlockManager:
     return m
 
 
-def first_layer(m: BlockManager, seq_ids: list[str], tokens: list[int]) -> Any:
-    """Layer 0 of a decode step as the coordinator runs it: plan, read the block ids (the
-    attention views), snapshot; returns (plans, snapshot)."""
+def planned(m: BlockManager, seq_ids: list[str], tokens: list[int]) -> Any:
+    """A decode step's layer-0 positions reserved and its block ids read (the attention
+    views), as the coordinator plans a step; returns the plans."""
     plans = m.prepare_writes("t", 0, [(s, [tok]) for s, tok in zip(seq_ids, tokens, strict=True)])
     for s, plan in zip(seq_ids, plans, strict=True):
         assert m.block_ids("t", s, -(-(plan.start + 1) // BS)) is not None
+    return plans
+
+
+def first_layer(m: BlockManager, seq_ids: list[str], tokens: list[int]) -> Any:
+    """Layer 0 of a decode step as the coordinator runs it: plan, read the block ids,
+    commit, snapshot; returns (plans, snapshot)."""
+    plans = planned(m, seq_ids, tokens)
     m.commit_writes("t", 0, [(s, 1) for s in seq_ids])
     return plans, m.snapshot_writes("t", seq_ids, plans)
 
@@ -834,15 +841,6 @@ def test_commit_repeated_layers_commits_as_commit_repeated_does_all_or_nothing()
     many.check_integrity()
 
 
-def _planned_for_lease(m: BlockManager, seq_ids: list[str], tokens: list[int]) -> Any:
-    """A decode step planned for a lease as the coordinator plans it: layer 0's positions
-    reserved, the block ids read (the attention views), nothing committed; its snapshot."""
-    plans = m.prepare_writes("t", 0, [(s, [tok]) for s, tok in zip(seq_ids, tokens, strict=True)])
-    for s, plan in zip(seq_ids, plans, strict=True):
-        assert m.block_ids("t", s, -(-(plan.start + 1) // BS)) is not None
-    return m.snapshot_writes("t", seq_ids, plans)
-
-
 def test_a_step_planned_for_a_lease_commits_every_layer_at_once_or_none() -> None:
     # A step planned for a lease reserves layer 0's positions without committing them;
     # its end commits every layer in one call: the state per-layer commits leave, the
@@ -856,13 +854,15 @@ def test_a_step_planned_for_a_lease_commits_every_layer_at_once_or_none() -> Non
     for token in range(6):  # crosses a block boundary
         snaps = []
         for m in (one, many):
-            snaps.append(_planned_for_lease(m, seqs, [300 + token + i for i in range(3)]))
+            snaps.append(
+                m.snapshot_writes("t", seqs, planned(m, seqs, [300 + token + i for i in range(3)]))
+            )
         assert many.repeatable_layers(snaps[1]) == list(range(LAYERS))
         for layer in range(LAYERS):
             one.commit_repeated(snaps[0], layer)
         many.commit_repeated_layers(snaps[1], range(LAYERS))
         assert one.to_records() == many.to_records()
-    snap = _planned_for_lease(many, seqs, [400 + i for i in range(3)])
+    snap = many.snapshot_writes("t", seqs, planned(many, seqs, [400 + i for i in range(3)]))
     many.commit_repeated(snap, 1)
     assert many.repeatable_layers(snap) == [layer for layer in range(LAYERS) if layer != 1]
     before = many.to_records()
