@@ -14,8 +14,10 @@ Imports nothing of cache_service: the control plane and the client both use it.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["ROOT_KEY", "TOKEN_BYTES", "block_key", "salt_bytes"]
+__all__ = ["ROOT_KEY", "TOKEN_BYTES", "block_key", "salt_bytes", "shared_prefix_length"]
 
 ROOT_KEY = bytes(32)
 # Token ids are hashed as 8-byte little-endian unsigned ints.
@@ -51,3 +53,20 @@ def block_key(parent: bytes, salt: bytes, tokens: bytes) -> bytes:
         tokens: the block's token ids as uint64 little-endian (block_size * 8 bytes).
     """
     return _sha256(parent + salt + tokens).digest()
+
+
+def shared_prefix_length(a: Sequence[Any], b: Sequence[Any], limit: int, unit: int = 1) -> int:
+    """How many leading runs of `unit` items `a` and `b` share, at most `limit` runs:
+    found by halving with slice comparisons (C loops, not a Python step per item), as a
+    batch's prompts that begin with one system prompt are compared (token bytes in whole
+    blocks by the prefix index, token id lists by the client)."""
+    if a[: limit * unit] == b[: limit * unit]:
+        return limit
+    low, high = 0, limit  # `low` runs are shared, `high` are not
+    while high - low > 1:
+        mid = (low + high) // 2
+        if a[: mid * unit] == b[: mid * unit]:
+            low = mid
+        else:
+            high = mid
+    return low

@@ -177,3 +177,21 @@ def test_a_match_sharing_the_last_ones_start_finds_what_a_fresh_match_finds(
             assert got == index.match(salts, data, limit)
             last = got
     assert sum(1 for n in shared if n) > 20  # the reuse was exercised
+
+
+def test_the_shared_prefix_length_is_the_longest_run_of_whole_units_two_sequences_share():
+    # The halving search the prefix index (token bytes, whole blocks) and the client's
+    # batch creates (token id lists) use, against a step-by-step count.
+    import random
+
+    rnd = random.Random(3)
+    for _ in range(3000):
+        unit = rnd.choice([1, 2, 3])
+        a = [rnd.randrange(3) for _ in range(rnd.randrange(0, 13))]
+        b = a[: rnd.randrange(len(a) + 1)] + [rnd.randrange(3) for _ in range(rnd.randrange(6))]
+        limit = min(len(a), len(b)) // unit
+        expected = 0
+        while expected < limit and a[: (expected + 1) * unit] == b[: (expected + 1) * unit]:
+            expected += 1
+        assert prefix_keys.shared_prefix_length(a, b, limit, unit) == expected
+        assert prefix_keys.shared_prefix_length(bytes(a), bytes(b), limit, unit) == expected

@@ -93,6 +93,7 @@ from cache_service.client.values import (
     WorkerInfo,
     WorkerStats,
 )
+from cache_service.prefix_keys import shared_prefix_length
 from cache_service.wire.request_codec import (
     call_fields,
     encode_append_attend,
@@ -889,21 +890,13 @@ def _shared_prefix(
 
 
 def _common_length(rows: list[list[int]]) -> int:
-    """How many leading items all `rows` share: those of the least and the greatest row
-    (every row lies between them), found by halving with slice comparisons (C loops, not
-    one Python step per token)."""
+    """How many leading items all `rows` share: those the least and the greatest row
+    share (every row lies between them)."""
     try:
         first, last = min(rows), max(rows)
     except TypeError:  # items that do not compare (not ids): protobuf names the prompt
         return 0
-    low, high = 0, min(len(first), len(last))
-    while low < high:
-        mid = (low + high + 1) // 2
-        if first[:mid] == last[:mid]:
-            low = mid
-        else:
-            high = mid - 1
-    return low
+    return shared_prefix_length(first, last, min(len(first), len(last)))
 
 
 def _as_ids(prompt: Sequence[int] | torch.Tensor) -> list[int]:

@@ -23,7 +23,13 @@ from typing import Any, NamedTuple
 from cache_service.control.kv_events import KvEventLog
 from cache_service.control.types import PhysicalBlock
 from cache_service.errors import InvalidRequest
-from cache_service.prefix_keys import ROOT_KEY, TOKEN_BYTES, block_key, salt_bytes
+from cache_service.prefix_keys import (
+    ROOT_KEY,
+    TOKEN_BYTES,
+    block_key,
+    salt_bytes,
+    shared_prefix_length,
+)
 
 __all__ = [
     "ROOT_KEY",
@@ -352,15 +358,5 @@ class PrefixIndex:
         if last is None or last[0] != self._changes or last[1] != tuple(salts):
             return []
         prompt, blocks = last[2], last[3]
-        n = min(len(blocks), max_blocks)
-        if token_bytes[: n * stride] != prompt[: n * stride]:
-            # The longest run of whole blocks the two prompts share.
-            lo, hi = 0, n
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if token_bytes[: mid * stride] == prompt[: mid * stride]:
-                    lo = mid
-                else:
-                    hi = mid
-            n = lo
+        n = shared_prefix_length(token_bytes, prompt, min(len(blocks), max_blocks), stride)
         return list(blocks[:n])
