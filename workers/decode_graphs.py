@@ -651,9 +651,7 @@ class BoundGraphs:
             if cls is None or cls.dropped:
                 # Not made yet when the step began (its first sighting), or dropped since.
                 cls = self._cls = graphs._classes.get(self._signature)
-            replay = cls.graphs.get(layer) if cls is not None else None
-            if replay is not None:
-                assert cls is not None
+            if cls is not None and (replay := cls.graphs.get(layer)) is not None:
                 if cls.loaded is not self._entry:
                     graphs._load_metadata(cls, self._entry)
                 replay[0].replay()

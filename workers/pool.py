@@ -820,10 +820,11 @@ class KVPool:
             slots, finite = guard_finite(slots, key, value, query, check_finite)
             self._write_on_device(layer, slots, key, value)
         else:  # a CPU pool: the flag is read on the spot, which costs nothing there
-            ok = not check_finite or slots.numel() == 0 or all_finite_on_host(key, value, query)
+            checked = check_finite and slots.numel() > 0
+            ok = not checked or all_finite_on_host(key, value, query)
             if ok:
                 self._write_rows_on_device(layer, planned, key, value)
-            finite = torch.tensor(ok) if check_finite and slots.numel() else None
+            finite = torch.tensor(ok) if checked else None
         result = self._attend_on_device(
             layer, query, block_tables, seq_lens, query_start_loc, options, kept
         )
