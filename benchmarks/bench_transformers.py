@@ -325,8 +325,9 @@ class StageTimes:
     calls: int = 0  # append-and-attend calls
     leased: float = 0.0  # layers run under a step lease on the mapped pool (host time)
     leased_calls: int = 0
-    lease: float = 0.0  # the StepLease calls (host time)
+    lease: float = 0.0  # the StepLease calls and a held lease's next steps (host time)
     leases: int = 0
+    lease_forwards: int = 0
     server: float = 0.0  # the server handling them (its rpc_duration histogram)
     server_calls: float = 0.0
     worker: float = 0.0  # the coordinator -> worker calls (worker_call_duration)
@@ -341,6 +342,7 @@ class StageTimes:
         self.leased_calls += stats.leased_calls
         self.lease += stats.lease_seconds
         self.leases += stats.leases
+        self.lease_forwards += stats.lease_forwards
         if before and after:
             self.server += after["server"][0] - before["server"][0]
             self.server_calls += after["server"][1] - before["server"][1]
@@ -369,7 +371,10 @@ class StageTimes:
             "server": (self.server - self.worker) / n * 1e6 if known else None,
             "worker": self.worker / n * 1e6 if known else None,
             "leased": self.leased / self.leased_calls * 1e6 if self.leased_calls else None,
-            "lease_per_forward": self.lease / self.leases * 1e6 if self.leases else None,
+            "lease_per_forward": (
+                self.lease / self.lease_forwards * 1e6 if self.lease_forwards else None
+            ),
+            "forwards_per_lease": self.lease_forwards / self.leases if self.leases else None,
             "leased_share": self.leased_calls / layers,
         }
         return per
@@ -418,6 +423,7 @@ def run(
     leases: bool = True,
     shared_prefix: int = 0,
     shared_batch: int = 16,
+    lease_steps: int = SessionConfig.lease_steps,
 ) -> dict[str, Any]:
     model = build_model(p)
     own = copy.deepcopy(model)
@@ -438,8 +444,10 @@ def run(
                 # as a running server is: a decode step's CUDA graphs are captured at the
                 # second sighting of its shape (workers.decode_graphs), once per process.
                 own.generate(input_ids=dev_ids, attention_mask=dev_mask, **settings)
-                cold = SessionConfig(reuse_prefix=False, step_leases=leases)
-                warm = SessionConfig(step_leases=leases)
+                cold = SessionConfig(
+                    reuse_prefix=False, step_leases=leases, lease_steps=lease_steps
+                )
+                warm = SessionConfig(step_leases=leases, lease_steps=lease_steps)
                 for _ in range(2 if p.device == "cuda" else 1):
                     served.generate(ids, mask, cold, **settings)
                 # The reuse run's shapes (a shorter, ragged prefill) compile and capture
@@ -499,7 +507,7 @@ def run(
             )
             log("  per call, us: " + format_split(row["per_call_us"]))
         shared = (
-            shared_prefix_run(p, own, served, shared_prefix, shared_batch, leases)
+            shared_prefix_run(p, own, served, shared_prefix, shared_batch, leases, lease_steps)
             if shared_prefix
             else None
         )
@@ -525,13 +533,34 @@ def run(
 
 
 def shared_prefix_run(
-    p: Profile, own: Any, served: ServiceModel, prefix_len: int, batch: int, leases: bool
+    p: Profile,
+    own: Any,
+    served: ServiceModel,
+    prefix_len: int,
+    batch: int,
+    leases: bool,
+    lease_steps: int,
 ) -> dict[str, Any]:
     """`batch` requests sharing a system prompt of `prefix_len` tokens (each with 64 tokens
     of its own), the system prompt cached in the service by an earlier request: time to
-    first token (a generate of one token) and tokens/s of a whole generation, own cache
-    against the service with prefix reuse. Each repeat sends other suffixes, so only the
-    system prompt is ever reused."""
+    first token (a generate of one token; through the service the session's open, which
+    creates the rows, and its generate, the rows' freeing after the token timed apart)
+    and tokens/s of a whole generation (its open and close included), own cache against
+    the service with prefix reuse. Each repeat sends other suffixes, so only the system
+    prompt is ever reused."""
+
+    def first_token(ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, Any]:
+        sync(p.device)
+        t0 = time.perf_counter()
+        session = served.session(ids, mask, reuse)
+        try:
+            session.generate(**first)
+            sync(p.device)
+            elapsed = time.perf_counter() - t0
+        finally:
+            session.close()
+        return elapsed, session.stats
+
     gen = torch.Generator().manual_seed(7)
     system = torch.randint(1, p.vocab_size, (prefix_len,), generator=gen)
 
@@ -541,7 +570,7 @@ def shared_prefix_run(
         ids = torch.cat([system.expand(batch, -1), suffix], dim=1)
         return ids, torch.ones_like(ids)
 
-    reuse = SessionConfig(step_leases=leases)
+    reuse = SessionConfig(step_leases=leases, lease_steps=lease_steps)
     first = dict(max_new_tokens=1, min_new_tokens=1, do_sample=False)
     whole = dict(max_new_tokens=p.new_tokens, min_new_tokens=p.new_tokens, do_sample=False)
     times: dict[str, list[float]] = {
@@ -557,13 +586,15 @@ def shared_prefix_run(
                 dev = dict(input_ids=ids.to(p.device), attention_mask=mask.to(p.device))
                 t, _ = timed(functools.partial(own.generate, **dev, **settings), p.device)
                 times[f"{kind}_own"].append(t)
-                t, (_, stats) = timed(
-                    functools.partial(served.generate, ids, mask, reuse, **settings), p.device
-                )
-                times[kind].append(t)
                 if kind == "ttft":
+                    t, stats = first_token(ids, mask)
                     times["open"].append(stats.open_seconds)
                     times["close"].append(stats.close_seconds)
+                else:
+                    t, (_, stats) = timed(
+                        functools.partial(served.generate, ids, mask, reuse, **settings), p.device
+                    )
+                times[kind].append(t)
     med = {k: statistics.median(v) for k, v in times.items()}
     tokens = batch * p.new_tokens
     out = dict(
@@ -582,8 +613,8 @@ def shared_prefix_run(
     log(
         f"shared prefix {prefix_len} x {batch}: time to first token own "
         f"{out['ttft_own_ms']:.1f} ms, service {out['ttft_ms']:.1f} ms "
-        f"({out['ttft_ratio']:.2f}x; of it creating the rows {out['ttft_open_ms']:.1f} ms, "
-        f"freeing them {out['ttft_close_ms']:.1f} ms); tokens/s own {out['own_tok_s']:.1f}, service "
+        f"({out['ttft_ratio']:.2f}x; of it creating the rows {out['ttft_open_ms']:.1f} ms; "
+        f"freeing them after {out['ttft_close_ms']:.1f} ms); tokens/s own {out['own_tok_s']:.1f}, service "
         f"{out['service_tok_s']:.1f}; the last run prefilled {out['prefill_tokens']} tokens, "
         f"{out['cached_tokens']} cached"
     )
@@ -653,13 +684,15 @@ def report(result: dict[str, Any]) -> str:
         "`-`: no server metrics (an external service). *leased*: a layer run in the model's "
         "process on the worker's mapped pool under a step lease, the host time of the "
         "service's part (inputs copied, write and attention launched); *leased share*: of "
-        "all layers; *lease / forward*: per leased forward, the StepLease call that plans it "
-        "(the lease's open counts in its first layer's *leased*; its end, which waits for "
-        "the device, in *model*).",
+        "all layers; *lease / forward*: per leased forward, its share of the lease's host "
+        "time (the StepLease call that plans up to `--lease-steps` decode forwards, or "
+        "taking the held lease's next step; the lease's open counts in its first layer's "
+        "*leased*; its end, which waits for the device, in *model*); *forwards / lease*: "
+        "forwards run under each lease.",
         "",
         "| batch | model | integration | call | client + transport | server | worker "
-        "| leased | leased share | lease / forward |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| leased | leased share | lease / forward | forwards / lease |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
         split = r["per_call_us"]
@@ -678,6 +711,8 @@ def report(result: dict[str, Any]) -> str:
         cells.append(f"{split.get('leased_share', 0.0):.0%}")
         forward = split.get("lease_per_forward")
         cells.append("-" if forward is None else f"{forward:.0f}")
+        per_lease = split.get("forwards_per_lease")
+        cells.append("-" if per_lease is None else f"{per_lease:.1f}")
         lines.append(f"| {r['batch']} | " + " | ".join(cells) + " |")
     shared = result.get("shared_prefix")
     if shared:
@@ -685,13 +720,16 @@ def report(result: dict[str, Any]) -> str:
             "",
             f"{shared['batch']} requests sharing a system prompt of {shared['prefix_len']} "
             "tokens (64 tokens each of their own), the system prompt cached in the service "
-            "by an earlier request; the service with prefix reuse:",
+            "by an earlier request; the service with prefix reuse. Its time to first token "
+            "is the session's open (creating the rows) and first forward; the rows' "
+            "freeing after the token is apart (*close*); tokens/s include both.",
             "",
-            "| time to first token, own | through the service | service / own | own tok/s "
-            "| service tok/s | prefilled / cached tokens (last run) |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| time to first token, own | through the service | service / own | of it: open "
+            "| close | own tok/s | service tok/s | prefilled / cached tokens (last run) |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
             f"| {shared['ttft_own_ms']:.1f} ms | {shared['ttft_ms']:.1f} ms | "
-            f"{shared['ttft_ratio']:.2f}x | {shared['own_tok_s']:.1f} | "
+            f"{shared['ttft_ratio']:.2f}x | {shared['ttft_open_ms']:.1f} ms | "
+            f"{shared['ttft_close_ms']:.1f} ms | {shared['own_tok_s']:.1f} | "
             f"{shared['service_tok_s']:.1f} | {shared['prefill_tokens']} / "
             f"{shared['cached_tokens']} |",
         ]
@@ -729,6 +767,13 @@ def main() -> None:
     )
     parser.add_argument("--batch-sizes", help="comma-separated, overrides the profile's")
     parser.add_argument(
+        "--lease-steps",
+        type=int,
+        default=SessionConfig.lease_steps,
+        help="decode forwards one step lease covers (SessionConfig.lease_steps; 1: a "
+        "lease per forward)",
+    )
+    parser.add_argument(
         "--shared-prefix",
         type=int,
         default=0,
@@ -763,6 +808,7 @@ def main() -> None:
         leases=not args.no_leases,
         shared_prefix=args.shared_prefix,
         shared_batch=args.shared_batch,
+        lease_steps=args.lease_steps,
     )
     text = report(result)
     if args.out:

@@ -375,6 +375,11 @@ class CoordinatorConfig:
             client is still running it then is waited for as long again before it is
             revoked (its connection closed, nothing committed). 0 grants none (every layer
             through the coordinator).
+        max_lease_steps: the most decode steps one step lease covers (a StepLease asking
+            for more gets this many): the lease reserves each sequence's next positions
+            for all of them at once, and its client plans the steps between itself, so
+            the coordinator's work per step is divided by their number. 1: a lease per
+            forward.
     """
 
     batch_window_ms: float = 0.5
@@ -389,9 +394,17 @@ class CoordinatorConfig:
     overlap_rounds: bool | None = None
     kv_event_ring: int = 4096
     step_lease_timeout_s: float = 5.0
+    max_lease_steps: int = 16
 
     def __post_init__(self) -> None:
         _non_negative("coordinator.batch_window_ms", self.batch_window_ms)
+        _positive_int("coordinator.max_lease_steps", self.max_lease_steps)
+        from workers.step_leases import MAX_STEPS  # the lease wire's bound
+
+        if self.max_lease_steps > MAX_STEPS:
+            raise ConfigError(
+                f"coordinator.max_lease_steps must be at most {MAX_STEPS}, got {self.max_lease_steps}"
+            )
         _non_negative("coordinator.step_lease_timeout_s", self.step_lease_timeout_s)
         _positive_int("coordinator.kv_event_ring", self.kv_event_ring)
         _positive_int("coordinator.max_batch_items", self.max_batch_items)

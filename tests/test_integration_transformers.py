@@ -184,15 +184,19 @@ def _assert_same_generation(ours: Any, ref: Any) -> None:
     assert worst < LOGIT_ATOL, f"logits differ by up to {worst}"
 
 
-@pytest.mark.parametrize("leases", [False, True], ids=["calls", "leases"])
+@pytest.mark.parametrize(
+    "lease_steps", [0, SessionConfig.lease_steps, 1, 5], ids=["calls", "leases", "1-step", "5-step"]
+)
 @pytest.mark.parametrize("client", ["family_service"], indirect=True)
 def test_batched_greedy_generation_equals_transformers(
-    family_service: tuple[Family, EmbeddedService], client: RecordingClient, leases: bool
+    family_service: tuple[Family, EmbeddedService], client: RecordingClient, lease_steps: int
 ) -> None:
     # Every layer as a call (the recording client sees each), or the default on a local
-    # session: a decode step planned once by the service and every layer sent to the
-    # worker under the step's lease. Either way the tokens and logits of transformers' own generation,
-    # the service holding every layer of every token, and no lease outliving the session.
+    # session: the service plans a forward (or up to `lease_steps` decode forwards) once
+    # and every layer goes to the worker under the lease. Either way the tokens and logits
+    # of transformers' own generation, the service holding every layer of every token,
+    # and no lease outliving the session.
+    leases = lease_steps > 0
     family, svc = family_service
     model = family.model(seed=1)
     reference = copy.deepcopy(model)
@@ -203,7 +207,7 @@ def test_batched_greedy_generation_equals_transformers(
     served = ServiceModel(model, client)
     assert model.config._attn_implementation == SERVICE_ATTENTION
     before = dict(client.calls)
-    config = SessionConfig(reuse_prefix=False, step_leases=leases)
+    config = SessionConfig(reuse_prefix=False, step_leases=leases, lease_steps=max(lease_steps, 1))
     with served.session(ids, mask, config) as session, torch.no_grad():
         ours = session.generate(**_generate_kwargs())
         exported = [client.export_blocks(s).token_ids for s in session.seq_ids]
@@ -228,6 +232,9 @@ def test_batched_greedy_generation_equals_transformers(
         assert client.calls == before
         assert session.stats.rpc_calls == 0
         assert session.stats.leased_calls == family.num_layers * NEW_TOKENS
+        # The prefill's lease, then one per `lease_steps` decode forwards.
+        assert session.stats.lease_forwards == NEW_TOKENS
+        assert session.stats.leases == 1 + -(-decode_steps // lease_steps)
     else:
         # The ragged prefill item by item, every decode step as [batch, ...] tensors.
         assert client.calls["items"] - before["items"] == family.num_layers
@@ -445,7 +452,40 @@ def test_a_forward_failing_before_its_first_layer_leaves_leases_working(
         model.set_input_embeddings(embed)
         with served.session(ids, mask) as session, torch.no_grad():
             session.generate(max_new_tokens=3, do_sample=False)
-            assert session.stats.leases == 3 and session.stats.rpc_calls == 0
+            # One lease for the prefill, one for both decode forwards.
+            assert session.stats.leases == 2 and session.stats.lease_forwards == 3
+            assert session.stats.rpc_calls == 0
         assert client.stats().active_sequences == 0
         connections.append(list(served.leaser._clients.values()))
     assert connections[0] == connections[1] and len(connections[0]) == 1
+
+
+@pytest.mark.parametrize("client", ["llama_service"], indirect=True)
+def test_a_generate_of_your_own_keeps_the_lease_until_released(client: RecordingClient) -> None:
+    # model.generate(past_key_values=session.cache) run by the caller: the session holds
+    # its decode lease between forwards and after the last; release_lease() gives it
+    # back, committing every forward that ran, and the service then holds every token.
+    model = LLAMA.model(seed=41)
+    reference = copy.deepcopy(model)
+    ids, mask = _batch([7, 4], seed=42)
+    ref = _reference(reference, ids, mask)
+    served = ServiceModel(model, client)
+    with served.session(ids, mask, SessionConfig(lease_steps=64)) as session, torch.no_grad():
+        ours = model.generate(
+            input_ids=ids, attention_mask=mask, past_key_values=session.cache, use_cache=True,
+            **_generate_kwargs(),
+        )  # fmt: skip
+        # The prefill's lease and two for the 31 decode forwards (the service grants at
+        # most coordinator.max_lease_steps, 16, each): the last still held.
+        assert session.stats.leases == 3
+        session.release_lease()
+        session.release_lease()  # idempotent
+        exported = [client.export_blocks(s).token_ids for s in session.seq_ids]
+    served.detach()
+    _assert_same_generation(ours, ref)
+    width = ids.shape[1]
+    for b, n in enumerate([7, 4]):
+        assert exported[b] == ids[b, width - n :].tolist() + ours.sequences[b, width:-1].tolist()
+    assert client.stats().active_sequences == 0
+    with pytest.raises(ValueError, match="lease_steps"):
+        SessionConfig(lease_steps=0)

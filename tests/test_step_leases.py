@@ -405,13 +405,15 @@ def test_the_worker_refuses_a_bad_hello_or_request(client):
         raw.connect(lease.socket)
         raw.send(json.dumps({"version": 1}).encode())
         reply = json.loads(raw.recv(1 << 16))
-        assert not reply["ok"] and "version 2 only" in reply["error"]
+        assert not reply["ok"] and "version 3 only" in reply["error"]
     with pytest.raises(WorkerUnavailable, match="lease socket"):
         LeaseClient(lease.socket + ".missing", CPU)
     lc = LeaseClient(lease.socket, CPU)
     code, body = lc._request(b"\x07junk")
     assert code == 2 and b"a request is OPEN" in body
-    code, body = lc._request(b"\x02" + lease.lease_id + b"\x01\x00" + b"\xff")
+    # A head of (width 1, 1 step, 0 tokens) followed by one byte where two masks belong.
+    head = b"\x02" + lease.lease_id + b"\x01\x00" + b"\x01\x00" + b"\x00" * 4
+    code, body = lc._request(head + b"\xff")
     assert code == 2 and b"two bitmasks" in body
     lc.close()
 
@@ -568,3 +570,167 @@ def test_differing_tokens_are_named_by_item_before_an_earlier_item_exhausts_the_
         coord.block_manager.check_integrity()
 
     run_coordinator(scenario, blocks=2)
+
+
+# ---- leases of several decode steps ------------------------------------------------------
+
+
+def _run_step(batch, lc, opened, layers) -> None:
+    """One decode step of `batch` under the opened lease, on `layers`, checked against
+    dense attention."""
+    _run_layers(batch, lc, opened, batch.step(), layers)
+
+
+def test_a_lease_of_several_steps_runs_them_and_commits_what_ran(harness, client):
+    batch = Batch(client, [[1, 2, 3], [4, 5, 6, 7, 8, 9]], seed=30)
+    lease = client.lease_step(batch.seq_ids, HQ, [[21], [22]], steps=4)
+    assert lease.granted, lease.reason
+    assert lease.steps == 4 and list(lease.layers) == list(range(NL))
+    # The later steps' positions are reserved; their tokens are not known yet.
+    assert _written(harness, batch.seq_ids[0]) == [3] * NL
+    with LeaseClient(lease.socket, CPU) as lc:
+        opened = lc.open(lease.lease_id)
+        assert (opened.steps, opened.index) == (4, 0)
+        _run_step(batch, lc, opened, range(NL))
+        lc.advance(opened, [23, 24])
+        _run_step(batch, lc, opened, range(NL))
+        lc.advance(opened, [25, 26])
+        _run_step(batch, lc, opened, [0])  # the third step ends part way
+        report = lc.end(opened)
+        assert report == LeaseReport((0,), (), 3, (23, 24, 25, 26))
+    client.free(batch.seq_ids[1])  # ends the lease
+    info = harness.call(
+        harness.coordinator.block_manager.sequence_info, "default", batch.seq_ids[0]
+    )
+    assert list(info.token_ids) == [1, 2, 3, 21, 23, 25]
+    assert list(info.written) == [6] + [5] * (NL - 1)
+    # The sequence carries on by call from what was committed.
+    step = batch.step()
+    for layer in range(1, NL):
+        k, v, q = step[layer]
+        out = client.append_attend_batch(layer, batch.seq_ids[:1], [[25]], k[:1], v[:1], q[:1])
+        batch.mirrors[0].add(layer, k[0], v[0])
+        _close(out[0], batch.mirrors[0].reference(layer, q[0])[0])
+    client.free(batch.seq_ids[0])
+    harness.check_integrity()
+    stats = harness.stats()
+    assert stats.active_sequences == 0
+    assert all(w.used == 0 for w in stats.workers.values()), stats.workers
+
+
+def test_the_steps_not_run_go_back_and_a_lease_never_opened_keeps_nothing(harness, client):
+    batch = Batch(client, [[1, 2, 3]], seed=31)
+    used = harness.stats().workers["w0"].used
+    lease = client.lease_step(batch.seq_ids, HQ, [[5]], steps=8)  # blocks for 11 tokens
+    assert lease.granted and lease.steps == 8
+    assert harness.stats().workers["w0"].used > used
+    # The client's next call ends the lease: never opened, nothing committed, every
+    # reserved position given back.
+    lease = client.lease_step(batch.seq_ids, HQ, [[6]], steps=2)
+    with LeaseClient(lease.socket, CPU) as lc:
+        opened = lc.open(lease.lease_id)
+        _run_step(batch, lc, opened, range(NL))
+        lc.end(opened)  # one step of two
+    client.lease_step(batch.seq_ids, HQ, [[7]])  # ends it
+    info = harness.call(
+        harness.coordinator.block_manager.sequence_info, "default", batch.seq_ids[0]
+    )
+    assert list(info.token_ids) == [1, 2, 3, 6, 7] and list(info.written) == [4] * NL
+    harness.check_integrity()
+
+
+def test_a_lease_covers_at_most_the_configured_steps_and_fewer_without_room():
+    config = service_config(**{"coordinator.max_lease_steps": 8})
+    with (
+        ServiceHarness(config, local_workers(1, 4)) as harness,
+        KVCacheClient(harness.address) as client,
+    ):
+        batch = Batch(client, [[1, 2, 3]], seed=32)
+        assert client.lease_step(batch.seq_ids, HQ, [[4]], steps=50).steps == 8
+        client.free(batch.seq_ids[0])
+        other = Batch(client, [[1] * 9], seed=33)  # three of the four blocks taken
+        # No room for 8 steps' positions (they need two more blocks): one step.
+        lease = client.lease_step(other.seq_ids, HQ, [[2]], steps=8)
+        assert lease.granted and lease.steps == 1, lease
+        harness.check_integrity()
+
+
+def test_a_multi_step_lease_refuses_what_does_not_fit_it(harness, client):
+    batch = Batch(client, [[1, 2, 3], [4, 5]], seed=34)
+    with pytest.raises(InvalidArgumentError, match="one new token per sequence a step"):
+        client.lease_step(batch.seq_ids, HQ, [[1, 2], [3]], steps=2)
+    with pytest.raises(InvalidArgumentError, match="needs token_ids"):
+        client.lease_step(batch.seq_ids, HQ, None, steps=2)
+    assert _written(harness, batch.seq_ids[0]) == [3] * NL
+    lease = client.lease_step(batch.seq_ids, HQ, [[6], [7]], steps=2)
+    with LeaseClient(lease.socket, CPU) as lc:
+        opened = lc.open(lease.lease_id)
+        step = batch.step()
+        _run_layers(batch, lc, opened, step, [0])
+        with pytest.raises(InvalidWorkerRequest, match="not complete"):
+            lc.advance(opened, [8, 9])  # layers 1.. not run yet
+        _run_layers(batch, lc, opened, step, range(1, NL))
+        with pytest.raises(InvalidWorkerRequest, match="one token id"):
+            lc.advance(opened, [8])
+        with pytest.raises(InvalidWorkerRequest, match="one token id"):
+            lc.advance(opened, [8, -9])
+        assert opened.index == 0
+        lc.advance(opened, [8, 9])
+        with pytest.raises(InvalidWorkerRequest, match="all run"):
+            lc.advance(opened, [10, 11])
+        lc.end(opened)
+    for seq_id in batch.seq_ids:
+        client.free(seq_id)
+    harness.check_integrity()
+    assert all(w.used == 0 for w in harness.stats().workers.values())
+
+
+def test_a_non_finite_layer_ends_a_multi_step_lease_at_its_step(harness, client):
+    batch = Batch(client, [[1, 2, 3]], seed=35)
+    lease = client.lease_step(batch.seq_ids, HQ, [[6]], steps=3)
+    with LeaseClient(lease.socket, CPU) as lc:
+        opened = lc.open(lease.lease_id)
+        _run_step(batch, lc, opened, range(NL))
+        lc.advance(opened, [7])
+        step = batch.step()
+        k, v, q = step[1]
+        k = k.clone()
+        k[0, 0, 0, 0] = float("nan")
+        _run_layers(batch, lc, opened, step, [0])
+        lc.run_layer(opened, 1, k, v, q)
+        assert lc.step_refused(opened) == (1,)
+        with pytest.raises(InvalidWorkerRequest, match="refused"):
+            lc.advance(opened, [8])
+        assert lc.end(opened) == LeaseReport((0,), (1,), 2, (7,))
+    client.free(batch.seq_ids[0])
+    harness.check_integrity()
+
+
+def test_a_report_of_steps_is_checked_against_the_lease():
+    pool = KVPool(LAYOUT, 8)
+    leases = StepLeases(pool)
+    lease_id = secrets.token_bytes(16)
+    tables, lens, starts = [[0, 1], [2, 3]], [3, 5], [0, 1, 2]
+    with pytest.raises(InvalidWorkerRequest, match="one token per sequence a step"):
+        leases.grant(lease_id, [0], tables, lens, starts, [3, 5, 4], HQ, steps=2)
+    with pytest.raises(InvalidWorkerRequest, match="1 to"):
+        leases.grant(lease_id, [0], tables, lens, starts, [3, 5], HQ, steps=0)
+    # The tables must hold the last step's keys: 5 + 4 - 1 = 8 of the 2 blocks' 8.
+    with pytest.raises(InvalidWorkerRequest):
+        leases.grant(
+            lease_id, [0], tables, lens, starts, [3, 13, 4, 14, 5, 15, 6, 16, 7, 17], HQ, steps=5
+        )
+    slots = [3, 13, 4, 14, 5, 15, 6, 16]
+    packed = leases.grant(lease_id, [0, 1], tables, lens, starts, slots, HQ, steps=4)
+    assert packed is None
+    plan = StepPlan.unpack(leases.open(lease_id, me := object()))
+    assert plan.steps == 4 and plan.slot_mapping.tolist() == slots
+    assert plan.seq_lens.tolist() == lens
+    with pytest.raises(InvalidWorkerRequest, match="report of 5 steps"):
+        leases.report(lease_id, me, [0, 1], [], 5, [1] * 8)
+    with pytest.raises(InvalidWorkerRequest, match="report of 3 steps with 2 token ids"):
+        leases.report(lease_id, me, [0, 1], [], 3, [1, 2])
+    with pytest.raises(InvalidWorkerRequest, match="non-negative"):
+        leases.report(lease_id, me, [0, 1], [], 2, [1, -2])
+    leases.report(lease_id, me, [0], [], 2, [7, 8])
+    assert leases.end(lease_id) == LeaseReport((0,), (), 2, (7, 8))

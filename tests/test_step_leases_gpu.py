@@ -145,6 +145,10 @@ def test_leased_generation_on_a_gpu_equals_transformers(where) -> None:
     assert torch.equal(ours.sequences.cpu(), ref.sequences.cpu())
     worst = max((a - b).abs().max().item() for a, b in zip(ours.logits, ref.logits, strict=True))
     assert worst < 1e-3, worst
-    # The unpadded prefill and every decode step: planned once, every layer leased.
+    # The unpadded prefill and every decode step: planned once, every layer leased; the
+    # decode steps up to SessionConfig.lease_steps to a lease (their CUDA graphs replayed
+    # on each step's metadata).
     assert stats.leased_calls == LAYERS * NEW_TOKENS
     assert stats.rpc_calls == 0
+    assert stats.lease_forwards == NEW_TOKENS
+    assert stats.leases == 1 + -(-(NEW_TOKENS - 1) // SessionConfig.lease_steps)

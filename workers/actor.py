@@ -225,15 +225,17 @@ class PoolWorker:
         slot_mapping: Sequence[int],
         num_q_heads: int,
         connection: bytes | None = None,
+        steps: int = 1,
     ) -> bytes | None:
         """`StepLeases.grant` behind the epoch fence: the step's layers `layers` may be
-        written by the lease's client under `lease_id` until :meth:`end_lease`. Returns
-        the packed plan when the lease was opened for `connection` at the grant."""
+        written by the lease's client under `lease_id` until :meth:`end_lease`, for
+        `steps` decode steps. Returns the packed plan when the lease was opened for
+        `connection` at the grant."""
         batch = self._unpacked((block_tables, seq_lens, query_start_loc))
         return self._run(
             epoch,
             lambda: self._leases.grant(
-                lease_id, layers, *batch, slot_mapping, num_q_heads, connection
+                lease_id, layers, *batch, slot_mapping, num_q_heads, connection, steps
             ),
         )
 

@@ -8,13 +8,17 @@ of this process. A leased step is then run here, with the pool's own kernels:
 :meth:`LeaseClient.open` takes the step's plan from the StepLease reply (the request named
 :attr:`LeaseClient.connection`) or fetches it (one message), each layer is
 a `KVPool.bind_step` layer on the caller's stream (a CUDA graph replay once the step's
-shape was seen), and :meth:`LeaseClient.end` reports the layers written (one message). No tensor
+shape was seen), and :meth:`LeaseClient.end` reports the layers written (one message); a lease of several
+decode steps goes from one to the next with :meth:`LeaseClient.advance` (the lengths
+plus one and the next row of slots, on the device), its report naming the steps run and
+their tokens. No tensor
 crosses a process boundary and nothing waits for the other process per layer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -56,12 +60,18 @@ class LeasedStep:
 
     Attributes:
         lease_id: the lease.
-        step: the step's metadata on the pool's device.
-        num_tokens: the step's new tokens; num_q_heads: its query heads.
-        layers: the layers it may still write.
-        flags: layer -> its finite flag on the device (None: nothing to write), in order.
+        step: the current step's metadata on the pool's device.
+        num_tokens: a step's new tokens; num_q_heads: its query heads.
+        layers: the layers the current step may still write.
+        flags: layer -> its finite flag on the device (None: nothing to write), in order,
+            for the current step.
         staged: the step's inputs' shapes, the staging buffers for them and the step's
             layers bound to those, set at its first layer (`LeaseClient._staged`).
+        steps: the decode steps the lease covers; index: the current one (from 0).
+        first: the first step's metadata, with every step's slots ``[steps, n]`` as its
+            `slots` (the later steps' are derived from it, `LeaseClient.advance`).
+        tokens: the token ids of the steps after the first, as `advance` named them.
+        refused: the current step's refused layers once its flags were read.
     """
 
     lease_id: bytes
@@ -71,6 +81,12 @@ class LeasedStep:
     layers: set[int]
     flags: dict[int, torch.Tensor | None] = field(default_factory=dict)
     staged: _Staging | None = None
+    steps: int = 1
+    index: int = 0
+    first: CachedMetadata | None = None
+    all_layers: frozenset[int] = frozenset()
+    tokens: list[int] = field(default_factory=list)
+    refused: tuple[int, ...] | None = None
 
 
 class _Staging(NamedTuple):
@@ -179,15 +195,84 @@ class LeaseClient:
             granted = StepPlan.unpack(body)
         except (ValueError, struct.error) as exc:
             raise InvalidWorkerRequest(f"a malformed step plan: {exc}") from None
-        step = self.pool.planned_step(
+        first = self.pool.planned_step(
             granted.block_tables, granted.seq_lens, granted.query_start_loc, granted.slot_mapping
         )
+        steps = granted.steps
+        per_step = granted.slot_mapping.numel() // steps
+        step = first
+        if steps > 1:
+            assert first.slots is not None
+            first = dataclasses.replace(first, slots=first.slots.view(steps, per_step))
+            step = dataclasses.replace(first, slots=first.slots[0])
         if self._worker_event is not None:
             # The step's blocks as the worker left them (copies, earlier writes).
             torch.cuda.current_stream(self.device).wait_event(self._worker_event)
+        layers = frozenset(granted.layers)
         return LeasedStep(
-            lease_id, step, granted.slot_mapping.numel(), granted.num_q_heads, set(granted.layers)
+            lease_id,
+            step,
+            per_step,
+            granted.num_q_heads,
+            set(layers),
+            steps=steps,
+            first=first,
+            all_layers=layers,
         )
+
+    def step_refused(self, leased: LeasedStep) -> tuple[int, ...]:
+        """The current step's layers refused for non-finite inputs (nothing written for
+        them), ascending: its finite flags read from the device (a wait for it), once."""
+        if leased.refused is None:
+            served = [(layer, f) for layer, f in leased.flags.items() if f is not None]
+            refused: list[int] = []
+            if served:
+                ok = torch.stack([f for _, f in served]).cpu().tolist()
+                refused = [layer for (layer, _), good in zip(served, ok, strict=True) if not good]
+            leased.refused = tuple(sorted(refused))
+        return leased.refused
+
+    def advance(self, leased: LeasedStep, token_ids: list[int]) -> None:
+        """Go on to the lease's next decode step: its lengths one more per sequence, its
+        row of slots; `token_ids` are its new tokens (one per sequence, in the step's
+        order), which the report names. The current step must have run every layer of
+        the lease, none refused.
+
+        Raises:
+            InvalidWorkerRequest: no step left, the current one not complete (or a
+                layer refused), or not one token id per sequence; nothing changed.
+        """
+        with self._lock:
+            first = leased.first
+            if first is None or leased.index + 1 >= leased.steps:
+                raise InvalidWorkerRequest(f"the lease's {leased.steps} step(s) are all run")
+            if leased.layers or self.step_refused(leased):
+                raise InvalidWorkerRequest(
+                    f"step {leased.index} of the lease is not complete: layers "
+                    f"{sorted(leased.layers)} not run, {list(leased.refused or ())} refused"
+                )
+            if len(token_ids) != first.num_rows or any(
+                type(t) is not int or t < 0 for t in token_ids
+            ):
+                raise InvalidWorkerRequest(
+                    f"a step of the lease names one token id (an int >= 0) for each of its "
+                    f"{first.num_rows} sequences, got {len(token_ids)}"
+                )
+            leased.index += 1
+            assert first.slots is not None
+            leased.step = CachedMetadata(
+                first.block_tables,
+                first.seq_lens + leased.index,
+                first.query_start_loc,
+                first.num_rows,
+                None,
+                first.slots[leased.index],
+            )
+            leased.tokens.extend(token_ids)
+            leased.layers = set(leased.all_layers)
+            leased.flags = {}
+            leased.refused = None
+            leased.staged = None  # bound to the next step at its first layer
 
     def run_layer(
         self,
@@ -280,27 +365,26 @@ class LeaseClient:
 
     def end(self, leased: LeasedStep) -> LeaseReport:
         """Report what the lease wrote (waits for the device to finish its layers): the
-        layers run with finite inputs are written, the others refused (nothing written).
-        The report is sent without waiting for the worker's answer, which the next
-        :meth:`open` or :meth:`end` on this connection reads (and raises if the report
-        came too late).
+        steps run, all before the current one complete, and of the current one the
+        layers run with finite inputs (written) and the others (refused, nothing
+        written); the later steps' token ids. The report is sent without waiting for the
+        worker's answer, which the next :meth:`open` or :meth:`end` on this connection
+        reads (and raises if the report came too late).
 
         Raises:
             LeaseEnded / InvalidWorkerRequest: the answer to an earlier report said the
                 worker had revoked that lease / refused the report (this one was sent).
             WorkerUnavailable: the connection broke (nothing counts as written).
         """
-        served = [(layer, f) for layer, f in leased.flags.items() if f is not None]
-        refused: list[int] = []
-        if served:
-            ok = torch.stack([f for _, f in served]).cpu().tolist()
-            refused = [layer for (layer, _), good in zip(served, ok, strict=True) if not good]
+        refused = self.step_refused(leased)
         written = sorted(set(leased.flags) - set(refused))
-        report = LeaseReport(tuple(written), tuple(sorted(refused)))
+        tokens = tuple(leased.tokens)
+        report = LeaseReport(tuple(written), refused, leased.index + 1, tokens)
         message = (
-            END_HEAD.pack(END, leased.lease_id, self._width)
+            END_HEAD.pack(END, leased.lease_id, self._width, report.steps, len(tokens))
             + layer_mask(report.written, self._width)
             + layer_mask(report.refused, self._width)
+            + struct.pack(f"<{len(tokens)}q", *tokens)
         )
         with self._lock:
             if self._event is not None:

@@ -14,7 +14,7 @@ takes the pool's tensors from this process instead (`local_pool`).
 
 Wire format (one message per datagram; integers little-endian):
 
-- hello, client -> worker: UTF-8 JSON ``{"version": 2, "pid": the client's process id,
+- hello, client -> worker: UTF-8 JSON ``{"version": 3, "pid": the client's process id,
   "cuda_event": hex of its interprocess event or null}``; reply: JSON ``{"ok": true,
   "layout": {KVLayout fields}, "num_blocks", "pool": exported, "fingerprints": exported or
   null, "backend", "event": hex of the pool's interprocess event or null, "local": true
@@ -25,9 +25,11 @@ Wire format (one message per datagram; integers little-endian):
 - OPEN: ``<B16s`` (1, lease id); reply: ``<BI`` code (0 OK, 1 ENDED, 2 REFUSED) and the
   length of what follows, then the message (OK: `StepPlan.pack`; else UTF-8 text), cut
   into datagrams of at most `CHUNK` bytes.
-- END: ``<B16sH`` (2, lease id, bytes per bitmask) then two bitmasks of the layers written
-  and refused (bit ``i % 8`` of byte ``i // 8``); reply as OPEN's, with text only (the
-  client reads it before its next request's reply, not when it sends the END).
+- END: ``<B16sHHI`` (2, lease id, bytes per bitmask, steps run, token ids that follow)
+  then two bitmasks of the layers written and refused in the last step run (bit ``i % 8``
+  of byte ``i // 8``), then the token ids of the steps after the first as int64 (one per
+  sequence a step, step by step; `step_leases.LeaseReport`); reply as OPEN's, with text
+  only (the client reads it before its next request's reply, not when it sends the END).
 
 The client's side is `workers.lease_client`; `tests/test_step_leases.py` checks the two
 agree.
@@ -74,13 +76,13 @@ __all__ = [
 
 log = logging.getLogger("kvcache.lease_server")
 
-VERSION = 2
+VERSION = 3
 # The socket's folder: "<tmp>/kvcache-lease-<owner>-<random>" (workers.owned_files).
 DIR_PREFIX = "kvcache-lease-"
 OPEN, END = 1, 2
 OK, ENDED, REFUSED = 0, 1, 2
 REQUEST = struct.Struct("<B16s")
-END_HEAD = struct.Struct("<B16sH")
+END_HEAD = struct.Struct("<B16sHHI")
 REPLY = struct.Struct("<BI")
 # The largest datagram of a reply (a big plan goes in several).
 CHUNK = 1 << 16
@@ -212,15 +214,21 @@ class LeaseServer:
                 _, lease_id = REQUEST.unpack(message)
                 return OK, self._leases.open(lease_id, conn)
             if message[:1] == bytes([END]) and len(message) >= END_HEAD.size:
-                _, lease_id, width = END_HEAD.unpack_from(message)
-                masks = message[END_HEAD.size :]
-                if len(masks) != 2 * width:
-                    raise InvalidWorkerRequest(f"END carries two bitmasks of {width} bytes")
+                _, lease_id, width, steps, count = END_HEAD.unpack_from(message)
+                body = message[END_HEAD.size :]
+                if len(body) != 2 * width + 8 * count:
+                    raise InvalidWorkerRequest(
+                        f"END carries two bitmasks of {width} bytes and {count} token ids"
+                    )
+                masks = body[: 2 * width]
+                tokens = struct.unpack_from(f"<{count}q", body, 2 * width)
                 if client_event is not None:
                     # Whatever this worker does with the step's blocks next comes after
                     # the client's writes.
                     torch.cuda.current_stream(self._pool.device).wait_event(client_event)
-                self._leases.report(lease_id, conn, _layers(masks[:width]), _layers(masks[width:]))
+                self._leases.report(
+                    lease_id, conn, _layers(masks[:width]), _layers(masks[width:]), steps, tokens
+                )
                 return OK, b""
             raise InvalidWorkerRequest(
                 f"a request is OPEN ({REQUEST.size} bytes) or END; got {len(message)} bytes "

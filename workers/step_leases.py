@@ -12,6 +12,11 @@ names the client's lease connection (its token, from the connection's hello) ope
 lease for that connection at once: the plan goes back with the grant, and the client
 needs no OPEN round trip.
 
+A lease of several decode steps (`StepPlan.steps`) carries every step's slots; the client
+runs step i with the first step's lengths plus i, and its report names the steps it ran
+(all but the last on every layer) and the later steps' token ids, which the coordinator
+learns only then.
+
 Between the open and the report the client writes the step's slots, so an opened lease
 ends only once it is reported, once its connection closes (the client is gone), or, after
 `wait`'s bound, by *revoking* it: its connection is closed and nothing counts as written.
@@ -38,11 +43,13 @@ import torch
 from workers.errors import InvalidWorkerRequest
 from workers.pool import IndexLike, KVPool
 
-__all__ = ["LEASE_ID_BYTES", "LeaseEnded", "LeaseReport", "StepLeases", "StepPlan"]
+__all__ = ["LEASE_ID_BYTES", "MAX_STEPS", "LeaseEnded", "LeaseReport", "StepLeases", "StepPlan"]
 
 LEASE_ID_BYTES = 16
-# The plan's header: sequences, block-table width, new tokens, query heads, layers.
-_HEADER = struct.Struct("<5I")
+# The most decode steps one lease covers (its report's step count is 16 bits on the wire).
+MAX_STEPS = 256
+# The plan's header: sequences, block-table width, slots, query heads, layers, steps.
+_HEADER = struct.Struct("<6I")
 # The dtypes of the plan's arrays on the wire: tables, lengths, offsets, slots, layers.
 _DTYPES = (torch.int32, torch.int32, torch.int32, torch.int64, torch.int32)
 
@@ -57,12 +64,18 @@ class LeaseReport:
     """What a lease did, when it ended.
 
     Attributes:
-        written: layers whose K/V the lease wrote, ascending.
+        written: layers whose K/V the lease wrote, ascending: in its last step run.
         refused: layers run but refused for a NaN or infinite input (nothing written).
+        steps: the steps the client ran (a multi-step lease's decode steps), the last
+            one writing `written`; each before it wrote every layer of the lease.
+        tokens: the token ids of steps 2..`steps` (`steps - 1` rows of one per
+            sequence, flat, step by step): the first step's the coordinator knew.
     """
 
     written: tuple[int, ...]
     refused: tuple[int, ...]
+    steps: int = 1
+    tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -72,9 +85,14 @@ class StepPlan:
     Attributes:
         block_tables: int32 ``[S, max_blocks]``; seq_lens: int32 ``[S]``;
             query_start_loc: int32 ``[S + 1]`` (as `KVPool.step_metadata` takes them).
-        slot_mapping: int64 ``[n]``: the new tokens' flat slots, none negative.
+        slot_mapping: int64 ``[steps * n]``: the new tokens' flat slots, none negative,
+            step by step.
         num_q_heads: query heads of the step's layers.
         layers: the layers the lease may write, ascending.
+        steps: decode steps the lease covers: step i (from 0) attends with lengths
+            ``seq_lens + i`` over the same tables (which hold every step's blocks) and
+            writes ``slot_mapping[i * n:(i + 1) * n]``; each sequence sends one token a
+            step when steps > 1.
     """
 
     block_tables: torch.Tensor
@@ -83,12 +101,15 @@ class StepPlan:
     slot_mapping: torch.Tensor
     num_q_heads: int
     layers: tuple[int, ...]
+    steps: int = 1
 
     def pack(self) -> bytes:
         """The plan as bytes (little-endian: the header, then the int32 tables, lengths
         and offsets, the int64 slots, the int32 layers)."""
         s, width = self.block_tables.shape
-        head = _HEADER.pack(s, width, self.slot_mapping.numel(), self.num_q_heads, len(self.layers))
+        head = _HEADER.pack(
+            s, width, self.slot_mapping.numel(), self.num_q_heads, len(self.layers), self.steps
+        )
         arrays = (
             self.block_tables,
             self.seq_lens,
@@ -107,7 +128,9 @@ class StepPlan:
         Raises:
             ValueError: bytes of another length than the header says.
         """
-        s, width, n, heads, count = _HEADER.unpack_from(data)
+        s, width, n, heads, count, steps = _HEADER.unpack_from(data)
+        if steps < 1 or n % steps:
+            raise ValueError(f"a step plan of {steps} steps and {n} slots")
         counts = (s * width, s, s + 1, n, count)
         total = _HEADER.size + sum(c * d.itemsize for c, d in zip(counts, _DTYPES, strict=True))
         if len(data) != total:
@@ -123,13 +146,15 @@ class StepPlan:
             )
             offset += c * dtype.itemsize
         tables, lens, starts, slots, layers = out
-        return cls(tables.view(s, width), lens, starts, slots, heads, tuple(layers.tolist()))
+        return cls(tables.view(s, width), lens, starts, slots, heads, tuple(layers.tolist()), steps)
 
 
 @dataclass(eq=False)
 class _Lease:
     layers: frozenset[int]
     packed: bytes  # the plan, as OPEN answers it (`StepPlan.pack`)
+    steps: int
+    rows: int  # sequences: a report names steps - 1 rows of this many tokens
     # The connection that opened it (None: not opened) and what it reported.
     opened_by: object | None = None
     report: LeaseReport | None = None
@@ -170,6 +195,7 @@ class StepLeases:
         slot_mapping: Sequence[int],
         num_q_heads: int,
         connection: bytes | None = None,
+        steps: int = 1,
     ) -> bytes | None:
         """Register a lease on a planned step, validated as a round's metadata is.
 
@@ -177,8 +203,11 @@ class StepLeases:
             lease_id: `LEASE_ID_BYTES` random bytes.
             layers: the layers the lease may write, each at most once.
             block_tables, seq_lens, query_start_loc, slot_mapping, num_q_heads: the step
-                (as `KVPool.step_metadata` takes them).
+                (as `KVPool.step_metadata` takes them); with several steps, the first
+                step's lengths and every step's slots, step by step (`StepPlan`).
             connection: the token of the client's lease connection (`connect`), or None.
+            steps: decode steps the lease covers (one new token per sequence each when
+                more than one); the tables must hold the last step's keys.
 
         Returns:
             The packed plan (`StepPlan.pack`) when `connection` names a live connection:
@@ -195,17 +224,34 @@ class StepLeases:
         allowed = sorted(set(layers))
         if not allowed or any(type(x) is not int or not 0 <= x < num_layers for x in allowed):
             raise InvalidWorkerRequest(f"a lease's layers must be ints in [0, {num_layers})")
-        step = self._pool.check_step(
-            block_tables, seq_lens, query_start_loc, slot_mapping, num_q_heads
+        if type(steps) is not int or not 1 <= steps <= MAX_STEPS:
+            raise InvalidWorkerRequest(f"a lease covers 1 to {MAX_STEPS} steps, got {steps!r}")
+        lens = torch.as_tensor(seq_lens)
+        rows = lens.numel()
+        if steps > 1:
+            starts = torch.as_tensor(query_start_loc)
+            if len(slot_mapping) != steps * rows or not torch.equal(
+                starts.to(torch.int64), torch.arange(rows + 1)
+            ):
+                raise InvalidWorkerRequest(
+                    f"a lease of {steps} steps sends one token per sequence a step: "
+                    f"query_start_loc 0..{rows} and {steps * rows} slots, got "
+                    f"{len(slot_mapping)} slots"
+                )
+            # Checked as its last step, whose keys the tables must hold.
+            lens = lens + (steps - 1)
+        tables, last_lens, starts, slots = self._pool.check_step(
+            block_tables, lens, query_start_loc, slot_mapping, num_q_heads
         )
-        plan = StepPlan(*step, num_q_heads, tuple(allowed))
+        first_lens = last_lens - (steps - 1)
+        plan = StepPlan(tables, first_lens, starts, slots, num_q_heads, tuple(allowed), steps)
         with self._changed:
             if lease_id in self._leases:
                 raise InvalidWorkerRequest("that lease id is in use")
             if len(self._leases) >= self._capacity:
                 raise InvalidWorkerRequest(f"this worker holds {self._capacity} leases already")
             opener = None if connection is None else self._connections.get(connection)
-            lease = _Lease(frozenset(plan.layers), plan.pack(), opener)
+            lease = _Lease(frozenset(plan.layers), plan.pack(), steps, rows, opener)
             self._leases[lease_id] = lease
         if self.event is not None:
             self.event.record(torch.cuda.current_stream(self._pool.device))
@@ -232,14 +278,22 @@ class StepLeases:
             return lease.packed
 
     def report(
-        self, lease_id: bytes, connection: object, written: Iterable[int], refused: Iterable[int]
+        self,
+        lease_id: bytes,
+        connection: object,
+        written: Iterable[int],
+        refused: Iterable[int],
+        steps: int = 1,
+        tokens: Sequence[int] = (),
     ) -> None:
-        """What the client did under a lease it opened: the layers it wrote and those it
-        refused; the lease counts as done (no more layers).
+        """What the client did under a lease it opened (`LeaseReport`): the steps it ran,
+        the layers of the last one it wrote and refused, the later steps' token ids; the
+        lease counts as done (no more layers).
 
         Raises:
             LeaseEnded: no such lease. InvalidWorkerRequest: not opened by `connection`,
-            reported already, or layers outside the lease or in both sets.
+            reported already, layers outside the lease or in both sets, more steps than
+            the lease's, or not one token per sequence for each step after the first.
         """
         done, bad = sorted(set(written)), sorted(set(refused))
         with self._changed:
@@ -254,7 +308,14 @@ class StepLeases:
                     f"a report names layers the lease does not cover or twice: written "
                     f"{done}, refused {bad}, the lease's {sorted(allowed)}"
                 )
-            lease.report = LeaseReport(tuple(done), tuple(bad))
+            if not 1 <= steps <= lease.steps or len(tokens) != (steps - 1) * lease.rows:
+                raise InvalidWorkerRequest(
+                    f"a report of {steps} steps with {len(tokens)} token ids; the lease "
+                    f"covers {lease.steps} steps of {lease.rows} sequences"
+                )
+            if any(t < 0 for t in tokens):
+                raise InvalidWorkerRequest("a report's token ids must be non-negative")
+            lease.report = LeaseReport(tuple(done), tuple(bad), steps, tuple(tokens))
             self._changed.notify_all()
 
     def end(self, lease_id: bytes) -> LeaseReport | None:

@@ -620,8 +620,18 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
                 )
             ends = list(itertools.accumulate(counts))
             rows = [ids[end - c : end] for end, c in zip(ends, counts, strict=True)]
+        if body.steps > 1 and rows is None:
+            raise InvalidRequest(
+                f"steps={body.steps} needs token_ids: a lease of several steps is planned "
+                "for the first step's new tokens"
+            )
         grant = await self._coord.lease_step(
-            tenant, seq_ids, body.num_q_heads, rows, dict(body.lease_connections)
+            tenant,
+            seq_ids,
+            body.num_q_heads,
+            rows,
+            dict(body.lease_connections),
+            max(1, body.steps),
         )
         return pb.StepLeaseResponse(
             granted=grant.granted,
@@ -631,6 +641,7 @@ class KVCacheServicer(pb_grpc.KVCacheServicer):
             layers=grant.layers,
             timeout_us=int(grant.timeout_s * 1e6),
             plan=grant.plan,
+            steps=grant.steps if grant.granted else 0,
         ).SerializeToString()
 
     def _session_error(

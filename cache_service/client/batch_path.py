@@ -139,6 +139,7 @@ class BatchPath(CallPolicy):
         token_ids: Sequence[Sequence[int]] | None = None,
         *,
         lease_connections: Mapping[str, bytes] | None = None,
+        steps: int = 1,
         timeout_s: float | None = None,
     ) -> pb.StepLeaseResponse | None:
         """A step lease: the client may then run the step's layers on the worker's pool
@@ -156,6 +157,10 @@ class BatchPath(CallPolicy):
                 (`LeaseClient.path` -> `LeaseClient.connection`): a lease on one of those
                 workers is opened for the connection at the grant, and the answer's `plan`
                 goes to `LeaseClient.open` (no OPEN round trip).
+            steps: with `token_ids` of one token per sequence, the decode steps the
+                lease is to cover (the answer's `steps` says how many it does: the later
+                steps' positions are reserved, their tokens named by the lease's report,
+                `LeaseClient.advance` / `LeaseClient.end`).
 
         Returns:
             The server's answer (`granted`, or the `reason` there is no lease); None when
@@ -170,6 +175,7 @@ class BatchPath(CallPolicy):
             num_q_heads,
             token_ids,
             lease_connections=lease_connections,
+            steps=steps,
             timeout_s=timeout_s,
         )
         return None if pending is None else pending.result()
@@ -181,6 +187,7 @@ class BatchPath(CallPolicy):
         token_ids: Sequence[Sequence[int]] | None = None,
         *,
         lease_connections: Mapping[str, bytes] | None = None,
+        steps: int = 1,
         timeout_s: float | None = None,
     ) -> PendingLease | None:
         """`lease_step`, its request sent now and its answer read by
@@ -217,6 +224,7 @@ class BatchPath(CallPolicy):
             token_ids=flat,
             num_tokens=counts,
             lease_connections=dict(lease_connections or {}),
+            steps=steps,
         )
         message = session_message(call_id, STEP_LEASE, request.SerializeToString())
         try:

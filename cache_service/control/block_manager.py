@@ -46,7 +46,7 @@ from cache_service.control.quotas import ref as _ref
 from cache_service.control.quotas import unref as _unref
 from cache_service.control.records import from_records, to_records
 from cache_service.control.repeated_writes import WriteSnapshot
-from cache_service.control.sequence import Sequence, segments_of
+from cache_service.control.sequence import PENDING_TOKEN, Sequence, segments_of
 from cache_service.control.state import BlockManagerConfig, LostSequence, Pin
 from cache_service.control.types import (
     BlockCopy,
@@ -324,9 +324,13 @@ class BlockManager:
         workers: dict[str, None] = {}
         for block in seq.table:
             workers.setdefault(block.worker_id)
+        tokens = seq.tokens
+        if tokens and tokens[-1] == PENDING_TOKEN:
+            # Positions reserved ahead by a lease whose tokens are to come: not tokens yet.
+            tokens = tokens[: tokens.index(PENDING_TOKEN)]
         return SequenceInfo(
             seq_id=seq.seq_id,
-            token_ids=tuple(seq.tokens),
+            token_ids=tuple(tokens),
             written=tuple(seq.written),
             num_blocks=len(seq.table),
             workers=tuple(workers),
@@ -412,6 +416,7 @@ class BlockManager:
         tenant: str,
         layer: int | None,
         writes: SequenceABC[tuple[str, SequenceABC[int]]],
+        ahead: int = 0,
     ) -> list[WritePlan]:
         """`prepare_write` for several sequences of one tenant, all or nothing.
 
@@ -423,15 +428,37 @@ class BlockManager:
         Args:
             layer: the layer of every write, or None for all layers.
             writes: (seq_id, token_ids) per sequence; each sequence at most once.
+            ahead: positions each write reserves past its tokens, whose tokens are to
+                come (a multi-step lease's later decode steps): their slots end each
+                plan; `fill_pending` names their tokens before they are committed, and
+                `cancel_write` gives back those never written. Only at a sequence's end
+                (no position reserved past the write's tokens).
 
         Returns:
-            One WritePlan per item, in order.
+            One WritePlan per item, in order (n + ahead slots each).
 
         Raises:
-            What prepare_write raises; InvalidRequest for an empty batch or a sequence
-            named twice. PoolExhausted / QuotaExceeded name the failing item.
+            What prepare_write raises; InvalidRequest for an empty batch, a sequence
+            named twice or positions ahead asked for inside a reservation.
+            PoolExhausted / QuotaExceeded name the failing item.
         """
-        return write_path.prepare_writes(self, tenant, layer, writes)
+        return write_path.prepare_writes(self, tenant, layer, writes, ahead)
+
+    def fill_pending(
+        self, tenant: str, fills: SequenceABC[tuple[str, int, SequenceABC[int]]]
+    ) -> None:
+        """Name the tokens of positions reserved ahead (`prepare_writes`' `ahead`), all or
+        nothing: every fill is checked before any is applied.
+
+        Args:
+            fills: (seq_id, first position, token ids) per sequence, each at most once;
+                every position must be reserved and still pending.
+
+        Raises:
+            SequenceNotFound, SequenceLost; InvalidRequest (a position outside the
+            reservation or not pending, bad token ids, a sequence named twice).
+        """
+        write_path.fill_pending(self, tenant, fills)
 
     def cancel_write(self, tenant: str, seq_id: str) -> CancelledWrite:
         """Release the positions reserved past the sequence's longest written layer: what
@@ -506,6 +533,20 @@ class BlockManager:
                 snapshot's start; nothing was committed.
         """
         repeated_writes.commit_repeated_layers(self, snapshot, layers)
+
+    def commit_steps(self, snapshot: WriteSnapshot, steps: int, layers: SequenceABC[int]) -> None:
+        """What a multi-step lease's end commits: every layer of every sequence advances
+        `steps` positions from the snapshot's starts (decode steps written on all
+        layers), then each of `layers` (distinct) one more (the step that ended part way).
+        The caller holds the sequences' locks since the snapshot and filled the positions'
+        tokens (`fill_pending`). All or nothing.
+
+        Raises:
+            InvalidRequest: `steps` negative, a layer named twice or outside the layout,
+                more positions than reserved, or a sequence's layer no longer at the
+                snapshot's start; nothing was committed.
+        """
+        repeated_writes.commit_steps(self, snapshot, steps, layers)
 
     def _committed_length(self, seq: Sequence, layer: int | None, num_tokens: object) -> int:
         """written(layer) after committing `num_tokens` more, checked against the reserved

@@ -22,6 +22,7 @@ __all__ = [
     "WriteSnapshot",
     "commit_repeated",
     "commit_repeated_layers",
+    "commit_steps",
     "repeatable",
     "snapshot_writes",
 ]
@@ -157,6 +158,40 @@ def commit_repeated_layers(
             for layer in layers:
                 written[layer] = end
         m._publish_written(seq, end)
+
+
+def commit_steps(
+    m: BlockManager, snapshot: WriteSnapshot, steps: int, layers: SequenceABC[int]
+) -> None:
+    """`BlockManager.commit_steps`: every layer to start + `steps`, then `layers` one
+    further, all or nothing."""
+    num_layers = m._num_layers
+    if type(steps) is not int or steps < 0:
+        raise InvalidRequest(f"steps must be a non-negative int, got {steps!r}")
+    if len(set(layers)) != len(layers) or any(
+        type(x) is not int or not 0 <= x < num_layers for x in layers
+    ):
+        raise InvalidRequest(
+            f"layers must be distinct ints in [0, {num_layers}), got {list(layers)}"
+        )
+    longest = steps + (1 if layers else 0)
+    for i, (seq, start) in enumerate(zip(snapshot.seqs, snapshot.starts, strict=True)):
+        if seq.written.count(start) != num_layers:
+            raise InvalidRequest(
+                f"{snapshot.seq_ids[i]!r} no longer stands at the snapshot's {start} on "
+                f"every layer ({seq.written}): check repeatable() under the same locks"
+            )
+        if start + longest > len(seq.tokens):
+            raise InvalidRequest(
+                f"{snapshot.seq_ids[i]!r}: {longest} positions from {start} pass the "
+                f"{len(seq.tokens)} reserved"
+            )
+    for seq, start in zip(snapshot.seqs, snapshot.starts, strict=True):
+        written = seq.written
+        written[:] = (start + steps,) * num_layers
+        for layer in layers:
+            written[layer] = start + steps + 1
+        m._publish_written(seq, start + longest)
 
 
 def repeatable_layers(m: BlockManager, snapshot: WriteSnapshot) -> list[int]:

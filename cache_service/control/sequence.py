@@ -8,7 +8,12 @@ from operator import itemgetter
 from cache_service.control.block_rows import BlockRow
 from cache_service.control.types import PhysicalBlock, Segment
 
-__all__ = ["Sequence", "segments_of"]
+__all__ = ["PENDING_TOKEN", "Sequence", "segments_of"]
+
+# A reserved position whose token is not known yet (a multi-step lease reserves the
+# positions of its later steps before their tokens exist; `fill_pending` sets them before
+# they are committed). Token ids are unsigned, so no real token is negative.
+PENDING_TOKEN = -1
 
 _WORKER = itemgetter(0)  # PhysicalBlock.worker_id
 _INDEX = itemgetter(1)  # PhysicalBlock.index

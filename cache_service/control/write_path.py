@@ -15,7 +15,7 @@ from cache_service.control.host_tier import evict_block, evict_blocks
 from cache_service.control.placement import plan_growth
 from cache_service.control.prefix_index import pack_tokens
 from cache_service.control.quotas import check_block_quota, unref
-from cache_service.control.sequence import Sequence
+from cache_service.control.sequence import PENDING_TOKEN, Sequence
 from cache_service.control.types import BlockCopy, CancelledWrite, PhysicalBlock, WritePlan
 from cache_service.control.validation import batch_items
 from cache_service.control.write_journal import Journal, Undo, roll_back
@@ -24,7 +24,7 @@ from cache_service.errors import CacheError, InvalidRequest, PoolExhausted, Quot
 if TYPE_CHECKING:
     from cache_service.control.block_manager import BlockManager
 
-__all__ = ["cancel_write", "commit_writes", "prepare_write", "prepare_writes"]
+__all__ = ["cancel_write", "commit_writes", "fill_pending", "prepare_write", "prepare_writes"]
 
 
 def prepare_write(
@@ -34,10 +34,13 @@ def prepare_write(
     layer: int | None,
     token_ids: SequenceABC[int],
     capacity: int | None = None,
+    ahead: int = 0,
 ) -> WritePlan:
     """`BlockManager.prepare_write`: the slots of `token_ids` at written(layer), reserving
-    positions (and copying a shared partly filled last block) as needed. capacity:
-    `max_sequence_tokens()` when the caller has it (a batch asks once, not per item)."""
+    positions (and copying a shared partly filled last block) as needed, and `ahead` more
+    positions past them whose tokens are to come (`PENDING_TOKEN` until
+    `fill_pending`). capacity: `max_sequence_tokens()` when the caller has it (a batch
+    asks once, not per item)."""
     seq = m._resolve(tenant, seq_id)
     start = m._start_of(seq, layer)
     tokens = pack_tokens(token_ids).tolist()
@@ -46,6 +49,14 @@ def prepare_write(
         raise InvalidRequest("token_ids is empty")
     bs = m._bs
     reserved = len(seq.tokens)
+    if ahead:
+        if start + n < reserved:
+            raise InvalidRequest(
+                f"sequence {seq_id!r} has positions reserved past {start + n}: positions "
+                "ahead are reserved only at the end of a sequence"
+            )
+        tokens.extend([PENDING_TOKEN] * ahead)
+        n += ahead
     end = start + n
     # The message is built only for a refusal: every decode step of every sequence comes
     # here, and formatting it costs more than the check.
@@ -95,9 +106,12 @@ def prepare_writes(
     tenant: str,
     layer: int | None,
     writes: SequenceABC[tuple[str, SequenceABC[int]]],
+    ahead: int = 0,
 ) -> list[WritePlan]:
     """`BlockManager.prepare_writes`: one WritePlan per item, all or nothing (a failing item
     rolls every earlier one back through the batch's Journal)."""
+    if type(ahead) is not int or ahead < 0:
+        raise InvalidRequest(f"ahead must be a non-negative int, got {ahead!r}")
     items = batch_items(writes, "token_ids")
     if not items:
         raise InvalidRequest("writes is empty")
@@ -107,7 +121,7 @@ def prepare_writes(
     try:
         for i, (seq_id, token_ids) in enumerate(items):
             try:
-                plans.append(prepare_write(m, tenant, seq_id, layer, token_ids, capacity))
+                plans.append(prepare_write(m, tenant, seq_id, layer, token_ids, capacity, ahead))
             except (PoolExhausted, QuotaExceeded) as exc:
                 raise type(exc)(
                     f"{exc} (write {i + 1} of {len(items)}, sequence {seq_id!r}; the "
@@ -139,6 +153,36 @@ def commit_writes(
             raise type(exc)(f"{exc} (write {i + 1} of {len(items)})") from None
     for seq, new in checked:
         m._apply_commit(seq, layer, new)
+
+
+def fill_pending(
+    m: BlockManager, tenant: str, fills: SequenceABC[tuple[str, int, SequenceABC[int]]]
+) -> None:
+    """`BlockManager.fill_pending`: check every fill, then set their tokens."""
+    checked: list[tuple[Sequence, int, list[int]]] = []
+    seen: set[str] = set()
+    for i, fill in enumerate(fills):
+        if not isinstance(fill, tuple | list) or len(fill) != 3:
+            raise InvalidRequest(f"fills[{i}] must be (seq_id, start, token_ids), got {fill!r}")
+        seq_id, start, token_ids = fill
+        if seq_id in seen:
+            raise InvalidRequest(f"fills[{i}]: sequence {seq_id!r} is named twice")
+        seen.add(seq_id)
+        seq = m._resolve(tenant, seq_id)
+        tokens = pack_tokens(token_ids).tolist()
+        if type(start) is not int or start < 0 or start + len(tokens) > len(seq.tokens):
+            raise InvalidRequest(
+                f"fills[{i}]: positions {start}..{start}+{len(tokens)} are outside the "
+                f"{len(seq.tokens)} reserved of {seq_id!r}"
+            )
+        if any(t != PENDING_TOKEN for t in seq.tokens[start : start + len(tokens)]):
+            raise InvalidRequest(
+                f"fills[{i}]: positions {start}..{start + len(tokens)} of {seq_id!r} are not "
+                "all pending (their tokens are known already)"
+            )
+        checked.append((seq, start, tokens))
+    for seq, start, tokens in checked:
+        seq.tokens[start : start + len(tokens)] = tokens
 
 
 def cancel_write(m: BlockManager, tenant: str, seq_id: str) -> CancelledWrite:

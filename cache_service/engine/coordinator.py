@@ -103,6 +103,7 @@ from cache_service.errors import (
     InvalidRequest,
     LayerNotWritten,
     PoolExhausted,
+    QuotaExceeded,
     SequenceLost,
     SequenceNotFound,
 )
@@ -717,6 +718,7 @@ class Coordinator:
         num_q_heads: int,
         token_ids: Sequence[Sequence[int]] | None = None,
         connections: Mapping[str, bytes] | None = None,
+        steps: int = 1,
     ) -> LeaseGrant:
         """A step lease (engine.leases): the step's layers go from the client to the worker
         directly. Without `token_ids`, on the step the batch's last append-and-attend
@@ -725,7 +727,10 @@ class Coordinator:
         new tokens' own). Or the reason there is none (`LeaseGrant.reason`).
         `connections`: the client's lease connections (worker socket -> token): the
         lease opens at the grant for the one to its worker, and the grant carries the
-        plan.
+        plan. `steps` (with token ids, one per sequence): decode steps the lease covers,
+        at most `max_lease_steps` (the grant says how many): the positions of the later
+        steps are reserved now, their tokens named by the client's report; fewer when
+        the pool or quota has no room for them all.
 
         Raises:
             InvalidRequest: malformed arguments, or token ids other than those reserved;
@@ -733,6 +738,8 @@ class Coordinator:
             WorkerError: the worker refused the grant. Nothing is held or reserved then.
         """
         check_not_empty(seq_ids, "lease_step")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise InvalidRequest(f"steps must be a positive int, got {steps!r}")
         if (
             isinstance(num_q_heads, bool)
             or not isinstance(num_q_heads, int)
@@ -759,10 +766,24 @@ class Coordinator:
                 f"a planned step sends at least one new token for every sequence, got "
                 f"{[len(r) for r in rows]}"
             )
+        if steps > 1 and any(len(r) != 1 for r in rows):
+            raise InvalidRequest(
+                f"a lease of {steps} steps sends one new token per sequence a step, got "
+                f"{[len(r) for r in rows]}"
+            )
+        steps = min(steps, self.config.max_lease_steps)
         lock_order = sorted(ids)
         await self._locks.acquire(lock_order)
         try:
-            step = await self._plan_step(tenant, ids, rows)
+            try:
+                step = await self._plan_step(tenant, ids, rows, steps)
+            except (PoolExhausted, QuotaExceeded, InvalidRequest):
+                if steps == 1:
+                    raise
+                # No room for every step's positions (the pool, the quota, the longest
+                # sequence): the one step still may fit. A refusal of the step itself
+                # comes again, as it would have.
+                step = await self._plan_step(tenant, ids, rows, 1)
         except BaseException:
             self._locks.release(lock_order)
             raise
@@ -775,12 +796,13 @@ class Coordinator:
         return grant
 
     async def _plan_step(
-        self, tenant: str, seq_ids: list[str], rows: list[list[int]]
+        self, tenant: str, seq_ids: list[str], rows: list[list[int]], steps: int
     ) -> Step | str:
-        """Under the batch's locks: reserve the step's positions (running any
-        copy-on-write copies) and record it as a `Step` planned for a lease; or the reason
-        it cannot be leased, with nothing reserved."""
-        plans = self._reserve_step(tenant, seq_ids, rows)
+        """Under the batch's locks: reserve the step's positions, and those of its
+        `steps - 1` later decode steps (running any copy-on-write copies), and record it
+        as a `Step` planned for a lease; or the reason it cannot be leased, with nothing
+        reserved."""
+        plans = self._reserve_step(tenant, seq_ids, rows, steps - 1)
         self._released.flush()
         try:
             if any(plan.copies for plan in plans):
@@ -807,14 +829,21 @@ class Coordinator:
             return "the step's sequences are not all on one worker: send its layers by call"
         (worker_id,) = worker_ids
         counts = [len(r) for r in rows]
+        # With several steps: the last step's views, so that the tables hold every
+        # step's blocks (the grant gives the first step's lengths).
         plan = plan_attention(views, counts, bs)
-        slots = [slot for p in plans for _, slot in p.slots]
-        step = Step(snapshot, worker_id, counts, views, slots, plan, planned_only=True)  # type: ignore[arg-type]
-        self._steps.put(step)
+        if steps == 1:
+            slots = [slot for p in plans for _, slot in p.slots]
+        else:  # step by step: each step's slot of every sequence
+            slots = [p.slots[i][1] for i in range(steps) for p in plans]
+        step = Step(snapshot, worker_id, counts, views, slots, plan, planned_only=True, steps=steps)  # type: ignore[arg-type]
+        if steps == 1:
+            # A lease of several steps is never repeated by calls: its snapshot spans them.
+            self._steps.put(step)
         return step
 
     def _reserve_step(
-        self, tenant: str, seq_ids: list[str], rows: list[list[int]]
+        self, tenant: str, seq_ids: list[str], rows: list[list[int]], ahead: int = 0
     ) -> list[WritePlan]:
         """Reserve a planned step's positions on layer 0, all or nothing.
 
@@ -828,7 +857,7 @@ class Coordinator:
         try:
             self._require_workers()
             return self.block_manager.prepare_writes(
-                tenant, 0, list(zip(seq_ids, rows, strict=True))
+                tenant, 0, list(zip(seq_ids, rows, strict=True)), ahead
             )
         except Exception as exc:
             refused = exc

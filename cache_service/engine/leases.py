@@ -10,6 +10,14 @@ the step's plan when the request named the client's connection to that socket (t
 worker opened the lease for it at the grant). The client, which has mapped the worker's
 pool, runs those layers itself (`workers.lease_client`), without this process.
 
+A lease may cover several decode steps (`Coordinator.lease_step`'s `steps`: one new token
+per sequence a step): the step's positions and those of the later steps are reserved at
+once, the later ones with their tokens to come (`BlockManager.prepare_writes`' `ahead`),
+the plan carries every step's slots, and the client runs the steps between forwards
+without this process. Its report names the steps it ran and their tokens; ending the
+lease names them (`fill_pending`), commits the steps run (`commit_steps`) and gives the
+positions of the others back.
+
 The lease keeps the sequences' locks until it ends, so nothing else reads or changes them
 meanwhile. It ends when anyone waits for one of its sequences (the client's next call
 included: `SequenceLocks.on_contended`), at its timeout, or when the coordinator closes.
@@ -36,6 +44,7 @@ from cache_service.engine.sequence_locks import SequenceLocks
 from cache_service.engine.steps import Step, StepCache
 from cache_service.engine.worker_interface import WorkerClient
 from workers.errors import WorkerError
+from workers.step_leases import LeaseReport
 
 if TYPE_CHECKING:
     from cache_service.engine.coordinator import Coordinator
@@ -57,6 +66,7 @@ class LeaseGrant:
         timeout_s: the lease ends this long after the grant at the latest.
         plan: the packed step plan when the lease was opened at the grant for the
             client's connection (`workers.step_leases.StepPlan.pack`); empty otherwise.
+        steps: decode steps the lease covers.
     """
 
     reason: str = ""
@@ -65,6 +75,7 @@ class LeaseGrant:
     layers: tuple[int, ...] = ()
     timeout_s: float = 0.0
     plan: bytes = b""
+    steps: int = 1
 
     @property
     def granted(self) -> bool:
@@ -166,9 +177,20 @@ class Leases:
             socket = await self._socket(worker_id, epoch, client)
             lease_id = secrets.token_bytes(16)
             tables, lens, starts = plan.batches[0].metadata_args()
+            if step.steps > 1:
+                lens = lens - (step.steps - 1)  # the plan is the last step's
             token = (connections or {}).get(socket)
             plan = await client.grant_lease(
-                epoch, lease_id, layers, tables, lens, starts, step.slots, num_q_heads, token
+                epoch,
+                lease_id,
+                layers,
+                tables,
+                lens,
+                starts,
+                step.slots,
+                num_q_heads,
+                token,
+                step.steps,
             )
         except BaseException:
             self._locks.release(step.lock_order)
@@ -179,7 +201,9 @@ class Leases:
         lease.timer = asyncio.get_running_loop().call_later(self._timeout_s, self._end_soon, lease)
         if self._owner.metrics is not None:
             self._owner.metrics.add_step_lease("granted")
-        return LeaseGrant("", lease_id, socket, tuple(layers), self._timeout_s, plan or b"")
+        return LeaseGrant(
+            "", lease_id, socket, tuple(layers), self._timeout_s, plan or b"", step.steps
+        )
 
     def recall(self, seq_id: str) -> None:
         """Someone waits for `seq_id`: end the lease holding it, if any (its locks then go
@@ -206,7 +230,7 @@ class Leases:
         step = lease.step
         if lease.timer is not None:
             lease.timer.cancel()
-        written: tuple[int, ...] = ()
+        layer_writes = 0
         try:
             report = await lease.client.end_lease(lease.epoch, lease.lease_id)
             if report is None:
@@ -214,7 +238,10 @@ class Leases:
                 # thread of the worker waits; this loop does not).
                 report = await lease.client.wait_lease(lease.epoch, lease.lease_id, self._timeout_s)
             written = report.written
-            if written:
+            layer_writes = len(written)
+            if step.steps > 1:
+                layer_writes = self._commit_steps(step, report)
+            elif written:
                 # In one call: with a write-ahead log, one commit (one fsync) for them all.
                 self._owner.block_manager.commit_repeated_layers(step.snapshot, written)
             elif step.planned_only:
@@ -225,8 +252,10 @@ class Leases:
             # Nothing committed: the layers stay unwritten. A lost worker is found and
             # handled by the coordinator's health checks.
             log.warning("ending a step lease on worker %s failed: %s", step.worker_id, exc)
+            self._drop_pending(step)
         except Exception:
             log.exception("ending a step lease failed")
+            self._drop_pending(step)
         finally:
             for seq_id in step.lock_order:
                 if self._by_seq.get(seq_id) is lease:
@@ -235,10 +264,41 @@ class Leases:
         metrics = self._owner.metrics
         if metrics is not None:
             metrics.add_step_lease("ended")
-            if written:
-                metrics.add_tokens_appended(sum(step.snapshot.counts) * len(written))
-                metrics.add_attention_tokens(sum(step.num_queries) * len(written))
-                metrics.add_leased_layers(len(written))
+            if layer_writes:
+                # A multi-step lease's snapshot counts every step's positions.
+                tokens = step.snapshot.counts if step.steps == 1 else step.num_queries
+                metrics.add_tokens_appended(sum(tokens) * layer_writes)
+                metrics.add_attention_tokens(sum(step.num_queries) * layer_writes)
+                metrics.add_leased_layers(layer_writes)
+
+    def _commit_steps(self, step: Step, report: LeaseReport) -> int:
+        """A multi-step lease's report committed: the later steps' tokens named, the
+        steps before the last on every layer and the last on its written layers, then
+        whatever was reserved past them given back. Returns the layer writes committed
+        per sequence (a step on every layer counts the number of layers)."""
+        snapshot = step.snapshot
+        manager = self._owner.block_manager
+        num_layers = self._owner.layout.num_layers
+        every = len(report.written) == num_layers
+        full = report.steps if every else report.steps - 1
+        partial = () if every else report.written
+        seq_ids = snapshot.seq_ids
+        if report.steps > 1:
+            rows = len(seq_ids)
+            fills = [
+                (seq_id, start + 1, report.tokens[i::rows])
+                for i, (seq_id, start) in enumerate(zip(seq_ids, snapshot.starts, strict=True))
+            ]
+            manager.fill_pending(snapshot.tenant, fills)
+        manager.commit_steps(snapshot, full, partial)
+        self._cancel_writes(snapshot.tenant, list(seq_ids))
+        return full * num_layers + len(partial)
+
+    def _drop_pending(self, step: Step) -> None:
+        """After a multi-step lease's end failed, nothing committed: its positions
+        reserved ahead go back (tokens never named cannot stay reserved)."""
+        if step.steps > 1:
+            self._cancel_writes(step.snapshot.tenant, list(step.snapshot.seq_ids))
 
     async def _socket(self, worker_id: str, epoch: str, client: WorkerClient) -> str:
         """The worker's lease socket, asked once per worker epoch."""

@@ -74,6 +74,7 @@ LOGGED_OPS = (
     "free",
     "prepare_write",
     "prepare_writes",
+    "fill_pending",
     "cancel_write",
     "commit_write",
     "commit_writes",
@@ -409,6 +410,7 @@ class DurableBlockManager:
         tenant: str,
         layer: int | None,
         writes: SequenceABC[tuple[str, SequenceABC[int]]],
+        ahead: int = 0,
     ) -> list[WritePlan]:
         """BlockManager.prepare_writes (one record for the whole batch: all or nothing)."""
         items = _materialize(writes)
@@ -419,11 +421,29 @@ class DurableBlockManager:
             ]
         return self._run(
             "prepare_writes",
-            lambda: self._manager.prepare_writes(tenant, layer, items),
+            lambda: self._manager.prepare_writes(tenant, layer, items, ahead),
             lambda: {
                 "tenant": tenant,
                 "layer": layer,
                 "writes": [[seq_id, _token_list(tokens)] for seq_id, tokens in items],
+                **({"ahead": ahead} if ahead else {}),
+            },
+        )
+
+    def fill_pending(
+        self, tenant: str, fills: SequenceABC[tuple[str, int, SequenceABC[int]]]
+    ) -> None:
+        """BlockManager.fill_pending (one record for the batch)."""
+        items = [
+            (f[0], f[1], _materialize(f[2])) if isinstance(f, tuple | list) and len(f) == 3 else f
+            for f in fills
+        ]
+        self._run(
+            "fill_pending",
+            lambda: self._manager.fill_pending(tenant, items),
+            lambda: {
+                "tenant": tenant,
+                "fills": [[seq_id, start, _token_list(tokens)] for seq_id, start, tokens in items],
             },
         )
 
@@ -495,6 +515,28 @@ class DurableBlockManager:
             # records): as when one record cannot be logged (`_log`), the store refuses
             # every later call until a restart recovers from it.
             if self._failed is None:
+                self._failed = f"commit_writes: {exc}"
+            raise
+
+    def commit_steps(self, snapshot: WriteSnapshot, steps: int, layers: SequenceABC[int]) -> None:
+        """BlockManager.commit_steps, logged as the `commit_writes` it is equivalent to
+        (every layer by `steps` tokens, then each of `layers` by one) in one store
+        transaction."""
+        layers = tuple(layers)
+        self._check_usable()
+        self._manager.commit_steps(snapshot, steps, layers)  # raising, it changed nothing
+        records = []
+        if steps:
+            writes = [[s, steps] for s in snapshot.seq_ids]
+            records.append({"tenant": snapshot.tenant, "layer": None, "writes": writes})
+        ones = [[s, 1] for s in snapshot.seq_ids]
+        records += [{"tenant": snapshot.tenant, "layer": x, "writes": ones} for x in layers]
+        try:
+            with self.transaction():
+                for args in records:
+                    self._log("commit_writes", args, None)
+        except StoreError as exc:
+            if self._failed is None:  # as in commit_repeated_layers
                 self._failed = f"commit_writes: {exc}"
             raise
 
@@ -590,7 +632,10 @@ def _apply(manager: BlockManager, op: str, args: dict[str, Any], recorded: Any) 
         return m.prepare_write(args["tenant"], args["seq_id"], args["layer"], args["token_ids"])
     if op == "prepare_writes":
         writes = [(seq_id, tokens) for seq_id, tokens in args["writes"]]
-        return m.prepare_writes(args["tenant"], args["layer"], writes)
+        return m.prepare_writes(args["tenant"], args["layer"], writes, args.get("ahead", 0))
+    if op == "fill_pending":
+        fills = [(seq_id, start, tokens) for seq_id, start, tokens in args["fills"]]
+        return m.fill_pending(args["tenant"], fills)
     if op == "cancel_write":
         return m.cancel_write(args["tenant"], args["seq_id"])
     if op == "set_tenant_quota":

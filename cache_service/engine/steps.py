@@ -49,6 +49,9 @@ class Step:
             coordinator takes their locks in, worked out once for every layer.
         planned_only: planned for a step lease without writing any layer (a StepLease
             with token ids), rather than by a call that wrote its first layer.
+        steps: decode steps planned (a multi-step lease): the snapshot reserved `steps`
+            positions per sequence, the views and plan are the last step's, `slots` step
+            by step.
     """
 
     snapshot: WriteSnapshot
@@ -58,6 +61,7 @@ class Step:
     slots: list[int]
     plan: AttentionPlan | None = None
     planned_only: bool = False
+    steps: int = 1
     key: int = field(init=False)
     lock_order: tuple[str, ...] = field(init=False)
 

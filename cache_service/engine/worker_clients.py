@@ -213,8 +213,17 @@ class _WorkerClientBase:
         slot_mapping: Sequence[int],
         num_q_heads: int,
         connection: bytes | None = None,
+        steps: int = 1,
     ) -> bytes | None:
-        step = (block_tables, seq_lens, query_start_loc, slot_mapping, num_q_heads, connection)
+        step = (
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            slot_mapping,
+            num_q_heads,
+            connection,
+            steps,
+        )
         return await self._invoke("grant_lease", self._fenced(epoch), lease_id, layers, *step)
 
     async def end_lease(self, epoch: str, lease_id: bytes) -> LeaseReport | None:

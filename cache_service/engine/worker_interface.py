@@ -151,12 +151,14 @@ class WorkerClient(Protocol):
         slot_mapping: Sequence[int],
         num_q_heads: int,
         connection: bytes | None = None,
+        steps: int = 1,
     ) -> bytes | None:
         """Let `lease_id`'s client write and attend `layers` of a planned step (its
         metadata and slots as a round carries them), each layer once, until
         :meth:`end_lease` (workers.step_leases). `connection`: the client's lease
         connection token; when it names a live connection the lease opens for it now and
-        the packed plan is returned (else None)."""
+        the packed plan is returned (else None). `steps`: decode steps the lease covers
+        (the first step's lengths, every step's slots: `StepPlan`)."""
         ...
 
     async def end_lease(self, epoch: str, lease_id: bytes) -> LeaseReport | None:

@@ -22,6 +22,7 @@ from cache_service.integrations.batch_plan import BatchPlan, RowSlice
 from cache_service.integrations.model_features import describe_model
 from cache_service.integrations.service_attention import SERVICE_ATTENTION, ActiveStep
 from cache_service.integrations.service_cache import ServiceKVCache
+from cache_service.integrations.step_leases import ActiveLease
 
 if TYPE_CHECKING:
     from cache_service.client import SequenceHandle
@@ -41,11 +42,25 @@ class SessionConfig:
         step_leases: when the service runs on this host (a local session), have the
             service plan each forward once and send its layers straight to the worker
             under a step lease (`integrations.step_leases`); off: every layer is a call.
+        lease_steps: decode forwards one step lease covers (the service may grant
+            fewer): the service reserves the rows' next positions for all of them at
+            once and the session plans the forwards between itself, naming their tokens
+            when the lease ends. Between the forwards of one ``generate()`` the session
+            holds the lease: :meth:`GenerationSession.generate` and
+            :meth:`GenerationSession.close` give it back, and so does
+            :meth:`GenerationSession.release_lease` (call it after a ``generate()`` of
+            your own before other calls on the session's sequences). 1: a lease per
+            forward.
     """
 
     reuse_prefix: bool = True
     free_on_close: bool = True
     step_leases: bool = True
+    lease_steps: int = 16
+
+    def __post_init__(self) -> None:
+        if type(self.lease_steps) is not int or self.lease_steps < 1:
+            raise ValueError(f"lease_steps must be a positive int, got {self.lease_steps!r}")
 
 
 @dataclass
@@ -62,7 +77,9 @@ class SessionStats:
         leased_calls: layers sent to the worker under a step lease (no call).
         leased_seconds: wall time spent sending them (the staging copies' launches and the
             worker's handoff; on a GPU not the kernels, which run asynchronously), seconds.
-        leases: forwards planned by the service for a lease (one StepLease call each).
+        leases: step leases the service granted (one StepLease call each; a lease covers
+            up to `SessionConfig.lease_steps` decode forwards).
+        lease_forwards: forwards whose every layer ran under a step lease.
         lease_seconds: wall time of those calls, seconds.
         attend_seconds: wall time of the attention layers' whole service path (checks, the
             tensors' moves to and from the host, the client call, the step lease's
@@ -83,6 +100,7 @@ class SessionStats:
     leased_calls: int = 0
     leased_seconds: float = 0.0
     leases: int = 0
+    lease_forwards: int = 0
     lease_seconds: float = 0.0
     attend_seconds: float = 0.0
     open_seconds: float = 0.0
@@ -126,6 +144,8 @@ class GenerationSession:
         self._closed = False
         self._broken: str | None = None
         self._active: ActiveStep | None = None
+        # A step lease with decode steps left, kept between forwards (`end_step`).
+        self._held: ActiveLease | None = None
         # One call for the batch's rows, all or nothing: nothing to free when it fails.
         t_open = time.perf_counter()
         self._handles = owner.client.create_sequences(
@@ -165,20 +185,48 @@ class GenerationSession:
             max(self.stats.prompt_tokens), new_tokens(generate_kwargs, defaults, self.plan)
         )
         device = self._owner.model.device
-        return self._owner.model.generate(
-            input_ids=self.input_ids.to(device),
-            attention_mask=self.attention_mask.to(device),
-            past_key_values=self.cache,
-            use_cache=True,
-            **generate_kwargs,
-        )
+        try:
+            return self._owner.model.generate(
+                input_ids=self.input_ids.to(device),
+                attention_mask=self.attention_mask.to(device),
+                past_key_values=self.cache,
+                use_cache=True,
+                **generate_kwargs,
+            )
+        finally:
+            self.release_lease()
+
+    def release_lease(self) -> None:
+        """Give back the step lease the session holds between forwards, if any: the
+        service commits the steps it ran and frees the positions reserved for later
+        ones. Until then the session's sequences are held (another call on one of them
+        waits for the lease's timeout). Idempotent.
+
+        Raises:
+            KVCacheError: the lease's report failed (the session is unusable then).
+        """
+        held, self._held = self._held, None
+        if held is None:
+            return
+        try:
+            self._owner.leaser.end(held)
+        except BaseException:
+            self._broken = "the session's step lease did not end cleanly"
+            raise
 
     def close(self) -> None:
-        """Free the sequences (if the config says so). Idempotent."""
+        """Give back the session's step lease, then free the sequences (if the config
+        says so). Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._owner._sessions.discard(self)
+        try:
+            self.release_lease()
+        except Exception:
+            # The sequences are freed next: what the lease wrote no longer matters.
+            if not self._config.free_on_close:
+                raise
         if self._config.free_on_close:
             t_close = time.perf_counter()
             try:
@@ -219,6 +267,9 @@ class GenerationSession:
         if self._active is not None:
             # The last forward never reported its end (a hook failed before the model ran).
             self._drop_lease_request(self._active)
+            if self._active.lease is not None and self._active.lease is not self._held:
+                with contextlib.suppress(Exception):
+                    self._owner.leaser.end(self._active.lease)
         self._check_usable()
         plan = self.plan
         if input_ids.ndim != 2 or input_ids.shape[0] != plan.batch_size:
@@ -273,19 +324,36 @@ class GenerationSession:
                     f"row {row.row}: position_ids {given[row.row, offset:].tolist()} do not "
                     f"match the service positions starting at {row.start_position}"
                 )
-        self._active = ActiveStep(self, step, token_ids)
-        sending = [r for r in step.rows if r.count]
-        if sending and self._config.step_leases:
+        active = self._active = ActiveStep(self, step, token_ids)
+        sending = active.sending
+        t_lease = time.perf_counter()
+        decode = len(sending) == plan.batch_size and all(r.count == 1 for r in sending)
+        held, self._held = self._held, None
+        if held is not None:
+            # The lease of the last forwards goes on to this one if it has a step left
+            # (a decode step of the same rows); else it ends here.
+            leaser = self._owner.leaser
+            try:
+                if decode and leaser.next_step(held, [token_ids[r.row][0] for r in sending]):
+                    active.lease = held
+                else:
+                    leaser.end(held)
+            except BaseException:
+                self._active = None
+                self._broken = f"the step lease kept for step {step.index} failed"
+                raise
+        if active.lease is None and sending and self._config.step_leases:
             # The service plans the step while the model computes up to its first
             # attention layer, which reads the lease (none: each layer is a call).
-            t_lease = time.perf_counter()
-            self._active.lease_request = self._owner.leaser.request(
-                [self._seq_ids[r.row] for r in sending], [token_ids[r.row] for r in sending]
+            active.lease_request = self._owner.leaser.request(
+                [self._seq_ids[r.row] for r in sending],
+                [token_ids[r.row] for r in sending],
+                self._config.lease_steps if decode else 1,
             )
-            elapsed = time.perf_counter() - t_lease
-            self.stats.lease_seconds += elapsed
-            self.stats.attend_seconds += elapsed
-        return self._active, expected_positions.clamp_min(0)
+        elapsed = time.perf_counter() - t_lease
+        self.stats.lease_seconds += elapsed
+        self.stats.attend_seconds += elapsed
+        return active, expected_positions.clamp_min(0)
 
     def end_step(self, step: ActiveStep, failed: bool) -> None:
         """Commit a finished forward; a forward that failed or skipped layers breaks the session."""
@@ -294,7 +362,10 @@ class GenerationSession:
         if step.lease is not None:
             # Also after a failure: the service commits the layers the lease wrote.
             try:
-                self._owner.leaser.end(step.lease)
+                if not failed and self._owner.leaser.keeps(step.lease):
+                    self._held = step.lease  # its next step is the next forward's
+                else:
+                    self._owner.leaser.end(step.lease)
             except BaseException:
                 self._broken = f"the lease of step {step.plan.index} did not end cleanly"
                 if not failed:
@@ -313,6 +384,7 @@ class GenerationSession:
                 )
             return
         self.plan.commit(step.plan)
+        self.stats.lease_forwards += step.lease is not None
         self.stats.step_columns.append(step.plan.num_columns)
         self.stats.step_tokens.append([r.count for r in step.plan.rows])
 

@@ -8,13 +8,19 @@ The model's process has mapped the pool of the worker holding the batch
 (`workers.lease_client`: CUDA IPC memory on a GPU, a shared memory file on a CPU) and runs
 every layer of the step there itself, with the pool's kernels on the model's own stream:
 no tensor is copied to another process and nothing waits for one. At the forward's end
-:meth:`StepLeaser.end` reports the layers written, which the service commits. A lease that
+:meth:`StepLeaser.end` reports the layers written, which the service commits. A decode
+forward's lease covers the next ones too (up to `SessionConfig.lease_steps`): the
+session keeps it between forwards (:meth:`StepLeaser.keeps`) and takes its next step for
+the next forward (:meth:`StepLeaser.next_step`, no call to the service), and the report
+at its end names their tokens. A lease that
 ended before its first layer makes the layers go as calls instead; nothing else changes.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,14 +45,17 @@ log = logging.getLogger("kvcache.step_leases")
 @dataclass
 class ActiveLease:
     """A granted lease: its id, the worker's socket, the layers it may still write, its
-    plan when the grant opened it for this process's connection, and its step once opened
-    (at its first layer)."""
+    plan when the grant opened it for this process's connection, its step once opened
+    (at its first layer), the decode steps it covers and the time after which it starts
+    no other step (`time.monotonic()` seconds)."""
 
     lease_id: bytes
     socket: str
     layers: set[int]
     plan: bytes = b""
     opened: LeasedStep | None = None
+    steps: int = 1
+    deadline: float = math.inf
 
 
 class StepLeaser:
@@ -66,19 +75,22 @@ class StepLeaser:
         # tensors, a pool this process cannot map).
         self._unusable: set[str] = set()
 
-    def request(self, seq_ids: list[str], token_ids: list[list[int]]) -> Any:
+    def request(self, seq_ids: list[str], token_ids: list[list[int]], steps: int = 1) -> Any:
         """Ask the service to plan the step of these new tokens (per sequence, any
-        counts) for a lease, without waiting: :meth:`granted` reads the answer (the
-        caller's work between the two overlaps the service's planning) and must be called.
-        None: no lease to ask for (no local session, or it is busy)."""
+        counts; with `steps` > 1, one each and that many decode steps) for a lease,
+        without waiting: :meth:`granted` reads the answer (the caller's work between the
+        two overlaps the service's planning) and must be called. None: no lease to ask
+        for (no local session, or it is busy)."""
         if self._start_lease_step is None:
             return None
         # The grant opens the lease for our connection to its worker, if we have one, and
         # sends the plan with the answer: no OPEN round trip at the first layer.
         connections = {path: client.connection for path, client in self._clients.items()}
-        return self._start_lease_step(
-            seq_ids, self._num_q_heads, token_ids, lease_connections=connections
+        sent = time.monotonic()
+        pending = self._start_lease_step(
+            seq_ids, self._num_q_heads, token_ids, lease_connections=connections, steps=steps
         )
+        return None if pending is None else (pending, sent)
 
     def granted(self, requested: Any) -> ActiveLease | None:
         """The lease :meth:`request` asked for; or None (none was asked, the step does not
@@ -89,10 +101,54 @@ class StepLeaser:
         """
         if requested is None:
             return None
-        reply = requested.result()
+        pending, sent = requested
+        reply = pending.result()
         if not reply.granted or reply.socket in self._unusable:
             return None
-        return ActiveLease(reply.lease_id, reply.socket, set(reply.layers), reply.plan)
+        return ActiveLease(
+            reply.lease_id,
+            reply.socket,
+            set(reply.layers),
+            reply.plan,
+            steps=max(1, reply.steps),
+            # Half its time: a step begun later might outlive the lease (the worker
+            # revokes an opened one only after as long again).
+            deadline=sent + reply.timeout_us / 2e6,
+        )
+
+    def next_step(self, lease: ActiveLease, token_ids: list[int]) -> bool:
+        """Run the lease's next decode step (its new tokens, one per sequence in the
+        lease's order) if it has one and the last step completed: True; False when the
+        lease has no step left (or was never opened, or its time is half gone: a step
+        begun later might outlive it): then
+        :meth:`end` it and ask for another.
+
+        Raises:
+            InvalidArgumentError: not one token id per sequence (nothing changed).
+        """
+        opened = lease.opened
+        if (
+            opened is None
+            or opened.index + 1 >= opened.steps
+            or opened.layers
+            or time.monotonic() > lease.deadline
+        ):
+            return False
+        try:
+            self._clients[lease.socket].advance(opened, token_ids)
+        except InvalidWorkerRequest as exc:
+            raise self._client_error(lease.socket, exc) from None
+        lease.layers = set(opened.all_layers)
+        return True
+
+    def keeps(self, lease: ActiveLease) -> bool:
+        """At the end of a forward that ran every layer under `lease`: whether the lease
+        goes on to another step (it has one, and none of this step's layers was
+        refused); False: :meth:`end` it now (which raises for refused layers)."""
+        opened = lease.opened
+        if opened is None or opened.index + 1 >= opened.steps or opened.layers:
+            return False
+        return not self._clients[lease.socket].step_refused(opened)
 
     def run(
         self,

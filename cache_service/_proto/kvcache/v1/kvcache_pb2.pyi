@@ -391,7 +391,7 @@ class SessionRequest(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., append_attend_batch: _Optional[_Union[AppendAttendBatchRequest, _Mapping]] = ..., attend_batch: _Optional[_Union[AttendBatchRequest, _Mapping]] = ..., step_lease: _Optional[_Union[StepLeaseRequest, _Mapping]] = ...) -> None: ...
 
 class StepLeaseRequest(_message.Message):
-    __slots__ = ("seq_ids", "num_q_heads", "token_ids", "num_tokens", "lease_connections")
+    __slots__ = ("seq_ids", "num_q_heads", "token_ids", "num_tokens", "lease_connections", "steps")
     class LeaseConnectionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -404,15 +404,17 @@ class StepLeaseRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
     num_q_heads: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
     lease_connections: _containers.ScalarMap[str, bytes]
-    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., num_q_heads: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., lease_connections: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+    steps: int
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., num_q_heads: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., lease_connections: _Optional[_Mapping[str, bytes]] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class StepLeaseResponse(_message.Message):
-    __slots__ = ("granted", "reason", "lease_id", "socket", "layers", "timeout_us", "plan")
+    __slots__ = ("granted", "reason", "lease_id", "socket", "layers", "timeout_us", "plan", "steps")
     GRANTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -420,6 +422,7 @@ class StepLeaseResponse(_message.Message):
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_US_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     granted: bool
     reason: str
     lease_id: bytes
@@ -427,7 +430,8 @@ class StepLeaseResponse(_message.Message):
     layers: _containers.RepeatedScalarFieldContainer[int]
     timeout_us: int
     plan: bytes
-    def __init__(self, granted: _Optional[bool] = ..., reason: _Optional[str] = ..., lease_id: _Optional[bytes] = ..., socket: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., timeout_us: _Optional[int] = ..., plan: _Optional[bytes] = ...) -> None: ...
+    steps: int
+    def __init__(self, granted: _Optional[bool] = ..., reason: _Optional[str] = ..., lease_id: _Optional[bytes] = ..., socket: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., timeout_us: _Optional[int] = ..., plan: _Optional[bytes] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class CallError(_message.Message):
     __slots__ = ("code", "message")
