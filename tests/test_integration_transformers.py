@@ -489,3 +489,45 @@ def test_a_generate_of_your_own_keeps_the_lease_until_released(client: Recording
     assert client.stats().active_sequences == 0
     with pytest.raises(ValueError, match="lease_steps"):
         SessionConfig(lease_steps=0)
+
+
+@pytest.mark.parametrize("client", ["llama_service"], indirect=True)
+def test_a_non_finite_decode_forward_ends_the_lease_and_keeps_what_came_before(
+    client: RecordingClient,
+) -> None:
+    # The third decode forward's keys turn NaN on layer 1: the lease's layers there write
+    # nothing (every layer after 0 sees NaN), the error reaches generate() (at the next
+    # forward, which reads that forward's flags), the forwards before it stay committed
+    # and the session is unusable.
+    model = LLAMA.model(seed=43)
+    served = ServiceModel(model, client)
+    ids, mask = _batch([6, 3], seed=44)
+    calls = {"n": 0}
+
+    def poison(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        return output * float("nan") if calls["n"] == 4 else output
+
+    hook = model.model.layers[1].self_attn.k_proj.register_forward_hook(poison)
+    config = SessionConfig(free_on_close=False)
+    try:
+        with served.session(ids, mask, config) as session, torch.no_grad():
+            with pytest.raises(InvalidArgumentError, match="non-finite inputs on layers 1"):
+                session.generate(max_new_tokens=8, do_sample=False)
+            with pytest.raises(RuntimeError, match="unusable"):
+                session.generate(max_new_tokens=1, do_sample=False)
+            seq_ids = session.seq_ids
+    finally:
+        hook.remove()
+        served.detach()
+    # Exporting waits for the lease (a call on its sequences ends it: what it wrote is
+    # committed first); listing does not take the sequences' locks.
+    exported = [client.export_blocks(s).token_ids for s in seq_ids]
+    assert [len(t) for t in exported] == [6 + 2, 3 + 2]
+    written = {e.seq_id: list(e.written) for e in client.list_sequences()}
+    # The prefill and two decode forwards on every layer; the third on layer 0 only.
+    assert written[seq_ids[0]] == [6 + 3] + [6 + 2] * (LLAMA.num_layers - 1)
+    assert written[seq_ids[1]] == [3 + 3] + [3 + 2] * (LLAMA.num_layers - 1)
+    for seq_id in seq_ids:
+        client.free(seq_id)
+    assert client.stats().active_sequences == 0

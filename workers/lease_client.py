@@ -72,6 +72,8 @@ class LeasedStep:
             `slots` (the later steps' are derived from it, `LeaseClient.advance`).
         tokens: the token ids of the steps after the first, as `advance` named them.
         refused: the current step's refused layers once its flags were read.
+        fetched: the current step's flags on their way to the host (`fetch_flags`): the
+            layers, the pinned host tensor and the event recorded after the copy.
     """
 
     lease_id: bytes
@@ -87,6 +89,7 @@ class LeasedStep:
     all_layers: frozenset[int] = frozenset()
     tokens: list[int] = field(default_factory=list)
     refused: tuple[int, ...] | None = None
+    fetched: tuple[list[int], torch.Tensor, torch.cuda.Event] | None = None
 
 
 class _Staging(NamedTuple):
@@ -220,16 +223,39 @@ class LeaseClient:
             all_layers=layers,
         )
 
+    def fetch_flags(self, leased: LeasedStep) -> None:
+        """Start reading the current step's finite flags to the host without waiting for
+        the device (:meth:`step_refused` then waits only if they have not arrived): the
+        caller's later work (a model's sampling, whose own wait for the device comes
+        anyway) overlaps the step's last kernels."""
+        if leased.refused is not None or leased.fetched is not None:
+            return
+        served = [(layer, f) for layer, f in leased.flags.items() if f is not None]
+        if not served or served[0][1].device.type != "cuda":
+            return  # on the host already: read when asked
+        flags = torch.stack([f for _, f in served])
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(flags.device))
+        leased.fetched = ([layer for layer, _ in served], host, done)
+
     def step_refused(self, leased: LeasedStep) -> tuple[int, ...]:
         """The current step's layers refused for non-finite inputs (nothing written for
-        them), ascending: its finite flags read from the device (a wait for it), once."""
+        them), ascending: its finite flags read from the device (a wait for it, unless
+        :meth:`fetch_flags` brought them already), once."""
         if leased.refused is None:
-            served = [(layer, f) for layer, f in leased.flags.items() if f is not None]
-            refused: list[int] = []
-            if served:
-                ok = torch.stack([f for _, f in served]).cpu().tolist()
-                refused = [layer for (layer, _), good in zip(served, ok, strict=True) if not good]
+            if leased.fetched is not None:
+                layers, host, done = leased.fetched
+                done.synchronize()
+                ok = host.tolist()
+            else:
+                served = [(layer, f) for layer, f in leased.flags.items() if f is not None]
+                layers = [layer for layer, _ in served]
+                ok = torch.stack([f for _, f in served]).cpu().tolist() if served else []
+            refused = [layer for layer, good in zip(layers, ok, strict=True) if not good]
             leased.refused = tuple(sorted(refused))
+            leased.fetched = None
         return leased.refused
 
     def advance(self, leased: LeasedStep, token_ids: list[int]) -> None:
@@ -272,6 +298,7 @@ class LeaseClient:
             leased.layers = set(leased.all_layers)
             leased.flags = {}
             leased.refused = None
+            leased.fetched = None
             leased.staged = None  # bound to the next step at its first layer
 
     def run_layer(

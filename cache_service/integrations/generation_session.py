@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cache_service.client import AppendAttendItem, DataLossError, NotFoundError
-from cache_service.integrations.batch_plan import BatchPlan, RowSlice
+from cache_service.integrations.batch_plan import BatchPlan, RowSlice, StepPlan
 from cache_service.integrations.model_features import describe_model
 from cache_service.integrations.service_attention import SERVICE_ATTENTION, ActiveStep
 from cache_service.integrations.service_cache import ServiceKVCache
@@ -186,15 +186,23 @@ class GenerationSession:
         )
         device = self._owner.model.device
         try:
-            return self._owner.model.generate(
+            out = self._owner.model.generate(
                 input_ids=self.input_ids.to(device),
                 attention_mask=self.attention_mask.to(device),
                 past_key_values=self.cache,
                 use_cache=True,
                 **generate_kwargs,
             )
-        finally:
-            self.release_lease()
+        except BaseException as exc:
+            try:
+                self.release_lease()
+            except Exception as release_error:  # the generation's error matters more
+                exc.add_note(f"giving back the session's step lease also failed: {release_error!r}")
+            raise
+        # The last forwards' lease: what they wrote is committed now (and a layer refused
+        # in the last of them raises here).
+        self.release_lease()
+        return out
 
     def release_lease(self) -> None:
         """Give back the step lease the session holds between forwards, if any: the
@@ -293,7 +301,9 @@ class GenerationSession:
                     f"input_ids columns {start}..{stop} differ from the session's prompt; "
                     "open a new session for another prompt"
                 )
-        if new_mask is not None:
+        decoding = q == 1 and start >= plan.prompt_columns
+        # A decode step's new mask column is all ones (no row pads after its prompt).
+        if new_mask is not None and not (decoding and bool(new_mask.all())):
             self._check_new_mask(new_mask, start, q)
         step = plan.plan(q)
         longest = max(r.start_position + r.count for r in step.rows)
@@ -304,26 +314,11 @@ class GenerationSession:
                 f"({span.source}); this step would make a sequence {longest} tokens long, "
                 "and the service computes full causal attention only"
             )
-        # Whole-batch tensor ops rather than a few per row: at batch 32 the per-row ones
-        # cost more host time than the forward's attention launches.
-        rows = [row.row for row in step.rows]
-        offsets = [row.first_column - start for row in step.rows]
-        columns = torch.arange(q)
-        shift = torch.tensor([row.first_column - start - row.start_position for row in step.rows])
-        expected_positions = torch.zeros(plan.batch_size, q, dtype=torch.long)
-        expected_positions[rows] = columns - shift[:, None]
-        id_rows = ids.tolist()
-        token_ids = [id_rows[r][o:] for r, o in zip(rows, offsets, strict=True)]
-        if given_positions is not None:
-            given = given_positions.expand(plan.batch_size, q)
-            sent = columns >= torch.tensor(offsets)[:, None]
-            wrong = ((given[rows] != expected_positions[rows]) & sent).any(dim=1)
-            for i in wrong.nonzero().flatten().tolist():
-                row, offset = step.rows[i], offsets[i]
-                raise ValueError(
-                    f"row {row.row}: position_ids {given[row.row, offset:].tolist()} do not "
-                    f"match the service positions starting at {row.start_position}"
-                )
+        fast = _decode_inputs(step, ids, given_positions) if decoding else None
+        if fast is not None:
+            token_ids, expected_positions = fast
+        else:
+            token_ids, expected_positions = self._step_inputs(step, ids, given_positions)
         active = self._active = ActiveStep(self, step, token_ids)
         sending = active.sending
         t_lease = time.perf_counter()
@@ -354,6 +349,39 @@ class GenerationSession:
         self.stats.lease_seconds += elapsed
         self.stats.attend_seconds += elapsed
         return active, expected_positions.clamp_min(0)
+
+    def _step_inputs(
+        self, step: StepPlan, ids: torch.Tensor, given_positions: torch.Tensor | None
+    ) -> tuple[list[list[int]], torch.Tensor]:
+        """Any step's new token ids per row and the position ids ``[batch, q]`` the model
+        must use, checking the positions it was given (`begin_step`).
+
+        Raises:
+            ValueError: position ids other than the service's.
+        """
+        batch, q = ids.shape
+        start = step.start_column
+        # Whole-batch tensor ops rather than a few per row: at batch 32 the per-row ones
+        # cost more host time than the forward's attention launches.
+        rows = [row.row for row in step.rows]
+        offsets = [row.first_column - start for row in step.rows]
+        columns = torch.arange(q)
+        shift = torch.tensor([row.first_column - start - row.start_position for row in step.rows])
+        expected_positions = torch.zeros(batch, q, dtype=torch.long)
+        expected_positions[rows] = columns - shift[:, None]
+        id_rows = ids.tolist()
+        token_ids = [id_rows[r][o:] for r, o in zip(rows, offsets, strict=True)]
+        if given_positions is not None:
+            given = given_positions.expand(batch, q)
+            sent = columns >= torch.tensor(offsets)[:, None]
+            wrong = ((given[rows] != expected_positions[rows]) & sent).any(dim=1)
+            for i in wrong.nonzero().flatten().tolist():
+                row, offset = step.rows[i], offsets[i]
+                raise ValueError(
+                    f"row {row.row}: position_ids {given[row.row, offset:].tolist()} do not "
+                    f"match the service positions starting at {row.start_position}"
+                )
+        return token_ids, expected_positions
 
     def end_step(self, step: ActiveStep, failed: bool) -> None:
         """Commit a finished forward; a forward that failed or skipped layers breaks the session."""
@@ -677,6 +705,22 @@ class GenerationSession:
             raise RuntimeError(
                 f"freeing {len(errors)} sequence(s) failed: {errors[0]!r}"
             ) from errors[0]
+
+
+def _decode_inputs(
+    step: StepPlan, ids: torch.Tensor, given_positions: torch.Tensor | None
+) -> tuple[list[list[int]], torch.Tensor] | None:
+    """`GenerationSession._step_inputs` of a decode step whose every row sends its one
+    column, in a few whole-batch operations; None when the step is not one, or its
+    position ids are wrong (the general path then says which)."""
+    if any(r.count != 1 for r in step.rows):
+        return None
+    expected = torch.tensor([[r.start_position] for r in step.rows])
+    if given_positions is not None and not torch.equal(
+        given_positions.expand(expected.shape), expected
+    ):
+        return None
+    return ids.tolist(), expected
 
 
 def _right_aligned(outputs: torch.Tensor, q: int, dtype: torch.dtype) -> torch.Tensor:

@@ -118,10 +118,10 @@ class StepLeaser:
 
     def next_step(self, lease: ActiveLease, token_ids: list[int]) -> bool:
         """Run the lease's next decode step (its new tokens, one per sequence in the
-        lease's order) if it has one and the last step completed: True; False when the
-        lease has no step left (or was never opened, or its time is half gone: a step
-        begun later might outlive it): then
-        :meth:`end` it and ask for another.
+        lease's order) if it has one and the last step completed with none of its layers
+        refused: True; False when not (or the lease was never opened, or its time is half
+        gone: a step begun later might outlive it): then :meth:`end` it (which raises
+        for refused layers) and ask for another.
 
         Raises:
             InvalidArgumentError: not one token id per sequence (nothing changed).
@@ -134,8 +134,11 @@ class StepLeaser:
             or time.monotonic() > lease.deadline
         ):
             return False
+        client = self._clients[lease.socket]
+        if client.step_refused(opened):
+            return False
         try:
-            self._clients[lease.socket].advance(opened, token_ids)
+            client.advance(opened, token_ids)
         except InvalidWorkerRequest as exc:
             raise self._client_error(lease.socket, exc) from None
         lease.layers = set(opened.all_layers)
@@ -143,12 +146,14 @@ class StepLeaser:
 
     def keeps(self, lease: ActiveLease) -> bool:
         """At the end of a forward that ran every layer under `lease`: whether the lease
-        goes on to another step (it has one, and none of this step's layers was
-        refused); False: :meth:`end` it now (which raises for refused layers)."""
+        may go on to another step (it has one); False: :meth:`end` it now. Whether the
+        step's layers were all written is read on the way (`LeaseClient.fetch_flags`,
+        without waiting for the device) and settled by :meth:`next_step` or :meth:`end`."""
         opened = lease.opened
         if opened is None or opened.index + 1 >= opened.steps or opened.layers:
             return False
-        return not self._clients[lease.socket].step_refused(opened)
+        self._clients[lease.socket].fetch_flags(opened)
+        return True
 
     def run(
         self,
