@@ -357,6 +357,31 @@ def test_a_step_lease_on_a_ray_worker(svc) -> None:
         out = client.attend_batch(NL - 1, seq_ids, q)
         for i, m in enumerate(mirrors):
             check(out[i], m, NL - 1, q[i])
+        # Three decode steps under one lease planned for the first step's tokens: the
+        # actor reserves their positions at once, this process runs them one after the
+        # other, and its report (through the actor) names the later steps' tokens.
+        lease = client.lease_step(
+            seq_ids, HQ, [[20 + i] for i in range(b)], steps=3,
+            lease_connections={leases.path: leases.connection},
+        )  # fmt: skip
+        assert lease.granted and lease.steps == 3, lease.reason
+        opened = leases.open(lease.lease_id, lease.plan)
+        for n in range(3):
+            if n:
+                leases.advance(opened, [20 + 10 * n + i for i in range(b)])
+            step = {layer: torch.randn(3, b, 1, HQ, D, generator=gen) for layer in range(NL)}
+            for layer in range(NL):
+                k, v, q = kvq(layer)
+                out = leases.run_layer(opened, layer, k, v, q).view(q.shape)
+                for i, m in enumerate(mirrors):
+                    m.add(layer, k[i], v[i])
+                    check(out[i], m, layer, q[i])
+        assert leases.end(opened).steps == 3
+        out = client.attend_batch(NL - 1, seq_ids, q)  # ends the lease: all three committed
+        for i, m in enumerate(mirrors):
+            check(out[i], m, NL - 1, q[i])
+            exported = client.export_blocks(m.seq_id).token_ids
+            assert exported[-3:] == [20 + i, 30 + i, 40 + i]
         leases.close()
         for m in mirrors:
             client.free(m.seq_id)
