@@ -46,7 +46,7 @@ from workers.pool import IndexLike, KVPool
 __all__ = ["LEASE_ID_BYTES", "MAX_STEPS", "LeaseEnded", "LeaseReport", "StepLeases", "StepPlan"]
 
 LEASE_ID_BYTES = 16
-# The most decode steps one lease covers (its report's step count is 16 bits on the wire).
+# The most decode steps one lease covers (the report carries its step count in 16 bits).
 MAX_STEPS = 256
 # The plan's header: sequences, block-table width, slots, query heads, layers, steps.
 _HEADER = struct.Struct("<6I")
