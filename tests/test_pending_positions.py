@@ -124,15 +124,25 @@ def test_bad_uses_are_refused_and_change_nothing() -> None:
     m.check_integrity()
 
 
-def test_the_log_replays_a_multi_step_lease(tmp_path: Path) -> None:
-    path = tmp_path / "m.db"
+def opened_store(path: Path) -> MetadataStore:
     store = MetadataStore(StoreConfig(str(path)))
     store.begin_generation()
+    return store
+
+
+def logged_sequence(path: Path) -> tuple[MetadataStore, DurableBlockManager, str]:
+    """A logged control plane holding one sequence of 3 tokens written on every layer."""
+    store = opened_store(path)
     d = DurableBlockManager(BlockManager(CONFIG), store)
     d.add_worker("w0", 16, epoch="e")
     a = d.create_sequence("t", [1, 2, 3]).seq_id
     d.prepare_write("t", a, None, [1, 2, 3])
     d.commit_write("t", a, None, 3)
+    return store, d, a
+
+
+def test_the_log_replays_a_multi_step_lease(tmp_path: Path) -> None:
+    store, d, a = logged_sequence(tmp_path / "m.db")
     _, snapshot = reserve(d, [a], [4], steps=4)
     d.fill_pending("t", [(a, 4, [5, 6])])
     d.commit_steps(snapshot, 2, [1])
@@ -140,8 +150,7 @@ def test_the_log_replays_a_multi_step_lease(tmp_path: Path) -> None:
     expected = d.manager.to_records()
     store.close()
 
-    store = MetadataStore(StoreConfig(str(path)))
-    store.begin_generation()
+    store = opened_store(tmp_path / "m.db")
     result = recover(store, CONFIG)
     assert result.manager.to_records() == expected
     assert result.manager.sequence_info("t", a).token_ids == (1, 2, 3, 4, 5, 6)
@@ -151,19 +160,11 @@ def test_the_log_replays_a_multi_step_lease(tmp_path: Path) -> None:
 
 
 def test_a_crash_inside_a_lease_recovers_without_pending_positions(tmp_path: Path) -> None:
-    path = tmp_path / "m.db"
-    store = MetadataStore(StoreConfig(str(path)))
-    store.begin_generation()
-    d = DurableBlockManager(BlockManager(CONFIG), store)
-    d.add_worker("w0", 16, epoch="e")
-    a = d.create_sequence("t", [1, 2, 3]).seq_id
-    d.prepare_write("t", a, None, [1, 2, 3])
-    d.commit_write("t", a, None, 3)
+    store, d, a = logged_sequence(tmp_path / "m.db")
     d.prepare_writes("t", 0, [(a, [4])], 5)  # the lease's client never reported
     store.close()
 
-    store = MetadataStore(StoreConfig(str(path)))
-    store.begin_generation()
+    store = opened_store(tmp_path / "m.db")
     result = recover(store, CONFIG)
     durable = DurableBlockManager.from_recovery(result, store)
     # Recovery cancels reservations never committed: the pending positions go with them.
