@@ -17,7 +17,7 @@ from cache_service.integrations.batch_plan import StepPlan
 
 if TYPE_CHECKING:
     from cache_service.integrations.generation_session import GenerationSession
-    from cache_service.integrations.step_leases import ActiveLease
+    from cache_service.integrations.step_leases import ActiveLease, LeaseRequest
 
 SERVICE_ATTENTION = "kvcache_service"
 """The ``attn_implementation`` name under which the service attention is registered."""
@@ -37,7 +37,7 @@ class ActiveStep:
         self.layers_done: set[int] = set()
         # The step's lease request, sent when the forward began, and its lease once the
         # first layer read the answer (integrations.step_leases).
-        self.lease_request: Any = None
+        self.lease_request: LeaseRequest | None = None
         self.lease: ActiveLease | None = None
         # The rows sending tokens, the most any sends, and whether every row sends the
         # step's every column: the same for each layer, so worked out once.

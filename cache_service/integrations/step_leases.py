@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import torch
@@ -37,7 +37,7 @@ from workers.errors import InvalidWorkerRequest, WorkerUnavailable
 from workers.lease_client import LeaseClient, LeasedStep
 from workers.step_leases import LeaseEnded
 
-__all__ = ["ActiveLease", "StepLeaser"]
+__all__ = ["ActiveLease", "LeaseRequest", "StepLeaser"]
 
 log = logging.getLogger("kvcache.step_leases")
 
@@ -46,16 +46,23 @@ log = logging.getLogger("kvcache.step_leases")
 class ActiveLease:
     """A granted lease: its id, the worker's socket, the layers it may still write, its
     plan when the grant opened it for this process's connection, its step once opened
-    (at its first layer), the decode steps it covers and the time after which it starts
-    no other step (`time.monotonic()` seconds)."""
+    (at its first layer; it knows the decode steps the lease covers) and the time after
+    which it starts no other step (`time.monotonic()` seconds)."""
 
     lease_id: bytes
     socket: str
     layers: set[int]
     plan: bytes = b""
     opened: LeasedStep | None = None
-    steps: int = 1
     deadline: float = math.inf
+
+
+class LeaseRequest(NamedTuple):
+    """A lease request in flight (:meth:`StepLeaser.request`): the client's pending
+    answer and when it was sent (`time.monotonic()` seconds)."""
+
+    pending: Any
+    sent: float
 
 
 class StepLeaser:
@@ -75,7 +82,9 @@ class StepLeaser:
         # tensors, a pool this process cannot map).
         self._unusable: set[str] = set()
 
-    def request(self, seq_ids: list[str], token_ids: list[list[int]], steps: int = 1) -> Any:
+    def request(
+        self, seq_ids: list[str], token_ids: list[list[int]], steps: int = 1
+    ) -> LeaseRequest | None:
         """Ask the service to plan the step of these new tokens (per sequence, any
         counts; with `steps` > 1, one each and that many decode steps) for a lease,
         without waiting: :meth:`granted` reads the answer (the caller's work between the
@@ -90,9 +99,9 @@ class StepLeaser:
         pending = self._start_lease_step(
             seq_ids, self._num_q_heads, token_ids, lease_connections=connections, steps=steps
         )
-        return None if pending is None else (pending, sent)
+        return None if pending is None else LeaseRequest(pending, sent)
 
-    def granted(self, requested: Any) -> ActiveLease | None:
+    def granted(self, requested: LeaseRequest | None) -> ActiveLease | None:
         """The lease :meth:`request` asked for; or None (none was asked, the step does not
         qualify, or its worker cannot be reached from here): the layers then go as calls.
 
@@ -101,8 +110,7 @@ class StepLeaser:
         """
         if requested is None:
             return None
-        pending, sent = requested
-        reply = pending.result()
+        reply = requested.pending.result()
         if not reply.granted or reply.socket in self._unusable:
             return None
         return ActiveLease(
@@ -110,10 +118,9 @@ class StepLeaser:
             reply.socket,
             set(reply.layers),
             reply.plan,
-            steps=max(1, reply.steps),
             # Half its time: a step begun later might outlive the lease (the worker
             # revokes an opened one only after as long again).
-            deadline=sent + reply.timeout_us / 2e6,
+            deadline=requested.sent + reply.timeout_us / 2e6,
         )
 
     def next_step(self, lease: ActiveLease, token_ids: list[int]) -> bool:
