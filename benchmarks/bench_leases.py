@@ -2,16 +2,19 @@
 
 Against `kvcache serve` in a process of its own (in-process pools on the device), a client
 on the same host runs decode steps the way the transformers integration does: one
-StepLease call planning the step of one new token per sequence (naming the client's lease
-connection, so the grant opens the lease for it and the reply carries the plan), the
-lease opened here from that plan, every layer run here on the worker's mapped pool
-(`LeaseClient.run_layer`), then the end that waits for the layers and reports them. Per
-batch size it prints the p50 and p90 of each stage's host time: the StepLease call, the
-open, a leased layer (the service's own cost around the kernels: input copies, the write
+StepLease call planning `--lease-steps` decode steps of one new token per sequence
+(naming the client's lease connection, so the grant opens the lease for it and the reply
+carries the plan), the lease opened here from that plan, every layer of each step run
+here on the worker's mapped pool (`LeaseClient.run_layer`), the step's finite flags
+fetched without waiting and the next step taken from the lease (`LeaseClient.advance`),
+then, after the lease's last step, the end that reports them. Per batch size it prints
+the p50 and p90 of each stage's host time: the StepLease call, the open, taking the next
+step, a leased layer (the service's own cost around the kernels: input copies, the write
 and the attention launched or replayed as a graph; on a GPU the kernels run meanwhile),
-and the end (which waits for the device to finish the step's layers). On a GPU it also
-times the step's last layer on the device (CUDA events around the call, the device idle
-before it; not the first, whose stream also waits for the worker's event).
+the end (which waits for the device to finish the lease's last layers), and all of the
+lease's own stages spread over its steps. On a GPU it also times a step's last layer on
+the device (CUDA events around the call, the device idle before it; not the first, whose
+stream also waits for the worker's event).
 
     .venv/bin/python benchmarks/bench_leases.py --smoke       # CPU, seconds
     source .device/env.sh && python3 benchmarks/bench_leases.py --h200
@@ -48,7 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--h200", action="store_true", help="CUDA, the 1.1B layout, bf16")
     mode.add_argument("--smoke", action="store_true", help="CPU, few steps (seconds)")
     parser.add_argument("--steps", type=int, default=None, help="decode steps per batch size")
+    parser.add_argument(
+        "--lease-steps",
+        type=int,
+        default=16,
+        help="decode steps one lease covers (as SessionConfig.lease_steps; 1: a lease a step)",
+    )
     args = parser.parse_args(argv)
+    per_lease = args.lease_steps
+    if per_lease < 1:
+        parser.error("--lease-steps must be at least 1")
     if args.h200:
         device, dtype, (layers, kv_heads, head_dim, q_heads) = "cuda", "bfloat16", (16, 8, 64, 32)
         batches, steps, context = (1, 8, 32), args.steps or 60, 512
@@ -73,15 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"- layout: {layers} layers, {q_heads} query / {kv_heads} KV heads, head_dim "
-        f"{head_dim}, {dtype}; contexts of {context} tokens; {steps} steps per row; "
-        "service: `kvcache serve` process, in-process pools"
+        f"{head_dim}, {dtype}; contexts of {context} tokens; {steps} steps per row, "
+        f"{per_lease} per lease; service: `kvcache serve` process, in-process pools"
     )
     print()
     print(
-        "| batch | StepLease p50 / p90, us | open p50, us | leased layer p50 / p90, us "
-        "| end p50, us | last layer on the device p50, us |"
+        "| batch | StepLease p50 / p90, us | open p50, us | next step p50, us "
+        "| leased layer p50 / p90, us | end p50, us | the lease's stages per step, us "
+        "| last layer on the device p50, us |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     with ServedProcess(flags) as served, KVCacheClient(served.address) as client:
         prompt = list(range(1, context + 1))
         for batch in batches:
@@ -99,17 +112,39 @@ def main(argv: list[str] | None = None) -> int:
             leases.end(opened)
             k1, q1 = k[:batch], q[:batch]
             connections = {leases.path: leases.connection}
-            lease_t, open_t, layer_t, end_t, device_t = [], [], [], [], []
-            for step in range(steps + 3):
-                t0 = time.perf_counter()
-                grant = client.lease_step(
-                    ids, q_heads, [[7]] * batch, lease_connections=connections
-                )
-                t1 = time.perf_counter()
-                if grant is None or not grant.granted:
-                    raise SystemExit(f"no lease: {grant and grant.reason}")
-                opened = leases.open(grant.lease_id, grant.plan)
-                t2 = time.perf_counter()
+            lease_t, open_t, next_t, layer_t, end_t, device_t = [], [], [], [], [], []
+            # The first lease's steps capture graphs: timed from the second lease on.
+            warm = per_lease if per_lease > 1 else 3
+            opened = None
+            for step in range(steps + warm):
+                timed = step >= warm
+                if opened is not None and opened.index + 1 < opened.steps:
+                    t = time.perf_counter()
+                    leases.step_refused(opened)
+                    leases.advance(opened, [7] * batch)
+                    if timed:
+                        next_t.append(time.perf_counter() - t)
+                else:
+                    if opened is not None:
+                        t = time.perf_counter()
+                        leases.end(opened)
+                        if timed:
+                            end_t.append(time.perf_counter() - t)
+                    t0 = time.perf_counter()
+                    grant = client.lease_step(
+                        ids,
+                        q_heads,
+                        [[7]] * batch,
+                        lease_connections=connections,
+                        steps=per_lease,
+                    )
+                    t1 = time.perf_counter()
+                    if grant is None or not grant.granted:
+                        raise SystemExit(f"no lease: {grant and grant.reason}")
+                    opened = leases.open(grant.lease_id, grant.plan)
+                    if timed:
+                        lease_t.append(t1 - t0)
+                        open_t.append(time.perf_counter() - t1)
                 for layer in range(layers):
                     t = time.perf_counter()
                     if device == "cuda" and step >= 3 and layer == layers - 1:
@@ -122,23 +157,23 @@ def main(argv: list[str] | None = None) -> int:
                         device_t.append(begin.elapsed_time(done) * 1e-3)
                         continue
                     leases.run_layer(opened, layer, k1, k1, q1)
-                    if step >= 3:
+                    if timed:
                         layer_t.append(time.perf_counter() - t)
+                leases.fetch_flags(opened)
+            if opened is not None:
                 t = time.perf_counter()
                 leases.end(opened)
-                if step >= 3:  # the first steps capture graphs
-                    lease_t.append(t1 - t0)
-                    open_t.append(t2 - t1)
-                    end_t.append(time.perf_counter() - t)
+                end_t.append(time.perf_counter() - t)
             leases.close()
             for seq_id in ids:
                 client.free(seq_id)
             on_device = f"{_p(device_t, 0.5):.0f}" if device_t else "-"
+            per_step = (sum(lease_t) + sum(open_t) + sum(next_t) + sum(end_t)) / steps * 1e6
             print(
                 f"| {batch} | {_p(lease_t, 0.5):.0f} / {_p(lease_t, 0.9):.0f} | "
-                f"{_p(open_t, 0.5):.0f} | "
+                f"{_p(open_t, 0.5):.0f} | {f'{_p(next_t, 0.5):.0f}' if next_t else '-'} | "
                 f"{_p(layer_t, 0.5):.0f} / {_p(layer_t, 0.9):.0f} | "
-                f"{statistics.median(end_t) * 1e6:.0f} | {on_device} |",
+                f"{statistics.median(end_t) * 1e6:.0f} | {per_step:.0f} | {on_device} |",
                 flush=True,
             )
     return 0
