@@ -348,7 +348,7 @@ class GenerationSession:
         elapsed = time.perf_counter() - t_lease
         self.stats.lease_seconds += elapsed
         self.stats.attend_seconds += elapsed
-        return active, expected_positions.clamp_min(0)
+        return active, expected_positions
 
     def _step_inputs(
         self, step: StepPlan, ids: torch.Tensor, given_positions: torch.Tensor | None
@@ -381,7 +381,8 @@ class GenerationSession:
                     f"row {row.row}: position_ids {given[row.row, offset:].tolist()} do not "
                     f"match the service positions starting at {row.start_position}"
                 )
-        return token_ids, expected_positions
+        # Padding columns come out negative: any position will do there (nothing reads them).
+        return token_ids, expected_positions.clamp_min(0)
 
     def end_step(self, step: ActiveStep, failed: bool) -> None:
         """Commit a finished forward; a forward that failed or skipped layers breaks the session."""
