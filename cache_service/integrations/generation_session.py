@@ -40,8 +40,9 @@ class SessionConfig:
         free_on_close: free the sequences when the session closes. Their full blocks stay
             in the service's prefix cache either way.
         step_leases: when the service runs on this host (a local session), have the
-            service plan each forward once and send its layers straight to the worker
-            under a step lease (`integrations.step_leases`); off: every layer is a call.
+            service plan forwards (see `lease_steps`) and send their layers straight to
+            the worker under a step lease (`integrations.step_leases`); off: every layer
+            is a call.
         lease_steps: decode forwards one step lease covers (the service may grant
             fewer): the service reserves the rows' next positions for all of them at
             once and the session plans the forwards between itself, naming their tokens

@@ -1,8 +1,8 @@
 """A model's step leases: a forward's layers run on the worker's pool from the model's
 process.
 
-When the model's process shares a host with the service (a local session), each forward
-asks the service to plan the step of its new tokens (:meth:`StepLeaser.request` when it
+When the model's process shares a host with the service (a local session), a forward
+that holds no lease asks the service to plan the step of its new tokens (:meth:`StepLeaser.request` when it
 begins, :meth:`StepLeaser.granted` at its first attention layer: one call, no tensors).
 The model's process has mapped the pool of the worker holding the batch
 (`workers.lease_client`: CUDA IPC memory on a GPU, a shared memory file on a CPU) and runs
