@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             opened = None
             for step in range(steps + warm):
                 timed = step >= warm
-                if opened is not None and opened.index + 1 < opened.steps:
+                if opened is not None and opened.more_steps:
                     t = time.perf_counter()
                     leases.step_refused(opened)
                     leases.advance(opened, [7] * batch)

@@ -107,7 +107,7 @@ def test_bad_uses_are_refused_and_change_nothing() -> None:
         m.fill_pending("t", [(a, 3, [4, 5])])  # position 3 holds a known token
     with pytest.raises(InvalidRequest, match="outside"):
         m.fill_pending("t", [(a, 4, [5, 6, 7])])
-    with pytest.raises(InvalidRequest, match="named twice"):
+    with pytest.raises(InvalidRequest, match="appears twice"):
         m.fill_pending("t", [(a, 4, [5]), (a, 5, [6])])
     with pytest.raises(InvalidRequest):
         m.fill_pending("t", [(a, 4, [-5])])

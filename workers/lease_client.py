@@ -68,8 +68,9 @@ class LeasedStep:
         staged: the step's inputs' shapes, the staging buffers for them and the step's
             layers bound to those, set at its first layer (`LeaseClient._staged`).
         steps: the decode steps the lease covers; index: the current one (from 0).
-        first: the first step's metadata, with every step's slots ``[steps, n]`` as its
-            `slots` (the later steps' are derived from it, `LeaseClient.advance`).
+        first: the first step's metadata (the later steps' are derived from it and
+            `slots_by_step`, `LeaseClient.advance`).
+        slots_by_step: every step's slots ``[steps, n]`` on the pool's device.
         tokens: the token ids of the steps after the first, as `advance` named them.
         refused: the current step's refused layers once its flags were read.
         fetched: the current step's flags on their way to the host (`fetch_flags`): the
@@ -86,10 +87,21 @@ class LeasedStep:
     steps: int = 1
     index: int = 0
     first: CachedMetadata | None = None
+    slots_by_step: torch.Tensor | None = None
     all_layers: frozenset[int] = frozenset()
     tokens: list[int] = field(default_factory=list)
     refused: tuple[int, ...] | None = None
     fetched: tuple[list[int], torch.Tensor, torch.cuda.Event] | None = None
+
+    @property
+    def more_steps(self) -> bool:
+        """Whether the lease covers a step after the current one."""
+        return self.index + 1 < self.steps
+
+    def served_flags(self) -> list[tuple[int, torch.Tensor]]:
+        """(layer, finite flag) of the current step's layers that had something to
+        write, in the order they ran."""
+        return [(layer, f) for layer, f in self.flags.items() if f is not None]
 
 
 class _Staging(NamedTuple):
@@ -198,16 +210,15 @@ class LeaseClient:
             granted = StepPlan.unpack(body)
         except (ValueError, struct.error) as exc:
             raise InvalidWorkerRequest(f"a malformed step plan: {exc}") from None
-        first = self.pool.planned_step(
+        step = self.pool.planned_step(
             granted.block_tables, granted.seq_lens, granted.query_start_loc, granted.slot_mapping
         )
         steps = granted.steps
         per_step = granted.slot_mapping.numel() // steps
-        step = first
-        if steps > 1:
-            assert first.slots is not None
-            first = dataclasses.replace(first, slots=first.slots.view(steps, per_step))
-            step = dataclasses.replace(first, slots=first.slots[0])
+        slots_by_step = None
+        if steps > 1 and step.slots is not None:
+            slots_by_step = step.slots.view(steps, per_step)
+            step = dataclasses.replace(step, slots=slots_by_step[0])
         if self._worker_event is not None:
             # The step's blocks as the worker left them (copies, earlier writes).
             torch.cuda.current_stream(self.device).wait_event(self._worker_event)
@@ -219,7 +230,8 @@ class LeaseClient:
             granted.num_q_heads,
             set(layers),
             steps=steps,
-            first=first,
+            first=step,
+            slots_by_step=slots_by_step,
             all_layers=layers,
         )
 
@@ -230,7 +242,7 @@ class LeaseClient:
         anyway) overlaps the step's last kernels."""
         if leased.refused is not None or leased.fetched is not None:
             return
-        served = [(layer, f) for layer, f in leased.flags.items() if f is not None]
+        served = leased.served_flags()
         if not served or served[0][1].device.type != "cuda":
             return  # on the host already: read when asked
         flags = torch.stack([f for _, f in served])
@@ -250,7 +262,7 @@ class LeaseClient:
                 done.synchronize()
                 ok = host.tolist()
             else:
-                served = [(layer, f) for layer, f in leased.flags.items() if f is not None]
+                served = leased.served_flags()
                 layers = [layer for layer, _ in served]
                 ok = torch.stack([f for _, f in served]).cpu().tolist() if served else []
             refused = [layer for layer, good in zip(layers, ok, strict=True) if not good]
@@ -269,8 +281,8 @@ class LeaseClient:
                 layer refused), or not one token id per sequence; nothing changed.
         """
         with self._lock:
-            first = leased.first
-            if first is None or leased.index + 1 >= leased.steps:
+            first, slots_by_step = leased.first, leased.slots_by_step
+            if first is None or slots_by_step is None or not leased.more_steps:
                 raise InvalidWorkerRequest(f"the lease's {leased.steps} step(s) are all run")
             if leased.layers or self.step_refused(leased):
                 raise InvalidWorkerRequest(
@@ -285,14 +297,13 @@ class LeaseClient:
                     f"{first.num_rows} sequences, got {len(token_ids)}"
                 )
             leased.index += 1
-            assert first.slots is not None
             leased.step = CachedMetadata(
                 first.block_tables,
                 first.seq_lens + leased.index,
                 first.query_start_loc,
                 first.num_rows,
                 None,
-                first.slots[leased.index],
+                slots_by_step[leased.index],
             )
             leased.tokens.extend(token_ids)
             leased.layers = set(leased.all_layers)

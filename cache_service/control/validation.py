@@ -58,18 +58,19 @@ def check_namespace(namespace: object) -> None:
         )
 
 
-def batch_items(writes: SequenceABC[Any], second: str) -> list[tuple[Any, Any]]:
-    """A batch of ``(seq_id, <second>)`` pairs as a list, each sequence at most once.
+def batch_items(writes: SequenceABC[Any], *fields: str) -> list[tuple[Any, ...]]:
+    """A batch of ``(seq_id, <fields>...)`` items as a list, each sequence at most once.
 
     Raises:
-        InvalidRequest: an item that is not a pair, a seq_id that is not a str, a sequence
+        InvalidRequest: an item of another shape, a seq_id that is not a str, a sequence
             named twice.
     """
     items = list(writes)
     seen: set[str] = set()
+    shape = "pair" if len(fields) == 1 else "tuple"
     for item in items:
-        if not isinstance(item, tuple | list) or len(item) != 2:
-            raise InvalidRequest(f"each write must be a (seq_id, {second}) pair")
+        if not isinstance(item, tuple | list) or len(item) != 1 + len(fields):
+            raise InvalidRequest(f"each write must be a (seq_id, {', '.join(fields)}) {shape}")
         if not isinstance(item[0], str):
             raise InvalidRequest("each write's seq_id must be a str")
         if item[0] in seen:

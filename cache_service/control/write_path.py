@@ -160,14 +160,7 @@ def fill_pending(
 ) -> None:
     """`BlockManager.fill_pending`: check every fill, then set their tokens."""
     checked: list[tuple[Sequence, int, list[int]]] = []
-    seen: set[str] = set()
-    for i, fill in enumerate(fills):
-        if not isinstance(fill, tuple | list) or len(fill) != 3:
-            raise InvalidRequest(f"fills[{i}] must be (seq_id, start, token_ids), got {fill!r}")
-        seq_id, start, token_ids = fill
-        if seq_id in seen:
-            raise InvalidRequest(f"fills[{i}]: sequence {seq_id!r} is named twice")
-        seen.add(seq_id)
+    for i, (seq_id, start, token_ids) in enumerate(batch_items(fills, "start", "token_ids")):
         seq = m._resolve(tenant, seq_id)
         tokens = pack_tokens(token_ids).tolist()
         if type(start) is not int or start < 0 or start + len(tokens) > len(seq.tokens):

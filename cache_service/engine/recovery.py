@@ -505,18 +505,9 @@ class DurableBlockManager:
         self._check_usable()
         self._manager.commit_repeated_layers(snapshot, layers)  # raising, it changed nothing
         writes = [[s, c] for s, c in zip(snapshot.seq_ids, snapshot.counts, strict=True)]
-        try:
-            with self.transaction():
-                for layer in layers:
-                    args = {"tenant": snapshot.tenant, "layer": layer, "writes": writes}
-                    self._log("commit_writes", args, None)
-        except StoreError as exc:
-            # Committed in memory, not in the log (the transaction kept none of its
-            # records): as when one record cannot be logged (`_log`), the store refuses
-            # every later call until a restart recovers from it.
-            if self._failed is None:
-                self._failed = f"commit_writes: {exc}"
-            raise
+        self._log_commits(
+            [{"tenant": snapshot.tenant, "layer": layer, "writes": writes} for layer in layers]
+        )
 
     def commit_steps(self, snapshot: WriteSnapshot, steps: int, layers: SequenceABC[int]) -> None:
         """BlockManager.commit_steps, logged as the `commit_writes` it is equivalent to
@@ -531,12 +522,20 @@ class DurableBlockManager:
             records.append({"tenant": snapshot.tenant, "layer": None, "writes": writes})
         ones = [[s, 1] for s in snapshot.seq_ids]
         records += [{"tenant": snapshot.tenant, "layer": x, "writes": ones} for x in layers]
+        self._log_commits(records)
+
+    def _log_commits(self, records: list[dict[str, Any]]) -> None:
+        """Log `commit_writes` records of a commit already made in memory, in one store
+        transaction (one fsync)."""
         try:
             with self.transaction():
                 for args in records:
                     self._log("commit_writes", args, None)
         except StoreError as exc:
-            if self._failed is None:  # as in commit_repeated_layers
+            # Committed in memory, not in the log (the transaction kept none of its
+            # records): as when one record cannot be logged (`_log`), the store refuses
+            # every later call until a restart recovers from it.
+            if self._failed is None:
                 self._failed = f"commit_writes: {exc}"
             raise
 

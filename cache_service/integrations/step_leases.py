@@ -136,7 +136,7 @@ class StepLeaser:
         opened = lease.opened
         if (
             opened is None
-            or opened.index + 1 >= opened.steps
+            or not opened.more_steps
             or opened.layers
             or time.monotonic() > lease.deadline
         ):
@@ -157,7 +157,7 @@ class StepLeaser:
         step's layers were all written is read on the way (`LeaseClient.fetch_flags`,
         without waiting for the device) and settled by :meth:`next_step` or :meth:`end`."""
         opened = lease.opened
-        if opened is None or opened.index + 1 >= opened.steps or opened.layers:
+        if opened is None or not opened.more_steps or opened.layers:
             return False
         self._clients[lease.socket].fetch_flags(opened)
         return True
