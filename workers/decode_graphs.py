@@ -422,10 +422,23 @@ class DecodeGraphs:
                 dst.copy_(src, non_blocking=True)
 
     def _load_metadata(self, cls: _Class, entry: CachedMetadata) -> None:
-        """The entry's metadata into the class's buffers, in one device copy of the entry's
-        metadata packed as the class packs it (`_packed_metadata`): a new step, or a round
-        of other callers of the same shape (most rounds, when callers drift apart)."""
-        cls.metadata.copy_(self._packed_metadata(cls, entry))
+        """The entry's metadata into the class's buffers: a new step, or a round of other
+        callers of the same shape (most rounds, when callers drift apart). In one device
+        copy of the entry's metadata packed as the class packs it (`_packed_metadata`);
+        or, when the loaded entry holds the very block-table and query-offset tensors
+        this one does (a lease's next decode step, `StepLayers.advance`), only the slots
+        and lengths: two copies, nothing packed."""
+        loaded = cls.loaded
+        if (
+            loaded is not None
+            and loaded.block_tables is entry.block_tables
+            and loaded.query_start_loc is entry.query_start_loc
+            and entry.slots is not None
+        ):
+            cls.slots.copy_(entry.slots)
+            cls.seq_lens.copy_(entry.seq_lens)
+        else:
+            cls.metadata.copy_(self._packed_metadata(cls, entry))
         cls.loaded = entry
         self.metadata_loads += 1
 
@@ -641,6 +654,12 @@ class BoundGraphs:
         self._options = options
         self._check_finite = check_finite
         self._cls: _Class | None = None
+
+    def advance(self, entry: CachedMetadata) -> None:
+        """Go on to the next step of the same shape class on the same buffers (a lease's
+        next decode step: `StepLayers.advance`); its metadata is loaded at its first
+        replay."""
+        self._entry = entry
 
     def run(self, layer: int) -> _Outputs | None:
         """As `DecodeGraphs.run` of this step's layer `layer` (None: run it the pool's

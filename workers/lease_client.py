@@ -310,7 +310,9 @@ class LeaseClient:
             leased.flags = {}
             leased.refused = None
             leased.fetched = None
-            leased.staged = None  # bound to the next step at its first layer
+            if leased.staged is not None:
+                # Same shapes, same buffers: the bound layers go on to the new metadata.
+                leased.staged.layers.advance(leased.step)
 
     def run_layer(
         self,

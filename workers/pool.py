@@ -1035,6 +1035,14 @@ class StepLayers:
         self._options = options
         self._graphs = graphs
 
+    def advance(self, step: CachedMetadata) -> None:
+        """Go on to the next decode step of a lease on the same buffers: `step` has the
+        current one's shapes, block tables and query offsets (the same tensors), its own
+        lengths and slots (`workers.lease_client.LeaseClient.advance`)."""
+        self._step = step
+        if self._graphs is not None:
+            self._graphs.advance(step)
+
     def run(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One layer: the write of the buffers' new K/V (masked unless every input is
         finite) and the attention of their queries, enqueued on the current stream

@@ -10,6 +10,7 @@ one RPC (:meth:`~GenerationSession.attend`) and commits the step once every laye
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -262,7 +263,7 @@ class GenerationSession:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None,
-    ) -> tuple[ActiveStep, torch.Tensor]:
+    ) -> tuple[ActiveStep, torch.Tensor | None]:
         """Check a forward's inputs against the session and plan what each row sends.
 
         Args:
@@ -271,7 +272,8 @@ class GenerationSession:
             position_ids: int ``[batch or 1, q]`` or None.
 
         Returns:
-            (the step, the position ids ``[batch, q]`` the model must use).
+            (the step, the position ids ``[batch, q]`` the model must use, or None when
+            `position_ids` are those already).
         """
         if self._active is not None:
             # The last forward never reported its end (a hook failed before the model ran).
@@ -307,9 +309,11 @@ class GenerationSession:
         if new_mask is not None and not (decoding and bool(new_mask.all())):
             self._check_new_mask(new_mask, start, q)
         step = plan.plan(q)
-        longest = max(r.start_position + r.count for r in step.rows)
         span = self._owner.span
-        if span is not None and longest > span.size:
+        if (
+            span is not None
+            and (longest := max(r.start_position + r.count for r in step.rows)) > span.size
+        ):
             raise NotImplementedError(
                 f"{describe_model(self._owner.model)} limits attention to {span.size} tokens "
                 f"({span.source}); this step would make a sequence {longest} tokens long, "
@@ -443,8 +447,7 @@ class GenerationSession:
         self._check_attend(step, layer, query, key, value)
         batch, num_q_heads, q, head_dim = query.shape
         rows, width = step.sending, step.width
-        # The service applies head_dim ** -0.5; another model scale is folded into the query.
-        factor = 1.0 if scaling is None else scaling * math.sqrt(head_dim)
+        factor = _query_factor(scaling, head_dim)
         if step.lease_request is not None:
             # The step's lease, planned by the service since the forward began: every
             # layer goes to the worker under it.
@@ -465,7 +468,7 @@ class GenerationSession:
         q_host = query[:, :, q - width :, :].transpose(1, 2).to("cpu")
         k_host = key[:, :, q - width :, :].transpose(1, 2).to("cpu", kv_dtype)
         v_host = value[:, :, q - width :, :].transpose(1, 2).to("cpu", kv_dtype)
-        if not math.isclose(factor, 1.0, rel_tol=1e-6):
+        if factor is not None:
             q_host = q_host * factor
         outputs = self._append_attend(step, layer, rows, width, k_host, v_host, q_host)
         if isinstance(outputs, torch.Tensor):  # every row sent `width` tokens: [batch, width, ...]
@@ -490,7 +493,7 @@ class GenerationSession:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        factor: float,
+        factor: float | None,
     ) -> torch.Tensor | None:
         """One layer under the step's lease, on the model's device: ``[batch, q, q_heads,
         head_dim]`` as `attend` returns it; None: the lease ended, send the layer as a
@@ -503,7 +506,7 @@ class GenerationSession:
             # Rows sending different columns (a ragged prefill): each row's last columns,
             # sequence by sequence.
             q4, k4, v4 = (torch.cat([t[r.row, q - r.count :] for r in rows]) for t in (q4, k4, v4))
-        if not math.isclose(factor, 1.0, rel_tol=1e-6):
+        if factor is not None:
             q4 = q4 * factor
         assert step.lease is not None
         try:
@@ -709,20 +712,30 @@ class GenerationSession:
             ) from errors[0]
 
 
+@functools.lru_cache(maxsize=64)
+def _query_factor(scaling: float | None, head_dim: int) -> float | None:
+    """What the query is multiplied by for the model's softmax scale `scaling` (None: its
+    default): the service applies ``head_dim ** -0.5``, another scale is folded into the
+    query. None when the two agree (cached: it is asked once per layer)."""
+    factor = 1.0 if scaling is None else scaling * math.sqrt(head_dim)
+    return None if math.isclose(factor, 1.0, rel_tol=1e-6) else factor
+
+
 def _decode_inputs(
     step: StepPlan, ids: torch.Tensor, given_positions: torch.Tensor | None
-) -> tuple[list[list[int]], torch.Tensor] | None:
+) -> tuple[list[list[int]], torch.Tensor | None] | None:
     """`GenerationSession._step_inputs` of a decode step whose every row sends its one
-    column, in a few whole-batch operations; None when the step is not one, or its
-    position ids are wrong (the general path then says which)."""
+    column, in a few whole-batch operations, with None for positions when the model was
+    given the service's (it keeps its own, on its device: no copy back); None when the
+    step is not one, or its position ids are wrong (the general path then says which)."""
+    starts = [r.start_position for r in step.rows]
     if any(r.count != 1 for r in step.rows):
         return None
-    expected = torch.tensor([[r.start_position] for r in step.rows])
-    if given_positions is not None and not torch.equal(
-        given_positions.expand(expected.shape), expected
-    ):
+    if given_positions is None:
+        return ids.tolist(), torch.tensor(starts).view(-1, 1)
+    if given_positions.numel() != len(starts) or given_positions.reshape(-1).tolist() != starts:
         return None
-    return ids.tolist(), expected
+    return ids.tolist(), None
 
 
 def _right_aligned(outputs: torch.Tensor, q: int, dtype: torch.dtype) -> torch.Tensor:

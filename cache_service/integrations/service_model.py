@@ -366,7 +366,8 @@ class ServiceModel:
         )
         kwargs = dict(kwargs)
         kwargs[STEP_KWARG] = step
-        kwargs["position_ids"] = positions.to(input_ids.device)
+        if positions is not None:
+            kwargs["position_ids"] = positions.to(input_ids.device)
         # The session checked the mask; the attention ignores it, so skip building one.
         kwargs["attention_mask"] = None
         return args, kwargs
