@@ -75,6 +75,8 @@ class LeasedStep:
         refused: the current step's refused layers once its flags were read.
         fetched: the current step's flags on their way to the host (`fetch_flags`): the
             layers, the pinned host tensor and the event recorded after the copy.
+        flags_host: the page-locked buffer and event the lease's steps fetch their flags
+            through (made at the first fetch, reused by the later steps).
     """
 
     lease_id: bytes
@@ -92,6 +94,7 @@ class LeasedStep:
     tokens: list[int] = field(default_factory=list)
     refused: tuple[int, ...] | None = None
     fetched: tuple[list[int], torch.Tensor, torch.cuda.Event] | None = None
+    flags_host: tuple[torch.Tensor, torch.cuda.Event] | None = None
 
     @property
     def more_steps(self) -> bool:
@@ -246,9 +249,17 @@ class LeaseClient:
         if not served or served[0][1].device.type != "cuda":
             return  # on the host already: read when asked
         flags = torch.stack([f for _, f in served])
-        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        if leased.flags_host is None or leased.flags_host[0].numel() < flags.numel():
+            # One buffer for every step of the lease: the last step's flags were read
+            # (`step_refused`, before `advance`) before the next step fetches its own.
+            size = max(flags.numel(), len(leased.all_layers))
+            leased.flags_host = (
+                torch.empty(size, dtype=flags.dtype, pin_memory=True),
+                torch.cuda.Event(),
+            )
+        buffer, done = leased.flags_host
+        host = buffer[: flags.numel()]
         host.copy_(flags, non_blocking=True)
-        done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(flags.device))
         leased.fetched = ([layer for layer, _ in served], host, done)
 

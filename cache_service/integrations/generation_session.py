@@ -20,6 +20,7 @@ import torch
 
 from cache_service.client import AppendAttendItem, DataLossError, NotFoundError
 from cache_service.integrations.batch_plan import BatchPlan, RowSlice, StepPlan
+from cache_service.integrations.host_inputs import InputReader
 from cache_service.integrations.model_features import describe_model
 from cache_service.integrations.service_attention import SERVICE_ATTENTION, ActiveStep
 from cache_service.integrations.service_cache import ServiceKVCache
@@ -148,6 +149,7 @@ class GenerationSession:
         self._active: ActiveStep | None = None
         # A step lease with decode steps left, kept between forwards (`end_step`).
         self._held: ActiveLease | None = None
+        self._reader = InputReader()
         # One call for the batch's rows, all or nothing: nothing to free when it fails.
         t_open = time.perf_counter()
         self._handles = owner.client.create_sequences(
@@ -291,8 +293,8 @@ class GenerationSession:
         start = plan.consumed
         if attention_mask is not None:
             self._check_mask_shape(attention_mask, start, q)
-        # The forward's inputs on the host in one copy (on a GPU one wait, not three).
-        ids, new_mask, given_positions = on_host(
+        # The forward's inputs on the host (on a GPU one wait, not three).
+        ids, new_mask, given_positions = self._reader.read(
             input_ids,
             attention_mask[:, start:] if attention_mask is not None else None,
             position_ids,
@@ -404,7 +406,11 @@ class GenerationSession:
                 self._broken = f"the lease of step {step.plan.index} did not end cleanly"
                 if not failed:
                     raise
-        missing = set(range(self._owner.layout.num_layers)) - step.layers_done
+        num_layers = self._owner.layout.num_layers
+        # `_check_attend` admits only the layout's layers, once each: a count tells.
+        missing = (
+            set(range(num_layers)) - step.layers_done if len(step.layers_done) != num_layers else ()
+        )
         if failed or missing:
             # Some layers may have written and others not: the sequences are inconsistent.
             self._broken = (
@@ -743,24 +749,6 @@ def _right_aligned(outputs: torch.Tensor, q: int, dtype: torch.dtype) -> torch.T
     out = torch.zeros(outputs.shape[0], q, *outputs.shape[2:], dtype=dtype)
     out[:, q - outputs.shape[1] :] = outputs
     return out
-
-
-def on_host(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """Integer tensors (None passes through) on the host, detached, in their shapes and
-    dtypes: those on a device joined and copied in one transfer (one wait for the device
-    instead of one each)."""
-    moved = [t for t in tensors if t is not None and t.device.type != "cpu"]
-    if not moved:
-        return tuple(None if t is None else t.detach() for t in tensors)
-    flat = torch.cat([t.detach().reshape(-1).to(torch.long) for t in moved]).cpu()
-    parts = iter(flat.split([t.numel() for t in moved]))
-    out: list[torch.Tensor | None] = []
-    for t in tensors:
-        if t is None or t.device.type == "cpu":
-            out.append(None if t is None else t.detach())
-        else:
-            out.append(next(parts).view(t.shape).to(t.dtype))
-    return tuple(out)
 
 
 def new_tokens(generate_kwargs: dict[str, Any], defaults: Any, plan: BatchPlan) -> int:
