@@ -734,9 +734,9 @@ def _decode_inputs(
     column, in a few whole-batch operations, with None for positions when the model was
     given the service's (it keeps its own, on its device: no copy back); None when the
     step is not one, or its position ids are wrong (the general path then says which)."""
-    starts = [r.start_position for r in step.rows]
     if any(r.count != 1 for r in step.rows):
         return None
+    starts = [r.start_position for r in step.rows]
     if given_positions is None:
         return ids.tolist(), torch.tensor(starts).view(-1, 1)
     if given_positions.numel() != len(starts) or given_positions.reshape(-1).tolist() != starts:

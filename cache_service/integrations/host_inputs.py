@@ -3,8 +3,8 @@ the host, which plans the step from them.
 
 Each forward of a model generating through the service reads a few small integer tensors
 from its device. Read one by one (``.cpu()`` each) that is a wait for the device per
-tensor; joined on the device first (cast, flatten, concatenate) it is one wait but a
-dozen dispatched operations, which at batch 16 cost more host time than the copy. Here
+tensor; joined on the device first (cast, flatten, concatenate, then split and cast
+back on the host) it is one wait but about a dozen dispatched operations per forward. Here
 each tensor is copied straight into its place in one page-locked buffer kept by the
 session (an asynchronous copy each, no staging through pageable memory) and the host
 waits once, on an event recorded after the last.
